@@ -1,0 +1,27 @@
+"""kvstore: Apache MXNet's distributed KVStore for PyTorch and NumPy users.
+
+>>> import kvstore, numpy as np
+>>> kv = kvstore.create('local')
+>>> kv.init(3, np.ones((2, 3), np.float32))
+>>> kv.push(3, [np.ones((2, 3), np.float32)] * 2)
+>>> kv.pull(3)[0, 0]
+np.float32(2.0)
+
+Importing kvstore never imports torch.
+"""
+
+from .base import KNOWN_TYPES, KVStore, create
+from .errors import (AuthenticationError, ConfigError, DeadlineExceededError, DTypeMismatchError,
+                     DuplicateInitError, KeyNotInitializedError, KeyTypeError, KVStoreError,
+                     NodeLostError, ProtocolError, RemoteError, ShapeMismatchError, StoreClosedError,
+                     UnknownModeError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KNOWN_TYPES", "KVStore", "create", "__version__",
+    "KVStoreError", "ConfigError", "UnknownModeError", "KeyNotInitializedError",
+    "DuplicateInitError", "ShapeMismatchError", "DTypeMismatchError", "KeyTypeError",
+    "DeadlineExceededError", "NodeLostError", "ProtocolError", "AuthenticationError",
+    "RemoteError", "StoreClosedError",
+]

@@ -1,0 +1,236 @@
+"""The KVStore interface, argument handling shared by every store, and ``create``.
+
+A subclass implements the ``_init``, ``_push``, ``_pull``, ``_pushpull`` and
+``barrier`` primitives over plain numpy arrays; this class turns MXNet-style
+arguments (single keys or lists, one value or a list of values per key, ``out``)
+into those calls and raises user errors before anything is sent.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import values as V
+from .errors import DuplicateInitError, KeyNotInitializedError, StoreClosedError, UnknownModeError
+from .partition import Key, check_key
+
+
+def _as_list(obj: Any) -> list[Any]:
+    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+
+
+def group(key: Any, value: Any) -> list[tuple[Key, list[Any]]]:
+    """Pair keys with their values: ``[(key, [v, ...])]`` in first-seen order, repeats merged.
+
+    ``key`` is one key or a list; ``value`` is one value, a list of values for a
+    single key, or a list (one entry per key) of values or lists of values.
+    Raises ValueError when the lengths do not match.
+    """
+    if isinstance(key, (list, tuple)):
+        vals = _as_list(value)
+        if len(vals) != len(key):
+            raise ValueError(f"{len(key)} keys but {len(vals)} values")
+        pairs = [(check_key(k), _as_list(v)) for k, v in zip(key, vals)]
+    else:
+        pairs = [(check_key(key), _as_list(value))]
+    merged: dict[Key, list[Any]] = {}
+    for k, vs in pairs:
+        if not vs or not all(V.is_value(v) for v in vs):
+            raise TypeError(f"values of key {k!r} must be numpy arrays or torch tensors")
+        merged.setdefault(k, []).extend(vs)
+    return list(merged.items())
+
+
+class KVStore(abc.ABC):
+    """A key-value store of arrays, with MXNet's KVStore semantics (see docs/api.md)."""
+
+    def __init__(self, name: str) -> None:
+        self._type = name
+        self._meta: dict[Key, V.Meta] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def type(self) -> str:
+        """The name this store was created with (e.g. ``'dist_sync'``)."""
+        return self._type
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in ``[0, num_workers)``."""
+        return 0
+
+    @property
+    def num_workers(self) -> int:
+        """Number of workers in the cluster."""
+        return 1
+
+    @property
+    def num_servers(self) -> int:
+        """Number of servers in the cluster (0 for a local store)."""
+        return 0
+
+    def is_capable(self, capability: str) -> bool:
+        """Whether the store supports ``capability``; none is claimed yet, so always False."""
+        return False
+
+    # -- primitives ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _init(self, items: list[tuple[Key, np.ndarray]]) -> None: ...
+
+    @abc.abstractmethod
+    def _push(self, items: list[tuple[Key, np.ndarray]], priority: int) -> None: ...
+
+    @abc.abstractmethod
+    def _pull(self, keys: list[Key], priority: int) -> list[np.ndarray]: ...
+
+    def _pushpull(self, items: list[tuple[Key, np.ndarray]], priority: int) -> list[np.ndarray]:
+        self._push(items, priority)
+        return self._pull([k for k, _ in items], priority)
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Block until every worker has called ``barrier``."""
+
+    def _barrier(self) -> None:
+        """MXNet's name for :meth:`barrier`."""
+        self.barrier()
+
+    def close(self) -> None:
+        """Release the store's resources; later calls raise :class:`StoreClosedError`."""
+        self._closed = True
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- public API ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"the {self._type} store is closed")
+
+    def _meta_of(self, key: Key) -> V.Meta:
+        try:
+            return self._meta[key]
+        except KeyError:
+            raise KeyNotInitializedError(f"key {key!r} has not been initialised; call "
+                                         "kv.init(key, value) on every worker first") from None
+
+    def init(self, key: Any, value: Any) -> None:
+        """Initialise one key or a list of keys (collective in dist modes: every worker calls it).
+
+        Only rank 0's value is stored.  Raises :class:`DuplicateInitError` for a key
+        that exists, :class:`KeyTypeError` for a bad key, TypeError for a bad value.
+        """
+        self._check_open()
+        pairs = group(key, value)
+        with self._lock:
+            for k, _ in pairs:
+                if k in self._meta:
+                    raise DuplicateInitError(f"key {k!r} is already initialised")
+            items = [(k, np.array(V.as_array(vs[0]), copy=True, order="C")) for k, vs in pairs]
+            metas = {k: V.meta_of(vs[0]) for k, vs in pairs}
+            self._init(items)
+            self._meta.update(metas)
+
+    def _summed(self, key: Any, value: Any) -> list[tuple[Key, np.ndarray]]:
+        self._check_open()
+        return [(k, V.summed(k, self._meta_of(k), vs)) for k, vs in group(key, value)]
+
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """Push values; a list of values for one key is summed first.  Returns without waiting.
+
+        The pushed values are never written to.  Raises on a user error before
+        anything is sent; a failure on the server is raised by a later call.
+        """
+        self._push(self._summed(key, value), priority)
+
+    def _outs(self, keys: list[Key], out: Any, single: bool) -> list[list[Any]]:
+        outs = [_as_list(out)] if single else [_as_list(o) for o in _as_list(out)]
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} outs")
+        for k, targets in zip(keys, outs):
+            for o in targets:
+                V.check_out(k, self._meta_of(k), o)
+        return outs
+
+    def _deliver(self, keys: list[Key], arrays: list[np.ndarray], outs: list[list[Any]] | None,
+                 single: bool) -> Any:
+        if outs is None:
+            results = [V.new_value(self._meta[k], a) for k, a in zip(keys, arrays)]
+            return results[0] if single else results
+        for targets, array in zip(outs, arrays):
+            for o in targets:
+                V.write(o, array)
+        return None
+
+    def pull(self, key: Any, out: Any = None, priority: int = 0) -> Any:
+        """Pull the current value of one key or a list of keys.
+
+        With ``out`` (per key: an array/tensor, or a list of them that each get a
+        copy) the values are written in place and ``out`` is returned; without
+        it, new arrays are returned (tensors for keys initialised with tensors).
+        Waits for this worker's earlier pushes to those keys (read-your-writes).
+        """
+        self._check_open()
+        single = not isinstance(key, (list, tuple))
+        keys = [check_key(k) for k in _as_list(key)]
+        for k in keys:
+            self._meta_of(k)
+        outs = None if out is None else self._outs(keys, out, single)
+        result = self._deliver(keys, self._pull(keys, priority), outs, single)
+        return result if out is None else out
+
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
+        """Push ``value`` then pull the result in one round trip; return what was written.
+
+        Without ``out`` the result is written back into ``value`` in place.
+        """
+        single = not isinstance(key, (list, tuple))
+        items = self._summed(key, value)
+        target = value if out is None else out
+        outs = self._outs([k for k, _ in items], target, single)
+        self._deliver([k for k, _ in items], self._pushpull(items, priority), outs, single)
+        return target
+
+    def broadcast(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
+        """Initialise ``key`` with rank 0's ``value``, then pull it (into ``out`` if given)."""
+        self.init(key, value)
+        return self.pull(key, out=out, priority=priority)
+
+
+def _registry() -> dict[str, Any]:
+    from .dist import create_dist
+    from .local import LocalKVStore
+
+    return {"local": LocalKVStore, "device": LocalKVStore, "local_allreduce_cpu": LocalKVStore,
+            "local_allreduce_device": LocalKVStore, "local_update_cpu": LocalKVStore,
+            "dist_sync": create_dist, "dist_async": create_dist,
+            "dist_sync_device": create_dist, "dist_async_device": create_dist,
+            "dist_device_sync": create_dist, "dist_device_async": create_dist}
+
+
+KNOWN_TYPES: Sequence[str] = ("local", "device", "local_allreduce_cpu", "local_allreduce_device",
+                              "local_update_cpu", "dist_sync", "dist_async", "dist_sync_device",
+                              "dist_async_device", "dist_device_sync", "dist_device_async")
+
+
+def create(name: str = "local") -> KVStore:
+    """Create a store: ``'local'`` (default), ``'device'``, ``'dist_sync'``, ``'dist_async'``, ...
+
+    The ``*_device`` names and MXNet's aliases act as their CPU twins for now.
+    A dist store is one per process: the same mode returns the existing store.
+    Raises :class:`UnknownModeError` (listing the known names) for an unknown
+    name, :class:`ConfigError` when a dist mode lacks the ``DMLC_*`` variables.
+    """
+    if not isinstance(name, str) or name not in KNOWN_TYPES:
+        raise UnknownModeError(f"unknown kvstore type {name!r}; known types: {', '.join(KNOWN_TYPES)}")
+    return _registry()[name](name)

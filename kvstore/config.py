@@ -1,0 +1,193 @@
+"""The only reader of the process environment.
+
+MXNet's ``DMLC_*`` contract (set by ``launch.py`` or any other cluster manager)
+plus this project's ``KVSTORE_*`` knobs become one frozen :class:`Config`.
+Every function takes an ``environ`` mapping so tests can pass plain dicts;
+``None`` means ``os.environ``.  Every variable is listed in ``docs/env.md``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+ROLES = ("scheduler", "server", "worker")
+DEFAULT_BIGARRAY_BOUND = 1_000_000
+DEFAULT_CONNECT_TIMEOUT = 60.0
+DEFAULT_REQUEST_TIMEOUT = 600.0
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a node needs to know about its cluster and its own limits."""
+
+    role: str | None = None
+    root_uri: str | None = None
+    root_port: int | None = None
+    num_servers: int | None = None
+    num_workers: int | None = None
+    node_host: str | None = None
+    interface: str | None = None
+    worker_id: int | None = None
+    server_id: int | None = None
+    secret: str | None = None
+    bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    port_file: str | None = None
+    log_level: str | None = None
+
+    def missing_cluster_vars(self) -> list[str]:
+        """Return the names of the ``DMLC_*`` variables a distributed node needs but lacks."""
+        needed = {"DMLC_PS_ROOT_URI": self.root_uri, "DMLC_PS_ROOT_PORT": self.root_port,
+                  "DMLC_NUM_SERVER": self.num_servers, "DMLC_NUM_WORKER": self.num_workers}
+        return [name for name, value in needed.items() if value is None]
+
+    def require_cluster(self, what: str) -> None:
+        """Raise :class:`ConfigError` naming every missing ``DMLC_*`` variable, if any."""
+        missing = self.missing_cluster_vars()
+        if missing:
+            raise ConfigError(
+                f"{what} needs the cluster environment, but {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set. Start the job with the launcher, "
+                "e.g. `python launch.py -n 2 -s 1 train.py`, or set the DMLC_* variables "
+                "(see docs/env.md).")
+
+    @property
+    def root_address(self) -> str:
+        """The scheduler's zmq address, ``tcp://host:port``."""
+        host = self.root_uri or ""
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"tcp://{host}:{self.root_port}"
+
+
+def _str(env: Mapping[str, str], name: str, fallback: str | None = None) -> str | None:
+    value = env.get(name)
+    if value is None and fallback is not None:
+        value = env.get(fallback)
+    value = value.strip() if value is not None else None
+    return value or None
+
+
+def _int(env: Mapping[str, str], name: str, *, minimum: int, fallback: str | None = None,
+         default: int | None = None) -> int | None:
+    raw = _str(env, name, fallback)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = _str(env, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ConfigError(f"{name}={value} must be a positive number of seconds")
+    return value
+
+
+def load(environ: Mapping[str, str] | None = None) -> Config:
+    """Read a :class:`Config` from ``environ`` (default ``os.environ``).
+
+    Raises :class:`ConfigError` for a value that is present but invalid; absent
+    cluster variables are left ``None`` (see :meth:`Config.require_cluster`).
+    """
+    env = os.environ if environ is None else environ
+    role = _str(env, "DMLC_ROLE")
+    if role is not None and role not in ROLES:
+        raise ConfigError(f"DMLC_ROLE={role!r} is not one of {', '.join(ROLES)}")
+    return Config(
+        role=role,
+        root_uri=_str(env, "DMLC_PS_ROOT_URI"),
+        root_port=_int(env, "DMLC_PS_ROOT_PORT", minimum=0),
+        num_servers=_int(env, "DMLC_NUM_SERVER", minimum=1),
+        num_workers=_int(env, "DMLC_NUM_WORKER", minimum=1),
+        node_host=_str(env, "DMLC_NODE_HOST"),
+        interface=_str(env, "DMLC_INTERFACE"),
+        worker_id=_int(env, "DMLC_WORKER_ID", minimum=0),
+        server_id=_int(env, "KVSTORE_SERVER_ID", minimum=0),
+        secret=_str(env, "KVSTORE_SECRET"),
+        bigarray_bound=_int(env, "KVSTORE_BIGARRAY_BOUND", minimum=1,
+                            fallback="MXNET_KVSTORE_BIGARRAY_BOUND",
+                            default=DEFAULT_BIGARRAY_BOUND),
+        connect_timeout=_seconds(env, "KVSTORE_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT),
+        request_timeout=_seconds(env, "KVSTORE_REQUEST_TIMEOUT", DEFAULT_REQUEST_TIMEOUT),
+        shutdown_timeout=_seconds(env, "KVSTORE_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT),
+        port_file=_str(env, "KVSTORE_PORT_FILE"),
+        log_level=(_str(env, "KVSTORE_LOG_LEVEL") or "").upper() or None,
+    )
+
+
+def in_cluster(environ: Mapping[str, str] | None = None) -> bool:
+    """True when the environment names a distributed role (as the launcher sets it)."""
+    env = os.environ if environ is None else environ
+    return bool(_str(env, "DMLC_ROLE"))
+
+
+def child_environ(extra: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return a copy of ``environ`` (default ``os.environ``) updated with ``extra``, for a child process."""
+    env = dict(os.environ if environ is None else environ)
+    env.update(extra)
+    return env
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _interface_address(name: str) -> str:
+    """Return the IPv4 address of network interface ``name`` (Linux)."""
+    import fcntl
+    import struct
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = struct.pack("256s", name.encode()[:15])
+        raw = fcntl.ioctl(sock.fileno(), 0x8915, packed)  # SIOCGIFADDR
+    except OSError as exc:
+        raise ConfigError(f"DMLC_INTERFACE={name!r}: cannot read its address ({exc})") from None
+    finally:
+        sock.close()
+    return socket.inet_ntoa(raw[20:24])
+
+
+def node_host(config: Config) -> str:
+    """Return the address this node binds and advertises.
+
+    ``DMLC_NODE_HOST``, else the address of ``DMLC_INTERFACE``, else 127.0.0.1
+    when the scheduler is on a loopback address.  Raises :class:`ConfigError`
+    when none applies.
+    """
+    if config.node_host:
+        return config.node_host
+    if config.interface:
+        return _interface_address(config.interface)
+    if config.root_uri is None or _is_loopback(config.root_uri):
+        return "127.0.0.1"
+    raise ConfigError(
+        f"cannot tell which address to bind: DMLC_PS_ROOT_URI={config.root_uri} is not a loopback "
+        "address, so set DMLC_NODE_HOST to this node's address or DMLC_INTERFACE to its interface "
+        "(e.g. eth0)")

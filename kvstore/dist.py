@@ -1,0 +1,367 @@
+"""The worker side of the ``dist_*`` modes.
+
+The API threads validate, sum and encode; one I/O thread owns every socket
+(zmq sockets are not thread-safe).  Requests reach it through a queue plus a
+wake-up byte on a socket pair; replies are matched to requests by sequence
+number and resolve futures the API threads wait on, each wait with a deadline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import config as kvconfig
+from . import logs, protocol, transport
+from .base import KVStore
+from .errors import (ConfigError, DeadlineExceededError, KVStoreError, ProtocolError,
+                     StoreClosedError, error_from_code)
+from .partition import Key, Piece, placement
+from .protocol import Message, Op
+from .service import register
+
+log = logging.getLogger("kvstore.dist")
+SCHEDULER = -1  # target index of the scheduler socket; servers are 0..S-1
+
+
+@dataclass
+class Request:
+    """One message in flight and the future its reply resolves."""
+
+    what: str
+    future: Future = field(default_factory=Future)
+
+
+class IOThread(threading.Thread):
+    """Owns the sockets: sends queued messages, receives replies, resolves their futures."""
+
+    def __init__(self, scheduler: Any, servers: list[Any], rank: int) -> None:
+        super().__init__(name=f"kvstore-io-worker{rank}", daemon=True)
+        self.sockets = {SCHEDULER: scheduler, **dict(enumerate(servers))}
+        self.rank = rank
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._inflight: dict[int, Request] = {}
+        self._seq = itertools.count(1)
+        self._stopping = False
+
+    def submit(self, target: int, msg: Message, what: str) -> Request:
+        """Queue ``msg`` for ``target`` (a server index or SCHEDULER); return its request."""
+        request = Request(what)
+        msg.seq = next(self._seq)
+        msg.sender = self.rank
+        self._outbox.put((target, protocol.encode(msg), msg.seq, request))
+        self._wake()
+        return request
+
+    def stop(self) -> None:
+        """Ask the thread to close its sockets and exit."""
+        self._outbox.put(None)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full, so the thread is already due to wake
+
+    def run(self) -> None:
+        poller = transport.Poller()
+        poller.add(self._wake_r.fileno())
+        by_socket = {}
+        for sock in self.sockets.values():
+            poller.add(sock)
+            by_socket[sock] = sock
+        try:
+            while not self._stopping:
+                for ready in poller.wait(None):
+                    if ready == self._wake_r.fileno():
+                        self._wake_r.recv(65536)
+                        self._send_queued()
+                    else:
+                        self._receive(by_socket[ready])
+        finally:
+            for sock in self.sockets.values():
+                transport.close(sock)
+            self._wake_r.close()
+            self._wake_w.close()
+            for request in self._inflight.values():
+                _resolve(request, exc=StoreClosedError(f"{request.what}: the store was closed"))
+
+    def _send_queued(self) -> None:
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                self._stopping = True
+                return
+            target, frames, seq, request = item
+            self._inflight[seq] = request
+            try:
+                transport.send(self.sockets[target], frames)
+            except Exception as exc:  # surface to the waiting caller, keep the thread alive
+                self._inflight.pop(seq, None)
+                _resolve(request, exc=exc)
+
+    def _receive(self, sock: Any) -> None:
+        while sock.poll(0):
+            try:
+                msg = protocol.decode(transport.recv(sock))
+            except ProtocolError as exc:
+                log.warning("dropped an undecodable reply: %s", exc)
+                continue
+            request = self._inflight.pop(msg.seq, None)
+            if request is None:
+                log.debug("reply %d matches no request (it may have timed out)", msg.seq)
+            elif msg.op is Op.ERROR:
+                text = f"{request.what} failed: {msg.body.get('message', '')}"
+                _resolve(request, exc=error_from_code(msg.body.get("code", ""), text))
+            else:
+                _resolve(request, result=msg)
+
+
+def _resolve(request: Request, result: Any = None, exc: BaseException | None = None) -> None:
+    if request.future.done():
+        return
+    if exc is not None:
+        request.future.set_exception(exc)
+    else:
+        request.future.set_result(result)
+
+
+def mode_of(name: str) -> str:
+    """The cluster mode behind a dist store name: ``'dist_sync'`` or ``'dist_async'``."""
+    return "dist_async" if "async" in name else "dist_sync"
+
+
+class DistKVStore(KVStore):
+    """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster."""
+
+    def __init__(self, name: str, cfg: kvconfig.Config) -> None:
+        super().__init__(name)
+        cfg.require_cluster(f"kvstore.create({name!r})")
+        self._cfg = cfg
+        self._pid = os.getpid()
+        self._mode = mode_of(name)
+        scheduler = transport.connect_dealer(cfg.root_address)
+        try:
+            cmap = register(scheduler, cfg, {"role": "worker", "host": kvconfig.node_host(cfg),
+                                             "rank": cfg.worker_id, "mode": self._mode}, "worker")
+        except BaseException:
+            transport.close(scheduler)
+            raise
+        body = cmap.body
+        self._rank, self._num_workers = body["rank"], body["num_workers"]
+        self._seed = body["seed"]
+        self._servers = [transport.address(h, p) for h, p in body["servers"]]
+        logs.set_identity("worker", self._rank)
+        servers = [transport.connect_dealer(a) for a in self._servers]
+        self._io = IOThread(scheduler, servers, self._rank)
+        self._io.start()
+        self._pending: dict[Key, list[Request]] = {}
+        log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This worker's rank in ``[0, num_workers)``."""
+        return self._rank
+
+    @property
+    def num_workers(self) -> int:
+        """Number of workers in the cluster."""
+        return self._num_workers
+
+    @property
+    def num_servers(self) -> int:
+        """Number of servers in the cluster."""
+        return len(self._servers)
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if os.getpid() != self._pid:
+            raise StoreClosedError(f"this store belongs to process {self._pid}; a forked child must "
+                                   "not use its parent's store")
+        super()._check_open()
+
+    def _pieces(self, key: Key) -> list[Piece]:
+        return placement(key, self._meta[key].size if key in self._meta else 0,
+                         len(self._servers), self._seed, self._cfg.bigarray_bound)
+
+    def _send(self, op: Op, key: Key, piece: Piece, flat: np.ndarray | None) -> Request:
+        arrays = [] if flat is None else [flat[piece.start:piece.stop]]
+        what = f"{op.name.lower()} of key {key!r} to server {piece.server} ({self._servers[piece.server]})"
+        return self._io.submit(piece.server, Message(op, {"key": key}, arrays), what)
+
+    def _wait(self, requests: list[Request], timeout: float, knob: str) -> list[Message]:
+        deadline = time.monotonic() + timeout
+        results = []
+        for request in requests:
+            try:
+                results.append(request.future.result(max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                hint = (" (in dist_sync a push is acknowledged, and a pull answered, only once "
+                        "every worker has pushed that key)" if self._mode == "dist_sync" else "")
+                raise DeadlineExceededError(f"{request.what}: no reply after {timeout:g} s "
+                                            f"({knob}){hint}") from None
+        return results
+
+    def _raise_push_failures(self, keys: list[Key]) -> None:
+        with self._lock:
+            for key in keys:
+                requests = self._pending.get(key, [])
+                failed = [r for r in requests if r.future.done() and r.future.exception()]
+                self._pending[key] = [r for r in requests if not r.future.done()]
+                if failed:
+                    raise failed[0].future.exception()
+
+    # -- primitives -------------------------------------------------------------------------------
+    def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
+        error: KVStoreError | None = None
+        if self._rank == 0:
+            requests = []
+            for key, array in items:
+                flat = array.reshape(-1)
+                pieces = placement(key, flat.size, len(self._servers), self._seed,
+                                   self._cfg.bigarray_bound)
+                requests += [self._send(Op.INIT, key, p, flat) for p in pieces]
+            try:
+                self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+            except KVStoreError as exc:
+                error = exc  # still join the barrier, so the other workers are not left waiting
+        self._barrier_only()
+        if error is not None:
+            raise error
+
+    def _push(self, items: list[tuple[Key, np.ndarray]], priority: int) -> None:
+        for key, total in items:  # priority is accepted for MXNet scripts; sends keep call order
+            flat = total.reshape(-1)
+            requests = [self._send(Op.PUSH, key, p, flat) for p in self._pieces(key)]
+            with self._lock:
+                pending = [r for r in self._pending.get(key, []) if not r.future.done()
+                           or r.future.exception()]
+                self._pending[key] = pending + requests
+
+    def _collect(self, keys: list[Key], requests: list[list[Request]]) -> list[np.ndarray]:
+        flat = [r for group in requests for r in group]
+        replies = iter(self._wait(flat, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT"))
+        self._raise_push_failures(keys)
+        out = []
+        for key, group in zip(keys, requests):
+            meta = self._meta[key]
+            parts = [next(replies).arrays[0] for _ in group]
+            array = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            out.append(array.reshape(meta.shape))
+        return out
+
+    def _pull(self, keys: list[Key], priority: int) -> list[np.ndarray]:
+        requests = [[self._send(Op.PULL, k, p, None) for p in self._pieces(k)] for k in keys]
+        return self._collect(keys, requests)
+
+    def _pushpull(self, items: list[tuple[Key, np.ndarray]], priority: int) -> list[np.ndarray]:
+        requests = [[self._send(Op.PUSHPULL, k, p, total.reshape(-1)) for p in self._pieces(k)]
+                    for k, total in items]
+        return self._collect([k for k, _ in items], requests)
+
+    def _flush(self, timeout: float, knob: str) -> None:
+        with self._lock:
+            keys = list(self._pending)
+            requests = [r for k in keys for r in self._pending[k]]
+        try:
+            self._wait(requests, timeout, knob)
+        except DeadlineExceededError:
+            raise
+        except KVStoreError:
+            pass  # raised below, with the key it belongs to
+        self._raise_push_failures(keys)
+
+    def _barrier_only(self) -> None:
+        request = self._io.submit(SCHEDULER, Message(Op.BARRIER), "barrier among all workers")
+        self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+
+    def barrier(self) -> None:
+        """Wait until this worker's pushes are applied, then until every worker reaches the barrier.
+
+        Raises the failure of an earlier push, or :class:`DeadlineExceededError`.
+        """
+        self._check_open()
+        self._flush(self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+        self._barrier_only()
+
+    def is_capable(self, capability: str) -> bool:
+        """No optional capability (such as a server-side optimizer) is available yet."""
+        return False
+
+    def close(self) -> None:
+        """Drain outstanding requests, tell the scheduler this worker left, close the sockets.
+
+        Idempotent.  Raises the failure of an outstanding push, if any, after closing.
+        """
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
+        error: BaseException | None = None
+        timeout = self._cfg.shutdown_timeout
+        try:
+            self._flush(timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
+        except KVStoreError as exc:
+            error = exc
+        try:
+            leave = self._io.submit(SCHEDULER, Message(Op.LEAVE), "leave message to the scheduler")
+            self._wait([leave], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
+        except KVStoreError as exc:
+            log.warning("%s", exc)
+        self._io.stop()
+        self._io.join(timeout)
+        if error is not None:
+            raise error
+
+
+_instance: DistKVStore | None = None
+_instance_lock = threading.Lock()
+
+
+def _close_at_exit(store: DistKVStore) -> None:
+    if os.getpid() != store._pid:
+        return  # a forked child never touches its parent's sockets
+    try:
+        store.close()
+    except KVStoreError as exc:
+        log.error("closing the store at exit: %s", exc)
+
+
+def create_dist(name: str) -> DistKVStore:
+    """Return this process's dist store, joining the cluster on first use.
+
+    Raises :class:`ConfigError` when the process already has a store of another
+    mode, or lacks the ``DMLC_*`` environment; :class:`StoreClosedError` when its
+    store was closed (a process joins its cluster once).
+    """
+    global _instance
+    with _instance_lock:
+        if _instance is not None and os.getpid() == _instance._pid:
+            if _instance._closed:
+                raise StoreClosedError("this process's dist store was closed; a process joins its "
+                                       "cluster once")
+            if mode_of(_instance.type) != mode_of(name):
+                raise ConfigError(f"this process already has a {_instance.type} store; one "
+                                  f"process joins one cluster, so {name!r} cannot be created")
+            return _instance
+        store = DistKVStore(name, kvconfig.load())
+        _instance = store
+    atexit.register(_close_at_exit, store)
+    return store

@@ -1,0 +1,116 @@
+"""The one exception tree of kvstore.
+
+Every error the library raises is a :class:`KVStoreError`; where a built-in
+exception means the same thing, the error subclasses it too, so ``except
+KeyError`` or ``except TimeoutError`` in user code keeps working::
+
+    KVStoreError
+     +-- ConfigError(ValueError)           bad or missing DMLC_* / KVSTORE_* setting
+     +-- UnknownModeError(ValueError)      create() got a name it does not know
+     +-- KeyNotInitializedError(KeyError)  push/pull of a key that was never init'ed
+     +-- DuplicateInitError                init of a key that already exists
+     +-- ShapeMismatchError(ValueError)    value or out has the wrong shape
+     +-- DTypeMismatchError(ValueError)    value or out has the wrong dtype
+     +-- KeyTypeError(TypeError)           key is not an int in [0, 2**64) or a str
+     +-- DeadlineExceededError(TimeoutError) a wait ran past its deadline
+     +-- NodeLostError(ConnectionError)    a peer process went away
+     +-- ProtocolError                     a message could not be decoded
+     +-- AuthenticationError(PermissionError) a peer failed to prove the secret
+     +-- RemoteError                       a peer reported a failure we cannot type
+     +-- StoreClosedError                  the store was closed (or belongs to another process)
+
+Errors cross the wire as ``(code, message)`` pairs; :func:`error_code` and
+:func:`error_from_code` translate between the two so a server-side
+``ShapeMismatchError`` is raised as a ``ShapeMismatchError`` on the worker.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base class of every error raised by kvstore."""
+
+
+class ConfigError(KVStoreError, ValueError):
+    """A configuration value is missing or invalid; the message says how to fix it."""
+
+
+class UnknownModeError(KVStoreError, ValueError):
+    """``create()`` was given a store type it does not know."""
+
+
+class KeyNotInitializedError(KVStoreError, KeyError):
+    """A key was used before ``init``."""
+
+    def __str__(self) -> str:
+        # KeyError.__str__ quotes its argument; a sentence reads better.
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateInitError(KVStoreError):
+    """``init`` was called for a key that is already initialised."""
+
+
+class ShapeMismatchError(KVStoreError, ValueError):
+    """A value's shape differs from the shape the key was initialised with."""
+
+
+class DTypeMismatchError(KVStoreError, ValueError):
+    """A value's dtype differs from the dtype the key was initialised with."""
+
+
+class KeyTypeError(KVStoreError, TypeError):
+    """A key is neither an int in ``[0, 2**64)`` nor a str."""
+
+
+class DeadlineExceededError(KVStoreError, TimeoutError):
+    """A blocking wait ran past its deadline; the message names what it waited for."""
+
+
+class NodeLostError(KVStoreError, ConnectionError):
+    """A peer (scheduler, server or worker) went away.
+
+    Attributes ``role``, ``rank`` and ``host`` name the lost node where known.
+    """
+
+    def __init__(self, message: str, role: str | None = None, rank: int | None = None,
+                 host: str | None = None) -> None:
+        super().__init__(message)
+        self.role = role
+        self.rank = rank
+        self.host = host
+
+
+class ProtocolError(KVStoreError):
+    """A message was malformed, of another protocol version, or of an unknown op."""
+
+
+class AuthenticationError(KVStoreError, PermissionError):
+    """A peer could not prove it holds the cluster secret."""
+
+
+class RemoteError(KVStoreError):
+    """A peer reported a failure that has no more specific type here."""
+
+
+class StoreClosedError(KVStoreError):
+    """The store is closed, or was created in another process (e.g. before a fork)."""
+
+
+_CODES: dict[str, type[KVStoreError]] = {
+    cls.__name__: cls
+    for cls in (ConfigError, UnknownModeError, KeyNotInitializedError, DuplicateInitError,
+                ShapeMismatchError, DTypeMismatchError, KeyTypeError, DeadlineExceededError,
+                NodeLostError, ProtocolError, AuthenticationError, RemoteError, StoreClosedError)
+}
+
+
+def error_code(exc: BaseException) -> str:
+    """Return the wire code of ``exc``: its class name when it is ours, else ``RemoteError``."""
+    name = type(exc).__name__
+    return name if name in _CODES else "RemoteError"
+
+
+def error_from_code(code: str, message: str) -> KVStoreError:
+    """Build the exception a wire ``(code, message)`` pair stands for (``RemoteError`` if unknown)."""
+    return _CODES.get(code, RemoteError)(message)

@@ -1,0 +1,140 @@
+"""Wire format: a msgpack header frame followed by one raw frame per array.
+
+Pure bytes in, bytes out: this module never touches a socket (``transport``
+does) and is the only one that imports msgpack.
+
+Header (a msgpack map)::
+
+    {"v": PROTOCOL_VERSION, "op": int(Op), "seq": int, "sender": int | None,
+     "auth": None, "body": {...}, "arrays": [[dtype, [dim, ...]], ...]}
+
+``sender`` (the node's rank), ``seq`` (the request number, echoed by the reply)
+and ``auth`` (reserved for a MAC over the header) are in every header.  Array
+frames follow the header in order and hold C-ordered raw bytes; decoding wraps
+them without copying.  See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
+MAX_HEADER_BYTES = 1 << 20
+
+
+class Op(enum.IntEnum):
+    """Message kinds.  Control ops go to the scheduler, data ops to servers."""
+
+    REGISTER = 1   # node -> scheduler: role, address, wanted rank, mode
+    MAP = 2        # scheduler -> node: the cluster map and the node's rank
+    BARRIER = 3    # worker -> scheduler; released when every worker arrived
+    LEAVE = 4      # worker -> scheduler: this worker is done
+    SHUTDOWN = 5   # scheduler -> server: stop serving and exit
+    OK = 6         # reply: success (body and arrays depend on the request)
+    ERROR = 7      # reply: {"code": error class name, "message": str}
+    INIT = 10      # worker -> server: store this slice of a new key
+    PUSH = 11      # worker -> server: contribute to the key's current round
+    PULL = 12      # worker -> server: read the key's slice
+    PUSHPULL = 13  # worker -> server: push, then reply with the updated slice
+
+
+@dataclass
+class Message:
+    """One decoded (or to-be-encoded) message."""
+
+    op: Op
+    body: dict[str, Any] = field(default_factory=dict)
+    arrays: list[np.ndarray] = field(default_factory=list)
+    seq: int = 0
+    sender: int | None = None
+    auth: bytes | None = None
+
+
+def _array_meta(array: np.ndarray) -> list[Any]:
+    name = array.dtype.name
+    if name not in DTYPES:
+        raise ProtocolError(f"dtype {name} cannot be sent; supported: {', '.join(sorted(DTYPES))}")
+    return [name, list(array.shape)]
+
+
+def encode(msg: Message) -> list[Any]:
+    """Encode ``msg`` into frames: header bytes, then one zero-copy buffer per array.
+
+    Raises :class:`ProtocolError` for an unsupported dtype.
+    """
+    arrays = [np.ascontiguousarray(a) for a in msg.arrays]
+    header = {"v": PROTOCOL_VERSION, "op": int(msg.op), "seq": msg.seq, "sender": msg.sender,
+              "auth": msg.auth, "body": msg.body, "arrays": [_array_meta(a) for a in arrays]}
+    frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
+    frames.extend(memoryview(a.reshape(-1)).cast("B") if a.size else b"" for a in arrays)
+    return frames
+
+
+def _decode_header(raw: Any) -> dict[str, Any]:
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_bin_len=MAX_HEADER_BYTES)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a map")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not supported (this node speaks "
+                            f"version {PROTOCOL_VERSION}); run the same kvstore version everywhere")
+    return header
+
+
+def _decode_array(meta: Any, frame: Any) -> np.ndarray:
+    if not (isinstance(meta, list) and len(meta) == 2 and meta[0] in DTYPES
+            and isinstance(meta[1], list) and all(isinstance(d, int) and d >= 0 for d in meta[1])):
+        raise ProtocolError(f"bad array description {meta!r}")
+    dtype = np.dtype(meta[0])
+    shape = tuple(meta[1])
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = memoryview(frame).cast("B")
+    if buf.nbytes != expected:
+        raise ProtocolError(f"array frame has {buf.nbytes} bytes, its header declares {expected} "
+                            f"({meta[0]} {list(shape)})")
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def decode(frames: list[Any]) -> Message:
+    """Decode frames (bytes-like) into a :class:`Message` whose arrays view the frames' memory.
+
+    Raises :class:`ProtocolError` on garbage, a version mismatch, an unknown op
+    or arrays that do not match their declared sizes.
+    """
+    if not frames:
+        raise ProtocolError("empty message")
+    header = _decode_header(frames[0])
+    try:
+        op = Op(header.get("op"))
+    except ValueError:
+        raise ProtocolError(f"unknown op {header.get('op')!r}") from None
+    metas = header.get("arrays") or []
+    body = header.get("body") or {}
+    if not isinstance(metas, list) or not isinstance(body, dict):
+        raise ProtocolError("header fields 'arrays'/'body' have the wrong type")
+    if len(metas) != len(frames) - 1:
+        raise ProtocolError(f"header declares {len(metas)} arrays but {len(frames) - 1} frames follow")
+    arrays = [_decode_array(meta, frame) for meta, frame in zip(metas, frames[1:])]
+    seq = header.get("seq", 0)
+    sender = header.get("sender")
+    if not isinstance(seq, int) or not (sender is None or isinstance(sender, int)):
+        raise ProtocolError("header fields 'seq'/'sender' have the wrong type")
+    return Message(op=op, body=body, arrays=arrays, seq=seq, sender=sender, auth=header.get("auth"))
+
+
+def error_reply(request_seq: int, code: str, message: str, sender: int | None = None) -> Message:
+    """Build the ERROR reply to request ``request_seq``."""
+    return Message(Op.ERROR, {"code": code, "message": message}, seq=request_seq, sender=sender)

@@ -1,0 +1,1 @@
+"""The kvstore scheduler: rendezvous, barriers and shutdown.  Run it with ``python -m scheduler``."""

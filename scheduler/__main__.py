@@ -1,0 +1,5 @@
+import sys
+
+from scheduler.service import main
+
+sys.exit(main())

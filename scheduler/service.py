@@ -1,0 +1,159 @@
+"""The scheduler process: rendezvous, barriers and orderly shutdown."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import secrets
+import time
+
+from kvstore import config as kvconfig
+from kvstore import transport
+from kvstore.errors import DeadlineExceededError, KVStoreError, ProtocolError
+from kvstore.protocol import Message, Op
+from kvstore.service import RouterService
+
+from .state import Barrier, Node, Rendezvous
+
+log = logging.getLogger("scheduler")
+
+
+def _bind_host(root_uri: str) -> str:
+    try:
+        ipaddress.ip_address(root_uri.strip("[]"))
+        return root_uri.strip("[]")
+    except ValueError:
+        return "127.0.0.1" if root_uri == "localhost" else "*"
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write ``port`` to ``path`` atomically (a temporary name, then a rename)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+class Scheduler:
+    """Rendezvous of every node, worker barriers, and shutdown once every worker has left."""
+
+    def __init__(self, cfg: kvconfig.Config) -> None:
+        cfg.require_cluster("the scheduler")
+        self.cfg = cfg
+        sock, self.port = transport.bind_router(_bind_host(cfg.root_uri), cfg.root_port)
+        self.service = RouterService(sock)
+        self.rendezvous = Rendezvous(cfg.num_workers, cfg.num_servers)
+        self.barrier = Barrier(cfg.num_workers)
+        self.worker_ranks: dict[bytes, int] = {}
+        self.left: set[int] = set()
+        self.servers: list[Node] = []
+        self.service.handlers = {Op.REGISTER: self._on_register, Op.BARRIER: self._on_barrier,
+                                 Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped}
+        self.stopped_servers: set[bytes] = set()
+        self.map_sent = False
+        self.failed: str | None = None
+
+    def _on_register(self, identity: bytes, msg: Message) -> None:
+        body = msg.body
+        node = Node(identity=identity, role=str(body.get("role")), host=str(body.get("host")),
+                    port=body.get("port"), wanted_rank=body.get("rank"), mode=body.get("mode"))
+        if self.map_sent:
+            raise ProtocolError("the cluster is already complete; late registrations are refused")
+        self.rendezvous.register(node)
+        log.info("%s registered from %s (%s)", node.role, node.host, self.rendezvous.progress())
+        if self.rendezvous.complete:
+            self._send_map()
+
+    def _send_map(self) -> None:
+        try:
+            mode = self.rendezvous.mode()
+        except KVStoreError as exc:
+            self._fail_all(exc)
+            return
+        ranked = self.rendezvous.ranked()
+        self.servers = ranked["server"]
+        body = {"num_workers": self.cfg.num_workers, "num_servers": self.cfg.num_servers,
+                "servers": [[n.host, n.port] for n in self.servers], "mode": mode,
+                "seed": secrets.randbits(63)}
+        for role, nodes in ranked.items():
+            for rank, node in enumerate(nodes):
+                if role == "worker":
+                    self.worker_ranks[node.identity] = rank
+                self.service.reply(node.identity, Message(Op.MAP, dict(body, rank=rank, role=role)))
+        self.map_sent = True
+        log.info("cluster complete: %d workers, %d servers, mode %s",
+                 self.cfg.num_workers, self.cfg.num_servers, mode)
+
+    def _fail_all(self, exc: KVStoreError) -> None:
+        log.error("%s", exc)
+        for group in self.rendezvous.nodes.values():
+            for node in group:
+                self.service.reply_error(node.identity, 0, exc)
+        self.failed = str(exc)
+
+    def _worker_rank(self, identity: bytes) -> int:
+        if identity not in self.worker_ranks:
+            raise ProtocolError("only a registered worker may do this")
+        return self.worker_ranks[identity]
+
+    def _on_barrier(self, identity: bytes, msg: Message) -> None:
+        rank = self._worker_rank(identity)
+        for ident, seq in self.barrier.arrive(rank, identity, msg.seq):
+            self.service.reply(ident, Message(Op.OK, seq=seq))
+
+    def _on_leave(self, identity: bytes, msg: Message) -> None:
+        self.left.add(self._worker_rank(identity))
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        log.info("worker %d left (%d/%d)", self.worker_ranks[identity], len(self.left),
+                 self.cfg.num_workers)
+
+    def _on_server_stopped(self, identity: bytes, msg: Message) -> None:
+        self.stopped_servers.add(identity)
+
+    def run(self) -> int:
+        """Serve until every worker has left and the servers are stopped; return the exit code."""
+        if self.cfg.port_file:
+            write_port_file(self.cfg.port_file, self.port)
+        log.info("listening on port %d for %d workers and %d servers", self.port,
+                 self.cfg.num_workers, self.cfg.num_servers)
+        deadline = time.monotonic() + self.cfg.connect_timeout
+        while not self.map_sent and self.failed is None:
+            if time.monotonic() > deadline:
+                self._fail_all(DeadlineExceededError(
+                    f"rendezvous incomplete: {self.rendezvous.progress()} after "
+                    f"{self.cfg.connect_timeout:g} s (KVSTORE_CONNECT_TIMEOUT)"))
+                break
+            self.service.poll_once(0.1)
+        if self.failed is not None:
+            return 1
+        while len(self.left) < self.cfg.num_workers:
+            self.service.poll_once(1.0)
+        return self._stop_servers()
+
+    def _stop_servers(self) -> int:
+        for node in self.servers:
+            self.service.reply(node.identity, Message(Op.SHUTDOWN))
+        deadline = time.monotonic() + self.cfg.shutdown_timeout
+        while len(self.stopped_servers) < len(self.servers) and time.monotonic() < deadline:
+            self.service.poll_once(0.1)
+        missing = len(self.servers) - len(self.stopped_servers)
+        if missing:
+            log.warning("%d servers did not confirm shutdown within %g s", missing,
+                        self.cfg.shutdown_timeout)
+        log.info("all workers left; shut down")
+        transport.close(self.service.sock)
+        return 0
+
+
+def main() -> int:
+    """Entry point of ``python -m scheduler``: run the scheduler configured by the environment."""
+    from kvstore import logs
+
+    cfg = kvconfig.load()
+    logs.setup("scheduler", level=cfg.log_level or "INFO")
+    try:
+        return Scheduler(cfg).run()
+    except KVStoreError as exc:
+        log.error("%s", exc)
+        return 1

@@ -1,0 +1,91 @@
+"""Pure rendezvous and barrier bookkeeping of the scheduler (no sockets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.errors import ConfigError, ProtocolError
+
+
+@dataclass(frozen=True)
+class Node:
+    """A registered node: its connection identity and what it told the scheduler."""
+
+    identity: bytes
+    role: str
+    host: str
+    port: int | None = None
+    wanted_rank: int | None = None
+    mode: str | None = None
+
+
+def assign_ranks(nodes: list[Node]) -> list[Node]:
+    """Order ``nodes`` by rank: their wanted ranks when complete and unique, else arrival order."""
+    wanted = [n.wanted_rank for n in nodes]
+    if None not in wanted and sorted(wanted) == list(range(len(nodes))):
+        return sorted(nodes, key=lambda n: n.wanted_rank)
+    return list(nodes)
+
+
+class Rendezvous:
+    """Collects exactly ``num_servers`` servers and ``num_workers`` workers."""
+
+    def __init__(self, num_workers: int, num_servers: int) -> None:
+        self.expected = {"worker": num_workers, "server": num_servers}
+        self.nodes: dict[str, list[Node]] = {"worker": [], "server": []}
+
+    def register(self, node: Node) -> None:
+        """Add ``node``; raise :class:`ProtocolError` for a bad role, a duplicate or one too many."""
+        if node.role not in self.nodes:
+            raise ProtocolError(f"cannot register role {node.role!r}; expected worker or server")
+        if any(n.identity == node.identity for group in self.nodes.values() for n in group):
+            raise ProtocolError("this connection has already registered")
+        group = self.nodes[node.role]
+        if len(group) >= self.expected[node.role]:
+            raise ConfigError(f"a {node.role} from {node.host} registered, but all "
+                              f"{self.expected[node.role]} {node.role}s expected "
+                              f"(DMLC_NUM_{node.role.upper()}) have already registered")
+        if node.role == "server" and not node.port:
+            raise ProtocolError("a server must register the port it listens on")
+        group.append(node)
+
+    @property
+    def complete(self) -> bool:
+        """True when every expected node has registered."""
+        return all(len(self.nodes[r]) == self.expected[r] for r in self.expected)
+
+    def progress(self) -> str:
+        """E.g. '3/4 workers and 2/2 servers registered'."""
+        return (f"{len(self.nodes['worker'])}/{self.expected['worker']} workers and "
+                f"{len(self.nodes['server'])}/{self.expected['server']} servers registered")
+
+    def mode(self) -> str:
+        """The cluster's mode, which every worker must agree on; raise :class:`ConfigError` if not."""
+        modes = {n.mode for n in self.nodes["worker"]}
+        if len(modes) != 1 or None in modes:
+            detail = ", ".join(f"{n.host} asked for {n.mode}" for n in self.nodes["worker"])
+            raise ConfigError(f"workers disagree on the store type: {detail}; every worker must "
+                              "call kvstore.create with the same dist_* name")
+        return modes.pop()
+
+    def ranked(self) -> dict[str, list[Node]]:
+        """Workers and servers, each list in rank order."""
+        return {role: assign_ranks(group) for role, group in self.nodes.items()}
+
+
+class Barrier:
+    """Counts workers at a barrier; releases them all when every worker has arrived."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.waiting: dict[int, tuple[bytes, int]] = {}  # rank -> (identity, request seq)
+
+    def arrive(self, rank: int, identity: bytes, seq: int) -> list[tuple[bytes, int]]:
+        """Record ``rank``'s arrival; return every (identity, seq) to release, or [] to wait on."""
+        if rank in self.waiting:
+            raise ProtocolError(f"worker {rank} entered the barrier twice")
+        self.waiting[rank] = (identity, seq)
+        if len(self.waiting) < self.num_workers:
+            return []
+        released, self.waiting = list(self.waiting.values()), {}
+        return released
