@@ -11,10 +11,22 @@ Importing kvstore never imports torch.
 """
 
 from .base import KNOWN_TYPES, KVStore, create
-from .errors import (AuthenticationError, ConfigError, DeadlineExceededError, DTypeMismatchError,
-                     DuplicateInitError, KeyNotInitializedError, KeyTypeError, KVStoreError,
-                     NodeLostError, ProtocolError, RemoteError, ShapeMismatchError, StoreClosedError,
-                     UnknownModeError)
+from .errors import (
+                     AuthenticationError,
+                     ConfigError,
+                     DeadlineExceededError,
+                     DTypeMismatchError,
+                     DuplicateInitError,
+                     KeyNotInitializedError,
+                     KeyTypeError,
+                     KVStoreError,
+                     NodeLostError,
+                     ProtocolError,
+                     RemoteError,
+                     ShapeMismatchError,
+                     StoreClosedError,
+                     UnknownModeError,
+)
 
 __version__ = "0.1.0"
 

@@ -25,8 +25,14 @@ import numpy as np
 from . import config as kvconfig
 from . import logs, protocol, transport
 from .base import KVStore
-from .errors import (ConfigError, DeadlineExceededError, KVStoreError, ProtocolError,
-                     StoreClosedError, error_from_code)
+from .errors import (
+    ConfigError,
+    DeadlineExceededError,
+    KVStoreError,
+    ProtocolError,
+    StoreClosedError,
+    error_from_code,
+)
 from .partition import Key, Piece, placement
 from .protocol import Message, Op
 from .service import register
@@ -56,6 +62,7 @@ class IOThread(threading.Thread):
         self._inflight: dict[int, Request] = {}
         self._seq = itertools.count(1)
         self._stopping = False
+        self._wake_pending = False  # a wake-up byte is on its way; no need to send another
 
     def submit(self, target: int, msg: Message, what: str) -> Request:
         """Queue ``msg`` for ``target`` (a server index or SCHEDULER); return its request."""
@@ -72,6 +79,11 @@ class IOThread(threading.Thread):
         self._wake()
 
     def _wake(self) -> None:
+        # Callers queue before they look at the flag and the thread clears it before it
+        # drains the queue, so every queued item is seen after at most one byte.
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         try:
             self._wake_w.send(b"\0")
         except BlockingIOError:
@@ -89,6 +101,7 @@ class IOThread(threading.Thread):
                 for ready in poller.wait(None):
                     if ready == self._wake_r.fileno():
                         self._wake_r.recv(65536)
+                        self._wake_pending = False
                         self._send_queued()
                     else:
                         self._receive(by_socket[ready])

@@ -13,11 +13,10 @@ import hashlib
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Union
 
 from .errors import KeyTypeError
 
-Key = Union[int, str]
+Key = int | str
 MAX_INT_KEY = 2**64 - 1
 
 

@@ -28,6 +28,7 @@ from .errors import ProtocolError
 PROTOCOL_VERSION = 1
 DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
 MAX_HEADER_BYTES = 1 << 20
+_DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}  # dtype.name is slow on the hot path
 
 
 class Op(enum.IntEnum):
@@ -59,9 +60,9 @@ class Message:
 
 
 def _array_meta(array: np.ndarray) -> list[Any]:
-    name = array.dtype.name
-    if name not in DTYPES:
-        raise ProtocolError(f"dtype {name} cannot be sent; supported: {', '.join(sorted(DTYPES))}")
+    name = _DTYPE_NAMES.get(array.dtype)
+    if name is None:
+        raise ProtocolError(f"dtype {array.dtype} cannot be sent; supported: {', '.join(sorted(DTYPES))}")
     return [name, list(array.shape)]
 
 

@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import protocol, transport
 from . import config as kvconfig
+from . import protocol, transport
 from .errors import KVStoreError, ProtocolError, error_code, error_from_code
 from .protocol import Message, Op
 

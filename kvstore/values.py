@@ -34,11 +34,7 @@ class Meta:
     shape: tuple[int, ...]
     dtype: np.dtype
     tensor: bool
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64))
+    size: int  # number of elements
 
 
 def as_array(value: Any) -> np.ndarray:
@@ -63,7 +59,7 @@ def as_array(value: Any) -> np.ndarray:
 def meta_of(value: Any) -> Meta:
     """Describe ``value`` for the key it initialises."""
     array = as_array(value)
-    return Meta(tuple(array.shape), array.dtype, is_tensor(value))
+    return Meta(tuple(array.shape), array.dtype, is_tensor(value), int(array.size))
 
 
 def check(key: Any, meta: Meta, array: np.ndarray, what: str) -> None:

@@ -1,0 +1,70 @@
+"""Shared test helpers (imported as tests.helpers): polling with a deadline, and real clusters of processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def poll_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Return ``predicate()`` once it is truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)  # polling interval of a deadline-bounded wait, not a wait for a condition
+
+
+def run_parallel(fns: list[Callable[[], Any]], timeout: float = 60.0) -> list[Any]:
+    """Run each callable in its own thread; return their results in order (re-raising errors)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(fns))) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        return [f.result(timeout=timeout) for f in futures]
+
+
+class Processes:
+    """Child processes whose output goes to files, all killed and joined at teardown."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """Start ``argv`` with ``env`` added to this environment; its output goes to a log file."""
+        log = self.workdir / f"{name.replace(' ', '_')}.log"
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+        self.procs.append((name, proc, log))
+        return proc
+
+    def output(self) -> str:
+        """Everything the children printed, each block headed by the child's name."""
+        return "\n".join(f"--- {name} (rc={proc.poll()})\n{log.read_text(errors='replace')}"
+                         for name, proc, log in self.procs if log.exists())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Wait up to ``timeout`` for the children to exit, then kill and join the rest."""
+        deadline = time.monotonic() + timeout
+        for _, proc, _ in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def python() -> str:
+    """The interpreter running the tests (children use the same one)."""
+    return sys.executable
