@@ -1,4 +1,4 @@
-"""Shared test helpers (imported as tests.helpers): polling with a deadline, and real clusters of processes."""
+"""Shared test helpers (imported as tests.helpers): deadline polls and real child processes."""
 
 from __future__ import annotations
 

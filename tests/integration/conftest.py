@@ -18,7 +18,6 @@ import pytest
 
 from kvstore import config as kvconfig
 from kvstore.dist import DistKVStore
-
 from tests.helpers import Processes, poll_for, python, run_parallel
 
 _names = itertools.count()

@@ -148,7 +148,7 @@ def test_torch_tensors(sync_cluster: Cluster) -> None:
         kv.pull(key, out=out)
         return kv.pull(key), out, grad
 
-    for pulled, out, grad in sync_cluster.run(work):
+    for pulled, out, _ in sync_cluster.run(work):
         assert isinstance(pulled, torch.Tensor)
         assert torch.equal(pulled, torch.full((2, 3), _triangle(W)))
         assert torch.equal(out, pulled)

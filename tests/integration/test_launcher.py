@@ -1,0 +1,133 @@
+"""The launcher end to end: real processes, prefixed output, fail-fast, no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvstore.node import role_command
+from tests.helpers import REPO, poll_for
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "sum_check.py")
+
+
+def _tagged_pids(tag: str) -> list[int]:
+    """Pids of live processes whose environment carries ``tag``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if tag.encode() in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return [p for p in pids if p != os.getpid()]
+
+
+def _launch(args: list[str], tag: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
+           "KVSTORE_CONNECT_TIMEOUT": "30", "KVSTORE_TEST_TAG": tag}
+    return subprocess.Popen([sys.executable, "launch.py", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **popen)
+
+
+@pytest.fixture
+def tag():
+    """A unique environment tag; every process carrying it is killed at teardown."""
+    value = f"kvtest-{uuid.uuid4().hex}"
+    yield value
+    for pid in _tagged_pids(value):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"launcher did not finish within {timeout} s:\n{out}") from None
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("mode,workers,servers", [("dist_sync", 2, 2), ("dist_sync", 3, 1),
+                                                    ("dist_async", 1, 2)])
+def test_launch_runs_every_role_and_exits_zero(tag: str, mode: str, workers: int, servers: int) -> None:
+    """-n W -s S trains nothing but sums right on every worker, prefixes output, exits 0, leaks nothing."""
+    rc, out = _finish(_launch(["-n", str(workers), "-s", str(servers), SCRIPT, mode], tag))
+    assert rc == 0, out
+    for rank in range(workers):
+        assert f"[worker {rank}] RESULT ok rank={rank} of {workers} servers={servers}" in out, out
+    assert "[scheduler]" in out and "[server 0]" in out
+    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
+
+
+def test_servers_default_to_workers(tag: str) -> None:
+    """Without -s the launcher starts as many servers as workers."""
+    rc, out = _finish(_launch(["-n", "2", SCRIPT, "dist_sync"], tag))
+    assert rc == 0 and "servers=2" in out, out
+
+
+def test_failing_worker_stops_everything(tag: str) -> None:
+    """A worker that raises makes the launcher exit non-zero within seconds, naming it, leaving no process."""
+    start = time.monotonic()
+    rc, out = _finish(_launch(["-n", "3", "-s", "2", SCRIPT, "dist_sync", "1"], tag), timeout=60)
+    elapsed = time.monotonic() - start
+    assert rc == 1, out
+    assert "worker 1 exited with code 1" in out and "fails on purpose" in out, out
+    assert elapsed < 30, f"took {elapsed:.1f} s"  # the others were blocked in a pull with a 600 s deadline
+    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
+
+
+def test_worker_exit_code_is_propagated(tag: str) -> None:
+    """The launcher exits with the failed worker's own exit code."""
+    rc, out = _finish(_launch(["-n", "2", "-s", "1", SCRIPT, "dist_sync", "0", "3"], tag))
+    assert rc == 3 and "worker 0 exited with code 3" in out, out
+
+
+def test_sigint_leaves_nothing(tag: str) -> None:
+    """Ctrl-C (SIGINT) while workers are blocked stops every process and exits 130."""
+    proc = _launch(["-n", "2", "-s", "1", sys.executable, "-c",
+                    "import kvstore, numpy as np; kv = kvstore.create('dist_sync'); "
+                    "kv.init(1, np.zeros(1)); print('READY', flush=True); kv.pull(1); "
+                    "kv.push(1, np.ones(1)); kv.pull(1)"], tag)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "READY" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    rc, out = _finish(proc, timeout=30)
+    assert rc == 130, "".join(lines) + out
+    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
+
+
+def test_launch_without_command_is_an_error() -> None:
+    """launch.py without a worker command exits 2 with a usage message."""
+    result = subprocess.run([sys.executable, "launch.py", "-n", "2"], cwd=REPO, capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2 and "command" in result.stderr
+
+
+def test_node_dispatches_by_role(tmp_path: Path) -> None:
+    """kvstore.node runs modules for scheduler/server and the command (with python for .py) for workers."""
+    assert role_command("scheduler", []) == [sys.executable, "-m", "scheduler"]
+    assert role_command("server", ["x"]) == [sys.executable, "-m", "kvstore.server"]
+    assert role_command("worker", ["train.py", "--lr", "1"]) == [sys.executable, "train.py", "--lr", "1"]
+    assert role_command("worker", ["echo", "hi"]) == ["echo", "hi"]
+    env = {k: v for k, v in os.environ.items() if k != "DMLC_ROLE"}
+    missing = subprocess.run([sys.executable, "-m", "kvstore.node", "echo"], env=env, cwd=REPO,
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 2 and "DMLC_ROLE is not set" in missing.stderr
+    worker = subprocess.run([sys.executable, "-m", "kvstore.node", sys.executable, "-c", "print('ran')"],
+                            env={**env, "DMLC_ROLE": "worker"}, cwd=REPO, capture_output=True, text=True,
+                            timeout=30)
+    assert worker.returncode == 0 and worker.stdout.strip() == "ran"
