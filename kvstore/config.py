@@ -77,17 +77,20 @@ def _str(env: Mapping[str, str], name: str, fallback: str | None = None) -> str 
     return value or None
 
 
-def _int(env: Mapping[str, str], name: str, *, minimum: int, fallback: str | None = None,
-         default: int | None = None) -> int | None:
-    raw = _str(env, name, fallback)
+def _int(env: Mapping[str, str], name: str, *, minimum: int, maximum: int | None = None,
+         fallback: str | None = None, default: int | None = None) -> int | None:
+    if _str(env, name) is None and fallback is not None and _str(env, fallback) is not None:
+        name = fallback  # errors must name the variable the user actually set
+    raw = _str(env, name)
     if raw is None:
         return default
     try:
         value = int(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"{name}={value} must be {bounds}")
     return value
 
 
@@ -117,7 +120,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     return Config(
         role=role,
         root_uri=_str(env, "DMLC_PS_ROOT_URI"),
-        root_port=_int(env, "DMLC_PS_ROOT_PORT", minimum=0),
+        root_port=_int(env, "DMLC_PS_ROOT_PORT", minimum=0, maximum=65535),
         num_servers=_int(env, "DMLC_NUM_SERVER", minimum=1),
         num_workers=_int(env, "DMLC_NUM_WORKER", minimum=1),
         node_host=_str(env, "DMLC_NODE_HOST"),

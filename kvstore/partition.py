@@ -4,7 +4,7 @@ A key is an int in ``[0, 2**64)`` or a str; the two kinds never collide
 because the hash input is tagged with the kind.  A value with fewer than
 ``bound`` elements lives whole on ``home_server(key)``; a larger one is cut
 into ``num_servers`` contiguous slices of its flattened elements, slice ``i``
-on server ``i`` (sizes as MXNet computes them).
+on server ``i`` (MXNet's slice sizes).
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def home_server(key: Key, num_servers: int, seed: int) -> int:
 def slice_bounds(size: int, num_servers: int) -> list[tuple[int, int]]:
     """Return ``[(start, stop)]`` of each server's slice of ``size`` flattened elements.
 
-    Slice ``i`` has ``round(size/S*(i+1)) - round(size/S*i)`` elements, rounding
-    halves up as MXNet's C++ does.  Slices are contiguous and cover ``[0, size)``.
+    Slice ``i`` has ``round(size/S*(i+1)) - round(size/S*i)`` elements, halves
+    rounded up exactly (MXNet rounds a float, which can differ on rare exact
+    halves).  Slices are contiguous and cover ``[0, size)``.
     """
     edges = [math.floor(size * i / num_servers + 0.5) for i in range(num_servers + 1)]
     return list(zip(edges[:-1], edges[1:]))

@@ -59,6 +59,11 @@ class Message:
     auth: bytes | None = None
 
 
+def dtype_name(dtype: np.dtype) -> str | None:
+    """The wire name of ``dtype`` (native byte order only), or None when it cannot be sent."""
+    return _DTYPE_NAMES.get(dtype)
+
+
 def _array_meta(array: np.ndarray) -> list[Any]:
     name = _DTYPE_NAMES.get(array.dtype)
     if name is None:
@@ -71,7 +76,7 @@ def encode(msg: Message) -> list[Any]:
 
     Raises :class:`ProtocolError` for an unsupported dtype.
     """
-    arrays = [np.ascontiguousarray(a) for a in msg.arrays]
+    arrays = [np.ascontiguousarray(a).reshape(a.shape) for a in msg.arrays]
     header = {"v": PROTOCOL_VERSION, "op": int(msg.op), "seq": msg.seq, "sender": msg.sender,
               "auth": msg.auth, "body": msg.body, "arrays": [_array_meta(a) for a in arrays]}
     frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]

@@ -93,7 +93,7 @@ class ShardState:
         """Push ``value`` and answer ``token`` with the value once that push is applied."""
         state = self._checked(key, value)
         self._check_worker(worker)
-        done = [c for c in self._accept(state, key, _SILENT, worker, value) if c.token is not _SILENT]
+        done = self._accept(state, key, _SILENT, worker, value)
         return done + self._add_pull(state, token, worker)
 
     # -- internals ---------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class ShardState:
         state.submitted[worker] = state.submitted.get(worker, 0) + 1
         if not self.sync:
             self._apply(state, key, value, {worker: token})
-            return [Completion(token)] + self._release_pulls(state)
+            return _acks([token]) + self._release_pulls(state)
         if worker in state.round_tokens:
             state.backlog.append((token, worker, value))
             return []
@@ -145,7 +145,7 @@ class ShardState:
             tokens, total = state.round_tokens, state.round_sum
             state.round_tokens, state.round_sum = {}, None
             self._apply(state, key, total, tokens)
-            done.extend(Completion(t) for t in tokens.values())
+            done.extend(_acks(tokens.values()))
             backlog, state.backlog = state.backlog, []
             for token, worker, value in backlog:
                 if worker in state.round_tokens:
@@ -176,3 +176,7 @@ class ShardState:
 
 
 _SILENT = object()  # marks the push half of a pushpull, whose ack is folded into the pull's reply
+
+
+def _acks(tokens: Any) -> list[Completion]:
+    return [Completion(t) for t in tokens if t is not _SILENT]

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .errors import DTypeMismatchError, ShapeMismatchError
-from .protocol import DTYPES
+from .protocol import DTYPES, dtype_name
 
 
 def is_tensor(value: Any) -> bool:
@@ -50,8 +50,8 @@ def as_array(value: Any) -> np.ndarray:
         array = tensor.numpy()
     else:
         raise TypeError(f"values must be numpy arrays or torch tensors, not {type(value).__name__}")
-    if array.dtype.name not in DTYPES:
-        raise DTypeMismatchError(f"dtype {array.dtype} is not supported; use one of "
+    if dtype_name(array.dtype) is None:
+        raise DTypeMismatchError(f"dtype {array.dtype} is not supported; use one of (native-order) "
                                  f"{', '.join(sorted(DTYPES))}")
     return array
 

@@ -1,0 +1,240 @@
+"""Unit tests of kvstore.config: the environment contract, read from plain dicts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvstore import config as kvconfig
+from kvstore.errors import ConfigError
+
+CLUSTER = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9091", "DMLC_NUM_SERVER": "2",
+           "DMLC_NUM_WORKER": "3"}
+
+
+def test_defaults_from_empty_environ():
+    """An empty environment gives no cluster settings and the documented defaults."""
+    cfg = kvconfig.load({})
+    assert (cfg.role, cfg.root_uri, cfg.root_port, cfg.num_servers, cfg.num_workers) == (None,) * 5
+    assert (cfg.node_host, cfg.interface, cfg.worker_id, cfg.server_id, cfg.secret) == (None,) * 5
+    assert (cfg.port_file, cfg.log_level) == (None, None)
+    assert cfg.bigarray_bound == 1_000_000
+    assert cfg.connect_timeout == 60.0
+    assert cfg.request_timeout == 600.0
+    assert cfg.shutdown_timeout == 10.0
+
+
+def test_load_reads_os_environ_when_none(monkeypatch):
+    """load() without an argument reads the process environment."""
+    monkeypatch.setenv("DMLC_NUM_WORKER", "5")
+    monkeypatch.setenv("KVSTORE_BIGARRAY_BOUND", "77")
+    cfg = kvconfig.load()
+    assert cfg.num_workers == 5
+    assert cfg.bigarray_bound == 77
+
+
+def test_every_variable_is_parsed():
+    """Each DMLC_* and KVSTORE_* variable lands in its Config field with the right type."""
+    env = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "10.1.2.3", "DMLC_PS_ROOT_PORT": "9000",
+           "DMLC_NUM_SERVER": "4", "DMLC_NUM_WORKER": "8", "DMLC_NODE_HOST": "10.1.2.9",
+           "DMLC_INTERFACE": "eth1", "DMLC_WORKER_ID": "5", "KVSTORE_SERVER_ID": "2",
+           "KVSTORE_SECRET": "s3cret", "KVSTORE_BIGARRAY_BOUND": "4096", "KVSTORE_CONNECT_TIMEOUT": "1.5",
+           "KVSTORE_REQUEST_TIMEOUT": "30", "KVSTORE_SHUTDOWN_TIMEOUT": "0.25",
+           "KVSTORE_PORT_FILE": "/tmp/port", "KVSTORE_LOG_LEVEL": "debug"}
+    assert kvconfig.load(env) == kvconfig.Config(
+        role="worker", root_uri="10.1.2.3", root_port=9000, num_servers=4, num_workers=8,
+        node_host="10.1.2.9", interface="eth1", worker_id=5, server_id=2, secret="s3cret",
+        bigarray_bound=4096, connect_timeout=1.5, request_timeout=30.0, shutdown_timeout=0.25,
+        port_file="/tmp/port", log_level="DEBUG")
+
+
+@pytest.mark.parametrize("role", ["scheduler", "server", "worker"])
+def test_every_role_is_accepted(role):
+    """DMLC_ROLE accepts scheduler, server and worker."""
+    assert kvconfig.load({"DMLC_ROLE": role}).role == role
+
+
+def test_surrounding_whitespace_is_ignored_and_blank_means_unset():
+    """Values are stripped; a blank value counts as not set."""
+    cfg = kvconfig.load({"DMLC_NUM_WORKER": " 3 ", "DMLC_PS_ROOT_URI": "  ", "KVSTORE_BIGARRAY_BOUND": ""})
+    assert cfg.num_workers == 3
+    assert cfg.root_uri is None
+    assert cfg.bigarray_bound == 1_000_000
+
+
+def test_config_is_frozen():
+    """A Config cannot be changed after it is loaded."""
+    cfg = kvconfig.load({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_workers = 3
+
+
+def test_port_zero_is_allowed():
+    """DMLC_PS_ROOT_PORT=0 is accepted (the scheduler then binds any free port)."""
+    assert kvconfig.load({"DMLC_PS_ROOT_PORT": "0"}).root_port == 0
+
+
+# -- bigarray bound ---------------------------------------------------------------------------------
+
+def test_mxnet_bigarray_bound_is_the_fallback():
+    """MXNET_KVSTORE_BIGARRAY_BOUND is read when KVSTORE_BIGARRAY_BOUND is absent."""
+    assert kvconfig.load({"MXNET_KVSTORE_BIGARRAY_BOUND": "1234"}).bigarray_bound == 1234
+
+
+def test_kvstore_bigarray_bound_wins_over_mxnet_name():
+    """KVSTORE_BIGARRAY_BOUND wins when both names are set."""
+    env = {"MXNET_KVSTORE_BIGARRAY_BOUND": "1234", "KVSTORE_BIGARRAY_BOUND": "99"}
+    assert kvconfig.load(env).bigarray_bound == 99
+
+
+@pytest.mark.parametrize("raw", ["lots", "0"])
+def test_bad_mxnet_bigarray_bound_names_the_variable_that_was_set(raw):
+    """An invalid MXNET_KVSTORE_BIGARRAY_BOUND raises ConfigError naming that variable."""
+    with pytest.raises(ConfigError, match="MXNET_KVSTORE_BIGARRAY_BOUND"):
+        kvconfig.load({"MXNET_KVSTORE_BIGARRAY_BOUND": raw})
+
+
+# -- invalid values ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,raw", [
+    ("DMLC_ROLE", "boss"), ("DMLC_ROLE", "Worker"),
+    ("DMLC_PS_ROOT_PORT", "http"), ("DMLC_PS_ROOT_PORT", "-1"), ("DMLC_PS_ROOT_PORT", "90.5"),
+    ("DMLC_NUM_SERVER", "0"), ("DMLC_NUM_SERVER", "two"), ("DMLC_NUM_WORKER", "0"),
+    ("DMLC_NUM_WORKER", "-3"), ("DMLC_WORKER_ID", "-1"), ("DMLC_WORKER_ID", "first"),
+    ("KVSTORE_SERVER_ID", "-1"), ("KVSTORE_BIGARRAY_BOUND", "0"), ("KVSTORE_BIGARRAY_BOUND", "1e6"),
+    ("KVSTORE_CONNECT_TIMEOUT", "soon"), ("KVSTORE_CONNECT_TIMEOUT", "0"),
+    ("KVSTORE_REQUEST_TIMEOUT", "-5"), ("KVSTORE_REQUEST_TIMEOUT", "nan"),
+    ("KVSTORE_SHUTDOWN_TIMEOUT", "0"), ("KVSTORE_SHUTDOWN_TIMEOUT", "10s"),
+])
+def test_invalid_value_raises_config_error_naming_the_variable(name, raw):
+    """A present but invalid value raises ConfigError whose message names the variable."""
+    with pytest.raises(ConfigError) as info:
+        kvconfig.load({name: raw})
+    assert name in str(info.value)
+
+
+def test_config_error_is_a_value_error():
+    """A bad setting can be caught as the built-in ValueError too."""
+    with pytest.raises(ValueError):
+        kvconfig.load({"DMLC_NUM_WORKER": "x"})
+
+
+@pytest.mark.parametrize("raw", ["65536", "70000"])
+def test_port_above_65535_is_rejected(raw):
+    """DMLC_PS_ROOT_PORT above 65535 is not a TCP port: ConfigError naming the variable."""
+    with pytest.raises(ConfigError, match="DMLC_PS_ROOT_PORT"):
+        kvconfig.load({"DMLC_PS_ROOT_PORT": raw})
+
+
+# -- require_cluster --------------------------------------------------------------------------------
+
+def test_require_cluster_passes_with_all_variables():
+    """require_cluster does nothing when every cluster variable is set."""
+    cfg = kvconfig.load(CLUSTER)
+    assert cfg.missing_cluster_vars() == []
+    cfg.require_cluster("a worker")
+
+
+@pytest.mark.parametrize("missing", sorted(CLUSTER))
+def test_require_cluster_names_the_missing_variable(missing):
+    """With one variable missing, the error names it (only it) and says how to launch."""
+    env = {k: v for k, v in CLUSTER.items() if k != missing}
+    with pytest.raises(ConfigError) as info:
+        kvconfig.load(env).require_cluster("kvstore.create('dist_sync')")
+    message = str(info.value)
+    assert missing in message
+    assert all(other not in message for other in CLUSTER if other != missing)
+    assert "launch.py" in message
+    assert "kvstore.create('dist_sync')" in message
+
+
+def test_require_cluster_names_every_missing_variable():
+    """With nothing set, the error names all four DMLC_* variables."""
+    with pytest.raises(ConfigError) as info:
+        kvconfig.load({}).require_cluster("a server")
+    for name in CLUSTER:
+        assert name in str(info.value)
+    assert "launch.py" in str(info.value)
+
+
+# -- node_host --------------------------------------------------------------------------------------
+
+def test_node_host_wins_over_everything():
+    """DMLC_NODE_HOST is used as given, even with an interface and a remote root."""
+    cfg = kvconfig.load({"DMLC_NODE_HOST": "10.9.8.7", "DMLC_INTERFACE": "nosuchif0",
+                         "DMLC_PS_ROOT_URI": "10.0.0.1"})
+    assert kvconfig.node_host(cfg) == "10.9.8.7"
+
+
+@pytest.mark.parametrize("root", ["127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"])
+def test_loopback_root_gives_loopback_host(root):
+    """With the scheduler on a loopback address and no host/interface, the node uses 127.0.0.1."""
+    assert kvconfig.node_host(kvconfig.load({"DMLC_PS_ROOT_URI": root})) == "127.0.0.1"
+
+
+def test_no_root_gives_loopback_host():
+    """Without DMLC_PS_ROOT_URI (a local run) the node uses 127.0.0.1."""
+    assert kvconfig.node_host(kvconfig.load({})) == "127.0.0.1"
+
+
+@pytest.mark.parametrize("root", ["10.0.0.1", "192.168.1.20", "scheduler.example.com", "2001:db8::1"])
+def test_remote_root_without_host_or_interface_is_a_config_error(root):
+    """A non-loopback root with no DMLC_NODE_HOST/DMLC_INTERFACE raises ConfigError naming both fixes."""
+    with pytest.raises(ConfigError) as info:
+        kvconfig.node_host(kvconfig.load({"DMLC_PS_ROOT_URI": root}))
+    assert "DMLC_NODE_HOST" in str(info.value)
+    assert "DMLC_INTERFACE" in str(info.value)
+
+
+def test_loopback_interface_gives_127_0_0_1():
+    """DMLC_INTERFACE=lo resolves to the loopback interface's address, 127.0.0.1."""
+    cfg = kvconfig.load({"DMLC_INTERFACE": "lo", "DMLC_PS_ROOT_URI": "10.0.0.1"})
+    assert kvconfig.node_host(cfg) == "127.0.0.1"
+
+
+def test_unknown_interface_is_a_config_error():
+    """An interface that does not exist raises ConfigError naming DMLC_INTERFACE and the name."""
+    with pytest.raises(ConfigError) as info:
+        kvconfig.node_host(kvconfig.load({"DMLC_INTERFACE": "nosuchif0"}))
+    assert "DMLC_INTERFACE" in str(info.value)
+    assert "nosuchif0" in str(info.value)
+
+
+# -- root_address, in_cluster, child_environ --------------------------------------------------------
+
+@pytest.mark.parametrize("uri,port,expected", [
+    ("127.0.0.1", "9091", "tcp://127.0.0.1:9091"),
+    ("scheduler.example.com", "80", "tcp://scheduler.example.com:80"),
+    ("::1", "9091", "tcp://[::1]:9091"),
+    ("fe80::1:2", "1234", "tcp://[fe80::1:2]:1234"),
+    ("[::1]", "9091", "tcp://[::1]:9091"),
+])
+def test_root_address(uri, port, expected):
+    """root_address is tcp://host:port, with IPv6 hosts in brackets (added once)."""
+    cfg = kvconfig.load({"DMLC_PS_ROOT_URI": uri, "DMLC_PS_ROOT_PORT": port})
+    assert cfg.root_address == expected
+
+
+@pytest.mark.parametrize("env,expected", [({}, False), ({"DMLC_ROLE": "worker"}, True),
+                                          ({"DMLC_ROLE": " "}, False), ({"DMLC_NUM_WORKER": "2"}, False)])
+def test_in_cluster_follows_dmlc_role(env, expected):
+    """in_cluster is True exactly when DMLC_ROLE is set to something."""
+    assert kvconfig.in_cluster(env) is expected
+
+
+def test_child_environ_overlays_extra_on_a_copy():
+    """child_environ returns base + extra (extra wins) and leaves the base mapping untouched."""
+    base = {"PATH": "/bin", "DMLC_ROLE": "worker"}
+    env = kvconfig.child_environ({"DMLC_ROLE": "server", "KVSTORE_SERVER_ID": "1"}, base)
+    assert env == {"PATH": "/bin", "DMLC_ROLE": "server", "KVSTORE_SERVER_ID": "1"}
+    assert base == {"PATH": "/bin", "DMLC_ROLE": "worker"}
+    assert env is not base
+
+
+def test_child_environ_defaults_to_os_environ(monkeypatch):
+    """Without a base, child_environ copies the process environment."""
+    monkeypatch.setenv("KVSTORE_UNIT_TEST_MARK", "yes")
+    env = kvconfig.child_environ({"EXTRA": "1"})
+    assert env["KVSTORE_UNIT_TEST_MARK"] == "yes"
+    assert env["EXTRA"] == "1"
