@@ -207,10 +207,11 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
     """Launch ``cfg`` and supervise it to the end; return the launcher's exit code."""
     settings = settings or kvconfig.load()
-    cluster = Cluster(cfg, settings)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    cluster: Cluster | None = None
     code = 0
     try:
+        cluster = Cluster(cfg, settings)
         with tempfile.TemporaryDirectory(prefix="kvstore-launch-") as workdir:
             cluster.start(workdir)
             code = cluster.supervise()
@@ -225,7 +226,7 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
         code = 1
         log.error("%s", exc)
     finally:
-        killed = cluster.stop_all()
+        killed = cluster.stop_all() if cluster is not None else []
         if killed:
             log.error("killed after %g s: %s", settings.shutdown_timeout, ", ".join(killed))
         signal.signal(signal.SIGTERM, previous)

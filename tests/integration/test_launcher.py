@@ -102,7 +102,7 @@ def test_sigint_leaves_nothing(tag: str) -> None:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if "READY" in line:
+        if line.startswith("[worker 1] READY"):
             break
     proc.send_signal(signal.SIGINT)
     rc, out = _finish(proc, timeout=30)
