@@ -53,11 +53,10 @@ class Server:
             arrays = [] if c.value is None else [c.value]
             self.service.reply(identity, Message(Op.OK, seq=seq, arrays=arrays))
 
-    @staticmethod
-    def _key_and_value(msg: Message, with_value: bool) -> tuple:
+    def _key_and_value(self, msg: Message, with_value: bool) -> tuple:
         key = check_key(msg.body.get("key"))
-        if not isinstance(msg.sender, int):
-            raise ProtocolError(f"{msg.op.name} carries no worker rank")
+        if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
+            raise ProtocolError(f"{msg.op.name} carries no valid worker rank (got {msg.sender!r})")
         if with_value and len(msg.arrays) != 1:
             raise ProtocolError(f"{msg.op.name} of key {key!r} needs exactly one array")
         return key, (msg.arrays[0] if with_value else None)

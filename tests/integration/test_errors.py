@@ -113,8 +113,9 @@ def test_garbage_to_server_is_rejected_and_serving_goes_on(cluster: Cluster) -> 
     try:
         wrong_version = msgpack.packb({"v": 99, "op": 11, "seq": 1})
         bad_push = protocol.encode(Message(Op.PUSH, {"key": key}, [np.ones(9)], seq=2, sender=0))
+        bad_rank = protocol.encode(Message(Op.PULL, {"key": key}, seq=4, sender=99))
         for frames in ([b"\xc1garbage"], [wrong_version], bad_push, protocol.encode(
-                Message(Op.PULL, {"key": 2.5}, seq=3, sender=0))):
+                Message(Op.PULL, {"key": 2.5}, seq=3, sender=0)), bad_rank):
             sock.send_multipart(frames)
             assert sock.poll(5000), "the server did not answer"
             reply = protocol.decode(sock.recv_multipart())

@@ -1,0 +1,73 @@
+"""The zmq layer on loopback: port 0 binding, round trips, and ZMQError mapped to our errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore import protocol, transport
+from kvstore.errors import ConfigError, DeadlineExceededError, NodeLostError
+from kvstore.protocol import Message, Op
+
+
+@pytest.fixture
+def router():
+    """A ROUTER bound to a free loopback port."""
+    sock, port = transport.bind_router("127.0.0.1")
+    yield sock, port
+    transport.close(sock)
+
+
+def test_bind_port_zero_reports_real_port(router) -> None:
+    """Binding port 0 returns the port the OS chose, and a second bind to it fails with ConfigError."""
+    _, port = router
+    assert 0 < port < 65536
+    with pytest.raises(ConfigError, match=f"cannot bind tcp://127.0.0.1:{port}"):
+        transport.bind_router("127.0.0.1", port)
+
+
+def test_round_trip_with_big_zero_copy_frame(router) -> None:
+    """A message with a frame above the copy threshold arrives intact, identity first at the ROUTER."""
+    sock, port = router
+    dealer = transport.connect_dealer(transport.address("127.0.0.1", port), identity=b"w7")
+    try:
+        big = np.arange(transport.COPY_THRESHOLD, dtype=np.float32)  # 4x the threshold in bytes
+        transport.send(dealer, protocol.encode(Message(Op.PUSH, {"key": "k"}, [big], seq=5, sender=7)))
+        frames = transport.recv_within(sock, 10, "the push")
+        assert bytes(frames[0]) == b"w7"
+        msg = protocol.decode(frames[1:])
+        assert msg.seq == 5 and msg.sender == 7
+        np.testing.assert_array_equal(msg.arrays[0], big)
+        transport.send(sock, protocol.encode(Message(Op.OK, seq=5)), identity=b"w7")
+        reply = protocol.decode(transport.recv_within(dealer, 10, "the reply"))
+        assert reply.op is Op.OK and reply.seq == 5
+    finally:
+        transport.close(dealer)
+
+
+def test_send_to_unknown_peer_raises_node_lost(router) -> None:
+    """A ROUTER reply to a peer that is not connected raises NodeLostError, not a ZMQError."""
+    sock, _ = router
+    with pytest.raises(NodeLostError, match="not connected"):
+        transport.send(sock, protocol.encode(Message(Op.OK)), identity=b"nobody")
+
+
+def test_recv_within_deadline(router) -> None:
+    """Waiting past the deadline raises DeadlineExceededError naming what was awaited."""
+    sock, _ = router
+    with pytest.raises(DeadlineExceededError, match="no reply from nowhere after 0.05 s"):
+        transport.recv_within(sock, 0.05, "reply from nowhere")
+
+
+def test_poller_sees_ready_socket(router) -> None:
+    """The poller returns exactly the sockets with a waiting message."""
+    sock, port = router
+    dealer = transport.connect_dealer(transport.address("127.0.0.1", port))
+    try:
+        poller = transport.Poller()
+        poller.add(sock)
+        assert poller.wait(0) == []
+        transport.send(dealer, [b"x"])
+        assert poller.wait(10) == [sock]
+    finally:
+        transport.close(dealer)
