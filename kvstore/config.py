@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .errors import ConfigError
 
 ROLES = ("scheduler", "server", "worker")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_BIGARRAY_BOUND = 1_000_000
 DEFAULT_CONNECT_TIMEOUT = 60.0
 DEFAULT_REQUEST_TIMEOUT = 600.0
@@ -114,6 +115,9 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     cluster variables are left ``None`` (see :meth:`Config.require_cluster`).
     """
     env = os.environ if environ is None else environ
+    level = (_str(env, "KVSTORE_LOG_LEVEL") or "").upper() or None
+    if level is not None and level not in LOG_LEVELS:
+        raise ConfigError(f"KVSTORE_LOG_LEVEL={level!r} is not one of {', '.join(LOG_LEVELS)}")
     role = _str(env, "DMLC_ROLE")
     if role is not None and role not in ROLES:
         raise ConfigError(f"DMLC_ROLE={role!r} is not one of {', '.join(ROLES)}")
@@ -135,7 +139,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         request_timeout=_seconds(env, "KVSTORE_REQUEST_TIMEOUT", DEFAULT_REQUEST_TIMEOUT),
         shutdown_timeout=_seconds(env, "KVSTORE_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT),
         port_file=_str(env, "KVSTORE_PORT_FILE"),
-        log_level=(_str(env, "KVSTORE_LOG_LEVEL") or "").upper() or None,
+        log_level=level,
     )
 
 
@@ -145,9 +149,12 @@ def in_cluster(environ: Mapping[str, str] | None = None) -> bool:
     return bool(_str(env, "DMLC_ROLE"))
 
 
-def child_environ(extra: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Return a copy of ``environ`` (default ``os.environ``) updated with ``extra``, for a child process."""
-    env = dict(os.environ if environ is None else environ)
+def child_environ(extra: Mapping[str, str], environ: Mapping[str, str] | None = None,
+                  defaults: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return the environment of a child process: ``defaults``, overridden by ``environ``
+    (default ``os.environ``), overridden by ``extra``."""
+    env = dict(defaults or {})
+    env.update(os.environ if environ is None else environ)
     env.update(extra)
     return env
 
@@ -175,6 +182,14 @@ def _interface_address(name: str) -> str:
     finally:
         sock.close()
     return socket.inet_ntoa(raw[20:24])
+
+
+def advertised_host(config: Config) -> str:
+    """The address a worker reports at registration (it binds nothing, so any name will do)."""
+    try:
+        return node_host(config)
+    except ConfigError:
+        return socket.gethostname()
 
 
 def node_host(config: Config) -> str:

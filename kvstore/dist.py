@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # the built-in from 3.11 on
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,7 +173,7 @@ class DistKVStore(KVStore):
         self._mode = mode_of(name)
         scheduler = transport.connect_dealer(cfg.root_address)
         try:
-            cmap = register(scheduler, cfg, {"role": "worker", "host": kvconfig.node_host(cfg),
+            cmap = register(scheduler, cfg, {"role": "worker", "host": kvconfig.advertised_host(cfg),
                                              "rank": cfg.worker_id, "mode": self._mode}, "worker")
         except BaseException:
             transport.close(scheduler)
@@ -226,9 +227,10 @@ class DistKVStore(KVStore):
         for request in requests:
             try:
                 results.append(request.future.result(max(0.0, deadline - time.monotonic())))
-            except TimeoutError:
+            except FutureTimeout:
+                data = request.what.startswith(("push", "pull"))
                 hint = (" (in dist_sync a push is acknowledged, and a pull answered, only once "
-                        "every worker has pushed that key)" if self._mode == "dist_sync" else "")
+                        "every worker has pushed that key)" if self._mode == "dist_sync" and data else "")
                 raise DeadlineExceededError(f"{request.what}: no reply after {timeout:g} s "
                                             f"({knob}){hint}") from None
         return results

@@ -1,8 +1,11 @@
 """The one exception tree of kvstore.
 
-Every error the library raises is a :class:`KVStoreError`; where a built-in
-exception means the same thing, the error subclasses it too, so ``except
-KeyError`` or ``except TimeoutError`` in user code keeps working::
+Every error about keys, values, the store or the cluster is a
+:class:`KVStoreError`; where a built-in exception means the same thing, the
+error subclasses it too, so ``except KeyError`` or ``except TimeoutError`` in
+user code keeps working.  Plain argument mistakes (a list where an array is
+due, a number of values that does not match the number of keys, a read-only
+``out``) raise plain ``TypeError``/``ValueError``, as any Python function would::
 
     KVStoreError
      +-- ConfigError(ValueError)           bad or missing DMLC_* / KVSTORE_* setting

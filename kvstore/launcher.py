@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import config as kvconfig
+from .errors import ConfigError
 from .node import python_if_script
 
 log = logging.getLogger("kvstore.launcher")
@@ -118,8 +119,9 @@ class Cluster:
             "DMLC_NUM_SERVER": str(cfg.num_servers), "PYTHONUNBUFFERED": "1",
             "KVSTORE_SECRET": settings.secret or secrets.token_hex(32), **cfg.env}
 
-    def _start(self, role: str, rank: int | None, argv: list[str], extra: dict[str, str]) -> Child:
-        env = kvconfig.child_environ({**self.base_env, "DMLC_ROLE": role, **extra})
+    def _start(self, role: str, rank: int | None, argv: list[str], extra: dict[str, str],
+               defaults: dict[str, str] | None = None) -> Child:
+        env = kvconfig.child_environ({**self.base_env, "DMLC_ROLE": role, **extra}, defaults=defaults)
         child = Child(role, rank, argv, env, self.out_lock, self.exits)
         self.children.append(child)
         return child
@@ -138,9 +140,8 @@ class Cluster:
                         {"KVSTORE_SERVER_ID": str(rank)})
         worker_argv = python_if_script(self.cfg.command)
         for rank in range(self.cfg.num_workers):
-            self._start("worker", rank, worker_argv, {
-                "DMLC_WORKER_ID": str(rank),
-                "OMP_NUM_THREADS": self.base_env.get("OMP_NUM_THREADS", "1")})
+            self._start("worker", rank, worker_argv, {"DMLC_WORKER_ID": str(rank)},
+                        defaults={"OMP_NUM_THREADS": "1"})  # unless the launcher's env or --env sets it
 
     def _wait_port(self, path: str, scheduler: Child) -> int:
         deadline = time.monotonic() + self.settings.connect_timeout
@@ -237,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``launch.py`` and ``kvstore-launch``."""
     logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(message)s")
     cfg = parse_args(argv)
+    try:
+        settings = kvconfig.load()
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
     log.info("starting 1 scheduler, %d servers, %d workers: %s", cfg.num_servers, cfg.num_workers,
              " ".join(cfg.command))
-    return run(cfg)
+    return run(cfg, settings)

@@ -80,6 +80,9 @@ def encode(msg: Message) -> list[Any]:
     header = {"v": PROTOCOL_VERSION, "op": int(msg.op), "seq": msg.seq, "sender": msg.sender,
               "auth": msg.auth, "body": msg.body, "arrays": [_array_meta(a) for a in arrays]}
     frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
+    if len(frames[0]) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"{msg.op.name} header of {len(frames[0])} bytes exceeds the "
+                            f"{MAX_HEADER_BYTES}-byte limit (is a key or a body field huge?)")
     frames.extend(memoryview(a.reshape(-1)).cast("B") if a.size else b"" for a in arrays)
     return frames
 

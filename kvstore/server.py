@@ -100,7 +100,11 @@ class Server:
 
 def main() -> int:
     """Entry point of ``python -m kvstore.server``."""
-    cfg = kvconfig.load()
+    try:
+        cfg = kvconfig.load()
+    except KVStoreError as exc:
+        print(f"server: {exc}", file=sys.stderr)
+        return 2
     logs.setup("server", cfg.server_id, level=cfg.log_level or "INFO")
     try:
         server = Server(cfg)

@@ -91,7 +91,7 @@ def send(sock: zmq.Socket, frames: Sequence[Any], identity: bytes | None = None)
     except zmq.ZMQError as exc:
         if exc.errno == errno.EHOSTUNREACH:
             raise NodeLostError(f"peer {identity!r} is not connected") from None
-        raise
+        raise NodeLostError(f"sending failed: {exc.strerror}") from None
 
 
 def recv(sock: zmq.Socket) -> list[memoryview]:

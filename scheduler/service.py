@@ -6,6 +6,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import sys
 import time
 
 from kvstore import config as kvconfig
@@ -109,6 +110,8 @@ class Scheduler:
                  self.cfg.num_workers)
 
     def _on_server_stopped(self, identity: bytes, msg: Message) -> None:
+        if not any(node.identity == identity for node in self.servers):
+            raise ProtocolError("only a server confirms a shutdown")
         self.stopped_servers.add(identity)
 
     def run(self) -> int:
@@ -150,7 +153,11 @@ def main() -> int:
     """Entry point of ``python -m scheduler``: run the scheduler configured by the environment."""
     from kvstore import logs
 
-    cfg = kvconfig.load()
+    try:
+        cfg = kvconfig.load()
+    except KVStoreError as exc:
+        print(f"scheduler: {exc}", file=sys.stderr)
+        return 2
     logs.setup("scheduler", level=cfg.log_level or "INFO")
     try:
         return Scheduler(cfg).run()

@@ -31,12 +31,12 @@ def _tagged_pids(tag: str) -> list[int]:
     return [p for p in pids if p != os.getpid()]
 
 
-def _launch(args: list[str], tag: str, **popen) -> subprocess.Popen:
-    env = {**os.environ, "KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
-           "KVSTORE_CONNECT_TIMEOUT": "30", "KVSTORE_TEST_TAG": tag}
+def _launch(args: list[str], tag: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {"KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
+           "KVSTORE_CONNECT_TIMEOUT": "30", **(env or os.environ), "KVSTORE_TEST_TAG": tag}
     return subprocess.Popen([sys.executable, "launch.py", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **popen)
+                            start_new_session=True)
 
 
 @pytest.fixture
@@ -131,3 +131,14 @@ def test_node_dispatches_by_role(tmp_path: Path) -> None:
                             env={**env, "DMLC_ROLE": "worker"}, cwd=REPO, capture_output=True, text=True,
                             timeout=30)
     assert worker.returncode == 0 and worker.stdout.strip() == "ran"
+
+
+def test_parent_omp_threads_reach_workers_and_bad_settings_exit_2(tag: str) -> None:
+    """OMP_NUM_THREADS from the launcher's env reaches workers; an invalid setting is a message, exit 2."""
+    cmd = ["-n", "1", "-s", "1", sys.executable, "-c",
+           "import os, kvstore; kv = kvstore.create('dist_sync'); "
+           "print('OMP', os.environ['OMP_NUM_THREADS'])"]
+    rc, out = _finish(_launch(cmd, tag, env={**os.environ, "OMP_NUM_THREADS": "3", "KVSTORE_TEST_TAG": tag}))
+    assert rc == 0 and "[worker 0] OMP 3" in out, out
+    rc, out = _finish(_launch(cmd, tag, env={**os.environ, "KVSTORE_CONNECT_TIMEOUT": "soon"}))
+    assert rc == 2 and "KVSTORE_CONNECT_TIMEOUT='soon'" in out and "Traceback" not in out, out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 
 import pytest
 
@@ -238,3 +239,31 @@ def test_child_environ_defaults_to_os_environ(monkeypatch):
     env = kvconfig.child_environ({"EXTRA": "1"})
     assert env["KVSTORE_UNIT_TEST_MARK"] == "yes"
     assert env["EXTRA"] == "1"
+
+
+def test_child_environ_layers_defaults_parent_extra():
+    """A child's env is defaults, overridden by the parent's env, overridden by explicit extras."""
+    env = kvconfig.child_environ({"B": "extra"}, environ={"A": "parent", "B": "parent"},
+                               defaults={"A": "default", "C": "default"})
+    assert env == {"A": "parent", "B": "extra", "C": "default"}
+
+
+def test_worker_advertises_hostname_when_no_bind_address_applies():
+    """A worker binds nothing, so a non-loopback root without DMLC_NODE_HOST still gives a name."""
+    cfg = kvconfig.load({"DMLC_PS_ROOT_URI": "10.1.2.3"})
+    with pytest.raises(ConfigError):
+        kvconfig.node_host(cfg)
+    assert kvconfig.advertised_host(cfg) == socket.gethostname()
+    assert kvconfig.advertised_host(kvconfig.load({"DMLC_NODE_HOST": "10.9.9.9"})) == "10.9.9.9"
+
+
+@pytest.mark.parametrize("level", ["debug", "WARNING"])
+def test_log_level_is_upper_cased(level):
+    """KVSTORE_LOG_LEVEL accepts logging's level names in any case."""
+    assert kvconfig.load({"KVSTORE_LOG_LEVEL": level}).log_level == level.upper()
+
+
+def test_unknown_log_level_is_a_config_error():
+    """An unknown KVSTORE_LOG_LEVEL is refused with the list of valid names."""
+    with pytest.raises(ConfigError, match="KVSTORE_LOG_LEVEL='LOUD'.*DEBUG"):
+        kvconfig.load({"KVSTORE_LOG_LEVEL": "loud"})

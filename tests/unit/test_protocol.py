@@ -304,11 +304,18 @@ def test_unsupported_dtype_on_encode_is_a_protocol_error(dtype):
 
 
 def test_oversize_header_is_a_protocol_error():
-    """A header over MAX_HEADER_BYTES raises ProtocolError naming the limit, before unpacking it."""
-    frames = wire(encode(Message(Op.OK, {"blob": "a" * MAX_HEADER_BYTES})))
-    assert len(frames[0]) > MAX_HEADER_BYTES
+    """A received header over MAX_HEADER_BYTES raises ProtocolError naming the limit, unread."""
+    body = {"blob": "a" * MAX_HEADER_BYTES}
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.OK), "body": body})
+    assert len(header) > MAX_HEADER_BYTES
     with pytest.raises(ProtocolError, match=str(MAX_HEADER_BYTES)):
-        decode(frames)
+        decode([header])
+
+
+def test_oversize_header_is_refused_on_encode():
+    """encode refuses a header over MAX_HEADER_BYTES, so a peer never has to drop it."""
+    with pytest.raises(ProtocolError, match="exceeds the"):
+        encode(Message(Op.PUSH, {"key": "k" * MAX_HEADER_BYTES}))
 
 
 def test_header_just_under_the_limit_decodes():
