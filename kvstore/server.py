@@ -13,10 +13,10 @@ import sys
 
 from . import config as kvconfig
 from . import logs, protocol, transport
-from .errors import KVStoreError, ProtocolError
+from .errors import ProtocolError
 from .partition import check_key
 from .protocol import Message, Op
-from .service import RouterService, register
+from .service import RouterService, register, run_role
 from .state import Completion, ShardState
 
 log = logging.getLogger("kvstore.server")
@@ -98,21 +98,15 @@ class Server:
                 log.warning("ignored %s from the scheduler", msg.op.name)
 
 
+def _serve(cfg: kvconfig.Config) -> int:
+    server = Server(cfg)
+    server.join()
+    return server.run()
+
+
 def main() -> int:
     """Entry point of ``python -m kvstore.server``."""
-    try:
-        cfg = kvconfig.load()
-    except KVStoreError as exc:
-        print(f"server: {exc}", file=sys.stderr)
-        return 2
-    logs.setup("server", cfg.server_id, level=cfg.log_level or "INFO")
-    try:
-        server = Server(cfg)
-        server.join()
-        return server.run()
-    except KVStoreError as exc:
-        log.error("%s", exc)
-        return 1
+    return run_role("server", _serve, rank=lambda cfg: cfg.server_id)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ untouched: handlers validate before they change anything).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from . import config as kvconfig
-from . import protocol, transport
+from . import logs, protocol, transport
 from .errors import KVStoreError, ProtocolError, error_code, error_from_code
 from .protocol import Message, Op
 
@@ -97,3 +98,23 @@ def register(sock: object, cfg: kvconfig.Config, body: dict, what: str) -> Messa
     if reply.op is not Op.MAP:
         raise ProtocolError(f"expected the cluster map, got {reply.op.name}")
     return reply
+
+
+def run_role(role: str, body: Callable[[kvconfig.Config], int],
+             rank: Callable[[kvconfig.Config], int | None] = lambda cfg: None) -> int:
+    """Run a role process's ``body(cfg)``: load the config, set up logging, map errors to exit codes.
+
+    Returns 2 for an invalid setting, 1 when ``body`` raises a :class:`KVStoreError`,
+    else ``body``'s own code.
+    """
+    try:
+        cfg = kvconfig.load()
+    except KVStoreError as exc:
+        print(f"{role}: {exc}", file=sys.stderr)
+        return 2
+    logs.setup(role, rank(cfg), level=cfg.log_level or "INFO")
+    try:
+        return body(cfg)
+    except KVStoreError as exc:
+        log.error("%s", exc)
+        return 1

@@ -6,14 +6,13 @@ import ipaddress
 import logging
 import os
 import secrets
-import sys
 import time
 
 from kvstore import config as kvconfig
 from kvstore import transport
 from kvstore.errors import DeadlineExceededError, KVStoreError, ProtocolError
 from kvstore.protocol import Message, Op
-from kvstore.service import RouterService
+from kvstore.service import RouterService, run_role
 
 from .state import Barrier, Node, Rendezvous
 
@@ -151,16 +150,4 @@ class Scheduler:
 
 def main() -> int:
     """Entry point of ``python -m scheduler``: run the scheduler configured by the environment."""
-    from kvstore import logs
-
-    try:
-        cfg = kvconfig.load()
-    except KVStoreError as exc:
-        print(f"scheduler: {exc}", file=sys.stderr)
-        return 2
-    logs.setup("scheduler", level=cfg.log_level or "INFO")
-    try:
-        return Scheduler(cfg).run()
-    except KVStoreError as exc:
-        log.error("%s", exc)
-        return 1
+    return run_role("scheduler", lambda cfg: Scheduler(cfg).run())
