@@ -136,9 +136,10 @@ class KVStore(abc.ABC):
             for k, _ in pairs:
                 if k in self._meta:
                     raise DuplicateInitError(f"key {k!r} is already initialised")
-            items = [(k, np.array(V.as_array(vs[0]), copy=True, order="C")) for k, vs in pairs]
-            metas = {k: V.meta_of(vs[0]) for k, vs in pairs}
-            self._init(items)
+        items = [(k, np.array(V.as_array(vs[0]), copy=True, order="C")) for k, vs in pairs]
+        metas = {k: V.meta_of(vs[0]) for k, vs in pairs}
+        self._init(items)  # not under the lock: in dist modes it waits for every worker
+        with self._lock:
             self._meta.update(metas)
 
     def _summed(self, key: Any, value: Any) -> list[tuple[Key, np.ndarray]]:

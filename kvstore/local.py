@@ -34,8 +34,9 @@ class LocalKVStore(KVStore):
         return sys.modules["torch"].from_numpy(array) if self._meta[key].tensor else array
 
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
-        for key, array in items:
-            self._store[key] = array
+        with self._lock:
+            for key, array in items:
+                self._store[key] = array
 
     def _push(self, items: list[tuple[Key, np.ndarray]], priority: int) -> None:
         with self._lock:
