@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvstore.partition import placement
+from tests.helpers import run_parallel
 
 from .conftest import Cluster, unique_int_key, unique_key
 
@@ -216,3 +217,24 @@ def test_properties(sync_cluster: Cluster) -> None:
     ranks = sync_cluster.run(lambda kv: (kv.rank, kv.num_workers, kv.num_servers, kv.type))
     assert ranks == [(r, sync_cluster.num_workers, sync_cluster.num_servers, "dist_sync")
                      for r in range(sync_cluster.num_workers)]
+
+
+def test_threads_share_one_store(sync_cluster: Cluster) -> None:
+    """Several threads of each worker push and pull their own keys on one store concurrently."""
+    keys = [unique_key() for _ in range(4)]
+    W = sync_cluster.num_workers
+
+    def work(kv):
+        kv.init(keys, [np.zeros(1500, np.float32)] * len(keys))  # split over the servers
+
+        def one(i: int) -> float:
+            for step in range(1, 4):
+                kv.push(keys[i], np.full(1500, float(step * (i + 1)), np.float32))
+                out = kv.pull(keys[i])
+            assert len(set(out.tolist())) == 1
+            return float(out[0])
+
+        return run_parallel([lambda i=i: one(i) for i in range(len(keys))])
+
+    for got in sync_cluster.run(work):
+        assert got == [3.0 * (i + 1) * W for i in range(len(keys))]

@@ -67,6 +67,8 @@ def test_launch_runs_every_role_and_exits_zero(tag: str, mode: str, workers: int
     for rank in range(workers):
         assert f"[worker {rank}] RESULT ok rank={rank} of {workers} servers={servers}" in out, out
     assert "[scheduler]" in out and "[server 0]" in out
+    # the script never calls close(): the exit hook must leave, so the scheduler stops the servers
+    assert "all workers left; shut down" in out, out
     assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
 
 
