@@ -311,11 +311,20 @@ class DistKVStore(KVStore):
     def barrier(self) -> None:
         """Wait until this worker's pushes are applied, then until every worker reaches the barrier.
 
-        Raises the failure of an earlier push, or :class:`DeadlineExceededError`.
+        Raises the failure of an earlier push (after joining the barrier, so the other
+        workers are not left waiting), or :class:`DeadlineExceededError`.
         """
         self._check_open()
-        self._flush(self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+        error: KVStoreError | None = None
+        try:
+            self._flush(self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+        except DeadlineExceededError:
+            raise
+        except KVStoreError as exc:
+            error = exc
         self._barrier_only()
+        if error is not None:
+            raise error
 
     def is_capable(self, capability: str) -> bool:
         """No optional capability (such as a server-side optimizer) is available yet."""

@@ -85,6 +85,30 @@ def test_server_side_push_failure_raised_by_next_wait(cluster: Cluster) -> None:
     np.testing.assert_array_equal(kv.pull(key), np.zeros(4, np.float32))  # the store is untouched
 
 
+def test_push_failure_raised_by_barrier_after_joining_it(cluster: Cluster) -> None:
+    """A rejected push is raised by barrier() on its worker; the other workers' barrier still returns."""
+    key = unique_key()
+    cluster.run(lambda w: w.init(key, np.zeros(4, np.float32)))
+    bad = cluster.workers[1]
+    real = bad._meta[key]
+    bad._meta[key] = Meta((6,), real.dtype, False, 6)
+    try:
+        bad.push(key, np.ones(6, np.float32))
+    finally:
+        bad._meta[key] = real
+
+    def barrier(kv):
+        try:
+            kv.barrier()
+        except ShapeMismatchError as exc:
+            return exc
+        return None
+
+    results = cluster.run(barrier)
+    assert results[0] is None
+    assert isinstance(results[1], ShapeMismatchError) and key in str(results[1])
+
+
 def test_pull_deadline_names_the_key(cluster: Cluster) -> None:
     """A dist_sync pull that waits for pushes that never come raises DeadlineExceededError."""
     key = unique_key()
