@@ -196,6 +196,8 @@ class KVStore(abc.ABC):
         Without ``out`` the result is written back into ``value`` in place.
         """
         single = not isinstance(key, (list, tuple))
+        if not single and len(set(map(check_key, key))) != len(key):
+            raise ValueError("pushpull takes each key once; sum repeated values into one list entry")
         items = self._summed(key, value)
         target = value if out is None else out
         outs = self._outs([k for k, _ in items], target, single)

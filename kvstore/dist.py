@@ -64,20 +64,28 @@ class IOThread(threading.Thread):
         self._seq = itertools.count(1)
         self._stopping = False
         self._wake_pending = False  # a wake-up byte is on its way; no need to send another
+        self._closed = False  # set by the thread as it exits; later submits are refused
+        self._lock = threading.Lock()  # orders submits against the thread's exit
 
     def submit(self, target: int, msg: Message, what: str) -> Request:
         """Queue ``msg`` for ``target`` (a server index or SCHEDULER); return its request."""
         request = Request(what)
         msg.seq = next(self._seq)
         msg.sender = self.rank
-        self._outbox.put((target, protocol.encode(msg), msg.seq, request))
-        self._wake()
+        frames = protocol.encode(msg)
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError(f"{what}: the store is closed")
+            self._outbox.put((target, frames, msg.seq, request))
+            self._wake()
         return request
 
     def stop(self) -> None:
         """Ask the thread to close its sockets and exit."""
-        self._outbox.put(None)
-        self._wake()
+        with self._lock:
+            if not self._closed:
+                self._outbox.put(None)
+                self._wake()
 
     def _wake(self) -> None:
         # Callers queue before they look at the flag and the thread clears it before it
@@ -93,10 +101,8 @@ class IOThread(threading.Thread):
     def run(self) -> None:
         poller = transport.Poller()
         poller.add(self._wake_r.fileno())
-        by_socket = {}
         for sock in self.sockets.values():
             poller.add(sock)
-            by_socket[sock] = sock
         try:
             while not self._stopping:
                 for ready in poller.wait(None):
@@ -105,14 +111,24 @@ class IOThread(threading.Thread):
                         self._wake_pending = False
                         self._send_queued()
                     else:
-                        self._receive(by_socket[ready])
+                        self._receive(ready)
         finally:
-            for sock in self.sockets.values():
-                transport.close(sock)
+            self._shut()
+
+    def _shut(self) -> None:
+        with self._lock:
+            self._closed = True
+            left = list(self._inflight.values())
+            while not self._outbox.empty():
+                item = self._outbox.get_nowait()
+                if item is not None:
+                    left.append(item[3])
             self._wake_r.close()
             self._wake_w.close()
-            for request in self._inflight.values():
-                _resolve(request, exc=StoreClosedError(f"{request.what}: the store was closed"))
+        for sock in self.sockets.values():
+            transport.close(sock)
+        for request in left:
+            _resolve(request, exc=StoreClosedError(f"{request.what}: the store was closed"))
 
     def _send_queued(self) -> None:
         while True:
@@ -248,13 +264,13 @@ class DistKVStore(KVStore):
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
         error: KVStoreError | None = None
         if self._rank == 0:
-            requests = []
-            for key, array in items:
-                flat = array.reshape(-1)
-                pieces = placement(key, flat.size, len(self._servers), self._seed,
-                                   self._cfg.bigarray_bound)
-                requests += [self._send(Op.INIT, key, p, flat) for p in pieces]
             try:
+                requests = []
+                for key, array in items:
+                    flat = array.reshape(-1)
+                    pieces = placement(key, flat.size, len(self._servers), self._seed,
+                                       self._cfg.bigarray_bound)
+                    requests += [self._send(Op.INIT, key, p, flat) for p in pieces]
                 self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
             except KVStoreError as exc:
                 error = exc  # still join the barrier, so the other workers are not left waiting

@@ -75,15 +75,19 @@ class Child:
         self.name = role if rank is None else f"{role} {rank}"
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        self._reader = threading.Thread(target=self._pump, args=(out_lock, exits), daemon=True)
+        self._reader = threading.Thread(target=self._pump, args=(out_lock,), daemon=True)
         self._reader.start()
+        # Exit is watched apart from the output: a grandchild may hold the pipe open for long.
+        threading.Thread(target=self._watch, args=(exits,), daemon=True).start()
 
-    def _pump(self, out_lock: threading.Lock, exits: queue.SimpleQueue) -> None:
+    def _pump(self, out_lock: threading.Lock) -> None:
         prefix = f"[{self.name}] ".encode()
         for line in iter(self.proc.stdout.readline, b""):
             with out_lock:
                 sys.stdout.buffer.write(prefix + line)
                 sys.stdout.buffer.flush()
+
+    def _watch(self, exits: queue.SimpleQueue) -> None:
         self.proc.wait()
         exits.put(self)
 
@@ -94,12 +98,11 @@ class Child:
         return None if rc is None else (128 - rc if rc < 0 else rc)
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the child's whole process group."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        """Send ``sig`` to the child's whole process group (its own children too, even if it exited)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone
 
     def join(self, timeout: float) -> None:
         """Wait for the output pump to finish."""
@@ -226,6 +229,9 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
     except TimeoutError as exc:
         code = 1
         log.error("%s", exc)
+    except OSError as exc:  # the command does not exist or cannot be executed
+        code = 127
+        log.error("cannot start %s: %s", " ".join(cfg.command), exc)
     finally:
         killed = cluster.stop_all() if cluster is not None else []
         if killed:

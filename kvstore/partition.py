@@ -18,11 +18,15 @@ from .errors import KeyTypeError
 
 Key = int | str
 MAX_INT_KEY = 2**64 - 1
+MAX_STR_KEY_BYTES = 64 * 1024  # far below the protocol's header limit
 
 
 def check_key(key: object) -> Key:
     """Return ``key`` as a plain int or str; raise :class:`KeyTypeError` otherwise."""
     if isinstance(key, str):
+        if len(key) * 4 > MAX_STR_KEY_BYTES and len(key.encode("utf-8")) > MAX_STR_KEY_BYTES:
+            raise KeyTypeError(f"str key of {len(key.encode('utf-8'))} bytes is longer than the "
+                               f"{MAX_STR_KEY_BYTES}-byte limit")
         return key
     if isinstance(key, numbers.Integral) and not isinstance(key, bool):
         value = int(key)

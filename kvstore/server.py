@@ -88,7 +88,11 @@ class Server:
             if self.service.sock in ready:
                 self.service.poll_once(0)
             if self.scheduler in ready:
-                msg = protocol.decode(transport.recv(self.scheduler))
+                try:
+                    msg = protocol.decode(transport.recv(self.scheduler))
+                except ProtocolError as exc:
+                    log.warning("dropped a bad message from the scheduler: %s", exc)
+                    continue
                 if msg.op is Op.SHUTDOWN:
                     transport.send(self.scheduler, protocol.encode(Message(Op.OK, seq=msg.seq)))
                     log.info("shut down by the scheduler (%d keys held)", len(self.state))

@@ -47,7 +47,11 @@ def as_array(value: Any) -> np.ndarray:
             tensor = tensor.cpu()
         if tensor.is_conj() or tensor.is_neg():
             tensor = tensor.resolve_conj().resolve_neg()
-        array = tensor.numpy()
+        try:
+            array = tensor.numpy()
+        except TypeError:  # a dtype numpy cannot hold, e.g. bfloat16
+            raise DTypeMismatchError(f"dtype {tensor.dtype} is not supported; use one of "
+                                     f"{', '.join(sorted(DTYPES))}") from None
     else:
         raise TypeError(f"values must be numpy arrays or torch tensors, not {type(value).__name__}")
     if dtype_name(array.dtype) is None:
@@ -92,6 +96,8 @@ def check_out(key: Any, meta: Meta, out: Any) -> None:
     check(key, meta, array, "out")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"out of key {key!r} is read-only")
+    if is_tensor(out) and out.numel() > 1 and 0 in out.stride():
+        raise ValueError(f"out of key {key!r} has elements that share memory (an expanded tensor)")
 
 
 def write(out: Any, array: np.ndarray) -> None:
@@ -100,7 +106,8 @@ def write(out: Any, array: np.ndarray) -> None:
         np.copyto(out, array.reshape(out.shape))
     else:
         torch = sys.modules["torch"]
-        out.copy_(torch.from_numpy(np.ascontiguousarray(array).reshape(out.shape)))
+        with torch.no_grad():  # out may be a parameter that requires grad
+            out.copy_(torch.from_numpy(np.ascontiguousarray(array).reshape(out.shape)))
 
 
 def new_value(meta: Meta, array: np.ndarray) -> Any:

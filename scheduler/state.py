@@ -81,9 +81,12 @@ class Barrier:
         self.waiting: dict[int, tuple[bytes, int]] = {}  # rank -> (identity, request seq)
 
     def arrive(self, rank: int, identity: bytes, seq: int) -> list[tuple[bytes, int]]:
-        """Record ``rank``'s arrival; return every (identity, seq) to release, or [] to wait on."""
-        if rank in self.waiting:
-            raise ProtocolError(f"worker {rank} entered the barrier twice")
+        """Record ``rank``'s arrival; return every (identity, seq) to release, or [] to wait on.
+
+        A rank that arrives again in the same generation (it retried after its
+        deadline) replaces its earlier entry, so it is counted once and the
+        reply goes to the request that is still waiting.
+        """
         self.waiting[rank] = (identity, seq)
         if len(self.waiting) < self.num_workers:
             return []

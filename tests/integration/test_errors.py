@@ -246,3 +246,46 @@ def test_protocol_error_type() -> None:
     """A reply that is not msgpack decodes to ProtocolError, never to a msgpack exception."""
     with pytest.raises(ProtocolError):
         protocol.decode([b"\x00\x01\x02"])
+
+
+def test_barrier_retry_after_deadline_counts_once(cluster: Cluster) -> None:
+    """A worker whose barrier timed out can retry; the retry pairs with the others' barrier."""
+    early = cluster.workers[0]
+    saved = early._cfg
+    early._cfg = dataclasses.replace(saved, request_timeout=0.3)
+    try:
+        with pytest.raises(DeadlineExceededError, match="barrier among all workers"):
+            early.barrier()
+    finally:
+        early._cfg = saved
+    assert cluster.run(lambda kv: kv.barrier()) == [None, None]
+    assert cluster.run(lambda kv: kv.barrier()) == [None, None]  # and the next one still pairs
+
+
+def test_submit_after_close_is_refused(make_cluster) -> None:
+    """A request that races close() gets StoreClosedError, never an OSError or a silent drop."""
+    c = make_cluster("dist_async", num_workers=1, num_servers=1)
+    kv = c.workers[0]
+    kv.close()
+    with pytest.raises(StoreClosedError):
+        kv._io.submit(0, Message(Op.PULL, {"key": "x"}), "pull of key 'x'")
+
+
+def test_argument_errors_change_nothing(cluster: Cluster) -> None:
+    """Over-long keys, repeated pushpull keys, expanded or bfloat16 outs raise before sending."""
+    torch = pytest.importorskip("torch")
+    key = unique_key()
+    cluster.run(lambda w: w.init(key, torch.zeros(3)))
+    kv = cluster.workers[0]
+    with pytest.raises(KeyTypeError, match="byte limit"):
+        kv.push("x" * (1 << 20), np.ones(1))
+    with pytest.raises(ValueError, match="each key once"):
+        kv.pushpull([key, key], [torch.ones(3), torch.ones(3)])
+    with pytest.raises(ValueError, match="share memory"):
+        kv.pull(key, out=torch.zeros(1).expand(3))
+    with pytest.raises(DTypeMismatchError, match="bfloat16"):
+        kv.push(key, torch.ones(3, dtype=torch.bfloat16))
+    param = torch.nn.Parameter(torch.ones(3))
+    cluster.run(lambda w: w.push(key, torch.full((3,), 2.0)))
+    kv.pull(key, out=param)  # a parameter that requires grad is filled without autograd errors
+    assert torch.equal(param.detach(), torch.full((3,), 4.0))

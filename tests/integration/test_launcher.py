@@ -144,3 +144,21 @@ def test_parent_omp_threads_reach_workers_and_bad_settings_exit_2(tag: str) -> N
     assert rc == 0 and "[worker 0] OMP 3" in out, out
     rc, out = _finish(_launch(cmd, tag, env={**os.environ, "KVSTORE_CONNECT_TIMEOUT": "soon"}))
     assert rc == 2 and "KVSTORE_CONNECT_TIMEOUT='soon'" in out and "Traceback" not in out, out
+
+
+def test_missing_command_exits_127(tag: str) -> None:
+    """A worker command that does not exist is a one-line error and exit 127, with nothing left."""
+    rc, out = _finish(_launch(["-n", "1", "-s", "1", "no-such-command-kvstore"], tag))
+    assert rc == 127 and "cannot start no-such-command-kvstore" in out and "Traceback" not in out, out
+    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
+
+
+def test_exit_seen_while_a_grandchild_holds_the_output(tag: str) -> None:
+    """A worker that exits while its child keeps stdout open is reported at once, and the child killed."""
+    start = time.monotonic()
+    rc, out = _finish(_launch(["-n", "1", "-s", "1", sys.executable, "-c",
+                               "import subprocess, sys; subprocess.Popen(['sleep', '60']); sys.exit(3)"],
+                              tag), timeout=45)
+    assert rc == 3 and "worker 0 exited with code 3" in out, out
+    assert time.monotonic() - start < 30
+    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
