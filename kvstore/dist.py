@@ -322,7 +322,16 @@ class DistKVStore(KVStore):
 
     def _barrier_only(self) -> None:
         request = self._io.submit(SCHEDULER, Message(Op.BARRIER), "barrier among all workers")
-        self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+        try:
+            self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+        except DeadlineExceededError:
+            # Withdraw from the barrier so a retry is not paired with a stale entry.  The
+            # scheduler answers in order: if the barrier completed meanwhile, it has passed.
+            cancel = self._io.submit(SCHEDULER, Message(Op.BARRIER, {"cancel": True}),
+                                     "withdrawal from the barrier")
+            reply = self._wait([cancel], self._cfg.shutdown_timeout, "KVSTORE_SHUTDOWN_TIMEOUT")[0]
+            if not reply.body.get("released"):
+                raise
 
     def barrier(self) -> None:
         """Wait until this worker's pushes are applied, then until every worker reaches the barrier.

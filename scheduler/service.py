@@ -99,6 +99,10 @@ class Scheduler:
 
     def _on_barrier(self, identity: bytes, msg: Message) -> None:
         rank = self._worker_rank(identity)
+        if msg.body.get("cancel"):
+            released = not self.barrier.cancel(rank)
+            self.service.reply(identity, Message(Op.OK, {"released": released}, seq=msg.seq))
+            return
         for ident, seq in self.barrier.arrive(rank, identity, msg.seq):
             self.service.reply(ident, Message(Op.OK, seq=seq))
 

@@ -92,3 +92,7 @@ class Barrier:
             return []
         released, self.waiting = list(self.waiting.values()), {}
         return released
+
+    def cancel(self, rank: int) -> bool:
+        """Withdraw ``rank`` (its wait timed out); False when it was not waiting (already released)."""
+        return self.waiting.pop(rank, None) is not None

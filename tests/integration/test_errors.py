@@ -248,16 +248,22 @@ def test_protocol_error_type() -> None:
         protocol.decode([b"\x00\x01\x02"])
 
 
-def test_barrier_retry_after_deadline_counts_once(cluster: Cluster) -> None:
-    """A worker whose barrier timed out can retry; the retry pairs with the others' barrier."""
-    early = cluster.workers[0]
-    saved = early._cfg
-    early._cfg = dataclasses.replace(saved, request_timeout=0.3)
+def _barrier_with_deadline(kv, seconds: float) -> None:
+    saved = kv._cfg
+    kv._cfg = dataclasses.replace(saved, request_timeout=seconds)
     try:
-        with pytest.raises(DeadlineExceededError, match="barrier among all workers"):
-            early.barrier()
+        kv.barrier()
     finally:
-        early._cfg = saved
+        kv._cfg = saved
+
+
+def test_timed_out_barrier_is_withdrawn(cluster: Cluster) -> None:
+    """A barrier that timed out leaves no stale entry: a lone later arrival still waits."""
+    first, second = cluster.workers
+    with pytest.raises(DeadlineExceededError, match="barrier among all workers"):
+        _barrier_with_deadline(first, 0.3)
+    with pytest.raises(DeadlineExceededError):  # would pass if first's old entry still counted
+        _barrier_with_deadline(second, 0.3)
     assert cluster.run(lambda kv: kv.barrier()) == [None, None]
     assert cluster.run(lambda kv: kv.barrier()) == [None, None]  # and the next one still pairs
 

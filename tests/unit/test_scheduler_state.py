@@ -190,3 +190,13 @@ def test_double_arrival_replaces_the_earlier_entry():
     assert b.arrive(0, b"w0", 1) == []
     assert b.arrive(0, b"w0", 2) == []
     assert sorted(b.arrive(1, b"w1", 3)) == [(b"w0", 2), (b"w1", 3)]
+
+
+def test_cancel_withdraws_a_waiting_rank():
+    """A cancelled rank no longer counts; cancelling after a release reports it was not waiting."""
+    b = Barrier(2)
+    b.arrive(0, b"w0", 1)
+    assert b.cancel(0) is True
+    assert b.arrive(1, b"w1", 2) == []
+    assert sorted(b.arrive(0, b"w0", 3)) == [(b"w0", 3), (b"w1", 2)]
+    assert b.cancel(0) is False
