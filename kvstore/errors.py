@@ -21,6 +21,10 @@ due, a number of values that does not match the number of keys, a read-only
      +-- AuthenticationError(PermissionError) a peer failed to prove the secret
      +-- RemoteError                       a peer reported a failure we cannot type
      +-- StoreClosedError                  the store was closed (or belongs to another process)
+     +-- OptimizerError(ValueError)        a bad optimizer spec or setting, no optimizer where one
+     |                                     is needed, or optimizer states that do not fit
+     +-- FormatError(ValueError)           a file is not in kvstore's format, is of a newer
+                                           version, or is damaged
 
 Errors cross the wire as ``(code, message)`` pairs; :func:`error_code` and
 :func:`error_from_code` translate between the two so a server-side
@@ -100,11 +104,20 @@ class StoreClosedError(KVStoreError):
     """The store is closed, or was created in another process (e.g. before a fork)."""
 
 
+class OptimizerError(KVStoreError, ValueError):
+    """An optimizer spec or setting is invalid, none is set where one is needed, or states do not fit."""
+
+
+class FormatError(KVStoreError, ValueError):
+    """A file is not in kvstore's format, is of a newer format version, or is damaged."""
+
+
 _CODES: dict[str, type[KVStoreError]] = {
     cls.__name__: cls
     for cls in (ConfigError, UnknownModeError, KeyNotInitializedError, DuplicateInitError,
                 ShapeMismatchError, DTypeMismatchError, KeyTypeError, DeadlineExceededError,
-                NodeLostError, ProtocolError, AuthenticationError, RemoteError, StoreClosedError)
+                NodeLostError, ProtocolError, AuthenticationError, RemoteError, StoreClosedError,
+                OptimizerError, FormatError)
 }
 
 
