@@ -46,7 +46,7 @@ class _KeyState:
     value: np.ndarray
     submitted: dict[int, int] = field(default_factory=dict)   # worker -> pushes received
     applied: dict[int, int] = field(default_factory=dict)     # worker -> pushes applied
-    round_sum: np.ndarray | None = None
+    round_values: dict[int, np.ndarray] = field(default_factory=dict)  # worker -> pushed value
     round_tokens: dict[int, Any] = field(default_factory=dict)  # worker -> push token
     backlog: list[tuple[Any, int, np.ndarray]] = field(default_factory=list)
     waiting_pulls: list[tuple[Any, int, int]] = field(default_factory=list)  # token, worker, target
@@ -131,19 +131,24 @@ class ShardState:
         return self._close_rounds(state, key)
 
     def _add_to_round(self, state: _KeyState, token: Any, worker: int, value: np.ndarray) -> None:
-        if state.round_sum is None:
-            state.round_sum = value  # may view a received frame: never written to
-        elif len(state.round_tokens) == 1:
-            state.round_sum = state.round_sum + value  # the round's own buffer from here on
-        else:
-            state.round_sum += value
+        state.round_values[worker] = value  # may view a received frame: never written to
         state.round_tokens[worker] = token
+
+    @staticmethod
+    def _round_total(values: dict[int, np.ndarray]) -> np.ndarray:
+        ordered = [values[w] for w in sorted(values)]
+        if len(ordered) == 1:
+            return ordered[0]
+        total = ordered[0] + ordered[1]  # the round's own buffer from here on
+        for value in ordered[2:]:
+            total += value
+        return total
 
     def _close_rounds(self, state: _KeyState, key: Key) -> list[Completion]:
         done: list[Completion] = []
         while len(state.round_tokens) == self.num_workers:
-            tokens, total = state.round_tokens, state.round_sum
-            state.round_tokens, state.round_sum = {}, None
+            tokens, total = state.round_tokens, self._round_total(state.round_values)
+            state.round_tokens, state.round_values = {}, {}
             self._apply(state, key, total, tokens)
             done.extend(_acks(tokens.values()))
             backlog, state.backlog = state.backlog, []

@@ -103,8 +103,14 @@ class Scheduler:
             released = not self.barrier.cancel(rank)
             self.service.reply(identity, Message(Op.OK, {"released": released}, seq=msg.seq))
             return
-        for ident, seq in self.barrier.arrive(rank, identity, msg.seq):
-            self.service.reply(ident, Message(Op.OK, seq=seq))
+        failure = msg.body.get("failure")
+        if failure is not None and not (isinstance(failure, dict) and all(
+                isinstance(failure.get(f), str) for f in ("code", "message"))):
+            raise ProtocolError('a barrier\'s failure must be {"code": str, "message": str}')
+        released = self.barrier.arrive(rank, identity, msg.seq, failure)
+        failures = [[r, text] for r, text in sorted(self.barrier.released_failures.items())]
+        for ident, seq in released:
+            self.service.reply(ident, Message(Op.OK, {"failures": failures}, seq=seq))
 
     def _on_leave(self, identity: bytes, msg: Message) -> None:
         self.left.add(self._worker_rank(identity))

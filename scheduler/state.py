@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.errors import ConfigError, ProtocolError
 
@@ -74,25 +75,40 @@ class Rendezvous:
 
 
 class Barrier:
-    """Counts workers at a barrier; releases them all when every worker has arrived."""
+    """Counts workers at a barrier; releases them all when every worker has arrived.
+
+    A worker may arrive carrying a failure message (its part of a collective
+    operation failed); the release hands every worker the failures of that
+    generation, so no worker carries on as if the operation had worked.
+    """
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
         self.waiting: dict[int, tuple[bytes, int]] = {}  # rank -> (identity, request seq)
+        self.failures: dict[int, Any] = {}  # rank -> failure, this generation
+        self.released_failures: dict[int, Any] = {}  # the failures of the last released generation
 
-    def arrive(self, rank: int, identity: bytes, seq: int) -> list[tuple[bytes, int]]:
+    def arrive(self, rank: int, identity: bytes, seq: int,
+               failure: Any = None) -> list[tuple[bytes, int]]:
         """Record ``rank``'s arrival; return every (identity, seq) to release, or [] to wait on.
 
         A rank that arrives again in the same generation (it retried after its
         deadline) replaces its earlier entry, so it is counted once and the
-        reply goes to the request that is still waiting.
+        reply goes to the request that is still waiting.  On release,
+        :attr:`released_failures` holds the failures reported in the generation.
         """
         self.waiting[rank] = (identity, seq)
+        if failure is None:
+            self.failures.pop(rank, None)
+        else:
+            self.failures[rank] = failure
         if len(self.waiting) < self.num_workers:
             return []
         released, self.waiting = list(self.waiting.values()), {}
+        self.released_failures, self.failures = self.failures, {}
         return released
 
     def cancel(self, rank: int) -> bool:
         """Withdraw ``rank`` (its wait timed out); False when it was not waiting (already released)."""
+        self.failures.pop(rank, None)
         return self.waiting.pop(rank, None) is not None

@@ -200,3 +200,29 @@ def test_cancel_withdraws_a_waiting_rank():
     assert b.arrive(1, b"w1", 2) == []
     assert sorted(b.arrive(0, b"w0", 3)) == [(b"w0", 3), (b"w1", 2)]
     assert b.cancel(0) is False
+
+
+def test_barrier_hands_every_worker_the_failures_of_its_generation():
+    """A failure reported on arrival is in released_failures at release, and gone next generation."""
+    b = Barrier(2)
+    failure = {"code": "FormatError", "message": "bad file"}
+    assert b.arrive(0, b"w0", 1, failure) == []
+    assert len(b.arrive(1, b"w1", 2)) == 2
+    assert b.released_failures == {0: failure}
+    b.arrive(0, b"w0", 3)
+    b.arrive(1, b"w1", 4)
+    assert b.released_failures == {}
+
+
+def test_barrier_failure_is_withdrawn_with_its_rank():
+    """A retry without a failure, or a cancel, drops the rank's earlier failure."""
+    b = Barrier(2)
+    b.arrive(0, b"w0", 1, {"code": "X", "message": "m"})
+    b.arrive(0, b"w0", 2)
+    b.arrive(1, b"w1", 3, {"code": "Y", "message": "n"})
+    assert b.released_failures == {1: {"code": "Y", "message": "n"}}
+    b.arrive(0, b"w0", 4, {"code": "X", "message": "m"})
+    assert b.cancel(0) is True
+    b.arrive(0, b"w0", 5)
+    b.arrive(1, b"w1", 6)
+    assert b.released_failures == {}

@@ -395,3 +395,16 @@ def test_writable_pushed_arrays_are_never_written():
         state.push(w, w, "k", value)
     np.testing.assert_array_equal(values, [[1, 2], [3, 4], [5, 6]])
     np.testing.assert_array_equal(state.value("k"), [9, 12])
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0)])
+def test_sync_round_sum_is_taken_in_rank_order_whatever_the_arrival(order):
+    """Float sums depend on order; the round sums in worker-rank order, so every arrival order agrees."""
+    values = {0: np.float32([1e8]), 1: np.float32([1.0]), 2: np.float32([-1e8])}
+    s = ShardState(3, sync=True)
+    s.init("k", np.zeros(1, np.float32))
+    for worker in order:
+        s.push(("t", worker), worker, "k", values[worker])
+    expected = (values[0] + values[1]) + values[2]
+    assert s.value("k").tobytes() == expected.tobytes()
+    assert expected[0] != (values[0] + values[2] + values[1])[0]  # the order does matter here
