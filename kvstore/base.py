@@ -17,6 +17,7 @@ import numpy as np
 
 from . import values as V
 from .errors import DuplicateInitError, KeyNotInitializedError, StoreClosedError, UnknownModeError
+from .optimizer import Optimizer
 from .partition import Key, check_key
 
 
@@ -77,8 +78,8 @@ class KVStore(abc.ABC):
         return 0
 
     def is_capable(self, capability: str) -> bool:
-        """Whether the store supports ``capability``; none is claimed yet, so always False."""
-        return False
+        """Whether the store supports ``capability``: only ``'optimizer'`` (updates run in the store)."""
+        return capability == "optimizer"
 
     # -- primitives ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -101,6 +102,22 @@ class KVStore(abc.ABC):
     def _barrier(self) -> None:
         """MXNet's name for :meth:`barrier`."""
         self.barrier()
+
+    @abc.abstractmethod
+    def _set_optimizer(self, optimizer: Optimizer) -> None: ...
+
+    @abc.abstractmethod
+    def _set_optimizer_params(self, params: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    def _save_states(self, fname: str, dump_optimizer: bool) -> None: ...
+
+    @abc.abstractmethod
+    def _load_states(self, fname: str) -> None: ...
+
+    @abc.abstractmethod
+    def get_optimizer(self) -> Optimizer | None:
+        """The optimizer in effect, or None (in dist modes: a copy of the servers', without state)."""
 
     def close(self) -> None:
         """Release the store's resources; later calls raise :class:`StoreClosedError`."""
@@ -203,6 +220,57 @@ class KVStore(abc.ABC):
         outs = self._outs([k for k, _ in items], target, single)
         self._deliver([k for k, _ in items], self._pushpull(items, priority), outs, single)
         return target
+
+    def set_optimizer(self, optimizer: Optimizer) -> None:
+        """Apply every later push through ``optimizer`` (collective in dist modes, like ``init``).
+
+        In dist modes every worker calls it; pushes made before it are applied
+        without it, pushes made after it with it, and rank 0 ships it to every
+        server as a (name, params) spec (never pickled).  A second call
+        replaces the optimizer and drops its state.  Raises TypeError for
+        anything but a :class:`kvstore.optimizer.Optimizer`.
+        """
+        self._check_open()
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError("set_optimizer takes an optimizer from kvstore.optimizer.create, not "
+                            f"{type(optimizer).__name__}")
+        self._set_optimizer(optimizer)
+
+    def set_optimizer_params(self, **params: Any) -> None:
+        """Change hyper-parameters of the optimizer in effect, keeping its state.
+
+        Accepts ``learning_rate``, ``wd``, ``rescale_grad``, ``clip_gradient``,
+        ``lr_mult`` and ``wd_mult``.  In dist modes the change is sent to every
+        server and is in effect there for every update made after this call
+        returns; it is not collective (any worker may call it).  Raises
+        :class:`OptimizerError` without an optimizer or for a bad value.
+        """
+        self._check_open()
+        self._set_optimizer_params(params)
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Write the optimizer's state of every key to ``fname`` (docs/formats.md).
+
+        Collective in dist modes: every worker calls it, the states are
+        gathered whole from every server and rank 0 writes the file.  With
+        ``dump_optimizer`` the optimizer's spec is saved too.  Raises
+        :class:`OptimizerError` when no optimizer is set.
+        """
+        self._check_open()
+        self._save_states(str(fname), dump_optimizer)
+
+    def load_optimizer_states(self, fname: str) -> None:
+        """Restore the states saved by :meth:`save_optimizer_states` (and the optimizer, if dumped).
+
+        Collective in dist modes: rank 0 reads the file and scatters the states
+        to the servers, however many there are now.  Keys without state in the
+        file start afresh.  Everything is checked before anything changes:
+        raises :class:`FormatError` for a damaged file, :class:`OptimizerError`
+        when the states do not fit the optimizer (or none is set and the file
+        has none), a key, shape or dtype error when they do not fit the keys.
+        """
+        self._check_open()
+        self._load_states(str(fname))
 
     def broadcast(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
         """Initialise ``key`` with rank 0's ``value``, then pull it (into ``out`` if given)."""

@@ -44,6 +44,7 @@ class Config:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     port_file: str | None = None
     log_level: str | None = None
+    update_on_kvstore: bool = True
 
     def missing_cluster_vars(self) -> list[str]:
         """Return the names of the ``DMLC_*`` variables a distributed node needs but lacks."""
@@ -140,6 +141,8 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         shutdown_timeout=_seconds(env, "KVSTORE_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT),
         port_file=_str(env, "KVSTORE_PORT_FILE"),
         log_level=level,
+        update_on_kvstore=bool(_int(env, "KVSTORE_UPDATE_ON_KVSTORE", minimum=0, maximum=1,
+                                    fallback="MXNET_UPDATE_ON_KVSTORE", default=1)),
     )
 
 

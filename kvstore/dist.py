@@ -23,15 +23,18 @@ from typing import Any
 
 import numpy as np
 
+from . import checkpoint, logs, protocol, transport
 from . import config as kvconfig
-from . import logs, protocol, transport
+from . import optimizer as kvoptimizer
 from .base import KVStore
 from .errors import (
     ConfigError,
     DeadlineExceededError,
     KVStoreError,
+    OptimizerError,
     ProtocolError,
     StoreClosedError,
+    error_code,
     error_from_code,
 )
 from .partition import Key, Piece, placement
@@ -261,22 +264,45 @@ class DistKVStore(KVStore):
                     raise failed[0].future.exception()
 
     # -- primitives -------------------------------------------------------------------------------
-    def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
-        error: KVStoreError | None = None
+    def _request_all(self, requests: list[Request]) -> list[Message]:
+        return self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+
+    def _to_servers(self, op: Op, body: dict[str, Any], what: str) -> list[Message]:
+        """Send one control message to every server; return their replies in server order."""
+        return self._request_all([self._io.submit(i, Message(op, dict(body)), f"{what} to server {i}")
+                                  for i in range(len(self._servers))])
+
+    def _collective(self, what: str, action: Any) -> None:
+        """Run ``action()`` on rank 0, then a barrier that tells every worker whether it worked.
+
+        Rank 0 re-raises its own error; every other worker raises the same type
+        naming worker 0, so no worker carries on as if the operation had worked.
+        """
+        error: Exception | None = None
         if self._rank == 0:
             try:
-                requests = []
-                for key, array in items:
-                    flat = array.reshape(-1)
-                    pieces = placement(key, flat.size, len(self._servers), self._seed,
-                                       self._cfg.bigarray_bound)
-                    requests += [self._send(Op.INIT, key, p, flat) for p in pieces]
-                self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
-            except KVStoreError as exc:
-                error = exc  # still join the barrier, so the other workers are not left waiting
-        self._barrier_only()
+                action()
+            except Exception as exc:  # still join the barrier, so no worker is left waiting
+                error = exc
+        failure = None if error is None else {"code": error_code(error), "message": str(error)}
+        failures = self._barrier_only(failure)
         if error is not None:
             raise error
+        if failures:
+            rank, info = failures[0]
+            raise error_from_code(info["code"], f"{what} failed on worker {rank}: {info['message']}")
+
+    def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
+        def send_all() -> None:
+            requests = []
+            for key, array in items:
+                flat = array.reshape(-1)
+                pieces = placement(key, flat.size, len(self._servers), self._seed,
+                                   self._cfg.bigarray_bound)
+                requests += [self._send(Op.INIT, key, p, flat) for p in pieces]
+            self._request_all(requests)
+
+        self._collective(f"init of {len(items)} key(s)", send_all)
 
     def _push(self, items: list[tuple[Key, np.ndarray]], priority: int) -> None:
         for key, total in items:  # priority is accepted for MXNet scripts; sends keep call order
@@ -320,10 +346,13 @@ class DistKVStore(KVStore):
             pass  # raised below, with the key it belongs to
         self._raise_push_failures(keys)
 
-    def _barrier_only(self) -> None:
-        request = self._io.submit(SCHEDULER, Message(Op.BARRIER), "barrier among all workers")
+    def _barrier_only(self, failure: dict[str, str] | None = None) -> list:
+        """Join the scheduler's barrier; return the failures workers reported at it ([rank, info])."""
+        body = {} if failure is None else {"failure": failure}
+        request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
         try:
-            self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+            return self._wait([request], self._cfg.request_timeout,
+                              "KVSTORE_REQUEST_TIMEOUT")[0].body.get("failures", [])
         except DeadlineExceededError:
             # Withdraw from the barrier so a retry is not paired with a stale entry.  The
             # scheduler answers in order: if the barrier completed meanwhile, it has passed.
@@ -332,6 +361,7 @@ class DistKVStore(KVStore):
             reply = self._wait([cancel], self._cfg.shutdown_timeout, "KVSTORE_SHUTDOWN_TIMEOUT")[0]
             if not reply.body.get("released"):
                 raise
+            return []  # it completed, but its reply (and any failure in it) was given up on
 
     def barrier(self) -> None:
         """Wait until this worker's pushes are applied, then until every worker reaches the barrier.
@@ -351,9 +381,88 @@ class DistKVStore(KVStore):
         if error is not None:
             raise error
 
-    def is_capable(self, capability: str) -> bool:
-        """No optional capability (such as a server-side optimizer) is available yet."""
-        return False
+    # -- optimizer -------------------------------------------------------------------------------
+    def _set_optimizer(self, optimizer: kvoptimizer.Optimizer) -> None:
+        spec = optimizer.spec()
+        self.barrier()  # pushes made before are applied without the optimizer
+        self._collective("set_optimizer", lambda: self._to_servers(
+            Op.OPTIMIZER_SET, {"spec": spec}, "set_optimizer"))
+
+    def _set_optimizer_params(self, params: dict[str, Any]) -> None:
+        self._to_servers(Op.OPTIMIZER_PARAMS, {"params": params}, "set_optimizer_params")
+
+    def _optimizer_info(self) -> list[Message]:
+        return self._to_servers(Op.OPTIMIZER_INFO, {}, "optimizer query")
+
+    def get_optimizer(self) -> kvoptimizer.Optimizer | None:
+        """A copy of the servers' optimizer (spec and update count, without state), or None."""
+        self._check_open()
+        info = self._optimizer_info()[0].body
+        if info["spec"] is None:
+            return None
+        optimizer = kvoptimizer.from_spec(info["spec"])
+        optimizer.num_update = info["num_update"]
+        return optimizer
+
+    def _save_states(self, fname: str, dump_optimizer: bool) -> None:
+        self.barrier()  # every worker's pushes are applied before the states are read
+        self._collective("save_optimizer_states", lambda: checkpoint.write_states(
+            fname, self._gather_states(dump_optimizer)))
+
+    def _gather_states(self, dump_optimizer: bool) -> checkpoint.StatesFile:
+        info = [m.body for m in self._optimizer_info()]
+        if info[0]["spec"] is None:
+            raise OptimizerError("save_optimizer_states: no optimizer is set (call set_optimizer)")
+        with self._lock:
+            keys = list(self._meta)
+        requests = [[self._send(Op.STATE_GET, k, p, None) for p in self._pieces(k)] for k in keys]
+        replies = iter(self._request_all([r for group in requests for r in group]))
+        entries = []
+        for key, group in zip(keys, requests):
+            entry = self._state_entry(key, [next(replies) for _ in group])
+            if entry is not None:
+                entries.append(entry)
+        return checkpoint.StatesFile(info[0]["spec"] if dump_optimizer else None,
+                                     max(i["num_update"] for i in info), entries)
+
+    def _state_entry(self, key: Key, parts: list[Message]) -> checkpoint.StateEntry | None:
+        meta = self._meta[key]
+        names = {tuple(m.body["names"]) for m in parts}
+        if len(names) != 1:
+            raise OptimizerError(f"the servers disagree on the optimizer state of key {key!r}: {names}")
+        (state_names,) = names
+        if not state_names:
+            return None  # never updated: nothing to save
+        arrays = {name: np.concatenate([m.arrays[i] for m in parts]).reshape(meta.shape)
+                  for i, name in enumerate(state_names)}
+        return checkpoint.StateEntry(key, meta.shape, meta.dtype, max(m.body["count"] for m in parts),
+                                     arrays)
+
+    def _load_states(self, fname: str) -> None:
+        self.barrier()
+        self._collective("load_optimizer_states", lambda: self._scatter_states(fname))
+
+    def _scatter_states(self, fname: str) -> None:
+        states = checkpoint.read_states(fname)
+        spec = states.optimizer or self._optimizer_info()[0].body["spec"]
+        if spec is None:
+            raise OptimizerError(f"load_optimizer_states: {fname} holds no optimizer and none is set "
+                                 "(call set_optimizer first, or save with dump_optimizer=True)")
+        with self._lock:
+            shapes = {k: np.zeros(m.shape, m.dtype) for k, m in self._meta.items()}
+        checkpoint.restore_optimizer(states, kvoptimizer.from_spec(spec), shapes)  # checks it all
+        self._to_servers(Op.OPTIMIZER_SET, {"spec": spec, "num_update": states.num_update},
+                         "load_optimizer_states")
+        requests = []
+        for entry in states.entries:
+            names = list(entry.arrays)
+            flats = [entry.arrays[n].reshape(-1) for n in names]
+            for piece in self._pieces(entry.key):
+                arrays = [f[piece.start:piece.stop] for f in flats]
+                what = f"optimizer state of key {entry.key!r} to server {piece.server}"
+                body = {"key": entry.key, "count": entry.count, "names": names}
+                requests.append(self._io.submit(piece.server, Message(Op.STATE_SET, body, arrays), what))
+        self._request_all(requests)
 
     def close(self) -> None:
         """Drain outstanding requests, tell the scheduler this worker left, close the sockets.

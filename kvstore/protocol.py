@@ -45,6 +45,11 @@ class Op(enum.IntEnum):
     PUSH = 11      # worker -> server: contribute to the key's current round
     PULL = 12      # worker -> server: read the key's slice
     PUSHPULL = 13  # worker -> server: push, then reply with the updated slice
+    OPTIMIZER_SET = 14     # worker -> server: {"spec": optimizer spec}; replaces it, drops all state
+    OPTIMIZER_PARAMS = 15  # worker -> server: {"params": {...}}; changes hyper-parameters, keeps state
+    OPTIMIZER_INFO = 16    # worker -> server: reply {"spec": spec | None, "num_update": int}
+    STATE_GET = 17         # worker -> server: {"key"}; reply {"count", "names"} + one array per name
+    STATE_SET = 18         # worker -> server: {"key", "count", "names"} + one array per name
 
 
 @dataclass

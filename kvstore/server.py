@@ -1,4 +1,4 @@
-"""The server process: holds a shard of every key and serves init/push/pull.
+"""The server process: holds a shard of every key, serves init/push/pull, runs the optimizer.
 
 Run it with ``python -m kvstore.server`` (``DMLC_ROLE=server`` and the other
 ``DMLC_*`` variables set).  It binds a port of its own (any free one), registers
@@ -11,9 +11,12 @@ from __future__ import annotations
 import logging
 import sys
 
+import numpy as np
+
 from . import config as kvconfig
 from . import logs, protocol, transport
-from .errors import ProtocolError
+from .errors import DTypeMismatchError, OptimizerError, ProtocolError
+from .optimizer import Optimizer, from_spec
 from .partition import check_key
 from .protocol import Message, Op
 from .service import RouterService, register, run_role
@@ -33,8 +36,13 @@ class Server:
         self.service = RouterService(sock)
         self.scheduler = transport.connect_dealer(cfg.root_address)
         self.state: ShardState | None = None
+        self.optimizer: Optimizer | None = None
         self.service.handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push,
-                                 Op.PULL: self._on_pull, Op.PUSHPULL: self._on_pushpull}
+                                 Op.PULL: self._on_pull, Op.PUSHPULL: self._on_pushpull,
+                                 Op.OPTIMIZER_SET: self._on_optimizer_set,
+                                 Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
+                                 Op.OPTIMIZER_INFO: self._on_optimizer_info,
+                                 Op.STATE_GET: self._on_state_get, Op.STATE_SET: self._on_state_set}
 
     def join(self) -> None:
         """Register with the scheduler and set up state from the cluster map."""
@@ -61,13 +69,30 @@ class Server:
             raise ProtocolError(f"{msg.op.name} of key {key!r} needs exactly one array")
         return key, (msg.arrays[0] if with_value else None)
 
+    def _gradient(self, msg: Message) -> tuple:
+        key, value = self._key_and_value(msg, True)
+        if self.optimizer is not None and value.dtype.kind != "f":
+            raise DTypeMismatchError(f"key {key!r} holds {value.dtype}; the {self.optimizer.name} "
+                                     "optimizer updates floating-point keys only")
+        return key, value
+
+    def _update(self, key: object, total: np.ndarray, stored: np.ndarray) -> np.ndarray:
+        weight = stored.copy()  # a stored array may still be on its way out in a reply
+        self.optimizer.update(key, weight, total)
+        return weight
+
+    def _need_optimizer(self, what: str) -> Optimizer:
+        if self.optimizer is None:
+            raise OptimizerError(f"{what}: no optimizer is set on this server (call set_optimizer)")
+        return self.optimizer
+
     def _on_init(self, identity: bytes, msg: Message) -> None:
         key, value = self._key_and_value(msg, True)
         self.state.init(key, value)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def _on_push(self, identity: bytes, msg: Message) -> None:
-        key, value = self._key_and_value(msg, True)
+        key, value = self._gradient(msg)
         self._reply_all(self.state.push((identity, msg.seq), msg.sender, key, value))
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
@@ -75,8 +100,50 @@ class Server:
         self._reply_all(self.state.pull((identity, msg.seq), msg.sender, key))
 
     def _on_pushpull(self, identity: bytes, msg: Message) -> None:
-        key, value = self._key_and_value(msg, True)
+        key, value = self._gradient(msg)
         self._reply_all(self.state.pushpull((identity, msg.seq), msg.sender, key, value))
+
+    def _on_optimizer_set(self, identity: bytes, msg: Message) -> None:
+        num_update = msg.body.get("num_update", 0)
+        if not (isinstance(num_update, int) and num_update >= 0):
+            raise ProtocolError("OPTIMIZER_SET's num_update must be an int >= 0")
+        optimizer = from_spec(msg.body.get("spec"))  # raises before anything changes
+        optimizer.num_update = max(optimizer.num_update, num_update)
+        self.optimizer = optimizer
+        self.state.updater = self._update
+        log.info("optimizer set: %s", self.optimizer.spec()["name"])
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _on_optimizer_params(self, identity: bytes, msg: Message) -> None:
+        params = msg.body.get("params")
+        if not (isinstance(params, dict) and all(isinstance(name, str) for name in params)):
+            raise ProtocolError("OPTIMIZER_PARAMS needs a map of parameter names to values")
+        self._need_optimizer("changing optimizer parameters").set_params(**params)
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _on_optimizer_info(self, identity: bytes, msg: Message) -> None:
+        opt = self.optimizer
+        body = {"spec": None, "num_update": 0} if opt is None else {"spec": opt.spec(),
+                                                                    "num_update": opt.num_update}
+        self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
+
+    def _on_state_get(self, identity: bytes, msg: Message) -> None:
+        key, _ = self._key_and_value(msg, False)
+        self.state.value(key)  # the key must be held here
+        found = self._need_optimizer(f"reading the optimizer state of key {key!r}").get_state(key)
+        count, arrays = found if found is not None else (0, {})
+        self.service.reply(identity, Message(Op.OK, {"count": count, "names": list(arrays)},
+                                             arrays=list(arrays.values()), seq=msg.seq))
+
+    def _on_state_set(self, identity: bytes, msg: Message) -> None:
+        key, _ = self._key_and_value(msg, False)
+        count, names = msg.body.get("count"), msg.body.get("names")
+        if not (isinstance(count, int) and count >= 0 and isinstance(names, list)
+                and len(names) == len(msg.arrays) and all(isinstance(n, str) for n in names)):
+            raise ProtocolError(f"STATE_SET of key {key!r} needs a count >= 0 and one name per array")
+        opt = self._need_optimizer(f"setting the optimizer state of key {key!r}")
+        opt.set_state(key, self.state.value(key), count, dict(zip(names, msg.arrays)))
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def run(self) -> int:
         """Serve until the scheduler says SHUTDOWN; return the exit code."""

@@ -23,6 +23,8 @@ TREE = {
     "AuthenticationError": PermissionError,
     "RemoteError": None,
     "StoreClosedError": None,
+    "OptimizerError": ValueError,
+    "FormatError": ValueError,
 }
 BUILTINS = {ValueError, KeyError, TypeError, TimeoutError, ConnectionError, PermissionError}
 

@@ -55,7 +55,8 @@ def test_create_local_properties():
     with kvstore.create("local") as store:
         assert (store.type, store.rank, store.num_workers, store.num_servers) == ("local", 0, 1, 0)
         assert isinstance(store, kvstore.KVStore)
-        assert store.is_capable("optimizer") is False
+        assert store.is_capable("optimizer") is True
+        assert store.is_capable("row_sparse") is False
 
 
 def test_create_defaults_to_local():
