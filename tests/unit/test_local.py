@@ -540,3 +540,76 @@ def test_import_kvstore_does_not_import_torch():
             "kv.pull(1); assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+# -- optimizer in the local store ------------------------------------------------------------------
+
+def _sgd_store(**params):
+    from kvstore import optimizer as kvopt
+    store = kvstore.create("local")
+    store.init(["a", 7], [np.ones((2, 3), np.float32), np.zeros(4, np.float64)])
+    store.set_optimizer(kvopt.create("sgd", **params))
+    return store
+
+
+def test_local_optimizer_applies_the_summed_push():
+    """With sgd the stored value becomes w - lr * rescale * sum(pushed), on numpy and float64 keys."""
+    store = _sgd_store(learning_rate=0.5, rescale_grad=0.25)
+    store.push("a", [np.full((2, 3), 2.0, np.float32), np.full((2, 3), 6.0, np.float32)])
+    store.push(7, np.arange(4.0))
+    np.testing.assert_array_equal(store.pull("a"), np.full((2, 3), 1.0 - 0.5 * 0.25 * 8.0, np.float32))
+    np.testing.assert_array_equal(store.pull(7), -0.5 * 0.25 * np.arange(4.0))
+
+
+def test_local_optimizer_refuses_int_keys_and_changes_nothing():
+    """A push of an int key under an optimizer raises DTypeMismatchError before any key is updated."""
+    store = _sgd_store(learning_rate=1.0)
+    store.init("i", np.arange(3, dtype=np.int64))
+    with pytest.raises(kvstore.DTypeMismatchError, match="floating-point"):
+        store.push(["a", "i"], [np.ones((2, 3), np.float32), np.ones(3, np.int64)])
+    np.testing.assert_array_equal(store.pull("a"), np.ones((2, 3), np.float32))
+
+
+def test_local_set_optimizer_params_and_errors():
+    """set_optimizer_params changes the live optimizer; without one it raises OptimizerError."""
+    bare = kvstore.create("local")
+    with pytest.raises(kvstore.OptimizerError, match="no optimizer"):
+        bare.set_optimizer_params(learning_rate=0.1)
+    with pytest.raises(kvstore.OptimizerError, match="no optimizer"):
+        bare.save_optimizer_states("unused")
+    with pytest.raises(TypeError):
+        bare.set_optimizer("sgd")
+    assert bare.get_optimizer() is None
+    store = _sgd_store(learning_rate=1.0)
+    store.set_optimizer_params(learning_rate=0.1)
+    assert store.get_optimizer().learning_rate == 0.1
+    store.push("a", np.ones((2, 3), np.float32))
+    np.testing.assert_allclose(store.pull("a"), np.full((2, 3), 0.9, np.float32))
+
+
+def test_local_states_round_trip_continues_identically(tmp_path):
+    """Save momentum states, load them into a fresh store: the next updates are bit-identical."""
+    from kvstore import optimizer as kvopt
+    grads = [np.random.default_rng(i).standard_normal((2, 3)).astype(np.float32) for i in range(6)]
+    store = _sgd_store(learning_rate=0.1, momentum=0.9)
+    for g in grads[:3]:
+        store.push("a", g)
+    store.save_optimizer_states(tmp_path / "s.kvs", dump_optimizer=True)
+    fresh = kvstore.create("local")
+    fresh.init(["a", 7], [store.pull("a"), np.zeros(4, np.float64)])
+    fresh.set_optimizer(kvopt.create("adam"))  # replaced by the dumped sgd
+    fresh.load_optimizer_states(tmp_path / "s.kvs")
+    assert fresh.get_optimizer().spec() == store.get_optimizer().spec()
+    for g in grads[3:]:
+        store.push("a", g)
+        fresh.push("a", g)
+    assert store.pull("a").tobytes() == fresh.pull("a").tobytes()
+
+
+def test_local_set_updater_replaces_the_optimizer():
+    """_set_updater after set_optimizer wins: pushes go to the updater, not the optimizer."""
+    store = _sgd_store(learning_rate=1.0)
+    store._set_updater(lambda key, pushed, stored: stored.__iadd__(pushed))
+    store.push("a", np.ones((2, 3), np.float32))
+    np.testing.assert_array_equal(store.pull("a"), np.full((2, 3), 2.0, np.float32))
+    assert store.get_optimizer() is None
