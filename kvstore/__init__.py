@@ -7,9 +7,15 @@
 >>> kv.pull(3)[0, 0]
 np.float32(2.0)
 
+Submodules: ``kvstore.optimizer`` (server-side update rules), ``kvstore.lr_scheduler``,
+``kvstore.checkpoint`` (the file format), ``kvstore.data`` (sharding helpers).
 Importing kvstore never imports torch.
 """
 
+from . import checkpoint as checkpoint
+from . import data as data
+from . import lr_scheduler as lr_scheduler
+from . import optimizer as optimizer
 from .base import KNOWN_TYPES, KVStore, create
 from .errors import (
                      AuthenticationError,
@@ -29,11 +35,12 @@ from .errors import (
                      StoreClosedError,
                      UnknownModeError,
 )
+from .trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "KNOWN_TYPES", "KVStore", "create", "__version__",
+    "KNOWN_TYPES", "KVStore", "create", "Trainer", "__version__",
     "KVStoreError", "ConfigError", "UnknownModeError", "KeyNotInitializedError",
     "DuplicateInitError", "ShapeMismatchError", "DTypeMismatchError", "KeyTypeError",
     "DeadlineExceededError", "NodeLostError", "ProtocolError", "AuthenticationError",

@@ -1,0 +1,312 @@
+"""A gluon-like Trainer over torch parameters: data-parallel steps through a KVStore::
+
+    trainer = Trainer(model.named_parameters(), 'sgd', {'learning_rate': 0.1, 'momentum': 0.9})
+    loss_fn(model(x), y).backward()     # loss SUMMED over the batch
+    trainer.step(len(x))                # rescale_grad = 1 / batch_size, as in gluon
+
+Each trainable parameter is one key, ``f"{key_prefix}/{name or index}"``.  Gradients
+are summed over the workers (never divided by ``num_workers``): in ``dist_sync``
+pass the global batch size to :meth:`Trainer.step`.
+
+**Collective calls.**  In dist modes the Trainer's first use (``step``,
+``allreduce_grads``, ``update``, ``save_states`` or ``load_states``) initialises
+the keys with rank 0's weights and copies them into every worker's parameters,
+and ``save_states``/``load_states`` are collective too: every worker must create
+its Trainers in the same order (the default key prefix counts them) and make the
+same calls in the same order.  The servers hold one optimizer for all keys, so
+Trainers sharing a dist store must not mix update_on_kvstore True and False.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from . import checkpoint
+from . import config as kvconfig
+from . import optimizer as kvoptimizer
+from .base import KVStore, create
+from .optimizer import Optimizer
+
+Tensor = Any  # a torch.Tensor; torch is not imported when this module loads
+_trainers = itertools.count()
+
+
+def resolve_update_on_kvstore(requested: bool | None, store_type: str,
+                              environ: Mapping[str, str] | None = None) -> bool:
+    """Whether updates run in the store (MXNet's rule) for a store of type ``store_type``.
+
+    An explicit True/False is honoured, except False with an async store, which
+    raises ValueError (its updates can only run on the servers).  None means True
+    for async stores, ``KVSTORE_UPDATE_ON_KVSTORE`` (else ``MXNET_UPDATE_ON_KVSTORE``,
+    default 1) for the other dist stores, and False for local stores.
+    """
+    if "async" in store_type:
+        if requested is False:
+            raise ValueError(f"update_on_kvstore=False is not supported with a {store_type!r} store: "
+                             "asynchronous updates run on the servers")
+        return True
+    if requested is not None:
+        return bool(requested)
+    if store_type.startswith("dist"):
+        return kvconfig.load(environ).update_on_kvstore
+    return False
+
+
+def _named_params(params: Any) -> list[tuple[str, Tensor]]:
+    """(name, tensor) pairs from tensors (named by index), (name, tensor) pairs or a dict."""
+    torch = sys.modules.get("torch")
+    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    named = []
+    for i, item in enumerate(items):
+        if torch is not None and isinstance(item, torch.Tensor):
+            named.append((str(i), item))
+        elif (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+              and torch is not None and isinstance(item[1], torch.Tensor)):
+            named.append(item)
+        else:
+            raise TypeError("params must be torch tensors, (name, tensor) pairs or a dict name -> tensor; "
+                            f"got {type(item).__name__} at position {i}")
+    return named
+
+
+class Trainer:
+    """Applies an optimizer to torch parameters, with gradients summed through a KVStore.
+
+    ``params``: an iterable of tensors (keys named by position), of (name, tensor)
+    pairs (``model.named_parameters()``) or a dict name -> tensor; tensors that do
+    not require grad are skipped.  ``optimizer``: a name with ``optimizer_params``,
+    or an :class:`Optimizer` (then ``optimizer_params`` must be None);
+    ``optimizer_params['rescale_grad']`` is the Trainer's scale (default 1.0).
+    ``kvstore``: a store, a mode name, or None ('dist_sync' under the launcher,
+    else 'local').  ``update_on_kvstore``: see :func:`resolve_update_on_kvstore`.
+    ``key_prefix``: defaults to ``f"trainer{i}"``, i counting (from 0) the Trainers
+    made without one in this process; pass the same prefix to load states saved by
+    a Trainer that was made in another order.  Raises ValueError when no parameter requires grad, for a
+    tensor given twice, for ``optimizer_params`` with an Optimizer, and for
+    update_on_kvstore=False with an async store; TypeError for bad ``params``.
+    """
+
+    def __init__(self, params: Iterable[Any] | Mapping[str, Any], optimizer: str | Optimizer,
+                 optimizer_params: Mapping[str, Any] | None = None, kvstore: KVStore | str | None = None,
+                 update_on_kvstore: bool | None = None, key_prefix: str | None = None) -> None:
+        named = [(n, p) for n, p in _named_params(params) if p.requires_grad]
+        if not named:
+            raise ValueError("no parameter requires grad: nothing to train")
+        seen: dict[int, str] = {}
+        for name, p in named:
+            if id(p) in seen:
+                raise ValueError(f"parameter {name!r} is the same tensor as {seen[id(p)]!r}; pass each once")
+            seen[id(p)] = name
+        if len({n for n, _ in named}) != len(named):
+            raise ValueError("parameter names must be unique")
+        if isinstance(optimizer, Optimizer):
+            if optimizer_params is not None:
+                raise ValueError("optimizer_params must be None when optimizer is an Optimizer object; "
+                                 "set its parameters when creating it")
+            self._optimizer, self._scale = optimizer, float(optimizer.rescale_grad)
+        else:
+            opt_params = dict(optimizer_params or {})
+            self._scale = float(opt_params.get("rescale_grad", 1.0))
+            self._optimizer = kvoptimizer.create(optimizer, **opt_params)
+        if kvstore is None:
+            kvstore = "dist_sync" if kvconfig.in_cluster() else "local"
+        store_type = kvstore if isinstance(kvstore, str) else kvstore.type
+        self._update_on_kvstore = resolve_update_on_kvstore(update_on_kvstore, store_type)
+        self._kv = create(kvstore) if isinstance(kvstore, str) else kvstore
+        prefix = f"trainer{next(_trainers)}" if key_prefix is None else key_prefix
+        self._keys = [f"{prefix}/{name}" for name, _ in named]
+        self._params = [p for _, p in named]
+        self._initialized = False
+        self._warned: set[str] = set()
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> Optimizer:
+        """This Trainer's optimizer (with update_on_kvstore in dist modes: without the servers' state)."""
+        return self._optimizer
+
+    @property
+    def kvstore(self) -> KVStore:
+        """The store the gradients go through."""
+        return self._kv
+
+    @property
+    def update_on_kvstore(self) -> bool:
+        """Whether the optimizer runs in the store (servers) rather than in this process."""
+        return self._update_on_kvstore
+
+    @property
+    def keys(self) -> list[str]:
+        """The store keys, one per trainable parameter, in parameter order."""
+        return list(self._keys)
+
+    @property
+    def learning_rate(self) -> float:
+        """The current learning rate (asked of the store when it runs the optimizer)."""
+        if self._update_on_kvstore and self._initialized:
+            remote = self._kv.get_optimizer()
+            if remote is not None:
+                return remote.learning_rate
+        return self._optimizer.learning_rate
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the learning rate here and, with update_on_kvstore, in the store.
+
+        Raises :class:`OptimizerError` when the optimizer has an lr_scheduler.
+        """
+        self._optimizer.set_learning_rate(lr)
+        if self._update_on_kvstore and self._initialized:
+            self._kv.set_optimizer_params(learning_rate=lr)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _init_kvstore(self) -> None:
+        """Collective: store rank 0's weights, copy them into every worker, set the optimizer."""
+        if self._initialized:
+            return
+        self._kv.init(self._keys, self._params)
+        self._kv.pull(self._keys, out=self._params)
+        if self._update_on_kvstore:
+            self._kv.set_optimizer(self._optimizer)
+        self._initialized = True
+
+    def _set_rescale(self, batch_size: float) -> None:
+        """gluon's rule: rescale_grad = scale / batch_size, sent to the store when it changes there."""
+        if not batch_size > 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size!r}")
+        rescale = self._scale / batch_size
+        if rescale == self._optimizer.rescale_grad:
+            return
+        self._optimizer.rescale_grad = rescale
+        if self._update_on_kvstore and self._initialized:
+            self._kv.set_optimizer_params(rescale_grad=rescale)
+
+    def _grads(self, warn: bool = True) -> list[Tensor]:
+        """Each parameter's gradient; zeros (and a warning, once per parameter) where it is None."""
+        import torch
+
+        grads = []
+        for key, p in zip(self._keys, self._params):
+            if p.grad is None:
+                if warn and key not in self._warned:
+                    self._warned.add(key)
+                    warnings.warn(f"parameter {key!r} has no gradient; pushing zeros for it",
+                                  stacklevel=4)
+                grads.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
+            else:
+                grads.append(p.grad)
+        return grads
+
+    def _require_local(self, what: str) -> None:
+        if self._update_on_kvstore:
+            raise RuntimeError(f"{what} is not available when the store runs the optimizer; create the "
+                               "Trainer with update_on_kvstore=False to call it")
+
+    # -- training -----------------------------------------------------------------------------
+    def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
+        """One optimisation step: rescale by ``scale / batch_size``, sum gradients over workers, update.
+
+        With update_on_kvstore, the gradients go to the store in one pushpull and
+        the updated weights come back into the parameters; otherwise
+        :meth:`allreduce_grads` then :meth:`update`.  A parameter without a
+        gradient pushes zeros (a warning names it once, unless
+        ``ignore_stale_grad``).  Raises ValueError for a batch_size <= 0.
+        """
+        self._set_rescale(batch_size)
+        self._init_kvstore()
+        if self._update_on_kvstore:
+            self._kv.pushpull(self._keys, self._grads(not ignore_stale_grad), out=self._params)
+        else:
+            self._allreduce(not ignore_stale_grad)
+            self._update()
+
+    def allreduce_grads(self) -> None:
+        """Sum every parameter's gradient over the workers, in place (update_on_kvstore=False only).
+
+        A parameter whose ``.grad`` is None receives the reduced gradient.
+        Raises RuntimeError when update_on_kvstore is True.
+        """
+        self._require_local("allreduce_grads")
+        self._init_kvstore()
+        self._allreduce(True)
+
+    def _allreduce(self, warn: bool) -> None:
+        grads = self._grads(warn)
+        self._kv.pushpull(self._keys, grads)
+        for p, g in zip(self._params, grads):
+            if p.grad is None:
+                p.grad = g
+
+    def update(self, batch_size: float) -> None:
+        """Apply the optimizer to every parameter with its (already reduced) gradient.
+
+        Uses ``rescale_grad = scale / batch_size``.  Raises RuntimeError when
+        update_on_kvstore is True, ValueError for a batch_size <= 0.
+        """
+        self._require_local("update")
+        self._set_rescale(batch_size)
+        self._init_kvstore()
+        self._update()
+
+    def _update(self) -> None:
+        import torch
+
+        for key, p, g in zip(self._keys, self._params, self._grads()):
+            grad = g.detach().cpu().numpy()
+            if p.device.type == "cpu" and p.is_contiguous():
+                self._optimizer.update(key, p.detach().numpy(), grad)  # shares p's memory
+            else:
+                weight = p.detach().cpu().contiguous().numpy().copy()
+                self._optimizer.update(key, weight, grad)
+                with torch.no_grad():
+                    p.copy_(torch.from_numpy(weight))
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _weights(self) -> dict[str, np.ndarray]:
+        return {k: p.detach().cpu().numpy() for k, p in zip(self._keys, self._params)}
+
+    def save_states(self, fname: str) -> None:
+        """Write the optimizer and its states to ``fname`` (call it on every worker).
+
+        With update_on_kvstore the store saves them (collective: gathered from
+        the servers, rank 0 writes); otherwise rank 0 writes its own, which every
+        worker shares in dist_sync, and the workers then meet at a barrier.
+        """
+        self._init_kvstore()
+        if self._update_on_kvstore:
+            self._kv.save_optimizer_states(str(fname), dump_optimizer=True)
+            return
+        error: Exception | None = None
+        if self._kv.rank == 0:
+            try:
+                checkpoint.write_states(str(fname),
+                                        checkpoint.optimizer_states(self._optimizer, self._weights(), True))
+            except Exception as exc:  # still join the barrier, so no worker is left waiting
+                error = exc
+        if self._kv.num_workers > 1:
+            self._kv.barrier()
+        if error is not None:
+            raise error
+
+    def load_states(self, fname: str) -> None:
+        """Restore the optimizer and its states from ``fname`` (call it on every worker).
+
+        Put the model's weights in place first: the Trainer's first use broadcasts
+        rank 0's weights.  The keys in the file must be this Trainer's (same
+        key_prefix).  Raises :class:`FormatError` for a damaged file and
+        :class:`OptimizerError` (or a key/shape error) for states that do not fit.
+        """
+        self._init_kvstore()
+        if self._update_on_kvstore:
+            self._kv.load_optimizer_states(str(fname))
+            remote = self._kv.get_optimizer()  # the loaded optimizer (a stateless copy in dist modes)
+            if remote is not None:
+                self._optimizer = remote
+        else:
+            states = checkpoint.read_states(str(fname))
+            self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._weights())
