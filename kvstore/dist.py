@@ -395,13 +395,13 @@ class DistKVStore(KVStore):
         return self._to_servers(Op.OPTIMIZER_INFO, {}, "optimizer query")
 
     def get_optimizer(self) -> kvoptimizer.Optimizer | None:
-        """A copy of the servers' optimizer (spec and update count, without state), or None."""
+        """A copy of the servers' optimizer (spec, and the highest update count of any server), or None."""
         self._check_open()
-        info = self._optimizer_info()[0].body
-        if info["spec"] is None:
+        info = [m.body for m in self._optimizer_info()]
+        if info[0]["spec"] is None:
             return None
-        optimizer = kvoptimizer.from_spec(info["spec"])
-        optimizer.num_update = info["num_update"]
+        optimizer = kvoptimizer.from_spec(info[0]["spec"])
+        optimizer.num_update = max(i["num_update"] for i in info)  # a server may hold no updated key
         return optimizer
 
     def _save_states(self, fname: str, dump_optimizer: bool) -> None:

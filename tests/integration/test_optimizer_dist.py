@@ -268,3 +268,18 @@ def test_save_needs_an_optimizer_and_a_writable_place(make_cluster, tmp_path: Pa
     assert isinstance(rank0[0], OptimizerError) and isinstance(rank1[0], OptimizerError)
     assert isinstance(rank0[1], FileNotFoundError) and isinstance(rank1[1], RemoteError)
     assert len(rank0) == len(rank1) == 2
+
+
+def test_get_optimizer_counts_updates_on_any_server(make_cluster) -> None:
+    """get_optimizer's num_update is the highest of all servers, even when server 0 holds no key."""
+    from kvstore.partition import placement
+
+    cluster: Cluster = make_cluster("dist_sync", 1, 3, bound=BOUND)
+    (kv,) = cluster.workers
+    key = next(f"k{i}" for i in range(100) if placement(f"k{i}", 3, 3, kv._seed, BOUND)[0].server != 0)
+    kv.init(key, np.zeros(3, np.float32))
+    kv.set_optimizer(kvopt.create("sgd"))
+    for _ in range(4):
+        kv.push(key, np.ones(3, np.float32))
+    kv.pull(key)
+    assert kv.get_optimizer().num_update == 4
