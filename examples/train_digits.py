@@ -1,28 +1,36 @@
-"""Data-parallel training of a small MLP on scikit-learn's digits through the kvstore.
+"""Data-parallel training of a small MLP on scikit-learn's digits through the kvstore's Trainer.
 
 Run a cluster of 4 workers and 2 servers on this machine::
 
     python launch.py -n 4 -s 2 examples/train_digits.py
     python launch.py -n 4 -s 2 examples/train_digits.py --kvstore dist_async
+    python launch.py -n 4 -s 2 examples/train_digits.py --update-on-kvstore 0 --optimizer nag
 
 or a single process with an in-process store::
 
     python examples/train_digits.py --kvstore local
 
-Every worker trains on its own equal-size shard of the training set, starting
-from rank 0's initial weights (one key per parameter, named like the parameter).
+Every worker trains on its own equal-size shard of the training set
+(``kvstore.data.split``), so every worker runs the same number of steps, and
+starts from rank 0's initial weights (the Trainer broadcasts them at its first
+use; one key per parameter, ``trainer0/`` and the parameter's name).  Each step
+a worker computes the gradients of its batch (the loss summed over the batch)
+and calls ``trainer.step(global batch size)``:
 
-* ``dist_sync`` (and ``local``): each step a worker pushes its gradients, pulls
-  back their sum over all workers, divides by the number of workers and takes a
-  momentum-SGD step.  Every worker applies the same update, so the replicas stay
+* ``dist_sync`` with ``--update-on-kvstore 1`` (the default there): the
+  workers push their gradients, the servers sum them over all workers, run the
+  optimizer (``--optimizer``: sgd, nag, adam, adagrad or rmsprop) on the sum
+  and every worker pulls the new weights back.
+* ``dist_sync`` with ``--update-on-kvstore 0``: the workers pull back the sum of
+  the gradients and each runs the same optimizer itself, so the replicas stay
   identical.
-* ``dist_async``: a server keeps the latest value pushed to a key (there is no
-  server-side optimizer yet), so the keys hold the shared weights instead: a
-  worker takes a step with its own gradients, pushes its weights and pulls the
-  freshest ones back.
+* ``dist_async``: the servers run the optimizer on each worker's push as it
+  arrives (update on kvstore is forced), and a worker continues from the
+  freshest weights it pulls back.
+* ``local``: one process, the same Trainer.
 
-Rank 0 prints the loss and test accuracy; the exit code is 1 when the final test
-accuracy is below ``--min-accuracy``.
+Rank 0 prints the loss and test accuracy per epoch; the exit code is 1 when the
+final test accuracy is below ``--min-accuracy``.
 """
 
 from __future__ import annotations
@@ -37,8 +45,10 @@ from torch import nn
 
 import kvstore
 import kvstore.config
+import kvstore.data
 
 SEED = 0
+OPTIMIZERS = ("sgd", "nag", "adam", "adagrad", "rmsprop")
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,11 +57,34 @@ def parse_args() -> argparse.Namespace:
                         help="store type (default: dist_sync under launch.py, else local)")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate (default: 0.1 for sgd and nag, 0.01 for the others)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="momentum of sgd and nag")
+    parser.add_argument("--update-on-kvstore", choices=("auto", "1", "0"), default="auto",
+                        help="1: the servers run the optimizer; 0: every worker does (dist_sync and local "
+                             "only); auto: the Trainer's default (1 in dist modes)")
     parser.add_argument("--min-accuracy", type=float, default=0.90,
                         help="exit with code 1 when the final test accuracy is lower")
     return parser.parse_args()
+
+
+def optimizer_params(args: argparse.Namespace) -> dict[str, float]:
+    """The optimizer's hyper-parameters from the command line."""
+    params = {"learning_rate": args.lr if args.lr is not None
+              else 0.1 if args.optimizer in ("sgd", "nag") else 0.01}
+    if args.optimizer in ("sgd", "nag"):
+        params["momentum"] = args.momentum
+    return params
+
+
+def update_on_kvstore(args: argparse.Namespace, kv: kvstore.KVStore) -> bool | None:
+    """The --update-on-kvstore choice; dist_async always updates on the servers."""
+    if "async" in kv.type:
+        if args.update_on_kvstore == "0" and kv.rank == 0:
+            print("dist_async updates on the servers: ignoring --update-on-kvstore 0", flush=True)
+        return True
+    return None if args.update_on_kvstore == "auto" else args.update_on_kvstore == "1"
 
 
 def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,35 +101,31 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
-def sgd_step(weights: list[torch.Tensor], grads: list[torch.Tensor], velocity: list[torch.Tensor],
-             lr: float, momentum: float) -> None:
-    """Momentum SGD in place (as torch.optim.SGD does it, without that module's slow import)."""
-    for w, g, v in zip(weights, grads, velocity):
-        v.mul_(momentum).add_(g)
-        w.sub_(v, alpha=lr)
-
-
 def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
     """Train on this worker's shard; return the final test accuracy of this worker's model."""
     rank, workers = kv.rank, kv.num_workers
-    sync = "async" not in kv.type
     x_train, y_train, x_test, y_test = load_data()
-    shard = len(x_train) // workers  # equal shards: every worker runs the same number of steps
-    x_train = x_train[rank * shard:(rank + 1) * shard]
-    y_train = y_train[rank * shard:(rank + 1) * shard]
+    # contiguous equal shards (the remainder is dropped): every worker runs the same number of steps
+    x_train = kvstore.data.split(x_train, workers, rank)
+    y_train = kvstore.data.split(y_train, workers, rank)
+    shard = len(x_train)
 
     torch.manual_seed(SEED)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    names = [name for name, _ in model.named_parameters()]
-    weights = [p.detach() for p in model.parameters()]  # views of the parameters
-    kv.init(names, weights)      # collective: every worker calls it, rank 0's values are stored
-    kv.pull(names, out=weights)  # so that every worker starts from rank 0's weights
-    velocity = [torch.zeros_like(w) for w in weights]
-    loss_fn = nn.CrossEntropyLoss()
+    trainer = kvstore.Trainer(model.named_parameters(), args.optimizer, optimizer_params(args),
+                              kvstore=kv, update_on_kvstore=update_on_kvstore(args, kv))
+    # The loss is SUMMED over the batch and the Trainer sums the gradients over the workers, so a
+    # dist_sync step covers the global batch: step(len(batch) * workers) rescales the sum to the mean
+    # gradient of the global batch (gluon's rule: rescale_grad = 1 / batch_size).  dist_async applies
+    # each worker's push on arrival with the same scale, so one push from every worker moves the
+    # weights about as far as one dist_sync step (1 / len(batch) would take steps `workers` times as
+    # long, too long for this learning rate and momentum).
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
     order = torch.Generator().manual_seed(SEED + rank)
     if rank == 0:
-        print(f"{kv.type}: {workers} worker(s), {kv.num_servers} server(s), "
-              f"{shard} training samples per worker, {len(x_test)} test samples", flush=True)
+        print(f"{kv.type}: {workers} worker(s), {kv.num_servers} server(s), {args.optimizer} "
+              f"{optimizer_params(args)}, {shard} training samples per worker, {len(x_test)} test samples",
+              flush=True)
 
     for epoch in range(1, args.epochs + 1):
         total, started = 0.0, time.perf_counter()
@@ -104,17 +133,8 @@ def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
             model.zero_grad()
             loss = loss_fn(model(x_train[batch]), y_train[batch])
             loss.backward()
-            grads = [p.grad for p in model.parameters()]
-            if sync:
-                kv.push(names, grads)      # push every gradient first (the values are copied) ...
-                kv.pull(names, out=grads)  # ... then pull the sums over all workers back into .grad
-                for g in grads:
-                    g.div_(workers)
-            sgd_step(weights, grads, velocity, args.lr, args.momentum)
-            if not sync:
-                kv.push(names, weights)      # share this worker's new weights ...
-                kv.pull(names, out=weights)  # ... and continue from the latest ones on the servers
-            total += loss.item() * len(batch)
+            trainer.step(len(batch) * workers)
+            total += loss.item()
         if rank == 0:
             print(f"epoch {epoch:3d}  loss {total / shard:.4f}  "
                   f"test accuracy {accuracy(model, x_test, y_test):.3f}  "

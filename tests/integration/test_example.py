@@ -1,14 +1,35 @@
-"""The README's first quick-start line: the digits example trains through launch.py -n 4 -s 2."""
+"""The examples through launch.py: the README's digits run, the cancer MLP and an exact save/resume."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kvstore.checkpoint import load_arrays
 from tests.helpers import REPO
+
+STEPS = 5  # k: the unbroken run trains 2k global steps, the broken one k, then k more after a resume
+
+
+def _launch(args: list[str], timeout: float, env: dict[str, str] | None = None) -> str:
+    """Run ``launch.py ARGS`` in the repository; return its output, failing the test on a non-zero exit."""
+    result = subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=timeout, env={**os.environ, **(env or {})})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    return output
+
+
+def _final_accuracy(output: str) -> float:
+    match = re.search(r"\[worker 0\] final test accuracy (\d\.\d+)", output)
+    assert match, output
+    return float(match.group(1))
 
 
 @pytest.mark.timeout(240)
@@ -16,10 +37,40 @@ def test_example_reaches_accuracy_through_launcher() -> None:
     """4 workers and 2 servers in dist_sync train the digits MLP to >= 0.90 test accuracy and exit 0."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    result = subprocess.run([sys.executable, "launch.py", "-n", "4", "-s", "2", "examples/train_digits.py"],
-                            cwd=REPO, capture_output=True, text=True, timeout=220)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    match = re.search(r"\[worker 0\] final test accuracy (\d\.\d+)", output)
-    assert match, output
-    assert float(match.group(1)) >= 0.90
+    output = _launch(["-n", "4", "-s", "2", "examples/train_digits.py"], timeout=220)
+    assert _final_accuracy(output) >= 0.90
+
+
+@pytest.mark.timeout(180)
+def test_cancer_example_reaches_accuracy_through_launcher() -> None:
+    """2 workers and 1 server train the breast cancer MLP with Adam and a cosine schedule to >= 0.93."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    output = _launch(["-n", "2", "-s", "1", "examples/train_cancer.py"], timeout=160)
+    assert _final_accuracy(output) >= 0.93
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["states-on-servers", "states-in-workers"])
+@pytest.mark.parametrize("optimizer", [
+    ["--optimizer", "sgd", "--momentum", "0.9", "--wd", "0.001"],
+    ["--optimizer", "adam", "--lr-step", "3"],
+], ids=["sgd-momentum", "adam-lr-schedule"])
+def test_resume_on_a_fresh_cluster_matches_unbroken_run(tmp_path: Path, optimizer: list[str],
+                                                        update_on_kvstore: str) -> None:
+    """2k unbroken steps equal, bit for bit, k steps + a checkpoint + k more on a fresh cluster (other -s)."""
+    pytest.importorskip("torch")
+    script = ["examples/checkpoint_resume.py", *optimizer, "--update-on-kvstore", update_on_kvstore]
+    env = {"KVSTORE_BIGARRAY_BOUND": "256"}  # the 32x16 weight and its states are sliced over -s 2
+    ckpt, unbroken, resumed = tmp_path / "ckpt", tmp_path / "unbroken.arrays", tmp_path / "resumed.arrays"
+    _launch(["-n", "2", "-s", "2", *script, "--steps", str(2 * STEPS), "--out", str(unbroken)], 60, env)
+    _launch(["-n", "2", "-s", "1", *script, "--steps", str(STEPS), "--save", str(ckpt)], 60, env)
+    assert {p.name for p in ckpt.iterdir()} >= {"weights.arrays", "trainer.states", "meta.json"}
+    output = _launch(["-n", "2", "-s", "2", *script, "--steps", str(STEPS), "--resume", str(ckpt),
+                      "--out", str(resumed)], 60, env)
+    assert f"steps {STEPS} to {2 * STEPS}" in output, output
+    expected, got = load_arrays(unbroken), load_arrays(resumed)
+    assert sorted(got) == sorted(expected) and len(expected) == 4
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype == np.float32, name
+        assert np.array_equal(got[name], value), f"{name} differs after the resume"
