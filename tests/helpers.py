@@ -68,3 +68,16 @@ class Processes:
 def python() -> str:
     """The interpreter running the tests (children use the same one)."""
     return sys.executable
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Pids of live processes (other than this one) whose environment carries ``tag``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if tag.encode() in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return [p for p in pids if p != os.getpid()]

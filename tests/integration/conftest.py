@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import signal
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ import pytest
 
 from kvstore import config as kvconfig
 from kvstore.dist import DistKVStore
-from tests.helpers import Processes, poll_for, python, run_parallel
+from tests.helpers import Processes, poll_for, python, run_parallel, tagged_pids
 
 _names = itertools.count()
 
@@ -74,6 +77,15 @@ def unique_key(prefix: str = "k") -> str:
 def unique_int_key() -> int:
     """An int key no other test uses."""
     return 1_000_000 + next(_names)
+
+
+@pytest.fixture
+def tag():
+    """A unique environment tag (KVSTORE_TEST_TAG); every process carrying it is killed at teardown."""
+    value = f"kvtest-{uuid.uuid4().hex}"
+    yield value
+    for pid in tagged_pids(value):
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture

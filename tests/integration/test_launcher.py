@@ -7,28 +7,14 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from kvstore.node import role_command
-from tests.helpers import REPO, poll_for
+from tests.helpers import REPO, poll_for, tagged_pids
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "sum_check.py")
-
-
-def _tagged_pids(tag: str) -> list[int]:
-    """Pids of live processes whose environment carries ``tag``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if tag.encode() in (entry / "environ").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return [p for p in pids if p != os.getpid()]
 
 
 def _launch(args: list[str], tag: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -37,15 +23,6 @@ def _launch(args: list[str], tag: str, env: dict[str, str] | None = None) -> sub
     return subprocess.Popen([sys.executable, "launch.py", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-
-
-@pytest.fixture
-def tag():
-    """A unique environment tag; every process carrying it is killed at teardown."""
-    value = f"kvtest-{uuid.uuid4().hex}"
-    yield value
-    for pid in _tagged_pids(value):
-        os.kill(pid, signal.SIGKILL)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
@@ -69,7 +46,7 @@ def test_launch_runs_every_role_and_exits_zero(tag: str, mode: str, workers: int
     assert "[scheduler]" in out and "[server 0]" in out
     # the script never calls close(): the exit hook must leave, so the scheduler stops the servers
     assert "all workers left; shut down" in out, out
-    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
+    assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
 
 
 def test_servers_default_to_workers(tag: str) -> None:
@@ -86,7 +63,7 @@ def test_failing_worker_stops_everything(tag: str) -> None:
     assert rc == 1, out
     assert "worker 1 exited with code 1" in out and "fails on purpose" in out, out
     assert elapsed < 30, f"took {elapsed:.1f} s"  # the others were blocked in a pull with a 600 s deadline
-    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
+    assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
 
 
 def test_worker_exit_code_is_propagated(tag: str) -> None:
@@ -109,7 +86,7 @@ def test_sigint_leaves_nothing(tag: str) -> None:
     proc.send_signal(signal.SIGINT)
     rc, out = _finish(proc, timeout=30)
     assert rc == 130, "".join(lines) + out
-    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
+    assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
 
 
 def test_launch_without_command_is_an_error() -> None:
@@ -150,7 +127,7 @@ def test_missing_command_exits_127(tag: str) -> None:
     """A worker command that does not exist is a one-line error and exit 127, with nothing left."""
     rc, out = _finish(_launch(["-n", "1", "-s", "1", "no-such-command-kvstore"], tag))
     assert rc == 127 and "cannot start no-such-command-kvstore" in out and "Traceback" not in out, out
-    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
+    assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
 
 
 def test_exit_seen_while_a_grandchild_holds_the_output(tag: str) -> None:
@@ -161,4 +138,4 @@ def test_exit_seen_while_a_grandchild_holds_the_output(tag: str) -> None:
                               tag), timeout=45)
     assert rc == 3 and "worker 0 exited with code 3" in out, out
     assert time.monotonic() - start < 30
-    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
+    assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")

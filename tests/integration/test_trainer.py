@@ -13,14 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvstore import checkpoint
-from tests.helpers import REPO, poll_for
+from tests.helpers import REPO, poll_for, tagged_pids
 
 SCRIPT = Path(__file__).parent / "scripts" / "trainer_equiv.py"
 STEPS, GLOBAL_BATCH = 6, 24
@@ -32,28 +31,6 @@ def _load_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _tagged_pids(tag: str) -> list[int]:
-    """Pids of live processes whose environment carries ``tag``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if tag.encode() in (entry / "environ").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return [p for p in pids if p != os.getpid()]
-
-
-@pytest.fixture
-def tag():
-    """A unique environment tag; every process carrying it is killed at teardown."""
-    value = f"kvtest-{uuid.uuid4().hex}"
-    yield value
-    for pid in _tagged_pids(value):
-        os.kill(pid, signal.SIGKILL)
 
 
 def _launch(tag: str, args: list[str], timeout: float = 60) -> str:
@@ -97,4 +74,4 @@ def test_dist_sync_training_matches_one_process(tmp_path: Path, tag: str, monkey
             assert not np.array_equal(weight, initial[param]), f"{key} did not train"
             np.testing.assert_allclose(dist[key], weight.numpy(), rtol=1e-5, atol=1e-6, err_msg=key)
     assert set(dist) == keys
-    assert poll_for(lambda: not _tagged_pids(tag), 10, "every launched process to exit")
+    assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
