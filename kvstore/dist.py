@@ -176,6 +176,22 @@ def _resolve(request: Request, result: Any = None, exc: BaseException | None = N
         request.future.set_result(result)
 
 
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy scalars as Python numbers and maps as [key, value] pairs, for the wire."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return [[_plain(k), _plain(v)] for k, v in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def mode_of(name: str) -> str:
     """The cluster mode behind a dist store name: ``'dist_sync'`` or ``'dist_async'``."""
     return "dist_async" if "async" in name else "dist_sync"
@@ -384,11 +400,23 @@ class DistKVStore(KVStore):
     # -- optimizer -------------------------------------------------------------------------------
     def _set_optimizer(self, optimizer: kvoptimizer.Optimizer) -> None:
         spec = optimizer.spec()
-        self.barrier()  # pushes made before are applied without the optimizer
+        earlier = self._meet()  # pushes made before are applied without the optimizer
         self._collective("set_optimizer", lambda: self._to_servers(
             Op.OPTIMIZER_SET, {"spec": spec}, "set_optimizer"))
+        _raise(earlier)
+
+    def _meet(self) -> KVStoreError | None:
+        """barrier(), but an earlier push's failure is returned, so the caller still meets the others."""
+        try:
+            self.barrier()
+        except DeadlineExceededError:
+            raise
+        except KVStoreError as exc:
+            return exc
+        return None
 
     def _set_optimizer_params(self, params: dict[str, Any]) -> None:
+        params = {name: _plain(value) for name, value in params.items()}
         self._to_servers(Op.OPTIMIZER_PARAMS, {"params": params}, "set_optimizer_params")
 
     def _optimizer_info(self) -> list[Message]:
@@ -405,9 +433,10 @@ class DistKVStore(KVStore):
         return optimizer
 
     def _save_states(self, fname: str, dump_optimizer: bool) -> None:
-        self.barrier()  # every worker's pushes are applied before the states are read
+        earlier = self._meet()  # every worker's pushes are applied before the states are read
         self._collective("save_optimizer_states", lambda: checkpoint.write_states(
             fname, self._gather_states(dump_optimizer)))
+        _raise(earlier)
 
     def _gather_states(self, dump_optimizer: bool) -> checkpoint.StatesFile:
         info = [m.body for m in self._optimizer_info()]
@@ -439,8 +468,9 @@ class DistKVStore(KVStore):
                                      arrays)
 
     def _load_states(self, fname: str) -> None:
-        self.barrier()
+        earlier = self._meet()
         self._collective("load_optimizer_states", lambda: self._scatter_states(fname))
+        _raise(earlier)
 
     def _scatter_states(self, fname: str) -> None:
         states = checkpoint.read_states(fname)

@@ -283,3 +283,32 @@ def test_get_optimizer_counts_updates_on_any_server(make_cluster) -> None:
         kv.push(key, np.ones(3, np.float32))
     kv.pull(key)
     assert kv.get_optimizer().num_update == 4
+
+
+def test_set_optimizer_params_takes_numpy_scalars_and_key_maps(make_cluster) -> None:
+    """numpy scalars and a {key: mult} map (int and str keys) reach the servers as plain values."""
+    cluster: Cluster = make_cluster("dist_sync", 1, 2, bound=BOUND)
+    (kv,) = cluster.workers
+    _train(kv, range(1), params={"learning_rate": 0.1})
+    kv.set_optimizer_params(learning_rate=np.float32(0.25), lr_mult={"small": np.float64(0.5), 3: 2.0})
+    opt = kv.get_optimizer()
+    assert opt.learning_rate == 0.25 and opt.lr_mult == {"small": 0.5, 3: 2.0}
+
+
+def test_collective_after_a_failed_push_still_meets_every_worker(make_cluster) -> None:
+    """A worker whose earlier push failed raises that failure, but only after set_optimizer completed."""
+    cluster: Cluster = make_cluster("dist_sync", 2, 1, bound=BOUND, KVSTORE_REQUEST_TIMEOUT=20)
+
+    def work(kv):
+        kv.init("w", np.zeros(3, np.float32))
+        if kv.rank == 1:  # bypass the client's checks so the server refuses the push
+            kv._push([("w", np.zeros(3, np.float64))], 0)
+        try:
+            kv.set_optimizer(kvopt.create("sgd"))
+        except DTypeMismatchError as exc:
+            return exc
+        return kv.get_optimizer().spec()["name"]
+
+    rank0, rank1 = cluster.run(work)
+    assert rank0 == "sgd"
+    assert isinstance(rank1, DTypeMismatchError)
