@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -81,3 +82,22 @@ def tagged_pids(tag: str) -> list[int]:
             except OSError:
                 continue
     return [p for p in pids if p != os.getpid()]
+
+
+def launch(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python launch.py ARGS`` in the repository in a session of its own, output merged."""
+    return subprocess.Popen([sys.executable, "launch.py", *args], cwd=REPO,
+                            env=dict(os.environ) if env is None else env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
+    """Wait for a :func:`launch`; return (exit code, output).  Past ``timeout`` its whole process
+    group is killed and the test fails with the output so far."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"launcher did not finish within {timeout} s:\n{out}") from None
+    return proc.returncode, out

@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvstore.checkpoint import load_arrays
-from tests.helpers import REPO
+from tests.helpers import finish, launch
 
 STEPS = 5  # k: the unbroken run trains 2k global steps, the broken one k, then k more after a resume
 
 
 def _launch(args: list[str], timeout: float, env: dict[str, str] | None = None) -> str:
     """Run ``launch.py ARGS`` in the repository; return its output, failing the test on a non-zero exit."""
-    result = subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=timeout, env={**os.environ, **(env or {})})
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    rc, output = finish(launch(args, {**os.environ, **(env or {})}), timeout)
+    assert rc == 0, output
     return output
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.node import role_command
-from tests.helpers import REPO, poll_for, tagged_pids
+from tests.helpers import REPO, finish, launch, poll_for, tagged_pids
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "sum_check.py")
 
@@ -20,26 +20,14 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "sum_check.py")
 def _launch(args: list[str], tag: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     env = {"KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
            "KVSTORE_CONNECT_TIMEOUT": "30", **(env or os.environ), "KVSTORE_TEST_TAG": tag}
-    return subprocess.Popen([sys.executable, "launch.py", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"launcher did not finish within {timeout} s:\n{out}") from None
-    return proc.returncode, out
+    return launch(args, env)
 
 
 @pytest.mark.parametrize("mode,workers,servers", [("dist_sync", 2, 2), ("dist_sync", 3, 1),
                                                     ("dist_async", 1, 2)])
 def test_launch_runs_every_role_and_exits_zero(tag: str, mode: str, workers: int, servers: int) -> None:
     """-n W -s S trains nothing but sums right on every worker, prefixes output, exits 0, leaks nothing."""
-    rc, out = _finish(_launch(["-n", str(workers), "-s", str(servers), SCRIPT, mode], tag))
+    rc, out = finish(_launch(["-n", str(workers), "-s", str(servers), SCRIPT, mode], tag))
     assert rc == 0, out
     for rank in range(workers):
         assert f"[worker {rank}] RESULT ok rank={rank} of {workers} servers={servers}" in out, out
@@ -51,14 +39,14 @@ def test_launch_runs_every_role_and_exits_zero(tag: str, mode: str, workers: int
 
 def test_servers_default_to_workers(tag: str) -> None:
     """Without -s the launcher starts as many servers as workers."""
-    rc, out = _finish(_launch(["-n", "2", SCRIPT, "dist_sync"], tag))
+    rc, out = finish(_launch(["-n", "2", SCRIPT, "dist_sync"], tag))
     assert rc == 0 and "servers=2" in out, out
 
 
 def test_failing_worker_stops_everything(tag: str) -> None:
     """A worker that raises makes the launcher exit non-zero within seconds, naming it, leaving no process."""
     start = time.monotonic()
-    rc, out = _finish(_launch(["-n", "3", "-s", "2", SCRIPT, "dist_sync", "1"], tag), timeout=60)
+    rc, out = finish(_launch(["-n", "3", "-s", "2", SCRIPT, "dist_sync", "1"], tag), timeout=60)
     elapsed = time.monotonic() - start
     assert rc == 1, out
     assert "worker 1 exited with code 1" in out and "fails on purpose" in out, out
@@ -68,7 +56,7 @@ def test_failing_worker_stops_everything(tag: str) -> None:
 
 def test_worker_exit_code_is_propagated(tag: str) -> None:
     """The launcher exits with the failed worker's own exit code."""
-    rc, out = _finish(_launch(["-n", "2", "-s", "1", SCRIPT, "dist_sync", "0", "3"], tag))
+    rc, out = finish(_launch(["-n", "2", "-s", "1", SCRIPT, "dist_sync", "0", "3"], tag))
     assert rc == 3 and "worker 0 exited with code 3" in out, out
 
 
@@ -84,7 +72,7 @@ def test_sigint_leaves_nothing(tag: str) -> None:
         if line.startswith("[worker 1] READY"):
             break
     proc.send_signal(signal.SIGINT)
-    rc, out = _finish(proc, timeout=30)
+    rc, out = finish(proc, timeout=30)
     assert rc == 130, "".join(lines) + out
     assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
 
@@ -117,15 +105,15 @@ def test_parent_omp_threads_reach_workers_and_bad_settings_exit_2(tag: str) -> N
     cmd = ["-n", "1", "-s", "1", sys.executable, "-c",
            "import os, kvstore; kv = kvstore.create('dist_sync'); "
            "print('OMP', os.environ['OMP_NUM_THREADS'])"]
-    rc, out = _finish(_launch(cmd, tag, env={**os.environ, "OMP_NUM_THREADS": "3", "KVSTORE_TEST_TAG": tag}))
+    rc, out = finish(_launch(cmd, tag, env={**os.environ, "OMP_NUM_THREADS": "3", "KVSTORE_TEST_TAG": tag}))
     assert rc == 0 and "[worker 0] OMP 3" in out, out
-    rc, out = _finish(_launch(cmd, tag, env={**os.environ, "KVSTORE_CONNECT_TIMEOUT": "soon"}))
+    rc, out = finish(_launch(cmd, tag, env={**os.environ, "KVSTORE_CONNECT_TIMEOUT": "soon"}))
     assert rc == 2 and "KVSTORE_CONNECT_TIMEOUT='soon'" in out and "Traceback" not in out, out
 
 
 def test_missing_command_exits_127(tag: str) -> None:
     """A worker command that does not exist is a one-line error and exit 127, with nothing left."""
-    rc, out = _finish(_launch(["-n", "1", "-s", "1", "no-such-command-kvstore"], tag))
+    rc, out = finish(_launch(["-n", "1", "-s", "1", "no-such-command-kvstore"], tag))
     assert rc == 127 and "cannot start no-such-command-kvstore" in out and "Traceback" not in out, out
     assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
 
@@ -133,7 +121,7 @@ def test_missing_command_exits_127(tag: str) -> None:
 def test_exit_seen_while_a_grandchild_holds_the_output(tag: str) -> None:
     """A worker that exits while its child keeps stdout open is reported at once, and the child killed."""
     start = time.monotonic()
-    rc, out = _finish(_launch(["-n", "1", "-s", "1", sys.executable, "-c",
+    rc, out = finish(_launch(["-n", "1", "-s", "1", sys.executable, "-c",
                                "import subprocess, sys; subprocess.Popen(['sleep', '60']); sys.exit(3)"],
                               tag), timeout=45)
     assert rc == 3 and "worker 0 exited with code 3" in out, out
