@@ -115,6 +115,13 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def _load_states(self, fname: str) -> None: ...
 
+    def _collective(self, what: str, action: Any) -> None:
+        """Run ``action()`` once for all workers (on rank 0) and raise its failure on every worker.
+
+        In one process that is just ``action()``; the dist store adds the barrier.
+        """
+        action()
+
     @abc.abstractmethod
     def get_optimizer(self) -> Optimizer | None:
         """The optimizer in effect, or None (in dist modes: a copy of the servers', without state)."""

@@ -275,23 +275,14 @@ class Trainer:
 
         With update_on_kvstore the store saves them (collective: gathered from
         the servers, rank 0 writes); otherwise rank 0 writes its own, which every
-        worker shares in dist_sync, and the workers then meet at a barrier.
+        worker shares in dist_sync.  Either way a failure is raised on every worker.
         """
         self._init_kvstore()
         if self._update_on_kvstore:
             self._kv.save_optimizer_states(str(fname), dump_optimizer=True)
             return
-        error: Exception | None = None
-        if self._kv.rank == 0:
-            try:
-                checkpoint.write_states(str(fname),
-                                        checkpoint.optimizer_states(self._optimizer, self._weights(), True))
-            except Exception as exc:  # still join the barrier, so no worker is left waiting
-                error = exc
-        if self._kv.num_workers > 1:
-            self._kv.barrier()
-        if error is not None:
-            raise error
+        self._kv._collective("Trainer.save_states", lambda: checkpoint.write_states(
+            str(fname), checkpoint.optimizer_states(self._optimizer, self._weights(), True)))
 
     def load_states(self, fname: str) -> None:
         """Restore the optimizer and its states from ``fname`` (call it on every worker).

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvstore import checkpoint
-from tests.helpers import REPO, poll_for, tagged_pids
+from kvstore.errors import RemoteError
+from tests.helpers import finish, launch, poll_for, tagged_pids
 
 SCRIPT = Path(__file__).parent / "scripts" / "trainer_equiv.py"
 STEPS, GLOBAL_BATCH = 6, 24
@@ -38,16 +36,8 @@ def _launch(tag: str, args: list[str], timeout: float = 60) -> str:
     # a bound of 500 elements splits the first layer's 640-element weight over both servers
     env = {**os.environ, "KVSTORE_BIGARRAY_BOUND": "500", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
            "KVSTORE_CONNECT_TIMEOUT": "30", "KVSTORE_REQUEST_TIMEOUT": "30", "KVSTORE_TEST_TAG": tag}
-    proc = subprocess.Popen([sys.executable, "launch.py", "-n", "3", "-s", "2", str(SCRIPT), *args],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"launcher did not finish within {timeout} s:\n{out}") from None
-    assert proc.returncode == 0, out
+    rc, out = finish(launch(["-n", "3", "-s", "2", str(SCRIPT), *args], env), timeout)
+    assert rc == 0, out
     return out
 
 
@@ -75,3 +65,24 @@ def test_dist_sync_training_matches_one_process(tmp_path: Path, tag: str, monkey
             np.testing.assert_allclose(dist[key], weight.numpy(), rtol=1e-5, atol=1e-6, err_msg=key)
     assert set(dist) == keys
     assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
+
+
+def test_local_update_save_failure_reaches_every_worker(make_cluster, tmp_path: Path) -> None:
+    """With update_on_kvstore=False, rank 0's failure to write the states is raised on every worker."""
+    torch = pytest.importorskip("torch")
+    from kvstore.trainer import Trainer
+
+    cluster = make_cluster("dist_sync", 2, 1)
+
+    def work(kv):
+        weight = torch.zeros(3, requires_grad=True)
+        trainer = Trainer([weight], "sgd", kvstore=kv, update_on_kvstore=False, key_prefix="t")
+        try:
+            trainer.save_states(tmp_path / "no" / "such" / "dir.states")
+        except Exception as exc:  # noqa: BLE001 - the test inspects the type below
+            return exc
+        return None
+
+    rank0, rank1 = cluster.run(work)
+    assert isinstance(rank0, FileNotFoundError)
+    assert isinstance(rank1, RemoteError) and "worker 0" in str(rank1)
