@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import values as V
+from . import xp
 from .errors import DuplicateInitError, KeyNotInitializedError, StoreClosedError, UnknownModeError
 from .optimizer import Optimizer
 from .partition import Key, check_key
@@ -55,6 +56,8 @@ class KVStore(abc.ABC):
         self._meta: dict[Key, V.Meta] = {}
         self._lock = threading.RLock()
         self._closed = False
+        self._device_mode = name in DEVICE_TYPES
+        self._comm: Any = None  # a kvstore.device.DeviceComm, made when a device mode meets CUDA
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -160,15 +163,33 @@ class KVStore(abc.ABC):
             for k, _ in pairs:
                 if k in self._meta:
                     raise DuplicateInitError(f"key {k!r} is already initialised")
-        items = [(k, np.array(V.as_array(vs[0]), copy=True, order="C")) for k, vs in pairs]
         metas = {k: V.meta_of(vs[0]) for k, vs in pairs}
+        items = [(k, xp.to_numpy(vs[0])) for k, vs in pairs]
         self._init(items)  # not under the lock: in dist modes it waits for every worker
         with self._lock:
             self._meta.update(metas)
 
-    def _summed(self, key: Any, value: Any) -> list[tuple[Key, np.ndarray]]:
+    def _device(self) -> Any:
+        """This store's :class:`kvstore.device.DeviceComm`, made on first use (device modes only)."""
+        with self._lock:
+            if self._comm is None:
+                from .device import DeviceComm
+
+                self._comm = DeviceComm()
+            return self._comm
+
+    def _summed(self, key: Any, value: Any) -> list[tuple[Key, Any]]:
+        """Each key with the sum of its values: numpy, or in a device mode with CUDA values a tensor
+        on the key's merge GPU."""
         self._check_open()
-        return [(k, V.summed(k, self._meta_of(k), vs)) for k, vs in group(key, value)]
+        out = []
+        for k, vs in group(key, value):
+            meta = self._meta_of(k)
+            if self._device_mode and any(xp.is_cuda(v) for v in vs):
+                out.append((k, self._device().reduce(k, meta, vs)))
+            else:
+                out.append((k, V.summed(k, meta, vs)))
+        return out
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values; a list of values for one key is summed first.  Returns without waiting.
@@ -187,14 +208,17 @@ class KVStore(abc.ABC):
                 V.check_out(k, self._meta_of(k), o)
         return outs
 
-    def _deliver(self, keys: list[Key], arrays: list[np.ndarray], outs: list[list[Any]] | None,
+    def _deliver(self, keys: list[Key], arrays: list[Any], outs: list[list[Any]] | None,
                  single: bool) -> Any:
         if outs is None:
             results = [V.new_value(self._meta[k], a) for k, a in zip(keys, arrays)]
             return results[0] if single else results
         for targets, array in zip(outs, arrays):
-            for o in targets:
-                V.write(o, array)
+            if self._device_mode and any(xp.is_cuda(o) for o in targets):
+                self._device().deliver(array, targets)
+            else:
+                for o in targets:
+                    V.write(o, array)
         return None
 
     def pull(self, key: Any, out: Any = None, priority: int = 0) -> Any:
@@ -296,6 +320,8 @@ def _registry() -> dict[str, Any]:
             "dist_device_sync": create_dist, "dist_device_async": create_dist}
 
 
+DEVICE_TYPES = frozenset({"device", "local_allreduce_device", "dist_sync_device", "dist_async_device",
+                          "dist_device_sync", "dist_device_async"})
 KNOWN_TYPES: Sequence[str] = ("local", "device", "local_allreduce_cpu", "local_allreduce_device",
                               "local_update_cpu", "dist_sync", "dist_async", "dist_sync_device",
                               "dist_async_device", "dist_device_sync", "dist_device_async")
@@ -304,7 +330,9 @@ KNOWN_TYPES: Sequence[str] = ("local", "device", "local_allreduce_cpu", "local_a
 def create(name: str = "local") -> KVStore:
     """Create a store: ``'local'`` (default), ``'device'``, ``'dist_sync'``, ``'dist_async'``, ...
 
-    The ``*_device`` names and MXNet's aliases act as their CPU twins for now.
+    In the device modes (``'device'``, ``'dist_sync_device'``, ``'dist_async_device'`` and
+    MXNet's aliases) values on CUDA devices are summed on a GPU (docs/devices.md); with
+    numpy arrays and CPU tensors they act exactly as their CPU twins.
     A dist store is one per process: the same mode returns the existing store.
     Raises :class:`UnknownModeError` (listing the known names) for an unknown
     name, :class:`ConfigError` when a dist mode lacks the ``DMLC_*`` variables.

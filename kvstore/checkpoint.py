@@ -24,6 +24,7 @@ from typing import IO, Any
 import numpy as np
 from numpy.lib import format as npy
 
+from . import xp
 from .errors import (
     DTypeMismatchError,
     FormatError,
@@ -359,7 +360,7 @@ def optimizer_states(optimizer: Optimizer, weights: Mapping[Key, Any], dump_opti
     Each entry takes its shape and dtype from ``weights[key]``; the spec is included when
     ``dump_optimizer``.  Raises KeyNotInitializedError when a key with state has no weight.
     """
-    from .values import as_array
+    from .values import describe
 
     entries = []
     for key in sorted(optimizer.states, key=_key_order):
@@ -368,14 +369,14 @@ def optimizer_states(optimizer: Optimizer, weights: Mapping[Key, Any], dump_opti
             continue
         if key not in weights:
             raise KeyNotInitializedError(f"the optimizer has state for key {key!r}, which has no weight")
-        weight = as_array(weights[key])
+        shape, dtype = describe(weights[key])  # a weight on a GPU is not copied
         count, arrays = got
-        entries.append(StateEntry(key, tuple(weight.shape), weight.dtype, int(count), arrays))
+        entries.append(StateEntry(key, shape, dtype, int(count), arrays))
     return StatesFile(optimizer.spec() if dump_optimizer else None, int(optimizer.num_update), entries)
 
 
 def restore_optimizer(states: StatesFile, optimizer: Optimizer | None,
-                      weights: Mapping[Key, np.ndarray]) -> Optimizer:
+                      weights: Mapping[Key, Any]) -> Optimizer:
     """The optimizer to use after loading ``states``, with their state installed.
 
     With a spec in ``states`` that is a new optimizer built from it (``optimizer`` is not
@@ -403,9 +404,9 @@ def restore_optimizer(states: StatesFile, optimizer: Optimizer | None,
         if tuple(weight.shape) != tuple(entry.shape):
             raise ShapeMismatchError(f"optimizer state of key {entry.key!r} is for shape "
                                      f"{tuple(entry.shape)}, but the key has shape {tuple(weight.shape)}")
-        if np.dtype(weight.dtype) != np.dtype(entry.dtype):
+        if xp.dtype_of(weight) != np.dtype(entry.dtype):
             raise DTypeMismatchError(f"optimizer state of key {entry.key!r} is for dtype "
-                                     f"{np.dtype(entry.dtype)}, but the key has dtype {weight.dtype}")
+                                     f"{np.dtype(entry.dtype)}, but the key has dtype {xp.dtype_of(weight)}")
         scratch.set_state(entry.key, weight, entry.count, entry.arrays)
     if scratch is not target:
         target.states.clear()

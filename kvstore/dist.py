@@ -60,7 +60,12 @@ def mode_of(name: str) -> str:
 
 
 class DistKVStore(KVStore):
-    """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster."""
+    """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster.
+
+    In ``dist_*_device`` modes, CUDA values are summed on a GPU and the sum is copied
+    once into pinned memory before it is sent; pulls into CUDA outs are staged
+    in pinned memory and copied to each device on a side stream (``kvstore.device``).
+    """
 
     def __init__(self, name: str, cfg: kvconfig.Config) -> None:
         super().__init__(name)
@@ -182,8 +187,12 @@ class DistKVStore(KVStore):
 
         self._collective(f"init of {len(items)} key(s)", send_all)
 
-    def _push(self, items: list[tuple[Key, np.ndarray]], priority: int) -> None:
-        for key, total in items:  # priority is accepted for MXNet scripts; sends keep call order
+    def _host(self, items: list[tuple[Key, Any]]) -> list[tuple[Key, np.ndarray]]:
+        """The pushed sums as numpy: a GPU sum (device modes) is copied once into pinned memory."""
+        return [(k, t if isinstance(t, np.ndarray) else self._device().to_host(t)) for k, t in items]
+
+    def _push(self, items: list[tuple[Key, Any]], priority: int) -> None:
+        for key, total in self._host(items):  # priority is accepted for MXNet scripts; sends keep call order
             flat = total.reshape(-1)
             requests = [self._send(Op.PUSH, key, p, flat) for p in self._pieces(key)]
             with self._lock:
@@ -207,9 +216,9 @@ class DistKVStore(KVStore):
         requests = [[self._send(Op.PULL, k, p, None) for p in self._pieces(k)] for k in keys]
         return self._collect(keys, requests)
 
-    def _pushpull(self, items: list[tuple[Key, np.ndarray]], priority: int) -> list[np.ndarray]:
+    def _pushpull(self, items: list[tuple[Key, Any]], priority: int) -> list[np.ndarray]:
         requests = [[self._send(Op.PUSHPULL, k, p, total.reshape(-1)) for p in self._pieces(k)]
-                    for k, total in items]
+                    for k, total in self._host(items)]
         return self._collect([k for k, _ in items], requests)
 
     def _flush(self, timeout: float, knob: str) -> None:

@@ -1,4 +1,10 @@
-"""The in-process stores: ``'local'`` and (until the device issue lands) ``'device'``."""
+"""The in-process stores: ``'local'`` (held in numpy) and ``'device'``.
+
+A ``'device'`` store sums CUDA values on a GPU (``kvstore.device``) and, as MXNet's
+does, moves a key's stored value to that GPU the first time a GPU sum reaches it;
+from then on the optimizer (or updater) runs there on torch tensors.  Keys only
+ever pushed from numpy or CPU tensors stay in numpy, exactly as in ``'local'``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import checkpoint
+from . import checkpoint, xp
 from .base import KVStore
 from .errors import DTypeMismatchError, OptimizerError
 from .optimizer import Optimizer
@@ -22,7 +28,7 @@ class LocalKVStore(KVStore):
 
     def __init__(self, name: str = "local") -> None:
         super().__init__(name)
-        self._store: dict[Key, np.ndarray] = {}
+        self._store: dict[Key, Any] = {}  # numpy arrays; in 'device' mode also CUDA tensors
         self._updater: LocalUpdater | None = None
         self._optimizer: Optimizer | None = None
 
@@ -65,8 +71,18 @@ class LocalKVStore(KVStore):
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._store)
             self._updater = None
 
-    def _view(self, key: Key, array: np.ndarray) -> Any:
-        return sys.modules["torch"].from_numpy(array) if self._meta[key].tensor else array
+    def _view(self, key: Key, array: Any) -> Any:
+        if xp.is_numpy(array) and self._meta[key].tensor:
+            return sys.modules["torch"].from_numpy(array)
+        return array
+
+    def _to_device(self, key: Key, total: Any) -> Any:
+        """Move ``key``'s stored value (and optimizer state) to ``total``'s GPU; return the stored value."""
+        stored = self._store[key] = xp.like(total, xp.to_numpy(self._store[key]))
+        state = None if self._optimizer is None else self._optimizer.states.get(key)
+        if state is not None:
+            self._optimizer.states[key] = {n: xp.like(total, xp.to_numpy(a)) for n, a in state.items()}
+        return stored
 
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
         with self._lock:
@@ -77,20 +93,25 @@ class LocalKVStore(KVStore):
         with self._lock:
             if self._optimizer is not None:
                 for key, total in items:
-                    if total.dtype.kind != "f":
-                        raise DTypeMismatchError(f"key {key!r} holds {total.dtype}; the optimizer "
+                    if xp.dtype_of(total).kind != "f":
+                        raise DTypeMismatchError(f"key {key!r} holds {xp.dtype_of(total)}; the optimizer "
                                                  "updates floating-point keys only")
             for key, total in items:
+                stored = self._store[key]
+                if xp.is_tensor(total) and not xp.same_place(stored, total):
+                    stored = self._to_device(key, total)  # a GPU sum: the key moves to its GPU
+                elif xp.is_numpy(total) and xp.is_tensor(stored):
+                    total = xp.like(stored, total)  # CPU values for a key that lives on a GPU
                 if self._optimizer is not None:
-                    self._optimizer.update(key, self._store[key], total)
+                    self._optimizer.update(key, stored, total)
                 elif self._updater is None:
                     self._store[key] = total
                 else:
-                    self._updater(key, self._view(key, total), self._view(key, self._store[key]))
+                    self._updater(key, self._view(key, total), self._view(key, stored))
 
-    def _pull(self, keys: list[Key], priority: int) -> list[np.ndarray]:
+    def _pull(self, keys: list[Key], priority: int) -> list[Any]:
         with self._lock:
-            return [self._store[k].copy() for k in keys]  # an updater may change them in place
+            return [xp.copy(self._store[k]) for k in keys]  # an updater may change them in place
 
     def barrier(self) -> None:
         """Nothing to wait for in a single process."""

@@ -19,6 +19,11 @@ is ``np.clip(x, -clip_gradient, clip_gradient)`` when ``clip_gradient`` is set,
 Arithmetic is in the weight's dtype; with ``multi_precision`` a float16 weight is
 updated through a float32 master copy (state ``"weight32"``).  An optimizer
 travels as its :meth:`Optimizer.spec` (a plain dict), never pickled.
+
+The rules are written once, with Python's in-place operators and the few
+functions of :mod:`kvstore.xp`, so :meth:`Optimizer.update` runs them on numpy
+arrays or on torch tensors on any device (the ``device`` store and the Trainer
+update on the GPU that way), with the same arithmetic in the same order.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from . import lr_scheduler as lrs
+from . import xp
 from .errors import DTypeMismatchError, KeyTypeError, OptimizerError, ShapeMismatchError
 from .lr_scheduler import LRScheduler, int_param, real_param
 from .partition import Key, check_key
@@ -174,51 +180,52 @@ class Optimizer:
     def _mixed(self, dtype: np.dtype) -> bool:
         return self.multi_precision and dtype == np.float16
 
-    def create_state(self, key: Key, weight: np.ndarray) -> dict[str, np.ndarray]:
-        """Fresh state arrays for ``weight``: zeros of its shape and dtype (float32 and a float32
-        copy ``"weight32"`` for a float16 weight with ``multi_precision``).  DTypeMismatchError
-        for a weight that is not floating-point."""
-        _check_float(key, weight)
-        if self._mixed(weight.dtype):
-            state = {"weight32": weight.astype(np.float32, order="C")}
-            state.update((n, np.zeros(weight.shape, np.float32)) for n in self._state_names())
+    def create_state(self, key: Key, weight: Any) -> dict[str, Any]:
+        """Fresh state arrays for ``weight`` (a numpy array or a torch tensor; the states are of the
+        same kind, on the same device): zeros of its shape and dtype (float32 and a float32 copy
+        ``"weight32"`` for a float16 weight with ``multi_precision``).  DTypeMismatchError for a
+        weight that is not floating-point."""
+        dtype = _check_float(key, weight)
+        if self._mixed(dtype):
+            state = {"weight32": xp.cast_copy(weight, np.dtype(np.float32))}
+            state.update((n, xp.zeros(weight, np.dtype(np.float32))) for n in self._state_names())
             return state
-        return {n: np.zeros(weight.shape, weight.dtype) for n in self._state_names()}
+        return {n: xp.zeros(weight, dtype) for n in self._state_names()}
 
     def get_state(self, key: Key) -> tuple[int, dict[str, np.ndarray]] | None:
-        """``(update count, copies of the state arrays)`` of ``key``, or None if it has no state yet."""
+        """``(update count, numpy copies of the state arrays)`` of ``key``, or None if it has no state yet."""
         state = self.states.get(key)
         if state is None:
             return None
-        return self.counts.get(key, self.begin_num_update), {n: a.copy() for n, a in state.items()}
+        return self.counts.get(key, self.begin_num_update), {n: xp.to_numpy(a) for n, a in state.items()}
 
-    def set_state(self, key: Key, weight: np.ndarray, count: int, arrays: Mapping[str, np.ndarray]) -> None:
+    def set_state(self, key: Key, weight: Any, count: int, arrays: Mapping[str, np.ndarray]) -> None:
         """Install saved state for ``key`` (whose current value is ``weight``) and its update count.
 
-        The arrays must have exactly the names of ``create_state(key, weight)``, each of the
-        same size and dtype (any shape); copies reshaped to ``weight``'s shape are kept and
-        ``num_update`` rises to ``count``.  OptimizerError on any mismatch, with nothing changed.
+        The arrays (numpy) must have exactly the names of ``create_state(key, weight)``, each of
+        the same size and dtype (any shape); copies reshaped to ``weight``'s shape, on ``weight``'s
+        side and device, are kept and ``num_update`` rises to ``count``.  OptimizerError on any
+        mismatch, with nothing changed.
         """
         try:
             key = check_key(key)
         except KeyTypeError as exc:
             raise OptimizerError(str(exc)) from None
         count = int_param("count", count)
-        if not isinstance(weight, np.ndarray) or weight.dtype.kind != "f":
-            raise OptimizerError(f"key {key!r}: optimizer state needs a floating-point numpy weight")
+        if not (xp.is_numpy(weight) or xp.is_tensor(weight)) or xp.dtype_of(weight).kind != "f":
+            raise OptimizerError(f"key {key!r}: optimizer state needs a floating-point weight")
         template = self.create_state(key, weight)
         if not isinstance(arrays, Mapping) or set(arrays) != set(template):
             got = sorted(map(str, arrays)) if isinstance(arrays, Mapping) else type(arrays).__name__
             raise OptimizerError(f"key {key!r}: {self.name} state needs arrays {sorted(template)}, got {got}")
-        state: dict[str, np.ndarray] = {}
+        state: dict[str, Any] = {}
         for name, like in template.items():
-            array = arrays[name]
-            if not isinstance(array, np.ndarray) or array.size != like.size or array.dtype != like.dtype:
+            array, dtype, size = arrays[name], xp.dtype_of(like), _size(like)
+            if not isinstance(array, np.ndarray) or array.size != size or array.dtype != dtype:
                 got = (f"{array.dtype}[{array.size}]" if isinstance(array, np.ndarray)
                        else type(array).__name__)
-                raise OptimizerError(f"key {key!r}: state {name!r} must be {like.dtype}[{like.size}], "
-                                     f"got {got}")
-            state[name] = np.array(array, order="C", copy=True).reshape(weight.shape)
+                raise OptimizerError(f"key {key!r}: state {name!r} must be {dtype}[{size}], got {got}")
+            state[name] = xp.like(weight, array.reshape(tuple(weight.shape)))
         self.states[key] = state
         self.counts[key] = count
         self.num_update = max(self.num_update, count)
@@ -230,51 +237,56 @@ class Optimizer:
         self.num_update = self.begin_num_update
 
     # -- update -----------------------------------------------------------------------------------
-    def update(self, key: Key, weight: np.ndarray, grad: np.ndarray) -> None:
+    def update(self, key: Key, weight: Any, grad: Any) -> None:
         """Apply one step to ``weight`` in place with gradient ``grad`` (never written to).
 
-        Creates the key's state on first use, counts the update (``num_update`` is the
-        largest count), then applies the rule with ``learning_rate * lr_mult[key]`` and
+        ``weight`` and ``grad`` are numpy arrays, or torch tensors on one device (the step then
+        runs there).  Creates the key's state on first use, counts the update (``num_update`` is
+        the largest count), then applies the rule with ``learning_rate * lr_mult[key]`` and
         ``wd * wd_mult[key]``.  Raises, before changing anything, KeyTypeError for a bad key,
         DTypeMismatchError for a non-floating weight or a grad of another dtype,
-        ShapeMismatchError for a grad of another shape, ValueError for a read-only weight.
+        ShapeMismatchError for a grad of another shape or state of another shape, TypeError for
+        a grad that is not on the weight's side or device, ValueError for a read-only weight.
         """
         key = check_key(key)
-        _check_float(key, weight)
-        if not isinstance(grad, np.ndarray):
-            raise TypeError(f"key {key!r}: grad must be a numpy array, not {type(grad).__name__}")
-        if grad.shape != weight.shape:
-            raise ShapeMismatchError(f"key {key!r}: grad shape {grad.shape} != weight shape {weight.shape}")
-        if grad.dtype != weight.dtype:
-            raise DTypeMismatchError(f"key {key!r}: grad dtype {grad.dtype} != weight dtype {weight.dtype}")
-        if not weight.flags.writeable:
+        dtype = _check_float(key, weight)
+        if not xp.same_place(weight, grad):
+            raise TypeError(f"key {key!r}: grad must be on the weight's side ({xp.place(weight)}), "
+                            f"not {type(grad).__name__}" + ("" if xp.is_numpy(grad) or not xp.is_tensor(grad)
+                                                            else f" on {grad.device}"))
+        if tuple(grad.shape) != tuple(weight.shape):
+            raise ShapeMismatchError(f"key {key!r}: grad shape {tuple(grad.shape)} != weight shape "
+                                     f"{tuple(weight.shape)}")
+        if xp.dtype_of(grad) != dtype:
+            raise DTypeMismatchError(f"key {key!r}: grad dtype {xp.dtype_of(grad)} != weight dtype {dtype}")
+        if xp.is_numpy(weight) and not weight.flags.writeable:
             raise ValueError(f"key {key!r}: the weight array is read-only")
+        mixed = self._mixed(dtype)
         state = self.states.get(key)
-        if state is not None and not _fits(state, weight, self._mixed(weight.dtype)):
-            raise ShapeMismatchError(f"key {key!r}: its optimizer state fits no {weight.dtype}{weight.shape}")
+        if state is not None and not _fits(state, weight, dtype, mixed):
+            raise ShapeMismatchError(f"key {key!r}: its optimizer state fits no {dtype}{tuple(weight.shape)} "
+                                     f"({xp.place(weight)})")
         if state is None:
             state = self.states[key] = self.create_state(key, weight)
         count = self.counts[key] = self.counts.get(key, self.begin_num_update) + 1
         self.num_update = max(self.num_update, count)
         lr = float(self.learning_rate) * float(self.lr_mult.get(key, 1.0))
         wd = float(self.wd) * float(self.wd_mult.get(key, 1.0))
-        mixed, w = self._mixed(weight.dtype), weight
+        w = weight
         if weight.ndim == 0:  # numpy gives scalars for 0-d results: step on 1-element views
             w, grad, state = weight.reshape(1), grad.reshape(1), {n: a.reshape(1) for n, a in state.items()}
-        g = np.empty(w.shape, np.float32 if mixed else w.dtype)  # the rule's scratch: rescale_grad * grad
-        np.multiply(grad, float(self.rescale_grad), out=g, dtype=g.dtype)
+        g = xp.empty(w, np.dtype(np.float32) if mixed else dtype)  # the rule's scratch: rescale_grad * grad
+        xp.scale_into(g, grad, float(self.rescale_grad))
         self._step(state["weight32"] if mixed else w, g, state, lr, wd, count)
         if mixed:
-            w[...] = state["weight32"]
+            xp.assign(w, state["weight32"])
 
-    def _clip(self, g: np.ndarray) -> np.ndarray:
+    def _clip(self, g: Any) -> Any:
         if self.clip_gradient is not None:
-            c = float(self.clip_gradient)
-            np.clip(g, -c, c, out=g)
+            xp.clip_(g, float(self.clip_gradient))
         return g
 
-    def _step(self, w: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray], lr: float, wd: float,
-              t: int) -> None:
+    def _step(self, w: Any, g: Any, state: dict[str, Any], lr: float, wd: float, t: int) -> None:
         """The rule: update ``w`` in place; ``g`` is ``rescale_grad * grad``, a scratch array."""
         raise NotImplementedError(f"{type(self).__name__} defines no update rule")
 
@@ -297,18 +309,26 @@ class Optimizer:
         return f"{type(self).__name__}({params})"
 
 
-def _check_float(key: Key, weight: Any) -> None:
-    if not isinstance(weight, np.ndarray):
-        raise TypeError(f"key {key!r}: weight must be a numpy array, not {type(weight).__name__}")
-    if weight.dtype.kind != "f":
-        raise DTypeMismatchError(f"key {key!r} holds {weight.dtype}; optimizers update floating-point "
+def _check_float(key: Key, weight: Any) -> np.dtype:
+    """``weight``'s (numpy) dtype; TypeError for no array or tensor, DTypeMismatchError if not float."""
+    if not (xp.is_numpy(weight) or xp.is_tensor(weight)):
+        raise TypeError(f"key {key!r}: weight must be a numpy array or a torch tensor, "
+                        f"not {type(weight).__name__}")
+    dtype = xp.dtype_of(weight)
+    if dtype.kind != "f":
+        raise DTypeMismatchError(f"key {key!r} holds {dtype}; optimizers update floating-point "
                                  "weights only")
+    return dtype
 
 
-def _fits(state: dict[str, np.ndarray], weight: np.ndarray, mixed: bool) -> bool:
-    dtype = np.float32 if mixed else weight.dtype
-    return all(a.shape == weight.shape and a.dtype == dtype for a in state.values()) and (
-        ("weight32" in state) == mixed)
+def _size(a: Any) -> int:
+    return int(a.size) if xp.is_numpy(a) else int(a.numel())
+
+
+def _fits(state: dict[str, Any], weight: Any, dtype: np.dtype, mixed: bool) -> bool:
+    want = np.dtype(np.float32) if mixed else dtype
+    return all(tuple(a.shape) == tuple(weight.shape) and xp.dtype_of(a) == want and xp.same_place(a, weight)
+               for a in state.values()) and (("weight32" in state) == mixed)
 
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {}
@@ -402,8 +422,8 @@ class Adam(Optimizer):
         g *= g
         g *= 1.0 - self.beta2
         var += g
-        np.multiply(mean, lr_t, out=g)
-        denom = np.sqrt(var)
+        xp.scale_into(g, mean, lr_t)
+        denom = xp.sqrt(var)
         denom += self.epsilon
         g /= denom
         w -= g
@@ -428,7 +448,7 @@ class AdaGrad(Optimizer):
         history = state["history"]
         history += g * g
         denom = history + self.eps
-        g /= np.sqrt(denom, out=denom)
+        g /= xp.sqrt_(denom)
         if wd:
             g += w * wd
         g *= -lr
@@ -469,9 +489,9 @@ class RMSProp(Optimizer):
             gbar += g * (1.0 - self.gamma1)
             denom = n - gbar * gbar
         else:
-            denom = n.copy()
+            denom = xp.copy(n)
         denom += self.epsilon
-        g /= np.sqrt(denom, out=denom)
+        g /= xp.sqrt_(denom)
         g *= lr
         if self.centered:
             delta = state["delta"]
@@ -481,7 +501,7 @@ class RMSProp(Optimizer):
         else:
             w -= g
         if self.clip_weights is not None:
-            np.clip(w, -self.clip_weights, self.clip_weights, out=w)
+            xp.clip_(w, self.clip_weights)
 
 
 def create(name: str | Optimizer, **params: Any) -> Optimizer:

@@ -15,6 +15,15 @@ and ``save_states``/``load_states`` are collective too: every worker must create
 its Trainers in the same order (the default key prefix counts them) and make the
 same calls in the same order.  The servers hold one optimizer for all keys, so
 Trainers sharing a dist store must not mix update_on_kvstore True and False.
+
+**Several devices.**  ``params`` may be a list of parameter collections, one per
+device (model replicas with the same names, shapes and dtypes, e.g. copies of one
+model on ``cuda:0`` and ``cuda:1``).  Each step sums every replica's gradient (on a
+GPU in the device modes) and every replica ends the step with the same weights:
+with update_on_kvstore the store's result is copied to each replica; without it
+the summed gradient is copied to each replica and each updates its own weights
+with its own optimizer state (MXNet's one updater per device); saved states are
+the first replica's.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from . import checkpoint
+from . import checkpoint, xp
 from . import config as kvconfig
 from . import optimizer as kvoptimizer
 from .base import KVStore, create
@@ -58,6 +67,34 @@ def resolve_update_on_kvstore(requested: bool | None, store_type: str,
     return False
 
 
+def _is_pair(item: Any, torch: Any) -> bool:
+    return (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+            and torch is not None and isinstance(item[1], torch.Tensor))
+
+
+def _replica_sets(params: Any) -> list[list[tuple[str, Tensor]]]:
+    """One ``[(name, tensor)]`` list per device: several for a list of collections, else one.
+
+    Raises TypeError for bad params, ValueError for replicas that do not match the first.
+    """
+    torch = sys.modules.get("torch")
+    if isinstance(params, (list, tuple)) and params and not any(
+            (torch is not None and isinstance(p, torch.Tensor)) or _is_pair(p, torch) for p in params):
+        sets = [_named_params(p) for p in params]
+    else:
+        return [_named_params(params)]
+    first = sets[0]
+    for i, other in enumerate(sets[1:], 1):
+        if [n for n, _ in other] != [n for n, _ in first]:
+            raise ValueError(f"replica {i} has parameters {[n for n, _ in other][:5]}..., replica 0 "
+                             f"{[n for n, _ in first][:5]}...: replicas must have the same names in order")
+        for (name, a), (_, b) in zip(first, other):
+            if a.shape != b.shape or a.dtype != b.dtype or a.requires_grad != b.requires_grad:
+                raise ValueError(f"parameter {name!r} of replica {i} is {b.dtype}{tuple(b.shape)}, in "
+                                 f"replica 0 {a.dtype}{tuple(a.shape)}: replicas must match")
+    return sets
+
+
 def _named_params(params: Any) -> list[tuple[str, Tensor]]:
     """(name, tensor) pairs from tensors (named by index), (name, tensor) pairs or a dict."""
     torch = sys.modules.get("torch")
@@ -66,8 +103,7 @@ def _named_params(params: Any) -> list[tuple[str, Tensor]]:
     for i, item in enumerate(items):
         if torch is not None and isinstance(item, torch.Tensor):
             named.append((str(i), item))
-        elif (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-              and torch is not None and isinstance(item[1], torch.Tensor)):
+        elif _is_pair(item, torch):
             named.append(item)
         else:
             raise TypeError("params must be torch tensors, (name, tensor) pairs or a dict name -> tensor; "
@@ -80,7 +116,8 @@ class Trainer:
 
     ``params``: an iterable of tensors (keys named by position), of (name, tensor)
     pairs (``model.named_parameters()``) or a dict name -> tensor; tensors that do
-    not require grad are skipped.  ``optimizer``: a name with ``optimizer_params``,
+    not require grad are skipped.  A list of such collections, one per device,
+    trains model replicas (see the module's docstring).  ``optimizer``: a name with ``optimizer_params``,
     or an :class:`Optimizer` (then ``optimizer_params`` must be None);
     ``optimizer_params['rescale_grad']`` is the Trainer's scale (default 1.0).
     ``kvstore``: a store, a mode name, or None ('dist_sync' under the launcher,
@@ -88,21 +125,25 @@ class Trainer:
     ``key_prefix``: defaults to ``f"trainer{i}"``, i counting (from 0) the Trainers
     made without one in this process; pass the same prefix to load states saved by
     a Trainer that was made in another order.  Raises ValueError when no parameter requires grad, for a
-    tensor given twice, for ``optimizer_params`` with an Optimizer, and for
+    tensor given twice, for replicas that do not match, for ``optimizer_params`` with an Optimizer, and for
     update_on_kvstore=False with an async store; TypeError for bad ``params``.
     """
 
     def __init__(self, params: Iterable[Any] | Mapping[str, Any], optimizer: str | Optimizer,
                  optimizer_params: Mapping[str, Any] | None = None, kvstore: KVStore | str | None = None,
                  update_on_kvstore: bool | None = None, key_prefix: str | None = None) -> None:
-        named = [(n, p) for n, p in _named_params(params) if p.requires_grad]
+        replicas = [[(n, p) for n, p in named if p.requires_grad] for named in _replica_sets(params)]
+        named = replicas[0]
         if not named:
             raise ValueError("no parameter requires grad: nothing to train")
         seen: dict[int, str] = {}
-        for name, p in named:
-            if id(p) in seen:
-                raise ValueError(f"parameter {name!r} is the same tensor as {seen[id(p)]!r}; pass each once")
-            seen[id(p)] = name
+        for r, replica in enumerate(replicas):
+            for name, p in replica:
+                label = name if len(replicas) == 1 else f"{name} of replica {r}"
+                if id(p) in seen:
+                    raise ValueError(f"parameter {label!r} is the same tensor as {seen[id(p)]!r}; "
+                                     "pass each once")
+                seen[id(p)] = label
         if len({n for n, _ in named}) != len(named):
             raise ValueError("parameter names must be unique")
         if isinstance(optimizer, Optimizer):
@@ -122,6 +163,9 @@ class Trainer:
         prefix = f"trainer{next(_trainers)}" if key_prefix is None else key_prefix
         self._keys = [f"{prefix}/{name}" for name, _ in named]
         self._params = [p for _, p in named]
+        self._replicas = [[p for _, p in replica] for replica in replicas]  # [device][parameter]
+        # Per-device optimizer state for replicas 1.. (states, counts), swapped in by _update.
+        self._replica_states: list[tuple[dict, dict]] = [({}, {}) for _ in replicas[1:]]
         self._initialized = False
         self._warned: set[str] = set()
 
@@ -170,7 +214,7 @@ class Trainer:
         if self._initialized:
             return
         self._kv.init(self._keys, self._params)
-        self._kv.pull(self._keys, out=self._params)
+        self._kv.pull(self._keys, out=self._per_key(self._replicas))
         if self._update_on_kvstore:
             self._kv.set_optimizer(self._optimizer)
         self._initialized = True
@@ -186,20 +230,27 @@ class Trainer:
         if self._update_on_kvstore and self._initialized:
             self._kv.set_optimizer_params(rescale_grad=rescale)
 
-    def _grads(self, warn: bool = True) -> list[Tensor]:
-        """Each parameter's gradient; zeros (and a warning, once per parameter) where it is None."""
+    def _per_key(self, by_device: list[list[Any]]) -> list[list[Any]]:
+        """``[device][parameter]`` lists regrouped as ``[parameter][device]``, as the store takes them."""
+        return [list(column) for column in zip(*by_device)]
+
+    def _grads(self, warn: bool = True) -> list[list[Tensor]]:
+        """``[device][parameter]`` gradients; zeros (and a warning, once per key) where one is None."""
         import torch
 
         grads = []
-        for key, p in zip(self._keys, self._params):
-            if p.grad is None:
-                if warn and key not in self._warned:
-                    self._warned.add(key)
-                    warnings.warn(f"parameter {key!r} has no gradient; pushing zeros for it",
-                                  stacklevel=4)
-                grads.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
-            else:
-                grads.append(p.grad)
+        for replica in self._replicas:
+            row = []
+            for key, p in zip(self._keys, replica):
+                if p.grad is None:
+                    if warn and key not in self._warned:
+                        self._warned.add(key)
+                        warnings.warn(f"parameter {key!r} has no gradient; pushing zeros for it",
+                                      stacklevel=4)
+                    row.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
+                else:
+                    row.append(p.grad)
+            grads.append(row)
         return grads
 
     def _require_local(self, what: str) -> None:
@@ -220,7 +271,8 @@ class Trainer:
         self._set_rescale(batch_size)
         self._init_kvstore()
         if self._update_on_kvstore:
-            self._kv.pushpull(self._keys, self._grads(not ignore_stale_grad), out=self._params)
+            self._kv.pushpull(self._keys, self._per_key(self._grads(not ignore_stale_grad)),
+                              out=self._per_key(self._replicas))
         else:
             self._allreduce(not ignore_stale_grad)
             self._update()
@@ -237,10 +289,11 @@ class Trainer:
 
     def _allreduce(self, warn: bool) -> None:
         grads = self._grads(warn)
-        self._kv.pushpull(self._keys, grads)
-        for p, g in zip(self._params, grads):
-            if p.grad is None:
-                p.grad = g
+        self._kv.pushpull(self._keys, self._per_key(grads))  # the sum lands in every replica's grad
+        for replica, row in zip(self._replicas, grads):
+            for p, g in zip(replica, row):
+                if p.grad is None:
+                    p.grad = g
 
     def update(self, batch_size: float) -> None:
         """Apply the optimizer to every parameter with its (already reduced) gradient.
@@ -254,17 +307,29 @@ class Trainer:
         self._update()
 
     def _update(self) -> None:
-        import torch
+        """Each replica updates its own weights, replica r > 0 with its own optimizer state."""
+        opt = self._optimizer
+        own = (opt.states, opt.counts)
+        try:
+            for r, (replica, row) in enumerate(zip(self._replicas, self._grads())):
+                if r:
+                    opt.states, opt.counts = self._replica_states[r - 1]
+                for key, p, g in zip(self._keys, replica, row):
+                    weight = _weight_view(p)
+                    grad = g.detach()
+                    grad = grad.cpu().numpy() if xp.is_numpy(weight) else grad.to(p.device)
+                    opt.update(key, weight, grad)
+        finally:
+            opt.states, opt.counts = own
 
-        for key, p, g in zip(self._keys, self._params, self._grads()):
-            grad = g.detach().cpu().numpy()
-            if p.device.type == "cpu" and p.is_contiguous():
-                self._optimizer.update(key, p.detach().numpy(), grad)  # shares p's memory
-            else:
-                weight = p.detach().cpu().contiguous().numpy().copy()
-                self._optimizer.update(key, weight, grad)
-                with torch.no_grad():
-                    p.copy_(torch.from_numpy(weight))
+    def _mirror_states(self) -> None:
+        """Give replicas 1.. copies of the first replica's optimizer state, on their devices."""
+        opt = self._optimizer
+        index = {k: i for i, k in enumerate(self._keys)}
+        for r, replica in enumerate(self._replicas[1:]):
+            states = {k: {n: xp.like(_weight_view(replica[index[k]]), xp.to_numpy(a)) for n, a in st.items()}
+                      for k, st in opt.states.items() if k in index}
+            self._replica_states[r] = (states, dict(opt.counts))
 
     # -- checkpoints --------------------------------------------------------------------------
     def _weights(self) -> dict[str, np.ndarray]:
@@ -301,3 +366,12 @@ class Trainer:
         else:
             states = checkpoint.read_states(str(fname))
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._weights())
+            self._mirror_states()
+
+
+def _weight_view(p: Tensor) -> Any:
+    """What the optimizer updates in place for ``p``: a numpy view of a contiguous CPU tensor
+    (the numpy rules, as on the servers), else the tensor itself (the rules run on its device)."""
+    if p.device.type == "cpu" and p.is_contiguous():
+        return p.detach().numpy()
+    return p.detach()

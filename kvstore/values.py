@@ -12,14 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from . import xp
 from .errors import DTypeMismatchError, ShapeMismatchError
 from .protocol import DTYPES, dtype_name
-
-
-def is_tensor(value: Any) -> bool:
-    """True for a torch tensor (checked without importing torch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+from .xp import is_tensor
 
 
 def is_value(value: Any) -> bool:
@@ -29,50 +25,67 @@ def is_value(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Meta:
-    """What a key was initialised with: shape, dtype, and whether it came as a tensor."""
+    """What a key was initialised with: shape, dtype, whether it came as a tensor, and on which device."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
     tensor: bool
     size: int  # number of elements
+    device: str | None = None  # a tensor's device ('cpu', 'cuda:1'); None for numpy
 
 
 def as_array(value: Any) -> np.ndarray:
-    """Return a numpy view of ``value`` (a copy only for GPU tensors); raise TypeError otherwise."""
+    """Return a numpy view of ``value`` (a copy only for tensors off the CPU).
+
+    Raises TypeError for anything but an array or a dense tensor, DTypeMismatchError
+    for a dtype the wire cannot carry.
+    """
+    describe(value)
     if isinstance(value, np.ndarray):
-        array = value
+        return value
+    tensor = value.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()
+    return tensor.numpy()
+
+
+def describe(value: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """``(shape, numpy dtype)`` of an array or tensor, without copying it off its device.
+
+    Raises TypeError for anything else (or a sparse tensor), DTypeMismatchError for
+    a dtype the wire cannot carry.
+    """
+    if isinstance(value, np.ndarray):
+        shape, dtype = tuple(value.shape), value.dtype
     elif is_tensor(value):
-        tensor = value.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        if tensor.is_conj() or tensor.is_neg():
-            tensor = tensor.resolve_conj().resolve_neg()
-        try:
-            array = tensor.numpy()
-        except TypeError:  # a dtype numpy cannot hold, e.g. bfloat16
-            raise DTypeMismatchError(f"dtype {tensor.dtype} is not supported; use one of "
-                                     f"{', '.join(sorted(DTYPES))}") from None
+        if value.layout != sys.modules["torch"].strided:
+            raise TypeError(f"values must be dense tensors, not {value.layout} ones")
+        shape, dtype = tuple(value.shape), xp.dtype_of(value)
     else:
         raise TypeError(f"values must be numpy arrays or torch tensors, not {type(value).__name__}")
-    if dtype_name(array.dtype) is None:
-        raise DTypeMismatchError(f"dtype {array.dtype} is not supported; use one of (native-order) "
+    if dtype_name(dtype) is None:
+        raise DTypeMismatchError(f"dtype {dtype} is not supported; use one of (native-order) "
                                  f"{', '.join(sorted(DTYPES))}")
-    return array
+    return shape, dtype
 
 
 def meta_of(value: Any) -> Meta:
     """Describe ``value`` for the key it initialises."""
-    array = as_array(value)
-    return Meta(tuple(array.shape), array.dtype, is_tensor(value), int(array.size))
+    shape, dtype = describe(value)
+    return Meta(shape, dtype, is_tensor(value), int(np.prod(shape, dtype=np.int64)),
+                str(value.device) if is_tensor(value) else None)
 
 
-def check(key: Any, meta: Meta, array: np.ndarray, what: str) -> None:
-    """Raise a shape or dtype mismatch error when ``array`` does not fit ``meta``."""
-    if tuple(array.shape) != meta.shape:
-        raise ShapeMismatchError(f"{what} of key {key!r} has shape {tuple(array.shape)}, but the key "
+def check(key: Any, meta: Meta, value: Any, what: str) -> None:
+    """Raise a shape or dtype mismatch error when ``value`` (array or tensor) does not fit ``meta``."""
+    shape, dtype = describe(value)
+    if shape != meta.shape:
+        raise ShapeMismatchError(f"{what} of key {key!r} has shape {shape}, but the key "
                                  f"was initialised with shape {meta.shape}")
-    if array.dtype != meta.dtype:
-        raise DTypeMismatchError(f"{what} of key {key!r} has dtype {array.dtype}, but the key was "
+    if dtype != meta.dtype:
+        raise DTypeMismatchError(f"{what} of key {key!r} has dtype {dtype}, but the key was "
                                  f"initialised with dtype {meta.dtype}")
 
 
@@ -81,9 +94,9 @@ def summed(key: Any, meta: Meta, values: list[Any]) -> np.ndarray:
 
     The caller owns the result; the user's values are never written to.
     """
+    for value in values:
+        check(key, meta, value, "pushed value")
     arrays = [as_array(v) for v in values]
-    for array in arrays:
-        check(key, meta, array, "pushed value")
     total = np.array(arrays[0], copy=True, order="C")
     for array in arrays[1:]:
         total += array
@@ -92,27 +105,34 @@ def summed(key: Any, meta: Meta, values: list[Any]) -> np.ndarray:
 
 def check_out(key: Any, meta: Meta, out: Any) -> None:
     """Raise when ``out`` cannot receive ``key``'s value (type, shape, dtype, read-only)."""
-    array = as_array(out)
-    check(key, meta, array, "out")
+    check(key, meta, out, "out")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"out of key {key!r} is read-only")
     if is_tensor(out) and out.numel() > 1 and 0 in out.stride():
         raise ValueError(f"out of key {key!r} has elements that share memory (an expanded tensor)")
 
 
-def write(out: Any, array: np.ndarray) -> None:
-    """Copy ``array`` into ``out`` (numpy array or torch tensor, any device) in place."""
+def write(out: Any, array: Any) -> None:
+    """Copy ``array`` (numpy, or a tensor on any device) into ``out`` (the same, any device) in place."""
     if isinstance(out, np.ndarray):
-        np.copyto(out, array.reshape(out.shape))
-    else:
-        torch = sys.modules["torch"]
-        with torch.no_grad():  # out may be a parameter that requires grad
-            out.copy_(torch.from_numpy(np.ascontiguousarray(array).reshape(out.shape)))
+        np.copyto(out, (array if isinstance(array, np.ndarray) else xp.to_numpy(array)).reshape(out.shape))
+        return
+    torch = sys.modules["torch"]
+    if isinstance(array, np.ndarray):
+        array = torch.from_numpy(np.ascontiguousarray(array))
+    with torch.no_grad():  # out may be a parameter that requires grad
+        out.copy_(array.reshape(out.shape))
 
 
-def new_value(meta: Meta, array: np.ndarray) -> Any:
-    """Return a fresh writable value of ``meta``'s kind (tensor or array) holding ``array``."""
-    fresh = np.array(array, copy=True, order="C").reshape(meta.shape)
-    if meta.tensor:
-        return sys.modules["torch"].from_numpy(fresh)
-    return fresh
+def new_value(meta: Meta, array: Any) -> Any:
+    """Return a fresh writable value of ``meta``'s kind holding ``array`` (numpy or a tensor).
+
+    Keys initialised with a tensor get a tensor on the device the key was initialised on.
+    """
+    if not meta.tensor:
+        return xp.to_numpy(array).reshape(meta.shape)
+    torch = sys.modules["torch"]
+    if isinstance(array, np.ndarray):
+        fresh = torch.from_numpy(np.array(array, copy=True, order="C").reshape(meta.shape))
+        return fresh if meta.device in (None, "cpu") else fresh.to(meta.device)
+    return array.detach().to(meta.device or "cpu", copy=True).reshape(meta.shape)

@@ -101,3 +101,16 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
         out, _ = proc.communicate()
         raise AssertionError(f"launcher did not finish within {timeout} s:\n{out}") from None
     return proc.returncode, out
+
+
+def cuda_devices(count: int) -> list[str]:
+    """``count`` CUDA device names, cycling over the GPUs there are (several on one GPU if need be).
+
+    Skips the calling test when torch has no CUDA.
+    """
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    return [f"cuda:{i % torch.cuda.device_count()}" for i in range(count)]
