@@ -87,3 +87,51 @@ def test_async_device_applies_each_workers_sum(make_cluster, kind: str) -> None:
     for outs in cluster.run(work):
         for out in outs:  # sgd with lr 1: w = 0 - (2*1 + 2*2)
             np.testing.assert_array_equal(out, np.full(shape, -6.0, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("uok", [True, False], ids=["update_on_kvstore", "update_per_device"])
+def test_trainer_on_dist_sync_device_matches_one_local_model(make_cluster, kind: str, uok: bool) -> None:
+    """2 workers x 2 replicas on dist_sync_device end with one local model's weights (global batches)."""
+    import torch
+
+    from kvstore.data import split
+    from kvstore.trainer import Trainer
+    from tests.unit.test_trainer_devices import (
+        OPTIMIZERS,
+        assert_replicas_equal,
+        batches,
+        replicas,
+        train_replicated,
+        train_single,
+    )
+
+    cluster: Cluster = make_cluster("dist_sync_device", 2, 2, bound=500)  # the 640-element weight splits
+    rows, prefix = batches(5), unique_key("trainer")
+    devices = cuda_devices(2) if kind == "cuda" else ["cpu", "cpu"]
+
+    def work(kv):
+        models = replicas(devices)
+        trainer = Trainer([m.parameters() for m in models], "sgd", OPTIMIZERS["sgd"], kvstore=kv,
+                          update_on_kvstore=uok, key_prefix=prefix)
+        mine = [split(batch, kv.num_workers, kv.rank) for batch in rows]
+        for batch, share in zip(rows, mine):  # step with the global batch size
+            train_replicated(models, _Scaled(trainer, len(batch)), [share])
+        return models
+
+    reference = train_single("sgd", rows)
+    for models in cluster.run(work):
+        assert_replicas_equal(models)
+        for a, b in zip(models[0].parameters(), reference.parameters()):
+            a = a.detach().cpu()
+            assert torch.allclose(a, b.detach(), rtol=1e-5, atol=1e-5), (a - b).abs().max()
+
+
+class _Scaled:
+    """A trainer whose step always passes the global batch size."""
+
+    def __init__(self, trainer, global_batch: int) -> None:
+        self.trainer, self.global_batch = trainer, global_batch
+
+    def step(self, _local: int) -> None:
+        self.trainer.step(self.global_batch)

@@ -552,3 +552,211 @@ def test_reset_states_drops_state_and_counts():
     opt.reset_states()
     assert opt.states == {} and opt.counts == {} and opt.num_update == 0
     np.testing.assert_array_equal(run(opt, 0, start(), grads(1)), first)
+
+
+# -- torch tensors ---------------------------------------------------------------------------------
+
+TORCH_RULES = [
+    ("sgd", {}),
+    ("sgd", {"momentum": 0.9, "wd": 0.01, "clip_gradient": 0.8}),
+    ("nag", {"momentum": 0.85, "wd": 0.01}),
+    ("adam", {"wd": 0.01, "clip_gradient": 0.8}),
+    ("adagrad", {"wd": 0.01}),
+    ("rmsprop", {}),
+    ("rmsprop", {"centered": True, "clip_weights": 1.1}),
+]
+TORCH_IDS = [f"{name}-{i}" for i, (name, _) in enumerate(TORCH_RULES)]
+
+
+def twin_optimizers(name, own, **extra):
+    """Two optimizers with the same parameters: one for a numpy weight, one for a tensor weight."""
+    def make():
+        return kvopt.create(name, learning_rate=0.1, rescale_grad=0.5, **own, **extra)
+
+    return make(), make()
+
+
+def assert_agree(name, dtype, actual, expected):
+    """sgd and nag run the same arithmetic bit for bit; the others may differ by about an ulp."""
+    if name in ("sgd", "nag"):
+        np.testing.assert_array_equal(actual, expected)
+    elif np.dtype(dtype) == np.float32:
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    else:
+        np.testing.assert_allclose(actual, expected, rtol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name,own", TORCH_RULES, ids=TORCH_IDS)
+def test_update_on_torch_tensors_matches_numpy(name, own, dtype):
+    """Five steps on CPU tensors give the numpy path's weights and state; the grad tensor is not written."""
+    torch = pytest.importorskip("torch")
+    np_opt, t_opt = twin_optimizers(name, own)
+    w_np, w_t = start(dtype), torch.tensor(start(dtype))
+    for g in grads(dtype=dtype):
+        g_t = torch.tensor(g)
+        np_opt.update(0, w_np, g)
+        t_opt.update(0, w_t, g_t)
+        np.testing.assert_array_equal(g_t.numpy(), g)
+    assert isinstance(w_t, torch.Tensor) and w_t.dtype == torch.tensor(start(dtype)).dtype
+    assert not np.allclose(w_np, start(dtype))  # the steps did move the weight
+    assert_agree(name, dtype, w_t.numpy(), w_np)
+    assert t_opt.counts == np_opt.counts == {0: STEPS} and t_opt.num_update == STEPS
+    np_count, np_state = np_opt.get_state(0)
+    t_count, t_state = t_opt.get_state(0)
+    assert t_count == np_count and list(t_state) == list(np_state)
+    for n in np_state:
+        assert_agree(name, dtype, t_state[n], np_state[n])
+
+
+@pytest.mark.parametrize("name,own", TORCH_RULES, ids=TORCH_IDS)
+def test_torch_weight_keeps_tensor_state_and_get_state_gives_numpy_copies(name, own):
+    """A tensor weight's state arrays are tensors like it; get_state returns independent numpy copies."""
+    torch = pytest.importorskip("torch")
+    opt = kvopt.create(name, learning_rate=0.1, **own)
+    w = torch.tensor(start(np.float32))
+    for g in grads(2, dtype=np.float32):
+        opt.update("k", w, torch.tensor(g))
+    state = opt.states["k"]
+    assert list(state) == list(opt.state_names(np.float32))
+    for a in state.values():
+        assert isinstance(a, torch.Tensor) and a.dtype == torch.float32 and a.device == w.device
+        assert tuple(a.shape) == SHAPE
+    count, arrays = opt.get_state("k")
+    assert count == 2 and list(arrays) == list(state)
+    for n, a in arrays.items():
+        assert isinstance(a, np.ndarray) and a.dtype == np.float32 and a.shape == SHAPE
+        np.testing.assert_array_equal(a, state[n].numpy())
+        kept = state[n].clone()
+        a += 1.0  # writing the copy leaves the optimizer's tensor alone
+        assert torch.equal(state[n], kept)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_multi_precision_sgd_on_a_float16_tensor_matches_numpy(momentum):
+    """multi_precision sgd on a float16 tensor keeps a float32 tensor weight32 and equals the numpy run."""
+    torch = pytest.importorskip("torch")
+    own = {"momentum": momentum, "wd": 0.01, "clip_gradient": 0.8}
+    np_opt, t_opt = twin_optimizers("sgd", own, multi_precision=True)
+    w_np, w_t = start(np.float16), torch.tensor(start(np.float16))
+    for g in grads(dtype=np.float16):
+        np_opt.update(0, w_np, g)
+        t_opt.update(0, w_t, torch.tensor(g))
+    state = t_opt.states[0]
+    assert list(state) == ["weight32", *(["mom"] if momentum else [])]
+    assert all(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in state.values())
+    assert w_t.dtype == torch.float16
+    assert not np.array_equal(w_np, start(np.float16))
+    np.testing.assert_array_equal(w_t.numpy(), w_np)
+    for n, a in np_opt.states[0].items():
+        np.testing.assert_array_equal(state[n].numpy(), a)
+    np.testing.assert_array_equal(w_t.numpy(), state["weight32"].numpy().astype(np.float16))
+
+
+@pytest.mark.parametrize("name,own", TORCH_RULES, ids=TORCH_IDS)
+def test_set_state_with_a_tensor_weight_stores_tensors(name, own):
+    """set_state takes numpy arrays, keeps tensor copies shaped like the tensor weight; steps go on alike."""
+    torch = pytest.importorskip("torch")
+    np_opt, t_opt = twin_optimizers(name, own)
+    w_np = start()
+    run(np_opt, "k", w_np, grads(3))
+    count, arrays = np_opt.get_state("k")
+    flat = {n: a.reshape(-1).copy() for n, a in arrays.items()}
+    w_t = torch.tensor(w_np)
+    t_opt.set_state("k", w_t, count, flat)
+    assert t_opt.counts == {"k": 3} and t_opt.num_update == 3
+    state = t_opt.states["k"]
+    assert list(state) == list(np_opt.states["k"])
+    for n, a in state.items():
+        assert isinstance(a, torch.Tensor) and a.dtype == torch.float64 and tuple(a.shape) == SHAPE
+        np.testing.assert_array_equal(a.numpy(), arrays[n])
+        flat[n][...] = 123.0  # the arrays given are copied, not kept
+        np.testing.assert_array_equal(a.numpy(), arrays[n])
+    for g in grads(2, seed=4):
+        np_opt.update("k", w_np, g)
+        t_opt.update("k", w_t, torch.tensor(g))
+    assert_agree(name, np.float64, w_t.numpy(), w_np)
+
+
+def test_set_state_with_a_float16_tensor_weight_and_multi_precision():
+    """set_state for a float16 tensor weight with multi_precision stores float32 tensors (and weight32)."""
+    torch = pytest.importorskip("torch")
+    opt = kvopt.create("adam", multi_precision=True)
+    w = torch.tensor(start(np.float16))
+    arrays = {"weight32": start(np.float32), "mean": np.full(SHAPE, 0.5, np.float32),
+              "var": np.full(SHAPE, 0.25, np.float32)}
+    opt.set_state(2, w, 7, arrays)
+    assert opt.counts == {2: 7} and opt.num_update == 7
+    for n, a in opt.states[2].items():
+        assert isinstance(a, torch.Tensor) and a.dtype == torch.float32
+        np.testing.assert_array_equal(a.numpy(), arrays[n])
+    with pytest.raises(OptimizerError):  # float16 arrays do not fit: the state is float32
+        opt.set_state(2, w, 7, {n: a.astype(np.float16) for n, a in arrays.items()})
+
+
+def snapshot(opt, weight):
+    """Copies of everything update may change: weight, counts, num_update and every state array."""
+    def as_np(a):
+        return a.copy() if isinstance(a, np.ndarray) else a.detach().clone().numpy()
+
+    return (as_np(weight), dict(opt.counts), opt.num_update,
+            {k: {n: as_np(a) for n, a in st.items()} for k, st in opt.states.items()})
+
+
+def assert_unchanged(opt, weight, before):
+    w, counts, num_update, states = before
+    assert (dict(opt.counts), opt.num_update) == (counts, num_update)
+    np.testing.assert_array_equal(weight if isinstance(weight, np.ndarray) else weight.numpy(), w)
+    assert set(opt.states) == set(states)
+    for k, st in opt.states.items():
+        assert set(st) == set(states[k])
+        for n, a in st.items():
+            np.testing.assert_array_equal(a if isinstance(a, np.ndarray) else a.numpy(), states[k][n])
+
+
+def test_update_refuses_a_grad_on_the_other_side():
+    """A tensor weight with a numpy grad, or the reverse, raises TypeError and changes nothing."""
+    torch = pytest.importorskip("torch")
+    opt = kvopt.create("adam", learning_rate=0.1)
+    w_t, w_np = torch.tensor(start()), start()
+    opt.update("t", w_t, torch.tensor(grads(1)[0]))
+    opt.update("n", w_np, grads(1)[0])
+    cases = [("t", w_t, grads(1)[0]), ("n", w_np, torch.tensor(grads(1)[0])),
+             ("new", torch.tensor(start()), grads(1)[0]), ("new", start(), torch.tensor(grads(1)[0]))]
+    for key, weight, grad in cases:
+        before = snapshot(opt, weight)
+        with pytest.raises(TypeError, match="side"):
+            opt.update(key, weight, grad)
+        assert_unchanged(opt, weight, before)
+    assert "new" not in opt.states and opt.counts == {"t": 1, "n": 1} and opt.num_update == 1
+
+
+def test_numpy_state_does_not_fit_a_tensor_weight_of_the_same_key():
+    """State made for a numpy weight does not fit a tensor one (or the reverse): ShapeMismatchError."""
+    torch = pytest.importorskip("torch")
+    opt = kvopt.create("sgd", momentum=0.9, learning_rate=0.1)
+    opt.update("a", start(), grads(1)[0])
+    opt.update("b", torch.tensor(start()), torch.tensor(grads(1)[0]))
+    for key, weight, grad in (("a", torch.tensor(start()), torch.tensor(grads(1)[0])),
+                              ("b", start(), grads(1)[0])):
+        before = snapshot(opt, weight)
+        with pytest.raises(ShapeMismatchError):
+            opt.update(key, weight, grad)
+        assert_unchanged(opt, weight, before)
+    assert isinstance(opt.states["a"]["mom"], np.ndarray) and isinstance(opt.states["b"]["mom"], torch.Tensor)
+
+
+@pytest.mark.parametrize("name,own", TORCH_RULES, ids=TORCH_IDS)
+def test_0d_tensor_weights_update_like_0d_numpy_weights(name, own):
+    """A 0-d tensor weight stays 0-d (state too) and steps like a 0-d numpy weight."""
+    torch = pytest.importorskip("torch")
+    np_opt, t_opt = twin_optimizers(name, own)
+    w_np, w_t = np.array(0.7), torch.tensor(0.7, dtype=torch.float64)
+    for g in (1.5, -0.3, 2.0, 0.1, -1.2):
+        np_opt.update(0, w_np, np.array(g))
+        t_opt.update(0, w_t, torch.tensor(g, dtype=torch.float64))
+    assert tuple(w_t.shape) == () and w_np.shape == () and w_np != 0.7
+    assert all(tuple(a.shape) == () and isinstance(a, torch.Tensor) for a in t_opt.states[0].values())
+    assert_agree(name, np.float64, w_t.numpy(), w_np)
+    for n, a in np_opt.states[0].items():
+        assert_agree(name, np.float64, t_opt.states[0][n].numpy(), a)

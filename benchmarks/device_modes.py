@@ -1,0 +1,136 @@
+"""Benchmark of the device modes on one GPU, with several "devices" simulated as tensors on it.
+
+    python benchmarks/device_modes.py [--devices 4] [--sizes 1,16,64] [--repeat 20] [--json out.json]
+
+For each value size (millions of float32 elements) it times, in one run:
+
+- ``raw``: the floor, in plain torch on the GPU: sum the per-device tensors into a
+  fresh tensor, apply sgd (``w -= lr * g``) and copy ``w`` into one out per device;
+- ``device``: the same through ``kvstore.create('device')`` with sgd set
+  (``push`` of the per-device list, then ``pull`` into the per-device outs);
+- ``local``: the same through ``kvstore.create('local')``, which sums on the CPU
+  (every tensor copied off the GPU first) and updates in numpy;
+
+and prints each as a ratio to ``raw`` (1.0 = as fast as hand-written torch), plus
+``local / device``.  It then times what a ``dist_*_device`` worker adds around the
+network: the GPU sum copied off the GPU through pinned memory (``to_host``) against
+a plain ``.cpu()`` copy, and a pulled value staged in pinned memory and copied to
+every device on side streams (``deliver``) against one plain copy per device.
+Exits 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+
+def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs after two warm-ups, synchronising the GPU."""
+    for _ in range(2):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print a table (and write JSON with ``--json``).  Returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, default=4, help="simulated devices (tensors on the GPU)")
+    parser.add_argument("--sizes", default="1,16,64", help="value sizes in millions of float32 elements")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import kvstore
+
+    if not torch.cuda.is_available():
+        print("device_modes: needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    sync = torch.cuda.synchronize
+    dev = torch.device("cuda", 0)
+    print(f"GPU: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}; kvstore {kvstore.__version__}; "
+          f"{args.devices} devices simulated on it; median of {args.repeat}")
+    rows = []
+    header = (f"{'size':>8} {'raw ms':>8} {'device ms':>10} {'local ms':>9} {'device/raw':>11} "
+              f"{'local/device':>13} {'to_host GB/s':>13} {'.cpu() GB/s':>12} {'deliver GB/s':>13} "
+              f"{'copies GB/s':>12}")
+    print(header)
+    for millions in (float(s) for s in args.sizes.split(",")):
+        n = int(millions * 1_000_000)
+        nbytes = 4 * n
+        values = [torch.rand(n, device=dev) for _ in range(args.devices)]
+        outs = [torch.empty(n, device=dev) for _ in range(args.devices)]
+        weight = torch.zeros(n, device=dev)
+        lr = 0.01
+
+        def raw() -> None:
+            total = values[0].clone()
+            for v in values[1:]:
+                total += v
+            total *= lr
+            weight.sub_(total)
+            for out in outs:
+                out.copy_(weight)
+
+        stores = {}
+        for name in ("device", "local"):
+            kv = kvstore.create(name)
+            kv.init("w", torch.zeros(n, device=dev))
+            kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=lr))
+            stores[name] = kv
+
+        def through(kv: kvstore.KVStore) -> Callable[[], None]:
+            def step() -> None:
+                kv.push("w", values)
+                kv.pull("w", out=outs)
+            return step
+
+        t_raw = timed(raw, args.repeat, sync)
+        t_dev = timed(through(stores["device"]), args.repeat, sync)
+        t_loc = timed(through(stores["local"]), max(3, args.repeat // 4), sync)
+        comm = stores["device"]._device()
+        t_host = timed(lambda: comm.to_host(values[0]), args.repeat, sync)
+        t_cpu = timed(lambda: values[0].cpu(), args.repeat, sync)
+        wire = np.random.default_rng(0).random(n, dtype=np.float32)  # a pulled value, as numpy
+        t_deliver = timed(lambda: comm.deliver(wire, outs), args.repeat, sync)
+
+        def plain_copies() -> None:
+            source = torch.from_numpy(wire)
+            for out in outs:
+                out.copy_(source)
+
+        t_copies = timed(plain_copies, args.repeat, sync)
+        row = {"elements": n, "raw_ms": t_raw * 1e3, "device_ms": t_dev * 1e3, "local_ms": t_loc * 1e3,
+               "device_over_raw": t_dev / t_raw, "local_over_device": t_loc / t_dev,
+               "to_host_GBps": nbytes / t_host / 1e9, "cpu_copy_GBps": nbytes / t_cpu / 1e9,
+               "deliver_GBps": nbytes * args.devices / t_deliver / 1e9,
+               "plain_copies_GBps": nbytes * args.devices / t_copies / 1e9}
+        rows.append(row)
+        print(f"{millions:>7g}M {row['raw_ms']:>8.2f} {row['device_ms']:>10.2f} {row['local_ms']:>9.1f} "
+              f"{row['device_over_raw']:>11.2f} {row['local_over_device']:>13.1f} {row['to_host_GBps']:>13.1f} "
+              f"{row['cpu_copy_GBps']:>12.1f} {row['deliver_GBps']:>13.1f} {row['plain_copies_GBps']:>12.1f}")
+        del values, outs, weight, stores
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"devices": args.devices, "gpu": torch.cuda.get_device_name(dev), "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
