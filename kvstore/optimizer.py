@@ -261,6 +261,8 @@ class Optimizer:
             raise DTypeMismatchError(f"key {key!r}: grad dtype {xp.dtype_of(grad)} != weight dtype {dtype}")
         if xp.is_numpy(weight) and not weight.flags.writeable:
             raise ValueError(f"key {key!r}: the weight array is read-only")
+        if xp.is_tensor(weight):  # a parameter that requires grad is updated through its data
+            weight, grad = weight.detach(), grad.detach()
         mixed = self._mixed(dtype)
         state = self.states.get(key)
         if state is not None and not _fits(state, weight, dtype, mixed):

@@ -760,3 +760,14 @@ def test_0d_tensor_weights_update_like_0d_numpy_weights(name, own):
     assert_agree(name, np.float64, w_t.numpy(), w_np)
     for n, a in np_opt.states[0].items():
         assert_agree(name, np.float64, t_opt.states[0][n].numpy(), a)
+
+
+def test_update_of_a_parameter_that_requires_grad_runs_on_its_data() -> None:
+    """A torch Parameter (requires_grad) is updated in place like a plain tensor, its grad untouched."""
+    torch = pytest.importorskip("torch")
+    weight = torch.nn.Parameter(torch.ones(3))
+    grad = torch.full((3,), 2.0)
+    opt = kvopt.create("sgd", learning_rate=0.5, momentum=0.5)
+    opt.update("p", weight, grad)
+    assert weight.requires_grad and torch.equal(weight.detach(), torch.zeros(3))
+    assert torch.equal(grad, torch.full((3,), 2.0)) and opt.counts["p"] == 1
