@@ -5,6 +5,7 @@ Run a cluster of 4 workers and 2 servers on this machine::
     python launch.py -n 4 -s 2 examples/train_digits.py
     python launch.py -n 4 -s 2 examples/train_digits.py --kvstore dist_async
     python launch.py -n 4 -s 2 examples/train_digits.py --update-on-kvstore 0 --optimizer nag
+    python launch.py -n 2 -s 1 examples/train_digits.py --kvstore dist_sync_device --devices cuda:0,cuda:1
 
 or a single process with an in-process store::
 
@@ -28,6 +29,10 @@ and calls ``trainer.step(global batch size)``:
   arrives (update on kvstore is forced), and a worker continues from the
   freshest weights it pulls back.
 * ``local``: one process, the same Trainer.
+* ``--devices D0,D1,...``: one model replica per device in each worker; each
+  replica takes its slice of the batch (``kvstore.data.split_and_load``) and the
+  Trainer sums the replicas' gradients too: on a GPU with a ``*_device`` store
+  (``--kvstore dist_sync_device`` or ``device``), on the CPU otherwise.
 
 Rank 0 prints the loss and test accuracy per epoch; the exit code is 1 when the
 final test accuracy is below ``--min-accuracy``.
@@ -36,6 +41,7 @@ final test accuracy is below ``--min-accuracy``.
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
@@ -64,6 +70,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--update-on-kvstore", choices=("auto", "1", "0"), default="auto",
                         help="1: the servers run the optimizer; 0: every worker does (dist_sync and local "
                              "only); auto: the Trainer's default (1 in dist modes)")
+    parser.add_argument("--devices", default="cpu",
+                        help="comma-separated devices, one model replica on each (e.g. cuda:0,cuda:1)")
     parser.add_argument("--min-accuracy", type=float, default=0.90,
                         help="exit with code 1 when the final test accuracy is lower")
     return parser.parse_args()
@@ -97,8 +105,9 @@ def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    device = next(model.parameters()).device
     with torch.no_grad():
-        return (model(x).argmax(dim=1) == y).float().mean().item()
+        return (model(x.to(device)).argmax(dim=1).cpu() == y).float().mean().item()
 
 
 def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
@@ -112,8 +121,11 @@ def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
 
     torch.manual_seed(SEED)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    trainer = kvstore.Trainer(model.named_parameters(), args.optimizer, optimizer_params(args),
-                              kvstore=kv, update_on_kvstore=update_on_kvstore(args, kv))
+    devices = args.devices.split(",")
+    models = [copy.deepcopy(model).to(d) for d in devices]  # one replica per device
+    trainer = kvstore.Trainer([m.named_parameters() for m in models], args.optimizer,
+                              optimizer_params(args), kvstore=kv,
+                              update_on_kvstore=update_on_kvstore(args, kv))
     # The loss is SUMMED over the batch and the Trainer sums the gradients over the workers, so a
     # dist_sync step covers the global batch: step(len(batch) * workers) rescales the sum to the mean
     # gradient of the global batch (gluon's rule: rescale_grad = 1 / batch_size).  dist_async applies
@@ -123,23 +135,29 @@ def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     order = torch.Generator().manual_seed(SEED + rank)
     if rank == 0:
-        print(f"{kv.type}: {workers} worker(s), {kv.num_servers} server(s), {args.optimizer} "
+        print(f"{kv.type}: {workers} worker(s) x {len(devices)} device(s), {kv.num_servers} server(s), "
+              f"{args.optimizer} "
               f"{optimizer_params(args)}, {shard} training samples per worker, {len(x_test)} test samples",
               flush=True)
 
     for epoch in range(1, args.epochs + 1):
         total, started = 0.0, time.perf_counter()
         for batch in torch.randperm(shard, generator=order).split(args.batch_size):
-            model.zero_grad()
-            loss = loss_fn(model(x_train[batch]), y_train[batch])
-            loss.backward()
+            if len(batch) < len(devices):
+                continue  # too few samples to give every replica one (the same on every worker)
+            xs = kvstore.data.split_and_load(x_train[batch], devices, even_split=False)
+            ys = kvstore.data.split_and_load(y_train[batch], devices, even_split=False)
+            for replica, x, y in zip(models, xs, ys):
+                replica.zero_grad()
+                loss = loss_fn(replica(x), y)
+                loss.backward()
+                total += loss.item()
             trainer.step(len(batch) * workers)
-            total += loss.item()
         if rank == 0:
             print(f"epoch {epoch:3d}  loss {total / shard:.4f}  "
-                  f"test accuracy {accuracy(model, x_test, y_test):.3f}  "
+                  f"test accuracy {accuracy(models[0], x_test, y_test):.3f}  "
                   f"({time.perf_counter() - started:.2f} s)", flush=True)
-    return accuracy(model, x_test, y_test)
+    return accuracy(models[0], x_test, y_test)
 
 
 def main() -> None:

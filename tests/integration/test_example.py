@@ -38,6 +38,17 @@ def test_example_reaches_accuracy_through_launcher() -> None:
 
 
 @pytest.mark.timeout(180)
+def test_example_with_two_replicas_per_worker_on_a_device_store() -> None:
+    """2 workers x 2 CPU replicas on dist_sync_device train the digits MLP to >= 0.90 and exit 0."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    output = _launch(["-n", "2", "-s", "1", "examples/train_digits.py", "--kvstore", "dist_sync_device",
+                      "--devices", "cpu,cpu", "--epochs", "10"], timeout=160)
+    assert "2 worker(s) x 2 device(s)" in output, output
+    assert _final_accuracy(output) >= 0.90
+
+
+@pytest.mark.timeout(180)
 def test_cancer_example_reaches_accuracy_through_launcher() -> None:
     """2 workers and 1 server train the breast cancer MLP with Adam and a cosine schedule to >= 0.93."""
     pytest.importorskip("torch")
