@@ -11,10 +11,12 @@ It does what MXNet's ``CommDevice`` does:
 - **to_host**: a sum that must leave the GPU (a dist push) is copied once into
   pinned CPU memory.
 - **deliver**: a pulled value is copied to every CUDA ``out``: from the wire it
-  is staged once in pinned memory, then one non-blocking copy per ``out`` runs on
-  a side stream of that ``out``'s device.  The side streams first wait for the
-  work already queued on each device's current stream, and the host waits for
-  the copies before returning, so the user's next kernel reads finished values.
+  is staged once in pinned memory, then one non-blocking copy per ``out`` is
+  issued on a side stream of that ``out``'s device (torch runs a copy from
+  another GPU on the source GPU's stream, ordered by its own events).  The side
+  streams first wait for the work already queued on each device's current
+  stream, and the host waits for the copies before returning, so the user's next
+  kernel reads finished values.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ Tensor = Any  # torch.Tensor; torch is imported by the user before anything here
 
 def _torch() -> Any:
     return sys.modules["torch"]
+
+
+def settle(values: list[Any]) -> None:
+    """Wait for the work queued on the current stream of each CUDA device among ``values``."""
+    devices = {v.device for v in values if xp.is_cuda(v)}
+    for device in devices:
+        _torch().cuda.current_stream(device).synchronize()
 
 
 def as_tensor(value: Any) -> Tensor:
@@ -98,8 +107,8 @@ class DeviceComm:
         nbytes = meta.size * meta.dtype.itemsize
         device = self.placement.device(key, nbytes, devices)
         total = as_tensor(values[0]).to(device, memory_format=_torch().contiguous_format, copy=True)
-        for value in values[1:]:
-            total += as_tensor(value).to(device, non_blocking=True)
+        for value in values[1:]:  # non-blocking only from a GPU: a pinned CPU value may change after push
+            total += as_tensor(value).to(device, non_blocking=xp.is_cuda(value))
         return total
 
     # -- host staging -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 from . import checkpoint, logs, transport
 from . import config as kvconfig
 from . import optimizer as kvoptimizer
-from .base import KVStore
+from .base import DEVICE_TYPES, KVStore
 from .errors import (
     ConfigError,
     DeadlineExceededError,
@@ -406,9 +406,11 @@ def _close_at_exit(store: DistKVStore) -> None:
 def create_dist(name: str) -> DistKVStore:
     """Return this process's dist store, joining the cluster on first use.
 
-    Raises :class:`ConfigError` when the process already has a store of another
-    mode, or lacks the ``DMLC_*`` environment; :class:`StoreClosedError` when its
-    store was closed (a process joins its cluster once).
+    A ``*_device`` name turns on GPU sums for the store it returns (the results are
+    the same; only where CUDA values are summed changes).  Raises :class:`ConfigError`
+    when the process already has a store of another mode, or lacks the ``DMLC_*``
+    environment; :class:`StoreClosedError` when its store was closed (a process
+    joins its cluster once).
     """
     global _instance
     with _instance_lock:
@@ -419,6 +421,8 @@ def create_dist(name: str) -> DistKVStore:
             if mode_of(_instance.type) != mode_of(name):
                 raise ConfigError(f"this process already has a {_instance.type} store; one "
                                   f"process joins one cluster, so {name!r} cannot be created")
+            if name in DEVICE_TYPES:  # asking for a device name turns GPU sums on for the shared store
+                _instance._device_mode = True
             return _instance
         store = DistKVStore(name, kvconfig.load())
         _instance = store

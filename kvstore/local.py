@@ -4,6 +4,8 @@ A ``'device'`` store sums CUDA values on a GPU (``kvstore.device``) and, as MXNe
 does, moves a key's stored value to that GPU the first time a GPU sum reaches it;
 from then on the optimizer (or updater) runs there on torch tensors.  Keys only
 ever pushed from numpy or CPU tensors stay in numpy, exactly as in ``'local'``.
+A call that queues GPU work on stored values waits for it before it releases the
+store's lock, so threads on different CUDA streams can share one store.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from . import checkpoint, xp
 from .base import KVStore
+from .device import settle
 from .errors import DTypeMismatchError, OptimizerError
 from .optimizer import Optimizer
 from .partition import Key
@@ -96,6 +99,7 @@ class LocalKVStore(KVStore):
                     if xp.dtype_of(total).kind != "f":
                         raise DTypeMismatchError(f"key {key!r} holds {xp.dtype_of(total)}; the optimizer "
                                                  "updates floating-point keys only")
+            touched = []
             for key, total in items:
                 stored = self._store[key]
                 if xp.is_tensor(total) and not xp.same_place(stored, total):
@@ -108,10 +112,14 @@ class LocalKVStore(KVStore):
                     self._store[key] = total
                 else:
                     self._updater(key, self._view(key, total), self._view(key, stored))
+                touched.append(self._store[key])
+            settle(touched)  # no GPU work on the store is left pending once the lock is released
 
     def _pull(self, keys: list[Key], priority: int) -> list[Any]:
         with self._lock:
-            return [xp.copy(self._store[k]) for k in keys]  # an updater may change them in place
+            copies = [xp.copy(self._store[k]) for k in keys]  # an updater may change them in place
+            settle(copies)
+            return copies
 
     def barrier(self) -> None:
         """Nothing to wait for in a single process."""

@@ -34,8 +34,6 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
-
 from . import checkpoint, xp
 from . import config as kvconfig
 from . import optimizer as kvoptimizer
@@ -332,8 +330,9 @@ class Trainer:
             self._replica_states[r] = (states, dict(opt.counts))
 
     # -- checkpoints --------------------------------------------------------------------------
-    def _weights(self) -> dict[str, np.ndarray]:
-        return {k: p.detach().cpu().numpy() for k, p in zip(self._keys, self._params)}
+    def _weights(self) -> dict[str, Any]:
+        """The first replica's weights as the optimizer updates them (see :func:`_weight_view`)."""
+        return {k: _weight_view(p) for k, p in zip(self._keys, self._params)}
 
     def save_states(self, fname: str) -> None:
         """Write the optimizer and its states to ``fname`` (call it on every worker).

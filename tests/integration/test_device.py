@@ -135,3 +135,15 @@ class _Scaled:
 
     def step(self, _local: int) -> None:
         self.trainer.step(self.global_batch)
+
+
+def test_create_with_a_device_name_turns_gpu_sums_on_for_the_shared_store(make_cluster, monkeypatch) -> None:
+    """The process's dist store, made as dist_sync, becomes a device store when dist_sync_device is asked."""
+    from kvstore import dist
+
+    cluster: Cluster = make_cluster("dist_sync", 1, 1)
+    store = cluster.workers[0]
+    monkeypatch.setattr(dist, "_instance", store)
+    assert dist.create_dist("dist_sync") is store and not store._device_mode
+    assert dist.create_dist("dist_sync_device") is store and store._device_mode
+    assert dist.create_dist("dist_sync") is store and store._device_mode and store.type == "dist_sync"

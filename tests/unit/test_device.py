@@ -173,3 +173,51 @@ def test_to_host_lands_in_pinned_memory_and_deliver_fills_every_device() -> None
         comm.deliver(source, outs)
         for out in outs:
             np.testing.assert_array_equal(out if isinstance(out, np.ndarray) else out.cpu().numpy(), host)
+
+
+@pytest.mark.cuda
+def test_pinned_cpu_value_may_change_once_push_returns() -> None:
+    """A pinned CPU tensor pushed with GPU values is read before push returns."""
+    dev = cuda_devices(1)[0]
+    n = 1 << 24
+    kv = kvstore.create("device")
+    kv.init("k", torch.zeros(n))
+    pinned = torch.ones(n).pin_memory()
+    torch.cuda._sleep(50_000_000)  # keep the GPU busy so a late copy would see the change
+    kv.push("k", [torch.ones(n, device=dev), pinned])
+    pinned.fill_(100.0)
+    assert torch.equal(kv.pull("k"), torch.full((n,), 2.0))
+
+
+@pytest.mark.cuda
+def test_threads_on_their_own_streams_share_a_device_store() -> None:
+    """A pull on another thread's stream, after a push returned, sees that push's update."""
+    import threading
+
+    dev = cuda_devices(1)[0]
+    n = 1 << 22
+    kv = kvstore.create("device")
+    kv.init("k", torch.zeros(n, device=dev))
+    kv.set_optimizer(O.create("sgd", learning_rate=1.0))
+    pushed = threading.Event()
+    seen = []
+
+    def pusher() -> None:
+        with torch.cuda.stream(torch.cuda.Stream(dev)):
+            torch.cuda._sleep(50_000_000)
+            kv.push("k", torch.full((n,), -5.0, device=dev))  # sgd with lr 1: w = 0 - (-5)
+        pushed.set()
+
+    def puller() -> None:
+        assert pushed.wait(30)
+        with torch.cuda.stream(torch.cuda.Stream(dev)):
+            out = torch.zeros(n, device=dev)
+            kv.pull("k", out=out)
+            seen.append(out.cpu())
+
+    threads = [threading.Thread(target=pusher), threading.Thread(target=puller)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert torch.equal(seen[0], torch.full((n,), 5.0))

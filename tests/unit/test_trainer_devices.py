@@ -125,3 +125,39 @@ def test_per_device_states_save_and_load(tmp_path: Path, name: str) -> None:
     assert_replicas_equal(resumed)
     for a, b in zip(models[0].parameters(), resumed[1].parameters()):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+def _resume_matches_unbroken(tmp_path: Path, make_param) -> None:
+    """sgd+momentum updating locally: 2 steps, save, load into a fresh Trainer, 2 more = 4 unbroken."""
+    def trainer_for(weight: torch.Tensor) -> Trainer:
+        return Trainer({"w": weight}, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore="local",
+                       update_on_kvstore=False, key_prefix="r")
+
+    def steps(trainer: Trainer, weight: torch.Tensor, first: int, last: int) -> None:
+        for i in range(first, last):
+            weight.grad = torch.full_like(weight, float(i + 1))
+            trainer.step(1)
+
+    unbroken = make_param()
+    steps(trainer_for(unbroken), unbroken, 0, 4)
+    broken = make_param()
+    first = trainer_for(broken)
+    steps(first, broken, 0, 2)
+    first.save_states(tmp_path / "r.states")
+    second = trainer_for(broken)
+    second.load_states(tmp_path / "r.states")
+    steps(second, broken, 2, 4)
+    assert torch.equal(broken.detach().cpu(), unbroken.detach().cpu())
+
+
+def test_load_states_then_step_on_a_non_contiguous_parameter(tmp_path: Path) -> None:
+    """A transposed (non-contiguous) CPU parameter resumes from saved states and keeps training."""
+    _resume_matches_unbroken(tmp_path, lambda: torch.arange(12.0).reshape(4, 3).t().requires_grad_())
+
+
+@pytest.mark.cuda
+def test_load_states_then_step_on_a_cuda_parameter(tmp_path: Path) -> None:
+    """A CUDA parameter resumes from saved states (loaded onto its GPU) and keeps training."""
+    device = cuda_devices(1)[0]
+    _resume_matches_unbroken(tmp_path,
+                             lambda: torch.arange(12.0, device=device).reshape(4, 3).requires_grad_())
