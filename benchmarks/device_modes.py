@@ -45,6 +45,64 @@ def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> fl
     return statistics.median(times)
 
 
+def measure(n: int, devices: int, repeat: int) -> dict[str, float]:
+    """Time every variant for values of ``n`` float32 elements on ``devices`` simulated devices."""
+    import torch
+
+    import kvstore
+
+    sync = torch.cuda.synchronize
+    dev = torch.device("cuda", 0)
+    nbytes = 4 * n
+    values = [torch.rand(n, device=dev) for _ in range(devices)]
+    outs = [torch.empty(n, device=dev) for _ in range(devices)]
+    weight = torch.zeros(n, device=dev)
+    lr = 0.01
+
+    def raw() -> None:
+        total = values[0].clone()
+        for v in values[1:]:
+            total += v
+        total *= lr
+        weight.sub_(total)
+        for out in outs:
+            out.copy_(weight)
+
+    stores = {}
+    for name in ("device", "local"):
+        kv = kvstore.create(name)
+        kv.init("w", torch.zeros(n, device=dev))
+        kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=lr))
+        stores[name] = kv
+
+    def through(kv: kvstore.KVStore) -> Callable[[], None]:
+        def step() -> None:
+            kv.push("w", values)
+            kv.pull("w", out=outs)
+        return step
+
+    comm = stores["device"]._device()
+    wire = np.random.default_rng(0).random(n, dtype=np.float32)  # a pulled value, as numpy
+
+    def plain_copies() -> None:
+        source = torch.from_numpy(wire)
+        for out in outs:
+            out.copy_(source)
+
+    t_raw = timed(raw, repeat, sync)
+    t_dev = timed(through(stores["device"]), repeat, sync)
+    t_loc = timed(through(stores["local"]), max(3, repeat // 4), sync)
+    t_host = timed(lambda: comm.to_host(values[0]), repeat, sync)
+    t_cpu = timed(lambda: values[0].cpu(), repeat, sync)
+    t_deliver = timed(lambda: comm.deliver(wire, outs), repeat, sync)
+    t_copies = timed(plain_copies, repeat, sync)
+    return {"elements": n, "raw_ms": t_raw * 1e3, "device_ms": t_dev * 1e3, "local_ms": t_loc * 1e3,
+            "device_over_raw": t_dev / t_raw, "local_over_device": t_loc / t_dev,
+            "to_host_GBps": nbytes / t_host / 1e9, "cpu_copy_GBps": nbytes / t_cpu / 1e9,
+            "deliver_GBps": nbytes * devices / t_deliver / 1e9,
+            "plain_copies_GBps": nbytes * devices / t_copies / 1e9}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table (and write JSON with ``--json``).  Returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -61,74 +119,24 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("device_modes: needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    sync = torch.cuda.synchronize
-    dev = torch.device("cuda", 0)
-    print(f"GPU: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}; kvstore {kvstore.__version__}; "
+    gpu = torch.cuda.get_device_name(0)
+    print(f"GPU: {gpu}; torch {torch.__version__}; kvstore {kvstore.__version__}; "
           f"{args.devices} devices simulated on it; median of {args.repeat}")
+    print(f"{'size':>8} {'raw ms':>8} {'device ms':>10} {'local ms':>9} {'device/raw':>11} "
+          f"{'local/device':>13} {'to_host GB/s':>13} {'.cpu() GB/s':>12} {'deliver GB/s':>13} "
+          f"{'copies GB/s':>12}")
     rows = []
-    header = (f"{'size':>8} {'raw ms':>8} {'device ms':>10} {'local ms':>9} {'device/raw':>11} "
-              f"{'local/device':>13} {'to_host GB/s':>13} {'.cpu() GB/s':>12} {'deliver GB/s':>13} "
-              f"{'copies GB/s':>12}")
-    print(header)
     for millions in (float(s) for s in args.sizes.split(",")):
-        n = int(millions * 1_000_000)
-        nbytes = 4 * n
-        values = [torch.rand(n, device=dev) for _ in range(args.devices)]
-        outs = [torch.empty(n, device=dev) for _ in range(args.devices)]
-        weight = torch.zeros(n, device=dev)
-        lr = 0.01
-
-        def raw() -> None:
-            total = values[0].clone()
-            for v in values[1:]:
-                total += v
-            total *= lr
-            weight.sub_(total)
-            for out in outs:
-                out.copy_(weight)
-
-        stores = {}
-        for name in ("device", "local"):
-            kv = kvstore.create(name)
-            kv.init("w", torch.zeros(n, device=dev))
-            kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=lr))
-            stores[name] = kv
-
-        def through(kv: kvstore.KVStore) -> Callable[[], None]:
-            def step() -> None:
-                kv.push("w", values)
-                kv.pull("w", out=outs)
-            return step
-
-        t_raw = timed(raw, args.repeat, sync)
-        t_dev = timed(through(stores["device"]), args.repeat, sync)
-        t_loc = timed(through(stores["local"]), max(3, args.repeat // 4), sync)
-        comm = stores["device"]._device()
-        t_host = timed(lambda: comm.to_host(values[0]), args.repeat, sync)
-        t_cpu = timed(lambda: values[0].cpu(), args.repeat, sync)
-        wire = np.random.default_rng(0).random(n, dtype=np.float32)  # a pulled value, as numpy
-        t_deliver = timed(lambda: comm.deliver(wire, outs), args.repeat, sync)
-
-        def plain_copies() -> None:
-            source = torch.from_numpy(wire)
-            for out in outs:
-                out.copy_(source)
-
-        t_copies = timed(plain_copies, args.repeat, sync)
-        row = {"elements": n, "raw_ms": t_raw * 1e3, "device_ms": t_dev * 1e3, "local_ms": t_loc * 1e3,
-               "device_over_raw": t_dev / t_raw, "local_over_device": t_loc / t_dev,
-               "to_host_GBps": nbytes / t_host / 1e9, "cpu_copy_GBps": nbytes / t_cpu / 1e9,
-               "deliver_GBps": nbytes * args.devices / t_deliver / 1e9,
-               "plain_copies_GBps": nbytes * args.devices / t_copies / 1e9}
+        row = measure(int(millions * 1_000_000), args.devices, args.repeat)
         rows.append(row)
         print(f"{millions:>7g}M {row['raw_ms']:>8.2f} {row['device_ms']:>10.2f} {row['local_ms']:>9.1f} "
-              f"{row['device_over_raw']:>11.2f} {row['local_over_device']:>13.1f} {row['to_host_GBps']:>13.1f} "
-              f"{row['cpu_copy_GBps']:>12.1f} {row['deliver_GBps']:>13.1f} {row['plain_copies_GBps']:>12.1f}")
-        del values, outs, weight, stores
+              f"{row['device_over_raw']:>11.2f} {row['local_over_device']:>13.1f} "
+              f"{row['to_host_GBps']:>13.1f} {row['cpu_copy_GBps']:>12.1f} {row['deliver_GBps']:>13.1f} "
+              f"{row['plain_copies_GBps']:>12.1f}")
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"devices": args.devices, "gpu": torch.cuda.get_device_name(dev), "rows": rows}, fh, indent=1)
+            json.dump({"devices": args.devices, "gpu": gpu, "rows": rows}, fh, indent=1)
     return 0
 
 
