@@ -22,6 +22,11 @@ DEFAULT_BIGARRAY_BOUND = 1_000_000
 DEFAULT_CONNECT_TIMEOUT = 60.0
 DEFAULT_REQUEST_TIMEOUT = 600.0
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+# Liveness: every node heartbeats once a second from a thread of its own; a node is declared lost
+# after 10 s of silence -- long enough for a stop-the-world pause (GC, a page storm) or a scheduler
+# busy with a burst of barriers, short enough that a dead peer is reported well inside a minute.
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class Config:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     port_file: str | None = None
     log_level: str | None = None
     update_on_kvstore: bool = True
@@ -122,6 +129,11 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     role = _str(env, "DMLC_ROLE")
     if role is not None and role not in ROLES:
         raise ConfigError(f"DMLC_ROLE={role!r} is not one of {', '.join(ROLES)}")
+    interval = _seconds(env, "KVSTORE_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL)
+    timeout = _seconds(env, "KVSTORE_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT)
+    if timeout < 2 * interval:
+        raise ConfigError(f"KVSTORE_HEARTBEAT_TIMEOUT={timeout:g} must be at least twice "
+                          f"KVSTORE_HEARTBEAT_INTERVAL={interval:g}, or one late beat declares a node lost")
     return Config(
         role=role,
         root_uri=_str(env, "DMLC_PS_ROOT_URI"),
@@ -139,6 +151,8 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         connect_timeout=_seconds(env, "KVSTORE_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT),
         request_timeout=_seconds(env, "KVSTORE_REQUEST_TIMEOUT", DEFAULT_REQUEST_TIMEOUT),
         shutdown_timeout=_seconds(env, "KVSTORE_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT),
+        heartbeat_interval=interval,
+        heartbeat_timeout=timeout,
         port_file=_str(env, "KVSTORE_PORT_FILE"),
         log_level=level,
         update_on_kvstore=bool(_int(env, "KVSTORE_UPDATE_ON_KVSTORE", minimum=0, maximum=1,

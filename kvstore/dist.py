@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout  # the built-in from 3.11 on
@@ -25,11 +26,13 @@ from .errors import (
     ConfigError,
     DeadlineExceededError,
     KVStoreError,
+    NodeLostError,
     OptimizerError,
     StoreClosedError,
     error_code,
     error_from_code,
 )
+from .heartbeat import Heartbeat
 from .iothread import SCHEDULER, IOThread, Request
 from .partition import Key, Piece, placement
 from .protocol import Message, Op
@@ -89,6 +92,9 @@ class DistKVStore(KVStore):
         self._io = IOThread(scheduler, servers, self._rank)
         self._io.start()
         self._pending: dict[Key, list[Request]] = {}
+        self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
+        self._heartbeat = Heartbeat(cfg, "worker", self._rank, self._on_lost)
+        self._heartbeat.start()
         log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
 
     # -- properties -----------------------------------------------------------------------------
@@ -113,6 +119,14 @@ class DistKVStore(KVStore):
             raise StoreClosedError(f"this store belongs to process {self._pid}; a forked child must "
                                    "not use its parent's store")
         super()._check_open()
+        lost = self._lost
+        if lost is not None:
+            raise NodeLostError(str(lost), role=lost.role, rank=lost.rank, host=lost.host)
+
+    def _on_lost(self, error: NodeLostError) -> None:
+        """The heartbeat thread's report: every waiting and later call raises ``error``."""
+        self._lost = error
+        self._io.fail(error)
 
     def _pieces(self, key: Key) -> list[Piece]:
         return placement(key, self._meta[key].size if key in self._meta else 0,
@@ -135,6 +149,10 @@ class DistKVStore(KVStore):
                         "every worker has pushed that key)" if self._mode == "dist_sync" and data else "")
                 raise DeadlineExceededError(f"{request.what}: no reply after {timeout:g} s "
                                             f"({knob}){hint}") from None
+            except NodeLostError as exc:  # e.g. a barrier the scheduler failed: the cluster is broken
+                if exc.role is not None and self._lost is None:
+                    self._on_lost(exc)
+                raise
         return results
 
     def _raise_push_failures(self, keys: list[Key]) -> None:
@@ -368,22 +386,35 @@ class DistKVStore(KVStore):
     def close(self) -> None:
         """Drain outstanding requests, tell the scheduler this worker left, close the sockets.
 
-        Idempotent.  Raises the failure of an outstanding push, if any, after closing.
+        From then on this worker no longer counts toward barriers and dist_sync rounds, so the
+        others can finish epochs with more batches.  Idempotent.  Raises the failure of an
+        outstanding push, if any, after closing.
         """
+        self._close(None)
+
+    def _close(self, failure: str | None) -> None:
+        """close(); with ``failure`` (the process is dying of it) nothing is drained, and the
+        scheduler is told this worker failed, so every other worker raises NodeLostError."""
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
         error: BaseException | None = None
         timeout = self._cfg.shutdown_timeout
-        try:
-            self._flush(timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
-        except KVStoreError as exc:
-            error = exc
-        try:
-            leave = self._io.submit(SCHEDULER, Message(Op.LEAVE), "leave message to the scheduler")
-            self._wait([leave], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
-        except KVStoreError as exc:
-            log.warning("%s", exc)
+        if failure is None:
+            try:
+                self._flush(timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
+            except KVStoreError as exc:
+                error = exc
+        if self._lost is None or self._lost.role != "scheduler":
+            body = {} if failure is None else {"failure": failure}
+            try:  # after a lost peer too: the scheduler counts this worker out and can finish
+                leave = self._io.submit(SCHEDULER, Message(Op.LEAVE, body), "leave message to the scheduler",
+                                        after_failure=True)
+                self._wait([leave], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
+            except KVStoreError as exc:
+                log.warning("%s", exc)
+        self._heartbeat.stop()
+        self._heartbeat.join(timeout)
         self._io.stop()
         self._io.join(timeout)
         if error is not None:
@@ -395,10 +426,13 @@ _instance_lock = threading.Lock()
 
 
 def _close_at_exit(store: DistKVStore) -> None:
+    """At interpreter exit: leave the cluster, or report this worker failed if an exception killed it."""
     if os.getpid() != store._pid:
         return  # a forked child never touches its parent's sockets
+    died_of = getattr(sys, "last_value", None)  # set when an unhandled exception ends the program
+    failure = None if died_of is None else f"its process died of {type(died_of).__name__}: {died_of}"
     try:
-        store.close()
+        store._close(failure)
     except KVStoreError as exc:
         log.error("closing the store at exit: %s", exc)
 

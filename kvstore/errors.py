@@ -33,6 +33,8 @@ Errors cross the wire as ``(code, message)`` pairs; :func:`error_code` and
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KVStoreError(Exception):
     """Base class of every error raised by kvstore."""
@@ -127,6 +129,22 @@ def error_code(exc: BaseException) -> str:
     return name if name in _CODES else "RemoteError"
 
 
-def error_from_code(code: str, message: str) -> KVStoreError:
-    """Build the exception a wire ``(code, message)`` pair stands for (``RemoteError`` if unknown)."""
-    return _CODES.get(code, RemoteError)(message)
+def error_from_code(code: str, message: str, node: Any = None) -> KVStoreError:
+    """Build the exception a wire ``(code, message)`` pair stands for (``RemoteError`` if unknown).
+
+    ``node``, a ``[role, rank, host]`` list sent with a NodeLostError, fills in its attributes.
+    """
+    cls = _CODES.get(code, RemoteError)
+    if cls is NodeLostError and isinstance(node, list) and len(node) == 3:
+        role, rank, host = node
+        return NodeLostError(message, role=role if isinstance(role, str) else None,
+                             rank=rank if isinstance(rank, int) else None,
+                             host=host if isinstance(host, str) else None)
+    return cls(message)
+
+
+def error_node(exc: BaseException) -> list | None:
+    """``[role, rank, host]`` of a NodeLostError that names its node, for the wire; else None."""
+    if isinstance(exc, NodeLostError) and exc.role is not None:
+        return [exc.role, exc.rank, exc.host]
+    return None

@@ -22,6 +22,7 @@ from .protocol import Message, Op
 
 log = logging.getLogger("kvstore.dist")
 SCHEDULER = -1  # target index of the scheduler socket; servers are 0..S-1
+_FAIL = object()  # outbox marker: fail every request in flight (queued by IOThread.fail)
 
 
 @dataclass
@@ -47,10 +48,15 @@ class IOThread(threading.Thread):
         self._stopping = False
         self._wake_pending = False  # a wake-up byte is on its way; no need to send another
         self._closed = False  # set by the thread as it exits; later submits are refused
-        self._lock = threading.Lock()  # orders submits against the thread's exit
+        self._failure: BaseException | None = None  # set by fail(): the cluster is broken
+        self._lock = threading.Lock()  # orders submits against the thread's exit and fail()
 
-    def submit(self, target: int, msg: Message, what: str) -> Request:
-        """Queue ``msg`` for ``target`` (a server index or SCHEDULER); return its request."""
+    def submit(self, target: int, msg: Message, what: str, after_failure: bool = False) -> Request:
+        """Queue ``msg`` for ``target`` (a server index or SCHEDULER); return its request.
+
+        After :meth:`fail`, the request is failed at once with that error, unless
+        ``after_failure`` (a LEAVE still goes out, so the scheduler can finish).
+        """
         request = Request(what)
         msg.seq = next(self._seq)
         msg.sender = self.rank
@@ -58,9 +64,21 @@ class IOThread(threading.Thread):
         with self._lock:
             if self._closed:
                 raise StoreClosedError(f"{what}: the store is closed")
+            if self._failure is not None and not after_failure:
+                _resolve(request, exc=self._failure)
+                return request
             self._outbox.put((target, frames, msg.seq, request))
             self._wake()
         return request
+
+    def fail(self, error: BaseException) -> None:
+        """Fail every request in flight, and every later one, with ``error`` (a lost peer)."""
+        with self._lock:
+            if self._closed or self._failure is not None:
+                return
+            self._failure = error
+            self._outbox.put(_FAIL)
+            self._wake()
 
     def stop(self) -> None:
         """Ask the thread to close its sockets and exit."""
@@ -103,7 +121,7 @@ class IOThread(threading.Thread):
             left = list(self._inflight.values())
             while not self._outbox.empty():
                 item = self._outbox.get_nowait()
-                if item is not None:
+                if item is not None and item is not _FAIL:
                     left.append(item[3])
             self._wake_r.close()
             self._wake_w.close()
@@ -121,6 +139,11 @@ class IOThread(threading.Thread):
             if item is None:
                 self._stopping = True
                 return
+            if item is _FAIL:
+                failed, self._inflight = list(self._inflight.values()), {}
+                for request in failed:
+                    _resolve(request, exc=self._failure)
+                continue
             target, frames, seq, request = item
             self._inflight[seq] = request
             try:
@@ -141,7 +164,7 @@ class IOThread(threading.Thread):
                 log.debug("reply %d matches no request (it may have timed out)", msg.seq)
             elif msg.op is Op.ERROR:
                 text = f"{request.what} failed: {msg.body.get('message', '')}"
-                _resolve(request, exc=error_from_code(msg.body.get("code", ""), text))
+                _resolve(request, exc=error_from_code(msg.body.get("code", ""), text, msg.body.get("node")))
             else:
                 _resolve(request, result=msg)
 

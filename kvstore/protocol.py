@@ -25,7 +25,7 @@ import numpy as np
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
 MAX_HEADER_BYTES = 1 << 20
 _DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}  # dtype.name is slow on the hot path
@@ -41,6 +41,8 @@ class Op(enum.IntEnum):
     SHUTDOWN = 5   # scheduler -> server: stop serving and exit
     OK = 6         # reply: success (body and arrays depend on the request)
     ERROR = 7      # reply: {"code": error class name, "message": str}
+    HEARTBEAT = 8  # node -> scheduler: {"role", "rank"}; reply OK {"lost": [[role, rank, host, why]]}
+    WORKER_LEFT = 9  # scheduler -> server: {"rank"}: that worker no longer counts toward sync rounds
     INIT = 10      # worker -> server: store this slice of a new key
     PUSH = 11      # worker -> server: contribute to the key's current round
     PULL = 12      # worker -> server: read the key's slice
@@ -149,6 +151,10 @@ def decode(frames: list[Any]) -> Message:
     return Message(op=op, body=body, arrays=arrays, seq=seq, sender=sender, auth=header.get("auth"))
 
 
-def error_reply(request_seq: int, code: str, message: str, sender: int | None = None) -> Message:
-    """Build the ERROR reply to request ``request_seq``."""
-    return Message(Op.ERROR, {"code": code, "message": message}, seq=request_seq, sender=sender)
+def error_reply(request_seq: int, code: str, message: str, sender: int | None = None,
+                node: list | None = None) -> Message:
+    """Build the ERROR reply to request ``request_seq`` (``node``: the lost node a NodeLostError names)."""
+    body: dict[str, Any] = {"code": code, "message": message}
+    if node is not None:
+        body["node"] = node
+    return Message(Op.ERROR, body, seq=request_seq, sender=sender)

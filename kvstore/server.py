@@ -16,6 +16,7 @@ import numpy as np
 from . import config as kvconfig
 from . import logs, protocol, transport
 from .errors import DTypeMismatchError, OptimizerError, ProtocolError
+from .heartbeat import Heartbeat
 from .optimizer import Optimizer, from_spec
 from .partition import check_key
 from .protocol import Message, Op
@@ -37,6 +38,7 @@ class Server:
         self.scheduler = transport.connect_dealer(cfg.root_address)
         self.state: ShardState | None = None
         self.optimizer: Optimizer | None = None
+        self.heartbeat: Heartbeat | None = None
         self.service.handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push,
                                  Op.PULL: self._on_pull, Op.PUSHPULL: self._on_pushpull,
                                  Op.OPTIMIZER_SET: self._on_optimizer_set,
@@ -51,6 +53,8 @@ class Server:
                         "server")
         rank = cmap.body["rank"]
         self.service.rank = rank
+        self.heartbeat = Heartbeat(self.cfg, "server", rank, lambda error: None, report_peers=False)
+        self.heartbeat.start()
         self.state = ShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync")
         logs.set_identity("server", rank)
         log.info("serving on %s:%d in %s mode", self.host, self.port, cmap.body["mode"])
@@ -146,27 +150,49 @@ class Server:
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def run(self) -> int:
-        """Serve until the scheduler says SHUTDOWN; return the exit code."""
+        """Serve until the scheduler says SHUTDOWN (0) or is lost (1); return the exit code."""
         poller = transport.Poller()
         poller.add(self.service.sock)
         poller.add(self.scheduler)
-        while True:
-            ready = poller.wait(None)
-            if self.service.sock in ready:
-                self.service.poll_once(0)
-            if self.scheduler in ready:
-                try:
-                    msg = protocol.decode(transport.recv(self.scheduler))
-                except ProtocolError as exc:
-                    log.warning("dropped a bad message from the scheduler: %s", exc)
-                    continue
-                if msg.op is Op.SHUTDOWN:
-                    transport.send(self.scheduler, protocol.encode(Message(Op.OK, seq=msg.seq)))
-                    log.info("shut down by the scheduler (%d keys held)", len(self.state))
-                    transport.close(self.service.sock)
-                    transport.close(self.scheduler, linger=1.0)
+        try:
+            while True:
+                lost = self.heartbeat.lost if self.heartbeat is not None else None
+                if lost is not None:
+                    log.error("exiting: %s", lost)
+                    return 1
+                ready = poller.wait(self.cfg.heartbeat_interval)
+                if self.service.sock in ready:
+                    self.service.poll_once(0)
+                if self.scheduler in ready and self._from_scheduler():
                     return 0
-                log.warning("ignored %s from the scheduler", msg.op.name)
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+            transport.close(self.service.sock)
+            transport.close(self.scheduler, linger=1.0)
+
+    def _from_scheduler(self) -> bool:
+        """Handle one message from the scheduler; True when it is SHUTDOWN (after confirming it)."""
+        try:
+            msg = protocol.decode(transport.recv(self.scheduler))
+        except ProtocolError as exc:
+            log.warning("dropped a bad message from the scheduler: %s", exc)
+            return False
+        if msg.op is Op.SHUTDOWN:
+            transport.send(self.scheduler, protocol.encode(Message(Op.OK, seq=msg.seq)))
+            log.info("shut down by the scheduler (%d keys held)", len(self.state))
+            return True
+        if msg.op is Op.WORKER_LEFT:
+            rank = msg.body.get("rank")
+            try:
+                self._reply_all(self.state.leave(rank))
+            except ValueError as exc:
+                log.warning("ignored WORKER_LEFT: %s", exc)
+            else:
+                log.info("worker %s left; sync rounds no longer wait for it", rank)
+            return False
+        log.warning("ignored %s from the scheduler", msg.op.name)
+        return False
 
 
 def _serve(cfg: kvconfig.Config) -> int:

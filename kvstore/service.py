@@ -15,7 +15,7 @@ from typing import Any
 
 from . import config as kvconfig
 from . import logs, protocol, transport
-from .errors import KVStoreError, ProtocolError, error_code, error_from_code
+from .errors import KVStoreError, ProtocolError, error_code, error_from_code, error_node
 from .protocol import Message, Op
 
 log = logging.getLogger("kvstore.service")
@@ -42,7 +42,7 @@ class RouterService:
 
     def reply_error(self, identity: bytes, seq: int, exc: BaseException) -> None:
         """Send the ERROR reply for ``exc`` to request ``seq`` of ``identity``."""
-        self.reply(identity, protocol.error_reply(seq, error_code(exc), str(exc)))
+        self.reply(identity, protocol.error_reply(seq, error_code(exc), str(exc), node=error_node(exc)))
 
     def handle(self, frames: list[Any]) -> None:
         """Decode one received message (identity first) and run its handler."""

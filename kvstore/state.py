@@ -6,8 +6,10 @@ identified by an opaque ``token`` the caller chooses.
 
 Rules (docs/architecture.md, SEMANTICS.md):
 
-* ``dist_sync``: a key's round closes when one push from **every** worker has
-  arrived; a second push from the same worker waits for the next round.  The
+* ``dist_sync``: a key's round closes when one push from **every** worker still
+  in the cluster has arrived; a second push from the same worker waits for the
+  next round.  A worker that has left (:meth:`ShardState.leave`) no longer
+  counts, so the others' last rounds close without it (uneven ends).  The
   round's sum is then applied (assigned, or handed to the updater), and the
   replies to its pushes are sent only then.
 * ``dist_async``: each push is applied on arrival (assigned, or updated).
@@ -57,6 +59,7 @@ class ShardState:
 
     def __init__(self, num_workers: int, sync: bool, updater: Updater | None = None) -> None:
         self.num_workers = num_workers
+        self.active = set(range(num_workers))  # workers that have not left
         self.sync = sync
         self.updater = updater
         self._keys: dict[Key, _KeyState] = {}
@@ -80,7 +83,7 @@ class ShardState:
     def push(self, token: Any, worker: int, key: Key, value: np.ndarray) -> list[Completion]:
         """Contribute ``value`` from ``worker``; return the requests this answers (maybe none yet)."""
         state = self._checked(key, value)
-        self._check_worker(worker)
+        self._check_active(worker)
         return self._accept(state, key, token, worker, value)
 
     def pull(self, token: Any, worker: int, key: Key) -> list[Completion]:
@@ -89,10 +92,19 @@ class ShardState:
         self._check_worker(worker)
         return self._add_pull(state, token, worker)
 
+    def leave(self, worker: int) -> list[Completion]:
+        """``worker`` left: rounds stop waiting for it; return the requests that closing them answers."""
+        self._check_worker(worker)
+        self.active.discard(worker)
+        done: list[Completion] = []
+        for key, state in self._keys.items():
+            done += self._close_rounds(state, key)
+        return done
+
     def pushpull(self, token: Any, worker: int, key: Key, value: np.ndarray) -> list[Completion]:
         """Push ``value`` and answer ``token`` with the value once that push is applied."""
         state = self._checked(key, value)
-        self._check_worker(worker)
+        self._check_active(worker)
         done = self._accept(state, key, _SILENT, worker, value)
         return done + self._add_pull(state, token, worker)
 
@@ -107,6 +119,11 @@ class ShardState:
     def _check_worker(self, worker: int) -> None:
         if not (isinstance(worker, int) and 0 <= worker < self.num_workers):
             raise ValueError(f"worker rank {worker!r} is not in [0, {self.num_workers})")
+
+    def _check_active(self, worker: int) -> None:
+        self._check_worker(worker)
+        if worker not in self.active:
+            raise ValueError(f"worker {worker} has left the cluster; it cannot push")
 
     def _checked(self, key: Key, value: np.ndarray) -> _KeyState:
         state = self._get(key)
@@ -146,7 +163,7 @@ class ShardState:
 
     def _close_rounds(self, state: _KeyState, key: Key) -> list[Completion]:
         done: list[Completion] = []
-        while len(state.round_tokens) == self.num_workers:
+        while state.round_tokens and self.active <= state.round_tokens.keys():
             tokens, total = state.round_tokens, self._round_total(state.round_values)
             state.round_tokens, state.round_values = {}, {}
             self._apply(state, key, total, tokens)

@@ -1,4 +1,12 @@
-"""The scheduler process: rendezvous, barriers and orderly shutdown."""
+"""The scheduler process: rendezvous, barriers, liveness and orderly shutdown.
+
+After the rendezvous every node heartbeats here from a thread of its own.  A node
+silent for ``KVSTORE_HEARTBEAT_TIMEOUT`` is declared lost: every heartbeat reply
+from then on names it (so every worker raises :class:`NodeLostError`), waiting
+barriers are released with that error, and the scheduler exits 1 once the
+workers are gone.  A worker that leaves (LEAVE) stops counting toward barriers,
+and the servers are told (WORKER_LEFT) so it stops counting toward sync rounds.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +18,12 @@ import time
 
 from kvstore import config as kvconfig
 from kvstore import transport
-from kvstore.errors import DeadlineExceededError, KVStoreError, ProtocolError
+from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, ProtocolError
+from kvstore.heartbeat import lost_error
 from kvstore.protocol import Message, Op
 from kvstore.service import RouterService, run_role
 
-from .state import Barrier, Node, Rendezvous
+from .state import Barrier, Liveness, Node, Rendezvous
 
 log = logging.getLogger("scheduler")
 
@@ -49,7 +58,11 @@ class Scheduler:
         self.left: set[int] = set()
         self.servers: list[Node] = []
         self.service.handlers = {Op.REGISTER: self._on_register, Op.BARRIER: self._on_barrier,
-                                 Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped}
+                                 Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
+                                 Op.HEARTBEAT: self._on_heartbeat}
+        self.liveness = Liveness(cfg.heartbeat_timeout)
+        self.hosts: dict[tuple[str, int], str] = {}  # (role, rank) -> host
+        self.lost: list[list] = []  # [role, rank, host, why] of every node declared lost
         self.stopped_servers: set[bytes] = set()
         self.map_sent = False
         self.failed: str | None = None
@@ -76,10 +89,13 @@ class Scheduler:
         body = {"num_workers": self.cfg.num_workers, "num_servers": self.cfg.num_servers,
                 "servers": [[n.host, n.port] for n in self.servers], "mode": mode,
                 "seed": secrets.randbits(63)}
+        now = time.monotonic()
         for role, nodes in ranked.items():
             for rank, node in enumerate(nodes):
                 if role == "worker":
                     self.worker_ranks[node.identity] = rank
+                self.hosts[(role, rank)] = node.host
+                self.liveness.watch(role, rank, now)
                 self.service.reply(node.identity, Message(Op.MAP, dict(body, rank=rank, role=role)))
         self.map_sent = True
         log.info("cluster complete: %d workers, %d servers, mode %s",
@@ -103,6 +119,10 @@ class Scheduler:
             released = not self.barrier.cancel(rank)
             self.service.reply(identity, Message(Op.OK, {"released": released}, seq=msg.seq))
             return
+        if self.lost:
+            raise self._lost_error()
+        if rank in self.left:
+            raise ProtocolError(f"worker {rank} has left; it cannot join a barrier")
         failure = msg.body.get("failure")
         if failure is not None and not (isinstance(failure, dict) and all(
                 isinstance(failure.get(f), str) for f in ("code", "message"))):
@@ -113,10 +133,60 @@ class Scheduler:
             self.service.reply(ident, Message(Op.OK, {"failures": failures}, seq=seq))
 
     def _on_leave(self, identity: bytes, msg: Message) -> None:
-        self.left.add(self._worker_rank(identity))
+        rank = self._worker_rank(identity)
+        failure = msg.body.get("failure")
+        if failure is not None and not isinstance(failure, str):
+            raise ProtocolError("a LEAVE's failure must be a str")
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
-        log.info("worker %d left (%d/%d)", self.worker_ranks[identity], len(self.left),
-                 self.cfg.num_workers)
+        if rank in self.left or self._is_lost("worker", rank):
+            return
+        if failure is not None:  # it is dying: the others must not carry on as if it had left
+            self._declare_lost("worker", rank, failure)
+            return
+        self.left.add(rank)
+        self.liveness.forget("worker", rank)
+        log.info("worker %d left (%d/%d)", rank, len(self.left), self.cfg.num_workers)
+        released = self.barrier.leave(rank)  # the others no longer wait for it
+        failures = [[r, text] for r, text in sorted(self.barrier.released_failures.items())]
+        for ident, seq in released:
+            self.service.reply(ident, Message(Op.OK, {"failures": failures}, seq=seq))
+        for node in self._live_servers():
+            self.service.reply(node.identity, Message(Op.WORKER_LEFT, {"rank": rank}))
+
+    def _on_heartbeat(self, identity: bytes, msg: Message) -> None:
+        role, rank = msg.body.get("role"), msg.body.get("rank")
+        if role not in ("worker", "server") or not isinstance(rank, int) or isinstance(rank, bool):
+            raise ProtocolError('a heartbeat needs {"role": "worker" | "server", "rank": int}')
+        self.liveness.beat(role, rank, time.monotonic())
+        self.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=msg.seq))
+
+    def _lost_error(self) -> NodeLostError:
+        return lost_error(self.lost[0])
+
+    def _live_servers(self) -> list[Node]:
+        lost = {rank for role, rank, _, _ in self.lost if role == "server"}
+        return [node for rank, node in enumerate(self.servers) if rank not in lost]
+
+    def check_liveness(self, now: float) -> None:
+        """Declare every node silent for too long lost."""
+        for role, rank in self.liveness.expired(now):
+            self._declare_lost(role, rank, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s "
+                                           "(KVSTORE_HEARTBEAT_TIMEOUT)")
+
+    def _is_lost(self, role: str, rank: int) -> bool:
+        return any(r == role and k == rank for r, k, _, _ in self.lost)
+
+    def _declare_lost(self, role: str, rank: int, why: str) -> None:
+        """Record the loss (every heartbeat reply names it from now on); fail the waiting barrier."""
+        host = self.hosts.get((role, rank), "?")
+        self.liveness.forget(role, rank)
+        self.lost.append([role, rank, host, why])
+        log.error("%s %d on %s is lost: %s", role, rank, host, why)
+        for ident, seq in self.barrier.drain():
+            self.service.reply_error(ident, seq, self._lost_error())
+
+    def _workers_gone(self) -> int:
+        return len(self.left | {rank for role, rank, _, _ in self.lost if role == "worker"})
 
     def _on_server_stopped(self, identity: bytes, msg: Message) -> None:
         if not any(node.identity == identity for node in self.servers):
@@ -139,17 +209,25 @@ class Scheduler:
             self.service.poll_once(0.1)
         if self.failed is not None:
             return 1
-        while len(self.left) < self.cfg.num_workers:
-            self.service.poll_once(1.0)
-        return self._stop_servers()
+        tick = min(1.0, self.cfg.heartbeat_interval)
+        while self._workers_gone() < self.cfg.num_workers:
+            self.service.poll_once(tick)
+            self.check_liveness(time.monotonic())
+        code = self._stop_servers()
+        if self.lost:
+            names = ", ".join(f"{role} {rank} on {host}" for role, rank, host, _ in self.lost)
+            log.error("the cluster lost %s; exiting with code 1", names)
+            return 1
+        return code
 
     def _stop_servers(self) -> int:
-        for node in self.servers:
+        servers = self._live_servers()
+        for node in servers:
             self.service.reply(node.identity, Message(Op.SHUTDOWN))
         deadline = time.monotonic() + self.cfg.shutdown_timeout
-        while len(self.stopped_servers) < len(self.servers) and time.monotonic() < deadline:
+        while len(self.stopped_servers) < len(servers) and time.monotonic() < deadline:
             self.service.poll_once(0.1)
-        missing = len(self.servers) - len(self.stopped_servers)
+        missing = len(servers) - len(self.stopped_servers)
         if missing:
             log.warning("%d servers did not confirm shutdown within %g s", missing,
                         self.cfg.shutdown_timeout)

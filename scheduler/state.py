@@ -1,4 +1,4 @@
-"""Pure rendezvous and barrier bookkeeping of the scheduler (no sockets)."""
+"""Pure rendezvous, barrier and liveness bookkeeping of the scheduler (no sockets, no clock)."""
 
 from __future__ import annotations
 
@@ -112,3 +112,51 @@ class Barrier:
         """Withdraw ``rank`` (its wait timed out); False when it was not waiting (already released)."""
         self.failures.pop(rank, None)
         return self.waiting.pop(rank, None) is not None
+
+    def leave(self, rank: int) -> list[tuple[bytes, int]]:
+        """``rank`` left the cluster: count one worker fewer; return whoever that releases."""
+        self.cancel(rank)
+        self.num_workers -= 1
+        if not self.waiting or len(self.waiting) < self.num_workers:
+            return []
+        released, self.waiting = list(self.waiting.values()), {}
+        self.released_failures, self.failures = self.failures, {}
+        return released
+
+    def drain(self) -> list[tuple[bytes, int]]:
+        """Give up the current generation: return every waiting (identity, seq) and forget them."""
+        waiting, self.waiting, self.failures = list(self.waiting.values()), {}, {}
+        return waiting
+
+
+class Liveness:
+    """When each node was last heard from, and which have been silent too long.
+
+    Times are whatever clock the caller passes (``time.monotonic()`` in the scheduler).
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.last: dict[tuple[str, int], float] = {}  # (role, rank) -> last time heard
+
+    def watch(self, role: str, rank: int, now: float) -> None:
+        """Start watching ``(role, rank)`` as if it had just been heard."""
+        self.last[(role, rank)] = now
+
+    def beat(self, role: str, rank: int, now: float) -> bool:
+        """Record a heartbeat; False for a node that is not watched (never registered, left or lost)."""
+        if (role, rank) not in self.last:
+            return False
+        self.last[(role, rank)] = now
+        return True
+
+    def forget(self, role: str, rank: int) -> None:
+        """Stop watching ``(role, rank)`` (it left in good order)."""
+        self.last.pop((role, rank), None)
+
+    def expired(self, now: float) -> list[tuple[str, int]]:
+        """Nodes silent for more than ``timeout``, in (role, rank) order; they are no longer watched."""
+        gone = sorted(node for node, seen in self.last.items() if now - seen > self.timeout)
+        for node in gone:
+            del self.last[node]
+        return gone

@@ -50,10 +50,11 @@ class Cluster:
                                        bigarray_bound=bound)
         self.workers: list[DistKVStore] = []
 
-    def connect(self, **overrides: Any) -> list[DistKVStore]:
-        """Create every worker's store concurrently (registration waits for all); return them by rank."""
+    def connect(self, count: int | None = None, **overrides: Any) -> list[DistKVStore]:
+        """Create ``count`` (default: every) worker's store concurrently (registration waits for all
+        workers, so the rest must be started elsewhere); return them by rank."""
         cfg = dataclasses.replace(self.cfg, **overrides)
-        stores = run_parallel([lambda: DistKVStore(self.mode, cfg)] * self.num_workers)
+        stores = run_parallel([lambda: DistKVStore(self.mode, cfg)] * (count or self.num_workers))
         self.workers = sorted(stores, key=lambda kv: kv.rank)
         return self.workers
 

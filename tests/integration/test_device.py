@@ -110,8 +110,10 @@ def test_trainer_on_dist_sync_device_matches_one_local_model(make_cluster, kind:
     rows, prefix = batches(5), unique_key("trainer")
     devices = cuda_devices(2) if kind == "cuda" else ["cpu", "cpu"]
 
+    built = [replicas(devices) for _ in range(cluster.num_workers)]  # here: torch's seed is global
+
     def work(kv):
-        models = replicas(devices)
+        models = built[kv.rank]
         trainer = Trainer([m.parameters() for m in models], "sgd", OPTIMIZERS["sgd"], kvstore=kv,
                           update_on_kvstore=uok, key_prefix=prefix)
         mine = [split(batch, kv.num_workers, kv.rank) for batch in rows]

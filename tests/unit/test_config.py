@@ -267,3 +267,20 @@ def test_unknown_log_level_is_a_config_error():
     """An unknown KVSTORE_LOG_LEVEL is refused with the list of valid names."""
     with pytest.raises(ConfigError, match="KVSTORE_LOG_LEVEL='LOUD'.*DEBUG"):
         kvconfig.load({"KVSTORE_LOG_LEVEL": "loud"})
+
+
+def test_heartbeat_settings_default_and_parse():
+    """The heartbeat interval and timeout default to 1 s and 10 s and are read in seconds."""
+    cfg = kvconfig.load({})
+    assert (cfg.heartbeat_interval, cfg.heartbeat_timeout) == (1.0, 10.0)
+    cfg = kvconfig.load({"KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_HEARTBEAT_TIMEOUT": "3"})
+    assert (cfg.heartbeat_interval, cfg.heartbeat_timeout) == (0.2, 3.0)
+
+
+@pytest.mark.parametrize("env", [{"KVSTORE_HEARTBEAT_INTERVAL": "2", "KVSTORE_HEARTBEAT_TIMEOUT": "3"},
+                                 {"KVSTORE_HEARTBEAT_TIMEOUT": "1.5"},
+                                 {"KVSTORE_HEARTBEAT_INTERVAL": "0"}, {"KVSTORE_HEARTBEAT_TIMEOUT": "x"}])
+def test_heartbeat_settings_that_cannot_work_are_refused(env):
+    """A timeout under twice the interval, a non-positive or non-numeric value is a ConfigError."""
+    with pytest.raises(ConfigError, match="KVSTORE_HEARTBEAT"):
+        kvconfig.load(env)

@@ -120,3 +120,17 @@ def test_unknown_code_gives_remote_error(code):
     exc = E.error_from_code(code, "remote said no")
     assert type(exc) is E.RemoteError
     assert str(exc) == "remote said no"
+
+
+def test_lost_node_travels_with_a_node_lost_error():
+    """error_node and error_from_code carry a NodeLostError's role, rank and host over the wire."""
+    exc = E.NodeLostError("server 1 is lost", role="server", rank=1, host="10.0.0.2")
+    node = E.error_node(exc)
+    assert node == ["server", 1, "10.0.0.2"]
+    back = E.error_from_code(E.error_code(exc), str(exc), node)
+    assert isinstance(back, E.NodeLostError)
+    assert (back.role, back.rank, back.host) == ("server", 1, "10.0.0.2")
+    assert E.error_node(E.NodeLostError("who knows")) is None and E.error_node(ValueError()) is None
+    odd = E.error_from_code("NodeLostError", "m", ["server", "one", 3])
+    assert (odd.role, odd.rank, odd.host) == ("server", None, None)
+    assert type(E.error_from_code("ProtocolError", "m", ["server", 1, "h"])) is E.ProtocolError

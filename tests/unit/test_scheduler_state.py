@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import ConfigError, ProtocolError
-from scheduler.state import Barrier, Node, Rendezvous, assign_ranks
+from scheduler.state import Barrier, Liveness, Node, Rendezvous, assign_ranks
 
 
 def worker(i: int, wanted: int | None = None, mode: str | None = "dist_sync") -> Node:
@@ -226,3 +226,49 @@ def test_barrier_failure_is_withdrawn_with_its_rank():
     b.arrive(0, b"w0", 5)
     b.arrive(1, b"w1", 6)
     assert b.released_failures == {}
+
+
+def test_barrier_leave_releases_the_rest_and_counts_one_fewer():
+    """A worker that leaves is not waited for: the others are released; later barriers need one fewer."""
+    barrier = Barrier(3)
+    assert barrier.arrive(0, b"a", 1) == [] and barrier.arrive(1, b"b", 2) == []
+    assert sorted(barrier.leave(2)) == [(b"a", 1), (b"b", 2)]
+    assert barrier.arrive(0, b"a", 3) == []
+    assert sorted(barrier.arrive(1, b"b", 4)) == [(b"a", 3), (b"b", 4)]
+
+
+def test_barrier_leave_of_a_waiting_worker_withdraws_it():
+    """A rank that leaves while waiting is withdrawn, not released; nobody else waiting means no release."""
+    barrier = Barrier(2)
+    barrier.arrive(1, b"b", 1, failure={"code": "X", "message": "m"})
+    assert barrier.leave(1) == [] and barrier.waiting == {} and barrier.failures == {}
+    assert barrier.arrive(0, b"a", 2) == [(b"a", 2)]
+
+
+def test_barrier_drain_returns_every_waiter_and_forgets_them():
+    """drain gives up the generation: every waiter back, nothing left, the count unchanged."""
+    barrier = Barrier(3)
+    barrier.arrive(0, b"a", 1)
+    barrier.arrive(2, b"c", 5)
+    assert sorted(barrier.drain()) == [(b"a", 1), (b"c", 5)]
+    assert barrier.waiting == {} and barrier.num_workers == 3
+
+
+def test_liveness_expires_silent_nodes_once():
+    """Nodes silent for more than the timeout expire (sorted), once; beats keep a node alive."""
+    live = Liveness(timeout=10.0)
+    for role, rank in (("worker", 1), ("server", 0), ("worker", 0)):
+        live.watch(role, rank, now=0.0)
+    assert live.beat("worker", 0, now=8.0)
+    assert live.expired(now=10.0) == []  # exactly the timeout is not yet too long
+    assert live.expired(now=10.5) == [("server", 0), ("worker", 1)]
+    assert live.expired(now=30.0) == [("worker", 0)] and live.expired(now=60.0) == []
+
+
+def test_liveness_ignores_unwatched_and_forgotten_nodes():
+    """A beat from a node never watched, or forgotten (it left), is not recorded and never expires."""
+    live = Liveness(timeout=1.0)
+    assert not live.beat("worker", 7, now=0.0)
+    live.watch("worker", 0, now=0.0)
+    live.forget("worker", 0)
+    assert not live.beat("worker", 0, now=0.5) and live.expired(now=100.0) == []

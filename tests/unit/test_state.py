@@ -408,3 +408,47 @@ def test_sync_round_sum_is_taken_in_rank_order_whatever_the_arrival(order):
     expected = (values[0] + values[1]) + values[2]
     assert s.value("k").tobytes() == expected.tobytes()
     assert expected[0] != (values[0] + values[2] + values[1])[0]  # the order does matter here
+
+
+def test_leave_closes_rounds_that_waited_only_for_the_leaver():
+    """A sync round missing only a worker that leaves closes at once, summing the pushes it has."""
+    state = ShardState(3, sync=True)
+    state.init("k", np.zeros(2))
+    assert state.push("t0", 0, "k", ro([1.0, 1.0])) == []
+    assert state.push("t1", 1, "k", ro([2.0, 2.0])) == []
+    assert sorted(tokens(state.leave(2))) == ["t0", "t1"]
+    np.testing.assert_array_equal(state.value("k"), [3.0, 3.0])
+    assert tokens(state.push("t2", 0, "k", ro([1.0, 1.0]))) == []  # now rounds need 0 and 1 only
+    assert tokens(state.push("t3", 1, "k", ro([5.0, 5.0]))) == ["t2", "t3"]
+    np.testing.assert_array_equal(state.value("k"), [6.0, 6.0])
+
+
+def test_leave_moves_backlogged_pushes_into_rounds_that_then_close():
+    """A worker's backlog of pushes drains round by round once the only other worker left."""
+    state = ShardState(2, sync=True)
+    state.init("k", np.zeros(1))
+    state.push("a", 0, "k", ro([1.0]))
+    state.push("b", 0, "k", ro([2.0]))  # waits for the next round
+    pull = state.pull("p", 0, "k")
+    assert pull == []
+    done = state.leave(1)
+    assert tokens(done) == ["a", "b", "p"]
+    np.testing.assert_array_equal(by_token(done)["p"], [2.0])
+
+
+def test_a_left_worker_cannot_push_and_nothing_changes():
+    """Pushes and pushpulls from a worker that left are refused before anything changes."""
+    state = ShardState(2, sync=True)
+    state.init("k", np.zeros(1))
+    state.leave(1)
+    for call in (lambda: state.push("t", 1, "k", ro([1.0])), lambda: state.pushpull("t", 1, "k", ro([1.0]))):
+        with pytest.raises(ValueError, match="left"):
+            call()
+    np.testing.assert_array_equal(state.value("k"), [0.0])
+    assert tokens(state.pull("p", 1, "k")) == ["p"]  # it may still read
+
+
+def test_leave_of_an_unknown_worker_is_refused():
+    """leave() takes ranks in [0, num_workers) only."""
+    with pytest.raises(ValueError):
+        ShardState(2, sync=True).leave(2)
