@@ -49,6 +49,8 @@ class Config:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+    auth_full: bool = False
+    insecure: bool = False
     port_file: str | None = None
     log_level: str | None = None
     update_on_kvstore: bool = True
@@ -153,11 +155,33 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         shutdown_timeout=_seconds(env, "KVSTORE_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT),
         heartbeat_interval=interval,
         heartbeat_timeout=timeout,
+        auth_full=_auth_mode(env) == "full",
+        insecure=bool(_int(env, "KVSTORE_INSECURE", minimum=0, maximum=1, default=0)),
         port_file=_str(env, "KVSTORE_PORT_FILE"),
         log_level=level,
         update_on_kvstore=bool(_int(env, "KVSTORE_UPDATE_ON_KVSTORE", minimum=0, maximum=1,
                                     fallback="MXNET_UPDATE_ON_KVSTORE", default=1)),
     )
+
+
+def _auth_mode(env: Mapping[str, str]) -> str:
+    mode = (_str(env, "KVSTORE_AUTH") or "header").lower()
+    if mode not in ("header", "full"):
+        raise ConfigError(f"KVSTORE_AUTH={mode!r} is not 'header' (the default: MACs over headers and "
+                          "frame lengths) or 'full' (also over the array bytes)")
+    return mode
+
+
+def check_bind(config: Config, host: str, what: str) -> None:
+    """Refuse to bind a non-loopback ``host`` without ``KVSTORE_SECRET`` (unless ``KVSTORE_INSECURE=1``).
+
+    Raises :class:`ConfigError` saying how to fix it.
+    """
+    if config.secret or config.insecure or _is_loopback(host):
+        return
+    raise ConfigError(f"{what} would listen on {host!r} without KVSTORE_SECRET, so anyone who can reach "
+                      "it could push, pull or stop the cluster. Set the same KVSTORE_SECRET on every node "
+                      "(launch.py does), or KVSTORE_INSECURE=1 on a network you trust.")
 
 
 def in_cluster(environ: Mapping[str, str] | None = None) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 from . import checkpoint, logs, transport
 from . import config as kvconfig
 from . import optimizer as kvoptimizer
+from .auth import channel_for, new_label
 from .base import DEVICE_TYPES, KVStore
 from .errors import (
     ConfigError,
@@ -77,9 +78,10 @@ class DistKVStore(KVStore):
         self._pid = os.getpid()
         self._mode = mode_of(name)
         scheduler = transport.connect_dealer(cfg.root_address)
+        channel = channel_for(cfg, new_label("worker"))
         try:
-            cmap = register(scheduler, cfg, {"role": "worker", "host": kvconfig.advertised_host(cfg),
-                                             "rank": cfg.worker_id, "mode": self._mode}, "worker")
+            cmap = register(scheduler, channel, cfg, {"role": "worker", "host": kvconfig.advertised_host(cfg),
+                                                      "rank": cfg.worker_id, "mode": self._mode}, "worker")
         except BaseException:
             transport.close(scheduler)
             raise
@@ -89,11 +91,11 @@ class DistKVStore(KVStore):
         self._servers = [transport.address(h, p) for h, p in body["servers"]]
         logs.set_identity("worker", self._rank)
         servers = [transport.connect_dealer(a) for a in self._servers]
-        self._io = IOThread(scheduler, servers, self._rank)
+        self._io = IOThread(scheduler, servers, self._rank, channel)
         self._io.start()
         self._pending: dict[Key, list[Request]] = {}
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
-        self._heartbeat = Heartbeat(cfg, "worker", self._rank, self._on_lost)
+        self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost)
         self._heartbeat.start()
         log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
 

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 
 from . import config as kvconfig
-from . import protocol, transport
-from .errors import KVStoreError, NodeLostError, ProtocolError
+from . import transport
+from .auth import channel_for, new_label
+from .errors import AuthenticationError, KVStoreError, NodeLostError, ProtocolError
 from .protocol import Message, Op
 
 log = logging.getLogger("kvstore.heartbeat")
@@ -34,11 +35,13 @@ def lost_error(entry: list) -> NodeLostError:
 class Heartbeat(threading.Thread):
     """Beats for ``(role, rank)`` until :meth:`stop`, or until it reports a loss."""
 
-    def __init__(self, cfg: kvconfig.Config, role: str, rank: int,
+    def __init__(self, cfg: kvconfig.Config, role: str, rank: int, session: bytes,
                  on_lost: Callable[[NodeLostError], None], report_peers: bool = True) -> None:
         super().__init__(name=f"kvstore-heartbeat-{role}{rank}", daemon=True)
         self.cfg, self.role, self.rank, self.on_lost = cfg, role, rank, on_lost
         self.report_peers = report_peers
+        self.channel = channel_for(cfg, new_label(f"{role}{rank}-heartbeat"))
+        self.channel.set_session(session)
         self._stop_event = threading.Event()
         self.lost: NodeLostError | None = None  # what was reported, if anything
 
@@ -59,18 +62,17 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         sock = transport.connect_dealer(self.cfg.root_address)
         interval, timeout = self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout
-        beat = protocol.encode(Message(Op.HEARTBEAT, {"role": self.role, "rank": self.rank},
-                                       sender=self.rank))
         heard = time.monotonic()
         try:
             while not self._stop_event.is_set():
-                transport.send(sock, beat)
+                beat = Message(Op.HEARTBEAT, {"role": self.role, "rank": self.rank}, sender=self.rank)
+                transport.send(sock, self.channel.seal(beat, "scheduler"))
                 deadline = time.monotonic() + interval
                 while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
                     if not sock.poll(int(min(left, 0.1) * 1000) + 1):  # short slices: stop() is quick
                         continue
-                    heard = time.monotonic()
-                    self._read(transport.recv(sock))
+                    if self._read(transport.recv(sock)):
+                        heard = time.monotonic()
                 if time.monotonic() - heard > timeout:
                     self._report(NodeLostError(
                         f"scheduler at {self.cfg.root_address} is lost: no heartbeat reply for "
@@ -83,19 +85,20 @@ class Heartbeat(threading.Thread):
         finally:
             transport.close(sock)
 
-    def _read(self, frames: list) -> None:
-        """Handle one reply: report the first lost node it names (with ``report_peers``)."""
+    def _read(self, frames: list) -> bool:
+        """Handle one reply (True if it was the scheduler's): report the first lost node it names."""
         try:
-            reply = protocol.decode(frames)
-        except ProtocolError as exc:
+            reply = self.channel.open(frames)
+        except (AuthenticationError, ProtocolError) as exc:
             log.warning("dropped a bad heartbeat reply: %s", exc)
-            return
+            return False
         lost = reply.body.get("lost") if reply.op is Op.OK else None
         if not lost or not self.report_peers or self.lost is not None:
-            return
+            return True
         try:
             error = lost_error(lost[0])
         except (TypeError, ValueError):
             log.warning("dropped a heartbeat reply with a malformed loss: %r", lost[0])
-            return
+            return True
         self._report(error)
+        return True

@@ -16,8 +16,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import protocol, transport
-from .errors import ProtocolError, StoreClosedError, error_from_code
+from . import transport
+from .auth import Channel
+from .errors import AuthenticationError, ProtocolError, StoreClosedError, error_from_code
 from .protocol import Message, Op
 
 log = logging.getLogger("kvstore.dist")
@@ -36,10 +37,11 @@ class Request:
 class IOThread(threading.Thread):
     """Owns the sockets: sends queued messages, receives replies, resolves their futures."""
 
-    def __init__(self, scheduler: Any, servers: list[Any], rank: int) -> None:
+    def __init__(self, scheduler: Any, servers: list[Any], rank: int, channel: Channel) -> None:
         super().__init__(name=f"kvstore-io-worker{rank}", daemon=True)
         self.sockets = {SCHEDULER: scheduler, **dict(enumerate(servers))}
         self.rank = rank
+        self.channel = channel  # seals every request, opens every reply
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
@@ -58,15 +60,15 @@ class IOThread(threading.Thread):
         ``after_failure`` (a LEAVE still goes out, so the scheduler can finish).
         """
         request = Request(what)
-        msg.seq = next(self._seq)
         msg.sender = self.rank
-        frames = protocol.encode(msg)
-        with self._lock:
+        with self._lock:  # sealed in queue order: each receiver must see the channel's numbers rise
             if self._closed:
                 raise StoreClosedError(f"{what}: the store is closed")
             if self._failure is not None and not after_failure:
                 _resolve(request, exc=self._failure)
                 return request
+            msg.seq = next(self._seq)
+            frames = self.channel.seal(msg, "scheduler" if target == SCHEDULER else f"server{target}")
             self._outbox.put((target, frames, msg.seq, request))
             self._wake()
         return request
@@ -155,9 +157,9 @@ class IOThread(threading.Thread):
     def _receive(self, sock: Any) -> None:
         while sock.poll(0):
             try:
-                msg = protocol.decode(transport.recv(sock))
-            except ProtocolError as exc:
-                log.warning("dropped an undecodable reply: %s", exc)
+                msg = self.channel.open(transport.recv(sock))
+            except (AuthenticationError, ProtocolError) as exc:
+                log.warning("dropped a reply that failed to open: %s", exc)
                 continue
             request = self._inflight.pop(msg.seq, None)
             if request is None:

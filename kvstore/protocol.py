@@ -6,10 +6,11 @@ does) and is the only one that imports msgpack.
 Header (a msgpack map)::
 
     {"v": PROTOCOL_VERSION, "op": int(Op), "seq": int, "sender": int | None,
-     "auth": None, "body": {...}, "arrays": [[dtype, [dim, ...]], ...]}
+     "auth": [label, n, to], "body": {...}, "arrays": [[dtype, [dim, ...]], ...]}
 
 ``sender`` (the node's rank), ``seq`` (the request number, echoed by the reply)
-and ``auth`` (reserved for a MAC over the header) are in every header.  Array
+and ``auth`` (``[label, n, to]``, checked by ``kvstore.auth``, whose MAC frame
+precedes these frames on the wire) are in every header.  Array
 frames follow the header in order and hold C-ordered raw bytes; decoding wraps
 them without copying.  See docs/protocol.md.
 """
@@ -25,7 +26,7 @@ import numpy as np
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
 MAX_HEADER_BYTES = 1 << 20
 _DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}  # dtype.name is slow on the hot path
@@ -43,6 +44,8 @@ class Op(enum.IntEnum):
     ERROR = 7      # reply: {"code": error class name, "message": str}
     HEARTBEAT = 8  # node -> scheduler: {"role", "rank"}; reply OK {"lost": [[role, rank, host, why]]}
     WORKER_LEFT = 9  # scheduler -> server: {"rank"}: that worker no longer counts toward sync rounds
+    HELLO = 20     # node -> scheduler: {"nonce"}: asks for a registration challenge
+    CHALLENGE = 21  # scheduler -> node: {"nonce" (echoed), "challenge"}: REGISTER must carry it
     INIT = 10      # worker -> server: store this slice of a new key
     PUSH = 11      # worker -> server: contribute to the key's current round
     PULL = 12      # worker -> server: read the key's slice
@@ -63,7 +66,7 @@ class Message:
     arrays: list[np.ndarray] = field(default_factory=list)
     seq: int = 0
     sender: int | None = None
-    auth: bytes | None = None
+    auth: Any = None  # [label, n, to], set by kvstore.auth.Channel.seal
 
 
 def dtype_name(dtype: np.dtype) -> str | None:

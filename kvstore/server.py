@@ -14,8 +14,9 @@ import sys
 import numpy as np
 
 from . import config as kvconfig
-from . import logs, protocol, transport
-from .errors import DTypeMismatchError, OptimizerError, ProtocolError
+from . import logs, transport
+from .auth import channel_for, new_label
+from .errors import AuthenticationError, DTypeMismatchError, OptimizerError, ProtocolError
 from .heartbeat import Heartbeat
 from .optimizer import Optimizer, from_spec
 from .partition import check_key
@@ -33,9 +34,11 @@ class Server:
         cfg.require_cluster("a server")
         self.cfg = cfg
         self.host = kvconfig.node_host(cfg)
+        kvconfig.check_bind(cfg, self.host, "a server")
         sock, self.port = transport.bind_router(self.host)
-        self.service = RouterService(sock)
+        self.service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} at join
         self.scheduler = transport.connect_dealer(cfg.root_address)
+        self.to_scheduler = channel_for(cfg, new_label("server"))
         self.state: ShardState | None = None
         self.optimizer: Optimizer | None = None
         self.heartbeat: Heartbeat | None = None
@@ -48,12 +51,15 @@ class Server:
 
     def join(self) -> None:
         """Register with the scheduler and set up state from the cluster map."""
-        cmap = register(self.scheduler, self.cfg, {"role": "server", "host": self.host,
-                                                    "port": self.port, "rank": self.cfg.server_id},
-                        "server")
+        cmap = register(self.scheduler, self.to_scheduler, self.cfg,
+                        {"role": "server", "host": self.host, "port": self.port,
+                         "rank": self.cfg.server_id}, "server")
         rank = cmap.body["rank"]
         self.service.rank = rank
-        self.heartbeat = Heartbeat(self.cfg, "server", rank, lambda error: None, report_peers=False)
+        self.service.channel.rename(f"server{rank}")  # workers address their requests to it
+        self.service.channel.set_session(cmap.body["session"])
+        self.heartbeat = Heartbeat(self.cfg, "server", rank, cmap.body["session"], lambda error: None,
+                                   report_peers=False)
         self.heartbeat.start()
         self.state = ShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync")
         logs.set_identity("server", rank)
@@ -174,12 +180,12 @@ class Server:
     def _from_scheduler(self) -> bool:
         """Handle one message from the scheduler; True when it is SHUTDOWN (after confirming it)."""
         try:
-            msg = protocol.decode(transport.recv(self.scheduler))
-        except ProtocolError as exc:
+            msg = self.to_scheduler.open(transport.recv(self.scheduler))
+        except (AuthenticationError, ProtocolError) as exc:
             log.warning("dropped a bad message from the scheduler: %s", exc)
             return False
         if msg.op is Op.SHUTDOWN:
-            transport.send(self.scheduler, protocol.encode(Message(Op.OK, seq=msg.seq)))
+            transport.send(self.scheduler, self.to_scheduler.seal(Message(Op.OK, seq=msg.seq), "scheduler"))
             log.info("shut down by the scheduler (%d keys held)", len(self.state))
             return True
         if msg.op is Op.WORKER_LEFT:

@@ -18,7 +18,14 @@ import time
 
 from kvstore import config as kvconfig
 from kvstore import transport
-from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, ProtocolError
+from kvstore.auth import channel_for
+from kvstore.errors import (
+    AuthenticationError,
+    DeadlineExceededError,
+    KVStoreError,
+    NodeLostError,
+    ProtocolError,
+)
 from kvstore.heartbeat import lost_error
 from kvstore.protocol import Message, Op
 from kvstore.service import RouterService, run_role
@@ -50,14 +57,19 @@ class Scheduler:
     def __init__(self, cfg: kvconfig.Config) -> None:
         cfg.require_cluster("the scheduler")
         self.cfg = cfg
-        sock, self.port = transport.bind_router(_bind_host(cfg.root_uri), cfg.root_port)
-        self.service = RouterService(sock)
+        host = _bind_host(cfg.root_uri)
+        kvconfig.check_bind(cfg, host, "the scheduler")
+        sock, self.port = transport.bind_router(host, cfg.root_port)
+        self.service = RouterService(sock, channel_for(cfg, "scheduler"))
+        self.session = secrets.token_bytes(16)  # keys every message once the map is out
+        self.challenges: dict[bytes, tuple[str, str]] = {}  # identity -> (its nonce, our challenge)
         self.rendezvous = Rendezvous(cfg.num_workers, cfg.num_servers)
         self.barrier = Barrier(cfg.num_workers)
         self.worker_ranks: dict[bytes, int] = {}
         self.left: set[int] = set()
         self.servers: list[Node] = []
-        self.service.handlers = {Op.REGISTER: self._on_register, Op.BARRIER: self._on_barrier,
+        self.service.handlers = {Op.HELLO: self._on_hello, Op.REGISTER: self._on_register,
+                                 Op.BARRIER: self._on_barrier,
                                  Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
                                  Op.HEARTBEAT: self._on_heartbeat}
         self.liveness = Liveness(cfg.heartbeat_timeout)
@@ -67,8 +79,22 @@ class Scheduler:
         self.map_sent = False
         self.failed: str | None = None
 
+    def _on_hello(self, identity: bytes, msg: Message) -> None:
+        nonce = msg.body.get("nonce")
+        if not (isinstance(nonce, str) and 0 < len(nonce) <= 128):
+            raise ProtocolError("HELLO needs a nonce (a str of at most 128 characters)")
+        if self.map_sent:
+            raise ProtocolError("the cluster is already complete; late registrations are refused")
+        challenge = secrets.token_hex(16)
+        self.challenges[identity] = (nonce, challenge)
+        self.service.reply(identity, Message(Op.CHALLENGE, {"nonce": nonce, "challenge": challenge},
+                                             seq=msg.seq))
+
     def _on_register(self, identity: bytes, msg: Message) -> None:
         body = msg.body
+        issued = self.challenges.get(identity)
+        if issued is None or body.get("challenge") != issued[1]:
+            raise AuthenticationError("REGISTER must answer the challenge this connection was given")
         node = Node(identity=identity, role=str(body.get("role")), host=str(body.get("host")),
                     port=body.get("port"), wanted_rank=body.get("rank"), mode=body.get("mode"))
         if self.map_sent:
@@ -88,7 +114,7 @@ class Scheduler:
         self.servers = ranked["server"]
         body = {"num_workers": self.cfg.num_workers, "num_servers": self.cfg.num_servers,
                 "servers": [[n.host, n.port] for n in self.servers], "mode": mode,
-                "seed": secrets.randbits(63)}
+                "seed": secrets.randbits(63), "session": self.session}
         now = time.monotonic()
         for role, nodes in ranked.items():
             for rank, node in enumerate(nodes):
@@ -96,7 +122,11 @@ class Scheduler:
                     self.worker_ranks[node.identity] = rank
                 self.hosts[(role, rank)] = node.host
                 self.liveness.watch(role, rank, now)
-                self.service.reply(node.identity, Message(Op.MAP, dict(body, rank=rank, role=role)))
+                nonce = self.challenges.pop(node.identity)[0]
+                self.service.reply(node.identity, Message(Op.MAP, dict(body, rank=rank, role=role,
+                                                                       nonce=nonce)))
+        self.service.channel.set_session(self.session)
+        self.challenges.clear()
         self.map_sent = True
         log.info("cluster complete: %d workers, %d servers, mode %s",
                  self.cfg.num_workers, self.cfg.num_servers, mode)

@@ -24,6 +24,7 @@ from kvstore.dist import DistKVStore
 from tests.helpers import Processes, poll_for, python, run_parallel, tagged_pids
 
 _names = itertools.count()
+SECRET = "integration-test-secret"  # every test cluster authenticates, as launched ones do
 
 
 class Cluster:
@@ -35,7 +36,8 @@ class Cluster:
         self.procs = Processes(workdir)
         self.env = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_NUM_WORKER": str(num_workers),
                     "DMLC_NUM_SERVER": str(num_servers), "KVSTORE_CONNECT_TIMEOUT": "30",
-                    "KVSTORE_SHUTDOWN_TIMEOUT": "5", "KVSTORE_LOG_LEVEL": "INFO"}
+                    "KVSTORE_SHUTDOWN_TIMEOUT": "5", "KVSTORE_LOG_LEVEL": "INFO",
+                    "KVSTORE_SECRET": SECRET}
         self.env.update({k: str(v) for k, v in settings.items()})
         port_file = workdir / "scheduler.port"
         self.procs.start("scheduler", [python(), "-m", "scheduler"],

@@ -12,6 +12,7 @@ import zmq
 
 import kvstore
 from kvstore import protocol
+from kvstore.auth import Channel, derive_key
 from kvstore.dist import DistKVStore
 from kvstore.errors import (
     ConfigError,
@@ -28,7 +29,7 @@ from kvstore.protocol import Message, Op
 from kvstore.values import Meta
 from tests.helpers import run_parallel
 
-from .conftest import Cluster, unique_key
+from .conftest import SECRET, Cluster, unique_key
 
 
 @pytest.fixture(scope="module")
@@ -126,23 +127,40 @@ def test_pull_deadline_names_the_key(cluster: Cluster) -> None:
     np.testing.assert_array_equal(kv.pull(key), np.full(2, 2.0))
 
 
+def _tester(cluster: Cluster) -> Channel:
+    """A channel holding the cluster's secret and session, as a legitimate peer would."""
+    channel = Channel(derive_key(SECRET), "tester")
+    channel._session_key = cluster.workers[0]._io.channel._session_key
+    return channel
+
+
 def test_garbage_to_server_is_rejected_and_serving_goes_on(cluster: Cluster) -> None:
-    """Garbage, a wrong version and a bad request get ERROR replies; stored values are unchanged."""
+    """Garbage, unsigned and wrong-version messages get unsigned ERRORs, bad sealed requests sealed ones;
+    stored values are unchanged."""
     key = unique_key()
     cluster.run(lambda w: w.init(key, np.full(3, 7.0)))
     host, port = cluster.workers[0]._servers[0].rsplit(":", 1)
+    server = "server0"  # the address of server rank 0, as the map lists it
+    tester = _tester(cluster)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"{host}:{port}")
     try:
         wrong_version = msgpack.packb({"v": 99, "op": 11, "seq": 1})
-        bad_push = protocol.encode(Message(Op.PUSH, {"key": key}, [np.ones(9)], seq=2, sender=0))
-        bad_rank = protocol.encode(Message(Op.PULL, {"key": key}, seq=4, sender=99))
-        for frames in ([b"\xc1garbage"], [wrong_version], bad_push, protocol.encode(
-                Message(Op.PULL, {"key": 2.5}, seq=3, sender=0)), bad_rank):
+        pull = Message(Op.PULL, {"key": key}, seq=1, sender=0, auth=["x", 1, server])
+        unsigned = [b"", *protocol.encode(pull)]
+        for frames in ([b"\xc1garbage"], [b"0" * 16, wrong_version], unsigned):
             sock.send_multipart(frames)
             assert sock.poll(5000), "the server did not answer"
-            reply = protocol.decode(sock.recv_multipart())
+            reply = sock.recv_multipart()
+            assert reply[0] == b"", "a refusal is unsigned: the peer could not be verified"
+            assert protocol.decode(reply[1:]).body["code"] in {"ProtocolError", "AuthenticationError"}
+        for msg in (Message(Op.PUSH, {"key": key}, [np.ones(9)], seq=2, sender=0),
+                    Message(Op.PULL, {"key": 2.5}, seq=3, sender=0),
+                    Message(Op.PULL, {"key": key}, seq=4, sender=99)):
+            sock.send_multipart(tester.seal(msg, server))
+            assert sock.poll(5000), "the server did not answer"
+            reply = tester.open(sock.recv_multipart())
             assert reply.op is Op.ERROR and reply.body["code"] in {
                 "ProtocolError", "ShapeMismatchError", "KeyTypeError", "KeyNotInitializedError"}
     finally:
@@ -205,7 +223,7 @@ def test_worker_deadline_without_scheduler(tmp_path) -> None:
     cfg = kvstore.config.load({"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
                                "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1",
                                "KVSTORE_CONNECT_TIMEOUT": "0.5"})
-    with pytest.raises(DeadlineExceededError, match="cluster map from the scheduler"):
+    with pytest.raises(DeadlineExceededError, match="challenge from the scheduler at"):
         DistKVStore("dist_sync", cfg)
 
 
