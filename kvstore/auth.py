@@ -71,10 +71,12 @@ class Channel:
         self._last: dict[str, int] = {}  # sender label -> highest n accepted
         self._lock = threading.Lock()
 
-    def _keyed(self, session: bytes) -> bytes | None:
+    def _keyed(self, session: bytes) -> Any:
+        """An HMAC object keyed by the secret and ``session``, copied for each message (None: no key)."""
         if self.key is None:
             return None
-        return hmac.new(self.key, b"session\0" + session, hashlib.sha256).digest()
+        return hmac.new(hmac.new(self.key, b"session\0" + session, hashlib.sha256).digest(),
+                        digestmod=hashlib.sha256)
 
     def rename(self, label: str) -> None:
         """Send as ``label`` and accept messages addressed to it (a server once it knows its rank)."""
@@ -85,7 +87,8 @@ class Channel:
         self._session_key = self._keyed(session)
 
     def _mac(self, frames: list[Any]) -> bytes:
-        mac = hmac.new(self._session_key, len(frames).to_bytes(4, "big"), hashlib.sha256)
+        mac = self._session_key.copy()  # the keyed state is computed once per session
+        mac.update(len(frames).to_bytes(4, "big"))
         for frame in frames:
             mac.update(memoryview(frame).nbytes.to_bytes(8, "big"))
         mac.update(frames[0])

@@ -284,3 +284,29 @@ def test_heartbeat_settings_that_cannot_work_are_refused(env):
     """A timeout under twice the interval, a non-positive or non-numeric value is a ConfigError."""
     with pytest.raises(ConfigError, match="KVSTORE_HEARTBEAT"):
         kvconfig.load(env)
+
+
+def test_auth_mode_and_insecure_flag():
+    """KVSTORE_AUTH is 'header' (default) or 'full'; KVSTORE_INSECURE is 0 or 1."""
+    assert not kvconfig.load({}).auth_full and not kvconfig.load({}).insecure
+    assert kvconfig.load({"KVSTORE_AUTH": "FULL", "KVSTORE_INSECURE": "1"}).auth_full
+    assert kvconfig.load({"KVSTORE_INSECURE": "1"}).insecure
+    with pytest.raises(ConfigError, match="KVSTORE_AUTH"):
+        kvconfig.load({"KVSTORE_AUTH": "none"})
+    with pytest.raises(ConfigError, match="KVSTORE_INSECURE"):
+        kvconfig.load({"KVSTORE_INSECURE": "yes"})
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "*", "10.1.2.3", "node7"])
+def test_binding_beyond_loopback_needs_a_secret(host):
+    """check_bind refuses a non-loopback address without a secret, unless KVSTORE_INSECURE=1."""
+    with pytest.raises(ConfigError, match="KVSTORE_SECRET"):
+        kvconfig.check_bind(kvconfig.load({}), host, "the scheduler")
+    kvconfig.check_bind(kvconfig.load({"KVSTORE_SECRET": "s"}), host, "the scheduler")
+    kvconfig.check_bind(kvconfig.load({"KVSTORE_INSECURE": "1"}), host, "the scheduler")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.9.9.9", "::1", "localhost"])
+def test_loopback_binds_without_a_secret(host):
+    """Loopback addresses need no secret (nothing off this machine can reach them)."""
+    kvconfig.check_bind(kvconfig.load({}), host, "a server")
