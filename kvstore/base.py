@@ -118,6 +118,9 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def _load_states(self, fname: str) -> None: ...
 
+    @abc.abstractmethod
+    def _save_checkpoint(self, directory: str) -> None: ...
+
     def _collective(self, what: str, action: Any) -> None:
         """Run ``action()`` once for all workers (on rank 0) and raise its failure on every worker.
 
@@ -302,6 +305,18 @@ class KVStore(abc.ABC):
         """
         self._check_open()
         self._load_states(str(fname))
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Snapshot every key's value and the optimizer's state into ``directory``.
+
+        Collective in dist modes: every worker calls it; it waits until every worker's pushes are
+        applied (no round is open), then rank 0 gathers the values and states from the servers and
+        writes a new generation (docs/failures.md).  A crash while writing leaves the previous
+        generation in effect.  ``launch.py --resume directory`` starts a cluster from it.  Raises
+        OSError from the file system (on every worker in dist modes).
+        """
+        self._check_open()
+        self._save_checkpoint(str(directory))
 
     def broadcast(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
         """Initialise ``key`` with rank 0's ``value``, then pull it (into ``out`` if given)."""

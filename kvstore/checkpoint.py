@@ -74,7 +74,7 @@ def write(path: str | os.PathLike, manifest: Mapping[str, Any], arrays: Mapping[
         members[name] = f"arrays/{index:06d}.npy"
     document = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": members, **manifest}
     encoded = json.dumps(document, separators=(",", ":")).encode("utf-8")
-    _atomic_write(os.fspath(path), lambda f: _write_zip(f, encoded, members, arrays))
+    atomic_write(os.fspath(path), lambda f: _write_zip(f, encoded, members, arrays))
 
 
 def _member_info(name: str) -> zipfile.ZipInfo:
@@ -93,7 +93,7 @@ def _write_zip(f: IO[bytes], manifest: bytes, members: Mapping[str, str],
                 npy.write_array(out, arrays[name], allow_pickle=False)
 
 
-def _atomic_write(target: str, fill: Any) -> None:
+def atomic_write(target: str, fill: Any) -> None:
     """Call ``fill(file)`` on a fresh temporary file beside ``target``, then move it onto ``target``."""
     directory, name = os.path.split(os.path.abspath(target))
     temp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
@@ -110,10 +110,10 @@ def _atomic_write(target: str, fill: Any) -> None:
         except OSError:
             pass
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
     """Make the rename durable where the platform allows it (POSIX); best effort elsewhere."""
     try:
         fd = os.open(directory, os.O_RDONLY)

@@ -52,6 +52,7 @@ class Config:
     auth_full: bool = False
     insecure: bool = False
     port_file: str | None = None
+    resume: str | None = None
     log_level: str | None = None
     update_on_kvstore: bool = True
 
@@ -158,6 +159,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         auth_full=_auth_mode(env) == "full",
         insecure=bool(_int(env, "KVSTORE_INSECURE", minimum=0, maximum=1, default=0)),
         port_file=_str(env, "KVSTORE_PORT_FILE"),
+        resume=_str(env, "KVSTORE_RESUME"),
         log_level=level,
         update_on_kvstore=bool(_int(env, "KVSTORE_UPDATE_ON_KVSTORE", minimum=0, maximum=1,
                                     fallback="MXNET_UPDATE_ON_KVSTORE", default=1)),

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import checkpoint, logs, transport
+from . import checkpoint, logs, snapshot, transport
 from . import config as kvconfig
 from . import optimizer as kvoptimizer
 from .auth import channel_for, new_label
@@ -95,6 +95,8 @@ class DistKVStore(KVStore):
         self._io.start()
         self._pending: dict[Key, list[Request]] = {}
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
+        self._restored: tuple | None = None  # (values, states) of the KVSTORE_RESUME snapshot, rank 0
+        self._states_resumed = False
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost)
         self._heartbeat.start()
         log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
@@ -198,7 +200,7 @@ class DistKVStore(KVStore):
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
         def send_all() -> None:
             requests = []
-            for key, array in items:
+            for key, array in self._resumed(items):
                 flat = array.reshape(-1)
                 pieces = placement(key, flat.size, len(self._servers), self._seed,
                                    self._cfg.bigarray_bound)
@@ -206,6 +208,25 @@ class DistKVStore(KVStore):
             self._request_all(requests)
 
         self._collective(f"init of {len(items)} key(s)", send_all)
+
+    def _snapshot(self) -> tuple:
+        """The (values, states) of the ``KVSTORE_RESUME`` snapshot, read once (by rank 0)."""
+        if self._restored is None:
+            self._restored = snapshot.read(self._cfg.resume)
+        return self._restored
+
+    def _resumed(self, items: list[tuple[Key, np.ndarray]]) -> list[tuple[Key, np.ndarray]]:
+        """Under ``KVSTORE_RESUME`` each key the snapshot holds starts from the snapshot's value."""
+        if self._cfg.resume is None:
+            return items
+        values, _ = self._snapshot()
+        resumed = []
+        for key, array in items:
+            if key in values:
+                snapshot.check_fits(values, key, array.shape, array.dtype)
+                array = values[key]
+            resumed.append((key, array))
+        return resumed
 
     def _host(self, items: list[tuple[Key, Any]]) -> list[tuple[Key, np.ndarray]]:
         """The pushed sums as numpy: a GPU sum (device modes) is copied once into pinned memory."""
@@ -294,7 +315,19 @@ class DistKVStore(KVStore):
         earlier = self._meet()  # pushes made before are applied without the optimizer
         self._collective("set_optimizer", lambda: self._to_servers(
             Op.OPTIMIZER_SET, {"spec": spec}, "set_optimizer"))
+        if self._cfg.resume is not None and not self._states_resumed:
+            self._states_resumed = True  # the first optimizer continues from the snapshot's state
+            self._collective("restoring the snapshot's optimizer state", self._resume_states)
         _raise(earlier)
+
+    def _resume_states(self) -> None:
+        _, states = self._snapshot()
+        if states is None:
+            return
+        with self._lock:
+            keys = set(self._meta)
+        kept = checkpoint.StatesFile(None, states.num_update, [e for e in states.entries if e.key in keys])
+        self._scatter_states_file(kept, f"the snapshot in {self._cfg.resume}")
 
     def _meet(self) -> KVStoreError | None:
         """barrier(), but an earlier push's failure is returned, so the caller still meets the others."""
@@ -358,16 +391,32 @@ class DistKVStore(KVStore):
         return checkpoint.StateEntry(key, meta.shape, meta.dtype, max(m.body["count"] for m in parts),
                                      arrays)
 
+    def _save_checkpoint(self, directory: str) -> None:
+        earlier = self._meet()  # every worker's pushes are applied: no round is open
+
+        def write() -> None:
+            has_optimizer = self._optimizer_info()[0].body["spec"] is not None
+            states = self._gather_states(True) if has_optimizer else None
+            with self._lock:
+                keys = list(self._meta)
+            snapshot.write(directory, dict(zip(keys, self._pull(keys, 0))), states)
+
+        self._collective("save_checkpoint", write)
+        _raise(earlier)
+
     def _load_states(self, fname: str) -> None:
         earlier = self._meet()
         self._collective("load_optimizer_states", lambda: self._scatter_states(fname))
         _raise(earlier)
 
     def _scatter_states(self, fname: str) -> None:
-        states = checkpoint.read_states(fname)
+        self._scatter_states_file(checkpoint.read_states(fname), fname)
+
+    def _scatter_states_file(self, states: checkpoint.StatesFile, source: str) -> None:
+        """Check ``states`` against the keys, then install them on every server (any server count)."""
         spec = states.optimizer or self._optimizer_info()[0].body["spec"]
         if spec is None:
-            raise OptimizerError(f"load_optimizer_states: {fname} holds no optimizer and none is set "
+            raise OptimizerError(f"load_optimizer_states: {source} holds no optimizer and none is set "
                                  "(call set_optimizer first, or save with dump_optimizer=True)")
         with self._lock:
             shapes = {k: np.zeros(m.shape, m.dtype) for k, m in self._meta.items()}

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import config as kvconfig
+from . import snapshot
 from .errors import ConfigError
 from .node import python_if_script
 
@@ -50,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
                         help="how to start processes (only 'local' for now)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment variable for every process (repeatable)")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="start from the snapshot kv.save_checkpoint(DIR) wrote (any number of servers)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker's command")
     args = parser.parse_args(argv)
     if not args.command:
@@ -62,6 +65,11 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         if not sep:
             parser.error(f"--env {item!r} is not NAME=VALUE")
         extra[name] = value
+    if args.resume is not None:
+        if not os.path.isfile(os.path.join(args.resume, snapshot.POINTER)):
+            parser.error(f"--resume {args.resume}: no snapshot there (no LATEST file); "
+                         "take one with kv.save_checkpoint(dir)")
+        extra["KVSTORE_RESUME"] = os.path.abspath(args.resume)
     return LaunchConfig(args.num_workers, args.num_servers or args.num_workers,
                         list(args.command), args.launcher, extra)
 

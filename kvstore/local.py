@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import checkpoint, xp
+from . import checkpoint, snapshot, xp
 from .base import KVStore
 from .device import settle
 from .errors import DTypeMismatchError, OptimizerError
@@ -73,6 +73,13 @@ class LocalKVStore(KVStore):
         with self._lock:
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._store)
             self._updater = None
+
+    def _save_checkpoint(self, directory: str) -> None:
+        with self._lock:
+            values = {k: xp.to_numpy(v) for k, v in self._store.items()}
+            states = (None if self._optimizer is None
+                      else checkpoint.optimizer_states(self._optimizer, self._store, True))
+        snapshot.write(directory, values, states)
 
     def _view(self, key: Key, array: Any) -> Any:
         if xp.is_numpy(array) and self._meta[key].tensor:

@@ -206,6 +206,16 @@ class Trainer:
         if self._update_on_kvstore and self._initialized:
             self._kv.set_optimizer_params(learning_rate=lr)
 
+    def init_kvstore(self) -> None:
+        """Do the first use's work now (collective; later calls do nothing).
+
+        Stores rank 0's weights (under ``launch.py --resume``: the snapshot's), copies them
+        into every worker's parameters (every replica), and with update_on_kvstore sets the
+        optimizer in the store (under ``--resume`` with the snapshot's state).  Call it before
+        the first forward pass when the weights must come from the store, as after a resume.
+        """
+        self._init_kvstore()
+
     # -- internals ----------------------------------------------------------------------------
     def _init_kvstore(self) -> None:
         """Collective: store rank 0's weights, copy them into every worker, set the optimizer."""

@@ -1,0 +1,44 @@
+"""Server snapshots: kv.save_checkpoint mid-training and launch.py --resume on a fresh cluster
+(with another number of servers) continue exactly where the run stopped."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.checkpoint import load_arrays
+from tests.helpers import finish, launch
+
+SCRIPT = Path(__file__).parent / "scripts" / "snapshot_train.py"
+ENV = {"KVSTORE_BIGARRAY_BOUND": "100", "KVSTORE_SHUTDOWN_TIMEOUT": "5"}  # the 8x32 weight is sliced
+
+
+def _run(args: list[str], timeout: float = 90) -> str:
+    rc, out = finish(launch(args, {**os.environ, **ENV}), timeout)
+    assert rc == 0, out
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_snapshot_resumes_to_the_unbroken_run(tmp_path: Path, optimizer: str) -> None:
+    """6 steps unbroken on 2 servers equal 3 steps + a snapshot on 1 server + 3 resumed on 2, bit for bit."""
+    unbroken, resumed, snap = tmp_path / "unbroken.arrays", tmp_path / "resumed.arrays", tmp_path / "snap"
+    _run(["-n", "2", "-s", "2", str(SCRIPT), optimizer, "0", "6", "--out", str(unbroken)])
+    _run(["-n", "2", "-s", "1", str(SCRIPT), optimizer, "0", "3", "--save", str(snap)])
+    assert (snap / "LATEST").read_text().strip() == "snapshot-000001"
+    _run(["-n", "2", "-s", "2", "--resume", str(snap), str(SCRIPT), optimizer, "3", "6",
+          "--out", str(resumed)])
+    expected, got = load_arrays(unbroken), load_arrays(resumed)
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert np.array_equal(got[name], value), f"{name} differs after the resume"
+
+
+def test_resume_without_a_snapshot_is_refused(tmp_path: Path) -> None:
+    """launch.py --resume on a directory with no snapshot fails at once, saying so."""
+    rc, out = finish(launch(["-n", "1", "--resume", str(tmp_path), str(SCRIPT), "sgd", "0", "1"]), 30)
+    assert rc != 0 and "no snapshot there" in out
