@@ -129,3 +129,34 @@ def test_exit_seen_while_a_grandchild_holds_the_output(tag: str) -> None:
     assert rc == 3 and "worker 0 exited with code 3" in out, out
     assert time.monotonic() - start < 30
     assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
+
+
+def _pid_of(tag: str, role: str, rank: int) -> int | None:
+    """The pid of the launched ``role`` with ``rank`` (found by its environment), if it runs."""
+    wanted = {b"DMLC_ROLE=" + role.encode(),
+              (b"DMLC_WORKER_ID=" if role == "worker" else b"KVSTORE_SERVER_ID=") + str(rank).encode()}
+    for pid in tagged_pids(tag):
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if wanted <= environ:
+            return pid
+    return None
+
+
+@pytest.mark.parametrize("role", ["worker", "server"])
+def test_sigkill_mid_training_makes_the_launcher_exit_naming_the_node(tag: str, tmp_path: Path,
+                                                                      role: str) -> None:
+    """SIGKILL a worker or server while dist_sync rounds run: the launcher exits non-zero naming it,
+    and nothing is left running."""
+    script = str(Path(__file__).parent / "scripts" / "steady_worker.py")
+    env = {**os.environ, "KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_HEARTBEAT_INTERVAL": "0.2",
+           "KVSTORE_HEARTBEAT_TIMEOUT": "3"}
+    proc = _launch(["-n", "3", "-s", "2", script, str(tmp_path)], tag, env)
+    poll_for(lambda: len(list(tmp_path.iterdir())) == 3, 60, "every worker to finish a round")
+    os.kill(poll_for(lambda: _pid_of(tag, role, 1), 10, f"{role} 1's pid"), signal.SIGKILL)
+    rc, out = finish(proc, timeout=60)
+    assert rc != 0, out
+    assert f"{role} 1 exited with code" in out, out
+    assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
