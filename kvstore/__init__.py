@@ -8,7 +8,8 @@
 np.float32(2.0)
 
 Submodules: ``kvstore.optimizer`` (server-side update rules), ``kvstore.lr_scheduler``,
-``kvstore.checkpoint`` (the file format), ``kvstore.data`` (sharding helpers).
+``kvstore.checkpoint`` (the file format), ``kvstore.snapshot`` (server snapshots on disk),
+``kvstore.data`` (sharding helpers).
 Importing kvstore never imports torch.
 """
 
@@ -16,6 +17,7 @@ from . import checkpoint as checkpoint
 from . import data as data
 from . import lr_scheduler as lr_scheduler
 from . import optimizer as optimizer
+from . import snapshot as snapshot
 from .base import KNOWN_TYPES, KVStore, create
 from .errors import (
                      AuthenticationError,

@@ -171,6 +171,11 @@ class KVStore(abc.ABC):
         self._init(items)  # not under the lock: in dist modes it waits for every worker
         with self._lock:
             self._meta.update(metas)
+        self._initialised(list(metas))
+
+    def _initialised(self, keys: list[Key]) -> None:
+        """Called after ``keys`` were initialised (a dist store restores their snapshot state)."""
+        return None
 
     def _device(self) -> Any:
         """This store's :class:`kvstore.device.DeviceComm`, made on first use (device modes only)."""

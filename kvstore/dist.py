@@ -161,13 +161,17 @@ class DistKVStore(StateCalls, KVStore):
                                   for i in range(len(self._servers))])
 
     def _collective(self, what: str, action: Any) -> None:
-        """Run ``action()`` on rank 0, then a barrier that tells every worker whether it worked.
+        """Run ``action()`` on the leader, then a barrier that tells every worker whether it worked.
 
-        Rank 0 re-raises its own error; every other worker raises the same type
-        naming worker 0, so no worker carries on as if the operation had worked.
+        A first barrier tells who is still in the cluster: the leader is the lowest rank that
+        has not left (rank 0 unless it finished early).  The leader re-raises its own error;
+        every other worker raises the same type naming the leader, so no worker carries on as
+        if the operation had worked.
         """
+        left = set(self._barrier_reply().get("left", []))
+        here = [rank for rank in range(self._num_workers) if rank not in left]
         error: Exception | None = None
-        if self._rank == 0:
+        if self._rank == (here[0] if here else self._rank):
             try:
                 action()
             except Exception as exc:  # still join the barrier, so no worker is left waiting
@@ -240,11 +244,14 @@ class DistKVStore(StateCalls, KVStore):
 
     def _barrier_only(self, failure: dict[str, str] | None = None) -> list:
         """Join the scheduler's barrier; return the failures workers reported at it ([rank, info])."""
+        return self._barrier_reply(failure).get("failures", [])
+
+    def _barrier_reply(self, failure: dict[str, str] | None = None) -> dict:
+        """Join the scheduler's barrier; return its reply's body (``failures``, ``left``)."""
         body = {} if failure is None else {"failure": failure}
         request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
         try:
-            return self._wait([request], self._cfg.request_timeout,
-                              "KVSTORE_REQUEST_TIMEOUT")[0].body.get("failures", [])
+            return self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
         except DeadlineExceededError:
             # Withdraw from the barrier so a retry is not paired with a stale entry.  The
             # scheduler answers in order: if the barrier completed meanwhile, it has passed.
@@ -253,7 +260,7 @@ class DistKVStore(StateCalls, KVStore):
             reply = self._wait([cancel], self._cfg.shutdown_timeout, "KVSTORE_SHUTDOWN_TIMEOUT")[0]
             if not reply.body.get("released"):
                 raise
-            return []  # it completed, but its reply (and any failure in it) was given up on
+            return {}  # it completed, but its reply (and any failure in it) was given up on
 
     def barrier(self) -> None:
         """Wait until this worker's pushes are applied, then until every worker reaches the barrier.
@@ -274,13 +281,29 @@ class DistKVStore(StateCalls, KVStore):
             raise error
 
     def close(self) -> None:
-        """Drain outstanding requests, tell the scheduler this worker left, close the sockets.
+        """Tell every server, then the scheduler, that this worker is done; close the sockets.
 
-        From then on this worker no longer counts toward barriers and dist_sync rounds, so the
-        others can finish epochs with more batches.  Idempotent.  Raises the failure of an
-        outstanding push, if any, after closing.
+        The servers hear it after this worker's pushes, so each push is applied or counted in
+        its sync round; from then on this worker no longer counts toward barriers and dist_sync
+        rounds, so the others can finish epochs with more batches.  Idempotent.  Raises the
+        failure of a push a server refused, if any, after closing.
         """
         self._close(None)
+
+    def _leave_servers(self, timeout: float) -> KVStoreError | None:
+        """Send LEAVE to every server after this worker's pushes, on the same connections, and wait
+        for the replies: then every push has been taken in (applied, or waiting in a sync round that
+        no longer waits for this worker).  Returns the failure of a push the servers refused."""
+        try:
+            if self._lost is None:  # after a loss the cluster is broken: nothing waits for us
+                self._wait([self._io.submit(i, Message(Op.LEAVE), f"leave message to server {i}")
+                            for i in range(len(self._servers))], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
+            with self._lock:
+                keys = list(self._pending)
+            self._raise_push_failures(keys)  # replies come in order: a refused push has failed by now
+        except KVStoreError as exc:
+            return exc
+        return None
 
     def _close(self, failure: str | None) -> None:
         """close(); with ``failure`` (the process is dying of it) nothing is drained, and the
@@ -291,10 +314,7 @@ class DistKVStore(StateCalls, KVStore):
         error: BaseException | None = None
         timeout = self._cfg.shutdown_timeout
         if failure is None:
-            try:
-                self._flush(timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
-            except KVStoreError as exc:
-                error = exc
+            error = self._leave_servers(timeout)
         if self._lost is None or self._lost.role != "scheduler":
             body = {} if failure is None else {"failure": failure}
             try:  # after a lost peer too: the scheduler counts this worker out and can finish
@@ -321,6 +341,8 @@ def _close_at_exit(store: DistKVStore) -> None:
         return  # a forked child never touches its parent's sockets
     died_of = getattr(sys, "last_value", None)  # set when an unhandled exception ends the program
     failure = None if died_of is None else f"its process died of {type(died_of).__name__}: {died_of}"
+    if isinstance(died_of, NodeLostError):
+        failure = None  # it died of another node's loss, which is already reported: it just leaves
     try:
         store._close(failure)
     except KVStoreError as exc:

@@ -66,18 +66,29 @@ class StateCalls:
         self._collective("set_optimizer", lambda: self._to_servers(
             Op.OPTIMIZER_SET, {"spec": spec}, "set_optimizer"))
         if self._cfg.resume is not None and not self._states_resumed:
-            self._states_resumed = True  # the first optimizer continues from the snapshot's state
+            # the first optimizer continues from the snapshot's state (retried if this fails)
             self._collective("restoring the snapshot's optimizer state", self._resume_states)
+            self._states_resumed = True
         _raise(earlier)
 
-    def _resume_states(self) -> None:
+    def _initialised(self, keys: list[Key]) -> None:
+        """Under ``KVSTORE_RESUME``, keys initialised after the optimizer was restored get their
+        snapshot state too (collective, like the init that calls it)."""
+        if self._cfg.resume is None or not self._states_resumed:
+            return
+        self._collective("restoring the snapshot's optimizer state of new keys",
+                         lambda: self._resume_states(set(keys), install=False))
+
+    def _resume_states(self, keys: set | None = None, install: bool = True) -> None:
+        """Send the snapshot's state of ``keys`` (default: every initialised key) to the servers;
+        with ``install``, first set the optimizer in effect again with the snapshot's update count."""
         _, states = self._snapshot()
         if states is None:
             return
         with self._lock:
-            keys = set(self._meta)
-        kept = checkpoint.StatesFile(None, states.num_update, [e for e in states.entries if e.key in keys])
-        self._scatter_states_file(kept, f"the snapshot in {self._cfg.resume}")
+            known = set(self._meta) if keys is None else set(keys) & set(self._meta)
+        kept = checkpoint.StatesFile(None, states.num_update, [e for e in states.entries if e.key in known])
+        self._scatter_states_file(kept, f"the snapshot in {self._cfg.resume}", install)
 
     def _meet(self) -> KVStoreError | None:
         """barrier(), but an earlier push's failure is returned, so the caller still meets the others."""
@@ -162,8 +173,11 @@ class StateCalls:
     def _scatter_states(self, fname: str) -> None:
         self._scatter_states_file(checkpoint.read_states(fname), fname)
 
-    def _scatter_states_file(self, states: checkpoint.StatesFile, source: str) -> None:
-        """Check ``states`` against the keys, then install them on every server (any server count)."""
+    def _scatter_states_file(self, states: checkpoint.StatesFile, source: str, install: bool = True) -> None:
+        """Check ``states`` against the keys, then install them on every server (any server count).
+
+        With ``install`` the optimizer is set again first (dropping every state) with the file's
+        update count; without, the states are added to those the servers hold."""
         spec = states.optimizer or self._optimizer_info()[0].body["spec"]
         if spec is None:
             raise OptimizerError(f"load_optimizer_states: {source} holds no optimizer and none is set "
@@ -171,8 +185,9 @@ class StateCalls:
         with self._lock:
             shapes = {k: np.zeros(m.shape, m.dtype) for k, m in self._meta.items()}
         checkpoint.restore_optimizer(states, kvoptimizer.from_spec(spec), shapes)  # checks it all
-        self._to_servers(Op.OPTIMIZER_SET, {"spec": spec, "num_update": states.num_update},
-                         "load_optimizer_states")
+        if install:
+            self._to_servers(Op.OPTIMIZER_SET, {"spec": spec, "num_update": states.num_update},
+                             "load_optimizer_states")
         requests = []
         for entry in states.entries:
             names = list(entry.arrays)

@@ -71,7 +71,12 @@ class Heartbeat(threading.Thread):
                 while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
                     if not sock.poll(int(min(left, 0.1) * 1000) + 1):  # short slices: stop() is quick
                         continue
-                    if self._read(transport.recv(sock)):
+                    try:
+                        frames = transport.recv(sock)
+                    except ProtocolError as exc:
+                        log.warning("dropped a bad heartbeat reply: %s", exc)
+                        continue
+                    if self._read(frames):
                         heard = time.monotonic()
                 if time.monotonic() - heard > timeout:
                     self._report(NodeLostError(

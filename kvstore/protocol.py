@@ -38,12 +38,11 @@ class Op(enum.IntEnum):
     REGISTER = 1   # node -> scheduler: role, address, wanted rank, mode
     MAP = 2        # scheduler -> node: the cluster map and the node's rank
     BARRIER = 3    # worker -> scheduler; released when every worker arrived
-    LEAVE = 4      # worker -> scheduler: this worker is done
+    LEAVE = 4      # worker -> scheduler and -> each server (after its pushes): this worker is done
     SHUTDOWN = 5   # scheduler -> server: stop serving and exit
     OK = 6         # reply: success (body and arrays depend on the request)
     ERROR = 7      # reply: {"code": error class name, "message": str}
     HEARTBEAT = 8  # node -> scheduler: {"role", "rank"}; reply OK {"lost": [[role, rank, host, why]]}
-    WORKER_LEFT = 9  # scheduler -> server: {"rank"}: that worker no longer counts toward sync rounds
     HELLO = 20     # node -> scheduler: {"nonce"}: asks for a registration challenge
     CHALLENGE = 21  # scheduler -> node: {"nonce" (echoed), "challenge"}: REGISTER must carry it
     INIT = 10      # worker -> server: store this slice of a new key

@@ -47,7 +47,8 @@ class Server:
                                  Op.OPTIMIZER_SET: self._on_optimizer_set,
                                  Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
                                  Op.OPTIMIZER_INFO: self._on_optimizer_info,
-                                 Op.STATE_GET: self._on_state_get, Op.STATE_SET: self._on_state_set}
+                                 Op.STATE_GET: self._on_state_get, Op.STATE_SET: self._on_state_set,
+                                 Op.LEAVE: self._on_leave}
 
     def join(self) -> None:
         """Register with the scheduler and set up state from the cluster map."""
@@ -112,6 +113,16 @@ class Server:
     def _on_pushpull(self, identity: bytes, msg: Message) -> None:
         key, value = self._gradient(msg)
         self._reply_all(self.state.pushpull((identity, msg.seq), msg.sender, key, value))
+
+    def _on_leave(self, identity: bytes, msg: Message) -> None:
+        """A worker is done.  It sends this after its pushes, on the same connection, so every one of
+        them has been taken in; sync rounds stop waiting for it from now on."""
+        if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
+            raise ProtocolError(f"LEAVE carries no valid worker rank (got {msg.sender!r})")
+        done = self.state.leave(msg.sender)
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        self._reply_all(done)
+        log.info("worker %d left; sync rounds no longer wait for it", msg.sender)
 
     def _on_optimizer_set(self, identity: bytes, msg: Message) -> None:
         num_update = msg.body.get("num_update", 0)
@@ -188,15 +199,6 @@ class Server:
             transport.send(self.scheduler, self.to_scheduler.seal(Message(Op.OK, seq=msg.seq), "scheduler"))
             log.info("shut down by the scheduler (%d keys held)", len(self.state))
             return True
-        if msg.op is Op.WORKER_LEFT:
-            rank = msg.body.get("rank")
-            try:
-                self._reply_all(self.state.leave(rank))
-            except ValueError as exc:
-                log.warning("ignored WORKER_LEFT: %s", exc)
-            else:
-                log.info("worker %s left; sync rounds no longer wait for it", rank)
-            return False
         log.warning("ignored %s from the scheduler", msg.op.name)
         return False
 

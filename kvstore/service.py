@@ -82,8 +82,20 @@ class RouterService:
         """Handle at most one waiting message; return whether one was handled."""
         if not self.sock.poll(int(timeout * 1000)):
             return False
-        self.handle(transport.recv(self.sock))
+        try:
+            frames = transport.recv(self.sock)
+        except ProtocolError as exc:  # too many frames: read, dropped, not answered
+            self._log_bad(str(exc))
+            return True
+        self.handle(frames)
         return True
+
+    def drain(self, limit: int = 1000) -> int:
+        """Handle the messages already waiting (at most ``limit``); return how many."""
+        handled = 0
+        while handled < limit and self.poll_once(0):
+            handled += 1
+        return handled
 
     def _log_bad(self, what: str) -> None:
         now = time.monotonic()

@@ -74,6 +74,9 @@ def write(directory: str, values: Mapping[Key, np.ndarray], states: StatesFile |
     :func:`write_values` and :func:`kvstore.checkpoint.write_states`.
     """
     os.makedirs(directory, exist_ok=True)
+    for stale in os.listdir(directory):  # left by a writer that was killed mid-write
+        if stale.startswith(".snapshot-") and ".tmp-" in stale:
+            shutil.rmtree(os.path.join(directory, stale), ignore_errors=True)
     done = _generations(directory)
     name = f"snapshot-{(done[-1] + 1 if done else 1):06d}"
     temp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
@@ -107,6 +110,8 @@ def read(directory: str) -> tuple[dict[Key, np.ndarray], StatesFile | None]:
     except FileNotFoundError:
         raise FileNotFoundError(f"{directory} holds no snapshot (no {POINTER} file); take one with "
                                 "kv.save_checkpoint(dir)") from None
+    except UnicodeDecodeError:
+        raise FormatError(f"{pointer} is not text: it is damaged") from None
     if not _GENERATION.fullmatch(name) or not os.path.isdir(os.path.join(directory, name)):
         raise FormatError(f"{pointer} names {name!r:.80}, which is not a snapshot generation here")
     values = read_values(os.path.join(directory, name, VALUES))

@@ -93,11 +93,21 @@ class ShardState:
         return self._add_pull(state, token, worker)
 
     def leave(self, worker: int) -> list[Completion]:
-        """``worker`` left: rounds stop waiting for it; return the requests that closing them answers."""
+        """``worker`` left: rounds stop waiting for it; return the requests that closing them answers.
+
+        Its pushes already in a round (or waiting for one) still count, but are not acknowledged
+        (nobody waits for them), and its waiting pulls are dropped.  Leaving twice changes nothing.
+        """
         self._check_worker(worker)
+        if worker not in self.active:
+            return []
         self.active.discard(worker)
         done: list[Completion] = []
         for key, state in self._keys.items():
+            if worker in state.round_tokens:
+                state.round_tokens[worker] = _SILENT
+            state.backlog = [(_SILENT if w == worker else t, w, v) for t, w, v in state.backlog]
+            state.waiting_pulls = [p for p in state.waiting_pulls if p[1] != worker]
             done += self._close_rounds(state, key)
         return done
 

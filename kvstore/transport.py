@@ -14,9 +14,10 @@ from typing import Any
 
 import zmq
 
-from .errors import ConfigError, DeadlineExceededError, NodeLostError
+from .errors import ConfigError, DeadlineExceededError, NodeLostError, ProtocolError
 
 COPY_THRESHOLD = 64 * 1024  # frames at least this big are sent zero-copy
+MAX_FRAMES = 1024  # identity + MAC + header + arrays: far more than any message of ours carries
 
 
 def _context() -> zmq.Context:
@@ -94,9 +95,21 @@ def send(sock: zmq.Socket, frames: Sequence[Any], identity: bytes | None = None)
         raise NodeLostError(f"sending failed: {exc.strerror}") from None
 
 
-def recv(sock: zmq.Socket) -> list[memoryview]:
-    """Receive one waiting message as a list of buffers (call after a poll said it is ready)."""
-    return [frame.buffer for frame in sock.recv_multipart(copy=False)]
+def recv(sock: zmq.Socket, max_frames: int = MAX_FRAMES) -> list[memoryview]:
+    """Receive one waiting message as a list of buffers (call after a poll said it is ready).
+
+    A message of more than ``max_frames`` frames is read to its end, not kept, and refused
+    with :class:`ProtocolError` (no message of ours has more; a flood of frames must not cost
+    a MAC check and an object each).
+    """
+    frames = [sock.recv(copy=False)]
+    while frames[-1].more:
+        if len(frames) >= max_frames:
+            while sock.getsockopt(zmq.RCVMORE):
+                sock.recv(copy=False)
+            raise ProtocolError(f"a message of more than {max_frames} frames was refused")
+        frames.append(sock.recv(copy=False))
+    return [frame.buffer for frame in frames]
 
 
 class Poller:

@@ -4,8 +4,8 @@ After the rendezvous every node heartbeats here from a thread of its own.  A nod
 silent for ``KVSTORE_HEARTBEAT_TIMEOUT`` is declared lost: every heartbeat reply
 from then on names it (so every worker raises :class:`NodeLostError`), waiting
 barriers are released with that error, and the scheduler exits 1 once the
-workers are gone.  A worker that leaves (LEAVE) stops counting toward barriers,
-and the servers are told (WORKER_LEFT) so it stops counting toward sync rounds.
+workers are gone.  A worker that leaves (LEAVE) stops counting toward barriers
+(it has told the servers itself, after its pushes, so sync rounds stop waiting).
 """
 
 from __future__ import annotations
@@ -157,10 +157,14 @@ class Scheduler:
         if failure is not None and not (isinstance(failure, dict) and all(
                 isinstance(failure.get(f), str) for f in ("code", "message"))):
             raise ProtocolError('a barrier\'s failure must be {"code": str, "message": str}')
-        released = self.barrier.arrive(rank, identity, msg.seq, failure)
-        failures = [[r, text] for r, text in sorted(self.barrier.released_failures.items())]
+        self._release(self.barrier.arrive(rank, identity, msg.seq, failure))
+
+    def _release(self, released: list[tuple[bytes, int]]) -> None:
+        """Answer released barrier waiters: the failures reported at it, and who has left."""
+        body = {"failures": [[r, text] for r, text in sorted(self.barrier.released_failures.items())],
+                "left": sorted(self.left)}
         for ident, seq in released:
-            self.service.reply(ident, Message(Op.OK, {"failures": failures}, seq=seq))
+            self.service.reply(ident, Message(Op.OK, dict(body), seq=seq))
 
     def _on_leave(self, identity: bytes, msg: Message) -> None:
         rank = self._worker_rank(identity)
@@ -176,12 +180,7 @@ class Scheduler:
         self.left.add(rank)
         self.liveness.forget("worker", rank)
         log.info("worker %d left (%d/%d)", rank, len(self.left), self.cfg.num_workers)
-        released = self.barrier.leave(rank)  # the others no longer wait for it
-        failures = [[r, text] for r, text in sorted(self.barrier.released_failures.items())]
-        for ident, seq in released:
-            self.service.reply(ident, Message(Op.OK, {"failures": failures}, seq=seq))
-        for node in self._live_servers():
-            self.service.reply(node.identity, Message(Op.WORKER_LEFT, {"rank": rank}))
+        self._release(self.barrier.leave(rank))  # the others no longer wait for it
 
     def _on_heartbeat(self, identity: bytes, msg: Message) -> None:
         role, rank = msg.body.get("role"), msg.body.get("rank")
@@ -241,7 +240,8 @@ class Scheduler:
             return 1
         tick = min(1.0, self.cfg.heartbeat_interval)
         while self._workers_gone() < self.cfg.num_workers:
-            self.service.poll_once(tick)
+            if self.service.poll_once(tick):
+                self.service.drain()  # heartbeats queued behind a slow message count before the check
             self.check_liveness(time.monotonic())
         code = self._stop_servers()
         if self.lost:

@@ -14,7 +14,7 @@ import pytest
 
 import kvstore
 from kvstore.errors import NodeLostError
-from tests.helpers import poll_for, python
+from tests.helpers import poll_for, python, run_parallel
 
 from .conftest import Cluster, unique_key
 
@@ -183,3 +183,47 @@ def test_a_server_busy_with_256_mb_still_heartbeats(make_cluster) -> None:
     _, scheduler_log = _proc(cluster, "scheduler")
     assert "is lost" not in scheduler_log.read_text()
     assert busy > 0.5, f"only {busy:.2f} s of work: the test proves nothing on this machine"
+
+
+def test_close_does_not_wait_for_a_slower_peers_round(make_cluster) -> None:
+    """A worker whose last push waits in an open round closes at once, without error; the round
+    still sums its push when the slower worker pushes later."""
+    cluster: Cluster = make_cluster("dist_sync", 2, 2, bound=10, KVSTORE_SHUTDOWN_TIMEOUT="1")
+    key = unique_key()
+    cluster.run(lambda kv: kv.init(key, np.zeros(25, np.float32)))
+    w0, w1 = cluster.workers
+    closed = threading.Event()
+
+    def early() -> None:
+        w1.push(key, np.full(25, 2.0, np.float32))
+        w1.close()  # its push is still in an open round: worker 0 has not pushed
+        closed.set()
+
+    def late() -> np.ndarray:
+        assert closed.wait(30), "worker 1's close() waited for worker 0"
+        w0.push(key, np.ones(25, np.float32))
+        return w0.pull(key)
+
+    _, out = run_parallel([early, late])
+    np.testing.assert_array_equal(out, np.full(25, 3.0, np.float32))
+
+
+def test_collectives_go_on_after_rank_0_leaves(make_cluster, tmp_path: Path) -> None:
+    """Once worker 0 has left, the lowest rank still here leads init, set_optimizer and
+    save_checkpoint: they take effect instead of silently doing nothing."""
+    cluster: Cluster = make_cluster("dist_sync", 3, 1)
+    w0, w1, w2 = cluster.workers
+    w0.close()
+
+    def work(kv):
+        kv.init("late", np.full(2, kv.rank * 10.0))
+        kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=1.0))
+        kv.push("late", np.ones(2))
+        kv.save_checkpoint(tmp_path / "snap")
+        return kv.pull("late")
+
+    for out in run_parallel([lambda: work(w1), lambda: work(w2)]):
+        np.testing.assert_array_equal(out, np.full(2, 10.0 - 2.0))  # worker 1's value, minus the sum
+    values, states = kvstore.snapshot.read(str(tmp_path / "snap"))
+    np.testing.assert_array_equal(values["late"], np.full(2, 8.0))
+    assert states is not None and states.optimizer["name"] == "sgd"

@@ -42,3 +42,31 @@ def test_resume_without_a_snapshot_is_refused(tmp_path: Path) -> None:
     """launch.py --resume on a directory with no snapshot fails at once, saying so."""
     rc, out = finish(launch(["-n", "1", "--resume", str(tmp_path), str(SCRIPT), "sgd", "0", "1"]), 30)
     assert rc != 0 and "no snapshot there" in out
+
+
+def test_keys_initialised_after_set_optimizer_get_their_state_back(make_cluster, tmp_path: Path) -> None:
+    """Under resume, a key initialised after set_optimizer still continues from its snapshot state."""
+    import dataclasses
+
+    import kvstore
+    from kvstore.dist import DistKVStore
+
+    first = make_cluster("dist_sync", 1, 1)
+    (kv,) = first.workers
+    kv.init(["a", "b"], [np.ones(2), np.ones(2)])
+    kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=0.1, momentum=0.9))
+    kv.push(["a", "b"], [np.ones(2), np.ones(2)])
+    kv.save_checkpoint(tmp_path / "snap")
+    kv.push(["a", "b"], [np.ones(2), np.ones(2)])
+    want = kv.pull("a")  # the unbroken run's second step (momentum carried over)
+
+    second = make_cluster("dist_sync", 1, 2, connect=False)
+    cfg = dataclasses.replace(second.cfg, resume=str(tmp_path / "snap"))
+    resumed = DistKVStore("dist_sync", cfg)
+    second.workers = [resumed]
+    resumed.init("a", np.zeros(2))
+    resumed.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=0.1, momentum=0.9))
+    resumed.init("b", np.zeros(2))  # after set_optimizer
+    resumed.push(["a", "b"], [np.ones(2), np.ones(2)])
+    np.testing.assert_array_equal(resumed.pull("a"), want)
+    np.testing.assert_array_equal(resumed.pull("b"), want)

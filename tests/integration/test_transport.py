@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvstore import protocol, transport
-from kvstore.errors import ConfigError, DeadlineExceededError, NodeLostError
+from kvstore.errors import ConfigError, DeadlineExceededError, NodeLostError, ProtocolError
 from kvstore.protocol import Message, Op
 
 
@@ -71,3 +71,20 @@ def test_poller_sees_ready_socket(router) -> None:
         assert poller.wait(10) == [sock]
     finally:
         transport.close(dealer)
+
+
+def test_a_message_of_too_many_frames_is_refused_and_the_next_one_arrives() -> None:
+    """recv reads an oversized multipart message to its end, refuses it, and the socket stays usable."""
+    sock, port = transport.bind_router("127.0.0.1")
+    dealer = transport.connect_dealer(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send_multipart([b"x"] * (transport.MAX_FRAMES + 5))
+        dealer.send_multipart([b"after", b"ok"])
+        assert sock.poll(5000)
+        with pytest.raises(ProtocolError, match="frames was refused"):
+            transport.recv(sock)
+        assert sock.poll(5000)
+        assert [bytes(f) for f in transport.recv(sock)][1:] == [b"after", b"ok"]
+    finally:
+        transport.close(dealer)
+        transport.close(sock)

@@ -91,3 +91,14 @@ def test_local_store_saves_values_and_optimizer_state(tmp_path: Path) -> None:
     np.testing.assert_array_equal(values["a"], np.full(3, -1.0, np.float32))
     np.testing.assert_array_equal(values[5], np.ones(2))
     assert states.optimizer["name"] == "sgd" and [e.key for e in states.entries] == ["a"]
+
+
+def test_stale_temporary_generations_are_cleaned_and_binary_pointers_refused(tmp_path: Path) -> None:
+    """A killed writer's temporary directory is removed by the next write; a LATEST that is not
+    text is a FormatError."""
+    (tmp_path / ".snapshot-000001.tmp-1-deadbeef").mkdir(parents=True)
+    snapshot.write(str(tmp_path), VALUES, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "snapshot-000001"]
+    (tmp_path / "LATEST").write_bytes(b"\xff\xfe")
+    with pytest.raises(FormatError, match="not text"):
+        snapshot.read(str(tmp_path))

@@ -452,3 +452,15 @@ def test_leave_of_an_unknown_worker_is_refused():
     """leave() takes ranks in [0, num_workers) only."""
     with pytest.raises(ValueError):
         ShardState(2, sync=True).leave(2)
+
+
+def test_a_leavers_pending_push_still_counts_but_is_not_acknowledged():
+    """A worker that leaves with a push in an open round: the push is summed, its ack is not sent,
+    its waiting pull is dropped, and leaving again changes nothing."""
+    state = ShardState(2, sync=True)
+    state.init("k", np.zeros(1))
+    assert state.push("t1", 1, "k", ro([2.0])) == []
+    assert state.pull("p1", 1, "k") == []  # waits for its own push
+    assert state.leave(1) == [] and state.leave(1) == []
+    assert tokens(state.push("t0", 0, "k", ro([1.0]))) == ["t0"]
+    np.testing.assert_array_equal(state.value("k"), [3.0])
