@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from kvstore import config as kvconfig
+from kvstore.auth import Channel, derive_key
 from kvstore.dist import DistKVStore
 from tests.helpers import Processes, poll_for, python, run_parallel, tagged_pids
 
@@ -70,6 +71,14 @@ class Cluster:
             run_parallel([kv.close for kv in self.workers if not kv._closed])
         finally:
             self.procs.stop(timeout=10)
+
+
+def insider(kv: DistKVStore, label: str) -> Channel:
+    """A channel holding the cluster's secret and session, as a node of the cluster would (tests
+    use it to send well-sealed messages of their own making)."""
+    channel = Channel(derive_key(SECRET), label)
+    channel._session_key = kv._io.channel._session_key
+    return channel
 
 
 def unique_key(prefix: str = "k") -> str:

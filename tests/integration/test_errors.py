@@ -12,7 +12,6 @@ import zmq
 
 import kvstore
 from kvstore import protocol
-from kvstore.auth import Channel, derive_key
 from kvstore.dist import DistKVStore
 from kvstore.errors import (
     ConfigError,
@@ -29,7 +28,7 @@ from kvstore.protocol import Message, Op
 from kvstore.values import Meta
 from tests.helpers import run_parallel
 
-from .conftest import SECRET, Cluster, unique_key
+from .conftest import Cluster, insider, unique_key
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +126,6 @@ def test_pull_deadline_names_the_key(cluster: Cluster) -> None:
     np.testing.assert_array_equal(kv.pull(key), np.full(2, 2.0))
 
 
-def _tester(cluster: Cluster) -> Channel:
-    """A channel holding the cluster's secret and session, as a legitimate peer would."""
-    channel = Channel(derive_key(SECRET), "tester")
-    channel._session_key = cluster.workers[0]._io.channel._session_key
-    return channel
-
-
 def test_garbage_to_server_is_rejected_and_serving_goes_on(cluster: Cluster) -> None:
     """Garbage, unsigned and wrong-version messages get unsigned ERRORs, bad sealed requests sealed ones;
     stored values are unchanged."""
@@ -141,7 +133,7 @@ def test_garbage_to_server_is_rejected_and_serving_goes_on(cluster: Cluster) -> 
     cluster.run(lambda w: w.init(key, np.full(3, 7.0)))
     host, port = cluster.workers[0]._servers[0].rsplit(":", 1)
     server = "server0"  # the address of server rank 0, as the map lists it
-    tester = _tester(cluster)
+    tester = insider(cluster.workers[0], "tester")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"{host}:{port}")

@@ -10,15 +10,15 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.auth import Channel, derive_key
 from kvstore.protocol import PROTOCOL_VERSION, Message, Op
 
-from .conftest import SECRET, Cluster
+from .conftest import Cluster, insider
 
 EXAMPLES = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 VALUE = np.arange(6, dtype=np.float32)
 
+WIRE_INTS = st.integers(-2**63, 2**64 - 1)  # what msgpack can carry
 raw_frames = st.lists(st.binary(max_size=80), min_size=1, max_size=5)
 mutations = st.tuples(st.sampled_from(["flip", "truncate", "append", "drop", "replay", "unsign"]),
                       st.integers(0, 10_000), st.integers(0, 255))
@@ -31,19 +31,12 @@ headers = st.fixed_dictionaries({
     "seq": st.one_of(st.integers(0, 2**31), st.text(max_size=3)),
     "sender": st.one_of(st.none(), st.integers(-3, 5), st.just(2**62)),
     "body": st.one_of(st.dictionaries(st.sampled_from(["key", "spec", "params", "count", "names", "rank"]),
-                                      st.one_of(st.integers(), st.text(max_size=5), st.none(), st.floats(),
-                                                st.lists(st.integers(), max_size=3)), max_size=4),
-                      st.integers(), st.text(max_size=4)),
+                                      st.one_of(WIRE_INTS, st.text(max_size=5), st.none(), st.floats(),
+                                                st.lists(WIRE_INTS, max_size=3)), max_size=4),
+                      WIRE_INTS, st.text(max_size=4)),
     "arrays": array_metas,
 })
 insider_payloads = st.tuples(headers, st.lists(st.binary(max_size=40), max_size=3))
-
-
-def _insider(cluster: Cluster, label: str) -> Channel:
-    """A channel holding the cluster's secret and session (what a buggy but trusted node could send)."""
-    channel = Channel(derive_key(SECRET), label)
-    channel._session_key = cluster.workers[0]._io.channel._session_key
-    return channel
 
 
 def _mutate(frames: list, how: str, where: int, byte: int) -> list:
@@ -83,8 +76,8 @@ def test_fuzzed_frames_leave_a_live_server_serving_correct_values(make_cluster) 
     cluster: Cluster = make_cluster("dist_async", 1, 1)
     (kv,) = cluster.workers
     kv.init("fz", VALUE)
-    insider = _insider(cluster, "fuzzer")
-    genuine = insider.seal(Message(Op.PULL, {"key": "fz"}, seq=1, sender=0), "server0")
+    sealer = insider(kv, "fuzzer")
+    genuine = sealer.seal(Message(Op.PULL, {"key": "fz"}, seq=1, sender=0), "server0")
     sock = _dealer(kv._servers[0])
     _answered(sock, genuine)  # the genuine pull, once: every later copy of it is a replay
 
@@ -98,7 +91,7 @@ def test_fuzzed_frames_leave_a_live_server_serving_correct_values(make_cluster) 
         else:
             header, arrays = case
             payload = [msgpack.packb(header, use_bin_type=True), *arrays]
-            frames = [insider._mac(payload), *payload]  # authentic, but nonsense inside
+            frames = [sealer._mac(payload), *payload]  # authentic, but nonsense inside
         _answered(sock, frames)
 
     try:
@@ -115,8 +108,8 @@ def test_fuzzed_frames_leave_a_live_server_serving_correct_values(make_cluster) 
 def test_fuzzed_frames_leave_the_scheduler_running_the_cluster(make_cluster) -> None:
     """Garbage and mutated heartbeats sent to the scheduler neither stop it nor count a worker out."""
     cluster: Cluster = make_cluster("dist_sync", 2, 1)
-    insider = _insider(cluster, "fuzzer")
-    genuine = insider.seal(Message(Op.HEARTBEAT, {"role": "worker", "rank": 0}, sender=0), "scheduler")
+    sealer = insider(cluster.workers[0], "fuzzer")
+    genuine = sealer.seal(Message(Op.HEARTBEAT, {"role": "worker", "rank": 0}, sender=0), "scheduler")
     sock = _dealer(cluster.cfg.root_address)
     _answered(sock, genuine)
 

@@ -18,7 +18,7 @@ from kvstore.errors import AuthenticationError
 from kvstore.protocol import Message, Op
 from tests.helpers import REPO, python
 
-from .conftest import SECRET, Cluster, unique_key
+from .conftest import Cluster, insider, unique_key
 
 
 def _dealer(address: str) -> zmq.Socket:
@@ -32,13 +32,6 @@ def _exchange(sock: zmq.Socket, frames: list) -> list:
     sock.send_multipart(frames)
     assert sock.poll(5000), "no answer"
     return sock.recv_multipart()
-
-
-def _insider(kv: DistKVStore, label: str) -> Channel:
-    """A channel with the cluster's secret and session: what a node of the cluster can seal."""
-    channel = Channel(derive_key(SECRET), label)
-    channel._session_key = kv._io.channel._session_key
-    return channel
 
 
 @pytest.mark.parametrize("secret", ["wrong", None], ids=["wrong-secret", "no-secret"])
@@ -67,9 +60,9 @@ def test_forged_and_replayed_pushes_change_nothing(make_cluster) -> None:
         reply = _exchange(sock, forger.seal(Message(Op.PUSH, {"key": key}, [np.full(3, 100.0)],
                                                     seq=1, sender=0), "server0"))
         assert reply[0] == b"" and protocol.decode(reply[1:]).body["code"] == "AuthenticationError"
-        insider = _insider(kv, "insider")
-        genuine = insider.seal(Message(Op.PUSH, {"key": key}, [np.full(3, 5.0)], seq=2, sender=0), "server0")
-        assert insider.open(_exchange(sock, genuine)).op is Op.OK
+        sealer = insider(kv, "insider")
+        genuine = sealer.seal(Message(Op.PUSH, {"key": key}, [np.full(3, 5.0)], seq=2, sender=0), "server0")
+        assert sealer.open(_exchange(sock, genuine)).op is Op.OK
         reply = _exchange(sock, genuine)  # the same frames again: a replay
         assert reply[0] == b"" and "replayed" in protocol.decode(reply[1:]).body["message"]
     finally:
