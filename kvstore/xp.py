@@ -136,11 +136,21 @@ def assign(dst: Array, src: Array) -> None:
         dst.copy_(src)
 
 
+def numpy_view(a: Array) -> np.ndarray:
+    """``a`` as numpy: itself, a view of a CPU tensor, or a copy of a tensor on another device."""
+    if is_numpy(a):
+        return a
+    tensor = a.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()
+    return tensor.numpy()
+
+
 def to_numpy(a: Array) -> np.ndarray:
     """A new C-contiguous numpy array holding ``a``'s values (a tensor is copied off its device)."""
-    if is_numpy(a):
-        return np.array(a, copy=True, order="C")
-    return np.array(a.detach().cpu().resolve_conj().resolve_neg().numpy(), copy=True, order="C")
+    return np.array(numpy_view(a), copy=True, order="C")
 
 
 def like(template: Array, array: np.ndarray) -> Array:
