@@ -9,6 +9,7 @@ scheduler tells it to stop.
 from __future__ import annotations
 
 import logging
+import resource
 import sys
 
 import numpy as np
@@ -25,6 +26,13 @@ from .service import RouterService, register, run_role
 from .state import Completion, ShardState
 
 log = logging.getLogger("kvstore.server")
+MB = 1 << 20
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class Server:
@@ -197,7 +205,8 @@ class Server:
             return False
         if msg.op is Op.SHUTDOWN:
             transport.send(self.scheduler, self.to_scheduler.seal(Message(Op.OK, seq=msg.seq), "scheduler"))
-            log.info("shut down by the scheduler (%d keys held)", len(self.state))
+            log.info("shut down by the scheduler: %d keys, %.1f MB held, peak RSS %.1f MB",
+                     len(self.state), self.state.nbytes() / MB, peak_rss() / MB)
             return True
         log.warning("ignored %s from the scheduler", msg.op.name)
         return False

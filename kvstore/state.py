@@ -70,6 +70,10 @@ class ShardState:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def nbytes(self) -> int:
+        """Bytes of the values held (not counting rounds in progress)."""
+        return sum(state.value.nbytes for state in self._keys.values())
+
     def value(self, key: Key) -> np.ndarray:
         """Return the stored value of ``key``; raise :class:`KeyNotInitializedError` if absent."""
         return self._get(key).value
