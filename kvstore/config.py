@@ -27,6 +27,11 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 # busy with a burst of barriers, short enough that a dead peer is reported well inside a minute.
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
+# The data path (docs/benchmarks.md has the measurements behind these): small values are packed into
+# messages of up to 1 MiB; a big value travels in 4 MiB chunks, so a server sums one chunk while the
+# next is on the wire and a pull's reply streams back chunk by chunk.
+DEFAULT_BATCH_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class Config:
     resume: str | None = None
     log_level: str | None = None
     update_on_kvstore: bool = True
+    batch_bytes: int = DEFAULT_BATCH_BYTES
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def missing_cluster_vars(self) -> list[str]:
         """Return the names of the ``DMLC_*`` variables a distributed node needs but lacks."""
@@ -163,6 +170,8 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         log_level=level,
         update_on_kvstore=bool(_int(env, "KVSTORE_UPDATE_ON_KVSTORE", minimum=0, maximum=1,
                                     fallback="MXNET_UPDATE_ON_KVSTORE", default=1)),
+        batch_bytes=_int(env, "KVSTORE_BATCH_BYTES", minimum=0, default=DEFAULT_BATCH_BYTES),
+        chunk_bytes=_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
     )
 
 

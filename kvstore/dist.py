@@ -28,6 +28,7 @@ from .errors import (
     DeadlineExceededError,
     KVStoreError,
     NodeLostError,
+    ProtocolError,
     StoreClosedError,
     error_code,
     error_from_code,
@@ -35,6 +36,7 @@ from .errors import (
 from .heartbeat import Heartbeat
 from .iothread import SCHEDULER, IOThread, Request
 from .partition import Key, Piece, placement
+from .plan import Part, Send, pack, plan, unpack
 from .protocol import Message, Op
 from .service import register
 
@@ -77,6 +79,8 @@ class DistKVStore(StateCalls, KVStore):
         self._io = IOThread(scheduler, servers, self._rank, channel)
         self._io.start()
         self._pending: dict[Key, list[Request]] = {}
+        self._placements: dict[Key, list[Piece]] = {}  # each initialised key's pieces, computed once
+        self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
         self._restored: tuple | None = None  # (values, states) of the KVSTORE_RESUME snapshot, rank 0
         self._states_resumed = False
@@ -116,8 +120,18 @@ class DistKVStore(StateCalls, KVStore):
         self._io.fail(error)
 
     def _pieces(self, key: Key) -> list[Piece]:
-        return placement(key, self._meta[key].size if key in self._meta else 0,
-                         len(self._servers), self._seed, self._cfg.bigarray_bound)
+        pieces = self._placements.get(key)
+        if pieces is None:
+            pieces = placement(key, self._meta[key].size if key in self._meta else 0,
+                               len(self._servers), self._seed, self._cfg.bigarray_bound)
+        return pieces
+
+    def _submit(self, op: Op, send: Send, array: np.ndarray | None) -> Request:
+        """Queue one data message (a batch, a whole piece or a chunk) to its server."""
+        first, more = send.parts[0].key, len(send.parts) - 1
+        keys = f"key {first!r}" + (f" and {more} more" if more else "")
+        what = f"{op.name.lower()} of {keys} to server {send.server} ({self._servers[send.server]})"
+        return self._io.submit(send.server, Message(op, send.body(), [] if array is None else [array]), what)
 
     def _send(self, op: Op, key: Key, piece: Piece, flat: np.ndarray | None) -> Request:
         arrays = [] if flat is None else [flat[piece.start:piece.stop]]
@@ -186,49 +200,79 @@ class DistKVStore(StateCalls, KVStore):
 
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
         def send_all() -> None:
-            requests = []
-            for key, array in self._resumed(items):
-                flat = array.reshape(-1)
-                pieces = placement(key, flat.size, len(self._servers), self._seed,
-                                   self._cfg.bigarray_bound)
-                requests += [self._send(Op.INIT, key, p, flat) for p in pieces]
-            self._request_all(requests)
+            flats = {key: array.reshape(-1) for key, array in self._resumed(items)}
+            entries = []
+            for key, flat in flats.items():
+                pieces = placement(key, flat.size, len(self._servers), self._seed, self._cfg.bigarray_bound)
+                entries.append((key, flat.dtype, pieces))
+            sends = plan(entries, self._cfg.batch_bytes, self._chunk_bytes, chunked=False)
+            self._request_all([self._submit(Op.INIT, s, pack(s, flats)) for s in sends])
 
         self._collective(f"init of {len(items)} key(s)", send_all)
 
-    def _host(self, items: list[tuple[Key, Any]]) -> list[tuple[Key, np.ndarray]]:
-        """The pushed sums as numpy: a GPU sum (device modes) is copied once into pinned memory."""
-        return [(k, t if isinstance(t, np.ndarray) else self._device().to_host(t)) for k, t in items]
+    def _initialised(self, keys: list[Key]) -> None:
+        with self._lock:
+            for key in keys:
+                self._placements[key] = placement(key, self._meta[key].size, len(self._servers),
+                                                  self._seed, self._cfg.bigarray_bound)
+        super()._initialised(keys)
+
+    def _host(self, items: list[tuple[Key, Any]]) -> dict[Key, np.ndarray]:
+        """The pushed sums, flat numpy (a GPU sum, in device modes, copied once into pinned memory)."""
+        return {k: (t if isinstance(t, np.ndarray) else self._device().to_host(t)).reshape(-1)
+                for k, t in items}
+
+    def _plan(self, keys: Any, dtypes: Any) -> list[Send]:
+        return plan([(k, d, self._pieces(k)) for k, d in zip(keys, dtypes)], self._cfg.batch_bytes,
+                    self._chunk_bytes)
 
     def _push(self, items: list[tuple[Key, Any]], priority: int) -> None:
-        for key, total in self._host(items):  # priority is accepted for MXNet scripts; sends keep call order
-            flat = total.reshape(-1)
-            requests = [self._send(Op.PUSH, key, p, flat) for p in self._pieces(key)]
-            with self._lock:
-                pending = [r for r in self._pending.get(key, []) if not r.future.done()
-                           or r.future.exception()]
-                self._pending[key] = pending + requests
+        flats = self._host(items)  # priority is accepted for MXNet scripts; sends keep call order
+        sends = self._plan(flats, [f.dtype for f in flats.values()])
+        requests = [self._submit(Op.PUSH, s, pack(s, flats)) for s in sends]
+        with self._lock:
+            for send, request in zip(sends, requests):
+                for part in send.parts:
+                    pending = self._pending.setdefault(part.key, [])
+                    if len(pending) > 8:  # a key pushed again and again without a pull or barrier
+                        pending[:] = [r for r in pending if not r.future.done() or r.future.exception()]
+                    if not pending or pending[-1] is not request:
+                        pending.append(request)
 
-    def _collect(self, keys: list[Key], requests: list[list[Request]]) -> list[np.ndarray]:
-        flat = [r for group in requests for r in group]
-        replies = iter(self._wait(flat, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT"))
+    def _collect(self, keys: list[Key], sends: list[Send], requests: list[Request]) -> list[np.ndarray]:
+        replies = self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
         self._raise_push_failures(keys)
+        got: dict[Key, list[tuple[Part, np.ndarray]]] = {}
+        for send, reply in zip(sends, replies):
+            if len(reply.arrays) != 1:
+                raise ProtocolError(f"server {send.server} answered a pull with {len(reply.arrays)} arrays")
+            try:
+                views = unpack(send, reply.arrays[0])
+            except ValueError as exc:
+                raise ProtocolError(f"server {send.server}: {exc}") from None
+            for part, view in zip(send.parts, views):
+                got.setdefault(part.key, []).append((part, view))
         out = []
-        for key, group in zip(keys, requests):
-            meta = self._meta[key]
-            parts = [next(replies).arrays[0] for _ in group]
-            array = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        for key in keys:
+            meta, parts = self._meta[key], got[key]
+            if len(parts) == 1:
+                array = parts[0][1]
+            else:
+                array = np.empty(meta.size, meta.dtype)
+                for part, view in parts:
+                    array[part.start:part.stop] = view
             out.append(array.reshape(meta.shape))
         return out
 
     def _pull(self, keys: list[Key], priority: int) -> list[np.ndarray]:
-        requests = [[self._send(Op.PULL, k, p, None) for p in self._pieces(k)] for k in keys]
-        return self._collect(keys, requests)
+        sends = self._plan(keys, [self._meta[k].dtype for k in keys])
+        return self._collect(keys, sends, [self._submit(Op.PULL, s, None) for s in sends])
 
     def _pushpull(self, items: list[tuple[Key, Any]], priority: int) -> list[np.ndarray]:
-        requests = [[self._send(Op.PUSHPULL, k, p, total.reshape(-1)) for p in self._pieces(k)]
-                    for k, total in self._host(items)]
-        return self._collect([k for k, _ in items], requests)
+        flats = self._host(items)
+        sends = self._plan(flats, [f.dtype for f in flats.values()])
+        requests = [self._submit(Op.PUSHPULL, s, pack(s, flats)) for s in sends]
+        return self._collect(list(flats), sends, requests)
 
     def _flush(self, timeout: float, knob: str) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ them without copying.  See docs/protocol.md.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +27,11 @@ import numpy as np
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
 MAX_HEADER_BYTES = 1 << 20
 _DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}  # dtype.name is slow on the hot path
+_DTYPES_BY_NAME = {name: np.dtype(name) for name in DTYPES}
 
 
 class Op(enum.IntEnum):
@@ -45,10 +47,13 @@ class Op(enum.IntEnum):
     HEARTBEAT = 8  # node -> scheduler: {"role", "rank"}; reply OK {"lost": [[role, rank, host, why]]}
     HELLO = 20     # node -> scheduler: {"nonce"}: asks for a registration challenge
     CHALLENGE = 21  # scheduler -> node: {"nonce" (echoed), "challenge"}: REGISTER must carry it
-    INIT = 10      # worker -> server: store this slice of a new key
-    PUSH = 11      # worker -> server: contribute to the key's current round
-    PULL = 12      # worker -> server: read the key's slice
-    PUSHPULL = 13  # worker -> server: push, then reply with the updated slice
+    # Data ops carry {"keys": [...], "sizes": [...]} (+ "lo" for a chunk of one key, kvstore.plan) and
+    # one flat array holding every key's elements in order (none for PULL); replies to PULL and
+    # PUSHPULL carry the values the same way, once every key of the request is answered.
+    INIT = 10      # worker -> server: store these slices of new keys
+    PUSH = 11      # worker -> server: contribute to each key's current round
+    PULL = 12      # worker -> server: read the keys' slices
+    PUSHPULL = 13  # worker -> server: push, then reply with the updated slices
     OPTIMIZER_SET = 14     # worker -> server: {"spec": optimizer spec}; replaces it, drops all state
     OPTIMIZER_PARAMS = 15  # worker -> server: {"params": {...}}; changes hyper-parameters, keeps state
     OPTIMIZER_INFO = 16    # worker -> server: reply {"spec": spec | None, "num_update": int}
@@ -116,9 +121,9 @@ def _decode_array(meta: Any, frame: Any) -> np.ndarray:
     if not (isinstance(meta, list) and len(meta) == 2 and meta[0] in DTYPES
             and isinstance(meta[1], list) and all(isinstance(d, int) and d >= 0 for d in meta[1])):
         raise ProtocolError(f"bad array description {meta!r}")
-    dtype = np.dtype(meta[0])
+    dtype = _DTYPES_BY_NAME[meta[0]]
     shape = tuple(meta[1])
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize
     buf = memoryview(frame).cast("B")
     if buf.nbytes != expected:
         raise ProtocolError(f"array frame has {buf.nbytes} bytes, its header declares {expected} "

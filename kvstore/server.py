@@ -17,7 +17,7 @@ import numpy as np
 from . import config as kvconfig
 from . import logs, transport
 from .auth import channel_for, new_label
-from .errors import AuthenticationError, DTypeMismatchError, OptimizerError, ProtocolError
+from .errors import AuthenticationError, DTypeMismatchError, DuplicateInitError, OptimizerError, ProtocolError
 from .heartbeat import Heartbeat
 from .optimizer import Optimizer, from_spec
 from .partition import check_key
@@ -33,6 +33,24 @@ def peak_rss() -> int:
     """This process's peak resident set size in bytes (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+class _Batch:
+    """One data request being answered: its reply goes out once every entry is done."""
+
+    __slots__ = ("identity", "seq", "values", "left")
+
+    def __init__(self, identity: bytes, seq: int, entries: int) -> None:
+        self.identity, self.seq, self.left = identity, seq, entries
+        self.values: list[np.ndarray | None] = [None] * entries
+
+    def arrays(self) -> list[np.ndarray]:
+        """The reply's arrays: none for acks, else the entries' values in one flat array."""
+        if self.values[0] is None:
+            return []
+        if len(self.values) == 1:
+            return [self.values[0].reshape(-1)]
+        return [np.concatenate([v.reshape(-1) for v in self.values])]
 
 
 class Server:
@@ -76,24 +94,58 @@ class Server:
 
     def _reply_all(self, done: list[Completion]) -> None:
         for c in done:
-            identity, seq = c.token
-            arrays = [] if c.value is None else [c.value]
-            self.service.reply(identity, Message(Op.OK, seq=seq, arrays=arrays))
+            batch, index = c.token
+            batch.values[index] = c.value
+            batch.left -= 1
+            if batch.left == 0:
+                self.service.reply(batch.identity, Message(Op.OK, seq=batch.seq, arrays=batch.arrays()))
+
+    def _sender(self, msg: Message) -> int:
+        if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
+            raise ProtocolError(f"{msg.op.name} carries no valid worker rank (got {msg.sender!r})")
+        return msg.sender
 
     def _key_and_value(self, msg: Message, with_value: bool) -> tuple:
         key = check_key(msg.body.get("key"))
-        if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
-            raise ProtocolError(f"{msg.op.name} carries no valid worker rank (got {msg.sender!r})")
+        self._sender(msg)
         if with_value and len(msg.arrays) != 1:
             raise ProtocolError(f"{msg.op.name} of key {key!r} needs exactly one array")
         return key, (msg.arrays[0] if with_value else None)
 
-    def _gradient(self, msg: Message) -> tuple:
-        key, value = self._key_and_value(msg, True)
-        if self.optimizer is not None and value.dtype.kind != "f":
-            raise DTypeMismatchError(f"key {key!r} holds {value.dtype}; the {self.optimizer.name} "
-                                     "optimizer updates floating-point keys only")
-        return key, value
+    def _entries(self, msg: Message, with_values: bool) -> tuple[list, list, list[int], int | None]:
+        """A data request's keys, values (views of its one array, or Nones), sizes and chunk offset."""
+        body = msg.body
+        keys, sizes, lo = body.get("keys"), body.get("sizes"), body.get("lo")
+        if not (isinstance(keys, list) and keys and isinstance(sizes, list) and len(sizes) == len(keys)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)):
+            raise ProtocolError(f"{msg.op.name} needs 'keys' and one size >= 0 per key")
+        if lo is not None and not (isinstance(lo, int) and not isinstance(lo, bool) and lo >= 0
+                                   and len(keys) == 1):
+            raise ProtocolError(f"{msg.op.name}: a chunk ('lo') carries one key and an offset >= 0")
+        keys = [check_key(k) for k in keys]
+        self._sender(msg)
+        if not with_values:
+            if msg.arrays:
+                raise ProtocolError(f"{msg.op.name} carries no arrays")
+            return keys, [None] * len(keys), sizes, lo
+        if len(msg.arrays) != 1 or msg.arrays[0].ndim != 1 or msg.arrays[0].size != sum(sizes):
+            raise ProtocolError(f"{msg.op.name} of {len(keys)} key(s) needs one flat array of "
+                                f"{sum(sizes)} elements")
+        values, offset, array = [], 0, msg.arrays[0]
+        for n in sizes:
+            values.append(array[offset:offset + n])
+            offset += n
+        return keys, values, sizes, lo
+
+    def _gradients(self, msg: Message) -> tuple[list, list, int | None]:
+        """A push's entries, each checked against the state before any of them is applied."""
+        keys, values, _, lo = self._entries(msg, True)
+        for key, value in zip(keys, values):
+            if self.optimizer is not None and value.dtype.kind != "f":
+                raise DTypeMismatchError(f"key {key!r} holds {value.dtype}; the {self.optimizer.name} "
+                                         "optimizer updates floating-point keys only")
+            self.state.check_push(msg.sender, key, value, lo or 0)
+        return keys, values, lo
 
     def _update(self, key: object, total: np.ndarray, stored: np.ndarray) -> np.ndarray:
         weight = stored.copy()  # a stored array may still be on its way out in a reply
@@ -106,21 +158,41 @@ class Server:
         return self.optimizer
 
     def _on_init(self, identity: bytes, msg: Message) -> None:
-        key, value = self._key_and_value(msg, True)
-        self.state.init(key, value)
+        keys, values, _, lo = self._entries(msg, True)
+        if lo is not None:
+            raise ProtocolError("INIT sends whole pieces, not chunks")
+        if len(set(keys)) != len(keys):
+            raise ProtocolError("INIT names a key twice")
+        for key in keys:
+            if key in self.state:
+                raise DuplicateInitError(f"key {key!r} is already initialised on this server")
+        for key, value in zip(keys, values):
+            self.state.init(key, value)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def _on_push(self, identity: bytes, msg: Message) -> None:
-        key, value = self._gradient(msg)
-        self._reply_all(self.state.push((identity, msg.seq), msg.sender, key, value))
+        keys, values, lo = self._gradients(msg)
+        batch = _Batch(identity, msg.seq, len(keys))
+        for i, (key, value) in enumerate(zip(keys, values)):
+            self._reply_all(self.state.push((batch, i), msg.sender, key, value, lo or 0))
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
-        key, _ = self._key_and_value(msg, False)
-        self._reply_all(self.state.pull((identity, msg.seq), msg.sender, key))
+        keys, _, sizes, lo = self._entries(msg, False)
+        for key, size in zip(keys, sizes):
+            held = self.state.value(key).size
+            if (lo or 0) + size > held or (lo is None and size != held):
+                raise ProtocolError(f"PULL of key {key!r} asks for elements [{lo or 0}, {(lo or 0) + size}) "
+                                    f"of {held}")
+        batch = _Batch(identity, msg.seq, len(keys))
+        for i, (key, size) in enumerate(zip(keys, sizes)):
+            start = lo or 0
+            self._reply_all(self.state.pull((batch, i), msg.sender, key, start, start + size))
 
     def _on_pushpull(self, identity: bytes, msg: Message) -> None:
-        key, value = self._gradient(msg)
-        self._reply_all(self.state.pushpull((identity, msg.seq), msg.sender, key, value))
+        keys, values, lo = self._gradients(msg)
+        batch = _Batch(identity, msg.seq, len(keys))
+        for i, (key, value) in enumerate(zip(keys, values)):
+            self._reply_all(self.state.pushpull((batch, i), msg.sender, key, value, lo or 0))
 
     def _on_leave(self, identity: bytes, msg: Message) -> None:
         """A worker is done.  It sends this after its pushes, on the same connection, so every one of
@@ -187,7 +259,7 @@ class Server:
                     return 1
                 ready = poller.wait(self.cfg.heartbeat_interval)
                 if self.service.sock in ready:
-                    self.service.poll_once(0)
+                    self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
                 if self.scheduler in ready and self._from_scheduler():
                     return 0
         finally:

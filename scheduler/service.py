@@ -114,7 +114,8 @@ class Scheduler:
         self.servers = ranked["server"]
         body = {"num_workers": self.cfg.num_workers, "num_servers": self.cfg.num_servers,
                 "servers": [[n.host, n.port] for n in self.servers], "mode": mode,
-                "seed": secrets.randbits(63), "session": self.session}
+                "seed": secrets.randbits(63), "session": self.session,
+                "chunk_bytes": self.cfg.chunk_bytes}  # one chunk size for all: servers check boundaries
         now = time.monotonic()
         for role, nodes in ranked.items():
             for rank, node in enumerate(nodes):

@@ -76,6 +76,7 @@ def test_server_side_push_failure_raised_by_next_wait(cluster: Cluster) -> None:
     kv = cluster.workers[1]
     real = kv._meta[key]
     kv._meta[key] = Meta((5,), real.dtype, False, 5)  # lie to the client so the server must refuse
+    kv._placements.pop(key)  # and let it place the lie afresh
     try:
         kv.push(key, np.ones(5, np.float32))
     finally:
@@ -92,6 +93,7 @@ def test_push_failure_raised_by_barrier_after_joining_it(cluster: Cluster) -> No
     bad = cluster.workers[1]
     real = bad._meta[key]
     bad._meta[key] = Meta((6,), real.dtype, False, 6)
+    bad._placements.pop(key)
     try:
         bad.push(key, np.ones(6, np.float32))
     finally:
@@ -139,7 +141,7 @@ def test_garbage_to_server_is_rejected_and_serving_goes_on(cluster: Cluster) -> 
     sock.connect(f"{host}:{port}")
     try:
         wrong_version = msgpack.packb({"v": 99, "op": 11, "seq": 1})
-        pull = Message(Op.PULL, {"key": key}, seq=1, sender=0, auth=["x", 1, server])
+        pull = Message(Op.PULL, {"keys": [key], "sizes": [3]}, seq=1, sender=0, auth=["x", 1, server])
         unsigned = [b"", *protocol.encode(pull)]
         for frames in ([b"\xc1garbage"], [b"0" * 16, wrong_version], unsigned):
             sock.send_multipart(frames)
@@ -147,9 +149,9 @@ def test_garbage_to_server_is_rejected_and_serving_goes_on(cluster: Cluster) -> 
             reply = sock.recv_multipart()
             assert reply[0] == b"", "a refusal is unsigned: the peer could not be verified"
             assert protocol.decode(reply[1:]).body["code"] in {"ProtocolError", "AuthenticationError"}
-        for msg in (Message(Op.PUSH, {"key": key}, [np.ones(9)], seq=2, sender=0),
-                    Message(Op.PULL, {"key": 2.5}, seq=3, sender=0),
-                    Message(Op.PULL, {"key": key}, seq=4, sender=99)):
+        for msg in (Message(Op.PUSH, {"keys": [key], "sizes": [9]}, [np.ones(9)], seq=2, sender=0),
+                    Message(Op.PULL, {"keys": [2.5], "sizes": [1]}, seq=3, sender=0),
+                    Message(Op.PULL, {"keys": [key], "sizes": [3]}, seq=4, sender=99)):
             sock.send_multipart(tester.seal(msg, server))
             assert sock.poll(5000), "the server did not answer"
             reply = tester.open(sock.recv_multipart())

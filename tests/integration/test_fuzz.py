@@ -30,7 +30,8 @@ headers = st.fixed_dictionaries({
     "op": st.one_of(st.sampled_from([int(op) for op in Op]), st.integers(-5, 300)),
     "seq": st.one_of(st.integers(0, 2**31), st.text(max_size=3)),
     "sender": st.one_of(st.none(), st.integers(-3, 5), st.just(2**62)),
-    "body": st.one_of(st.dictionaries(st.sampled_from(["key", "spec", "params", "count", "names", "rank"]),
+    "body": st.one_of(st.dictionaries(st.sampled_from(["key", "keys", "sizes", "lo", "spec", "params",
+                                                       "count", "names", "rank"]),
                                       st.one_of(WIRE_INTS, st.text(max_size=5), st.none(), st.floats(),
                                                 st.lists(WIRE_INTS, max_size=3)), max_size=4),
                       WIRE_INTS, st.text(max_size=4)),
@@ -77,7 +78,8 @@ def test_fuzzed_frames_leave_a_live_server_serving_correct_values(make_cluster) 
     (kv,) = cluster.workers
     kv.init("fz", VALUE)
     sealer = insider(kv, "fuzzer")
-    genuine = sealer.seal(Message(Op.PULL, {"key": "fz"}, seq=1, sender=0), "server0")
+    pull = Message(Op.PULL, {"keys": ["fz"], "sizes": [VALUE.size]}, seq=1, sender=0)
+    genuine = sealer.seal(pull, "server0")
     sock = _dealer(kv._servers[0])
     _answered(sock, genuine)  # the genuine pull, once: every later copy of it is a replay
 

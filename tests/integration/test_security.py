@@ -57,11 +57,12 @@ def test_forged_and_replayed_pushes_change_nothing(make_cluster) -> None:
     sock = _dealer(kv._servers[0])
     try:
         forger = Channel(derive_key("guess"), "forger", session=b"whatever")
-        reply = _exchange(sock, forger.seal(Message(Op.PUSH, {"key": key}, [np.full(3, 100.0)],
-                                                    seq=1, sender=0), "server0"))
+        forged = Message(Op.PUSH, {"keys": [key], "sizes": [3]}, [np.full(3, 100.0)], seq=1, sender=0)
+        reply = _exchange(sock, forger.seal(forged, "server0"))
         assert reply[0] == b"" and protocol.decode(reply[1:]).body["code"] == "AuthenticationError"
         sealer = insider(kv, "insider")
-        genuine = sealer.seal(Message(Op.PUSH, {"key": key}, [np.full(3, 5.0)], seq=2, sender=0), "server0")
+        genuine = sealer.seal(Message(Op.PUSH, {"keys": [key], "sizes": [3]}, [np.full(3, 5.0)], seq=2,
+                                      sender=0), "server0")
         assert sealer.open(_exchange(sock, genuine)).op is Op.OK
         reply = _exchange(sock, genuine)  # the same frames again: a replay
         assert reply[0] == b"" and "replayed" in protocol.decode(reply[1:]).body["message"]

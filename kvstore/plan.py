@@ -1,0 +1,128 @@
+"""How a worker cuts a call's keys into messages: pure functions, no I/O.
+
+Each key's value is split into pieces (``partition.placement``: whole on its home
+server, or one slice per server).  Then, per server:
+
+* **small pieces** (at most :data:`SMALL_BYTES`) of one dtype are packed into
+  batches: one message carries many keys, their values concatenated into one
+  array frame, up to ``batch_bytes`` of values per message (``batch_bytes=0``
+  sends one message per piece);
+* **big pieces** go alone, cut into chunks of ``chunk_bytes`` (one message each),
+  so a server sums and a reply streams while the rest is still on the wire.
+
+A message's body names its keys, the element count of each (``sizes``) and, for a
+chunk, the offset ``lo`` of the chunk in the server's slice (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .partition import Key, Piece
+
+SMALL_BYTES = 64 * 1024  # a piece up to this size may share a message with others
+BATCH_HEADER_BYTES = 256 * 1024  # a batch's keys stay well inside the protocol's 1 MiB header limit
+
+
+def _header_bytes(key: Key) -> int:
+    """A generous estimate of what one key adds to a batch's msgpack header (key and size)."""
+    return 24 + (len(key) * 4 if isinstance(key, str) else 0)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Elements ``[start, stop)`` of ``key``'s flat value, carried by one message."""
+
+    key: Key
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return self.stop - self.start
+
+
+@dataclass
+class Send:
+    """One message to ``server``: its parts in order; ``lo`` is set for a chunk of a big piece."""
+
+    server: int
+    parts: list[Part]
+    lo: int | None = None
+
+    def body(self) -> dict:
+        """The message body: keys, sizes and, for a chunk, its offset in the server's slice."""
+        body: dict = {"keys": [p.key for p in self.parts], "sizes": [p.size for p in self.parts]}
+        if self.lo is not None:
+            body["lo"] = self.lo
+        return body
+
+
+def chunk_elements(chunk_bytes: int, dtype: np.dtype) -> int:
+    """Elements per chunk of ``dtype`` (at least one)."""
+    return max(1, chunk_bytes // dtype.itemsize)
+
+
+def plan(entries: list[tuple[Key, np.dtype, list[Piece]]], batch_bytes: int, chunk_bytes: int,
+         chunked: bool = True) -> list[Send]:
+    """The messages that carry ``entries`` (key, dtype, pieces), in the order they should be sent.
+
+    Messages are in order of their first part's appearance.  A key is always small or
+    always big (its pieces' sizes are fixed at init), so a server sees a worker's
+    messages for one key in the order the calls made them.
+    ``chunked=False`` sends big pieces whole (INIT).
+    """
+    sends: list[Send] = []
+    open_batches: dict[tuple[int, np.dtype], tuple[Send, int, int]] = {}
+    for key, dtype, pieces in entries:
+        itemsize = dtype.itemsize
+        for piece in pieces:
+            nbytes = (piece.stop - piece.start) * itemsize
+            if nbytes <= SMALL_BYTES and batch_bytes > 0:
+                slot = (piece.server, dtype)
+                send, used, header = open_batches.get(slot, (None, 0, 0))
+                extra = _header_bytes(key)
+                if send is None or (send.parts and (used + nbytes > batch_bytes
+                                                    or header + extra > BATCH_HEADER_BYTES)):
+                    send, used, header = Send(piece.server, []), 0, 0
+                    sends.append(send)
+                send.parts.append(Part(key, piece.start, piece.stop))
+                open_batches[slot] = (send, used + nbytes, header + extra)
+                continue
+            step = chunk_elements(chunk_bytes, dtype) if chunked and chunk_bytes > 0 else 0
+            if not step or piece.stop - piece.start <= step:
+                sends.append(Send(piece.server, [Part(key, piece.start, piece.stop)]))
+                continue
+            for start in range(piece.start, piece.stop, step):
+                stop = min(start + step, piece.stop)
+                sends.append(Send(piece.server, [Part(key, start, stop)], lo=start - piece.start))
+    return sends
+
+
+def pack(send: Send, flats: dict[Key, np.ndarray]) -> np.ndarray:
+    """The one array frame of a push-like ``send``: its parts' elements, concatenated.
+
+    A message of one part sends a view of the value (no copy).
+    """
+    if len(send.parts) == 1:
+        part = send.parts[0]
+        return flats[part.key][part.start:part.stop]
+    return np.concatenate([flats[p.key][p.start:p.stop] for p in send.parts])
+
+
+def unpack(send: Send, array: np.ndarray) -> list[np.ndarray]:
+    """Split a reply's array frame into one view per part of ``send``.
+
+    Raises ValueError when the array does not hold exactly the parts' elements.
+    """
+    total = sum(p.size for p in send.parts)
+    if array.ndim != 1 or array.size != total:
+        raise ValueError(f"a reply holds {array.size} elements where {total} were asked for")
+    views, offset = [], 0
+    for part in send.parts:
+        views.append(array[offset:offset + part.size])
+        offset += part.size
+    return views
