@@ -42,9 +42,15 @@ def group(key: Any, value: Any) -> list[tuple[Key, list[Any]]]:
         pairs = [(check_key(key), _as_list(value))]
     merged: dict[Key, list[Any]] = {}
     for k, vs in pairs:
-        if not vs or not all(V.is_value(v) for v in vs):
+        for v in vs:
+            if type(v) is not np.ndarray and not V.is_value(v):
+                raise TypeError(f"values of key {k!r} must be numpy arrays or torch tensors")
+        if not vs:
             raise TypeError(f"values of key {k!r} must be numpy arrays or torch tensors")
-        merged.setdefault(k, []).extend(vs)
+        if k in merged:
+            merged[k].extend(vs)
+        else:
+            merged[k] = vs
     return list(merged.items())
 
 

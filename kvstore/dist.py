@@ -1,8 +1,8 @@
 """The worker side of the ``dist_*`` modes.
 
-The API threads validate, sum and encode; one I/O thread (``iothread.py``) owns
-every socket.  Each reply resolves a future the API threads wait on, each wait
-with a deadline.
+The API threads validate, sum, encode and drive the sockets themselves
+(``wire.py``: whoever waits receives).  Each reply resolves a future; every wait
+has a deadline.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout  # the built-in from 3.11 on
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,11 +35,11 @@ from .errors import (
     error_from_code,
 )
 from .heartbeat import Heartbeat
-from .iothread import SCHEDULER, IOThread, Request
 from .partition import Key, Piece, placement
 from .plan import Part, Send, pack, plan, unpack
 from .protocol import Message, Op
 from .service import register
+from .wire import SCHEDULER, Request, Wire
 
 log = logging.getLogger("kvstore.dist")
 
@@ -76,10 +77,12 @@ class DistKVStore(StateCalls, KVStore):
         self._servers = [transport.address(h, p) for h, p in body["servers"]]
         logs.set_identity("worker", self._rank)
         servers = [transport.connect_dealer(a) for a in self._servers]
-        self._io = IOThread(scheduler, servers, self._rank, channel)
-        self._io.start()
-        self._pending: dict[Key, list[Request]] = {}
+        self._io = Wire(scheduler, servers, self._rank, channel)
+        self._pushes: list[Request] = []  # push requests, pruned of finished ones now and then
+        self._prune_at = 1024
+        self._failures: dict[Key, BaseException] = {}  # refused pushes, raised by the key's next wait
         self._placements: dict[Key, list[Piece]] = {}  # each initialised key's pieces, computed once
+        self._plans: dict[tuple, list[Send]] = {}  # see _plan
         self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
         self._restored: tuple | None = None  # (values, states) of the KVSTORE_RESUME snapshot, rank 0
@@ -143,7 +146,7 @@ class DistKVStore(StateCalls, KVStore):
         results = []
         for request in requests:
             try:
-                results.append(request.future.result(max(0.0, deadline - time.monotonic())))
+                results.append(self._io.wait(request, max(0.0, deadline - time.monotonic())))
             except FutureTimeout:
                 data = request.what.startswith(("push", "pull"))
                 hint = (" (in dist_sync a push is acknowledged, and a pull answered, only once "
@@ -156,14 +159,24 @@ class DistKVStore(StateCalls, KVStore):
                 raise
         return results
 
-    def _raise_push_failures(self, keys: list[Key]) -> None:
+    def _push_done(self, keys: list[Key], future: Any) -> None:
+        """A push request finished (in whichever thread read its reply): remember a failure for
+        each of its keys."""
+        error = future.exception()
+        if error is not None:
+            with self._lock:
+                for key in keys:
+                    self._failures.setdefault(key, error)
+
+    def _raise_push_failures(self, keys: list[Key] | None = None) -> None:
+        """Raise (once) the failure of an earlier push to one of ``keys`` (None: any key)."""
+        if not self._failures:
+            return
         with self._lock:
-            for key in keys:
-                requests = self._pending.get(key, [])
-                failed = [r for r in requests if r.future.done() and r.future.exception()]
-                self._pending[key] = [r for r in requests if not r.future.done()]
-                if failed:
-                    raise failed[0].future.exception()
+            for key in list(self._failures) if keys is None else keys:
+                error = self._failures.pop(key, None)
+                if error is not None:
+                    raise error
 
     # -- primitives -------------------------------------------------------------------------------
     def _request_all(self, requests: list[Request]) -> list[Message]:
@@ -222,22 +235,31 @@ class DistKVStore(StateCalls, KVStore):
         return {k: (t if isinstance(t, np.ndarray) else self._device().to_host(t)).reshape(-1)
                 for k, t in items}
 
-    def _plan(self, keys: Any, dtypes: Any) -> list[Send]:
-        return plan([(k, d, self._pieces(k)) for k, d in zip(keys, dtypes)], self._cfg.batch_bytes,
-                    self._chunk_bytes)
+    def _plan(self, keys: Any) -> list[Send]:
+        """The messages for ``keys`` (initialised, distinct): planned once per list of keys, since a
+        training loop pushes and pulls the same keys every step (a few lists are remembered)."""
+        keys = tuple(keys)
+        sends = self._plans.get(keys)
+        if sends is None:
+            meta = self._meta
+            sends = plan([(k, meta[k].dtype, self._pieces(k)) for k in keys], self._cfg.batch_bytes,
+                         self._chunk_bytes)
+            if len(self._plans) >= 16:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[keys] = sends
+        return sends
 
     def _push(self, items: list[tuple[Key, Any]], priority: int) -> None:
         flats = self._host(items)  # priority is accepted for MXNet scripts; sends keep call order
-        sends = self._plan(flats, [f.dtype for f in flats.values()])
+        sends = self._plan(flats)
         requests = [self._submit(Op.PUSH, s, pack(s, flats)) for s in sends]
         with self._lock:
-            for send, request in zip(sends, requests):
-                for part in send.parts:
-                    pending = self._pending.setdefault(part.key, [])
-                    if len(pending) > 8:  # a key pushed again and again without a pull or barrier
-                        pending[:] = [r for r in pending if not r.future.done() or r.future.exception()]
-                    if not pending or pending[-1] is not request:
-                        pending.append(request)
+            self._pushes.extend(requests)
+            if len(self._pushes) > self._prune_at:
+                self._pushes = [r for r in self._pushes if not r.future.done()]
+                self._prune_at = max(1024, 2 * len(self._pushes))
+        for send, request in zip(sends, requests):
+            request.future.add_done_callback(partial(self._push_done, [p.key for p in send.parts]))
 
     def _collect(self, keys: list[Key], sends: list[Send], requests: list[Request]) -> list[np.ndarray]:
         replies = self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
@@ -265,26 +287,34 @@ class DistKVStore(StateCalls, KVStore):
         return out
 
     def _pull(self, keys: list[Key], priority: int) -> list[np.ndarray]:
-        sends = self._plan(keys, [self._meta[k].dtype for k in keys])
-        return self._collect(keys, sends, [self._submit(Op.PULL, s, None) for s in sends])
+        unique = list(dict.fromkeys(keys))  # a message names each key once
+        sends = self._plan(unique)
+        arrays = self._collect(unique, sends, [self._submit(Op.PULL, s, None) for s in sends])
+        if len(unique) == len(keys):
+            return arrays
+        found = dict(zip(unique, arrays))
+        return [found[k] for k in keys]
 
     def _pushpull(self, items: list[tuple[Key, Any]], priority: int) -> list[np.ndarray]:
         flats = self._host(items)
-        sends = self._plan(flats, [f.dtype for f in flats.values()])
+        sends = self._plan(flats)
         requests = [self._submit(Op.PUSHPULL, s, pack(s, flats)) for s in sends]
         return self._collect(list(flats), sends, requests)
 
     def _flush(self, timeout: float, knob: str) -> None:
         with self._lock:
-            keys = list(self._pending)
-            requests = [r for k in keys for r in self._pending[k]]
-        try:
-            self._wait(requests, timeout, knob)
-        except DeadlineExceededError:
-            raise
-        except KVStoreError:
-            pass  # raised below, with the key it belongs to
-        self._raise_push_failures(keys)
+            requests = list(self._pushes)
+        deadline = time.monotonic() + timeout
+        for request in requests:  # every one: a failure must not end the wait for the others
+            try:
+                self._wait([request], max(0.0, deadline - time.monotonic()), knob)
+            except DeadlineExceededError:
+                raise
+            except KVStoreError:
+                pass  # raised below, with the key it belongs to
+        with self._lock:
+            self._pushes = [r for r in self._pushes if not r.future.done()]
+        self._raise_push_failures()
 
     def _barrier_only(self, failure: dict[str, str] | None = None) -> list:
         """Join the scheduler's barrier; return the failures workers reported at it ([rank, info])."""
@@ -342,9 +372,7 @@ class DistKVStore(StateCalls, KVStore):
             if self._lost is None:  # after a loss the cluster is broken: nothing waits for us
                 self._wait([self._io.submit(i, Message(Op.LEAVE), f"leave message to server {i}")
                             for i in range(len(self._servers))], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
-            with self._lock:
-                keys = list(self._pending)
-            self._raise_push_failures(keys)  # replies come in order: a refused push has failed by now
+            self._raise_push_failures()  # replies come in order: a refused push has failed by now
         except KVStoreError as exc:
             return exc
         return None
@@ -369,8 +397,7 @@ class DistKVStore(StateCalls, KVStore):
                 log.warning("%s", exc)
         self._heartbeat.stop()
         self._heartbeat.join(timeout)
-        self._io.stop()
-        self._io.join(timeout)
+        self._io.stop(timeout)
         if error is not None:
             raise error
 

@@ -23,6 +23,8 @@ MAX_STR_KEY_BYTES = 64 * 1024  # far below the protocol's header limit
 
 def check_key(key: object) -> Key:
     """Return ``key`` as a plain int or str; raise :class:`KeyTypeError` otherwise."""
+    if type(key) is int and 0 <= key <= MAX_INT_KEY:  # the common case, without the ABC check below
+        return key
     if isinstance(key, str):
         if len(key) * 4 > MAX_STR_KEY_BYTES and len(key.encode("utf-8")) > MAX_STR_KEY_BYTES:
             raise KeyTypeError(f"str key of {len(key.encode('utf-8'))} bytes is longer than the "

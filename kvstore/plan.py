@@ -17,6 +17,7 @@ chunk, the offset ``lo`` of the chunk in the server's slice (docs/protocol.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,13 +27,7 @@ SMALL_BYTES = 64 * 1024  # a piece up to this size may share a message with othe
 BATCH_HEADER_BYTES = 256 * 1024  # a batch's keys stay well inside the protocol's 1 MiB header limit
 
 
-def _header_bytes(key: Key) -> int:
-    """A generous estimate of what one key adds to a batch's msgpack header (key and size)."""
-    return 24 + (len(key) * 4 if isinstance(key, str) else 0)
-
-
-@dataclass(frozen=True)
-class Part:
+class Part(NamedTuple):
     """Elements ``[start, stop)`` of ``key``'s flat value, carried by one message."""
 
     key: Key
@@ -76,21 +71,20 @@ def plan(entries: list[tuple[Key, np.dtype, list[Piece]]], batch_bytes: int, chu
     ``chunked=False`` sends big pieces whole (INIT).
     """
     sends: list[Send] = []
-    open_batches: dict[tuple[int, np.dtype], tuple[Send, int, int]] = {}
+    open_batches: dict[tuple[int, np.dtype], list] = {}  # (server, dtype) -> [send, bytes, header bytes]
     for key, dtype, pieces in entries:
         itemsize = dtype.itemsize
         for piece in pieces:
             nbytes = (piece.stop - piece.start) * itemsize
             if nbytes <= SMALL_BYTES and batch_bytes > 0:
-                slot = (piece.server, dtype)
-                send, used, header = open_batches.get(slot, (None, 0, 0))
-                extra = _header_bytes(key)
-                if send is None or (send.parts and (used + nbytes > batch_bytes
-                                                    or header + extra > BATCH_HEADER_BYTES)):
-                    send, used, header = Send(piece.server, []), 0, 0
-                    sends.append(send)
-                send.parts.append(Part(key, piece.start, piece.stop))
-                open_batches[slot] = (send, used + nbytes, header + extra)
+                extra = 24 + len(key) * 4 if isinstance(key, str) else 24  # generous header estimate
+                batch = open_batches.get((piece.server, dtype))
+                if batch is None or batch[1] + nbytes > batch_bytes or batch[2] + extra > BATCH_HEADER_BYTES:
+                    batch = open_batches[(piece.server, dtype)] = [Send(piece.server, []), 0, 0]
+                    sends.append(batch[0])
+                batch[0].parts.append(Part(key, piece.start, piece.stop))
+                batch[1] += nbytes
+                batch[2] += extra
                 continue
             step = chunk_elements(chunk_bytes, dtype) if chunked and chunk_bytes > 0 else 0
             if not step or piece.stop - piece.start <= step:

@@ -17,7 +17,14 @@ import numpy as np
 from . import config as kvconfig
 from . import logs, transport
 from .auth import channel_for, new_label
-from .errors import AuthenticationError, DTypeMismatchError, DuplicateInitError, OptimizerError, ProtocolError
+from .errors import (
+    AuthenticationError,
+    DTypeMismatchError,
+    DuplicateInitError,
+    OptimizerError,
+    ProtocolError,
+    ShapeMismatchError,
+)
 from .heartbeat import Heartbeat
 from .optimizer import Optimizer, from_spec
 from .partition import check_key
@@ -123,6 +130,8 @@ class Server:
                                    and len(keys) == 1):
             raise ProtocolError(f"{msg.op.name}: a chunk ('lo') carries one key and an offset >= 0")
         keys = [check_key(k) for k in keys]
+        if len(keys) > 1 and len(set(keys)) != len(keys):
+            raise ProtocolError(f"{msg.op.name} names a key twice")
         self._sender(msg)
         if not with_values:
             if msg.arrays:
@@ -137,15 +146,15 @@ class Server:
             offset += n
         return keys, values, sizes, lo
 
-    def _gradients(self, msg: Message) -> tuple[list, list, int | None]:
-        """A push's entries, each checked against the state before any of them is applied."""
+    def _gradients(self, identity: bytes, msg: Message, pull: bool) -> None:
+        """Push (and with ``pull`` answer with the new values) every key of a PUSH or PUSHPULL."""
         keys, values, _, lo = self._entries(msg, True)
-        for key, value in zip(keys, values):
-            if self.optimizer is not None and value.dtype.kind != "f":
-                raise DTypeMismatchError(f"key {key!r} holds {value.dtype}; the {self.optimizer.name} "
-                                         "optimizer updates floating-point keys only")
-            self.state.check_push(msg.sender, key, value, lo or 0)
-        return keys, values, lo
+        if self.optimizer is not None and values[0].dtype.kind != "f":  # one array: one dtype
+            raise DTypeMismatchError(f"key {keys[0]!r} holds {values[0].dtype}; the {self.optimizer.name} "
+                                     "optimizer updates floating-point keys only")
+        batch = _Batch(identity, msg.seq, len(keys))
+        entries = [((batch, i), key, value, lo or 0) for i, (key, value) in enumerate(zip(keys, values))]
+        self._reply_all(self.state.push_many(msg.sender, entries, pull))
 
     def _update(self, key: object, total: np.ndarray, stored: np.ndarray) -> np.ndarray:
         weight = stored.copy()  # a stored array may still be on its way out in a reply
@@ -171,28 +180,22 @@ class Server:
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def _on_push(self, identity: bytes, msg: Message) -> None:
-        keys, values, lo = self._gradients(msg)
-        batch = _Batch(identity, msg.seq, len(keys))
-        for i, (key, value) in enumerate(zip(keys, values)):
-            self._reply_all(self.state.push((batch, i), msg.sender, key, value, lo or 0))
+        self._gradients(identity, msg, pull=False)
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
         keys, _, sizes, lo = self._entries(msg, False)
-        for key, size in zip(keys, sizes):
-            held = self.state.value(key).size
-            if (lo or 0) + size > held or (lo is None and size != held):
-                raise ProtocolError(f"PULL of key {key!r} asks for elements [{lo or 0}, {(lo or 0) + size}) "
-                                    f"of {held}")
+        if lo is None:  # whole slices: the sizes must be the keys' (the reply is cut by them)
+            for key, size in zip(keys, sizes):
+                if self.state.value(key).size != size:
+                    raise ShapeMismatchError(f"PULL of key {key!r} asks for {size} elements; this "
+                                             f"server holds {self.state.value(key).size}")
         batch = _Batch(identity, msg.seq, len(keys))
-        for i, (key, size) in enumerate(zip(keys, sizes)):
-            start = lo or 0
-            self._reply_all(self.state.pull((batch, i), msg.sender, key, start, start + size))
+        start = lo or 0
+        entries = [((batch, i), key, start, start + size) for i, (key, size) in enumerate(zip(keys, sizes))]
+        self._reply_all(self.state.pull_many(msg.sender, entries))
 
     def _on_pushpull(self, identity: bytes, msg: Message) -> None:
-        keys, values, lo = self._gradients(msg)
-        batch = _Batch(identity, msg.seq, len(keys))
-        for i, (key, value) in enumerate(zip(keys, values)):
-            self._reply_all(self.state.pushpull((batch, i), msg.sender, key, value, lo or 0))
+        self._gradients(identity, msg, pull=True)
 
     def _on_leave(self, identity: bytes, msg: Message) -> None:
         """A worker is done.  It sends this after its pushes, on the same connection, so every one of

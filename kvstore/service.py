@@ -93,7 +93,16 @@ class RouterService:
     def drain(self, limit: int = 1000) -> int:
         """Handle the messages already waiting (at most ``limit``); return how many."""
         handled = 0
-        while handled < limit and self.poll_once(0):
+        while handled < limit:
+            try:
+                frames = transport.recv_nowait(self.sock)
+            except ProtocolError as exc:  # too many frames: read, dropped, not answered
+                self._log_bad(str(exc))
+                handled += 1
+                continue
+            if frames is None:
+                break
+            self.handle(frames)
             handled += 1
         return handled
 

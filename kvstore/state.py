@@ -67,7 +67,7 @@ from .partition import Key
 Updater = Callable[[Key, np.ndarray, np.ndarray], np.ndarray]
 
 
-@dataclass
+@dataclass(slots=True)
 class Completion:
     """A request that is now answered: ``value`` is the slice to send back, or None for a bare ack."""
 
@@ -189,11 +189,40 @@ class ShardState:
         return self._accept(state, key, token, worker, value, lo, hi)
 
     def check_push(self, worker: int, key: Key, value: np.ndarray, lo: int = 0) -> None:
-        """Raise what :meth:`push` of this chunk would raise now, and change nothing.
-
-        For checking every entry of a request before any is pushed (entries of distinct keys).
-        """
+        """Raise what :meth:`push` of this chunk would raise now, and change nothing."""
         self._checked_push(key, worker, value, lo)
+
+    def push_many(self, worker: int, entries: list[tuple[Any, Key, np.ndarray, int]],
+                  pull: bool = False) -> list[Completion]:
+        """Push every ``(token, key, value, lo)`` of ``entries`` (distinct keys) from ``worker``, as
+        :meth:`push` does (as :meth:`pushpull` with ``pull``); return the requests this answers.
+
+        All entries are checked first: any error is raised (as :meth:`push` raises it) before any
+        entry changes anything.
+        """
+        self._check_active(worker)
+        checked = [self._checked_push(key, worker, value, lo, False) for _, key, value, lo in entries]
+        done: list[Completion] = []
+        for (token, key, value, _), (state, lo, hi) in zip(entries, checked):
+            if pull:
+                done += self._accept(state, key, _SILENT, worker, value, lo, hi)
+                done += self._add_pull(state, token, worker, lo, hi)
+            else:
+                done += self._accept(state, key, token, worker, value, lo, hi)
+        return done
+
+    def pull_many(self, worker: int, entries: list[tuple[Any, Key, int, int | None]]) -> list[Completion]:
+        """:meth:`pull` of every ``(token, key, lo, hi)`` of ``entries``; all are checked (raising as
+        :meth:`pull` does) before any is registered."""
+        self._check_worker(worker)
+        checked = []
+        for _, key, lo, hi in entries:
+            state = self._get(key)
+            checked.append((state, *self._checked_range(key, state.value, lo, hi)))
+        done: list[Completion] = []
+        for (token, *_), (state, lo, hi) in zip(entries, checked):
+            done += self._add_pull(state, token, worker, lo, hi)
+        return done
 
     def pull(self, token: Any, worker: int, key: Key, lo: int = 0, hi: int | None = None) -> list[Completion]:
         """Ask for elements ``[lo, hi)`` of ``key``'s value (all of it by default, in its shape).
@@ -268,11 +297,13 @@ class ShardState:
         if worker not in self.active:
             raise ValueError(f"worker {worker} has left the cluster; it cannot push")
 
-    def _checked_push(self, key: Key, worker: int, value: np.ndarray, lo: int) -> tuple[_KeyState, int, int]:
+    def _checked_push(self, key: Key, worker: int, value: np.ndarray, lo: int,
+                      check_worker: bool = True) -> tuple[_KeyState, int, int]:
         """Validate a push or pushpull; return the key's state and the chunk's ``[lo, hi)``."""
         state = self._get(key)
         stored = state.value
-        lo = operator.index(lo)
+        if type(lo) is not int:
+            lo = operator.index(lo)
         if lo == 0 and value.shape == stored.shape:
             hi = stored.size
         else:
@@ -288,7 +319,8 @@ class ShardState:
         if value.dtype != stored.dtype:
             raise DTypeMismatchError(f"key {key!r}: pushed dtype {value.dtype} differs from the "
                                      f"stored dtype {stored.dtype}")
-        self._check_active(worker)
+        if check_worker:
+            self._check_active(worker)
         if self.sync:
             i = state.next_round.get(worker, state.base) - state.base
             rnd = state.rounds[i] if i < len(state.rounds) else None

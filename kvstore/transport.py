@@ -102,7 +102,20 @@ def recv(sock: zmq.Socket, max_frames: int = MAX_FRAMES) -> list[memoryview]:
     with :class:`ProtocolError` (no message of ours has more; a flood of frames must not cost
     a MAC check and an object each).
     """
-    frames = [sock.recv(copy=False)]
+    return _recv_rest(sock, sock.recv(copy=False), max_frames)
+
+
+def recv_nowait(sock: zmq.Socket, max_frames: int = MAX_FRAMES) -> list[memoryview] | None:
+    """:func:`recv` of a message that is already waiting, or None when there is none (no poll)."""
+    try:
+        first = sock.recv(flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return None
+    return _recv_rest(sock, first, max_frames)
+
+
+def _recv_rest(sock: zmq.Socket, first: Any, max_frames: int) -> list[memoryview]:
+    frames = [first]
     while frames[-1].more:
         if len(frames) >= max_frames:
             while sock.getsockopt(zmq.RCVMORE):

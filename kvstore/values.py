@@ -87,6 +87,10 @@ def summed(key: Any, meta: Meta, values: list[Any]) -> np.ndarray:
 
     The caller owns the result; the user's values are never written to.
     """
+    if len(values) == 1 and type(values[0]) is np.ndarray:  # the common case, checked directly
+        value = values[0]
+        if value.shape == meta.shape and value.dtype == meta.dtype:
+            return np.array(value, copy=True, order="C")
     for value in values:
         check(key, meta, value, "pushed value")
     arrays = [xp.numpy_view(v) for v in values]  # checked just above
@@ -98,6 +102,9 @@ def summed(key: Any, meta: Meta, values: list[Any]) -> np.ndarray:
 
 def check_out(key: Any, meta: Meta, out: Any) -> None:
     """Raise when ``out`` cannot receive ``key``'s value (type, shape, dtype, read-only)."""
+    if (type(out) is np.ndarray and out.shape == meta.shape and out.dtype == meta.dtype
+            and out.flags.writeable):
+        return  # the common case, checked directly
     check(key, meta, out, "out")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"out of key {key!r} is read-only")
