@@ -104,6 +104,15 @@ class KVStore(abc.ABC):
         self._push(items, priority)
         return self._pull([k for k, _ in items], priority)
 
+    def _pull_into(self, keys: list[Key], outs: list[list[Any]] | None, priority: int) -> list[Any]:
+        """:meth:`_pull`; a store may write a key's value straight into its out and give None."""
+        return self._pull(keys, priority)
+
+    def _pushpull_into(self, items: list[tuple[Key, Any]], outs: list[list[Any]],
+                       priority: int) -> list[Any]:
+        """:meth:`_pushpull`; a store may write a key's value straight into its out and give None."""
+        return self._pushpull(items, priority)
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Block until every worker has called ``barrier``."""
@@ -228,6 +237,8 @@ class KVStore(abc.ABC):
             results = [V.new_value(self._meta[k], a) for k, a in zip(keys, arrays)]
             return results[0] if single else results
         for targets, array in zip(outs, arrays):
+            if array is None:
+                continue  # written into its out already
             if self._device_mode and any(xp.is_cuda(o) for o in targets):
                 self._device().deliver(array, targets)
             else:
@@ -249,7 +260,7 @@ class KVStore(abc.ABC):
         for k in keys:
             self._meta_of(k)
         outs = None if out is None else self._outs(keys, out, single)
-        result = self._deliver(keys, self._pull(keys, priority), outs, single)
+        result = self._deliver(keys, self._pull_into(keys, outs, priority), outs, single)
         return result if out is None else out
 
     def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
@@ -263,7 +274,7 @@ class KVStore(abc.ABC):
         items = self._summed(key, value)
         target = value if out is None else out
         outs = self._outs([k for k, _ in items], target, single)
-        self._deliver([k for k, _ in items], self._pushpull(items, priority), outs, single)
+        self._deliver([k for k, _ in items], self._pushpull_into(items, outs, priority), outs, single)
         return target
 
     def set_optimizer(self, optimizer: Optimizer) -> None:

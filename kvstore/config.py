@@ -28,10 +28,11 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 # The data path (docs/benchmarks.md has the measurements behind these): small values are packed into
-# messages of up to 1 MiB; a big value travels in 4 MiB chunks, so a server sums one chunk while the
-# next is on the wire and a pull's reply streams back chunk by chunk.
+# messages of up to 1 MiB; a value slice over 4 chunks travels in 2 MiB chunks, so a server sums one
+# chunk while the next is on the wire, a pull's reply streams back, and a server's unread messages
+# stay within a few MiB per worker.
 DEFAULT_BATCH_BYTES = 1 << 20
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Config:
     update_on_kvstore: bool = True
     batch_bytes: int = DEFAULT_BATCH_BYTES
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    sum_order: str = "arrival"
 
     def missing_cluster_vars(self) -> list[str]:
         """Return the names of the ``DMLC_*`` variables a distributed node needs but lacks."""
@@ -172,7 +174,18 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
                                     fallback="MXNET_UPDATE_ON_KVSTORE", default=1)),
         batch_bytes=_int(env, "KVSTORE_BATCH_BYTES", minimum=0, default=DEFAULT_BATCH_BYTES),
         chunk_bytes=_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
+        sum_order=_sum_order(env),
     )
+
+
+def _sum_order(env: Mapping[str, str]) -> str:
+    order = (_str(env, "KVSTORE_SUM_ORDER") or "arrival").lower()
+    if order not in ("rank", "arrival"):
+        raise ConfigError(f"KVSTORE_SUM_ORDER={order!r} is not 'arrival' (the default: each push is added "
+                          "as it arrives, so a server holds one sum per key whatever the skew) or 'rank' "
+                          "(dist_sync sums in worker-rank order, bit-identical on every run, holding "
+                          "pushes that arrive early)")
+    return order
 
 
 def _auth_mode(env: Mapping[str, str]) -> str:

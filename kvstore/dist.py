@@ -261,7 +261,13 @@ class DistKVStore(StateCalls, KVStore):
         for send, request in zip(sends, requests):
             request.future.add_done_callback(partial(self._push_done, [p.key for p in send.parts]))
 
-    def _collect(self, keys: list[Key], sends: list[Send], requests: list[Request]) -> list[np.ndarray]:
+    def _collect(self, keys: list[Key], sends: list[Send], requests: list[Request],
+                 outs: list[list[Any]] | None = None) -> list[np.ndarray | None]:
+        """Wait for the replies to ``sends`` and assemble each key's value from its parts.
+
+        A key whose out is one C-contiguous numpy array gets its parts copied straight into it
+        (no value is assembled first) and None in the result.
+        """
         replies = self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
         self._raise_push_failures(keys)
         got: dict[Key, list[tuple[Part, np.ndarray]]] = {}
@@ -274,32 +280,47 @@ class DistKVStore(StateCalls, KVStore):
                 raise ProtocolError(f"server {send.server}: {exc}") from None
             for part, view in zip(send.parts, views):
                 got.setdefault(part.key, []).append((part, view))
-        out = []
-        for key in keys:
+        result: list[np.ndarray | None] = []
+        for i, key in enumerate(keys):
             meta, parts = self._meta[key], got[key]
-            if len(parts) == 1:
-                array = parts[0][1]
+            target = None
+            if outs is not None and len(outs[i]) == 1:
+                out = outs[i][0]
+                if type(out) is np.ndarray and out.flags.c_contiguous:
+                    target = out.reshape(-1)  # a view: writing it writes the out
+            if target is not None:
+                for part, view in parts:
+                    target[part.start:part.stop] = view
+                result.append(None)
+            elif len(parts) == 1:
+                result.append(parts[0][1].reshape(meta.shape))
             else:
                 array = np.empty(meta.size, meta.dtype)
                 for part, view in parts:
                     array[part.start:part.stop] = view
-            out.append(array.reshape(meta.shape))
-        return out
+                result.append(array.reshape(meta.shape))
+        return result
 
     def _pull(self, keys: list[Key], priority: int) -> list[np.ndarray]:
+        return self._pull_into(keys, None, priority)
+
+    def _pull_into(self, keys: list[Key], outs: list[list[Any]] | None, priority: int) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
-        sends = self._plan(unique)
-        arrays = self._collect(unique, sends, [self._submit(Op.PULL, s, None) for s in sends])
-        if len(unique) == len(keys):
-            return arrays
-        found = dict(zip(unique, arrays))
-        return [found[k] for k in keys]
+        if len(unique) != len(keys):
+            found = dict(zip(unique, self._pull_into(unique, None, priority)))
+            return [found[k] for k in keys]
+        sends = self._plan(keys)
+        return self._collect(keys, sends, [self._submit(Op.PULL, s, None) for s in sends], outs)
 
     def _pushpull(self, items: list[tuple[Key, Any]], priority: int) -> list[np.ndarray]:
+        return self._pushpull_into(items, None, priority)
+
+    def _pushpull_into(self, items: list[tuple[Key, Any]], outs: list[list[Any]] | None,
+                       priority: int) -> list[Any]:
         flats = self._host(items)
         sends = self._plan(flats)
         requests = [self._submit(Op.PUSHPULL, s, pack(s, flats)) for s in sends]
-        return self._collect(list(flats), sends, requests)
+        return self._collect(list(flats), sends, requests, outs)
 
     def _flush(self, timeout: float, knob: str) -> None:
         with self._lock:

@@ -7,8 +7,11 @@ server, or one slice per server).  Then, per server:
   batches: one message carries many keys, their values concatenated into one
   array frame, up to ``batch_bytes`` of values per message (``batch_bytes=0``
   sends one message per piece);
-* **big pieces** go alone, cut into chunks of ``chunk_bytes`` (one message each),
-  so a server sums and a reply streams while the rest is still on the wire.
+* **big pieces** go alone, whole up to :data:`WHOLE_CHUNKS` chunks, and beyond that
+  cut into chunks of ``chunk_bytes`` (one message each), so a server sums and a
+  reply streams while the rest is still on the wire, and what a server has
+  received but not yet read stays small (``kvstore.server.INBOUND_MESSAGES``).
+  A whole piece lets a lone worker's push become the stored value with no copy.
 
 A message's body names its keys, the element count of each (``sizes``) and, for a
 chunk, the offset ``lo`` of the chunk in the server's slice (docs/protocol.md).
@@ -24,6 +27,7 @@ import numpy as np
 from .partition import Key, Piece
 
 SMALL_BYTES = 64 * 1024  # a piece up to this size may share a message with others
+WHOLE_CHUNKS = 4  # a piece of up to this many chunks goes in one message
 BATCH_HEADER_BYTES = 256 * 1024  # a batch's keys stay well inside the protocol's 1 MiB header limit
 
 
@@ -87,7 +91,7 @@ def plan(entries: list[tuple[Key, np.dtype, list[Piece]]], batch_bytes: int, chu
                 batch[2] += extra
                 continue
             step = chunk_elements(chunk_bytes, dtype) if chunked and chunk_bytes > 0 else 0
-            if not step or piece.stop - piece.start <= step:
+            if not step or piece.stop - piece.start <= WHOLE_CHUNKS * step:
                 sends.append(Send(piece.server, [Part(key, piece.start, piece.stop)]))
                 continue
             for start in range(piece.start, piece.stop, step):

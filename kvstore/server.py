@@ -34,6 +34,10 @@ from .state import Completion, ShardState
 
 log = logging.getLogger("kvstore.server")
 MB = 1 << 20
+# Flow control: zmq queues at most this many messages from each worker before it stops reading that
+# worker's connection.  With chunks of KVSTORE_CHUNK_BYTES this bounds what a server holds in
+# messages it has not read to about workers x INBOUND_MESSAGES x chunk bytes.
+INBOUND_MESSAGES = 8
 
 
 def peak_rss() -> int:
@@ -68,7 +72,7 @@ class Server:
         self.cfg = cfg
         self.host = kvconfig.node_host(cfg)
         kvconfig.check_bind(cfg, self.host, "a server")
-        sock, self.port = transport.bind_router(self.host)
+        sock, self.port = transport.bind_router(self.host, inbound=INBOUND_MESSAGES)
         self.service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} at join
         self.scheduler = transport.connect_dealer(cfg.root_address)
         self.to_scheduler = channel_for(cfg, new_label("server"))
@@ -95,7 +99,8 @@ class Server:
         self.heartbeat = Heartbeat(self.cfg, "server", rank, cmap.body["session"], lambda error: None,
                                    report_peers=False)
         self.heartbeat.start()
-        self.state = ShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync")
+        self.state = ShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync",
+                                ordered=self.cfg.sum_order == "rank")
         logs.set_identity("server", rank)
         log.info("serving on %s:%d in %s mode", self.host, self.port, cmap.body["mode"])
 

@@ -21,17 +21,22 @@ Rules (docs/architecture.md, SEMANTICS.md):
   others' last rounds close without it (uneven ends).  The round's sum is then
   applied (assigned, or handed to the updater), and the replies to its pushes
   (every chunk of the round) are sent only then.
-* The sum is taken element by element in worker-rank order,
-  ``((v0 + v1) + v2) + ...``, so it is bit-identical whatever order the chunks
-  arrive in.  Every worker must split a key at the same offsets within a round.
-  A round keeps one accumulator, not every pushed array: a chunk is added into
-  it (and dropped) as soon as every lower rank the round expects has been added
-  over that chunk's range; until then it is held.  The ranks a round expects
-  are the workers still in the cluster plus those that contributed to it (one
-  that left part-way through its contribution only over the chunks it sent).
-  When the round's first addition is a whole push, the accumulator is that
-  pushed array itself (no copy; it is never written to); a second contribution
-  makes an owned sum.
+* With ``ordered=False`` (the server's default, ``KVSTORE_SUM_ORDER=arrival``)
+  each chunk is added into the round's accumulator the moment it arrives, as
+  MXNet does: nothing is held, so a round costs one accumulator whatever the
+  skew between workers, but float sums of three or more workers may differ in
+  the last bits from run to run.
+* With ``ordered=True`` (``KVSTORE_SUM_ORDER=rank``) the sum is taken element
+  by element in worker-rank order, ``((v0 + v1) + v2) + ...``, so it is
+  bit-identical whatever order the chunks arrive in.  A chunk is added into the
+  accumulator (and dropped) as soon as every lower rank the round expects has
+  been added over that chunk's range; until then it is held.  The ranks a round
+  expects are the workers still in the cluster plus those that contributed to it
+  (one that left part-way through its contribution only over the chunks it sent).
+* Either way a round keeps one accumulator, not every pushed array, and every
+  worker must split a key at the same offsets within a round.  When the round's
+  first addition is a whole push, the accumulator is that pushed array itself
+  (no copy; it is never written to); a second contribution makes an owned sum.
 * ``dist_async``: each contribution is applied (assigned, or updated) once it
   is complete: a whole push on arrival, chunks once the last one arrives (they
   are gathered in a buffer until then); every chunk of it is acked then.
@@ -129,12 +134,14 @@ class _KeyState:
 class ShardState:
     """The keys (or key slices) held by one server, and their open rounds."""
 
-    def __init__(self, num_workers: int, sync: bool, updater: Updater | None = None) -> None:
+    def __init__(self, num_workers: int, sync: bool, updater: Updater | None = None,
+                 ordered: bool = True) -> None:
         self.num_workers = num_workers
         self.active = set(range(num_workers))  # workers that have not left
         self._ranks = sorted(self.active)       # the same, sorted: what a new round expects
         self.sync = sync
         self.updater = updater
+        self.ordered = ordered  # sum in rank order (holding early chunks), or in arrival order
         self._keys: dict[Key, _KeyState] = {}
 
     def __contains__(self, key: Key) -> bool:
@@ -385,7 +392,7 @@ class ShardState:
         part = rnd.parts.get(lo)
         if part is None:
             part = rnd.parts[lo] = _Part(hi)
-        if self._next_rank(rnd, part) == worker:
+        if not self.ordered or self._next_rank(rnd, part) == worker:
             self._add(rnd, part, worker, lo, value, size)
             if part.held:
                 self._drain(rnd, part, lo, size)

@@ -35,14 +35,19 @@ def _host_in_url(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def bind_router(host: str, port: int = 0) -> tuple[zmq.Socket, int]:
+def bind_router(host: str, port: int = 0, inbound: int = 0) -> tuple[zmq.Socket, int]:
     """Bind a ROUTER socket on ``host:port`` (0 = any free port); return it and the bound port.
 
-    Raises :class:`ConfigError` when the address cannot be bound (port taken, bad host).
+    ``inbound`` > 0 caps the messages zmq queues from each peer: beyond it zmq stops reading
+    that peer's connection, and TCP holds the sender back (flow control; replies are never
+    capped, so neither side can block the other).  Raises :class:`ConfigError` when the
+    address cannot be bound (port taken, bad host).
     """
     sock = _context().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     _unbounded(sock)
+    if inbound:
+        sock.setsockopt(zmq.RCVHWM, inbound)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)

@@ -67,8 +67,9 @@ def _train(kv, steps: range, init: bool = True, name: str = "sgd", params: dict 
     ("rmsprop", {"learning_rate": 0.01, "centered": True}),
 ])
 def test_sync_servers_apply_optimizer_like_one_process(make_cluster, name: str, params: dict) -> None:
-    """dist_sync with 3 workers and 2 servers ends bit-identical to one process applying the summed grads."""
-    cluster: Cluster = make_cluster("dist_sync", 3, 2, bound=BOUND)
+    """dist_sync with 3 workers and 2 servers ends bit-identical to one process applying the summed grads
+    (in rank order: KVSTORE_SUM_ORDER=rank)."""
+    cluster: Cluster = make_cluster("dist_sync", 3, 2, bound=BOUND, KVSTORE_SUM_ORDER="rank")
     results = cluster.run(lambda kv: _train(kv, range(4), name=name, params=params))
     expected, _ = _reference(name, params, range(4), 3)
     for got in results:

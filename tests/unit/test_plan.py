@@ -6,7 +6,17 @@ import numpy as np
 import pytest
 
 from kvstore.partition import Piece
-from kvstore.plan import BATCH_HEADER_BYTES, SMALL_BYTES, Part, Send, chunk_elements, pack, plan, unpack
+from kvstore.plan import (
+    BATCH_HEADER_BYTES,
+    SMALL_BYTES,
+    WHOLE_CHUNKS,
+    Part,
+    Send,
+    chunk_elements,
+    pack,
+    plan,
+    unpack,
+)
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
@@ -60,14 +70,22 @@ def test_big_piece_is_chunked_with_offsets_in_its_slice():
     """A piece bigger than a chunk goes in chunk messages; lo is the offset in the server's slice."""
     size = 2_500_000
     pieces = [Piece(0, 0, 1_250_000), Piece(1, 1_250_000, size)]
-    sends = plan([("w", F32, pieces)], batch_bytes=1 << 20, chunk_bytes=1 << 20)
-    step = chunk_elements(1 << 20, F32)
-    assert step == 262_144
+    sends = plan([("w", F32, pieces)], batch_bytes=1 << 20, chunk_bytes=1 << 18)
+    step = chunk_elements(1 << 18, F32)
+    assert step == 65_536
     for server, piece in enumerate(pieces):
         mine = [s for s in sends if s.server == server]
         assert [s.lo for s in mine] == list(range(0, piece.stop - piece.start, step))
         assert [(s.parts[0].start, s.parts[0].stop) for s in mine] == [
             (piece.start + lo, min(piece.start + lo + step, piece.stop)) for lo in range(0, 1_250_000, step)]
+
+
+def test_a_piece_of_up_to_whole_chunks_goes_whole():
+    """A piece of WHOLE_CHUNKS chunks is one message; one element more and it is chunked."""
+    step = chunk_elements(1 << 20, F32)
+    assert len(plan([("w", F32, whole(0, WHOLE_CHUNKS * step))], 1 << 20, 1 << 20)) == 1
+    sends = plan([("w", F32, whole(0, WHOLE_CHUNKS * step + 1))], 1 << 20, 1 << 20)
+    assert [s.lo for s in sends] == [i * step for i in range(WHOLE_CHUNKS + 1)]
 
 
 def test_chunking_off_and_init_send_big_pieces_whole():

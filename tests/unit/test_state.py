@@ -1011,3 +1011,34 @@ def test_leave_mid_round_with_later_rounds_held():
     assert len(send(state, [((1, 0, lo), 0, lo, c) for lo, c in split(one * 5, (0, 2, 4))])) == 4
     np.testing.assert_array_equal(state.value("k"), [7] * 4)
     assert state.held_bytes() == 0
+
+
+# -- arrival order (KVSTORE_SUM_ORDER=arrival) --------------------------------------------------
+
+def test_arrival_order_adds_each_chunk_at_once_and_holds_nothing():
+    """With ordered=False a later rank's early chunks are added on arrival: nothing is held, and the
+    round's sum is the arrival-order sum."""
+    rng = np.random.default_rng(7)
+    values = [rng.standard_normal(8).astype(np.float32) for _ in range(3)]
+    state = ShardState(3, sync=True, ordered=False)
+    state.init("k", np.zeros(8, np.float32))
+    for worker in (2, 0):
+        for lo in (0, 4):
+            state.push((worker, lo), worker, "k", values[worker][lo:lo + 4], lo)
+            assert state.held_bytes() == 8 * 4  # the accumulator only
+    done = []
+    for lo in (0, 4):
+        done += state.push((1, lo), 1, "k", values[1][lo:lo + 4], lo)
+    assert sorted(c.token for c in done) == sorted((w, lo) for w in range(3) for lo in (0, 4))
+    expected = (values[2] + values[0]) + values[1]
+    np.testing.assert_array_equal(state.value("k"), expected)
+    assert state.held_bytes() == 0
+
+
+def test_arrival_order_whole_push_of_one_worker_is_still_not_copied():
+    """The zero-copy case holds in arrival order too."""
+    state = ShardState(1, sync=True, ordered=False)
+    state.init("k", np.zeros(3))
+    pushed = ro([1, 2, 3])
+    state.push("a", 0, "k", pushed)
+    assert state.value("k") is pushed
