@@ -37,7 +37,7 @@ def group(key: Any, value: Any) -> list[tuple[Key, list[Any]]]:
         vals = _as_list(value)
         if len(vals) != len(key):
             raise ValueError(f"{len(key)} keys but {len(vals)} values")
-        pairs = [(check_key(k), _as_list(v)) for k, v in zip(key, vals)]
+        pairs = [(check_key(k), [v] if type(v) is np.ndarray else _as_list(v)) for k, v in zip(key, vals)]
     else:
         pairs = [(check_key(key), _as_list(value))]
     merged: dict[Key, list[Any]] = {}
@@ -223,7 +223,8 @@ class KVStore(abc.ABC):
         self._push(self._summed(key, value), priority)
 
     def _outs(self, keys: list[Key], out: Any, single: bool) -> list[list[Any]]:
-        outs = [_as_list(out)] if single else [_as_list(o) for o in _as_list(out)]
+        outs = ([_as_list(out)] if single else
+                [[o] if type(o) is np.ndarray else _as_list(o) for o in _as_list(out)])
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} outs")
         for k, targets in zip(keys, outs):

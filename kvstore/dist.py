@@ -279,18 +279,22 @@ class DistKVStore(StateCalls, KVStore):
             except ValueError as exc:
                 raise ProtocolError(f"server {send.server}: {exc}") from None
             for part, view in zip(send.parts, views):
-                got.setdefault(part.key, []).append((part, view))
+                parts = got.get(part.key)
+                if parts is None:
+                    got[part.key] = [(part, view)]
+                else:
+                    parts.append((part, view))
         result: list[np.ndarray | None] = []
         for i, key in enumerate(keys):
             meta, parts = self._meta[key], got[key]
-            target = None
-            if outs is not None and len(outs[i]) == 1:
-                out = outs[i][0]
-                if type(out) is np.ndarray and out.flags.c_contiguous:
+            out = outs[i][0] if outs is not None and len(outs[i]) == 1 else None
+            if type(out) is np.ndarray and out.flags.c_contiguous:
+                if len(parts) == 1 and parts[0][0].stop - parts[0][0].start == meta.size:
+                    np.copyto(out, parts[0][1].reshape(out.shape))
+                else:
                     target = out.reshape(-1)  # a view: writing it writes the out
-            if target is not None:
-                for part, view in parts:
-                    target[part.start:part.stop] = view
+                    for part, view in parts:
+                        target[part.start:part.stop] = view
                 result.append(None)
             elif len(parts) == 1:
                 result.append(parts[0][1].reshape(meta.shape))

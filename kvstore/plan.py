@@ -19,7 +19,7 @@ chunk, the offset ``lo`` of the chunk in the server's slice (docs/protocol.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -46,18 +46,36 @@ class Part(NamedTuple):
 
 @dataclass
 class Send:
-    """One message to ``server``: its parts in order; ``lo`` is set for a chunk of a big piece."""
+    """One message to ``server``: its parts in order; ``lo`` is set for a chunk of a big piece.
+
+    Complete once planned: its body and offsets are computed on first use and kept, since a
+    plan is reused for every call with the same keys.
+    """
 
     server: int
     parts: list[Part]
     lo: int | None = None
+    _body: dict | None = field(default=None, repr=False, compare=False)
+    _offsets: list[int] | None = field(default=None, repr=False, compare=False)
 
     def body(self) -> dict:
         """The message body: keys, sizes and, for a chunk, its offset in the server's slice."""
-        body: dict = {"keys": [p.key for p in self.parts], "sizes": [p.size for p in self.parts]}
-        if self.lo is not None:
-            body["lo"] = self.lo
-        return body
+        if self._body is None:
+            body: dict = {"keys": [p.key for p in self.parts],
+                          "sizes": [p.stop - p.start for p in self.parts]}
+            if self.lo is not None:
+                body["lo"] = self.lo
+            self._body = body
+        return self._body
+
+    def offsets(self) -> list[int]:
+        """Where each part starts in the message's array, then the array's length."""
+        if self._offsets is None:
+            offsets = [0]
+            for part in self.parts:
+                offsets.append(offsets[-1] + part.stop - part.start)
+            self._offsets = offsets
+        return self._offsets
 
 
 def chunk_elements(chunk_bytes: int, dtype: np.dtype) -> int:
@@ -116,11 +134,9 @@ def unpack(send: Send, array: np.ndarray) -> list[np.ndarray]:
 
     Raises ValueError when the array does not hold exactly the parts' elements.
     """
-    total = sum(p.size for p in send.parts)
-    if array.ndim != 1 or array.size != total:
-        raise ValueError(f"a reply holds {array.size} elements where {total} were asked for")
-    views, offset = [], 0
-    for part in send.parts:
-        views.append(array[offset:offset + part.size])
-        offset += part.size
-    return views
+    offsets = send.offsets()
+    if array.ndim != 1 or array.size != offsets[-1]:
+        raise ValueError(f"a reply holds {array.size} elements where {offsets[-1]} were asked for")
+    if len(offsets) == 2:
+        return [array]
+    return [array[a:b] for a, b in zip(offsets, offsets[1:])]
