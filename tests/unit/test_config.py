@@ -24,6 +24,7 @@ def test_defaults_from_empty_environ():
     assert cfg.connect_timeout == 60.0
     assert cfg.request_timeout == 600.0
     assert cfg.shutdown_timeout == 10.0
+    assert (cfg.batch_bytes, cfg.chunk_bytes, cfg.sum_order) == (1 << 20, 2 << 20, "arrival")
 
 
 def test_load_reads_os_environ_when_none(monkeypatch):
@@ -42,12 +43,13 @@ def test_every_variable_is_parsed():
            "DMLC_INTERFACE": "eth1", "DMLC_WORKER_ID": "5", "KVSTORE_SERVER_ID": "2",
            "KVSTORE_SECRET": "s3cret", "KVSTORE_BIGARRAY_BOUND": "4096", "KVSTORE_CONNECT_TIMEOUT": "1.5",
            "KVSTORE_REQUEST_TIMEOUT": "30", "KVSTORE_SHUTDOWN_TIMEOUT": "0.25",
-           "KVSTORE_PORT_FILE": "/tmp/port", "KVSTORE_LOG_LEVEL": "debug"}
+           "KVSTORE_PORT_FILE": "/tmp/port", "KVSTORE_LOG_LEVEL": "debug", "KVSTORE_BATCH_BYTES": "0",
+           "KVSTORE_CHUNK_BYTES": "65536", "KVSTORE_SUM_ORDER": "Rank"}
     assert kvconfig.load(env) == kvconfig.Config(
         role="worker", root_uri="10.1.2.3", root_port=9000, num_servers=4, num_workers=8,
         node_host="10.1.2.9", interface="eth1", worker_id=5, server_id=2, secret="s3cret",
         bigarray_bound=4096, connect_timeout=1.5, request_timeout=30.0, shutdown_timeout=0.25,
-        port_file="/tmp/port", log_level="DEBUG")
+        port_file="/tmp/port", log_level="DEBUG", batch_bytes=0, chunk_bytes=65536, sum_order="rank")
 
 
 @pytest.mark.parametrize("role", ["scheduler", "server", "worker"])
@@ -107,6 +109,8 @@ def test_bad_mxnet_bigarray_bound_names_the_variable_that_was_set(raw):
     ("KVSTORE_CONNECT_TIMEOUT", "soon"), ("KVSTORE_CONNECT_TIMEOUT", "0"),
     ("KVSTORE_REQUEST_TIMEOUT", "-5"), ("KVSTORE_REQUEST_TIMEOUT", "nan"),
     ("KVSTORE_SHUTDOWN_TIMEOUT", "0"), ("KVSTORE_SHUTDOWN_TIMEOUT", "10s"),
+    ("KVSTORE_BATCH_BYTES", "-1"), ("KVSTORE_BATCH_BYTES", "1M"), ("KVSTORE_CHUNK_BYTES", "-4096"),
+    ("KVSTORE_SUM_ORDER", "random"),
 ])
 def test_invalid_value_raises_config_error_naming_the_variable(name, raw):
     """A present but invalid value raises ConfigError whose message names the variable."""

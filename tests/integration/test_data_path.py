@@ -1,0 +1,143 @@
+"""The fast data path through real servers: batches, whole pieces and chunks, every setting.
+
+Clusters here use a 4 KiB chunk (``KVSTORE_CHUNK_BYTES``), so a slice of more than
+4 chunks (4096 float32 elements) travels in chunks, next to small keys packed into
+batches and mid-sized slices sent whole; every value must come back exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore import protocol
+from kvstore.errors import KeyNotInitializedError, ProtocolError, ShapeMismatchError
+from kvstore.protocol import Message, Op
+
+from .conftest import Cluster, insider, unique_key
+
+CHUNK = 4096  # bytes
+
+SETTINGS = {
+    "default": {},
+    "unbatched": {"KVSTORE_BATCH_BYTES": "0"},
+    "rank_order": {"KVSTORE_SUM_ORDER": "rank"},
+    "unchunked": {"KVSTORE_CHUNK_BYTES": "0"},
+}
+
+
+def _keys(tag: str) -> dict:
+    """Key -> (shape, dtype): 60 small keys of three dtypes, a split key sent whole, a chunked one."""
+    keys = {f"{tag}/small{i}": ((1 + i % 7,), ("float32", "float64", "int32")[i % 3]) for i in range(60)}
+    keys[f"{tag}/split"] = ((3000,), "float32")        # 1500 elements per server: whole
+    keys[f"{tag}/big"] = ((50, 1000), "float32")       # 25,000 per server: 25 chunks of 1024
+    return keys
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_every_kind_of_message_sums_exactly(make_cluster, setting: str) -> None:
+    """3 workers x 2 servers: push, pull (into outs, new arrays, a non-contiguous out) and pushpull
+    of batched, whole and chunked values give exactly the sum of every worker's push."""
+    env = {"KVSTORE_CHUNK_BYTES": str(CHUNK), **SETTINGS[setting]}
+    cluster: Cluster = make_cluster("dist_sync", 3, 2, **env)
+    keys = _keys(unique_key())
+    names = list(keys)
+    W = cluster.num_workers
+
+    def value(key: str, rank: int, step: int) -> np.ndarray:
+        shape, dtype = keys[key]
+        base = np.arange(np.prod(shape)).reshape(shape) % 97
+        return (base * (rank + 1) + step).astype(dtype)
+
+    def expected(key: str, step: int) -> np.ndarray:
+        return sum(value(key, r, step) for r in range(W)).astype(keys[key][1])
+
+    def work(kv):
+        kv.init(names, [np.zeros(*keys[k]) for k in names])
+        kv.push(names, [value(k, kv.rank, 1) for k in names])
+        outs = [np.empty(*keys[k]) for k in names]
+        kv.pull(names, out=outs)
+        fresh = kv.pull(names)
+        wide = np.zeros((50, 2000), np.float32)[:, ::2]  # a non-contiguous out of the big key
+        kv.pull(names[-1], out=wide)
+        grads = [value(k, kv.rank, 2) for k in names]
+        kv.pushpull(names, grads)  # written back into grads
+        return outs, fresh, wide.copy(), grads, kv._plan(names)
+
+    results = cluster.run(work)
+    for outs, fresh, wide, grads, _ in results:
+        for key, out, new, after in zip(names, outs, fresh, grads):
+            np.testing.assert_array_equal(out, expected(key, 1), err_msg=key)
+            np.testing.assert_array_equal(new, expected(key, 1), err_msg=key)
+            np.testing.assert_array_equal(after, expected(key, 2), err_msg=key)
+        np.testing.assert_array_equal(wide, expected(names[-1], 1))
+    sends = results[0][4]
+    batched = any(len(s.parts) > 1 for s in sends)
+    chunked = any(s.lo is not None for s in sends)
+    assert batched == (setting != "unbatched")
+    assert chunked == (setting != "unchunked")
+
+
+def test_async_chunks_apply_once_complete(make_cluster) -> None:
+    """dist_async: a chunked push is applied when its last chunk arrives, so a pull sees all of it."""
+    cluster: Cluster = make_cluster("dist_async", 2, 2, KVSTORE_CHUNK_BYTES=str(CHUNK))
+    key = unique_key()
+    shape = (40_000,)
+
+    def work(kv):
+        kv.init(key, np.zeros(shape, np.float32))
+        kv.barrier()
+        for step in range(3):
+            kv.push(key, np.full(shape, 10.0 * kv.rank + step, np.float32))
+        kv.barrier()
+        return kv.pull(key)
+
+    finals = cluster.run(work)
+    assert any(s.lo is not None for s in cluster.workers[0]._plan([key]))
+    for got in finals:  # async assigns: the last complete push of either worker, never a mix
+        assert got[0] in (2.0, 12.0)
+        np.testing.assert_array_equal(got, np.full(shape, got[0], np.float32))
+    np.testing.assert_array_equal(finals[0], finals[1])
+
+
+def _exchange(sock, frames) -> list:
+    sock.send_multipart(frames)
+    assert sock.poll(10_000), "the server did not answer"
+    return sock.recv_multipart()
+
+
+def test_a_bad_entry_refuses_the_whole_message(make_cluster) -> None:
+    """A batch with one uninitialised key, a wrong total size, or a chunk out of order gets an ERROR
+    and changes nothing; the server goes on serving."""
+    import zmq
+
+    cluster: Cluster = make_cluster("dist_async", 1, 1, KVSTORE_CHUNK_BYTES=str(CHUNK))
+    (kv,) = cluster.workers
+    good, big = unique_key(), unique_key()
+    kv.init([good, big], [np.zeros(3, np.float32), np.zeros(10_000, np.float32)])
+    sealer = insider(kv, "batcher")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(kv._servers[0])
+    bad = [
+        (Message(Op.PUSH, {"keys": [good, "never-initialised"], "sizes": [3, 2]},
+                 [np.full(5, 9.0, np.float32)], seq=1, sender=0), KeyNotInitializedError),
+        (Message(Op.PUSH, {"keys": [good], "sizes": [3]}, [np.full(4, 9.0, np.float32)], seq=2, sender=0),
+         ProtocolError),
+        (Message(Op.PUSH, {"keys": [good, good], "sizes": [3, 3]}, [np.full(6, 9.0, np.float32)],
+                 seq=3, sender=0), ProtocolError),
+        (Message(Op.PUSH, {"keys": [big], "sizes": [1024], "lo": 1024}, [np.full(1024, 9.0, np.float32)],
+                 seq=4, sender=0), ProtocolError),  # its first chunk must start at 0
+        (Message(Op.PULL, {"keys": [good], "sizes": [2]}, seq=5, sender=0), ShapeMismatchError),
+    ]
+    try:
+        for msg, error in bad:
+            reply = sealer.open(_exchange(sock, sealer.seal(msg, "server0")))
+            assert reply.op is Op.ERROR and reply.body["code"] == error.__name__, reply.body
+    finally:
+        sock.close()
+    np.testing.assert_array_equal(kv.pull(good), np.zeros(3, np.float32))
+    np.testing.assert_array_equal(kv.pull(big), np.zeros(10_000, np.float32))
+    kv.push([good, big], [np.ones(3, np.float32), np.ones(10_000, np.float32)])
+    np.testing.assert_array_equal(kv.pull(big), np.ones(10_000, np.float32))
+    assert protocol.PROTOCOL_VERSION == 4
