@@ -161,9 +161,9 @@ def report(test: str, **figures: Any) -> None:
     print("RESULT " + json.dumps({"test": test, "rank": kv.rank, **figures}), flush=True)
 
 
-def timed(kv: Any, step: Any, iters: int) -> float:
-    """Seconds for ``iters`` calls of ``step`` after two warm-up calls, all workers starting together."""
-    for _ in range(2):
+def timed(kv: Any, step: Any, iters: int, warmup: int = 2) -> float:
+    """Seconds for ``iters`` calls of ``step`` after ``warmup`` calls, all workers starting together."""
+    for _ in range(warmup):
         step()
     kv.barrier()
     started = time.perf_counter()
@@ -227,7 +227,7 @@ def run_latency(kv: Any, count: int) -> None:
     report("latency", **percentiles(times))
 
 
-def run_manykeys(kv: Any, iters: int, label: str) -> None:
+def run_manykeys(kv: Any, iters: int, label: str, warmup: int = 2) -> None:
     """10,000 keys of 100 floats, push all then pull all."""
     import numpy as np
 
@@ -240,7 +240,7 @@ def run_manykeys(kv: Any, iters: int, label: str) -> None:
         kv.push(keys, grads)
         kv.pull(keys, out=outs)
 
-    seconds = timed(kv, step, iters)
+    seconds = timed(kv, step, iters, warmup)
     assert outs[-1][0] == kv.num_workers
     report(label, keys_per_s=MANY_KEYS * iters / seconds, iters=iters)
 
@@ -301,7 +301,7 @@ def worker(tests: list[str], quick: bool) -> None:
         elif test == "manykeys":
             run_manykeys(kv, 2 * scale, "manykeys")
         elif test == "manykeys_unbatched":
-            run_manykeys(kv, 1, "manykeys_unbatched")
+            run_manykeys(kv, 1, "manykeys_unbatched", warmup=1)
         elif test == "train":
             run_train(kv, 20 * scale)
         kv.barrier()
@@ -375,6 +375,10 @@ def main() -> None:
             "manykeys_unbatched_per_s": mean(r["manykeys_unbatched"], "keys_per_s"),
             "train_local_ms": mean(r["train"], "local_ms"), "train_dist_ms": mean(r["train"], "dist_ms"),
             "train_params": r["train"][0]["params"], "bigkey_servers": big["servers"]}
+    if "4w2s" in out["configs"]:
+        progress("4w2s: one 256 MB key, summed in rank order (KVSTORE_SUM_ORDER=rank)")
+        out["bigkey_rank_order_4w2s"] = launch(4, 2, ["bigkey"], args.quick,
+                                               {"KVSTORE_SUM_ORDER": "rank"})["servers"]
     if "1w1s" in out["configs"]:
         progress("1w1s: throughput with KVSTORE_AUTH=full")
         full = launch(1, 1, ["throughput"], args.quick, {"KVSTORE_AUTH": "full"})
@@ -425,6 +429,9 @@ def print_table(out: dict[str, Any]) -> None:
     if "4w1s" in configs and "4w2s" in configs:
         print(f"4w2s / 4w1s model throughput: "
               f"{configs['4w2s']['throughput_gbps'] / configs['4w1s']['throughput_gbps']:.2f}")
+    for s in out.get("bigkey_rank_order_4w2s", []):
+        print(f"4w2s 256 MB test, KVSTORE_SUM_ORDER=rank: server {s['rank']} holds {s['held_mb']:.0f} MB, "
+              f"peak RSS {s['peak_rss_mb']:.0f} MB ({s['peak_rss_mb'] / max(s['held_mb'], 1e-9):.2f}x)")
     if "auth_full_throughput_gbps" in out:
         print(f"1w1s model throughput with KVSTORE_AUTH=full: {out['auth_full_throughput_gbps']:.3f} GB/s "
               f"({out['auth_full_throughput_gbps'] / configs['1w1s']['throughput_gbps']:.2f}x the default)")
