@@ -15,6 +15,8 @@ launcher's own secret, so authentication is on as shipped) and measures, per wor
 * ``train``: the Trainer's step (forward, backward, ``step`` through the servers) for
   a real torch model, against the same model trained in one process with torch's SGD.
 
+Each rate is the best of three timed blocks (the unbatched many-keys run: one block), each worker
+starting each block together; a worker prints its own figures and the table gives their mean.
 In the same run, before any cluster, it measures the baseline: raw pyzmq round trips of
 the same bytes between two processes (a DEALER and an echoing ROUTER, zero-copy sends,
 ``recv_into`` preallocated buffers, the best of several chunk sizes) and a 4-byte round
@@ -97,20 +99,22 @@ class RawLink:
             self.sock.recv_into(out[lo:])
 
     def rate(self, nbytes: int, seconds: float) -> dict[str, Any]:
-        """GB/s of round trips of ``nbytes`` (both ways counted), best over :data:`CHUNKS`."""
+        """GB/s of round trips of ``nbytes`` (both ways counted): for each of :data:`CHUNKS`, the
+        best of three blocks of about ``seconds / 3``; the best chunk size wins."""
         data, out = memoryview(bytearray(nbytes)), memoryview(bytearray(nbytes))
         best: dict[str, Any] = {"gbps": 0.0}
         for chunk in CHUNKS:
             if chunk > nbytes:
                 continue
             self.round_trip(data, out, chunk)  # warm-up
-            count, started = 0, time.perf_counter()
-            while count < 3 or time.perf_counter() - started < seconds:
-                self.round_trip(data, out, chunk)
-                count += 1
-            gbps = 2 * nbytes * count / (time.perf_counter() - started) / 1e9
-            if gbps > best["gbps"]:
-                best = {"gbps": gbps, "chunk": chunk}
+            for _ in range(3):
+                count, started = 0, time.perf_counter()
+                while count < 2 or time.perf_counter() - started < seconds / 3:
+                    self.round_trip(data, out, chunk)
+                    count += 1
+                gbps = 2 * nbytes * count / (time.perf_counter() - started) / 1e9
+                if gbps > best["gbps"]:
+                    best = {"gbps": gbps, "chunk": chunk}
         return best
 
     def latency(self, count: int) -> dict[str, float]:
@@ -161,15 +165,20 @@ def report(test: str, **figures: Any) -> None:
     print("RESULT " + json.dumps({"test": test, "rank": kv.rank, **figures}), flush=True)
 
 
-def timed(kv: Any, step: Any, iters: int, warmup: int = 2) -> float:
-    """Seconds for ``iters`` calls of ``step`` after ``warmup`` calls, all workers starting together."""
+def timed(kv: Any, step: Any, iters: int, warmup: int = 2, blocks: int = 3) -> float:
+    """Seconds for ``iters`` calls of ``step`` (after ``warmup`` calls): the best of ``blocks``
+    blocks, every worker starting each block together.  Best-of, like the baseline's, since
+    other work on a shared machine only ever slows a block down."""
     for _ in range(warmup):
         step()
-    kv.barrier()
-    started = time.perf_counter()
-    for _ in range(iters):
-        step()
-    return time.perf_counter() - started
+    best = float("inf")
+    for _ in range(blocks):
+        kv.barrier()
+        started = time.perf_counter()
+        for _ in range(iters):
+            step()
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def run_throughput(kv: Any, iters: int) -> None:
@@ -240,7 +249,7 @@ def run_manykeys(kv: Any, iters: int, label: str, warmup: int = 2) -> None:
         kv.push(keys, grads)
         kv.pull(keys, out=outs)
 
-    seconds = timed(kv, step, iters, warmup)
+    seconds = timed(kv, step, iters, warmup, blocks=1 if label.endswith("unbatched") else 3)
     assert outs[-1][0] == kv.num_workers
     report(label, keys_per_s=MANY_KEYS * iters / seconds, iters=iters)
 
@@ -290,7 +299,7 @@ def worker(tests: list[str], quick: bool) -> None:
     import kvstore
 
     kv = kvstore.create("dist_sync")
-    scale = 1 if quick else 3
+    scale = 1 if quick else 2
     for test in tests:
         if test == "throughput":
             run_throughput(kv, 3 * scale)
@@ -301,7 +310,7 @@ def worker(tests: list[str], quick: bool) -> None:
         elif test == "manykeys":
             run_manykeys(kv, 2 * scale, "manykeys")
         elif test == "manykeys_unbatched":
-            run_manykeys(kv, 1, "manykeys_unbatched", warmup=1)
+            run_manykeys(kv, 1, "manykeys_unbatched", warmup=1)  # one block of one: it is slow
         elif test == "train":
             run_train(kv, 20 * scale)
         kv.barrier()

@@ -201,18 +201,28 @@ class KVStore(abc.ABC):
                 self._comm = DeviceComm()
             return self._comm
 
-    def _summed(self, key: Any, value: Any) -> list[tuple[Key, Any]]:
-        """Each key with the sum of its values: numpy, or in a device mode with CUDA values a tensor
-        on the key's merge GPU."""
+    def _groups(self, key: Any, value: Any) -> list[tuple[Key, V.Meta, list[Any]]]:
+        """Each key with its meta and values, every value checked (nothing summed yet)."""
         self._check_open()
         out = []
         for k, vs in group(key, value):
             meta = self._meta_of(k)
-            if self._device_mode and any(xp.is_cuda(v) for v in vs):
-                out.append((k, self._device().reduce(k, meta, vs)))
-            else:
-                out.append((k, V.summed(k, meta, vs)))
+            for v in vs:
+                if not (type(v) is np.ndarray and v.shape == meta.shape and v.dtype == meta.dtype):
+                    V.check(k, meta, v, "pushed value")
+            out.append((k, meta, vs))
         return out
+
+    def _sum(self, key: Key, meta: V.Meta, values: list[Any]) -> Any:
+        """The sum of one key's checked values: numpy, or in a device mode with CUDA values a tensor
+        on the key's merge GPU."""
+        if self._device_mode and any(xp.is_cuda(v) for v in values):
+            return self._device().reduce(key, meta, values)
+        return V.summed(key, meta, values)
+
+    def _summed(self, key: Any, value: Any) -> list[tuple[Key, Any]]:
+        """Each key with the sum of its values (see :meth:`_sum`), all checked before any is summed."""
+        return [(k, self._sum(k, meta, vs)) for k, meta, vs in self._groups(key, value)]
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values; a list of values for one key is summed first.  Returns without waiting.

@@ -249,10 +249,34 @@ class DistKVStore(StateCalls, KVStore):
             self._plans[keys] = sends
         return sends
 
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """Push values (see :meth:`KVStore.push`).  Every value is checked first; then each key is
+        summed just before the first message that carries it goes out, so the copies of later keys
+        overlap the sending of earlier ones."""
+        groups = self._groups(key, value)
+        summed: dict[Key, np.ndarray] = {}
+
+        def flat(key: Key, meta: Any, values: list[Any]) -> np.ndarray:
+            total = self._sum(key, meta, values)
+            return (total if isinstance(total, np.ndarray) else self._device().to_host(total)).reshape(-1)
+
+        todo = {k: (meta, vs) for k, meta, vs in groups}
+        sends = self._plan(todo)  # priority is accepted for MXNet scripts; sends keep call order
+        requests = []
+        for send in sends:
+            for part in send.parts:
+                if part.key not in summed:
+                    summed[part.key] = flat(part.key, *todo[part.key])
+            requests.append(self._submit(Op.PUSH, send, pack(send, summed)))
+        self._track_pushes(sends, requests)
+
     def _push(self, items: list[tuple[Key, Any]], priority: int) -> None:
-        flats = self._host(items)  # priority is accepted for MXNet scripts; sends keep call order
+        flats = self._host(items)
         sends = self._plan(flats)
-        requests = [self._submit(Op.PUSH, s, pack(s, flats)) for s in sends]
+        self._track_pushes(sends, [self._submit(Op.PUSH, s, pack(s, flats)) for s in sends])
+
+    def _track_pushes(self, sends: list[Send], requests: list[Request]) -> None:
+        """Remember push requests for barrier() and close(), and their failures per key."""
         with self._lock:
             self._pushes.extend(requests)
             if len(self._pushes) > self._prune_at:

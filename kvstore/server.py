@@ -23,7 +23,6 @@ from .errors import (
     DuplicateInitError,
     OptimizerError,
     ProtocolError,
-    ShapeMismatchError,
 )
 from .heartbeat import Heartbeat
 from .optimizer import Optimizer, from_spec
@@ -189,15 +188,11 @@ class Server:
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
         keys, _, sizes, lo = self._entries(msg, False)
-        if lo is None:  # whole slices: the sizes must be the keys' (the reply is cut by them)
-            for key, size in zip(keys, sizes):
-                if self.state.value(key).size != size:
-                    raise ShapeMismatchError(f"PULL of key {key!r} asks for {size} elements; this "
-                                             f"server holds {self.state.value(key).size}")
         batch = _Batch(identity, msg.seq, len(keys))
         start = lo or 0
         entries = [((batch, i), key, start, start + size) for i, (key, size) in enumerate(zip(keys, sizes))]
-        self._reply_all(self.state.pull_many(msg.sender, entries))
+        # without a chunk offset each size must be the key's whole slice: the reply is cut by them
+        self._reply_all(self.state.pull_many(msg.sender, entries, whole=lo is None))
 
     def _on_pushpull(self, identity: bytes, msg: Message) -> None:
         self._gradients(identity, msg, pull=True)

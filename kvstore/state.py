@@ -218,14 +218,20 @@ class ShardState:
                 done += self._accept(state, key, token, worker, value, lo, hi)
         return done
 
-    def pull_many(self, worker: int, entries: list[tuple[Any, Key, int, int | None]]) -> list[Completion]:
+    def pull_many(self, worker: int, entries: list[tuple[Any, Key, int, int | None]],
+                  whole: bool = False) -> list[Completion]:
         """:meth:`pull` of every ``(token, key, lo, hi)`` of ``entries``; all are checked (raising as
-        :meth:`pull` does) before any is registered."""
+        :meth:`pull` does) before any is registered.  With ``whole``, each range must be the key's
+        whole value (:class:`ShapeMismatchError` otherwise)."""
         self._check_worker(worker)
         checked = []
         for _, key, lo, hi in entries:
             state = self._get(key)
-            checked.append((state, *self._checked_range(key, state.value, lo, hi)))
+            stored = state.value
+            if whole and (lo != 0 or hi != stored.size):
+                raise ShapeMismatchError(f"pull of key {key!r} asks for {hi - lo} elements; this server "
+                                         f"holds {stored.size}")
+            checked.append((state, *self._checked_range(key, stored, lo, hi)))
         done: list[Completion] = []
         for (token, *_), (state, lo, hi) in zip(entries, checked):
             done += self._add_pull(state, token, worker, lo, hi)

@@ -1042,3 +1042,16 @@ def test_arrival_order_whole_push_of_one_worker_is_still_not_copied():
     pushed = ro([1, 2, 3])
     state.push("a", 0, "k", pushed)
     assert state.value("k") is pushed
+
+
+def test_pull_many_checks_every_entry_before_answering_any():
+    """pull_many refuses a message with one bad entry (unknown key, or a partial range where whole
+    values are asked for) before registering any pull."""
+    state = make(1)
+    state.init("j", np.zeros(4))
+    with pytest.raises(KeyNotInitializedError):
+        state.pull_many(0, [("a", "k", 0, 2), ("b", "nope", 0, 1)])
+    with pytest.raises(ShapeMismatchError, match="asks for 3 elements"):
+        state.pull_many(0, [("a", "k", 0, 2), ("b", "j", 0, 3)], whole=True)
+    done = state.pull_many(0, [("a", "k", 0, 2), ("b", "j", 1, 3)])
+    assert [c.token for c in done] == ["a", "b"] and done[1].value.size == 2
