@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from . import config as kvconfig
-from . import logs, transport
+from . import logs, transport, xp
+from . import values as V
 from .auth import channel_for, new_label
 from .base import DEVICE_TYPES, KVStore
 from .diststate import StateCalls
@@ -83,6 +84,8 @@ class DistKVStore(StateCalls, KVStore):
         self._failures: dict[Key, BaseException] = {}  # refused pushes, raised by the key's next wait
         self._placements: dict[Key, list[Piece]] = {}  # each initialised key's pieces, computed once
         self._plans: dict[tuple, list[Send]] = {}  # see _plan
+        self._packed: dict[tuple, frozenset] = {}  # per plan: the keys that travel only in batches
+        self._buffers: dict[Key, tuple[np.ndarray, list[Request]]] = {}  # see _flat
         self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
         self._restored: tuple | None = None  # (values, states) of the KVSTORE_RESUME snapshot, rank 0
@@ -245,7 +248,10 @@ class DistKVStore(StateCalls, KVStore):
             sends = plan([(k, meta[k].dtype, self._pieces(k)) for k in keys], self._cfg.batch_bytes,
                          self._chunk_bytes)
             if len(self._plans) >= 16:
+                self._packed.pop(next(iter(self._plans)), None)
                 self._plans.pop(next(iter(self._plans)))
+            viewed = {p.key for s in sends if len(s.parts) == 1 for p in s.parts}
+            self._packed[keys] = frozenset(keys) - viewed
             self._plans[keys] = sends
         return sends
 
@@ -254,21 +260,43 @@ class DistKVStore(StateCalls, KVStore):
         summed just before the first message that carries it goes out, so the copies of later keys
         overlap the sending of earlier ones."""
         groups = self._groups(key, value)
-        summed: dict[Key, np.ndarray] = {}
-
-        def flat(key: Key, meta: Any, values: list[Any]) -> np.ndarray:
-            total = self._sum(key, meta, values)
-            return (total if isinstance(total, np.ndarray) else self._device().to_host(total)).reshape(-1)
-
         todo = {k: (meta, vs) for k, meta, vs in groups}
         sends = self._plan(todo)  # priority is accepted for MXNet scripts; sends keep call order
+        packed = self._packed[tuple(todo)]
+        summed: dict[Key, np.ndarray] = {}
         requests = []
         for send in sends:
             for part in send.parts:
                 if part.key not in summed:
-                    summed[part.key] = flat(part.key, *todo[part.key])
+                    summed[part.key] = self._flat(part.key, *todo[part.key], part.key in packed)
             requests.append(self._submit(Op.PUSH, send, pack(send, summed)))
         self._track_pushes(sends, requests)
+        mine: dict[Key, list[Request]] = {}  # a key sent as views may reuse its buffer later
+        for send, request in zip(sends, requests):
+            for part in send.parts:
+                if part.key not in packed:
+                    mine.setdefault(part.key, []).append(request)
+        with self._lock:
+            for key, held in mine.items():
+                self._buffers[key] = (summed[key], held)
+
+    def _flat(self, key: Key, meta: Any, values: list[Any], packed: bool) -> np.ndarray:
+        """One key's pushed sum as a flat numpy array that its messages may send.
+
+        A key whose messages are all batches is copied when the batch is packed, so a single numpy
+        value is used as it is; any other sum goes into a buffer of ours: the key's buffer of its
+        previous push once every message of that push has been acknowledged (the server has it, so
+        zmq is done with it), which saves a fresh allocation's page faults, else a new one."""
+        if packed and len(values) == 1 and type(values[0]) is np.ndarray:
+            return values[0].reshape(-1)
+        if self._device_mode and any(xp.is_cuda(v) for v in values):
+            return self._device().to_host(self._device().reduce(key, meta, values)).reshape(-1)
+        buffer = None
+        with self._lock:
+            held = self._buffers.pop(key, None)
+        if held is not None and all(r.future.done() and r.future.exception() is None for r in held[1]):
+            buffer = held[0].reshape(meta.shape)
+        return V.summed(key, meta, values, out=buffer).reshape(-1)
 
     def _push(self, items: list[tuple[Key, Any]], priority: int) -> None:
         flats = self._host(items)

@@ -82,19 +82,24 @@ def check(key: Any, meta: Meta, value: Any, what: str) -> None:
                                  f"initialised with dtype {meta.dtype}")
 
 
-def summed(key: Any, meta: Meta, values: list[Any]) -> np.ndarray:
-    """Return a new C-contiguous array holding the sum of ``values`` (checked against ``meta``).
+def summed(key: Any, meta: Meta, values: list[Any], out: np.ndarray | None = None) -> np.ndarray:
+    """Return a C-contiguous array holding the sum of ``values`` (checked against ``meta``): a new
+    one, or ``out`` (C-contiguous, of the key's shape and dtype) reused.
 
     The caller owns the result; the user's values are never written to.
     """
-    if len(values) == 1 and type(values[0]) is np.ndarray:  # the common case, checked directly
+    if len(values) == 1 and type(values[0]) is np.ndarray and out is None:  # the common case
         value = values[0]
         if value.shape == meta.shape and value.dtype == meta.dtype:
             return np.array(value, copy=True, order="C")
     for value in values:
         check(key, meta, value, "pushed value")
     arrays = [xp.numpy_view(v) for v in values]  # checked just above
-    total = np.array(arrays[0], copy=True, order="C")
+    if out is None:
+        total = np.array(arrays[0], copy=True, order="C")
+    else:
+        total = out
+        np.copyto(total, arrays[0])
     for array in arrays[1:]:
         total += array
     return total

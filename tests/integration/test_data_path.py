@@ -141,3 +141,36 @@ def test_a_bad_entry_refuses_the_whole_message(make_cluster) -> None:
     kv.push([good, big], [np.ones(3, np.float32), np.ones(10_000, np.float32)])
     np.testing.assert_array_equal(kv.pull(big), np.ones(10_000, np.float32))
     assert protocol.PROTOCOL_VERSION == 4
+
+
+def test_pushed_arrays_may_change_at_once_and_buffers_are_reused_only_when_acknowledged(make_cluster) -> None:
+    """A worker's second push of a key while its first is still in an open round does not overwrite
+    the first (its buffer is reused only once acknowledged); arrays changed right after push, batched
+    or sent as views, do not change what was pushed."""
+    cluster: Cluster = make_cluster("dist_sync", 2, 2, KVSTORE_CHUNK_BYTES=str(CHUNK))
+    a, b = cluster.workers
+    big, small = unique_key(), [unique_key() for _ in range(3)]
+    shape = (30_000,)  # chunked on both servers
+    cluster.run(lambda kv: kv.init([big, *small], [np.zeros(shape, np.float32)] + [np.zeros(4)] * 3))
+    value = np.full(shape, 1.0, np.float32)
+    a.push(big, value)
+    value[:] = 999.0  # the push returned: the caller may reuse its array
+    a.push(big, np.full(shape, 2.0, np.float32))  # round 1 is still open: the first buffer is in flight
+    assert not all(r.future.done() for r in a._buffers[big][1])
+    smalls = [np.full(4, float(i)) for i in range(3)]
+    a.push(small, smalls)
+    for array in smalls:
+        array[:] = -1.0
+    b.push(big, np.full(shape, 10.0, np.float32))
+    np.testing.assert_array_equal(b.pull(big), np.full(shape, 11.0, np.float32))
+    b.push(big, np.full(shape, 20.0, np.float32))
+    np.testing.assert_array_equal(b.pull(big), np.full(shape, 22.0, np.float32))
+    np.testing.assert_array_equal(a.pull(big), np.full(shape, 22.0, np.float32))
+    first = a._buffers[big][0]
+    a.push(big, np.full(shape, 3.0, np.float32))  # acknowledged by now: its buffer is reused
+    assert np.shares_memory(a._buffers[big][0], first)
+    b.push(big, np.full(shape, 30.0, np.float32))
+    np.testing.assert_array_equal(a.pull(big), np.full(shape, 33.0, np.float32))
+    b.push(small, [np.zeros(4)] * 3)
+    for i, got in enumerate(a.pull(small)):
+        np.testing.assert_array_equal(got, np.full(4, float(i)))
