@@ -28,9 +28,8 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 # The data path (docs/benchmarks.md has the measurements behind these): small values are packed into
-# messages of up to 1 MiB; a value slice over 4 chunks travels in 2 MiB chunks, so a server sums one
-# chunk while the next is on the wire, a pull's reply streams back, and a server's unread messages
-# stay within a few MiB per worker.
+# messages of up to 1 MiB; a pushed slice over 4 chunks travels in 2 MiB chunks, so a server sums one
+# chunk while the next is on the wire and a server's unread messages stay within a few MiB per worker.
 DEFAULT_BATCH_BYTES = 1 << 20
 DEFAULT_CHUNK_BYTES = 2 << 20
 

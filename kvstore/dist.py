@@ -83,8 +83,8 @@ class DistKVStore(StateCalls, KVStore):
         self._prune_at = 1024
         self._failures: dict[Key, BaseException] = {}  # refused pushes, raised by the key's next wait
         self._placements: dict[Key, list[Piece]] = {}  # each initialised key's pieces, computed once
-        self._plans: dict[tuple, list[Send]] = {}  # see _plan
-        self._packed: dict[tuple, frozenset] = {}  # per plan: the keys that travel only in batches
+        self._plans: dict[tuple, tuple[list[Send], frozenset]] = {}  # see _plan (under _lock)
+        self._send_lock = threading.Lock()  # one call's push-like messages leave as one run
         self._buffers: dict[Key, tuple[np.ndarray, list[Request]]] = {}  # see _flat
         self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
@@ -238,38 +238,41 @@ class DistKVStore(StateCalls, KVStore):
         return {k: (t if isinstance(t, np.ndarray) else self._device().to_host(t)).reshape(-1)
                 for k, t in items}
 
-    def _plan(self, keys: Any) -> list[Send]:
-        """The messages for ``keys`` (initialised, distinct): planned once per list of keys, since a
-        training loop pushes and pulls the same keys every step (a few lists are remembered)."""
+    def _plan(self, keys: Any, chunked: bool = True) -> tuple[list[Send], frozenset]:
+        """The messages for ``keys`` (initialised, distinct), and which keys travel only in batches.
+
+        Pushes are chunked; pulls are not (``chunked=False``): a server answers a slice in one
+        message, so a pull never combines chunks from before and after another worker's push.
+        Planned once per list of keys, since a training loop pushes and pulls the same keys every
+        step; the 64 plans used last are remembered."""
         keys = tuple(keys)
-        sends = self._plans.get(keys)
-        if sends is None:
-            meta = self._meta
-            sends = plan([(k, meta[k].dtype, self._pieces(k)) for k in keys], self._cfg.batch_bytes,
-                         self._chunk_bytes)
-            if len(self._plans) >= 16:
-                self._packed.pop(next(iter(self._plans)), None)
-                self._plans.pop(next(iter(self._plans)))
-            viewed = {p.key for s in sends if len(s.parts) == 1 for p in s.parts}
-            self._packed[keys] = frozenset(keys) - viewed
-            self._plans[keys] = sends
-        return sends
+        with self._lock:
+            found = self._plans.pop((keys, chunked), None)
+            if found is None:
+                meta = self._meta
+                sends = plan([(k, meta[k].dtype, self._pieces(k)) for k in keys], self._cfg.batch_bytes,
+                             self._chunk_bytes, chunked)
+                viewed = {p.key for s in sends if len(s.parts) == 1 for p in s.parts}
+                found = (sends, frozenset(keys) - viewed)
+                if len(self._plans) >= 64:
+                    self._plans.pop(next(iter(self._plans)))  # the least recently used
+            self._plans[(keys, chunked)] = found  # (re)inserted last: the most recently used
+        return found
+
+    def _submit_all(self, op: Op, sends: list[Send], flats: dict[Key, np.ndarray]) -> list[Request]:
+        """Send one call's push-like messages as one run: another thread's messages cannot come
+        between them, so a key's chunks reach its server in order."""
+        with self._send_lock:
+            return [self._submit(op, send, pack(send, flats)) for send in sends]
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
-        """Push values (see :meth:`KVStore.push`).  Every value is checked first; then each key is
-        summed just before the first message that carries it goes out, so the copies of later keys
-        overlap the sending of earlier ones."""
+        """Push values (see :meth:`KVStore.push`): every value is checked and summed before anything
+        is sent, then the call's messages go out as one run."""
         groups = self._groups(key, value)
         todo = {k: (meta, vs) for k, meta, vs in groups}
-        sends = self._plan(todo)  # priority is accepted for MXNet scripts; sends keep call order
-        packed = self._packed[tuple(todo)]
-        summed: dict[Key, np.ndarray] = {}
-        requests = []
-        for send in sends:
-            for part in send.parts:
-                if part.key not in summed:
-                    summed[part.key] = self._flat(part.key, *todo[part.key], part.key in packed)
-            requests.append(self._submit(Op.PUSH, send, pack(send, summed)))
+        sends, packed = self._plan(todo)  # priority is accepted for MXNet scripts; sends keep call order
+        summed = {k: self._flat(k, meta, vs, k in packed) for k, (meta, vs) in todo.items()}
+        requests = self._submit_all(Op.PUSH, sends, summed)
         self._track_pushes(sends, requests)
         mine: dict[Key, list[Request]] = {}  # a key sent as views may reuse its buffer later
         for send, request in zip(sends, requests):
@@ -300,8 +303,8 @@ class DistKVStore(StateCalls, KVStore):
 
     def _push(self, items: list[tuple[Key, Any]], priority: int) -> None:
         flats = self._host(items)
-        sends = self._plan(flats)
-        self._track_pushes(sends, [self._submit(Op.PUSH, s, pack(s, flats)) for s in sends])
+        sends, _ = self._plan(flats)
+        self._track_pushes(sends, self._submit_all(Op.PUSH, sends, flats))
 
     def _track_pushes(self, sends: list[Send], requests: list[Request]) -> None:
         """Remember push requests for barrier() and close(), and their failures per key."""
@@ -365,7 +368,7 @@ class DistKVStore(StateCalls, KVStore):
         if len(unique) != len(keys):
             found = dict(zip(unique, self._pull_into(unique, None, priority)))
             return [found[k] for k in keys]
-        sends = self._plan(keys)
+        sends, _ = self._plan(keys, chunked=False)
         return self._collect(keys, sends, [self._submit(Op.PULL, s, None) for s in sends], outs)
 
     def _pushpull(self, items: list[tuple[Key, Any]], priority: int) -> list[np.ndarray]:
@@ -374,9 +377,8 @@ class DistKVStore(StateCalls, KVStore):
     def _pushpull_into(self, items: list[tuple[Key, Any]], outs: list[list[Any]] | None,
                        priority: int) -> list[Any]:
         flats = self._host(items)
-        sends = self._plan(flats)
-        requests = [self._submit(Op.PUSHPULL, s, pack(s, flats)) for s in sends]
-        return self._collect(list(flats), sends, requests, outs)
+        sends, _ = self._plan(flats)
+        return self._collect(list(flats), sends, self._submit_all(Op.PUSHPULL, sends, flats), outs)
 
     def _flush(self, timeout: float, knob: str) -> None:
         with self._lock:

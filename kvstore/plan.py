@@ -8,8 +8,8 @@ server, or one slice per server).  Then, per server:
   array frame, up to ``batch_bytes`` of values per message (``batch_bytes=0``
   sends one message per piece);
 * **big pieces** go alone, whole up to :data:`WHOLE_CHUNKS` chunks, and beyond that
-  cut into chunks of ``chunk_bytes`` (one message each), so a server sums and a
-  reply streams while the rest is still on the wire, and what a server has
+  (pushes only: ``chunked``) cut into chunks of ``chunk_bytes`` (one message each),
+  so a server adds one chunk while the next is on the wire, and what a server has
   received but not yet read stays small (``kvstore.server.INBOUND_MESSAGES``).
   A whole piece lets a lone worker's push become the stored value with no copy.
 

@@ -34,8 +34,8 @@ from .state import Completion, ShardState
 log = logging.getLogger("kvstore.server")
 MB = 1 << 20
 # Flow control: zmq queues at most this many messages from each worker before it stops reading that
-# worker's connection.  With chunks of KVSTORE_CHUNK_BYTES this bounds what a server holds in
-# messages it has not read to about workers x INBOUND_MESSAGES x chunk bytes.
+# worker's connection, so what a server holds in messages it has not read stays about workers x
+# INBOUND_MESSAGES x the largest message (a chunk, or a slice of up to 4 chunks; kvstore.plan).
 INBOUND_MESSAGES = 8
 
 

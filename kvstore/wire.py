@@ -111,8 +111,11 @@ class Wire:
 
     def _flush(self) -> None:
         """Send every queued message, in order (the caller holds ``_io``)."""
-        while self._outbox:
-            target, frames, seq = self._outbox.popleft()
+        while True:
+            try:
+                target, frames, seq = self._outbox.popleft()
+            except IndexError:  # empty (stop() may have cleared it meanwhile)
+                return
             try:
                 transport.send(self.sockets[target], frames)
             except Exception as exc:  # surface to the waiting caller
@@ -145,7 +148,7 @@ class Wire:
                     self._lead(future, deadline)
                 finally:
                     self._io.release()
-                self._pump()  # what other threads queued while we led
+                    self._pump()  # what other threads queued while we led, even if leading failed
             else:
                 try:
                     return future.result(min(left, _FOLLOW))
@@ -212,15 +215,16 @@ class Wire:
             left, self._inflight = list(self._inflight.values()), {}
             self._outbox.clear()
         self._wake()
-        got = self._io.acquire(timeout=timeout)
-        try:
-            for sock in self.sockets.values():
-                transport.close(sock)
-            self._wake_r.close()
-            self._wake_w.close()
-        finally:
-            if got:
+        if self._io.acquire(timeout=timeout):  # a leader lets go within one poll slice
+            try:
+                for sock in self.sockets.values():
+                    transport.close(sock)
+                self._wake_r.close()
+                self._wake_w.close()
+            finally:
                 self._io.release()
+        else:  # never close sockets another thread is using; the process's exit reclaims them
+            log.warning("closing the store: a thread still held its sockets after %g s", timeout)
         for request in left:
             _resolve(request, exc=StoreClosedError(f"{request.what}: the store was closed"))
 

@@ -62,7 +62,7 @@ def test_every_kind_of_message_sums_exactly(make_cluster, setting: str) -> None:
         kv.pull(names[-1], out=wide)
         grads = [value(k, kv.rank, 2) for k in names]
         kv.pushpull(names, grads)  # written back into grads
-        return outs, fresh, wide.copy(), grads, kv._plan(names)
+        return outs, fresh, wide.copy(), grads, kv._plan(names)[0]
 
     results = cluster.run(work)
     for outs, fresh, wide, grads, _ in results:
@@ -79,8 +79,11 @@ def test_every_kind_of_message_sums_exactly(make_cluster, setting: str) -> None:
 
 
 def test_async_chunks_apply_once_complete(make_cluster) -> None:
-    """dist_async: a chunked push is applied when its last chunk arrives, so a pull sees all of it."""
-    cluster: Cluster = make_cluster("dist_async", 2, 2, KVSTORE_CHUNK_BYTES=str(CHUNK))
+    """dist_async: a chunked push is applied when its last chunk arrives, so a pull sees all of it.
+
+    One server: with a key split over two, each server applies the pushes in its own arrival
+    order, so the slices may come from different workers' pushes (as in MXNet)."""
+    cluster: Cluster = make_cluster("dist_async", 2, 1, KVSTORE_CHUNK_BYTES=str(CHUNK))
     key = unique_key()
     shape = (40_000,)
 
@@ -93,11 +96,11 @@ def test_async_chunks_apply_once_complete(make_cluster) -> None:
         return kv.pull(key)
 
     finals = cluster.run(work)
-    assert any(s.lo is not None for s in cluster.workers[0]._plan([key]))
+    assert any(s.lo is not None for s in cluster.workers[0]._plan([key])[0])
     for got in finals:  # async assigns: the last complete push of either worker, never a mix
         assert got[0] in (2.0, 12.0)
         np.testing.assert_array_equal(got, np.full(shape, got[0], np.float32))
-    np.testing.assert_array_equal(finals[0], finals[1])
+    np.testing.assert_array_equal(finals[0], finals[1])  # both pulled after every push was applied
 
 
 def _exchange(sock, frames) -> list:
@@ -174,3 +177,63 @@ def test_pushed_arrays_may_change_at_once_and_buffers_are_reused_only_when_ackno
     b.push(small, [np.zeros(4)] * 3)
     for i, got in enumerate(a.pull(small)):
         np.testing.assert_array_equal(got, np.full(4, float(i)))
+
+
+@pytest.mark.parametrize("mode", ["dist_sync", "dist_async"])
+def test_threads_pushing_one_chunked_key_never_mix_their_chunks(make_cluster, mode: str) -> None:
+    """Two threads of one worker pushing the same chunked key: each push reaches the server as one
+    run of chunks, so every stored value is one thread's push, never a mix, and nothing is refused."""
+    from tests.helpers import run_parallel
+
+    cluster: Cluster = make_cluster(mode, 1, 1, KVSTORE_CHUNK_BYTES=str(CHUNK))
+    (kv,) = cluster.workers
+    key = unique_key()
+    shape = (50_000,)  # 13 chunks
+    kv.init(key, np.zeros(shape, np.float32))
+    assert sum(s.lo is not None for s in kv._plan([key])[0]) > 4
+
+    def pusher(fill: float) -> list[float]:
+        seen = []
+        for _ in range(15):
+            kv.push(key, np.full(shape, fill, np.float32))
+            got = kv.pull(key)
+            assert len(set(got.tolist())) == 1, "a stored value mixes two pushes"
+            seen.append(float(got[0]))
+        return seen
+
+    for seen in run_parallel([lambda: pusher(1.0), lambda: pusher(2.0)]):
+        assert set(seen) <= {1.0, 2.0}
+    kv.barrier()  # raises any push the server refused
+
+
+def test_close_releases_a_thread_waiting_on_the_sockets(make_cluster) -> None:
+    """A pull waiting (as the thread driving the sockets) for a round that cannot close is ended by
+    close() from another thread with StoreClosedError, at once rather than at its deadline."""
+    import threading
+    import time
+
+    from kvstore.errors import StoreClosedError
+
+    cluster: Cluster = make_cluster("dist_sync", 2, 1)
+    a, _ = cluster.workers
+    key = unique_key()
+    cluster.run(lambda kv: kv.init(key, np.zeros(3)))
+    a.push(key, np.ones(3))  # worker 1 never pushes: the round stays open
+    outcome = {}
+
+    def wait() -> None:
+        try:
+            a.pull(key)
+        except StoreClosedError as exc:
+            outcome["error"] = exc
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not a._io._io.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)  # poll: until the waiting pull drives the sockets
+    started = time.monotonic()
+    a.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and isinstance(outcome.get("error"), StoreClosedError)
+    assert time.monotonic() - started < a._cfg.shutdown_timeout + 2
