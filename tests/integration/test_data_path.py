@@ -13,6 +13,7 @@ import pytest
 from kvstore import protocol
 from kvstore.errors import KeyNotInitializedError, ProtocolError, ShapeMismatchError
 from kvstore.protocol import Message, Op
+from tests.helpers import poll_for
 
 from .conftest import Cluster, insider, unique_key
 
@@ -229,9 +230,7 @@ def test_close_releases_a_thread_waiting_on_the_sockets(make_cluster) -> None:
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    deadline = time.monotonic() + 10
-    while not a._io._io.locked() and time.monotonic() < deadline:
-        time.sleep(0.01)  # poll: until the waiting pull drives the sockets
+    poll_for(lambda: a._io._io.locked(), 10, "the waiting pull to drive the sockets")
     started = time.monotonic()
     a.close()
     waiter.join(10)
