@@ -66,8 +66,9 @@ def test_sigint_leaves_nothing(tag: str) -> None:
     """Ctrl-C (SIGINT) while workers are blocked stops every process and exits 130."""
     proc = _launch(["-n", "2", "-s", "1", sys.executable, "-c",
                     "import kvstore, numpy as np; kv = kvstore.create('dist_sync'); "
-                    "kv.init(1, np.zeros(1)); print('READY', flush=True); kv.pull(1); "
-                    "kv.push(1, np.ones(1)); kv.pull(1)"], tag)
+                    "kv.init(1, np.zeros(1)); print('READY', flush=True); "
+                    # worker 0 waits for a round worker 1 never joins; worker 1 waits at a barrier
+                    "kv.push(1, np.ones(1)) or kv.pull(1) if kv.rank == 0 else kv.barrier()"], tag)
     lines = []
     for line in proc.stdout:
         lines.append(line)
