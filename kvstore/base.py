@@ -21,6 +21,8 @@ from .errors import DuplicateInitError, KeyNotInitializedError, StoreClosedError
 from .optimizer import Optimizer
 from .partition import Key, check_key
 
+Group = tuple[Key, V.Meta, list[Any]]  # a key, its meta and its pushed values, checked
+
 
 def _as_list(obj: Any) -> list[Any]:
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
@@ -95,23 +97,18 @@ class KVStore(abc.ABC):
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None: ...
 
     @abc.abstractmethod
-    def _push(self, items: list[tuple[Key, np.ndarray]], priority: int) -> None: ...
+    def _push(self, groups: list[Group], priority: int) -> None:
+        """Sum (:meth:`_sum`) and push each checked ``(key, meta, values)`` group."""
 
     @abc.abstractmethod
-    def _pull(self, keys: list[Key], priority: int) -> list[np.ndarray]: ...
+    def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
+        """The values of ``keys``; a store may write a key's value straight into its ``outs`` entry
+        (checked, one per key) and give None for that key."""
 
-    def _pushpull(self, items: list[tuple[Key, np.ndarray]], priority: int) -> list[np.ndarray]:
-        self._push(items, priority)
-        return self._pull([k for k, _ in items], priority)
-
-    def _pull_into(self, keys: list[Key], outs: list[list[Any]] | None, priority: int) -> list[Any]:
-        """:meth:`_pull`; a store may write a key's value straight into its out and give None."""
-        return self._pull(keys, priority)
-
-    def _pushpull_into(self, items: list[tuple[Key, Any]], outs: list[list[Any]],
-                       priority: int) -> list[Any]:
-        """:meth:`_pushpull`; a store may write a key's value straight into its out and give None."""
-        return self._pushpull(items, priority)
+    def _pushpull(self, groups: list[Group], priority: int,
+                  outs: list[list[Any]] | None = None) -> list[Any]:
+        self._push(groups, priority)
+        return self._pull([k for k, _, _ in groups], priority, outs)
 
     @abc.abstractmethod
     def barrier(self) -> None:
@@ -201,7 +198,7 @@ class KVStore(abc.ABC):
                 self._comm = DeviceComm()
             return self._comm
 
-    def _groups(self, key: Any, value: Any) -> list[tuple[Key, V.Meta, list[Any]]]:
+    def _groups(self, key: Any, value: Any) -> list[Group]:
         """Each key with its meta and values, every value checked (nothing summed yet)."""
         self._check_open()
         out = []
@@ -220,17 +217,13 @@ class KVStore(abc.ABC):
             return self._device().reduce(key, meta, values)
         return V.summed(key, meta, values)
 
-    def _summed(self, key: Any, value: Any) -> list[tuple[Key, Any]]:
-        """Each key with the sum of its values (see :meth:`_sum`), all checked before any is summed."""
-        return [(k, self._sum(k, meta, vs)) for k, meta, vs in self._groups(key, value)]
-
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values; a list of values for one key is summed first.  Returns without waiting.
 
         The pushed values are never written to.  Raises on a user error before
         anything is sent; a failure on the server is raised by a later call.
         """
-        self._push(self._summed(key, value), priority)
+        self._push(self._groups(key, value), priority)
 
     def _outs(self, keys: list[Key], out: Any, single: bool) -> list[list[Any]]:
         outs = ([_as_list(out)] if single else
@@ -271,7 +264,7 @@ class KVStore(abc.ABC):
         for k in keys:
             self._meta_of(k)
         outs = None if out is None else self._outs(keys, out, single)
-        result = self._deliver(keys, self._pull_into(keys, outs, priority), outs, single)
+        result = self._deliver(keys, self._pull(keys, priority, outs), outs, single)
         return result if out is None else out
 
     def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
@@ -282,10 +275,11 @@ class KVStore(abc.ABC):
         single = not isinstance(key, (list, tuple))
         if not single and len(set(map(check_key, key))) != len(key):
             raise ValueError("pushpull takes each key once; sum repeated values into one list entry")
-        items = self._summed(key, value)
+        groups = self._groups(key, value)
+        keys = [k for k, _, _ in groups]
         target = value if out is None else out
-        outs = self._outs([k for k, _ in items], target, single)
-        self._deliver([k for k, _ in items], self._pushpull_into(items, outs, priority), outs, single)
+        outs = self._outs(keys, target, single)
+        self._deliver(keys, self._pushpull(groups, priority, outs), outs, single)
         return target
 
     def set_optimizer(self, optimizer: Optimizer) -> None:

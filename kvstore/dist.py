@@ -23,7 +23,7 @@ from . import config as kvconfig
 from . import logs, transport, xp
 from . import values as V
 from .auth import channel_for, new_label
-from .base import DEVICE_TYPES, KVStore
+from .base import DEVICE_TYPES, Group, KVStore
 from .diststate import StateCalls
 from .errors import (
     ConfigError,
@@ -125,12 +125,13 @@ class DistKVStore(StateCalls, KVStore):
         self._lost = error
         self._io.fail(error)
 
+    def _place(self, key: Key, size: int) -> list[Piece]:
+        """Where a ``size``-element value of ``key`` lives in this cluster."""
+        return placement(key, size, len(self._servers), self._seed, self._cfg.bigarray_bound)
+
     def _pieces(self, key: Key) -> list[Piece]:
         pieces = self._placements.get(key)
-        if pieces is None:
-            pieces = placement(key, self._meta[key].size if key in self._meta else 0,
-                               len(self._servers), self._seed, self._cfg.bigarray_bound)
-        return pieces
+        return self._place(key, self._meta[key].size) if pieces is None else pieces
 
     def _submit(self, op: Op, send: Send, array: np.ndarray | None) -> Request:
         """Queue one data message (a batch, a whole piece or a chunk) to its server."""
@@ -217,10 +218,7 @@ class DistKVStore(StateCalls, KVStore):
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
         def send_all() -> None:
             flats = {key: array.reshape(-1) for key, array in self._resumed(items)}
-            entries = []
-            for key, flat in flats.items():
-                pieces = placement(key, flat.size, len(self._servers), self._seed, self._cfg.bigarray_bound)
-                entries.append((key, flat.dtype, pieces))
+            entries = [(key, flat.dtype, self._place(key, flat.size)) for key, flat in flats.items()]
             sends = plan(entries, self._cfg.batch_bytes, self._chunk_bytes, chunked=False)
             self._request_all([self._submit(Op.INIT, s, pack(s, flats)) for s in sends])
 
@@ -229,14 +227,8 @@ class DistKVStore(StateCalls, KVStore):
     def _initialised(self, keys: list[Key]) -> None:
         with self._lock:
             for key in keys:
-                self._placements[key] = placement(key, self._meta[key].size, len(self._servers),
-                                                  self._seed, self._cfg.bigarray_bound)
+                self._placements[key] = self._place(key, self._meta[key].size)
         super()._initialised(keys)
-
-    def _host(self, items: list[tuple[Key, Any]]) -> dict[Key, np.ndarray]:
-        """The pushed sums, flat numpy (a GPU sum, in device modes, copied once into pinned memory)."""
-        return {k: (t if isinstance(t, np.ndarray) else self._device().to_host(t)).reshape(-1)
-                for k, t in items}
 
     def _plan(self, keys: Any, chunked: bool = True) -> tuple[list[Send], frozenset]:
         """The messages for ``keys`` (initialised, distinct), and which keys travel only in batches.
@@ -259,21 +251,20 @@ class DistKVStore(StateCalls, KVStore):
             self._plans[(keys, chunked)] = found  # (re)inserted last: the most recently used
         return found
 
-    def _submit_all(self, op: Op, sends: list[Send], flats: dict[Key, np.ndarray]) -> list[Request]:
-        """Send one call's push-like messages as one run: another thread's messages cannot come
-        between them, so a key's chunks reach its server in order."""
-        with self._send_lock:
-            return [self._submit(op, send, pack(send, flats)) for send in sends]
+    def _push(self, groups: list[Group], priority: int) -> None:
+        self._send_groups(Op.PUSH, groups)  # priority is accepted for MXNet scripts; sends keep call order
 
-    def push(self, key: Any, value: Any, priority: int = 0) -> None:
-        """Push values (see :meth:`KVStore.push`): every value is checked and summed before anything
-        is sent, then the call's messages go out as one run."""
-        groups = self._groups(key, value)
+    def _send_groups(self, op: Op, groups: list[Group]) -> tuple[list[Key], list[Send], list[Request]]:
+        """Sum every group (all before anything is sent), then send the call's PUSH or PUSHPULL
+        messages as one run: another thread's messages cannot come between them, so a key's chunks
+        reach its server in order.  Returns the keys, the messages and their requests."""
         todo = {k: (meta, vs) for k, meta, vs in groups}
-        sends, packed = self._plan(todo)  # priority is accepted for MXNet scripts; sends keep call order
-        summed = {k: self._flat(k, meta, vs, k in packed) for k, (meta, vs) in todo.items()}
-        requests = self._submit_all(Op.PUSH, sends, summed)
-        self._track_pushes(sends, requests)
+        sends, packed = self._plan(todo)
+        flats = {k: self._flat(k, meta, vs, k in packed) for k, (meta, vs) in todo.items()}
+        with self._send_lock:
+            requests = [self._submit(op, send, pack(send, flats)) for send in sends]
+        if op is Op.PUSH:
+            self._track_pushes(sends, requests)
         mine: dict[Key, list[Request]] = {}  # a key sent as views may reuse its buffer later
         for send, request in zip(sends, requests):
             for part in send.parts:
@@ -281,7 +272,8 @@ class DistKVStore(StateCalls, KVStore):
                     mine.setdefault(part.key, []).append(request)
         with self._lock:
             for key, held in mine.items():
-                self._buffers[key] = (summed[key], held)
+                self._buffers[key] = (flats[key], held)
+        return list(todo), sends, requests
 
     def _flat(self, key: Key, meta: Any, values: list[Any], packed: bool) -> np.ndarray:
         """One key's pushed sum as a flat numpy array that its messages may send.
@@ -300,11 +292,6 @@ class DistKVStore(StateCalls, KVStore):
         if held is not None and all(r.future.done() and r.future.exception() is None for r in held[1]):
             buffer = held[0].reshape(meta.shape)
         return V.summed(key, meta, values, out=buffer).reshape(-1)
-
-    def _push(self, items: list[tuple[Key, Any]], priority: int) -> None:
-        flats = self._host(items)
-        sends, _ = self._plan(flats)
-        self._track_pushes(sends, self._submit_all(Op.PUSH, sends, flats))
 
     def _track_pushes(self, sends: list[Send], requests: list[Request]) -> None:
         """Remember push requests for barrier() and close(), and their failures per key."""
@@ -360,25 +347,17 @@ class DistKVStore(StateCalls, KVStore):
                 result.append(array.reshape(meta.shape))
         return result
 
-    def _pull(self, keys: list[Key], priority: int) -> list[np.ndarray]:
-        return self._pull_into(keys, None, priority)
-
-    def _pull_into(self, keys: list[Key], outs: list[list[Any]] | None, priority: int) -> list[Any]:
+    def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
         if len(unique) != len(keys):
-            found = dict(zip(unique, self._pull_into(unique, None, priority)))
+            found = dict(zip(unique, self._pull(unique, priority)))
             return [found[k] for k in keys]
         sends, _ = self._plan(keys, chunked=False)
         return self._collect(keys, sends, [self._submit(Op.PULL, s, None) for s in sends], outs)
 
-    def _pushpull(self, items: list[tuple[Key, Any]], priority: int) -> list[np.ndarray]:
-        return self._pushpull_into(items, None, priority)
-
-    def _pushpull_into(self, items: list[tuple[Key, Any]], outs: list[list[Any]] | None,
-                       priority: int) -> list[Any]:
-        flats = self._host(items)
-        sends, _ = self._plan(flats)
-        return self._collect(list(flats), sends, self._submit_all(Op.PUSHPULL, sends, flats), outs)
+    def _pushpull(self, groups: list[Group], priority: int,
+                  outs: list[list[Any]] | None = None) -> list[Any]:
+        return self._collect(*self._send_groups(Op.PUSHPULL, groups), outs)
 
     def _flush(self, timeout: float, knob: str) -> None:
         with self._lock:

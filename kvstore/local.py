@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import checkpoint, snapshot, xp
-from .base import KVStore
+from .base import Group, KVStore
 from .device import settle
 from .errors import DTypeMismatchError, OptimizerError
 from .optimizer import Optimizer
@@ -99,7 +99,8 @@ class LocalKVStore(KVStore):
             for key, array in items:
                 self._store[key] = array
 
-    def _push(self, items: list[tuple[Key, np.ndarray]], priority: int) -> None:
+    def _push(self, groups: list[Group], priority: int) -> None:
+        items = [(key, self._sum(key, meta, values)) for key, meta, values in groups]
         with self._lock:
             if self._optimizer is not None:
                 for key, total in items:
@@ -122,7 +123,7 @@ class LocalKVStore(KVStore):
                 touched.append(self._store[key])
             settle(touched)  # no GPU work on the store is left pending once the lock is released
 
-    def _pull(self, keys: list[Key], priority: int) -> list[Any]:
+    def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
         with self._lock:
             copies = [xp.copy(self._store[k]) for k in keys]  # an updater may change them in place
             settle(copies)

@@ -38,11 +38,6 @@ class Part(NamedTuple):
     start: int
     stop: int
 
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return self.stop - self.start
-
 
 @dataclass
 class Send:

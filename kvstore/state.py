@@ -192,12 +192,7 @@ class ShardState:
         previous chunk of this contribution ended (0 for a new one), or (dist_sync) overlaps a chunk
         of its round that has other bounds; ``TypeError`` if ``lo`` is not an int.
         """
-        state, lo, hi = self._checked_push(key, worker, value, lo)
-        return self._accept(state, key, token, worker, value, lo, hi)
-
-    def check_push(self, worker: int, key: Key, value: np.ndarray, lo: int = 0) -> None:
-        """Raise what :meth:`push` of this chunk would raise now, and change nothing."""
-        self._checked_push(key, worker, value, lo)
+        return self.push_many(worker, [(token, key, value, lo)])
 
     def push_many(self, worker: int, entries: list[tuple[Any, Key, np.ndarray, int]],
                   pull: bool = False) -> list[Completion]:
@@ -208,7 +203,7 @@ class ShardState:
         entry changes anything.
         """
         self._check_active(worker)
-        checked = [self._checked_push(key, worker, value, lo, False) for _, key, value, lo in entries]
+        checked = [self._checked_push(key, worker, value, lo) for _, key, value, lo in entries]
         done: list[Completion] = []
         for (token, key, value, _), (state, lo, hi) in zip(entries, checked):
             if pull:
@@ -247,10 +242,7 @@ class ShardState:
         rank; :class:`ShapeMismatchError` if ``[lo, hi)`` is not inside ``[0, size)`` or is a part
         of a value that is not 1-D; ``TypeError`` if ``lo`` or ``hi`` is not an int.
         """
-        state = self._get(key)
-        self._check_worker(worker)
-        lo, hi = self._checked_range(key, state.value, lo, hi)
-        return self._add_pull(state, token, worker, lo, hi)
+        return self.pull_many(worker, [(token, key, lo, hi)])
 
     def pushpull(self, token: Any, worker: int, key: Key, value: np.ndarray,
                  lo: int = 0) -> list[Completion]:
@@ -258,9 +250,7 @@ class ShardState:
         contribution (and every earlier one of ``worker``) is applied, with elements
         ``[lo, lo + value.size)`` of the new value (all of it, in its shape, for a whole push);
         that reply is the push's only ack."""
-        state, lo, hi = self._checked_push(key, worker, value, lo)
-        done = self._accept(state, key, _SILENT, worker, value, lo, hi)
-        return done + self._add_pull(state, token, worker, lo, hi)
+        return self.push_many(worker, [(token, key, value, lo)], pull=True)
 
     def leave(self, worker: int) -> list[Completion]:
         """``worker`` left: rounds stop waiting for it; return the requests that closing them answers.
@@ -310,8 +300,7 @@ class ShardState:
         if worker not in self.active:
             raise ValueError(f"worker {worker} has left the cluster; it cannot push")
 
-    def _checked_push(self, key: Key, worker: int, value: np.ndarray, lo: int,
-                      check_worker: bool = True) -> tuple[_KeyState, int, int]:
+    def _checked_push(self, key: Key, worker: int, value: np.ndarray, lo: int) -> tuple[_KeyState, int, int]:
         """Validate a push or pushpull; return the key's state and the chunk's ``[lo, hi)``."""
         state = self._get(key)
         stored = state.value
@@ -332,8 +321,6 @@ class ShardState:
         if value.dtype != stored.dtype:
             raise DTypeMismatchError(f"key {key!r}: pushed dtype {value.dtype} differs from the "
                                      f"stored dtype {stored.dtype}")
-        if check_worker:
-            self._check_active(worker)
         if self.sync:
             i = state.next_round.get(worker, state.base) - state.base
             rnd = state.rounds[i] if i < len(state.rounds) else None

@@ -16,6 +16,7 @@ from kvstore.errors import (
     ShapeMismatchError,
 )
 from kvstore.protocol import Message, Op
+from kvstore.values import Meta
 
 from .conftest import Cluster
 
@@ -302,8 +303,8 @@ def test_collective_after_a_failed_push_still_meets_every_worker(make_cluster) -
 
     def work(kv):
         kv.init("w", np.zeros(3, np.float32))
-        if kv.rank == 1:  # bypass the client's checks so the server refuses the push
-            kv._push([("w", np.zeros(3, np.float64))], 0)
+        if kv.rank == 1:  # bypass the client's checks (a group that lies about the dtype): the server refuses
+            kv._push([("w", Meta((3,), np.dtype(np.float64), False, 3), [np.zeros(3, np.float64)])], 0)
         try:
             kv.set_optimizer(kvopt.create("sgd"))
         except DTypeMismatchError as exc:

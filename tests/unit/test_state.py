@@ -726,21 +726,23 @@ def test_bad_chunk_raises_and_leaves_the_round_as_it_was(case):
 
 
 @pytest.mark.parametrize("case", list(chunk_error_cases()))
-def test_check_push_raises_what_push_would_and_changes_nothing(case):
-    """check_push raises the error the push would raise, without pushing; a good chunk passes and is
-    not counted (the round still needs it)."""
+def test_a_bad_entry_of_push_many_changes_nothing(case):
+    """push_many raises the error the bad entry's push would raise, and its good entry (another
+    key, first in the message) is not pushed either."""
     error, call = chunk_error_cases()[case]
     state = make_flat(2)
+    state.init("j", np.zeros(3, np.float32))
     state.push("a0", 0, "k", np.arange(4, dtype=np.float32), lo=0)
-    def check(token, worker, key, value, lo=0):
-        state.check_push(worker, key, value, lo)
 
-    checker = SimpleNamespace(push=check, pushpull=check)  # the case's push, as a check only
+    def many(token, worker, key, value, lo=0):
+        good = ("g", "j", np.ones(3, np.float32), 0)
+        return state.push_many(worker, [good, (token, key, value, lo)])
+
     with pytest.raises(error):
-        call(checker)
-    state.check_push(0, "k", np.ones(6, np.float32), lo=4)
-    state.check_push(1, "k", np.ones(4, np.float32), lo=0)
+        call(SimpleNamespace(push=many, pushpull=many))  # the case's push, inside one message
     assert state.held_bytes() == 10 * 4 and state.pull("p1", 1, "k") != []
+    np.testing.assert_array_equal(state.value("j"), np.zeros(3, np.float32))
+    assert state.pull("pj", 0, "j")[0].value is state.value("j")  # no push of j is pending
     done = state.push("a1", 0, "k", np.ones(6, np.float32), lo=4)
     done += state.push("b0", 1, "k", np.ones(4, np.float32), lo=0)
     done += state.push("b1", 1, "k", np.ones(6, np.float32), lo=4)
