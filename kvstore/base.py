@@ -1,9 +1,10 @@
 """The KVStore interface, argument handling shared by every store, and ``create``.
 
-A subclass implements the ``_init``, ``_push``, ``_pull``, ``_pushpull`` and
-``barrier`` primitives over plain numpy arrays; this class turns MXNet-style
-arguments (single keys or lists, one value or a list of values per key, ``out``)
-into those calls and raises user errors before anything is sent.
+A subclass implements the ``_init``, ``_push`` (of checked ``(key, meta, values)``
+groups, which it sums with ``_sum``), ``_pull`` and ``barrier`` primitives
+(``_pushpull`` has a default); this class turns MXNet-style arguments (single keys
+or lists, one value or a list of values per key, ``out``) into those calls and
+raises user errors before anything is sent.
 """
 
 from __future__ import annotations
