@@ -18,7 +18,11 @@ setup(
     packages=["kvstore", "scheduler"],
     py_modules=["launch"],
     install_requires=["numpy>=1.24", "pyzmq>=26", "msgpack>=1.0"],
-    extras_require={"torch": ["torch>=2.1"]},
+    extras_require={
+        "torch": ["torch>=2.1"],
+        "ray": ["ray>=2.9"],  # launch.py --launcher ray, kvstore.ray
+        "spark": ["pyspark>=3.5"],  # kvstore.spark (needs Java 17 on the machine)
+    },
     entry_points={"console_scripts": ["kvstore-launch=kvstore.launcher:main"]},
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
 )

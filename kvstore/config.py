@@ -57,6 +57,7 @@ class Config:
     auth_full: bool = False
     insecure: bool = False
     port_file: str | None = None
+    node_port: int = 0
     resume: str | None = None
     log_level: str | None = None
     update_on_kvstore: bool = True
@@ -167,6 +168,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         auth_full=_auth_mode(env) == "full",
         insecure=bool(_int(env, "KVSTORE_INSECURE", minimum=0, maximum=1, default=0)),
         port_file=_str(env, "KVSTORE_PORT_FILE"),
+        node_port=_int(env, "KVSTORE_NODE_PORT", minimum=0, maximum=65535, default=0),
         resume=_str(env, "KVSTORE_RESUME"),
         log_level=level,
         update_on_kvstore=bool(_int(env, "KVSTORE_UPDATE_ON_KVSTORE", minimum=0, maximum=1,

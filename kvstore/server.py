@@ -71,7 +71,7 @@ class Server:
         self.cfg = cfg
         self.host = kvconfig.node_host(cfg)
         kvconfig.check_bind(cfg, self.host, "a server")
-        sock, self.port = transport.bind_router(self.host, inbound=INBOUND_MESSAGES)
+        sock, self.port = transport.bind_router(self.host, cfg.node_port, inbound=INBOUND_MESSAGES)
         self.service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} at join
         self.scheduler = transport.connect_dealer(cfg.root_address)
         self.to_scheduler = channel_for(cfg, new_label("server"))

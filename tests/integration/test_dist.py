@@ -238,3 +238,17 @@ def test_threads_share_one_store(sync_cluster: Cluster) -> None:
 
     for got in sync_cluster.run(work):
         assert got == [3.0 * (i + 1) * W for i in range(len(keys))]
+
+
+def test_a_server_binds_the_port_it_is_given(make_cluster) -> None:
+    """KVSTORE_NODE_PORT (a port a cluster manager chose) is the port the server binds and registers."""
+    import socket
+
+    with socket.socket() as probe:  # a port free right now; the server binds it a moment later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cluster = make_cluster(num_workers=1, num_servers=1, KVSTORE_NODE_PORT=port)
+    kv = cluster.workers[0]
+    assert kv._servers == [f"tcp://127.0.0.1:{port}"]
+    kv.init("p", np.ones(3, np.float32))
+    assert (kv.pull("p") == 1).all()

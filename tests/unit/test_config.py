@@ -19,7 +19,7 @@ def test_defaults_from_empty_environ():
     cfg = kvconfig.load({})
     assert (cfg.role, cfg.root_uri, cfg.root_port, cfg.num_servers, cfg.num_workers) == (None,) * 5
     assert (cfg.node_host, cfg.interface, cfg.worker_id, cfg.server_id, cfg.secret) == (None,) * 5
-    assert (cfg.port_file, cfg.log_level) == (None, None)
+    assert (cfg.port_file, cfg.log_level, cfg.node_port) == (None, None, 0)
     assert cfg.bigarray_bound == 1_000_000
     assert cfg.connect_timeout == 60.0
     assert cfg.request_timeout == 600.0
@@ -44,12 +44,13 @@ def test_every_variable_is_parsed():
            "KVSTORE_SECRET": "s3cret", "KVSTORE_BIGARRAY_BOUND": "4096", "KVSTORE_CONNECT_TIMEOUT": "1.5",
            "KVSTORE_REQUEST_TIMEOUT": "30", "KVSTORE_SHUTDOWN_TIMEOUT": "0.25",
            "KVSTORE_PORT_FILE": "/tmp/port", "KVSTORE_LOG_LEVEL": "debug", "KVSTORE_BATCH_BYTES": "0",
-           "KVSTORE_CHUNK_BYTES": "65536", "KVSTORE_SUM_ORDER": "Rank"}
+           "KVSTORE_CHUNK_BYTES": "65536", "KVSTORE_SUM_ORDER": "Rank", "KVSTORE_NODE_PORT": "7070"}
     assert kvconfig.load(env) == kvconfig.Config(
         role="worker", root_uri="10.1.2.3", root_port=9000, num_servers=4, num_workers=8,
         node_host="10.1.2.9", interface="eth1", worker_id=5, server_id=2, secret="s3cret",
         bigarray_bound=4096, connect_timeout=1.5, request_timeout=30.0, shutdown_timeout=0.25,
-        port_file="/tmp/port", log_level="DEBUG", batch_bytes=0, chunk_bytes=65536, sum_order="rank")
+        port_file="/tmp/port", log_level="DEBUG", batch_bytes=0, chunk_bytes=65536, sum_order="rank",
+        node_port=7070)
 
 
 @pytest.mark.parametrize("role", ["scheduler", "server", "worker"])
@@ -110,7 +111,7 @@ def test_bad_mxnet_bigarray_bound_names_the_variable_that_was_set(raw):
     ("KVSTORE_REQUEST_TIMEOUT", "-5"), ("KVSTORE_REQUEST_TIMEOUT", "nan"),
     ("KVSTORE_SHUTDOWN_TIMEOUT", "0"), ("KVSTORE_SHUTDOWN_TIMEOUT", "10s"),
     ("KVSTORE_BATCH_BYTES", "-1"), ("KVSTORE_BATCH_BYTES", "1M"), ("KVSTORE_CHUNK_BYTES", "-4096"),
-    ("KVSTORE_SUM_ORDER", "random"),
+    ("KVSTORE_SUM_ORDER", "random"), ("KVSTORE_NODE_PORT", "65536"), ("KVSTORE_NODE_PORT", "any"),
 ])
 def test_invalid_value_raises_config_error_naming_the_variable(name, raw):
     """A present but invalid value raises ConfigError whose message names the variable."""
