@@ -275,3 +275,31 @@ def node_host(config: Config) -> str:
         f"cannot tell which address to bind: DMLC_PS_ROOT_URI={config.root_uri} is not a loopback "
         "address, so set DMLC_NODE_HOST to this node's address or DMLC_INTERFACE to its interface "
         "(e.g. eth0)")
+
+
+def route_address(host: str) -> str:
+    """Return this machine's address on the route to ``host`` (an IP address or a name).
+
+    A UDP socket is ``connect()``-ed to ``host`` and its local address read back:
+    this only asks the kernel which source address it would use, no packet is sent.
+    ``kvstore.node`` uses it as ``DMLC_NODE_HOST`` when a cluster manager's scheduler
+    is not on a loopback address and neither ``DMLC_NODE_HOST`` nor ``DMLC_INTERFACE``
+    is set.  Raises :class:`ConfigError` when ``host`` does not resolve or no route
+    leads to it.
+    """
+    target = host.strip("[]")
+    hint = "set DMLC_NODE_HOST to this node's address or DMLC_INTERFACE to its interface (e.g. eth0)"
+    try:
+        infos = socket.getaddrinfo(target, 9, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ConfigError(f"cannot resolve {host!r} to find this node's address on the route to it "
+                          f"({exc}); {hint}") from None
+    failure: OSError | None = None
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.connect(address)
+                return str(sock.getsockname()[0])
+        except OSError as exc:
+            failure = exc
+    raise ConfigError(f"no route to {host!r} to find this node's address on ({failure}); {hint}")

@@ -109,14 +109,15 @@ def run(fd: int) -> int:
     exit code.  Reads are unbuffered, so the thread left blocked on ``fd`` holds no lock at exit."""
     try:
         argv, env, cwd = parse_request(_read_line(fd))
-        grace = kvconfig.load({**os.environ, **env}).shutdown_timeout
+        child_env = kvconfig.child_environ(env)
+        grace = kvconfig.load(child_env).shutdown_timeout
     except ConfigError as exc:
         print(f"kvstore.tether: {exc}", file=sys.stderr, flush=True)
         return 2
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
     try:
-        child = subprocess.Popen(argv, env={**os.environ, **env}, cwd=cwd, stdin=subprocess.DEVNULL,
+        child = subprocess.Popen(argv, env=child_env, cwd=cwd, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
     except OSError as exc:
         print(f"kvstore.tether: cannot start {argv[0]}: {exc}", file=sys.stderr, flush=True)

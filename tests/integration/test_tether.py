@@ -36,8 +36,8 @@ def test_exit_code_output_and_environment_pass_through() -> None:
     """The child sees the requested environment and cwd; its output and exit code are the tether's."""
     proc = tether.spawn(["sh", "-c", 'echo "$TETHER_X $(pwd)"; exit 7'], {"TETHER_X": "hello"},
                         cwd="/tmp", stdout=subprocess.PIPE)
-    out, _ = proc.communicate(timeout=30)
-    assert (proc.returncode, out.decode().split()) == (7, ["hello", "/tmp"])
+    out = proc.stdout.read()  # not communicate(): closing stdin would stop the child
+    assert (proc.wait(30), out.decode().split()) == (7, ["hello", "/tmp"])
 
 
 def test_a_signal_death_is_128_plus_the_signal() -> None:
