@@ -277,23 +277,24 @@ def node_host(config: Config) -> str:
         "(e.g. eth0)")
 
 
-def route_address(host: str) -> str:
-    """Return this machine's address on the route to ``host`` (an IP address or a name).
+def route_address(host: str, hint: str | None = None) -> str:
+    """Return this machine's address on the route to ``host`` (an IP address or a name; IPv4 first).
 
     A UDP socket is ``connect()``-ed to ``host`` and its local address read back:
     this only asks the kernel which source address it would use, no packet is sent.
     ``kvstore.node`` uses it as ``DMLC_NODE_HOST`` when a cluster manager's scheduler
     is not on a loopback address and neither ``DMLC_NODE_HOST`` nor ``DMLC_INTERFACE``
-    is set.  Raises :class:`ConfigError` when ``host`` does not resolve or no route
-    leads to it.
+    is set; the ssh launcher for the scheduler's address.  Raises :class:`ConfigError`
+    when ``host`` does not resolve or no route leads to it; ``hint`` says how to fix it.
     """
     target = host.strip("[]")
-    hint = "set DMLC_NODE_HOST to this node's address or DMLC_INTERFACE to its interface (e.g. eth0)"
+    hint = hint or "set DMLC_NODE_HOST to this node's address or DMLC_INTERFACE to its interface (e.g. eth0)"
     try:
         infos = socket.getaddrinfo(target, 9, type=socket.SOCK_DGRAM)
     except OSError as exc:
         raise ConfigError(f"cannot resolve {host!r} to find this node's address on the route to it "
                           f"({exc}); {hint}") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # 'localhost' -> 127.0.0.1 before ::1
     failure: OSError | None = None
     for family, kind, proto, _, address in infos:
         try:

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 import pytest
 
-from kvstore.launcher import parse_args
+from kvstore.errors import ConfigError
+from kvstore.launcher import (
+    host_label,
+    node_name,
+    parse_args,
+    parse_hostfile,
+    placement,
+    remote_command,
+    remote_environ,
+    rsync_command,
+    ssh_command,
+)
 
 
 def test_servers_default_to_workers() -> None:
@@ -30,3 +44,96 @@ def test_bad_arguments_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as info:
         parse_args(argv)
     assert info.value.code == 2
+
+
+# --- the ssh launcher's pure parts --------------------------------------------------------------
+
+
+def test_hostfile_hosts_ports_and_comments(tmp_path: Path) -> None:
+    """One host or host:sshport a line; blank lines and # comments (whole or trailing) are skipped."""
+    path = tmp_path / "hosts"
+    path.write_text("# the cluster\n\nnode1\n  node2:2222   # a comment\nuser@node3:22\n::1\n")
+    assert parse_hostfile(str(path)) == [("node1", None), ("node2", 2222), ("user@node3", 22), ("::1", None)]
+
+
+@pytest.mark.parametrize("text,message", [("node1:ssh\n", "line 1"), ("a\nnode:0\n", "line 2"),
+                                          ("node:70000\n", "line 1"), ("", "no hosts"),
+                                          ("# only\n\n", "no hosts")])
+def test_bad_hostfiles_are_config_errors(tmp_path: Path, text: str, message: str) -> None:
+    """A bad port names its line; an empty file (or comments only) says there are no hosts."""
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        parse_hostfile(str(path))
+
+
+def test_missing_hostfile_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """-H of a file that is not there: exit 2 naming it; ssh flags without --launcher ssh too."""
+    with pytest.raises(SystemExit) as info:
+        parse_args(["-n", "1", "--launcher", "ssh", "-H", str(tmp_path / "nope"), "x.py"])
+    assert info.value.code == 2 and "nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        parse_args(["-n", "1", "--sync-dst-dir", "/tmp/x", "x.py"])
+    assert info.value.code == 2
+
+
+def test_ssh_flags_are_parsed(tmp_path: Path) -> None:
+    """--ssh-args is split like a shell; the other ssh flags are kept as given."""
+    path = tmp_path / "hosts"
+    path.write_text("a\nb:2200\n")
+    cfg = parse_args(["-n", "2", "--launcher", "ssh", "-H", str(path), "--ssh-args", "-i 'my key' -o A=b",
+                      "--sync-dst-dir", "/srv/job", "--remote-python", "/opt/py/bin/python",
+                      "--host-ip", "10.0.0.1", "train.py"])
+    assert cfg.hosts == [("a", None), ("b", 2200)] and cfg.ssh_args == ["-i", "my key", "-o", "A=b"]
+    assert cfg.sync_dst_dir == "/srv/job" and cfg.remote_python == "/opt/py/bin/python"
+    assert cfg.host_ip == "10.0.0.1"
+
+
+def test_placement_is_servers_then_workers_round_robin() -> None:
+    """Process i (servers first, then workers) runs on hosts[i % len(hosts)], as dmlc's ssh launcher."""
+    hosts = [("a", None), ("b", 22)]
+    assert placement(3, 2, hosts) == [("server", 0, ("a", None)), ("server", 1, ("b", 22)),
+                                      ("server", 2, ("a", None)), ("worker", 0, ("b", 22)),
+                                      ("worker", 1, ("a", None))]
+    assert [host for _, _, host in placement(1, 4, ["only"])] == ["only"] * 5
+    with pytest.raises(ValueError):
+        placement(1, 1, [])
+
+
+def test_ssh_command_and_remote_command_quote_everything() -> None:
+    """ssh [-p PORT] ARGS -o BatchMode=yes HOST 'cd DIR && exec env GRACE PY -m kvstore.tether': the
+    user's options come first (ssh keeps the first value), every remote word is shell-quoted, and
+    nothing secret is on it (the environment travels on the tether's stdin)."""
+    remote = remote_command("/srv/my job", "/opt/py $x/python", 5)
+    assert remote == ("cd '/srv/my job' && exec env KVSTORE_SHUTDOWN_TIMEOUT=5 '/opt/py $x/python' "
+                      "-m kvstore.tether")
+    assert shlex.split(remote)[-3:] == ["/opt/py $x/python", "-m", "kvstore.tether"]
+    argv = ssh_command(("node2", 2222), ["-i", "key"], remote)
+    assert argv == ["ssh", "-p", "2222", "-i", "key", "-o", "BatchMode=yes", "node2", remote]
+    assert ssh_command(("node1", None), [], "cmd") == ["ssh", "-o", "BatchMode=yes", "node1", "cmd"]
+    assert "SECRET=" not in " ".join(argv) and "DMLC_" not in " ".join(argv)
+
+
+def test_remote_environ_forwards_only_kvstore_dmlc_and_omp() -> None:
+    """A remote role gets the launcher's KVSTORE_*/DMLC_*/OMP_NUM_THREADS, the role's own variables
+    (which win) and DMLC_NODE_HOST = the host's name; nothing else of the launcher's environment."""
+    launcher_env = {"KVSTORE_LOG_LEVEL": "INFO", "DMLC_INTERFACE_X": "1", "HOME": "/root", "PATH": "/bin",
+                    "KVSTORE_SECRET": "old", "LD_LIBRARY_PATH": "/x"}
+    env = remote_environ({"KVSTORE_SECRET": "s", "DMLC_ROLE": "worker"}, "node2", launcher_env,
+                         defaults={"OMP_NUM_THREADS": "1"})
+    assert env == {"KVSTORE_LOG_LEVEL": "INFO", "DMLC_INTERFACE_X": "1", "KVSTORE_SECRET": "s",
+                   "DMLC_ROLE": "worker", "OMP_NUM_THREADS": "1", "DMLC_NODE_HOST": "node2"}
+    assert remote_environ({}, "n", {"OMP_NUM_THREADS": "4"}, defaults={"OMP_NUM_THREADS": "1"})[
+        "OMP_NUM_THREADS"] == "4"
+    # with DMLC_INTERFACE the role binds that interface's address, so no per-host name is imposed
+    assert "DMLC_NODE_HOST" not in remote_environ({"DMLC_INTERFACE": "eth0"}, "n", {"DMLC_NODE_HOST": "x"})
+    assert node_name("alice@node3") == "node3" and host_label(("n", 22)) == "n:22"
+
+
+def test_rsync_command_copies_the_content_over_the_same_ssh() -> None:
+    """rsync -az SRC/ HOST:DIR with -e carrying the port, the user's ssh options and BatchMode."""
+    argv = rsync_command(("node2", 2222), ["-i", "my key"], "/home/me/job", "/srv/job")
+    assert argv[:3] == ["rsync", "-az", "-e"] and argv[4:] == ["/home/me/job/", "node2:/srv/job"]
+    assert shlex.split(argv[3]) == ["ssh", "-p", "2222", "-i", "my key", "-o", "BatchMode=yes"]
+
+

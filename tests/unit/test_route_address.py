@@ -52,3 +52,10 @@ def test_unresolvable_name_is_a_config_error():
         kvconfig.route_address("no-such-host.invalid")
     message = str(info.value)
     assert "no-such-host.invalid" in message and "DMLC_NODE_HOST" in message and "DMLC_INTERFACE" in message
+
+
+def test_localhost_prefers_ipv4_and_the_hint_is_in_the_error():
+    """'localhost' routes over 127.0.0.1 where both families resolve; a caller's hint names its own fix."""
+    assert kvconfig.route_address("localhost") == "127.0.0.1"
+    with pytest.raises(ConfigError, match="give --host-ip"):
+        kvconfig.route_address("no-such-host.invalid", hint="give --host-ip")
