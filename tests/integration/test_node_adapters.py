@@ -228,3 +228,34 @@ def test_node_without_manager_or_with_a_bad_plan_exits_2() -> None:
                                 env={**env, "SLURM_PROCID": "2", "SLURM_NTASKS": "3",
                                      "SLURM_JOB_NODELIST": "localhost", "DMLC_NUM_SERVER": "1"})
     assert workerless.returncode == 2 and "a worker needs a command" in workerless.stderr
+
+
+def test_the_real_mpirun_runs_a_cluster(tmp_path: Path, tag: str) -> None:
+    """Open MPI's own mpirun starts four copies of one command line; MPI ranks become the roles."""
+    import shutil
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("needs Open MPI's mpirun (Debian's openmpi-bin; .ci/run installs it)")
+    port = free_port()
+    env = {**os.environ, **base_env(tag, DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
+                                    DMLC_PS_ROOT_PORT=str(port)),
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    env = {name: value for name, value in env.items() if value != ""}  # mpirun sets the rank variables
+    names = ("DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "KVSTORE_SECRET",
+             "KVSTORE_BIGARRAY_BOUND", "KVSTORE_TEST_TAG")
+    forwarded = [arg for name in names for arg in ("-x", name)]
+    proc = subprocess.Popen([mpirun, "-n", "4", "--oversubscribe", *forwarded, *NODE, SCRIPT, "dist_sync"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert f"mpi rank 0 of 4 -> scheduler, scheduler 127.0.0.1:{port}" in out
+    for worker in (0, 1):
+        assert f"RESULT ok rank={worker} of 2 servers=1" in out, out
+    assert poll_for(lambda: not tagged_pids(tag), 10, "every MPI process to exit")
