@@ -8,10 +8,11 @@ Every function takes an ``environ`` mapping so tests can pass plain dicts;
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -223,6 +224,26 @@ def child_environ(extra: Mapping[str, str], environ: Mapping[str, str] | None = 
     env.update(os.environ if environ is None else environ)
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def process_environ(overrides: Mapping[str, str]) -> Iterator[None]:
+    """Set ``overrides`` in this process's environment for a ``with`` block, then restore what was there.
+
+    For a role run inside a process kvstore does not own (a Spark task's reused
+    Python worker): ``kvstore.create`` inside the block reads ``overrides``, and
+    nothing of them is left for the process's next task.
+    """
+    saved = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _is_loopback(host: str) -> bool:

@@ -478,6 +478,39 @@ def _close_at_exit(store: DistKVStore) -> None:
         log.error("closing the store at exit: %s", exc)
 
 
+def process_store() -> DistKVStore | None:
+    """This process's dist store (made by ``kvstore.create('dist_*')``), or None."""
+    store = _instance
+    return store if store is not None and store._pid == os.getpid() else None
+
+
+def release_process_store(failure: str | None = None) -> bool:
+    """Close this process's dist store, if it has one, and forget it, so the process may join another
+    cluster later (a Spark task's Python worker is reused for the next job).
+
+    ``failure``, when given, is reported to the scheduler as this worker's failure,
+    which fails the other workers' waits.  Returns whether there was a store;
+    raises what :meth:`DistKVStore.close` raises (the store is forgotten anyway).
+    """
+    global _instance
+    store = process_store()
+    if store is None:
+        return False
+    try:
+        if store._closed:
+            pass
+        elif failure is None:
+            store.close()
+        else:
+            store._close(failure)
+    finally:
+        with _instance_lock:
+            if _instance is store:
+                _instance = None
+        atexit.unregister(_close_at_exit)
+    return True
+
+
 def create_dist(name: str) -> DistKVStore:
     """Return this process's dist store, joining the cluster on first use.
 

@@ -81,3 +81,23 @@ def test_resume_on_a_fresh_cluster_matches_unbroken_run(tmp_path: Path, optimize
     for name, value in expected.items():
         assert got[name].dtype == value.dtype == np.float32, name
         assert np.array_equal(got[name], value), f"{name} differs after the resume"
+
+
+@pytest.mark.timeout(180)
+def test_spark_example_reaches_accuracy() -> None:
+    """examples/spark_digits.py trains the digits MLP inside a local Spark application to >= 0.90."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    pytest.importorskip("pyspark")
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("pyspark needs Java (17 or newer), and there is none")
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    proc = subprocess.run([sys.executable, "examples/spark_digits.py"], cwd=Path(__file__).parents[2],
+                          env=env, capture_output=True, text=True, timeout=160)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = re.search(r"final test accuracy (\d\.\d+)", proc.stdout)
+    assert match and float(match.group(1)) >= 0.90, proc.stdout + proc.stderr

@@ -315,3 +315,23 @@ def test_binding_beyond_loopback_needs_a_secret(host):
 def test_loopback_binds_without_a_secret(host):
     """Loopback addresses need no secret (nothing off this machine can reach them)."""
     kvconfig.check_bind(kvconfig.load({}), host, "a server")
+
+
+def test_process_environ_sets_then_restores(monkeypatch):
+    """process_environ sets variables for its block, then restores changed ones and removes new ones."""
+    monkeypatch.setenv("KVSTORE_TEST_KEPT", "before")
+    monkeypatch.delenv("KVSTORE_TEST_NEW", raising=False)
+    with kvconfig.process_environ({"KVSTORE_TEST_KEPT": "during", "KVSTORE_TEST_NEW": "x"}):
+        assert kvconfig.child_environ({})["KVSTORE_TEST_KEPT"] == "during"
+        assert kvconfig.child_environ({})["KVSTORE_TEST_NEW"] == "x"
+    after = kvconfig.child_environ({})
+    assert after["KVSTORE_TEST_KEPT"] == "before" and "KVSTORE_TEST_NEW" not in after
+
+
+def test_process_environ_restores_after_an_exception(monkeypatch):
+    """The environment is restored when the block raises."""
+    monkeypatch.delenv("DMLC_NUM_WORKER", raising=False)
+    with pytest.raises(RuntimeError), kvconfig.process_environ({"DMLC_NUM_WORKER": "7"}):
+        assert kvconfig.load().num_workers == 7
+        raise RuntimeError("boom")
+    assert kvconfig.load().num_workers is None
