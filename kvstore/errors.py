@@ -26,6 +26,10 @@ due, a number of values that does not match the number of keys, a read-only
      +-- FormatError(ValueError)           a file is not in kvstore's format, is of a newer
                                            version, or is damaged
 
+The launchers for Ray and Spark add ``kvstore.ray.PlacementError``,
+``kvstore.ray.RoleFailed``, ``kvstore.spark.SparkJobFailed`` and
+``kvstore.spark.NotEnoughSlotsError`` (a ConfigError) in their own modules.
+
 Errors cross the wire as ``(code, message)`` pairs; :func:`error_code` and
 :func:`error_from_code` translate between the two so a server-side
 ``ShapeMismatchError`` is raised as a ``ShapeMismatchError`` on the worker.

@@ -49,6 +49,7 @@ class LaunchConfig:
     remote_python: str | None = None  # ssh: the Python on the hosts (default: this one's path)
     host_ip: str | None = None  # ssh: the scheduler's address as the hosts reach it
     ray_address: str | None = None  # ray: the cluster to join (default: start a local one)
+    ray_options: dict[str, float] = field(default_factory=dict)  # ray: server_cpus, ..., placement_timeout
 
 
 def parse_hostfile(path: str) -> list[tuple[str, int | None]]:
@@ -102,6 +103,11 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
                         "scheduler at (default: this machine's address on the route to the first host)")
     parser.add_argument("--ray-address", metavar="ADDR", help="ray: the cluster to join, as ray.init takes "
                         "it (default: start a local Ray instance for this job)")
+    for flag, what in (("--ray-server-cpus", "CPUs each server's actor reserves (default 0.1)"),
+                       ("--ray-worker-cpus", "CPUs each worker's actor reserves (default 0.1)"),
+                       ("--ray-worker-gpus", "GPUs each worker's actor reserves (default 0)"),
+                       ("--ray-placement-timeout", "seconds Ray may take to place every role (default 60)")):
+        parser.add_argument(flag, type=float, metavar="N", help=f"ray: {what}")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment variable for every process (repeatable)")
     parser.add_argument("--resume", metavar="DIR",
@@ -138,13 +144,18 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         given = [flag for flag, value in ssh_only if value]
         if given:
             parser.error(f"{', '.join(given)} only apply to --launcher ssh")
-    if args.ray_address and args.launcher != "ray":
-        parser.error("--ray-address only applies to --launcher ray")
+    given = (("server_cpus", args.ray_server_cpus), ("worker_cpus", args.ray_worker_cpus),
+             ("worker_gpus", args.ray_worker_gpus), ("placement_timeout", args.ray_placement_timeout))
+    ray_options = {name: value for name, value in given if value is not None}
+    if (args.ray_address or ray_options) and args.launcher != "ray":
+        parser.error("--ray-* flags only apply to --launcher ray")
+    if any(value < 0 for value in ray_options.values()) or ray_options.get("placement_timeout") == 0:
+        parser.error("--ray-*-cpus/gpus must be >= 0 and --ray-placement-timeout > 0")
     return LaunchConfig(args.num_workers, args.num_servers or args.num_workers,
                         list(args.command), args.launcher, extra, hosts=hosts,
                         sync_dst_dir=args.sync_dst_dir, ssh_args=shlex.split(args.ssh_args),
                         remote_python=args.remote_python, host_ip=args.host_ip,
-                        ray_address=args.ray_address)
+                        ray_address=args.ray_address, ray_options=ray_options)
 
 
 def placement(num_servers: int, num_workers: int, hosts: Sequence[H]) -> list[tuple[str, int, H]]:

@@ -800,7 +800,7 @@ def launch(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     code = 0
     try:
         job = RayJob(cfg.command, cfg.num_workers, cfg.num_servers, address=cfg.ray_address, env=cfg.env,
-                     settings=settings)
+                     settings=settings, **cfg.ray_options)
         job._connect()
         signal.signal(signal.SIGTERM, _raise_interrupt)  # after ray.init, which sets its own
         job.start()

@@ -210,3 +210,13 @@ def test_a_job_that_cannot_be_placed_fails_fast_naming_cpus(ray_address: str) ->
     assert "2 CPU in all" in message, message
     assert poll_for(_no_live_placement_groups, 10, "the placement group to be removed")
     assert poll_for(_all_cpus_free, 10, "every CPU to be free")
+
+
+def test_launch_that_cannot_be_placed_exits_1_naming_the_cpus(tag: str, ray_address: str) -> None:
+    """launch.py --ray-worker-cpus 64 on a 2-CPU Ray: exit 1 with the placement error, nothing started."""
+    rc, out = finish(_launch(["-n", "2", "-s", "1", "--ray-address", ray_address, "--ray-worker-cpus", "64",
+                              "--ray-placement-timeout", "2", SCRIPT, "dist_sync"], tag), timeout=90)
+    assert rc == 1, out
+    assert "could not place the job within 2 s" in out and "2 workers x 64 CPU" in out, out
+    assert "[worker" not in out, out
+    assert poll_for(_no_live_placement_groups, 10, "the placement group to be removed")

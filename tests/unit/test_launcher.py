@@ -38,12 +38,24 @@ def test_explicit_servers_and_env() -> None:
 
 @pytest.mark.parametrize("argv", [["-n", "2"], ["-n", "0", "x.py"], ["-n", "1", "-s", "0", "x.py"],
                                   ["-n", "1", "--env", "NOEQUALS", "x.py"],
-                                  ["-n", "1", "--launcher", "ssh", "x.py"]])
+                                  ["-n", "1", "--launcher", "ssh", "x.py"],
+                                  ["-n", "1", "--ray-worker-cpus", "0.5", "x.py"],
+                                  ["-n", "1", "--launcher", "ray", "--ray-server-cpus", "-1", "x.py"],
+                                  ["-n", "1", "--ray-address", "auto", "x.py"],
+                                  ["-n", "1", "--launcher", "ray", "--ray-placement-timeout", "0", "x.py"]])
 def test_bad_arguments_exit_2(argv: list[str]) -> None:
     """A missing command, counts below 1, a malformed --env or an unknown launcher are usage errors."""
     with pytest.raises(SystemExit) as info:
         parse_args(argv)
     assert info.value.code == 2
+
+
+def test_ray_flags_are_parsed() -> None:
+    """--ray-address and the per-role resources reach LaunchConfig; unset ones are left to kvstore.ray."""
+    cfg = parse_args(["-n", "2", "--launcher", "ray", "--ray-address", "10.0.0.1:6379", "--ray-worker-cpus",
+                      "0.5", "--ray-worker-gpus", "1", "--ray-placement-timeout", "5", "train.py"])
+    assert (cfg.launcher, cfg.ray_address) == ("ray", "10.0.0.1:6379")
+    assert cfg.ray_options == {"worker_cpus": 0.5, "worker_gpus": 1.0, "placement_timeout": 5.0}
 
 
 # --- the ssh launcher's pure parts --------------------------------------------------------------
