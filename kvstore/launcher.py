@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from . import config as kvconfig
-from . import snapshot, tether
+from . import roles, snapshot, tether
 from .errors import ConfigError
 
 log = logging.getLogger("kvstore.launcher")
@@ -200,26 +200,18 @@ def remote_command(directory: str, python: str, grace: float) -> str:
             f"{shlex.quote(python)} -m kvstore.tether")
 
 
-FORWARDED_PREFIXES = ("KVSTORE_", "DMLC_")
-
-
 def remote_environ(extra: Mapping[str, str], node: str, environ: Mapping[str, str] | None = None,
                    defaults: Mapping[str, str] | None = None) -> dict[str, str]:
     """Return what a remote role's environment gets on top of its host's own (the ssh login's).
 
-    ``defaults`` < the ``KVSTORE_*``, ``DMLC_*`` and ``OMP_NUM_THREADS`` variables of ``environ``
-    (default: the launcher's) < ``extra``; then ``DMLC_NODE_HOST=node``, unless ``DMLC_INTERFACE``
-    is set (the role then binds that interface's address).  Nothing else of ``environ`` is sent.
+    ``defaults`` < :func:`kvstore.roles.forwarded` of ``environ`` (default: the launcher's; its
+    ``KVSTORE_*``, ``DMLC_*`` and ``OMP_NUM_THREADS`` but the per-role ones) < ``extra``; then
+    ``DMLC_NODE_HOST=node``, unless ``DMLC_INTERFACE`` is set (the role then binds that interface's
+    address).  Nothing else of ``environ`` is sent.
     """
     source = kvconfig.child_environ({}) if environ is None else environ  # {} -> the launcher's own
-    forwarded = {name: value for name, value in source.items()
-                 if name.startswith(FORWARDED_PREFIXES) or name == "OMP_NUM_THREADS"}
-    env = kvconfig.child_environ(extra, environ=forwarded, defaults=defaults)
-    if env.get("DMLC_INTERFACE"):
-        env.pop("DMLC_NODE_HOST", None)
-    else:
-        env["DMLC_NODE_HOST"] = node
-    return env
+    env = kvconfig.child_environ(extra, environ=roles.forwarded(source), defaults=defaults)
+    return roles.with_node_host(env, node)
 
 
 def rsync_command(host: tuple[str, int | None], ssh_args: list[str], source: str, dest: str) -> list[str]:
@@ -257,7 +249,7 @@ def sync_dir(hosts: list[tuple[str, int | None]], ssh_args: list[str], source: s
         for host, proc in procs:
             out = proc.communicate()[0].decode(errors="replace").strip()
             if proc.returncode:
-                code = 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+                code = roles.exit_code(proc.returncode)
                 raise SyncFailed(f"--sync-dst-dir: rsync to {dest} on {host_label(host)} exited with code "
                                  f"{code}: {out or '(no output)'}", code)
     finally:
@@ -300,7 +292,7 @@ class Child:
     def exit_code(self) -> int | None:
         """The shell-style exit code (128 + signal when killed by one), or None while running."""
         rc = self.proc.poll()
-        return None if rc is None else (128 - rc if rc < 0 else rc)
+        return None if rc is None else roles.exit_code(rc)
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the child's whole process group (its own children too, even if it exited)."""
@@ -463,10 +455,6 @@ class StartFailed(Exception):
     """A process could not be started (the command does not exist or cannot be executed)."""
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(signum)
-
-
 def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
     """Launch ``cfg`` and supervise it to the end; return the launcher's exit code."""
     settings = settings or kvconfig.load()
@@ -474,7 +462,7 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
         from .ray import launch as launch_on_ray  # imports ray: only for this launcher
 
         return launch_on_ray(cfg, settings)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = signal.signal(signal.SIGTERM, roles.raise_interrupt)
     cluster: Cluster | None = None
     code = 0
     try:

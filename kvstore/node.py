@@ -29,7 +29,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from . import adapters
+from . import adapters, roles
 from . import config as kvconfig
 from .errors import ConfigError
 
@@ -234,15 +234,11 @@ def run_with_scheduler(worker_cmd: list[str], env: dict[str, str]) -> int:
         scheduler.wait()
         return 127
     children.append(worker)
-    code = _exit_code(worker.wait())
-    scheduler_code = _exit_code(scheduler.wait())
+    code = roles.exit_code(worker.wait())
+    scheduler_code = roles.exit_code(scheduler.wait())
     if scheduler_code:
         print(f"kvstore.node: the scheduler exited with code {scheduler_code}", file=sys.stderr, flush=True)
     return code or scheduler_code
-
-
-def _exit_code(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
 
 
 if __name__ == "__main__":

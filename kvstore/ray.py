@@ -42,7 +42,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from . import config as kvconfig
-from . import tether
+from . import roles, tether
 from .errors import DeadlineExceededError, KVStoreError
 from .launcher import LaunchConfig
 from .node import python_if_script
@@ -53,11 +53,6 @@ DEFAULT_SCHEDULER_CPUS = 0.05
 DEFAULT_SERVER_CPUS = 0.1
 DEFAULT_WORKER_CPUS = 0.1
 DEFAULT_PLACEMENT_TIMEOUT = 60.0
-FORWARDED_PREFIXES = ("KVSTORE_", "DMLC_")
-# Set per role by this module; the caller's values of these are never forwarded.
-MANAGED = frozenset({"DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER",
-                     "DMLC_NUM_SERVER", "DMLC_NODE_HOST", "DMLC_WORKER_ID", "KVSTORE_SERVER_ID",
-                     "KVSTORE_PORT_FILE"})
 _POLL = 0.5  # seconds a drain() waits in the actor for news before answering "nothing yet"
 _EOF_GRACE = 1.0  # seconds a role's exit waits for its last output (a grandchild may hold the pipe)
 
@@ -155,12 +150,6 @@ def describe_cluster(total: Mapping[str, float], available: Mapping[str, float],
     return text
 
 
-def forwarded_environ(environ: Mapping[str, str]) -> dict[str, str]:
-    """The caller's ``KVSTORE_*`` and ``DMLC_*`` variables that every role gets (not those set per role)."""
-    return {name: value for name, value in environ.items()
-            if name.startswith(FORWARDED_PREFIXES) and name not in MANAGED}
-
-
 def role_environ(spec: RoleSpec, *, num_workers: int, num_servers: int, secret: str, root_uri: str,
                  root_port: int, node_ip: str, forwarded: Mapping[str, str] | None = None,
                  extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -169,7 +158,7 @@ def role_environ(spec: RoleSpec, *, num_workers: int, num_servers: int, secret: 
     ``KVSTORE_SECRET``, the caller's ``extra`` (``--env``), and then the ones set per role: ``DMLC_ROLE``,
     ``DMLC_NUM_*``, ``DMLC_PS_ROOT_URI/PORT``, ``DMLC_NODE_HOST`` (left out when ``DMLC_INTERFACE`` is
     given, so the interface's address is used), ``KVSTORE_SERVER_ID`` / ``DMLC_WORKER_ID``."""
-    forwarded = {k: v for k, v in (forwarded or {}).items() if k not in MANAGED}
+    forwarded = {k: v for k, v in (forwarded or {}).items() if k not in roles.PER_ROLE}
     extra = dict(extra or {})
     env: dict[str, str] = {"OMP_NUM_THREADS": "1"} if spec.role == "worker" else {}
     env.update(forwarded)
@@ -178,19 +167,12 @@ def role_environ(spec: RoleSpec, *, num_workers: int, num_servers: int, secret: 
     env.update({"DMLC_ROLE": spec.role, "DMLC_NUM_WORKER": str(num_workers),
                 "DMLC_NUM_SERVER": str(num_servers), "DMLC_PS_ROOT_URI": root_uri,
                 "DMLC_PS_ROOT_PORT": str(root_port)})
-    if "DMLC_INTERFACE" in env:
-        env.pop("DMLC_NODE_HOST", None)
-    else:
-        env["DMLC_NODE_HOST"] = node_ip
+    env = roles.with_node_host(env, node_ip)
     if spec.role == "server":
         env["KVSTORE_SERVER_ID"] = str(spec.rank)
     elif spec.role == "worker":
         env["DMLC_WORKER_ID"] = str(spec.rank)
     return env
-
-
-def _exit_code(rc: int) -> int:
-    return 128 - rc if rc < 0 else rc
 
 
 def _system_exit_code(code: object) -> int:
@@ -286,7 +268,7 @@ class _RoleActor:
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         threading.Thread(target=self._pump, args=(self._proc.stdout,), daemon=True).start()
         proc = self._proc
-        threading.Thread(target=lambda: self._exited(_exit_code(proc.wait())), daemon=True).start()
+        threading.Thread(target=lambda: self._exited(roles.exit_code(proc.wait())), daemon=True).start()
 
     def wait_port(self, timeout: float) -> tuple[int | None, int | None]:
         """Wait up to ``timeout`` for the scheduler's port file; return (port, None), or (None, exit
@@ -420,7 +402,7 @@ class RayJob:
         self.extra = dict(env or {})
         caller = kvconfig.child_environ({})  # a copy of this process's environment
         self.settings = settings or kvconfig.load({**caller, **self.extra})
-        self.forwarded = forwarded_environ(caller)
+        self.forwarded = roles.forwarded(caller)
         self.secret = self.settings.secret or secrets.token_hex(32)
         self.address, self.placement_timeout = address, placement_timeout
         self.cwd = cwd or os.getcwd()
@@ -787,10 +769,6 @@ def run(target: Sequence[str] | str | Callable[..., Any], num_workers: int, num_
     return job.wait(timeout)
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(signum)
-
-
 def launch(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     """Run ``launch.py --launcher ray``: start ``cfg`` on Ray, supervise it, tear it down; return the
     launcher's exit code (0; the failed role's code, 1 when its actor died or the job could not be
@@ -802,7 +780,7 @@ def launch(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
         job = RayJob(cfg.command, cfg.num_workers, cfg.num_servers, address=cfg.ray_address, env=cfg.env,
                      settings=settings, **cfg.ray_options)
         job._connect()
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # after ray.init, which sets its own
+        signal.signal(signal.SIGTERM, roles.raise_interrupt)  # after ray.init, which sets its own
         job.start()
         job.supervise()
     except RoleFailed as exc:

@@ -42,13 +42,11 @@ from typing import Any
 from pyspark import RDD, BarrierTaskContext, SparkContext
 
 from . import config as kvconfig
-from . import dist, tether
+from . import dist, roles, tether
 from .errors import ConfigError, KVStoreError
 
 SCHEDULER_PARTITION = 0
 #: Variables run() sets per role; ``env`` may not set them.
-RESERVED_ENV = ("DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER",
-                "DMLC_WORKER_ID", "KVSTORE_SERVER_ID", "KVSTORE_PORT_FILE", "DMLC_NODE_HOST")
 TAIL_LINES = 20  # how much of a failed role's output its error shows
 _FAILED_MARK = "kvstore-spark-task-failed"  # TaskFailed's class name, found again in Spark's error text
 
@@ -154,7 +152,7 @@ def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
     for name, value in extra.items():
         if not isinstance(name, str) or not isinstance(value, str):
             raise TypeError(f"env must map str to str, not {name!r}: {value!r}")
-    reserved = sorted(set(extra) & set(RESERVED_ENV))
+    reserved = sorted(set(extra) & roles.PER_ROLE)
     if reserved:
         raise ConfigError(f"env sets {', '.join(reserved)}, which kvstore.spark.run sets itself for "
                           "each role (the scheduler's address, ranks, counts, each task's own host)")

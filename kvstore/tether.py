@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import config as kvconfig
+from . import roles
 from .errors import ConfigError
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -148,8 +149,7 @@ def run(fd: int) -> int:
         _signal_group(child.pid, signal.SIGTERM)  # whatever it left behind in its group
     for sig, handler in previous.items():
         signal.signal(sig, handler)
-    rc = child.returncode
-    return 128 - rc if rc < 0 else rc
+    return roles.exit_code(child.returncode)
 
 
 def main() -> int:

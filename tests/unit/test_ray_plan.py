@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from kvstore import config as kvconfig
+from kvstore import roles
 from kvstore.launcher import LaunchConfig
 from tests.helpers import REPO
 
@@ -66,8 +67,10 @@ def test_only_kvstore_and_dmlc_variables_are_forwarded_and_never_per_role_ones()
     """The caller's KVSTORE_*/DMLC_* go to every role, except the ones set per role; nothing else."""
     caller = {"KVSTORE_REQUEST_TIMEOUT": "5", "DMLC_INTERFACE": "eth0", "PATH": "/bin", "HOME": "/root",
               "OMP_NUM_THREADS": "8", "DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "10.0.0.1",
-              "KVSTORE_PORT_FILE": "/tmp/p", "DMLC_WORKER_ID": "3", "KVSTORE_SERVER_ID": "1"}
-    assert kvray.forwarded_environ(caller) == {"KVSTORE_REQUEST_TIMEOUT": "5", "DMLC_INTERFACE": "eth0"}
+              "KVSTORE_PORT_FILE": "/tmp/p", "DMLC_WORKER_ID": "3", "KVSTORE_SERVER_ID": "1",
+              "KVSTORE_NODE_PORT": "7000"}
+    assert roles.forwarded(caller) == {"KVSTORE_REQUEST_TIMEOUT": "5", "DMLC_INTERFACE": "eth0",
+                                       "OMP_NUM_THREADS": "8"}
 
 
 def _env(spec: object, **overrides: object) -> dict[str, str]:

@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("pyspark", reason="kvstore.spark needs pyspark (pip install -e .[spark])")
 
 from kvstore import config as kvconfig  # noqa: E402
+from kvstore import roles  # noqa: E402
 from kvstore.errors import ConfigError, KVStoreError  # noqa: E402
 from kvstore.spark import (  # noqa: E402
-    RESERVED_ENV,
     Layout,
     NotEnoughSlotsError,
     SparkJobFailed,
@@ -90,7 +90,7 @@ def test_check_env():
     assert check_env(None) == {}
     assert check_env({"KVSTORE_BIGARRAY_BOUND": "1000", "MY_VAR": "x"}) == {
         "KVSTORE_BIGARRAY_BOUND": "1000", "MY_VAR": "x"}
-    for name in RESERVED_ENV:
+    for name in sorted(roles.PER_ROLE):
         with pytest.raises(ConfigError, match=name):
             check_env({name: "1"})
     with pytest.raises(ConfigError, match="KVSTORE_BIGARRAY_BOUND"):
