@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-# Variables a launcher sets for each role itself (or, for KVSTORE_NODE_PORT, a cluster manager sets
-# for one server): a value in the caller's environment is never copied to every role.
-PER_ROLE = frozenset({"DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER",
-                      "DMLC_NUM_SERVER", "DMLC_NODE_HOST", "DMLC_WORKER_ID", "KVSTORE_SERVER_ID",
-                      "KVSTORE_PORT_FILE", "KVSTORE_NODE_PORT"})
+# Variables a launcher sets for each role itself: a caller may not set them for every role.
+SET_BY_LAUNCHER = frozenset({"DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER",
+                             "DMLC_NUM_SERVER", "DMLC_NODE_HOST", "DMLC_WORKER_ID", "KVSTORE_SERVER_ID",
+                             "KVSTORE_PORT_FILE"})
+# ... and those plus KVSTORE_NODE_PORT (which a cluster manager sets for one server): a value in the
+# caller's own environment is never copied to every role.  Given on purpose (--env, env=), a fixed
+# server port is the caller's choice: one server per host, or servers that collide.
+PER_ROLE = SET_BY_LAUNCHER | {"KVSTORE_NODE_PORT"}
 FORWARDED_PREFIXES = ("KVSTORE_", "DMLC_")
 
 

@@ -152,7 +152,7 @@ def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
     for name, value in extra.items():
         if not isinstance(name, str) or not isinstance(value, str):
             raise TypeError(f"env must map str to str, not {name!r}: {value!r}")
-    reserved = sorted(set(extra) & roles.PER_ROLE)
+    reserved = sorted(set(extra) & roles.SET_BY_LAUNCHER)
     if reserved:
         raise ConfigError(f"env sets {', '.join(reserved)}, which kvstore.spark.run sets itself for "
                           "each role (the scheduler's address, ranks, counts, each task's own host)")

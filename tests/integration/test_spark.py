@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -22,6 +23,7 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("Spark needs Java 17: there is no java on PATH and JAVA_HOME is unset",
                 allow_module_level=True)
 
+from pyspark import SparkContext  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 import kvstore  # noqa: E402
@@ -46,10 +48,22 @@ def spark():
                .config("spark.sql.shuffle.partitions", "4").config("spark.default.parallelism", str(SLOTS))
                .getOrCreate())
     session.sparkContext.setLogLevel("FATAL")  # failures on purpose would print Java stack traces
+    gateway = SparkContext._gateway
     try:
         yield session
     finally:
         session.stop()
+        # stop() leaves the py4j JVM running for the rest of the session: stop and reap it too
+        jvm = getattr(gateway, "proc", None)
+        gateway.shutdown()
+        SparkContext._gateway = SparkContext._jvm = None
+        if jvm is not None:
+            jvm.terminate()
+            try:
+                jvm.wait(30)
+            except subprocess.TimeoutExpired:
+                jvm.kill()
+                jvm.wait()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -134,8 +148,10 @@ def never_called(records) -> None:
 # -- tests ---------------------------------------------------------------------------------------------
 
 def test_sum_check_two_workers_two_servers(spark):
+    tag = f"kvtest-{uuid.uuid4().hex}"
     results = kvspark.run(spark, sum_check, 2, 2, args=("dist_sync",),
-                          env={"KVSTORE_BIGARRAY_BOUND": "1000", **QUIET})
+                          env={"KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_TEST_TAG": tag, **QUIET})
+    poll_for(lambda: not tagged_pids(tag), 20, "the scheduler and servers to exit")
     assert [r["rank"] for r in results] == [0, 1]  # rank order
     for rank, result in enumerate(results):
         assert {k: v for k, v in result.items() if k != "pid"} == {

@@ -90,7 +90,7 @@ def test_check_env():
     assert check_env(None) == {}
     assert check_env({"KVSTORE_BIGARRAY_BOUND": "1000", "MY_VAR": "x"}) == {
         "KVSTORE_BIGARRAY_BOUND": "1000", "MY_VAR": "x"}
-    for name in sorted(roles.PER_ROLE):
+    for name in sorted(roles.SET_BY_LAUNCHER):
         with pytest.raises(ConfigError, match=name):
             check_env({name: "1"})
     with pytest.raises(ConfigError, match="KVSTORE_BIGARRAY_BOUND"):
