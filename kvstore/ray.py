@@ -5,9 +5,10 @@ scheduler, S servers and W workers, each asking for a fraction of a CPU by
 default.  Every role is a Ray actor.  The scheduler's and servers' actors (and
 a command worker's) run their role as a subprocess under :mod:`kvstore.tether`,
 so a role never outlives its actor; a function worker calls the user's function
-in the actor's own process, with the ``DMLC_*`` environment set there (through
-the actor's ``runtime_env``), so ``kvstore.create('dist_sync')`` inside it joins
-the cluster.  One supervision loop on the driver long-polls every actor for new
+in the actor's own process, with the role's environment set there while it runs
+(the variables travel as an argument of the actor's method, never in its
+``runtime_env``, which Ray logs), so ``kvstore.create('dist_sync')`` inside it
+joins the cluster.  One supervision loop on the driver long-polls every actor for new
 output lines and its exit code, prints the lines with the launcher's prefixes
 (``[scheduler]``, ``[server 0]``, ``[worker 1]``), and stops everything when any
 role fails or its actor dies.
@@ -21,6 +22,7 @@ Importing this module imports ray (the ``[ray]`` extra); ``import kvstore`` neve
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
@@ -55,6 +57,11 @@ DEFAULT_WORKER_CPUS = 0.1
 DEFAULT_PLACEMENT_TIMEOUT = 60.0
 _POLL = 0.5  # seconds a drain() waits in the actor for news before answering "nothing yet"
 _EOF_GRACE = 1.0  # seconds a role's exit waits for its last output (a grandchild may hold the pipe)
+# Variables of a function worker's environment that are also set when its actor's process starts (through
+# the actor's runtime_env, which Ray writes to its logs): never secret, and read once by a library when it
+# is imported, which may be while Ray unpickles the function's arguments (numpy for an array), before the
+# function runs.  The rest, the secret included, are set only while the function runs.
+_PROCESS_START_VARS = ("OMP_NUM_THREADS",)
 
 
 class PlacementError(KVStoreError):
@@ -211,6 +218,13 @@ class _RoleActor:
         self._thread: threading.Thread | None = None
         self._result: Any = None
         self._error: str | None = None
+        atexit.register(self._remove_tmpdir)  # a graceful exit of the actor; ray.kill skips it
+
+    def _remove_tmpdir(self) -> None:
+        """Remove the scheduler's port-file directory, if there is one (idempotent)."""
+        tmpdir, self._tmpdir = self._tmpdir, None
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
 
     # output and exit, shared by both kinds
     def _pump(self, stream: Any) -> None:
@@ -224,6 +238,7 @@ class _RoleActor:
             self._cond.notify_all()
 
     def _exited(self, code: int) -> None:
+        self._remove_tmpdir()
         with self._cond:
             self._code, self._exited_at = code, time.monotonic()
             self._cond.notify_all()
@@ -250,34 +265,50 @@ class _RoleActor:
     def start_command(self, argv: list[str], env: dict[str, str], cwd: str | None, grace: float,
                       python: bool = False, port_file: bool = False) -> None:
         """Start ``argv`` under a tether: after this actor's Python with ``python``; else a ``.py``
-        first word runs with this Python.  ``port_file`` sets ``KVSTORE_PORT_FILE`` (see wait_port).
+        first word runs with this Python.  ``port_file`` sets ``KVSTORE_PORT_FILE`` to a file in a new
+        ``kvstore-ray-*`` temporary directory (see wait_port; the directory is removed once the port
+        is read, the role ends, it is released or the actor exits gracefully).
 
         The tether is started by a ``/bin/sh`` keeper: when Ray kills an actor it SIGKILLs the
         actor's direct children, which would orphan the role if the tether were one; the tether, a
         grandchild, sees its stdin close instead and stops the role (SIGTERM, ``grace``, SIGKILL).
+        The keeper and the tether run with the role's ``KVSTORE_*`` variables but the secret (which
+        reaches the role only on the tether's stdin), so they can be told apart as the role's.
+        Raises OSError when the keeper cannot be started.
         """
         env = dict(env)
         if port_file:
             self._tmpdir = tempfile.mkdtemp(prefix="kvstore-ray-")
             self._port_file = env["KVSTORE_PORT_FILE"] = os.path.join(self._tmpdir, "scheduler.port")
-        keeper = ["/bin/sh", "-c", f"KVSTORE_SHUTDOWN_TIMEOUT={grace:g} "
-                  f"{shlex.quote(sys.executable)} -m kvstore.tether; exit $?"]
+        settings = {name: value for name, value in env.items()
+                    if name.startswith("KVSTORE_") and "SECRET" not in name}
+        settings["KVSTORE_SHUTDOWN_TIMEOUT"] = f"{grace:g}"
+        # env(1) execs the keeper with these in its environment; the keeper's command line has none
+        keeper = ["/usr/bin/env", *(f"{name}={value}" for name, value in sorted(settings.items())),
+                  "/bin/sh", "-c", f"{shlex.quote(sys.executable)} -m kvstore.tether; exit $?"]
         argv = [sys.executable, *argv] if python else python_if_script(argv)
-        self._proc = tether.spawn(argv, env, via=keeper,
-                                  cwd=cwd if cwd and os.path.isdir(cwd) else None,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            self._proc = tether.spawn(argv, env, via=keeper,
+                                      cwd=cwd if cwd and os.path.isdir(cwd) else None,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        except BaseException:
+            self._remove_tmpdir()
+            raise
         threading.Thread(target=self._pump, args=(self._proc.stdout,), daemon=True).start()
         proc = self._proc
         threading.Thread(target=lambda: self._exited(roles.exit_code(proc.wait())), daemon=True).start()
 
     def wait_port(self, timeout: float) -> tuple[int | None, int | None]:
         """Wait up to ``timeout`` for the scheduler's port file; return (port, None), or (None, exit
-        code) when the scheduler exited first, or (None, None) at the deadline."""
+        code) when the scheduler exited first, or (None, None) at the deadline.  The port file's
+        directory is removed once the port is read (the scheduler writes it once, atomically)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._port_file and os.path.exists(self._port_file):
                 with open(self._port_file) as fh:
-                    return int(fh.read().strip()), None
+                    port = int(fh.read().strip())
+                self._remove_tmpdir()
+                return port, None
             with self._cond:
                 if self._code is not None:
                     return None, self._code
@@ -285,9 +316,11 @@ class _RoleActor:
         return None, None
 
     def release(self) -> None:
-        """Close the tether's stdin: it stops the role (nothing for a function worker)."""
+        """Close the tether's stdin: it stops the role (nothing for a function worker); remove the
+        port file's directory."""
         if self._proc is not None:
             tether.release(self._proc)
+        self._remove_tmpdir()
 
     def wait(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` for a tethered role to exit; return its code (None while it runs).
@@ -297,18 +330,23 @@ class _RoleActor:
                 self._proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 return None
-            if self._tmpdir is not None:
-                shutil.rmtree(self._tmpdir, ignore_errors=True)
-                self._tmpdir = None
+            self._remove_tmpdir()
         with self._cond:
             return self._code
 
     # the user's function in this process
-    def start_function(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
-        """Call ``fn(*args, **kwargs)`` in a thread; its stdout and stderr (file descriptors 1 and 2)
-        become this role's output while it runs."""
-        self._thread = threading.Thread(target=self._call, args=(fn, args, kwargs), daemon=True)
+    def start_function(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+                       env: dict[str, str]) -> None:
+        """Call ``fn(*args, **kwargs)`` in a thread, with ``env`` set in this process's environment
+        until it returns (this actor's process is the role's alone); its stdout and stderr (file
+        descriptors 1 and 2) become this role's output while it runs."""
+        self._thread = threading.Thread(target=self._call_in, args=(env, fn, args, kwargs), daemon=True)
         self._thread.start()
+
+    def _call_in(self, env: dict[str, str], fn: Callable[..., Any], args: tuple,
+                 kwargs: dict[str, Any]) -> None:
+        with kvconfig.process_environ(env):
+            self._call(fn, args, kwargs)
 
     def _call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
         read_fd, write_fd = os.pipe()
@@ -420,13 +458,14 @@ class RayJob:
         """Connect to Ray, place the job, start the scheduler, then the servers and workers.
 
         Raises PlacementError when the roles cannot be placed within the placement timeout,
-        RoleFailed when the scheduler fails to start, DeadlineExceededError when it reports no port
-        within ``KVSTORE_CONNECT_TIMEOUT``.  On any error everything started is torn down.
+        RoleFailed when the scheduler fails to start or an actor dies, DeadlineExceededError when an
+        actor does not start its role, or the scheduler reports no port, within
+        ``KVSTORE_CONNECT_TIMEOUT``.  On any error everything started is torn down.
         """
         try:
             self._connect()
             node_ips = self._place()
-            scheduler = self._spawn(0, node_ips[0], {})
+            scheduler = self._spawn(0, node_ips[0])
             root_uri = scheduler.node_ip
             env = self._env(scheduler.spec, root_uri, 0, scheduler.node_ip)
             self._started([(scheduler, scheduler.actor.start_command.remote(
@@ -439,14 +478,16 @@ class RayJob:
             for index, spec in enumerate(self.roles[1:], start=1):
                 env = self._env(spec, root_uri, port, node_ips[index])
                 if spec.role == "worker" and self.function is not None:
-                    handle = self._spawn(index, node_ips[index], env)
-                    ref = handle.actor.start_function.remote(self.function, self.args, self.kwargs)
+                    # the secret goes as an argument, never in the runtime_env: Ray logs that
+                    handle = self._spawn(index, node_ips[index], {name: env[name] for name in
+                                                                  _PROCESS_START_VARS if name in env})
+                    ref = handle.actor.start_function.remote(self.function, self.args, self.kwargs, env)
                 elif spec.role == "worker":
-                    handle = self._spawn(index, node_ips[index], {})
+                    handle = self._spawn(index, node_ips[index])
                     ref = handle.actor.start_command.remote(self.command, env, self.cwd,
                                                             self.settings.shutdown_timeout)
                 else:
-                    handle = self._spawn(index, node_ips[index], {})
+                    handle = self._spawn(index, node_ips[index])
                     ref = handle.actor.start_command.remote(["-m", "kvstore.server"], env, self.cwd,
                                                             self.settings.shutdown_timeout, python=True)
                 starts.append((handle, ref))
@@ -457,11 +498,20 @@ class RayJob:
         return self
 
     def _started(self, starts: list[tuple[_Handle, Any]]) -> None:
-        """Wait for the actors' start calls; raise RoleFailed for an actor that died (e.g. could not be
-        created)."""
+        """Wait for the actors' start calls, all within one ``KVSTORE_CONNECT_TIMEOUT``.
+
+        Raises RoleFailed for an actor that died (e.g. could not be created) or whose start call
+        raised, DeadlineExceededError naming the first role whose actor has not started it in time.
+        """
+        timeout = self.settings.connect_timeout
+        deadline = time.monotonic() + timeout
         for handle, ref in starts:
             try:
-                ray.get(ref)
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise DeadlineExceededError(
+                    f"{handle.spec.name}'s Ray actor did not start its role within {timeout:g} s "
+                    "(KVSTORE_CONNECT_TIMEOUT): the actor's process was not started or is stuck") from None
             except ray.exceptions.RayActorError as exc:
                 handle.dead = True
                 raise self._died(handle, exc) from None
@@ -474,7 +524,9 @@ class RayJob:
             return  # this process is connected already: use that cluster and leave it be
         if self.address is None and "RAY_USAGE_STATS_ENABLED" not in kvconfig.child_environ({}):
             _disable_usage_stats()
-        ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
+        # "local": a new Ray for this job, even where RAY_ADDRESS or a `ray start` cluster on this
+        # machine would make ray.init(address=None) join that cluster instead
+        ray.init(address=self.address or "local", include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING)
         self._started_ray = True
 
@@ -506,14 +558,16 @@ class RayJob:
                             secret=self.secret, root_uri=root_uri, root_port=port, node_ip=node_ip,
                             forwarded=self.forwarded, extra=self.extra)
 
-    def _spawn(self, index: int, node_ip: str, env_vars: dict[str, str]) -> _Handle:
+    def _spawn(self, index: int, node_ip: str, env_vars: Mapping[str, str] | None = None) -> _Handle:
+        """Create the actor of role ``index`` in its bundle; ``env_vars`` (never a secret: Ray writes a
+        runtime_env to its logs) are set in the actor's process when it starts."""
         spec = self.roles[index]
         options: dict[str, Any] = {
             "num_cpus": spec.cpus, "num_gpus": spec.gpus,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 self._pg, placement_group_bundle_index=index)}
-        if env_vars:  # a function worker: its process gets the role's environment
-            options["runtime_env"] = {"env_vars": env_vars}
+        if env_vars:
+            options["runtime_env"] = {"env_vars": dict(env_vars)}
         handle = _Handle(spec, _Remote.options(**options).remote(spec.name), node_ip)
         self._handles.append(handle)
         return handle
@@ -531,8 +585,15 @@ class RayJob:
             return port
         if code is not None:
             scheduler.exit_code = code
-            self._print(scheduler, ray.get(scheduler.actor.drain.remote(0))[0])
-            raise RoleFailed(f"scheduler exited with code {code} before reporting its port",
+            grace = self.settings.shutdown_timeout
+            note = ""
+            try:
+                self._print(scheduler, ray.get(scheduler.actor.drain.remote(0), timeout=grace)[0])
+            except ray.exceptions.GetTimeoutError:
+                note = f" (its last output did not arrive within {grace:g} s, KVSTORE_SHUTDOWN_TIMEOUT)"
+            except ray.exceptions.RayError as exc:
+                note = f" (its last output is lost: {_death_reason(exc)})"
+            raise RoleFailed(f"scheduler exited with code {code} before reporting its port{note}",
                              "scheduler", None, code)
         raise DeadlineExceededError(f"the scheduler did not report its port within {timeout:g} s "
                                     "(KVSTORE_CONNECT_TIMEOUT)")
@@ -609,10 +670,18 @@ class RayJob:
             workers_left.discard(handle.spec.rank)
 
     def _result_of(self, handle: _Handle) -> Any:
+        """A finished worker's result: 0 for a command, else its function's return value.
+
+        Raises DeadlineExceededError when the value does not arrive within ``KVSTORE_REQUEST_TIMEOUT``,
+        RoleFailed when the actor died or the value could not be sent back."""
         if self.function is None:
             return 0
+        timeout = self.settings.request_timeout
         try:
-            return ray.get(handle.actor.result.remote())
+            return ray.get(handle.actor.result.remote(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise DeadlineExceededError(f"{handle.spec.name}'s return value did not arrive within "
+                                        f"{timeout:g} s (KVSTORE_REQUEST_TIMEOUT)") from None
         except ray.exceptions.RayActorError as exc:
             handle.dead = True
             raise self._died(handle, exc) from None
@@ -749,10 +818,12 @@ def run(target: Sequence[str] | str | Callable[..., Any], num_workers: int, num_
     ``kvstore.create('dist_sync')`` inside it joins the cluster.  Returns the workers' results in
     rank order: the function's return values, or the command workers' exit codes (all 0).
 
-    ``address`` joins a running Ray cluster (as ``ray.init(address=...)``) and leaves it running;
-    None starts a local Ray instance for this job and shuts it down at the end.  If this process is
-    connected to Ray already, that connection is used and kept.  ``env`` adds variables to every
-    role (and the caller's ``KVSTORE_*``/``DMLC_*`` are passed on).  ``*_cpus`` / ``worker_gpus``
+    ``address`` joins a running Ray cluster (as ``ray.init(address=...)``; ``"auto"`` finds one
+    through ``RAY_ADDRESS`` or ``ray start`` on this machine) and leaves it running; None starts a
+    new local Ray instance for this job (``ray.init(address="local")``, whatever ``RAY_ADDRESS``
+    says) and shuts it down at the end.  If this process is connected to Ray already, that
+    connection is used and kept.  ``env`` adds variables to every role (and the caller's
+    ``KVSTORE_*``/``DMLC_*`` and ``OMP_NUM_THREADS`` are passed on).  ``*_cpus`` / ``worker_gpus``
     size each role's bundle; ``placement_timeout`` bounds the wait for them; ``cwd`` is the command
     roles' directory where it exists (default: this one); ``timeout`` bounds the whole run;
     role output lines go to ``stdout`` (default ``sys.stdout``) prefixed ``[worker 1] `` etc.

@@ -63,8 +63,9 @@ def test_describe_request_and_cluster() -> None:
         "8 CPU in all, 8 available; 2 GPU in all, 0 available, on 2 nodes of at most 4 CPU"
 
 
-def test_only_kvstore_and_dmlc_variables_are_forwarded_and_never_per_role_ones() -> None:
-    """The caller's KVSTORE_*/DMLC_* go to every role, except the ones set per role; nothing else."""
+def test_only_kvstore_dmlc_and_omp_variables_are_forwarded_and_never_per_role_ones() -> None:
+    """The caller's KVSTORE_*/DMLC_* and OMP_NUM_THREADS go to every role, except the ones set per role;
+    nothing else (PATH, HOME, ...)."""
     caller = {"KVSTORE_REQUEST_TIMEOUT": "5", "DMLC_INTERFACE": "eth0", "PATH": "/bin", "HOME": "/root",
               "OMP_NUM_THREADS": "8", "DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "10.0.0.1",
               "KVSTORE_PORT_FILE": "/tmp/p", "DMLC_WORKER_ID": "3", "KVSTORE_SERVER_ID": "1",
@@ -110,6 +111,21 @@ def test_role_environment_precedence() -> None:
     by_interface = _env(worker, forwarded={"DMLC_INTERFACE": "eth0"})
     assert by_interface["DMLC_INTERFACE"] == "eth0" and "DMLC_NODE_HOST" not in by_interface
     assert "OMP_NUM_THREADS" not in _env(kvray.plan_roles(1, 1)[1])  # servers keep their own default
+    # the caller's OMP_NUM_THREADS (forwarded) replaces the workers' default of 1, and reaches servers
+    for spec in kvray.plan_roles(1, 1)[1:]:
+        assert _env(spec, forwarded=roles.forwarded({"OMP_NUM_THREADS": "8"}))["OMP_NUM_THREADS"] == "8"
+
+
+def test_without_an_address_a_new_local_ray_is_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """address=None is ray.init(address="local"): a new Ray even where RAY_ADDRESS or a `ray start`
+    cluster would make ray.init(address=None) join that one; an address is passed as given."""
+    calls: list[dict] = []
+    monkeypatch.setattr(kvray.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(kvray.ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(kvray, "_disable_usage_stats", lambda: None)
+    kvray.RayJob(["train.py"], 1, 1)._connect()
+    kvray.RayJob(["train.py"], 1, 1, address="10.0.0.5:6379")._connect()
+    assert [call["address"] for call in calls] == ["local", "10.0.0.5:6379"]
 
 
 def test_death_reason_takes_rays_sentence() -> None:
