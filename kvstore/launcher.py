@@ -2,16 +2,20 @@
 
 parse -> :class:`LaunchConfig` -> (ssh: rsync the working directory to the hosts when asked) ->
 start the scheduler here (port 0, reported through a file), then servers and workers, each in its
-own process group here, or on the hosts over ssh under a :mod:`kvstore.tether` -> supervise: exit 0
-when every worker exits 0; when any process fails, stop every child (SIGTERM to a local group, EOF
-on a remote tether's stdin), wait one shared deadline, SIGKILL the rest and exit with the failed
-process's code.
+own process group here, or on the hosts over ssh under a :mod:`kvstore.tether` (at most
+:data:`SSH_STARTING_PER_HOST` ssh logins to one host at a time) -> supervise: exit 0 when every
+worker exits 0; when any process fails, stop every child (SIGTERM to a local group, EOF on a remote
+tether's stdin), wait (``KVSTORE_SHUTDOWN_TIMEOUT`` from then for a local child; for a remote one
+the longer of that and its tether's own grace, plus :data:`SSH_STOP_MARGIN`), SIGKILL the rest
+and exit with the failed process's code.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import math
 import os
 import queue
 import secrets
@@ -22,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -32,6 +36,17 @@ from .errors import ConfigError
 
 log = logging.getLogger("kvstore.launcher")
 H = TypeVar("H")
+
+# sshd's default MaxStartups 10:30:100 drops new connections at random once 10 are not yet logged in:
+# at most this many ssh clients to one host are started and not yet through (their tether said
+# tether.STARTED, so the login is over); the next one starts when one of them is through or has exited.
+SSH_STARTING_PER_HOST = 8
+# How long past a remote tether's own grace the launcher waits before it kills the ssh client: the
+# tether's grace runs from when the end of file reaches it, across the network.
+SSH_STOP_MARGIN = 5.0
+# Liveness of every ssh connection (and rsync's): a host that stops answering ends ssh with code 255
+# after ServerAliveInterval * ServerAliveCountMax seconds (a minute) instead of TCP's hours.
+SSH_ALIVE_INTERVAL, SSH_ALIVE_COUNT = 15, 4
 
 
 @dataclass(frozen=True)
@@ -52,11 +67,35 @@ class LaunchConfig:
     ray_options: dict[str, float] = field(default_factory=dict)  # ray: server_cpus, ..., placement_timeout
 
 
+def _split_host(entry: str) -> tuple[str, str | None]:
+    """Split a host file entry into the host ssh is given and the port's text (None without one).
+
+    ``host``, ``host:port``, ``[addr]`` and ``[addr]:port`` (an IPv6 address; the host is given
+    without the brackets), each maybe after ``user@``; an entry with more than one colon outside
+    brackets (``::1``) is a host without a port.  Raises ValueError for an empty host or a bracket
+    left open or followed by something other than ``:port``.
+    """
+    user, at, rest = entry.rpartition("@")
+    if rest.startswith("["):
+        inner, close, after = rest[1:].partition("]")
+        if not close or not inner or (after and not after.startswith(":")):
+            raise ValueError(entry)
+        host, port = user + at + inner, (after[1:] if after else None)
+    elif rest.count(":") == 1:
+        host, _, port = entry.rpartition(":")
+    else:
+        host, port = entry, None
+    if not host or host.endswith("@"):
+        raise ValueError(entry)
+    return host, port
+
+
 def parse_hostfile(path: str) -> list[tuple[str, int | None]]:
-    """Read an MXNet-style host file: one ``host`` or ``host:port`` (ssh port) per line.
+    """Read an MXNet-style host file: one ``host`` or ``host:port`` (ssh port) per line; an IPv6
+    address with a port is written ``[addr]:port`` (``[addr]`` and a bare ``addr`` work too).
 
     Blank lines and ``#`` comments are skipped.  Raises ConfigError for an
-    unreadable or empty file or a bad port.
+    unreadable or empty file or a bad entry or port.
     """
     try:
         with open(path) as fh:
@@ -68,12 +107,15 @@ def parse_hostfile(path: str) -> list[tuple[str, int | None]]:
         entry = line.split("#", 1)[0].strip()
         if not entry:
             continue
-        host, sep, port = entry.rpartition(":") if entry.count(":") == 1 else (entry, "", "")
-        if not sep:
-            hosts.append((entry, None))
+        try:
+            host, port = _split_host(entry)
+        except ValueError:
+            port = ""  # reported below
+        if port is None:
+            hosts.append((host, None))
             continue
         if not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"-H {path} line {number}: {entry!r} is not host or host:port")
+            raise ConfigError(f"-H {path} line {number}: {entry!r} is not host, host:port or [addr]:port")
         hosts.append((host, int(port)))
     if not hosts:
         raise ConfigError(f"-H {path}: no hosts in it")
@@ -149,8 +191,11 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     ray_options = {name: value for name, value in given if value is not None}
     if (args.ray_address or ray_options) and args.launcher != "ray":
         parser.error("--ray-* flags only apply to --launcher ray")
-    if any(value < 0 for value in ray_options.values()) or ray_options.get("placement_timeout") == 0:
-        parser.error("--ray-*-cpus/gpus must be >= 0 and --ray-placement-timeout > 0")
+    positive = ("server_cpus", "worker_cpus", "placement_timeout")  # an actor needs some CPU to be placed
+    if (any(not ray_options.get(name, 1) > 0 for name in positive)
+            or not ray_options.get("worker_gpus", 0) >= 0):
+        parser.error("--ray-server-cpus, --ray-worker-cpus and --ray-placement-timeout must be > 0, "
+                     "--ray-worker-gpus >= 0")
     return LaunchConfig(args.num_workers, args.num_servers or args.num_workers,
                         list(args.command), args.launcher, extra, hosts=hosts,
                         sync_dst_dir=args.sync_dst_dir, ssh_args=shlex.split(args.ssh_args),
@@ -168,10 +213,16 @@ def placement(num_servers: int, num_workers: int, hosts: Sequence[H]) -> list[tu
     return [(role, rank, hosts[i % len(hosts)]) for i, (role, rank) in enumerate(roles)]
 
 
+def _bracketed(name: str) -> str:
+    """``user@addr`` with an IPv6 ``addr`` as ``user@[addr]`` (so a ``:`` after it is not read as its own)."""
+    user, at, node = name.rpartition("@")
+    return f"{user}{at}[{node}]" if ":" in node else name
+
+
 def host_label(host: tuple[str, int | None]) -> str:
-    """``host`` or ``host:port`` as the hostfile wrote it (for messages)."""
+    """``host`` or ``host:port`` as the hostfile wrote it, ``[addr]:port`` for IPv6 (for messages)."""
     name, port = host
-    return name if port is None else f"{name}:{port}"
+    return name if port is None else f"{_bracketed(name)}:{port}"
 
 
 def node_name(host: str) -> str:
@@ -179,15 +230,22 @@ def node_name(host: str) -> str:
     return host.rpartition("@")[2]
 
 
-def ssh_command(host: tuple[str, int | None], ssh_args: list[str], remote: str) -> list[str]:
-    """Return the ssh client's argv that runs the shell command ``remote`` on ``host``.
+def ssh_options(port: int | None, ssh_args: list[str], connect_timeout: float) -> list[str]:
+    """``[-p PORT] SSH_ARGS`` and then the launcher's defaults: ``-o BatchMode=yes`` (never prompt),
+    ``-o ConnectTimeout=`` ``connect_timeout`` rounded up (seconds to connect), ``-o ServerAliveInterval=15
+    -o ServerAliveCountMax=4`` (a host that stops answering ends ssh after a minute).  ``ssh_args``
+    come first, so the user's value of an option wins (ssh keeps the first value)."""
+    return [*(["-p", str(port)] if port is not None else []), *ssh_args, "-o", "BatchMode=yes",
+            "-o", f"ConnectTimeout={max(1, math.ceil(connect_timeout))}",
+            "-o", f"ServerAliveInterval={SSH_ALIVE_INTERVAL}", "-o", f"ServerAliveCountMax={SSH_ALIVE_COUNT}"]
 
-    ``ssh [-p PORT] SSH_ARGS -o BatchMode=yes HOST REMOTE``: options in ``ssh_args`` come first,
-    so they win over BatchMode (ssh keeps the first value of an option).
-    """
+
+def ssh_command(host: tuple[str, int | None], ssh_args: list[str], remote: str,
+                connect_timeout: float = kvconfig.DEFAULT_CONNECT_TIMEOUT) -> list[str]:
+    """Return the ssh client's argv that runs the shell command ``remote`` on ``host``:
+    ``ssh`` :func:`ssh_options` ``HOST REMOTE``."""
     name, port = host
-    return ["ssh", *(["-p", str(port)] if port is not None else []), *ssh_args, "-o", "BatchMode=yes",
-            name, remote]
+    return ["ssh", *ssh_options(port, ssh_args, connect_timeout), name, remote]
 
 
 def remote_command(directory: str, python: str, grace: float) -> str:
@@ -214,12 +272,49 @@ def remote_environ(extra: Mapping[str, str], node: str, environ: Mapping[str, st
     return roles.with_node_host(env, node)
 
 
-def rsync_command(host: tuple[str, int | None], ssh_args: list[str], source: str, dest: str) -> list[str]:
-    """Return ``rsync -az`` of ``source``'s content into ``dest`` on ``host`` over the same ssh."""
+def rsync_command(host: tuple[str, int | None], ssh_args: list[str], source: str, dest: str,
+                  connect_timeout: float = kvconfig.DEFAULT_CONNECT_TIMEOUT) -> list[str]:
+    """Return ``rsync -az`` of ``source``'s content into ``dest`` on ``host`` over the same ssh (with the
+    same :func:`ssh_options`); an IPv6 address is bracketed in the destination, as rsync wants."""
     name, port = host
-    shell = shlex.join(["ssh", *(["-p", str(port)] if port is not None else []), *ssh_args,
-                        "-o", "BatchMode=yes"])
-    return ["rsync", "-az", "-e", shell, source.rstrip("/") + "/", f"{name}:{dest}"]
+    shell = shlex.join(["ssh", *ssh_options(port, ssh_args, connect_timeout)])
+    return ["rsync", "-az", "-e", shell, source.rstrip("/") + "/", f"{_bracketed(name)}:{dest}"]
+
+
+def tether_grace(env: Mapping[str, str], default: float) -> float:
+    """The grace a remote tether gives its role between SIGTERM and SIGKILL, given ``env``, the
+    environment the launcher sends it: its ``KVSTORE_SHUTDOWN_TIMEOUT``, else ``default`` (the value
+    :func:`remote_command` puts on the tether's command line).  An invalid value makes the tether
+    refuse the request at once, so ``default`` is returned for it."""
+    try:
+        return kvconfig.load({"KVSTORE_SHUTDOWN_TIMEOUT": env.get("KVSTORE_SHUTDOWN_TIMEOUT")
+                              or f"{default:g}"}).shutdown_timeout
+    except ConfigError:
+        return default
+
+
+@contextlib.contextmanager
+def held_interrupts() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for a ``with`` block, then deliver those that came (once each) to the
+    handlers there were: e.g. a Ctrl-C then raises KeyboardInterrupt after the block, not inside it.
+
+    Done by swapping the Python handlers (which always run in the main thread), not by a signal
+    mask (which would not stop another thread from taking the signal).  Outside the main thread,
+    where handlers cannot be set, nothing is held.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in dict.fromkeys(held):
+            signal.raise_signal(sig)
 
 
 class SyncFailed(Exception):
@@ -230,20 +325,25 @@ class SyncFailed(Exception):
         self.code = code
 
 
-def sync_dir(hosts: list[tuple[str, int | None]], ssh_args: list[str], source: str, dest: str) -> None:
+def sync_dir(hosts: list[tuple[str, int | None]], ssh_args: list[str], source: str, dest: str,
+             connect_timeout: float = kvconfig.DEFAULT_CONNECT_TIMEOUT) -> None:
     """rsync ``source`` into ``dest`` on every distinct host, in parallel.
 
-    Raises SyncFailed (with rsync's output and code) when any fails; rsync processes still running
-    then (or on an interrupt) are killed and reaped.
+    There is no overall deadline (a copy takes as long as its size needs); a stalled one is ended by
+    the ssh options (:func:`ssh_options`: ``connect_timeout`` to connect, a minute of silence from
+    the host), and an interrupt ends the wait.  Raises SyncFailed (with rsync's output and code) when
+    any fails; rsync processes still running then (or on an interrupt) are killed and reaped.
     """
     procs: list[tuple[tuple[str, int | None], subprocess.Popen]] = []
     try:
         for host in dict.fromkeys(hosts):
             log.info("rsync %s/ to %s on %s", source.rstrip("/"), dest, host_label(host))
             try:
-                procs.append((host, subprocess.Popen(rsync_command(host, ssh_args, source, dest),
-                                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                     stderr=subprocess.STDOUT, start_new_session=True)))
+                with held_interrupts():  # an interrupt comes after the append, so the kill below sees it
+                    procs.append((host, subprocess.Popen(
+                        rsync_command(host, ssh_args, source, dest, connect_timeout),
+                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        start_new_session=True)))
             except OSError as exc:
                 raise SyncFailed(f"cannot start rsync for --sync-dst-dir: {exc}", 127) from None
         for host, proc in procs:
@@ -264,14 +364,22 @@ class Child:
     and the thread that prefixes its output.
 
     ``host`` is None for a local child: it is stopped with SIGTERM to its process group.  For a
-    remote one it names the host, and ``proc`` is the ssh client running a tether there: it is
-    stopped by closing the tether's stdin (the tether stops the role and exits, so ssh exits).
+    remote one it names the host, and ``proc`` is the ssh client running a tether there (asked to
+    announce itself): it is stopped by closing the tether's stdin (the tether stops the role and
+    exits, so ssh exits), and ``tether_grace`` is how long that tether gives the role before SIGKILL.
+    ``started`` is set once the child is past starting: at once for a local child; for a remote one
+    when the tether's :data:`kvstore.tether.STARTED` line arrives (it is not printed), or ssh exits.
     """
 
     def __init__(self, role: str, rank: int | None, proc: subprocess.Popen, out_lock: threading.Lock,
-                 exits: queue.SimpleQueue, host: tuple[str, int | None] | None = None) -> None:
+                 exits: queue.SimpleQueue, host: tuple[str, int | None] | None = None,
+                 tether_grace: float = 0.0) -> None:
         self.role, self.rank, self.proc, self.host = role, rank, proc, host
+        self.tether_grace = tether_grace
         self.name = role if rank is None else f"{role} {rank}"
+        self.started = threading.Event()
+        if host is None:
+            self.started.set()
         self._reader = threading.Thread(target=self._pump, args=(out_lock,), daemon=True)
         self._reader.start()
         # Exit is watched apart from the output: a grandchild may hold the pipe open for long.
@@ -279,13 +387,22 @@ class Child:
 
     def _pump(self, out_lock: threading.Lock) -> None:
         prefix = f"[{self.name}] ".encode()
+        announced = self.host is None  # a remote tether's first line of its own is STARTED
         for line in iter(self.proc.stdout.readline, b""):
+            if not announced and line.endswith(tether.STARTED):
+                announced = True  # the tether's line, maybe after a partial line of the login's
+                self.started.set()
+                line = line[: -len(tether.STARTED)]
+                if not line:
+                    continue
+                line += b"\n"
             with out_lock:
                 sys.stdout.buffer.write(prefix + line)
                 sys.stdout.buffer.flush()
 
     def _watch(self, exits: queue.SimpleQueue) -> None:
         self.proc.wait()
+        self.started.set()
         exits.put(self)
 
     @property
@@ -333,25 +450,62 @@ class Cluster:
 
     def _start(self, role: str, rank: int | None, argv: list[str], extra: dict[str, str],
                defaults: dict[str, str] | None = None, host: tuple[str, int | None] | None = None) -> Child:
-        """Start ``argv`` as ``role`` here, or on ``host`` over ssh under a tether.  Raises StartFailed."""
+        """Start ``argv`` as ``role`` here, or on ``host`` over ssh under a tether (once
+        :meth:`_wait_ssh_slot` allows).  SIGINT and SIGTERM are held from the start until the child is
+        in ``children``, so an interrupt never leaves one unstopped.  Raises StartFailed, and for ssh
+        what :meth:`_wait_ssh_slot` raises."""
         extra = {**self.base_env, "DMLC_ROLE": role, **extra}
         name = role if rank is None else f"{role} {rank}"
         piped = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "start_new_session": True}
-        try:
-            if host is None:
-                env = kvconfig.child_environ(extra, defaults=defaults)
-                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, **piped)
-            else:
-                env = remote_environ(extra, node_name(host[0]), defaults=defaults)
-                remote = remote_command(self.cfg.sync_dst_dir or os.getcwd(), self.cfg.remote_python
-                                        or sys.executable, self.settings.shutdown_timeout)
-                proc = tether.spawn(argv, env, via=ssh_command(host, self.cfg.ssh_args, remote), **piped)
-        except OSError as exc:
-            what = shlex.join(argv) if host is None else "ssh"
-            raise StartFailed(f"cannot start {what} ({name}): {exc}") from None
-        child = Child(role, rank, proc, self.out_lock, self.exits, host=host)
-        self.children.append(child)
+        grace = 0.0
+        if host is not None:
+            env = remote_environ(extra, node_name(host[0]), defaults=defaults)
+            grace = tether_grace(env, self.settings.shutdown_timeout)
+            remote = remote_command(self.cfg.sync_dst_dir or os.getcwd(), self.cfg.remote_python
+                                    or sys.executable, self.settings.shutdown_timeout)
+            via = ssh_command(host, self.cfg.ssh_args, remote, self.settings.connect_timeout)
+            self._wait_ssh_slot(host)
+        with held_interrupts():
+            try:
+                if host is None:
+                    env = kvconfig.child_environ(extra, defaults=defaults)
+                    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, **piped)
+                else:
+                    proc = tether.spawn(argv, env, via=via, announce=True, **piped)
+            except OSError as exc:
+                what = shlex.join(argv) if host is None else "ssh"
+                raise StartFailed(f"cannot start {what} ({name}): {exc}") from None
+            child = Child(role, rank, proc, self.out_lock, self.exits, host=host, tether_grace=grace)
+            self.children.append(child)
         return child
+
+    def _wait_ssh_slot(self, host: tuple[str, int | None]) -> None:
+        """Return once fewer than :data:`SSH_STARTING_PER_HOST` ssh clients to ``host``'s machine (its
+        name without ``user@``, and port) are not yet ``started``, so sshd's MaxStartups is not hit.
+
+        Raises ChildFailed when a child exits non-zero meanwhile, TimeoutError when no ssh client to
+        that host gets through within ``KVSTORE_CONNECT_TIMEOUT``.
+        """
+        def machine(entry: tuple[str, int | None]) -> tuple[str, int | None]:
+            return node_name(entry[0]), entry[1]
+
+        deadline = time.monotonic() + self.settings.connect_timeout
+        while True:
+            starting = [child for child in self.children if child.host is not None
+                        and machine(child.host) == machine(host) and not child.started.is_set()]
+            if len(starting) < SSH_STARTING_PER_HOST:
+                return
+            failed = next((child for child in self.children if child.exit_code not in (None, 0)), None)
+            if failed is not None:
+                raise ChildFailed(failed)
+            if time.monotonic() >= deadline:
+                names = ", ".join(child.name for child in starting)
+                raise TimeoutError(
+                    f"{len(starting)} ssh connections to {host_label(host)} ({names}) "
+                    f"did not start kvstore.tether within {self.settings.connect_timeout:g} s "
+                    "(KVSTORE_CONNECT_TIMEOUT), so no more were started there: is that host slow to log "
+                    "in, or its kvstore older than the launcher's (one that does not announce itself)?")
+            starting[0].started.wait(0.05)
 
     def start(self, workdir: str) -> None:
         """Start the scheduler here, learn its port, then start servers and workers (here, or on the
@@ -369,7 +523,7 @@ class Cluster:
         count = len(set(self.cfg.hosts))
         where = f" on {count} host{'s' * (count != 1)} over ssh" if remote else ""
         log.info("scheduler on %s:%d; starting %d servers and %d workers%s",
-                 root, port, self.cfg.num_servers, self.cfg.num_workers, where)
+                 _bracketed(root), port, self.cfg.num_servers, self.cfg.num_workers, where)
         python = (self.cfg.remote_python or sys.executable) if remote else sys.executable
         worker_argv = [python, *self.cfg.command] if self.cfg.command[0].endswith(".py") else self.cfg.command
         hosts = self.cfg.hosts if remote else [None]
@@ -382,6 +536,8 @@ class Cluster:
                             defaults={"OMP_NUM_THREADS": "1"}, host=host)
 
     def _wait_port(self, path: str, scheduler: Child) -> int:
+        """Return the port the scheduler wrote to ``path``.  Raises ChildFailed when it exits first
+        (with any code: exit 0 is a failed launch too), TimeoutError after ``KVSTORE_CONNECT_TIMEOUT``."""
         deadline = time.monotonic() + self.settings.connect_timeout
         while time.monotonic() < deadline:
             if os.path.exists(path):
@@ -391,7 +547,7 @@ class Cluster:
                 failed = self.exits.get(timeout=0.05)
             except queue.Empty:
                 continue
-            raise ChildFailed(failed)
+            raise ChildFailed(failed, "before it reported its port")
         raise TimeoutError(f"the scheduler did not report its port within "
                            f"{self.settings.connect_timeout:g} s (KVSTORE_CONNECT_TIMEOUT)")
 
@@ -413,31 +569,56 @@ class Cluster:
                             child.name, self.settings.shutdown_timeout)
         return 0
 
+    def stop_wait(self, child: Child) -> float:
+        """Seconds :meth:`stop_all` gives ``child`` after asking it to stop: ``KVSTORE_SHUTDOWN_TIMEOUT``
+        for a local one; for a remote one the longer of that and its tether's grace (which runs from
+        when the end of file reaches the tether), plus :data:`SSH_STOP_MARGIN`, so the tether has
+        stopped the role (SIGKILL included) before its ssh client is killed."""
+        if child.host is None:
+            return self.settings.shutdown_timeout
+        return max(self.settings.shutdown_timeout, child.tether_grace) + SSH_STOP_MARGIN
+
     def stop_all(self) -> list[str]:
-        """Stop every child (SIGTERM to a local group, EOF to a remote tether), wait one shared deadline,
-        SIGKILL the rest (a remote child's ssh client); return who was killed."""
+        """Stop every child (SIGTERM to a local group, EOF to a remote tether), give each
+        :meth:`stop_wait` from then, SIGKILL the rest (a remote child's ssh client); return who was
+        killed, each with how long it was given."""
         for child in self.children:
             child.stop()
-        deadline = time.monotonic() + self.settings.shutdown_timeout
+        start = time.monotonic()
         killed = []
         for child in self.children:
+            wait = self.stop_wait(child)
+            end = start + wait
             try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
+                child.proc.wait(max(0.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.proc.wait()
-                where = "" if child.host is None else f" (the ssh client; host {host_label(child.host)})"
-                killed.append(child.name + where)
+                where = "" if child.host is None else f"the ssh client; host {host_label(child.host)}; "
+                killed.append(f"{child.name} ({where}after {wait:g} s)")
+                continue
+            if child.host is None:  # what a local child left in its group gets the same deadline
+                while tether.group_alive(child.proc.pid) and time.monotonic() < end:
+                    time.sleep(0.05)  # polling interval of a wait bounded by ``end``
+                if tether.group_alive(child.proc.pid):
+                    child.kill()
+                    killed.append(f"what {child.name} left in its process group (after {wait:g} s)")
         for child in self.children:
             child.join(5.0)
         return killed
 
 
 class ChildFailed(Exception):
-    """A child process exited when it should not have (or with a non-zero code)."""
+    """A child process exited when it should not have (or with a non-zero code).
 
-    def __init__(self, child: Child) -> None:
+    ``when`` says when, if that is part of the failure (``"before it reported its port"``).  ``code``
+    is the launcher's exit code for it: the child's, or 1 when the child exited 0 (a launch that
+    failed must not exit 0), which the message then says.
+    """
+
+    def __init__(self, child: Child, when: str = "") -> None:
         code = child.exit_code
+        self.code = code or 1
         if child.host is None:
             message = f"{child.name} exited with code {code}"
         elif code == 255:
@@ -447,6 +628,10 @@ class ChildFailed(Exception):
                        f"prefixed [{child.name}])")
         else:
             message = f"{child.name} on {host_label(child.host)} exited with code {code}"
+        if when:
+            message += f" {when}"
+        if code == 0:
+            message += " (a failed launch: the launcher exits with code 1)"
         super().__init__(message)
         self.child = child
 
@@ -459,21 +644,24 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
     """Launch ``cfg`` and supervise it to the end; return the launcher's exit code."""
     settings = settings or kvconfig.load()
     if cfg.launcher == "ray":
-        from .ray import launch as launch_on_ray  # imports ray: only for this launcher
-
+        try:
+            from .ray import launch as launch_on_ray  # imports ray: only for this launcher
+        except ImportError as exc:
+            log.error("--launcher ray needs the [ray] extra: pip install 'kvstore-ps[ray]' (%s)", exc)
+            return 2
         return launch_on_ray(cfg, settings)
     previous = signal.signal(signal.SIGTERM, roles.raise_interrupt)
     cluster: Cluster | None = None
     code = 0
     try:
         if cfg.launcher == "ssh" and cfg.sync_dst_dir:
-            sync_dir(cfg.hosts, cfg.ssh_args, os.getcwd(), cfg.sync_dst_dir)
+            sync_dir(cfg.hosts, cfg.ssh_args, os.getcwd(), cfg.sync_dst_dir, settings.connect_timeout)
         cluster = Cluster(cfg, settings)
         with tempfile.TemporaryDirectory(prefix="kvstore-launch-") as workdir:
             cluster.start(workdir)
             code = cluster.supervise()
     except ChildFailed as exc:
-        code = exc.child.exit_code
+        code = exc.code
         log.error("%s; stopping the other processes", exc)
     except KeyboardInterrupt as exc:
         sig = exc.args[0] if exc.args else signal.SIGINT
@@ -494,7 +682,7 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
     finally:
         killed = cluster.stop_all() if cluster is not None else []
         if killed:
-            log.error("killed after %g s: %s", settings.shutdown_timeout, ", ".join(killed))
+            log.error("killed after their stop timeout: %s", ", ".join(killed))
         signal.signal(signal.SIGTERM, previous)
     return code
 

@@ -132,6 +132,19 @@ def test_exit_seen_while_a_grandchild_holds_the_output(tag: str) -> None:
     assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
 
 
+def test_a_grandchild_that_ignores_sigterm_is_killed(tag: str) -> None:
+    """What a worker leaves in its process group is SIGKILLed at the stop deadline, even if it ignores
+    SIGTERM and its worker has exited 0 (the launcher then logs what it killed)."""
+    code = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(\\'stubborn\\', flush=True); "
+            "time.sleep(60)']); import time; time.sleep(1)")
+    rc, out = finish(_launch(["-n", "1", "-s", "1", sys.executable, "-c", code], tag,
+                             {**os.environ, "KVSTORE_SHUTDOWN_TIMEOUT": "1"}), timeout=45)
+    assert rc == 0 and "[worker 0] stubborn" in out, out
+    assert "what worker 0 left in its process group" in out, out
+    assert poll_for(lambda: not tagged_pids(tag), 10, "the stubborn grandchild to be killed")
+
+
 def _pid_of(tag: str, role: str, rank: int) -> int | None:
     """The pid of the launched ``role`` with ``rank`` (found by its environment), if it runs."""
     wanted = {b"DMLC_ROLE=" + role.encode(),

@@ -3,7 +3,9 @@ fail-fast, Ctrl-C, --sync-dst-dir, unreachable hosts, and no process (local or r
 
 The module's sshd runs as the test user on a free port with keys made for this run; the launcher is
 given them through ``--ssh-args``.  "Remote" processes are children of that sshd, so a leak shows as
-a live descendant of it, or as a live process carrying the test's tag in its environment.
+a live descendant of it, or as a live process carrying the test's tag in its environment.  Its
+``MaxStartups 8`` (stricter than sshd's default 10:30:100) drops every connection that arrives while 8
+are not yet logged in, so a launcher that opened more at once to one host would fail here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,12 +33,13 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "sum_check.py")
 
 @dataclass(frozen=True)
 class Sshd:
-    """A running sshd: its port, the --ssh-args that log in to it, its process."""
+    """A running sshd: its port, the --ssh-args that log in to it, its process, its log."""
 
     port: int
     ssh_args: str
     proc: subprocess.Popen
     workdir: Path
+    log: Path
 
 
 def _free_port() -> int:
@@ -68,15 +72,15 @@ def _is_descendant(pid: int, ancestor: int) -> bool:
     return pid in _descendants(ancestor)
 
 
-def _start_sshd(workdir: Path, attempt: int) -> tuple[subprocess.Popen, int, str]:
-    """Start sshd on a free port; return it, the port and its log, or (exited proc, port, log)."""
+def _start_sshd(workdir: Path, attempt: int) -> tuple[subprocess.Popen, int, Path]:
+    """Start sshd on a free port; return it, the port and its log file (the process may have exited)."""
     port = _free_port()
     config = workdir / "sshd_config"
     config.write_text("\n".join([
         f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {workdir / 'host_key'}",
         f"AuthorizedKeysFile {workdir / 'authorized_keys'}", f"PidFile {workdir / 'sshd.pid'}",
         "StrictModes no", "UsePAM no", "PermitRootLogin prohibit-password", "PubkeyAuthentication yes",
-        "PasswordAuthentication no", "KbdInteractiveAuthentication no", "MaxStartups 100",
+        "PasswordAuthentication no", "KbdInteractiveAuthentication no", "MaxStartups 8",
         "LogLevel INFO", ""]))
     log = workdir / f"sshd-{attempt}.log"
     with open(log, "wb") as fh:
@@ -84,7 +88,7 @@ def _start_sshd(workdir: Path, attempt: int) -> tuple[subprocess.Popen, int, str
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     poll_for(lambda: proc.poll() is not None or "Server listening" in log.read_text(errors="replace"),
              20, "sshd to listen or exit")
-    return proc, port, log.read_text(errors="replace")
+    return proc, port, log
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +109,15 @@ def sshd(tmp_path_factory: pytest.TempPathFactory):
         proc, port, log = _start_sshd(workdir, attempt)
         if proc.poll() is None:
             break
-        if "Address already in use" not in log and "Bind to port" not in log:
-            pytest.fail(f"sshd did not start:\n{log}")
+        text = log.read_text(errors="replace")
+        if "Address already in use" not in text and "Bind to port" not in text:
+            pytest.fail(f"sshd did not start:\n{text}")
     else:
-        pytest.fail(f"sshd found no free port in 5 tries:\n{log}")
+        pytest.fail(f"sshd found no free port in 5 tries:\n{text}")
     ssh_args = shlex.join(["-F", "/dev/null", "-i", str(workdir / "client_key"), "-o", "IdentitiesOnly=yes",
                            "-o", "UserKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=no",
                            "-o", "LogLevel=ERROR"])
-    yield Sshd(port, ssh_args, proc, workdir)
+    yield Sshd(port, ssh_args, proc, workdir, log)
     for pid in _descendants(proc.pid):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -141,6 +146,36 @@ def _launch(sshd: Sshd, hostfile: str, args: list[str], tag: str, cwd: Path = RE
             "--ssh-args", sshd.ssh_args, "--env", f"KVSTORE_TEST_TAG={tag}", *args]
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+
+
+class _Output:
+    """A process's output, read by a thread of its own, so a test can wait for a line with a deadline."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        """Wait up to ``timeout`` for the process to exit and its output to end; return (exit code,
+        output).  Past it, the process's group is killed and the test fails with the output so far."""
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+            self._reader.join(10)
+            so_far = "".join(self.lines)
+            raise AssertionError(f"launcher did not finish within {timeout} s:\n{so_far}") from None
+        self._reader.join(10)
+        assert not self._reader.is_alive(), "the launcher's output did not end within 10 s of its exit"
+        self.proc.stdout.close()
+        return rc, "".join(self.lines)
 
 
 def _nothing_left(sshd: Sshd, tag: str) -> None:
@@ -176,14 +211,11 @@ def test_secret_travels_on_stdin_not_command_lines(sshd: Sshd, tag: str, tmp_pat
                                  # worker 0 waits for a round worker 1 never joins; 1 waits at a barrier
                                  "kv.push(1, np.ones(1)) or kv.pull(1) if kv.rank == 0 else kv.barrier()"],
                    tag, env={"KVSTORE_SECRET": secret})
-    lines, ready = [], set()
+    output = _Output(proc)
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.endswith("] READY\n"):
-                ready.add(line.split("]")[0])
-            if len(ready) == 2:  # both workers joined and block now
-                break
+        def ready() -> set[str]:
+            return {line.split("]")[0] for line in list(output.lines) if line.endswith("] READY\n")}
+        poll_for(lambda: len(ready()) == 2, 60, "both workers to print READY")  # both joined and block now
         on_command_lines = []
         for entry in Path("/proc").iterdir():
             try:
@@ -199,9 +231,62 @@ def test_secret_travels_on_stdin_not_command_lines(sshd: Sshd, tag: str, tmp_pat
             assert f"KVSTORE_SECRET={secret}".encode() in Path(f"/proc/{pid}/environ").read_bytes()
     finally:
         proc.send_signal(signal.SIGINT)
-        rc, out = finish(proc, timeout=30)
-    assert rc == 130, "".join(lines) + out
+        rc, out = output.finish(30)
+    assert rc == 130, out
     assert "interrupted; stopping every process" in out and "killed after" not in out, out  # EOF sufficed
+    _nothing_left(sshd, tag)
+
+
+def _remote_pid(tag: str, role: str) -> int | None:
+    """The pid of a remote process running as ``role`` (found by its environment), if there is one."""
+    for pid in tagged_pids(tag):
+        try:
+            if f"DMLC_ROLE={role}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def test_a_longer_remote_grace_is_waited_for_before_ssh_is_killed(sshd: Sshd, tag: str,
+                                                                  tmp_path: Path) -> None:
+    """The roles get KVSTORE_SHUTDOWN_TIMEOUT=3 (--env), the launcher has 1, and the worker ignores
+    SIGTERM: on Ctrl-C the launcher waits for the remote tether, which SIGKILLs the worker after its
+    3 s and says so through the still open connection; the launcher kills no ssh client, exits 130,
+    and the worker is gone."""
+    hosts = _hostfile(tmp_path, f"127.0.0.1:{sshd.port}")
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('READY', flush=True); time.sleep(100)")
+    proc = _launch(sshd, hosts, ["--env", "KVSTORE_SHUTDOWN_TIMEOUT=3", "-n", "1", "-s", "1",
+                                 sys.executable, "-c", stubborn], tag, env={"KVSTORE_SHUTDOWN_TIMEOUT": "1"})
+    output = _Output(proc)
+    try:
+        poll_for(lambda: "[worker 0] READY\n" in output.lines, 60, "the worker to ignore SIGTERM")
+        worker = poll_for(lambda: _remote_pid(tag, "worker"), 10, "the remote worker's pid")
+        assert _is_descendant(worker, sshd.proc.pid)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc, out = output.finish(30)
+    assert rc == 130, out
+    assert "[worker 0] kvstore.tether: " in out, out
+    assert "did not stop within 3 s of SIGTERM; killed it" in out, out  # by the tether, said over ssh
+    assert "killed after" not in out, out  # every ssh client exited by itself
+    poll_for(lambda: worker not in tagged_pids(tag), 15, "the remote worker to be gone")
+    _nothing_left(sshd, tag)
+
+
+def test_many_roles_on_one_host_stay_under_maxstartups(sshd: Sshd, tag: str, tmp_path: Path) -> None:
+    """-n 20 -s 1 on one host: 21 ssh logins to an sshd that drops any connection past 8 not yet logged
+    in.  The launcher keeps at most 8 of them starting at a time, so every role runs, the launcher
+    exits 0, the tethers' STARTED lines are not printed, and sshd dropped nothing."""
+    hosts = _hostfile(tmp_path, f"127.0.0.1:{sshd.port}")
+    before = sshd.log.read_text(errors="replace").count("past MaxStartups")
+    rc, out = finish(_launch(sshd, hosts, ["-n", "20", "-s", "1", "sh", "-c", "echo hello $DMLC_WORKER_ID"],
+                             tag, env={"KVSTORE_SHUTDOWN_TIMEOUT": "1"}), timeout=90)
+    assert rc == 0, out
+    assert all(f"[worker {rank}] hello {rank}\n" in out for rank in range(20)), out
+    assert "kvstore.tether: started" not in out, out
+    assert sshd.log.read_text(errors="replace").count("past MaxStartups") == before
     _nothing_left(sshd, tag)
 
 
