@@ -33,9 +33,10 @@ Everything here is pure: each function takes an ``environ`` mapping (a value
 that is empty or only whitespace counts as unset, as in :mod:`kvstore.config`)
 and returns a new ``dict`` of variables to add to it.  A variable the user set
 already wins over a derived one: the returned dict carries the user's value.
-Nothing here opens a socket or imports mpi4py; ``kvstore/node.py`` does the
-impure parts (mpi4py's broadcast of rank 0's address, the route to the
-scheduler, starting the scheduler beside a ``TF_CONFIG`` chief).
+Nothing here opens a socket or imports mpi4py or torch; ``kvstore/node.py`` does
+the impure parts (mpi4py's broadcast of rank 0's address, the scheduler's port
+through torchrun's store, the route to the scheduler, starting the scheduler
+beside a ``TF_CONFIG`` chief).
 See ``docs/cluster-managers.md``.
 """
 
@@ -43,17 +44,26 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from . import roles
 from .errors import ConfigError
 
 DEFAULT_ROOT_PORT = 9091  # the first port MXNet's dmlc tracker tries
 # Slurm without DMLC_PS_ROOT_PORT: 10000 + SLURM_JOB_ID % 20000, i.e. 10000..29999 (below Linux's
 # ephemeral ports, 32768 and up), so two jobs sharing a node get different ports unless their ids
-# differ by a multiple of 20000.
+# differ by a multiple of 20000.  MPI uses the same range, from a CRC-32 of its job id.
 SLURM_PORT_BASE = 10000
 SLURM_PORT_SPAN = 20000
+# The MPI launchers' job ids, in the order tried: Open MPI <= 4 (ORTE), then any PMIx launcher (Open MPI
+# 4 and 5, Slurm's srun --mpi=pmix).  MPICH's and Intel MPI's Hydra set neither.
+MPI_JOB_IDS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")
+# torchrun (torch >= 2.4) tells its processes that its agent's TCPStore, at MASTER_ADDR:MASTER_PORT, is
+# shared with them by TORCHELASTIC_USE_AGENT_STORE=True; rank 0 publishes the scheduler's port there.
+TORCH_STORE_FLAG = "TORCHELASTIC_USE_AGENT_STORE"
+TORCH_PORT_KEY = "kvstore/scheduler_port/{restart}"  # {restart}: TORCHELASTIC_RESTART_COUNT
 
 NO_MANAGER = (
     "DMLC_ROLE is not set, and no cluster manager was detected (kvstore.node looks for TF_CONFIG; "
@@ -84,7 +94,7 @@ class Derivation:
         return self.env["DMLC_ROLE"]
 
     def summary(self) -> str:
-        """One line for the log, e.g. ``slurm task 3 of 5 -> worker 1, scheduler n01:10042``.
+        """One line for the log, e.g. ``slurm task 3 of 5 -> worker 0, scheduler n01:10042`` (S=2).
 
         It names no secret: only the role, its id and the scheduler's address.
         """
@@ -142,6 +152,33 @@ def _required(env: Mapping[str, str], name: str, why: str, minimum: int = 0,
     if value is None:
         raise ConfigError(f"{name} is not set: {why}")
     return value
+
+
+def _root_port(env: Mapping[str, str]) -> int | None:
+    """The user's ``DMLC_PS_ROOT_PORT``, or None when unset.
+
+    Under a cluster manager every role must know the scheduler's port before it
+    starts, so the port is fixed: 0 (any free port, reported in ``KVSTORE_PORT_FILE``)
+    needs a launcher that reads that file.  Raises ConfigError naming the variable
+    for a value that is not an int in [1, 65535].
+    """
+    raw = _value(env, "DMLC_PS_ROOT_PORT")
+    if raw is None:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ConfigError(f"DMLC_PS_ROOT_PORT={raw!r} is not an integer") from None
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"DMLC_PS_ROOT_PORT={port} must be in [1, 65535]: under a cluster manager every "
+                          "role must know the scheduler's port before it starts (0, any free port, needs a "
+                          "launcher that reads the scheduler's KVSTORE_PORT_FILE)")
+    return port
+
+
+def _job_port(job_id: str) -> int:
+    """The scheduler's port from a launcher's job id (any text): 10000 + its CRC-32 % 20000."""
+    return SLURM_PORT_BASE + zlib.crc32(job_id.encode()) % SLURM_PORT_SPAN
 
 
 def _user_wins(env: Mapping[str, str], derived: dict[str, str]) -> dict[str, str]:
@@ -277,15 +314,22 @@ def _explain_mpi(env: Mapping[str, str]) -> Derivation:
             "Set DMLC_PS_ROOT_URI to the address of rank 0's host for every rank (mpirun -x "
             "DMLC_PS_ROOT_URI=HOST ...), or install mpi4py in this Python, with which rank 0 "
             "broadcasts its address to the others")
-    return _finish(env, job, rank, size, host, _value(env, "DMLC_PS_ROOT_PORT") or DEFAULT_ROOT_PORT)
+    port = _root_port(env)
+    if port is None:
+        job_id = next((value for value in (_value(env, name) for name in MPI_JOB_IDS) if value), None)
+        port = DEFAULT_ROOT_PORT if job_id is None else _job_port(job_id)
+    return _finish(env, job, rank, size, host, port)
 
 
 def mpi(environ: Mapping[str, str]) -> dict[str, str]:
     """Derive a process's variables from Open MPI's or MPICH's rank and size.
 
-    The root is ``DMLC_PS_ROOT_URI`` (node.py can fill it in with mpi4py) and
-    ``DMLC_PS_ROOT_PORT`` or 9091.  Raises ConfigError when the root is unknown
-    or the plan does not fit the world size.
+    The root is ``DMLC_PS_ROOT_URI`` (node.py can fill it in with mpi4py); its
+    port is ``DMLC_PS_ROOT_PORT``, else 10000 + CRC-32(job id) % 20000 from the
+    launcher's job id (``OMPI_MCA_ess_base_jobid``, else ``PMIX_NAMESPACE``), else
+    9091 (MPICH's and Intel MPI's Hydra give no job id).  Raises ConfigError when
+    the root is unknown, ``DMLC_PS_ROOT_PORT`` is not in [1, 65535], or the plan
+    does not fit the world size.
     """
     return _explain_mpi(environ).env
 
@@ -389,7 +433,7 @@ def _explain_slurm(env: Mapping[str, str]) -> Derivation:
                               "cannot tell where task 0 (the scheduler) runs; start the job with srun, "
                               "or set DMLC_PS_ROOT_URI")
         host = expand_hostlist(_value(env, var) or "", var)[0]  # task 0 runs on the step's first node
-    port = _integer(env, "DMLC_PS_ROOT_PORT", 0, 65535)
+    port = _root_port(env)
     if port is None:
         job_id = _integer(env, "SLURM_JOB_ID")
         port = DEFAULT_ROOT_PORT if job_id is None else SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
@@ -402,20 +446,63 @@ def slurm(environ: Mapping[str, str]) -> dict[str, str]:
     The scheduler (task 0) runs on the first host of ``SLURM_STEP_NODELIST``
     (else ``SLURM_JOB_NODELIST``); its port is ``DMLC_PS_ROOT_PORT``, else
     10000 + ``SLURM_JOB_ID`` % 20000, else 9091.  Raises ConfigError for a bad
-    node list or a plan that does not fit the task count.
+    node list, a ``DMLC_PS_ROOT_PORT`` not in [1, 65535] or a plan that does not
+    fit the task count.
     """
     return _explain_slurm(environ).env
 
 
 # -- torchrun ---------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class TorchStore:
+    """torchrun's agent store, through which rank 0 tells the other ranks the scheduler's port."""
+
+    host: str  # MASTER_ADDR
+    port: int  # MASTER_PORT
+    key: str  # kvstore/scheduler_port/<TORCHELASTIC_RESTART_COUNT>
+    publishes: bool  # this process is rank 0, the scheduler: it publishes the port; the others read it
+
+
+def torch_store(environ: Mapping[str, str]) -> TorchStore | None:
+    """Where this torchrun process publishes (rank 0) or reads (every other rank) the scheduler's port.
+
+    None, and the port is ``MASTER_PORT`` + 1, unless torchrun is the manager
+    :func:`detect` picks, its agent shares its store with its processes
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, torch >= 2.4 unless
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), ``DMLC_PS_ROOT_PORT`` is unset and
+    no ``KVSTORE_RANK_OFFSET`` is set (so rank 0, the scheduler, is in this job).
+    The key carries ``TORCHELASTIC_RESTART_COUNT``, so a restarted job never reads
+    an earlier scheduler's port.  Raises ConfigError for a bad ``RANK``,
+    ``MASTER_PORT`` or restart count.
+    """
+    adapter = detect(environ)
+    if (adapter is None or adapter.name != "torchrun" or _value(environ, TORCH_STORE_FLAG) != "True"
+            or _value(environ, "DMLC_PS_ROOT_PORT") is not None
+            or _value(environ, "KVSTORE_RANK_OFFSET") is not None):
+        return None
+    rank = _required(environ, "RANK", "torchrun sets it")
+    port = _required(environ, "MASTER_PORT", "torchrun sets it", minimum=1, maximum=65535)
+    restart = _integer(environ, "TORCHELASTIC_RESTART_COUNT") or 0
+    return TorchStore(_value(environ, "MASTER_ADDR") or "", port, TORCH_PORT_KEY.format(restart=restart),
+                      rank == 0)
+
+
 def _explain_torchrun(env: Mapping[str, str]) -> Derivation:
     job = _Job("torchrun", "rank", "processes", "WORLD_SIZE",
                "torchrun --nproc-per-node={n} on one node, or --nnodes x --nproc-per-node = {n}")
     rank, size = _rank_and_size(env, "RANK", "WORLD_SIZE", job)
     host = _value(env, "MASTER_ADDR") or ""
-    port = _integer(env, "DMLC_PS_ROOT_PORT", 0, 65535)
-    if port is None:
+    port = _root_port(env)
+    store = torch_store(env) if port is None else None
+    if store is not None:
+        if not store.publishes:
+            raise ConfigError(
+                f"torchrun rank {rank}: rank 0 publishes the scheduler's port in torchrun's store at "
+                f"{host}:{store.port} (key {store.key}), which kvstore.node reads; or set "
+                "DMLC_PS_ROOT_PORT to one port for every rank")
+        port = 0  # the scheduler binds any free port; rank 0's kvstore.node publishes it
+    elif port is None:
         master = _required(env, "MASTER_PORT", "torchrun sets it", minimum=1, maximum=65535)
         if master == 65535:
             raise ConfigError("MASTER_PORT=65535 leaves no port above it for the scheduler; "
@@ -427,9 +514,12 @@ def _explain_torchrun(env: Mapping[str, str]) -> Derivation:
 def torchrun(environ: Mapping[str, str]) -> dict[str, str]:
     """Derive a process's variables from torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and port.
 
-    The scheduler (rank 0) is at ``MASTER_ADDR``, port ``MASTER_PORT + 1``
-    unless ``DMLC_PS_ROOT_PORT`` is set.  Raises ConfigError when the plan does
-    not fit ``WORLD_SIZE``.
+    The scheduler (rank 0) is at ``MASTER_ADDR``.  Its port is ``DMLC_PS_ROOT_PORT``;
+    else, when torchrun shares its store (:func:`torch_store`), 0 for rank 0 (any
+    free port, which kvstore.node publishes in the store) while every other rank
+    needs the published port as ``DMLC_PS_ROOT_PORT`` (kvstore.node reads it, a
+    ConfigError here); else ``MASTER_PORT + 1``.  Raises ConfigError when the plan
+    does not fit ``WORLD_SIZE`` or ``DMLC_PS_ROOT_PORT`` is not in [1, 65535].
     """
     return _explain_torchrun(environ).env
 
@@ -447,7 +537,7 @@ def _explain_kubernetes(env: Mapping[str, str]) -> Derivation:
             "DMLC_NUM_SERVER and DMLC_NUM_WORKER to the whole plan's counts and DMLC_PS_ROOT_URI / "
             "DMLC_PS_ROOT_PORT to the scheduler Service's name and port, in every pod's env "
             "(see docs/kubernetes/kvstore-job.yaml)")
-    port = _required(env, "DMLC_PS_ROOT_PORT", "", 0, 65535)
+    port = _root_port(env) or 0  # set: checked above
     return _finish(env, job, index, None, _value(env, "DMLC_PS_ROOT_URI") or "", port)
 
 
@@ -456,7 +546,8 @@ def kubernetes(environ: Mapping[str, str]) -> dict[str, str]:
 
     ``DMLC_NUM_SERVER``, ``DMLC_NUM_WORKER``, ``DMLC_PS_ROOT_URI`` and
     ``DMLC_PS_ROOT_PORT`` (the scheduler Service) must be set.  Raises
-    ConfigError when one is missing or the rank falls outside the plan.
+    ConfigError when one is missing, the port is not in [1, 65535] or the rank
+    falls outside the plan.
     """
     return _explain_kubernetes(environ).env
 
@@ -499,21 +590,29 @@ def _tf_cluster(env: Mapping[str, str]) -> tuple[dict[str, list], str, int]:
 
 def _explain_tf_config(env: Mapping[str, str]) -> Derivation:
     cluster, kind, index = _tf_cluster(env)
-    chief, workers, ps = cluster.get("chief", []), cluster.get("worker", []), cluster.get("ps", [])
+    if "chief" in cluster and "master" in cluster:
+        raise ConfigError("TF_CONFIG: the cluster has both a 'chief' and a 'master' job; 'master' is "
+                          "TensorFlow 1's name of the chief, so list one of them")
+    chief_name = "master" if "master" in cluster else "chief"  # how this TF_CONFIG spells the chief's job
+    given = kind
+    kind = "chief" if kind == "master" else kind
+    chief, workers, ps = cluster.get(chief_name, []), cluster.get("worker", []), cluster.get("ps", [])
     scheduler = cluster.get("scheduler")
     if kind == "evaluator":
         raise ConfigError("TF_CONFIG: an 'evaluator' task is not part of the cluster (it is not in "
                           "cluster and takes no part in training); run it without kvstore.node")
-    known = ("chief", "worker", "ps") + (("scheduler",) if scheduler is not None else ())
+    known = ("chief", "master", "worker", "ps") + (("scheduler",) if scheduler is not None else ())
     if kind not in known:
-        raise ConfigError(f"TF_CONFIG: task type {kind!r} is not one of {', '.join(known)}"
+        raise ConfigError(f"TF_CONFIG: task type {given!r} is not one of {', '.join(known)}"
                           + ("" if scheduler is not None else " (or 'scheduler', with a scheduler job)"))
     jobs = {"chief": chief, "worker": workers, "ps": ps, "scheduler": scheduler or []}
+    names = {"chief": chief_name}  # the job's name in TF_CONFIG, for the messages
     if index >= len(jobs[kind]):
-        raise ConfigError(f"TF_CONFIG: task {kind}:{index} is out of range: cluster.{kind} has "
-                          f"{len(jobs[kind])} address{'es' if len(jobs[kind]) != 1 else ''}")
+        raise ConfigError(f"TF_CONFIG: task {given}:{index} is out of range: cluster.{names.get(kind, kind)} "
+                          f"has {len(jobs[kind])} address{'es' if len(jobs[kind]) != 1 else ''}")
     if len(chief) > 1:
-        raise ConfigError(f"TF_CONFIG: cluster.chief has {len(chief)} addresses; there is one chief")
+        raise ConfigError(f"TF_CONFIG: cluster.{chief_name} has {len(chief)} addresses; there is one "
+                          f"{chief_name}")
     if scheduler is not None and len(scheduler) != 1:
         raise ConfigError(f"TF_CONFIG: cluster.scheduler has {len(scheduler)} addresses; give it one")
     if not ps:
@@ -524,30 +623,40 @@ def _explain_tf_config(env: Mapping[str, str]) -> Derivation:
                           "least one worker")
     counts = {"DMLC_NUM_SERVER": len(ps), "DMLC_NUM_WORKER": len(chief) + len(workers)}
     for name, count in counts.items():
-        given = _integer(env, name, minimum=1)
-        if given is not None and given != count:
-            job = "ps" if name == "DMLC_NUM_SERVER" else "chief + worker"
-            raise ConfigError(f"{name}={given} but TF_CONFIG lists {count} {job} task"
+        set_to = _integer(env, name, minimum=1)
+        if set_to is not None and set_to != count:
+            job = "ps" if name == "DMLC_NUM_SERVER" else f"{chief_name} + worker"
+            raise ConfigError(f"{name}={set_to} but TF_CONFIG lists {count} {job} task"
                               f"{'s' if count != 1 else ''}; unset {name} (TF_CONFIG tells it) or make "
                               "them agree")
+    _root_port(env)  # a DMLC_PS_ROOT_PORT of the user's wins below: check it
     if scheduler is not None:
         root, root_job = _address("scheduler", 0, scheduler[0]), "scheduler"
     else:
         root_job = "chief" if chief else "worker"
-        root = _address(root_job, 0, jobs[root_job][0])
-    host, port = _address(kind, index, jobs[kind][index])
+        root = _address(names.get(root_job, root_job), 0, jobs[root_job][0])
+    host, port = _address(names.get(kind, kind), index, jobs[kind][index])
     derived = {"DMLC_PS_ROOT_URI": root[0], "DMLC_PS_ROOT_PORT": str(root[1]),
                **{name: str(count) for name, count in counts.items()}}
     if kind == "scheduler":
         derived["DMLC_ROLE"] = "scheduler"
     elif kind == "ps":
-        derived.update({"DMLC_ROLE": "server", "KVSTORE_SERVER_ID": str(index), "DMLC_NODE_HOST": host,
+        derived.update({"DMLC_ROLE": "server", "KVSTORE_SERVER_ID": str(index),
                         "KVSTORE_NODE_PORT": str(port)})
+        derived.update(_node_host(env, host))
     else:
         worker_id = index + (len(chief) if kind == "worker" else 0)
-        derived.update({"DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(worker_id), "DMLC_NODE_HOST": host})
+        derived.update({"DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(worker_id)})
+        derived.update(_node_host(env, host))
     runs_scheduler = scheduler is None and kind == root_job and index == 0
-    return Derivation("tf_config", f"task {kind}:{index}", _user_wins(env, derived), runs_scheduler)
+    return Derivation("tf_config", f"task {given}:{index}", _user_wins(env, derived), runs_scheduler)
+
+
+def _node_host(env: Mapping[str, str], host: str) -> dict[str, str]:
+    """``{"DMLC_NODE_HOST": host}``, or nothing when ``env`` names a ``DMLC_INTERFACE``: the rule of
+    :func:`kvstore.roles.with_node_host` (the role then binds that interface's address)."""
+    placed = roles.with_node_host({"DMLC_INTERFACE": env.get("DMLC_INTERFACE") or ""}, host)
+    return {name: value for name, value in placed.items() if name == "DMLC_NODE_HOST"}
 
 
 def tf_config(environ: Mapping[str, str]) -> dict[str, str]:
@@ -555,11 +664,15 @@ def tf_config(environ: Mapping[str, str]) -> dict[str, str]:
 
     ps tasks are the servers (``KVSTORE_SERVER_ID`` = index, binding their own
     address: ``DMLC_NODE_HOST`` and ``KVSTORE_NODE_PORT``); the chief is worker 0
-    and worker i is worker i + 1 (worker i without a chief).  The scheduler is
-    the ``scheduler`` job's one task, or else runs at the chief's address
-    (worker 0's without a chief), started by that task's kvstore.node (see
-    :attr:`Derivation.runs_scheduler`).  Raises ConfigError naming TF_CONFIG
-    for invalid JSON, an unknown task type, an evaluator or an index out of range.
+    and worker i is worker i + 1 (worker i without a chief).  TensorFlow 1's
+    ``master`` job and task type are the chief's other name.  A ps, chief or
+    worker task gets ``DMLC_NODE_HOST`` = its host unless ``DMLC_INTERFACE`` is
+    set (then the role binds that interface's address).  The scheduler is the
+    ``scheduler`` job's one task, or else runs at the chief's address (worker 0's
+    without a chief), started by that task's kvstore.node (see
+    :attr:`Derivation.runs_scheduler`).  Raises ConfigError naming TF_CONFIG for
+    invalid JSON, an unknown task type, an evaluator, an index out of range or
+    both a chief and a master job, and for a ``DMLC_PS_ROOT_PORT`` not in [1, 65535].
     """
     return _explain_tf_config(environ).env
 
@@ -572,9 +685,11 @@ def _has(*names: str) -> Callable[[Mapping[str, str]], bool]:
 
 ADAPTERS: tuple[Adapter, ...] = (
     Adapter("tf_config", ("TF_CONFIG",), _has("TF_CONFIG"), _explain_tf_config),
-    Adapter("torchrun", ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+    Adapter("torchrun", ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", TORCH_STORE_FLAG,
+                         "TORCHELASTIC_RESTART_COUNT"),
             _has("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"), _explain_torchrun),
-    Adapter("mpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK"),
+    Adapter("mpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK",
+                    *MPI_JOB_IDS),
             lambda env: _mpi_vars(env) is not None, _explain_mpi),
     Adapter("slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
                       "SLURM_JOB_ID"), _has("SLURM_PROCID"), _explain_slurm),

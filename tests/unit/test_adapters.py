@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
+import types
+import zlib
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -14,6 +17,8 @@ from kvstore import config as kvconfig
 from kvstore.errors import ConfigError
 
 ROLE_IDS = ("DMLC_ROLE", "KVSTORE_SERVER_ID", "DMLC_WORKER_ID")
+TF = json.dumps({"cluster": {"worker": ["w:1"], "ps": ["p:2"]}, "task": {"type": "worker", "index": 0}})
+TORCH = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "m", "MASTER_PORT": "29500"}
 
 
 Derive = Callable[[Mapping[str, str]], dict[str, str]]
@@ -65,6 +70,51 @@ def test_mpi_without_root_names_both_fixes():
     with pytest.raises(ConfigError) as info:
         adapters.mpi({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "DMLC_NUM_SERVER": "1"})
     assert "DMLC_PS_ROOT_URI" in str(info.value) and "mpi4py" in str(info.value)
+
+
+def test_mpi_port_comes_from_the_job_id():
+    """Open MPI's job id (OMPI_MCA_ess_base_jobid, else PMIx's namespace) gives every rank one port in
+    10000..29999, different for two jobs sharing a node; DMLC_PS_ROOT_PORT wins; no job id: 9091."""
+    base = {"OMPI_COMM_WORLD_SIZE": "3", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "h"}
+
+    def port(**extra: str) -> str:
+        ports = {adapters.mpi({**base, **extra, "OMPI_COMM_WORLD_RANK": str(r)})["DMLC_PS_ROOT_PORT"]
+                 for r in range(3)}
+        assert len(ports) == 1  # every rank agrees
+        return ports.pop()
+
+    # job ids as the real Open MPI 4.1 mpirun sets them (two concurrent runs on one node)
+    one, two = port(OMPI_MCA_ess_base_jobid="1974599681"), port(OMPI_MCA_ess_base_jobid="1974927361")
+    assert one == str(10000 + zlib.crc32(b"1974599681") % 20000) and one != two
+    assert all(10000 <= int(p) <= 29999 for p in (one, two))
+    assert port(PMIX_NAMESPACE="prterun-n01-4242@1") == str(10000 + zlib.crc32(b"prterun-n01-4242@1") % 20000)
+    assert port(OMPI_MCA_ess_base_jobid="1974599681", PMIX_NAMESPACE="other") == one  # ORTE's id first
+    assert port(OMPI_MCA_ess_base_jobid="1974599681", DMLC_PS_ROOT_PORT="7000") == "7000"
+    assert port() == "9091"  # MPICH's Hydra: no job id
+
+
+@pytest.mark.parametrize("value,match", [("abc", "DMLC_PS_ROOT_PORT='abc' is not an integer"),
+                                         ("0", r"DMLC_PS_ROOT_PORT=0 must be in \[1, 65535\]"),
+                                         ("65536", r"DMLC_PS_ROOT_PORT=65536 must be in \[1, 65535\]"),
+                                         ("-1", r"DMLC_PS_ROOT_PORT=-1 must be in \[1, 65535\]")])
+def test_root_port_is_checked_under_every_manager(value, match):
+    """A DMLC_PS_ROOT_PORT that is not an int in [1, 65535] is refused by every adapter: under a cluster
+    manager nobody reads the port file that 0 (any free port) would need."""
+    envs = {
+        "mpi": {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "DMLC_NUM_SERVER": "1",
+                "DMLC_PS_ROOT_URI": "h"},
+        "slurm": {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "n1",
+                  "DMLC_NUM_SERVER": "1"},
+        "torchrun": {**TORCH, "RANK": "1", "WORLD_SIZE": "3", "DMLC_NUM_SERVER": "1"},
+        "kubernetes": {"JOB_COMPLETION_INDEX": "1", "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1",
+                       "DMLC_PS_ROOT_URI": "s"},
+        "tf_config": tf_env({"chief": ["c:1"], "ps": ["p:2"]}, "ps", 0),
+    }
+    for name, env in envs.items():
+        assert adapters.detect(env).name == name
+        with pytest.raises(ConfigError, match=match):
+            adapters.derive({**env, "DMLC_PS_ROOT_PORT": value})
+        assert adapters.derive({**env, "DMLC_PS_ROOT_PORT": "1"})["DMLC_PS_ROOT_PORT"] == "1"
 
 
 def test_mpi_rank_and_size_must_be_consistent():
@@ -255,6 +305,39 @@ def test_torchrun_port_limits():
         adapters.torchrun({**base, "MASTER_PORT": "http"})
 
 
+def test_torchrun_shared_store_carries_the_port():
+    """With torchrun's agent store shared (TORCHELASTIC_USE_AGENT_STORE=True, torch >= 2.4), rank 0 binds
+    any free port and publishes it; the others must read it (a pure derive says so); the key carries
+    the restart count."""
+    base = {"WORLD_SIZE": "4", "MASTER_ADDR": "node0", "MASTER_PORT": "29500", "DMLC_NUM_SERVER": "1",
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}
+    store = adapters.torch_store({**base, "RANK": "0"})
+    assert store == adapters.TorchStore("node0", 29500, "kvstore/scheduler_port/2", publishes=True)
+    assert adapters.torch_store({**base, "RANK": "3"}).publishes is False
+    scheduler = adapters.explain({**base, "RANK": "0"})
+    assert (scheduler.role, scheduler.env["DMLC_PS_ROOT_PORT"]) == ("scheduler", "0")
+    with pytest.raises(ConfigError, match=r"torchrun rank 3: rank 0 publishes the scheduler's port in "
+                       r"torchrun's store at node0:29500 \(key kvstore/scheduler_port/2\)"
+                       r".*DMLC_PS_ROOT_PORT"):
+        adapters.torchrun({**base, "RANK": "3"})
+    read = adapters.torchrun({**base, "RANK": "3", "DMLC_PS_ROOT_PORT": "41234"})  # as kvstore.node fills it
+    assert (read["DMLC_ROLE"], read["DMLC_PS_ROOT_PORT"]) == ("worker", "41234")
+
+
+@pytest.mark.parametrize("change", [{"TORCHELASTIC_USE_AGENT_STORE": "False"},
+                                    {"TORCHELASTIC_USE_AGENT_STORE": ""},
+                                    {"DMLC_PS_ROOT_PORT": "6000"},
+                                    {"KVSTORE_RANK_OFFSET": "0", "DMLC_NUM_WORKER": "2"},
+                                    {"TF_CONFIG": TF}])
+def test_torchrun_without_a_shared_store_keeps_master_port_plus_one(change):
+    """No shared store (older torch, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), a port of the user's, a plan
+    split over jobs or another manager: no store; torchrun's port is then DMLC_PS_ROOT_PORT or + 1."""
+    env = {**TORCH, "RANK": "1", "DMLC_NUM_SERVER": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", **change}
+    assert adapters.torch_store(env) is None
+    if adapters.detect(env).name == "torchrun":
+        assert adapters.torchrun(env)["DMLC_PS_ROOT_PORT"] == change.get("DMLC_PS_ROOT_PORT", "29501")
+
+
 # -- Kubernetes -----------------------------------------------------------------------------------------
 
 def test_kubernetes_three_jobs_with_offsets_make_one_plan():
@@ -338,8 +421,12 @@ def test_tf_config_with_a_scheduler_job():
     ("{not json", "TF_CONFIG is not valid JSON"),
     ('["a"]', "TF_CONFIG has no 'cluster'"),
     ('{"cluster": {"ps": ["p:1"], "worker": ["w:2"]}}', "TF_CONFIG has no 'task'"),
-    ('{"cluster": {"ps": ["p:1"], "worker": ["w:2"]}, "task": {"type": "master", "index": 0}}',
-     "TF_CONFIG: task type 'master' is not one of"),
+    ('{"cluster": {"ps": ["p:1"], "worker": ["w:2"]}, "task": {"type": "trainer", "index": 0}}',
+     "TF_CONFIG: task type 'trainer' is not one of chief, master, worker, ps"),
+    ('{"cluster": {"ps": ["p:1"], "chief": ["c:1"], "master": ["m:1"]}, "task": {"type": "ps", "index": 0}}',
+     "both a 'chief' and a 'master' job"),
+    ('{"cluster": {"ps": ["p:1"], "master": ["m:1"]}, "task": {"type": "master", "index": 1}}',
+     "TF_CONFIG: task master:1 is out of range: cluster.master has 1 address"),
     ('{"cluster": {"ps": ["p:1"], "worker": ["w:2"]}, "task": {"type": "worker", "index": 1}}',
      "TF_CONFIG: task worker:1 is out of range"),
     ('{"cluster": {"ps": ["p:1"], "worker": ["w:2"]}, "task": {"type": "worker", "index": -1}}',
@@ -360,6 +447,37 @@ def test_tf_config_errors_name_tf_config(raw, match):
         adapters.derive({"TF_CONFIG": raw})
 
 
+def test_tf_config_master_is_the_chief():
+    """TensorFlow 1's 'master' job and task type are the chief's other name: worker 0, hosting the
+    scheduler at its address."""
+    cluster = {"master": ["m0:2222"], "worker": ["w0:2223"], "ps": ["p0:3000"]}
+    master = adapters.explain(tf_env(cluster, "master", 0))
+    assert (master.role, master.env["DMLC_WORKER_ID"], master.runs_scheduler) == ("worker", "0", True)
+    assert master.summary() == "tf_config task master:0 -> worker 0 and the scheduler, scheduler m0:2222"
+    worker = adapters.tf_config(tf_env(cluster, "worker", 0))
+    assert (worker["DMLC_WORKER_ID"], worker["DMLC_PS_ROOT_URI"]) == ("1", "m0")
+    assert worker["DMLC_NUM_WORKER"] == "2"
+    # a 'chief' task type in a TF1-style cluster, and the reverse, mean the same task
+    assert adapters.tf_config(tf_env(cluster, "chief", 0))["DMLC_WORKER_ID"] == "0"
+    assert adapters.tf_config(tf_env({"chief": ["c:1"], "ps": ["p:2"]}, "master", 0))["DMLC_NODE_HOST"] == "c"
+
+
+def test_tf_config_interface_wins_over_the_derived_node_host():
+    """With DMLC_INTERFACE set, no task gets a derived DMLC_NODE_HOST (it would win over the interface);
+    a DMLC_NODE_HOST of the user's is left as the user set it."""
+    cluster = {"chief": ["c0:2222"], "worker": ["w0:2223"], "ps": ["p0:3000"]}
+    for kind in ("ps", "chief", "worker"):
+        plain = adapters.tf_config(tf_env(cluster, kind, 0))
+        assert plain["DMLC_NODE_HOST"] == f"{kind[0]}0"
+        derived = adapters.tf_config(tf_env(cluster, kind, 0, DMLC_INTERFACE="eth0"))
+        assert "DMLC_NODE_HOST" not in derived
+        cfg = kvconfig.load({**tf_env(cluster, kind, 0, DMLC_INTERFACE="eth0"), **derived})
+        assert (cfg.interface, cfg.node_host) == ("eth0", None)
+        assert node.node_host_env({**tf_env(cluster, kind, 0, DMLC_INTERFACE="eth0"), **derived}) == {}
+    ps = adapters.tf_config(tf_env(cluster, "ps", 0, DMLC_INTERFACE=" "))  # blank: unset
+    assert ps["DMLC_NODE_HOST"] == "p0" and ps["KVSTORE_NODE_PORT"] == "3000"
+
+
 def test_tf_config_counts_must_agree_with_dmlc_variables():
     """DMLC_NUM_SERVER / DMLC_NUM_WORKER that contradict TF_CONFIG are refused; agreeing ones are fine."""
     cluster = {"chief": ["c:1"], "worker": ["w:2"], "ps": ["p:3"]}
@@ -369,10 +487,6 @@ def test_tf_config_counts_must_agree_with_dmlc_variables():
 
 
 # -- detection ------------------------------------------------------------------------------------------
-
-TF = json.dumps({"cluster": {"worker": ["w:1"], "ps": ["p:2"]}, "task": {"type": "worker", "index": 0}})
-TORCH = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "m", "MASTER_PORT": "29500"}
-
 
 @pytest.mark.parametrize("env,name", [
     ({"TF_CONFIG": TF, **TORCH, "OMPI_COMM_WORLD_RANK": "0", "SLURM_PROCID": "0"}, "tf_config"),
@@ -450,12 +564,61 @@ def test_rank0_address():
         node.rank0_address(["h1", "no-such-host.invalid"])
 
 
+def fake_routes(monkeypatch, routes: dict[str, str]) -> None:
+    """Make kvconfig.route_address answer from ``routes`` (host -> source address); a host missing from
+    it has no route (ConfigError, as the real one raises)."""
+    def route_address(host: str, hint: str | None = None) -> str:
+        if host not in routes:
+            raise ConfigError(f"no route to {host!r}")
+        return routes[host]
+
+    monkeypatch.setattr(kvconfig, "route_address", route_address)
+
+
+SERVER = {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "n01", "DMLC_PS_ROOT_PORT": "1", "DMLC_NUM_SERVER": "1",
+          "DMLC_NUM_WORKER": "1"}
+
+
+def test_node_host_env_never_advertises_loopback_for_a_named_scheduler(monkeypatch):
+    """On the scheduler's node, where /etc/hosts maps the node's own name (Slurm's first host, torchrun's
+    MASTER_ADDR) to 127.0.1.1, a server advertises the machine's outward address instead."""
+    fake_routes(monkeypatch, {"n01": "127.0.1.1", "192.0.2.1": "10.1.2.3"})
+    assert node.node_host_env(SERVER) == {"DMLC_NODE_HOST": "10.1.2.3"}
+    assert node.node_host_env({**SERVER, "DMLC_ROLE": "worker"}) == {"DMLC_NODE_HOST": "10.1.2.3"}
+    fake_routes(monkeypatch, {"n01": "::1", "2001:db8::1": "fd00::7"})  # IPv6 only: the second probe
+    assert node.node_host_env(SERVER) == {"DMLC_NODE_HOST": "fd00::7"}
+
+
+def test_node_host_env_keeps_loopback_without_a_default_route(monkeypatch):
+    """An isolated machine (no default route) runs every role itself: the loopback address is right."""
+    fake_routes(monkeypatch, {"n01": "127.0.1.1"})
+    assert node.node_host_env(SERVER) == {"DMLC_NODE_HOST": "127.0.1.1"}
+    assert node.outward_address() is None
+
+
+def test_node_host_env_uses_a_real_route_and_leaves_loopback_roots_alone(monkeypatch):
+    """A route to another machine gives that address (not the outward one); a root that is itself
+    loopback (127.x, ::1, localhost) keeps config's 127.0.0.1 rule and asks for no route at all."""
+    fake_routes(monkeypatch, {"n01": "10.9.8.7", "192.0.2.1": "10.1.2.3"})
+    assert node.node_host_env(SERVER) == {"DMLC_NODE_HOST": "10.9.8.7"}
+    fake_routes(monkeypatch, {})
+    for root in ("127.0.0.1", "127.0.1.1", "::1", "[::1]", "localhost"):
+        assert node.node_host_env({**SERVER, "DMLC_PS_ROOT_URI": root}) == {}
+
+
+def test_outward_address_is_not_loopback_where_there_is_a_default_route():
+    """The real probe: this machine's address on its default route, never loopback (or None)."""
+    address = node.outward_address()
+    assert address is None or not node._is_loopback(address)
+
+
 def test_node_host_env():
     """A server or worker with a non-loopback root and no address gets the route's; others get nothing."""
     name = socket.gethostname()  # resolvable, and not a loopback *name*, so config has no rule for it
     base = {"DMLC_PS_ROOT_URI": name, "DMLC_PS_ROOT_PORT": "1", "DMLC_NUM_SERVER": "1",
             "DMLC_NUM_WORKER": "1"}
-    expected = {"DMLC_NODE_HOST": kvconfig.route_address(name)}
+    route = kvconfig.route_address(name)  # loopback where /etc/hosts maps this host's name to 127.x
+    expected = {"DMLC_NODE_HOST": (node.outward_address() or route) if node._is_loopback(route) else route}
     assert node.node_host_env({**base, "DMLC_ROLE": "server"}) == expected
     assert node.node_host_env({**base, "DMLC_ROLE": "worker"}) == expected
     assert node.node_host_env({**base, "DMLC_ROLE": "scheduler"}) == {}
@@ -466,3 +629,61 @@ def test_node_host_env():
     assert node.node_host_env({**unknown, "DMLC_ROLE": "worker"}) == {}  # a worker falls back to its name
     with pytest.raises(ConfigError, match="no-such-host.invalid"):
         node.node_host_env({**unknown, "DMLC_ROLE": "server"})
+
+
+def fake_mpi(monkeypatch, names: list[str], allgather_error: Exception | None = None) -> list[str]:
+    """Install an in-process stand-in for mpi4py.MPI at rank 0 of ``names`` (every rank's host name);
+    returns the list its Finalize appends to."""
+    calls: list[str] = []
+
+    class Comm:
+        def Get_rank(self) -> int:  # noqa: N802 -- mpi4py's names
+            return 0
+
+        def Get_size(self) -> int:  # noqa: N802
+            return len(names)
+
+        def Allgather(self, send, recv) -> None:  # noqa: N802
+            if allgather_error is not None:
+                raise allgather_error
+            for row, name in zip(recv, names):
+                row[: len(name)] = list(name.encode())
+
+        def Bcast(self, buf, root: int = 0) -> None:  # noqa: N802
+            pass
+
+    mpi = types.ModuleType("mpi4py.MPI")
+    mpi.COMM_WORLD = Comm()
+    mpi.Get_processor_name = lambda: names[0]
+    mpi.Finalize = lambda: calls.append("finalized")
+    package = types.ModuleType("mpi4py")
+    package.MPI = mpi
+    monkeypatch.setitem(sys.modules, "mpi4py", package)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", mpi)
+    return calls
+
+
+def test_mpi_root_uri_finalizes_on_every_path(monkeypatch):
+    """After MPI_Init, MPI is finalized when the exchange fails or rank 0 cannot tell its address; on
+    success the caller gets Finalize to call before its exec."""
+    calls = fake_mpi(monkeypatch, ["h1", "h1"])
+    root, finalize = node._mpi_root_uri()
+    assert (root, calls) == ("127.0.0.1", [])
+    finalize()
+    assert calls == ["finalized"]
+    calls = fake_mpi(monkeypatch, ["h1", "no-such-host.invalid"])
+    with pytest.raises(ConfigError, match="no-such-host.invalid"):
+        node._mpi_root_uri()
+    assert calls == ["finalized"]
+    calls = fake_mpi(monkeypatch, ["h1", "h2"], allgather_error=RuntimeError("MPI_ERR_COMM"))
+    with pytest.raises(RuntimeError, match="MPI_ERR_COMM"):
+        node._mpi_root_uri()
+    assert calls == ["finalized"]
+
+
+def test_mpi4py_that_cannot_be_imported_is_a_config_error(monkeypatch):
+    """mpi4py found but failing to import (its libmpi missing): a ConfigError saying to set
+    DMLC_PS_ROOT_URI, not a traceback."""
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py raises ImportError
+    with pytest.raises(ConfigError, match="mpi4py is installed but cannot be imported .*DMLC_PS_ROOT_URI"):
+        node._mpi_root_uri()
