@@ -48,6 +48,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from . import config as kvconfig
 from . import roles
 from .errors import ConfigError
 
@@ -127,23 +128,11 @@ class Adapter:
 # -- reading values ---------------------------------------------------------------------------------
 
 def _value(env: Mapping[str, str], name: str) -> str | None:
-    raw = env.get(name)
-    raw = raw.strip() if raw is not None else None
-    return raw or None
+    return kvconfig.env_text(env, name)
 
 
 def _integer(env: Mapping[str, str], name: str, minimum: int = 0, maximum: int | None = None) -> int | None:
-    raw = _value(env, name)
-    if raw is None:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum or (maximum is not None and value > maximum):
-        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ConfigError(f"{name}={value} must be {bounds}")
-    return value
+    return kvconfig.env_int(env, name, minimum=minimum, maximum=maximum)
 
 
 def _required(env: Mapping[str, str], name: str, why: str, minimum: int = 0,
@@ -162,18 +151,11 @@ def _root_port(env: Mapping[str, str]) -> int | None:
     needs a launcher that reads that file.  Raises ConfigError naming the variable
     for a value that is not an int in [1, 65535].
     """
-    raw = _value(env, "DMLC_PS_ROOT_PORT")
-    if raw is None:
-        return None
-    try:
-        port = int(raw)
-    except ValueError:
-        raise ConfigError(f"DMLC_PS_ROOT_PORT={raw!r} is not an integer") from None
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"DMLC_PS_ROOT_PORT={port} must be in [1, 65535]: under a cluster manager every "
+    if _value(env, "DMLC_PS_ROOT_PORT") == "0":
+        raise ConfigError("DMLC_PS_ROOT_PORT=0 must be in [1, 65535]: under a cluster manager every "
                           "role must know the scheduler's port before it starts (0, any free port, needs a "
                           "launcher that reads the scheduler's KVSTORE_PORT_FILE)")
-    return port
+    return _integer(env, "DMLC_PS_ROOT_PORT", 1, 65535)
 
 
 def _job_port(job_id: str) -> int:

@@ -91,7 +91,8 @@ class Config:
         return f"tcp://{host}:{self.root_port}"
 
 
-def _str(env: Mapping[str, str], name: str, fallback: str | None = None) -> str | None:
+def env_text(env: Mapping[str, str], name: str, fallback: str | None = None) -> str | None:
+    """The stripped value of ``name`` in ``env`` (else of ``fallback``); None when unset or blank."""
     value = env.get(name)
     if value is None and fallback is not None:
         value = env.get(fallback)
@@ -99,11 +100,16 @@ def _str(env: Mapping[str, str], name: str, fallback: str | None = None) -> str 
     return value or None
 
 
-def _int(env: Mapping[str, str], name: str, *, minimum: int, maximum: int | None = None,
-         fallback: str | None = None, default: int | None = None) -> int | None:
-    if _str(env, name) is None and fallback is not None and _str(env, fallback) is not None:
+def env_int(env: Mapping[str, str], name: str, *, minimum: int, maximum: int | None = None,
+            fallback: str | None = None, default: int | None = None) -> int | None:
+    """The integer value of ``name`` in ``env`` (else of ``fallback``), or ``default`` when unset or blank.
+
+    Raises :class:`ConfigError` naming the variable that was set when its value is not an
+    integer or lies outside ``[minimum, maximum]``.
+    """
+    if env_text(env, name) is None and fallback is not None and env_text(env, fallback) is not None:
         name = fallback  # errors must name the variable the user actually set
-    raw = _str(env, name)
+    raw = env_text(env, name)
     if raw is None:
         return default
     try:
@@ -117,7 +123,7 @@ def _int(env: Mapping[str, str], name: str, *, minimum: int, maximum: int | None
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = _str(env, name)
+    raw = env_text(env, name)
     if raw is None:
         return default
     try:
@@ -136,10 +142,10 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     cluster variables are left ``None`` (see :meth:`Config.require_cluster`).
     """
     env = os.environ if environ is None else environ
-    level = (_str(env, "KVSTORE_LOG_LEVEL") or "").upper() or None
+    level = (env_text(env, "KVSTORE_LOG_LEVEL") or "").upper() or None
     if level is not None and level not in LOG_LEVELS:
         raise ConfigError(f"KVSTORE_LOG_LEVEL={level!r} is not one of {', '.join(LOG_LEVELS)}")
-    role = _str(env, "DMLC_ROLE")
+    role = env_text(env, "DMLC_ROLE")
     if role is not None and role not in ROLES:
         raise ConfigError(f"DMLC_ROLE={role!r} is not one of {', '.join(ROLES)}")
     interval = _seconds(env, "KVSTORE_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL)
@@ -149,16 +155,16 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
                           f"KVSTORE_HEARTBEAT_INTERVAL={interval:g}, or one late beat declares a node lost")
     return Config(
         role=role,
-        root_uri=_str(env, "DMLC_PS_ROOT_URI"),
-        root_port=_int(env, "DMLC_PS_ROOT_PORT", minimum=0, maximum=65535),
-        num_servers=_int(env, "DMLC_NUM_SERVER", minimum=1),
-        num_workers=_int(env, "DMLC_NUM_WORKER", minimum=1),
-        node_host=_str(env, "DMLC_NODE_HOST"),
-        interface=_str(env, "DMLC_INTERFACE"),
-        worker_id=_int(env, "DMLC_WORKER_ID", minimum=0),
-        server_id=_int(env, "KVSTORE_SERVER_ID", minimum=0),
-        secret=_str(env, "KVSTORE_SECRET"),
-        bigarray_bound=_int(env, "KVSTORE_BIGARRAY_BOUND", minimum=1,
+        root_uri=env_text(env, "DMLC_PS_ROOT_URI"),
+        root_port=env_int(env, "DMLC_PS_ROOT_PORT", minimum=0, maximum=65535),
+        num_servers=env_int(env, "DMLC_NUM_SERVER", minimum=1),
+        num_workers=env_int(env, "DMLC_NUM_WORKER", minimum=1),
+        node_host=env_text(env, "DMLC_NODE_HOST"),
+        interface=env_text(env, "DMLC_INTERFACE"),
+        worker_id=env_int(env, "DMLC_WORKER_ID", minimum=0),
+        server_id=env_int(env, "KVSTORE_SERVER_ID", minimum=0),
+        secret=env_text(env, "KVSTORE_SECRET"),
+        bigarray_bound=env_int(env, "KVSTORE_BIGARRAY_BOUND", minimum=1,
                             fallback="MXNET_KVSTORE_BIGARRAY_BOUND",
                             default=DEFAULT_BIGARRAY_BOUND),
         connect_timeout=_seconds(env, "KVSTORE_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT),
@@ -167,21 +173,21 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         heartbeat_interval=interval,
         heartbeat_timeout=timeout,
         auth_full=_auth_mode(env) == "full",
-        insecure=bool(_int(env, "KVSTORE_INSECURE", minimum=0, maximum=1, default=0)),
-        port_file=_str(env, "KVSTORE_PORT_FILE"),
-        node_port=_int(env, "KVSTORE_NODE_PORT", minimum=0, maximum=65535, default=0),
-        resume=_str(env, "KVSTORE_RESUME"),
+        insecure=bool(env_int(env, "KVSTORE_INSECURE", minimum=0, maximum=1, default=0)),
+        port_file=env_text(env, "KVSTORE_PORT_FILE"),
+        node_port=env_int(env, "KVSTORE_NODE_PORT", minimum=0, maximum=65535, default=0),
+        resume=env_text(env, "KVSTORE_RESUME"),
         log_level=level,
-        update_on_kvstore=bool(_int(env, "KVSTORE_UPDATE_ON_KVSTORE", minimum=0, maximum=1,
+        update_on_kvstore=bool(env_int(env, "KVSTORE_UPDATE_ON_KVSTORE", minimum=0, maximum=1,
                                     fallback="MXNET_UPDATE_ON_KVSTORE", default=1)),
-        batch_bytes=_int(env, "KVSTORE_BATCH_BYTES", minimum=0, default=DEFAULT_BATCH_BYTES),
-        chunk_bytes=_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
+        batch_bytes=env_int(env, "KVSTORE_BATCH_BYTES", minimum=0, default=DEFAULT_BATCH_BYTES),
+        chunk_bytes=env_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
         sum_order=_sum_order(env),
     )
 
 
 def _sum_order(env: Mapping[str, str]) -> str:
-    order = (_str(env, "KVSTORE_SUM_ORDER") or "arrival").lower()
+    order = (env_text(env, "KVSTORE_SUM_ORDER") or "arrival").lower()
     if order not in ("rank", "arrival"):
         raise ConfigError(f"KVSTORE_SUM_ORDER={order!r} is not 'arrival' (the default: each push is added "
                           "as it arrives, so a server holds one sum per key whatever the skew) or 'rank' "
@@ -191,7 +197,7 @@ def _sum_order(env: Mapping[str, str]) -> str:
 
 
 def _auth_mode(env: Mapping[str, str]) -> str:
-    mode = (_str(env, "KVSTORE_AUTH") or "header").lower()
+    mode = (env_text(env, "KVSTORE_AUTH") or "header").lower()
     if mode not in ("header", "full"):
         raise ConfigError(f"KVSTORE_AUTH={mode!r} is not 'header' (the default: MACs over headers and "
                           "frame lengths) or 'full' (also over the array bytes)")
@@ -213,7 +219,7 @@ def check_bind(config: Config, host: str, what: str) -> None:
 def in_cluster(environ: Mapping[str, str] | None = None) -> bool:
     """True when the environment names a distributed role (as the launcher sets it)."""
     env = os.environ if environ is None else environ
-    return bool(_str(env, "DMLC_ROLE"))
+    return bool(env_text(env, "DMLC_ROLE"))
 
 
 def child_environ(extra: Mapping[str, str], environ: Mapping[str, str] | None = None,
