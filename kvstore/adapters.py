@@ -49,7 +49,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from . import config as kvconfig
-from . import roles
 from .errors import ConfigError
 
 DEFAULT_ROOT_PORT = 9091  # the first port MXNet's dmlc tracker tries
@@ -64,7 +63,9 @@ MPI_JOB_IDS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")
 # torchrun (torch >= 2.4) tells its processes that its agent's TCPStore, at MASTER_ADDR:MASTER_PORT, is
 # shared with them by TORCHELASTIC_USE_AGENT_STORE=True; rank 0 publishes the scheduler's port there.
 TORCH_STORE_FLAG = "TORCHELASTIC_USE_AGENT_STORE"
-TORCH_PORT_KEY = "kvstore/scheduler_port/{restart}"  # {restart}: TORCHELASTIC_RESTART_COUNT
+# The key names one rendezvous round as far as torchrun tells its processes (it exports no round number):
+# TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT, GROUP_WORLD_SIZE (nodes) and WORLD_SIZE; see torch_store.
+TORCH_PORT_KEY = "kvstore/scheduler_port/{run}/restart{restart}/nodes{nodes}/world{world}"
 
 NO_MANAGER = (
     "DMLC_ROLE is not set, and no cluster manager was detected (kvstore.node looks for TF_CONFIG; "
@@ -442,7 +443,7 @@ class TorchStore:
 
     host: str  # MASTER_ADDR
     port: int  # MASTER_PORT
-    key: str  # kvstore/scheduler_port/<TORCHELASTIC_RESTART_COUNT>
+    key: str  # TORCH_PORT_KEY, filled in from this process's environment
     publishes: bool  # this process is rank 0, the scheduler: it publishes the port; the others read it
 
 
@@ -454,9 +455,17 @@ def torch_store(environ: Mapping[str, str]) -> TorchStore | None:
     (``TORCHELASTIC_USE_AGENT_STORE=True``, torch >= 2.4 unless
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), ``DMLC_PS_ROOT_PORT`` is unset and
     no ``KVSTORE_RANK_OFFSET`` is set (so rank 0, the scheduler, is in this job).
-    The key carries ``TORCHELASTIC_RESTART_COUNT``, so a restarted job never reads
-    an earlier scheduler's port.  Raises ConfigError for a bad ``RANK``,
-    ``MASTER_PORT`` or restart count.
+    The agent's store outlives the worker group, and torchrun tells its processes
+    no rendezvous round, so the key (:data:`TORCH_PORT_KEY`) carries what does tell
+    rounds apart: ``TORCHELASTIC_RUN_ID`` (jobs sharing one rendezvous endpoint),
+    ``TORCHELASTIC_RESTART_COUNT`` (raised by a restart after a failure, not by one
+    for a node that joins), ``GROUP_WORLD_SIZE`` and ``WORLD_SIZE`` (a node that
+    joins a healthy job adds itself to the next round: more nodes and processes).
+    The key is then new unless a restart without a failure gives a round of as
+    many nodes and processes as the last (a node left while another joined): a
+    rank may then read the previous scheduler's port, which torchrun stopped, and
+    fails at its ``KVSTORE_CONNECT_TIMEOUT`` (docs/cluster-managers.md).  Raises ConfigError for a
+    bad ``RANK``, ``MASTER_PORT``, restart count or world size.
     """
     adapter = detect(environ)
     if (adapter is None or adapter.name != "torchrun" or _value(environ, TORCH_STORE_FLAG) != "True"
@@ -465,9 +474,11 @@ def torch_store(environ: Mapping[str, str]) -> TorchStore | None:
         return None
     rank = _required(environ, "RANK", "torchrun sets it")
     port = _required(environ, "MASTER_PORT", "torchrun sets it", minimum=1, maximum=65535)
-    restart = _integer(environ, "TORCHELASTIC_RESTART_COUNT") or 0
-    return TorchStore(_value(environ, "MASTER_ADDR") or "", port, TORCH_PORT_KEY.format(restart=restart),
-                      rank == 0)
+    key = TORCH_PORT_KEY.format(run=_value(environ, "TORCHELASTIC_RUN_ID") or "none",
+                                restart=_integer(environ, "TORCHELASTIC_RESTART_COUNT") or 0,
+                                nodes=_integer(environ, "GROUP_WORLD_SIZE") or 1,
+                                world=_required(environ, "WORLD_SIZE", "torchrun sets it"))
+    return TorchStore(_value(environ, "MASTER_ADDR") or "", port, key, rank == 0)
 
 
 def _explain_torchrun(env: Mapping[str, str]) -> Derivation:
@@ -637,8 +648,7 @@ def _explain_tf_config(env: Mapping[str, str]) -> Derivation:
 def _node_host(env: Mapping[str, str], host: str) -> dict[str, str]:
     """``{"DMLC_NODE_HOST": host}``, or nothing when ``env`` names a ``DMLC_INTERFACE``: the rule of
     :func:`kvstore.roles.with_node_host` (the role then binds that interface's address)."""
-    placed = roles.with_node_host({"DMLC_INTERFACE": env.get("DMLC_INTERFACE") or ""}, host)
-    return {name: value for name, value in placed.items() if name == "DMLC_NODE_HOST"}
+    return {} if kvconfig.env_text(env, "DMLC_INTERFACE") else {"DMLC_NODE_HOST": host}
 
 
 def tf_config(environ: Mapping[str, str]) -> dict[str, str]:
@@ -668,7 +678,7 @@ def _has(*names: str) -> Callable[[Mapping[str, str]], bool]:
 ADAPTERS: tuple[Adapter, ...] = (
     Adapter("tf_config", ("TF_CONFIG",), _has("TF_CONFIG"), _explain_tf_config),
     Adapter("torchrun", ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", TORCH_STORE_FLAG,
-                         "TORCHELASTIC_RESTART_COUNT"),
+                         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE"),
             _has("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"), _explain_torchrun),
     Adapter("mpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK",
                     *MPI_JOB_IDS),

@@ -306,15 +306,33 @@ def held_interrupts() -> Iterator[None]:
         yield
         return
     held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous: dict[int, object] = {}
     try:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # one at a time: a signal between them still restores
+            previous[sig] = signal.signal(sig, lambda signum, _frame: held.append(signum))
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        interrupted = _restore_handlers(previous)
+        if interrupted is not None:
+            raise interrupted
         for sig in dict.fromkeys(held):
             signal.raise_signal(sig)
+
+
+def _restore_handlers(previous: dict[int, object]) -> BaseException | None:
+    """Put back every handler of ``previous``; return the exception a restored handler raised for a
+    signal that came meanwhile (the others are put back first), or None."""
+    left = dict(previous)
+    raised: BaseException | None = None
+    while left:
+        try:
+            while left:
+                sig, handler = next(iter(left.items()))
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+                del left[sig]
+        except BaseException as exc:  # noqa: BLE001 -- e.g. KeyboardInterrupt from a restored handler
+            raised = raised or exc
+    return raised
 
 
 class SyncFailed(Exception):
@@ -380,6 +398,8 @@ class Child:
         self.started = threading.Event()
         if host is None:
             self.started.set()
+        self.exited = threading.Event()
+        self._code: int | None = None
         self._reader = threading.Thread(target=self._pump, args=(out_lock,), daemon=True)
         self._reader.start()
         # Exit is watched apart from the output: a grandchild may hold the pipe open for long.
@@ -401,15 +421,23 @@ class Child:
                 sys.stdout.buffer.flush()
 
     def _watch(self, exits: queue.SimpleQueue) -> None:
-        self.proc.wait()
+        # WNOWAIT: the exit is seen but the child stays a zombie until reap(), so its pid (its process
+        # group's id) cannot be reused meanwhile and signals to the group cannot reach a stranger
+        info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+        self._code = info.si_status if info.si_code == os.CLD_EXITED else 128 + info.si_status
+        self.exited.set()
         self.started.set()
         exits.put(self)
 
     @property
     def exit_code(self) -> int | None:
         """The shell-style exit code (128 + signal when killed by one), or None while running."""
-        rc = self.proc.poll()
-        return None if rc is None else roles.exit_code(rc)
+        return self._code
+
+    def reap(self) -> None:
+        """Collect the exited child (after its group has been dealt with); its pid may then be reused."""
+        self.exited.wait()
+        self.proc.wait()
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the child's whole process group (its own children too, even if it exited)."""
@@ -447,6 +475,9 @@ class Cluster:
             "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_NUM_WORKER": str(cfg.num_workers),
             "DMLC_NUM_SERVER": str(cfg.num_servers), "PYTHONUNBUFFERED": "1",
             "KVSTORE_SECRET": settings.secret or secrets.token_hex(32), **cfg.env}
+        # a local child inherits the launcher's environment, but for what the launcher sets per role
+        # (a KVSTORE_NODE_PORT exported here would make every server bind one port)
+        self.inherited = roles.inherited(kvconfig.child_environ({}))
 
     def _start(self, role: str, rank: int | None, argv: list[str], extra: dict[str, str],
                defaults: dict[str, str] | None = None, host: tuple[str, int | None] | None = None) -> Child:
@@ -468,7 +499,7 @@ class Cluster:
         with held_interrupts():
             try:
                 if host is None:
-                    env = kvconfig.child_environ(extra, defaults=defaults)
+                    env = kvconfig.child_environ(extra, environ=self.inherited, defaults=defaults)
                     proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, **piped)
                 else:
                     proc = tether.spawn(argv, env, via=via, announce=True, **piped)
@@ -562,9 +593,7 @@ class Cluster:
             workers_left -= child.role == "worker"
         deadline = time.monotonic() + self.settings.shutdown_timeout
         for child in self.children:
-            try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if not child.exited.wait(max(0.0, deadline - time.monotonic())):
                 log.warning("%s did not exit within %g s of the workers; stopping it",
                             child.name, self.settings.shutdown_timeout)
         return 0
@@ -589,14 +618,15 @@ class Cluster:
         for child in self.children:
             wait = self.stop_wait(child)
             end = start + wait
-            try:
-                child.proc.wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if not child.exited.wait(max(0.0, end - time.monotonic())):
                 child.kill()
-                child.proc.wait()
+                child.reap()
                 where = "" if child.host is None else f"the ssh client; host {host_label(child.host)}; "
                 killed.append(f"{child.name} ({where}after {wait:g} s)")
                 continue
+            # Reaped now, not before: the pid stays the group's id while any member lives (Linux does
+            # not hand out a pid in use as a group id), so what follows reaches only this group.
+            child.reap()
             if child.host is None:  # what a local child left in its group gets the same deadline
                 while tether.group_alive(child.proc.pid) and time.monotonic() < end:
                     time.sleep(0.05)  # polling interval of a wait bounded by ``end``

@@ -73,9 +73,10 @@ def python_if_script(command: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Become this node's role (``exec``).  Returns only when that fails: 2 on a configuration
-    error, 1 when the scheduler's port never came through torchrun's store, 127 when the command
-    cannot be started; or, for a ``TF_CONFIG`` task that hosts the scheduler, its worker's exit code.
-    Each failure prints one ``kvstore.node: ...`` line, never a traceback."""
+    error, 1 when the scheduler's port never came through torchrun's store or a system call fails
+    (an OSError, e.g. a fork), 127 when the command cannot be started; or, for a ``TF_CONFIG`` task
+    that hosts the scheduler, its worker's exit code.  Each failure prints one ``kvstore.node: ...``
+    line, never a traceback."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         env = kvconfig.child_environ({})  # a copy of this process's environment
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvstore.node: {exc}", file=sys.stderr)
         return 2
-    except DeadlineExceededError as exc:
+    except (DeadlineExceededError, OSError) as exc:  # OSError: no fork (no memory, too many processes)
         print(f"kvstore.node: {exc}", file=sys.stderr)
         return 1
 
@@ -104,8 +105,8 @@ def exec_role(cmd: list[str], env: Mapping[str, str]) -> int:
 
 def _run_derived(argv: list[str], env: dict[str, str]) -> int:
     """Derive the role from the cluster manager's environment, then exec it (or run it beside the
-    scheduler); returns as :func:`main` says.  Raises ConfigError, or DeadlineExceededError when the
-    scheduler's port does not come through torchrun's store in time."""
+    scheduler); returns as :func:`main` says.  Raises ConfigError, DeadlineExceededError when the
+    scheduler's port does not come through torchrun's store in time, or OSError when a fork fails."""
     adapter = adapters.detect(env)
     if adapter is None:
         raise ConfigError(adapters.NO_MANAGER)
@@ -291,23 +292,36 @@ def publish_port(store: adapters.TorchStore, port_file: str, timeout: float) -> 
     quietly when the scheduler exits first (it holds the only write end of a pipe
     the helper watches: its end of file).  It removes ``port_file``'s directory
     (made for it) when done.  The helper's failure shows as the other ranks'
-    :class:`DeadlineExceededError`.  Raises OSError when it cannot fork.
+    :class:`DeadlineExceededError`.  Raises OSError, saying so, when either fork fails.
     """
     read_end, write_end = os.pipe()
-    first = os.fork()
-    if first == 0:  # the first child: fork the helper and exit at once
-        try:
-            if os.fork() == 0:
-                code = 1
-                try:
-                    os.close(write_end)
-                    code = _publish(store, port_file, timeout, read_end)
-                finally:
-                    os._exit(code)
-        finally:
-            os._exit(0)
+    try:
+        first = os.fork()
+    except OSError as exc:
+        failed = exc.errno or 1
+    else:
+        if first == 0:  # the first child: fork the helper and exit at once, 0 or fork's errno
+            failed = 0
+            try:
+                if os.fork() == 0:
+                    code = 1
+                    try:
+                        os.close(write_end)
+                        code = _publish(store, port_file, timeout, read_end)
+                    finally:
+                        os._exit(code)
+            except OSError as exc:
+                failed = exc.errno or 1
+            finally:
+                os._exit(failed)
+        failed = os.waitstatus_to_exitcode(os.waitpid(first, 0)[1])  # it exits at once
     os.close(read_end)
-    os.waitpid(first, 0)
+    if failed:
+        os.close(write_end)
+        shutil.rmtree(os.path.dirname(port_file), ignore_errors=True)
+        why = os.strerror(failed) if failed > 0 else f"the forking child died of signal {-failed}"
+        raise OSError(f"cannot fork the helper that publishes the scheduler's port in torchrun's store "
+                      f"({why}); set DMLC_PS_ROOT_PORT to one port for every rank to do without it")
     os.set_inheritable(write_end, True)  # kept open by the scheduler's exec until it exits
 
 
@@ -316,6 +330,8 @@ def _publish(store: adapters.TorchStore, port_file: str, timeout: float, schedul
     deadline = time.monotonic() + timeout
     where = f"torchrun's store at {store.host}:{store.port}"
     try:
+        from torch.distributed import TCPStore  # now, while the scheduler starts: the readers' clocks run
+
         while True:
             try:
                 with open(port_file) as fh:
@@ -330,8 +346,6 @@ def _publish(store: adapters.TorchStore, port_file: str, timeout: float, schedul
                 return 1
             if select.select([scheduler_alive], [], [], min(remaining, 0.05))[0]:
                 return 1  # end of file: the scheduler exited before binding, and said why itself
-        from torch.distributed import TCPStore
-
         remaining = max(deadline - time.monotonic(), 1.0)
         TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=remaining)).set(
             store.key, str(port))

@@ -27,6 +27,12 @@ def forwarded(environ: Mapping[str, str]) -> dict[str, str]:
             if (name.startswith(FORWARDED_PREFIXES) or name == "OMP_NUM_THREADS") and name not in PER_ROLE}
 
 
+def inherited(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the variables in :data:`PER_ROLE`: what a child started on this machine
+    inherits of its launcher's environment."""
+    return {name: value for name, value in environ.items() if name not in PER_ROLE}
+
+
 def with_node_host(env: Mapping[str, str], host: str) -> dict[str, str]:
     """``env`` with ``DMLC_NODE_HOST=host``, unless ``env`` names a ``DMLC_INTERFACE`` (blank counts as
     unset): the role then binds that interface's address, so any ``DMLC_NODE_HOST`` is dropped."""

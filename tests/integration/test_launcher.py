@@ -135,14 +135,29 @@ def test_exit_seen_while_a_grandchild_holds_the_output(tag: str) -> None:
 def test_a_grandchild_that_ignores_sigterm_is_killed(tag: str) -> None:
     """What a worker leaves in its process group is SIGKILLed at the stop deadline, even if it ignores
     SIGTERM and its worker has exited 0 (the launcher then logs what it killed)."""
-    code = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(\\'stubborn\\', flush=True); "
-            "time.sleep(60)']); import time; time.sleep(1)")
+    grandchild = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "print('stubborn', flush=True); time.sleep(60)")
+    # the worker exits once the grandchild has said it ignores SIGTERM
+    code = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}], "
+            "stdout=subprocess.PIPE, text=True); print(p.stdout.readline().strip(), flush=True)")
     rc, out = finish(_launch(["-n", "1", "-s", "1", sys.executable, "-c", code], tag,
                              {**os.environ, "KVSTORE_SHUTDOWN_TIMEOUT": "1"}), timeout=45)
     assert rc == 0 and "[worker 0] stubborn" in out, out
     assert "what worker 0 left in its process group" in out, out
     assert poll_for(lambda: not tagged_pids(tag), 10, "the stubborn grandchild to be killed")
+
+
+def test_a_server_port_exported_to_the_launcher_is_not_given_to_every_server(tag: str) -> None:
+    """KVSTORE_NODE_PORT is per server: exported to the launcher, it would make two servers collide,
+    so a local child does not inherit it (nor any other per-role variable)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    exported = {**os.environ, "KVSTORE_NODE_PORT": port, "KVSTORE_PORT_FILE": "/nonexistent/x"}
+    rc, out = finish(_launch(["-n", "2", "-s", "2", SCRIPT, "dist_sync"], tag, exported))
+    assert rc == 0 and "RESULT ok rank=1 of 2 servers=2" in out, out
 
 
 def _pid_of(tag: str, role: str, rank: int) -> int | None:

@@ -30,6 +30,29 @@ MASKED = {name: "" for adapter in adapters.ADAPTERS for name in adapter.variable
                           "SLURM_STEP_NUM_TASKS", "SLURM_NODELIST", "KVSTORE_PORT_FILE", "LOCAL_RANK")}
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill ``proc``'s process group (it was started with a session of its own) unless it has exited, and
+    join ``proc``: what it started (an mpirun's ranks, a node's helper) goes with it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate()
+
+
+def run_group(argv: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True)`` in ``REPO``, in a session of its own, so
+    that a timeout or any error kills and joins the whole group, not only ``argv``'s process."""
+    proc = subprocess.Popen(argv, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def free_port() -> int:
     """A port nothing listens on right now (bound to 0, then closed)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -133,7 +156,8 @@ def test_torchrun_runs_a_cluster(procs: Processes, tag: str) -> None:
     out = procs.output()
     assert proc.returncode == 0, out
     published = re.search(r"torchrun rank 0 of 4 -> scheduler, scheduler localhost:0 \(any free port, "
-                          r"published in torchrun's store at localhost:(\d+) as kvstore/scheduler_port/0\)",
+                          r"published in torchrun's store at localhost:(\d+) as "
+                          r"kvstore/scheduler_port/[^/ ]+/restart0/nodes1/world4\)",
                           out)
     port = re.search(r"listening on port (\d+)", out)
     assert published and port, out
@@ -166,15 +190,17 @@ SHOW_PORT = [python(), "-c", "import os; print('PORT', os.environ['DMLC_PS_ROOT_
 
 
 def test_torchrun_rank0_publishes_the_port_it_bound(agent_store, procs: Processes, tag: str) -> None:
-    """Rank 0's scheduler binds any free port; a helper puts it under kvstore/scheduler_port/<restart
-    count> in the agent's store, then exits (nothing but the scheduler is left)."""
-    procs.start("rank 0", NODE, torch_env(tag, agent_store.port, 0, TORCHELASTIC_RESTART_COUNT="1"))
+    """Rank 0's scheduler binds any free port; a helper puts it under the round's key (run id, restart
+    count, nodes, world size) in the agent's store, then exits (nothing but the scheduler is left)."""
+    procs.start("rank 0", NODE, torch_env(tag, agent_store.port, 0, TORCHELASTIC_RESTART_COUNT="1",
+                                          TORCHELASTIC_RUN_ID="job42", GROUP_WORLD_SIZE="2"))
+    key = "kvstore/scheduler_port/job42/restart1/nodes2/world4"
     agent_store.set_timeout(timedelta(seconds=30))
-    port = int(agent_store.get("kvstore/scheduler_port/1"))
+    port = int(agent_store.get(key))
     log = procs.workdir / "rank_0.log"
     poll_for(lambda: f"listening on port {port} " in log.read_text(), 30, "rank 0's scheduler's log line")
     line = ("torchrun rank 0 of 4 -> scheduler, scheduler 127.0.0.1:0 (any free port, published in "
-            f"torchrun's store at 127.0.0.1:{agent_store.port} as kvstore/scheduler_port/1)")
+            f"torchrun's store at 127.0.0.1:{agent_store.port} as {key})")
     assert line in log.read_text()
     assert poll_for(lambda: len(tagged_pids(tag)) == 1, 30, "rank 0's helper to exit"), procs.output()
 
@@ -183,7 +209,7 @@ def test_torchrun_other_ranks_read_the_published_port(agent_store, tag: str) -> 
     """Ranks 1..3 take DMLC_PS_ROOT_PORT from the store; without it by KVSTORE_CONNECT_TIMEOUT they exit
     1 naming the store and key; an unreachable store exits 2 saying to set DMLC_PS_ROOT_PORT; a plan
     that does not fit exits 2 before any wait."""
-    agent_store.set("kvstore/scheduler_port/0", "45678")
+    agent_store.set("kvstore/scheduler_port/none/restart0/nodes1/world4", "45678")
     cases = {  # run side by side: each pays for importing torch
         "ok": torch_env(tag, agent_store.port, 2),
         "late": torch_env(tag, agent_store.port, 3, TORCHELASTIC_RESTART_COUNT="1",
@@ -192,17 +218,24 @@ def test_torchrun_other_ranks_read_the_published_port(agent_store, tag: str) -> 
         "nobody at rank 0": torch_env(tag, free_port(), 0, KVSTORE_CONNECT_TIMEOUT="1"),
         "bad plan": torch_env(tag, agent_store.port, 1, DMLC_NUM_SERVER="3"),
     }
-    started = {name: subprocess.Popen([*NODE, *SHOW_PORT], env={**os.environ, **env}, cwd=REPO, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-               for name, env in cases.items()}
-    done = {name: (proc.communicate(timeout=60), proc.returncode) for name, proc in started.items()}
+    started: dict[str, subprocess.Popen] = {}
+    try:
+        for name, env in cases.items():
+            started[name] = subprocess.Popen([*NODE, *SHOW_PORT], env={**os.environ, **env}, cwd=REPO,
+                                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                             start_new_session=True)
+        done = {name: (proc.communicate(timeout=60), proc.returncode) for name, proc in started.items()}
+    finally:
+        for proc in started.values():
+            kill_group(proc)
     (out, err), code = done["ok"]
     assert (code, out) == (0, "PORT 45678\n"), err
     assert "torchrun rank 2 of 4 -> worker 0, scheduler 127.0.0.1:45678" in err
     (_, err), code = done["late"]
     assert code == 1, err
     assert (f"kvstore.node: rank 0 did not publish the scheduler's port in torchrun's store at "
-            f"127.0.0.1:{agent_store.port} (key kvstore/scheduler_port/1) within 1 s") in err
+            f"127.0.0.1:{agent_store.port} (key kvstore/scheduler_port/none/restart1/nodes1/world4) "
+            "within 1 s") in err
     for name in ("nobody", "nobody at rank 0"):  # rank 0 before it execs the scheduler
         (_, err), code = done[name]
         assert code == 2, err
@@ -325,8 +358,7 @@ def test_mpi4py_tells_the_root_and_mpi_is_finalized_before_exec(tmp_path: Path, 
     show = [python(), "-c", "import os; print('ROOT', os.environ['DMLC_PS_ROOT_URI'], "
             "os.environ['DMLC_WORKER_ID'], open(os.environ['FAKE_MPI_FINALIZED']).read().split()[-1] "
             "== str(os.getpid()))"]
-    worker = subprocess.run([*NODE, *show], env={**os.environ, **env, "OMPI_COMM_WORLD_RANK": "2"}, cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    worker = run_group([*NODE, *show], {**os.environ, **env, "OMPI_COMM_WORLD_RANK": "2"})
     assert worker.returncode == 0, worker.stderr
     assert worker.stdout.split() == ["ROOT", "127.0.0.1", "0", "True"], worker.stdout + worker.stderr
     port = free_port()
@@ -341,17 +373,16 @@ def test_node_without_manager_or_with_a_bad_plan_exits_2() -> None:
     """No manager: the old 'DMLC_ROLE is not set' error, naming the managers; a plan that does not fit
     SLURM_NTASKS: the one-line fix; both exit 2 without a traceback."""
     env = {**os.environ, **MASKED}
-    none = subprocess.run([*NODE, "train.py"], env=env, cwd=REPO, capture_output=True, text=True, timeout=30)
+    none = run_group([*NODE, "train.py"], env, timeout=30)
     assert none.returncode == 2 and "DMLC_ROLE is not set" in none.stderr and "SLURM_PROCID" in none.stderr
-    bad = subprocess.run([*NODE, "train.py"], cwd=REPO, capture_output=True, text=True, timeout=30,
-                         env={**env, "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n1",
-                              "DMLC_NUM_SERVER": "2", "DMLC_NUM_WORKER": "2"})
+    bad = run_group([*NODE, "train.py"], {**env, "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
+                                          "SLURM_JOB_NODELIST": "n1", "DMLC_NUM_SERVER": "2",
+                                          "DMLC_NUM_WORKER": "2"}, timeout=30)
     assert bad.returncode == 2, bad.stderr
     assert "SLURM_NTASKS=4 but DMLC_NUM_SERVER=2 + DMLC_NUM_WORKER=2 + 1 scheduler = 5 tasks" in bad.stderr
     assert "Traceback" not in bad.stderr
-    workerless = subprocess.run(NODE, cwd=REPO, capture_output=True, text=True, timeout=30,
-                                env={**env, "SLURM_PROCID": "2", "SLURM_NTASKS": "3",
-                                     "SLURM_JOB_NODELIST": "localhost", "DMLC_NUM_SERVER": "1"})
+    workerless = run_group(NODE, {**env, "SLURM_PROCID": "2", "SLURM_NTASKS": "3",
+                                  "SLURM_JOB_NODELIST": "localhost", "DMLC_NUM_SERVER": "1"}, timeout=30)
     assert workerless.returncode == 2 and "a worker needs a command" in workerless.stderr
 
 
@@ -366,8 +397,7 @@ def test_mpi_is_finalized_when_the_plan_fails_after_mpi_init(tmp_path: Path, tag
                                  ({"OMPI_COMM_WORLD_RANK": "1", "DMLC_NUM_WORKER": "5"}, ["train.py"],
                                   "OMPI_COMM_WORLD_SIZE=3 but DMLC_NUM_SERVER=1 + DMLC_NUM_WORKER=5")):
         marker.unlink(missing_ok=True)
-        result = subprocess.run([*NODE, *argv], env={**env, **extra}, cwd=REPO, capture_output=True,
-                                text=True, timeout=60)
+        result = run_group([*NODE, *argv], {**env, **extra})
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert marker.read_text().count("finalized") == 1, result.stderr
 
@@ -379,8 +409,7 @@ def test_broken_mpi4py_exits_2_naming_the_fix(tmp_path: Path, tag: str) -> None:
     broken = fake_mpi4py(tmp_path / "broken", f"raise ImportError({missing!r})\n")
     env = base_env(tag, OMPI_COMM_WORLD_SIZE="3", OMPI_COMM_WORLD_RANK="2", DMLC_NUM_SERVER="1",
                    PYTHONPATH=str(broken))
-    result = subprocess.run([*NODE, "train.py"], env={**os.environ, **env}, cwd=REPO, capture_output=True,
-                            text=True, timeout=60)
+    result = run_group([*NODE, "train.py"], {**os.environ, **env})
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("kvstore.node: mpi4py is installed but cannot be imported (libmpi.so.40: "
                                     "cannot open shared object file"), result.stderr
@@ -394,8 +423,7 @@ def test_a_command_that_cannot_start_exits_127(tag: str) -> None:
     given = {**env, "DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_NUM_WORKER": "1"}
     derived = {**env, "SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "localhost"}
     for case in (given, derived):
-        result = subprocess.run([*NODE, "no-such-command-kvstore", "--flag"], env=case, cwd=REPO,
-                                capture_output=True, text=True, timeout=30)
+        result = run_group([*NODE, "no-such-command-kvstore", "--flag"], case, timeout=30)
         assert result.returncode == 127, result.stderr
         assert ("kvstore.node: cannot start no-such-command-kvstore: No such file or directory"
                 in result.stderr), result.stderr
@@ -423,9 +451,7 @@ def test_the_real_mpirun_runs_a_cluster(tmp_path: Path, tag: str) -> None:
     try:
         out, _ = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        kill_group(proc)
     assert proc.returncode == 0, out
     assert f"mpi rank 0 of 4 -> scheduler, scheduler 127.0.0.1:{port}" in out
     for worker in (0, 1):
@@ -446,8 +472,7 @@ def test_the_real_mpirun_gives_every_rank_one_job_port() -> None:
     show = ("import os; from kvstore import adapters; env = {**os.environ, 'DMLC_NUM_SERVER': '1', "
             "'DMLC_PS_ROOT_URI': 'h'}; "  # one write per rank: mpirun interleaves the ranks' writes
             "os.write(1, f\"<PORT={adapters.mpi(env)['DMLC_PS_ROOT_PORT']}>\\n\".encode())")
-    result = subprocess.run([mpirun, "-n", "3", "--oversubscribe", python(), "-c", show], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = run_group([mpirun, "-n", "3", "--oversubscribe", python(), "-c", show], env)
     assert result.returncode == 0, result.stdout + result.stderr
     ports = re.findall(r"<PORT=(\d+)>", result.stdout)
     assert len(ports) == 3 and len(set(ports)) == 1, result.stdout

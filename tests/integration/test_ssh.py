@@ -200,6 +200,7 @@ def test_cluster_over_ssh_sums_and_leaves_nothing(sshd: Sshd, tag: str, tmp_path
     _nothing_left(sshd, tag)
 
 
+@pytest.mark.timeout(180)  # its waits' worst case passes the default 120 s
 def test_secret_travels_on_stdin_not_command_lines(sshd: Sshd, tag: str, tmp_path: Path) -> None:
     """Ctrl-C while workers block: exit 130, nothing left.  Before it, while the cluster runs: the
     secret is on no process's command line, yet every remote role has it (and so authenticated)."""
@@ -248,6 +249,7 @@ def _remote_pid(tag: str, role: str) -> int | None:
     return None
 
 
+@pytest.mark.timeout(180)  # its waits' worst case passes the default 120 s
 def test_a_longer_remote_grace_is_waited_for_before_ssh_is_killed(sshd: Sshd, tag: str,
                                                                   tmp_path: Path) -> None:
     """The roles get KVSTORE_SHUTDOWN_TIMEOUT=3 (--env), the launcher has 1, and the worker ignores
@@ -275,6 +277,7 @@ def test_a_longer_remote_grace_is_waited_for_before_ssh_is_killed(sshd: Sshd, ta
     _nothing_left(sshd, tag)
 
 
+@pytest.mark.timeout(180)  # its waits' worst case passes the default 120 s
 def test_many_roles_on_one_host_stay_under_maxstartups(sshd: Sshd, tag: str, tmp_path: Path) -> None:
     """-n 20 -s 1 on one host: 21 ssh logins to an sshd that drops any connection past 8 not yet logged
     in.  The launcher keeps at most 8 of them starting at a time, so every role runs, the launcher

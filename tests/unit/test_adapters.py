@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import socket
 import sys
 import types
@@ -307,21 +309,43 @@ def test_torchrun_port_limits():
 
 def test_torchrun_shared_store_carries_the_port():
     """With torchrun's agent store shared (TORCHELASTIC_USE_AGENT_STORE=True, torch >= 2.4), rank 0 binds
-    any free port and publishes it; the others must read it (a pure derive says so); the key carries
-    the restart count."""
+    any free port and publishes it; the others must read it (a pure derive says so)."""
     base = {"WORLD_SIZE": "4", "MASTER_ADDR": "node0", "MASTER_PORT": "29500", "DMLC_NUM_SERVER": "1",
             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}
     store = adapters.torch_store({**base, "RANK": "0"})
-    assert store == adapters.TorchStore("node0", 29500, "kvstore/scheduler_port/2", publishes=True)
+    key = "kvstore/scheduler_port/none/restart2/nodes1/world4"  # torchrun's defaults for the rest
+    assert store == adapters.TorchStore("node0", 29500, key, publishes=True)
     assert adapters.torch_store({**base, "RANK": "3"}).publishes is False
     scheduler = adapters.explain({**base, "RANK": "0"})
     assert (scheduler.role, scheduler.env["DMLC_PS_ROOT_PORT"]) == ("scheduler", "0")
     with pytest.raises(ConfigError, match=r"torchrun rank 3: rank 0 publishes the scheduler's port in "
-                       r"torchrun's store at node0:29500 \(key kvstore/scheduler_port/2\)"
+                       r"torchrun's store at node0:29500 \(key kvstore/scheduler_port/none/restart2/"
+                       r"nodes1/world4\)"
                        r".*DMLC_PS_ROOT_PORT"):
         adapters.torchrun({**base, "RANK": "3"})
     read = adapters.torchrun({**base, "RANK": "3", "DMLC_PS_ROOT_PORT": "41234"})  # as kvstore.node fills it
     assert (read["DMLC_ROLE"], read["DMLC_PS_ROOT_PORT"]) == ("worker", "41234")
+
+
+ROUND = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "DMLC_NUM_SERVER": "1",
+         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job42",
+         "TORCHELASTIC_RESTART_COUNT": "0", "GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "6"}
+
+
+def test_torchrun_port_key_names_the_round():
+    """Every rank of one rendezvous round uses one key; a restart after a failure, a node joining (more
+    nodes and processes), another job's run id each give another key: the store outlives a round."""
+    key = "kvstore/scheduler_port/job42/restart0/nodes2/world6"
+    for rank, group_rank in ((0, 0), (4, 1), (5, 1)):
+        env = {**ROUND, "RANK": str(rank), "GROUP_RANK": str(group_rank), "LOCAL_RANK": str(rank % 3)}
+        assert adapters.torch_store(env).key == key
+    keys = {adapters.torch_store({**ROUND, "RANK": "1", **change}).key
+            for change in ({}, {"TORCHELASTIC_RESTART_COUNT": "1"}, {"TORCHELASTIC_RUN_ID": "job43"},
+                           {"GROUP_WORLD_SIZE": "3", "WORLD_SIZE": "9"},  # a node joined, no retry
+                           {"GROUP_WORLD_SIZE": "3", "WORLD_SIZE": "6"}, {"WORLD_SIZE": "7"})}
+    assert len(keys) == 6
+    with pytest.raises(ConfigError, match="GROUP_WORLD_SIZE='two' is not an integer"):
+        adapters.torch_store({**ROUND, "RANK": "1", "GROUP_WORLD_SIZE": "two"})
 
 
 @pytest.mark.parametrize("change", [{"TORCHELASTIC_USE_AGENT_STORE": "False"},
@@ -629,6 +653,45 @@ def test_node_host_env():
     assert node.node_host_env({**unknown, "DMLC_ROLE": "worker"}) == {}  # a worker falls back to its name
     with pytest.raises(ConfigError, match="no-such-host.invalid"):
         node.node_host_env({**unknown, "DMLC_ROLE": "server"})
+
+
+STORE = adapters.TorchStore("127.0.0.1", 1, "kvstore/scheduler_port/none/restart0/nodes1/world4", True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts this process's fds in /proc")
+@pytest.mark.parametrize("failing_fork", [1, 2])
+def test_publish_port_reports_a_failed_fork(monkeypatch, tmp_path, failing_fork):
+    """No first fork, or no second one (in the first child, a real process, joined): an OSError naming
+    the helper, fork's reason and the fix; the pipe is closed and the port file's directory removed."""
+    real_fork, calls = os.fork, []
+
+    def fork() -> int:
+        calls.append(1)  # the first child inherits the parent's one call
+        if len(calls) == failing_fork:
+            raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", fork)
+    port_dir = tmp_path / "kvstore-node"
+    port_dir.mkdir()
+    fds = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match=r"^cannot fork the helper that publishes the scheduler's port in "
+                       rf"torchrun's store \({os.strerror(errno.EAGAIN)}\); set DMLC_PS_ROOT_PORT"):
+        node.publish_port(STORE, str(port_dir / "scheduler.port"), 1.0)
+    assert set(os.listdir("/proc/self/fd")) == fds
+    assert not port_dir.exists()
+
+
+def test_node_main_reports_an_os_error_in_one_line(monkeypatch, capsys):
+    """An OSError out of the derivation (a fork refused) is one kvstore.node line and exit 1."""
+    def refuse(argv: list[str], env: dict[str, str]) -> int:
+        raise OSError("cannot fork the helper that publishes the scheduler's port in torchrun's store")
+
+    monkeypatch.setattr(kvconfig, "child_environ", lambda extra: {})
+    monkeypatch.setattr(node, "_run_derived", refuse)
+    assert node.main(["train.py"]) == 1
+    assert capsys.readouterr().err == ("kvstore.node: cannot fork the helper that publishes the scheduler's "
+                                       "port in torchrun's store\n")
 
 
 def fake_mpi(monkeypatch, names: list[str], allgather_error: Exception | None = None) -> list[str]:

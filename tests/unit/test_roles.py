@@ -19,6 +19,12 @@ def test_forwarded_keeps_kvstore_dmlc_and_omp_but_no_per_role_variable() -> None
     assert "KVSTORE_NODE_PORT" in roles.PER_ROLE
 
 
+def test_inherited_is_everything_but_the_per_role_variables() -> None:
+    """A local child keeps PATH, HOME and every other variable, but none a launcher sets per role."""
+    environ = {name: "x" for name in roles.PER_ROLE} | {"PATH": "/bin", "KVSTORE_SECRET": "s", "OTHER": "1"}
+    assert roles.inherited(environ) == {"PATH": "/bin", "KVSTORE_SECRET": "s", "OTHER": "1"}
+
+
 @pytest.mark.parametrize("interface,expected", [(None, "10.0.0.7"), ("", "10.0.0.7"), ("  ", "10.0.0.7"),
                                                 ("eth0", None)])
 def test_with_node_host_unless_an_interface_is_named(interface: str | None, expected: str | None) -> None:
