@@ -148,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     for flag, what in (("--ray-server-cpus", "CPUs each server's actor reserves (default 0.1)"),
                        ("--ray-worker-cpus", "CPUs each worker's actor reserves (default 0.1)"),
                        ("--ray-worker-gpus", "GPUs each worker's actor reserves (default 0)"),
-                       ("--ray-placement-timeout", "seconds Ray may take to place every role (default 60)")):
+                       ("--ray-placement-timeout", "seconds to place and create every role (default 60)")):
         parser.add_argument(flag, type=float, metavar="N", help=f"ray: {what}")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment variable for every process (repeatable)")

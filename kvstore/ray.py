@@ -62,6 +62,7 @@ _EOF_GRACE = 1.0  # seconds a role's exit waits for its last output (a grandchil
 # is imported, which may be while Ray unpickles the function's arguments (numpy for an array), before the
 # function runs.  The rest, the secret included, are set only while the function runs.
 _PROCESS_START_VARS = ("OMP_NUM_THREADS",)
+_Call = tuple[Callable[..., Any], tuple, dict[str, Any]]  # a function worker's (function, args, kwargs)
 
 
 class PlacementError(KVStoreError):
@@ -202,11 +203,14 @@ def _death_reason(exc: BaseException) -> str:
 class _RoleActor:
     """One role in a Ray actor: a tethered subprocess, or the user's function in this process.
 
-    Runs threaded (``max_concurrency``), so a drain() can wait while the role runs.
+    Runs threaded (``max_concurrency``), so a drain() can wait while the role runs.  A function
+    worker's ``call`` (the function, its args and kwargs) comes with the actor's creation, so Ray
+    has unpickled it by the time the actor is ready (see RayJob._started).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, call: _Call | None = None) -> None:
         self.name = name
+        self._call_spec = call
         self._cond = threading.Condition()
         self._lines: list[str] = []
         self._code: int | None = None
@@ -272,8 +276,9 @@ class _RoleActor:
         The tether is started by a ``/bin/sh`` keeper: when Ray kills an actor it SIGKILLs the
         actor's direct children, which would orphan the role if the tether were one; the tether, a
         grandchild, sees its stdin close instead and stops the role (SIGTERM, ``grace``, SIGKILL).
-        The keeper and the tether run with the role's ``KVSTORE_*`` variables but the secret (which
-        reaches the role only on the tether's stdin), so they can be told apart as the role's.
+        The keeper and the tether run with the role's ``KVSTORE_*`` variables in their environment
+        (not on a command line) but no ``KVSTORE_SECRET`` (which reaches the role only on the
+        tether's stdin), so they can be told apart as the role's.
         Raises OSError when the keeper cannot be started.
         """
         env = dict(env)
@@ -283,17 +288,21 @@ class _RoleActor:
         settings = {name: value for name, value in env.items()
                     if name.startswith("KVSTORE_") and "SECRET" not in name}
         settings["KVSTORE_SHUTDOWN_TIMEOUT"] = f"{grace:g}"
-        # env(1) execs the keeper with these in its environment; the keeper's command line has none
-        keeper = ["/usr/bin/env", *(f"{name}={value}" for name, value in sorted(settings.items())),
-                  "/bin/sh", "-c", f"{shlex.quote(sys.executable)} -m kvstore.tether; exit $?"]
+        keeper_env = {name: value for name, value in kvconfig.child_environ(settings).items()
+                      if name != "KVSTORE_SECRET"}  # nor this actor's own, should its node set one
+        keeper = ["/bin/sh", "-c", f"{shlex.quote(sys.executable)} -m kvstore.tether; exit $?"]
         argv = [sys.executable, *argv] if python else python_if_script(argv)
         try:
-            self._proc = tether.spawn(argv, env, via=keeper,
-                                      cwd=cwd if cwd and os.path.isdir(cwd) else None,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(keeper, env=keeper_env, stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         except BaseException:
             self._remove_tmpdir()
             raise
+        try:
+            self._proc.stdin.write(tether.request(argv, env, cwd if cwd and os.path.isdir(cwd) else None))
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the keeper or the tether exited already: its exit code tells why
         threading.Thread(target=self._pump, args=(self._proc.stdout,), daemon=True).start()
         proc = self._proc
         threading.Thread(target=lambda: self._exited(roles.exit_code(proc.wait())), daemon=True).start()
@@ -304,9 +313,8 @@ class _RoleActor:
         directory is removed once the port is read (the scheduler writes it once, atomically)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._port_file and os.path.exists(self._port_file):
-                with open(self._port_file) as fh:
-                    port = int(fh.read().strip())
+            port = self._read_port()
+            if port is not None:
                 self._remove_tmpdir()
                 return port, None
             with self._cond:
@@ -314,6 +322,17 @@ class _RoleActor:
                     return None, self._code
                 self._cond.wait(0.05)
         return None, None
+
+    def _read_port(self) -> int | None:
+        """The port in the port file; None while there is none: not written yet, or removed with its
+        directory by the exit of a scheduler that wrote it and exited at once (its code then tells)."""
+        if self._port_file is None:
+            return None
+        try:
+            with open(self._port_file) as fh:
+                return int(fh.read().strip())
+        except OSError:
+            return None
 
     def release(self) -> None:
         """Close the tether's stdin: it stops the role (nothing for a function worker); remove the
@@ -335,11 +354,13 @@ class _RoleActor:
             return self._code
 
     # the user's function in this process
-    def start_function(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
-                       env: dict[str, str]) -> None:
-        """Call ``fn(*args, **kwargs)`` in a thread, with ``env`` set in this process's environment
-        until it returns (this actor's process is the role's alone); its stdout and stderr (file
-        descriptors 1 and 2) become this role's output while it runs."""
+    def start_function(self, env: dict[str, str]) -> None:
+        """Call the actor's ``call``, ``fn(*args, **kwargs)``, in a thread, with ``env`` set in this
+        process's environment until it returns (this actor's process is the role's alone); its stdout
+        and stderr (file descriptors 1 and 2) become this role's output while it runs."""
+        if self._call_spec is None:
+            raise ValueError(f"{self.name}'s actor was created without a function to call")
+        fn, args, kwargs = self._call_spec
         self._thread = threading.Thread(target=self._call_in, args=(env, fn, args, kwargs), daemon=True)
         self._thread.start()
 
@@ -455,18 +476,30 @@ class RayJob:
 
     # start -----------------------------------------------------------------------------------------
     def start(self) -> RayJob:
-        """Connect to Ray, place the job, start the scheduler, then the servers and workers.
+        """Connect to Ray, place the job, create every role's actor, start the scheduler, then the
+        servers and workers.
 
         Raises PlacementError when the roles cannot be placed within the placement timeout,
         RoleFailed when the scheduler fails to start or an actor dies, DeadlineExceededError when an
-        actor does not start its role, or the scheduler reports no port, within
-        ``KVSTORE_CONNECT_TIMEOUT``.  On any error everything started is torn down.
+        actor is not created within the placement timeout, or does not start its role, or the
+        scheduler reports no port, within ``KVSTORE_CONNECT_TIMEOUT``.  On any error everything
+        started is torn down.
         """
         try:
             self._connect()
             node_ips = self._place()
-            scheduler = self._spawn(0, node_ips[0])
-            root_uri = scheduler.node_ip
+            root_uri = node_ips[0]
+            for index, spec in enumerate(self.roles):
+                if spec.role == "worker" and self.function is not None:
+                    # the secret goes as start_function's argument, never in the runtime_env: Ray logs that
+                    env = self._env(spec, root_uri, 0, node_ips[index])
+                    self._spawn(index, node_ips[index], {name: env[name] for name in _PROCESS_START_VARS
+                                                         if name in env},
+                                call=(self.function, self.args, self.kwargs))
+                else:
+                    self._spawn(index, node_ips[index])
+            self._created()
+            scheduler = self._handles[0]
             env = self._env(scheduler.spec, root_uri, 0, scheduler.node_ip)
             self._started([(scheduler, scheduler.actor.start_command.remote(
                 ["-m", "scheduler"], env, self.cwd, self.settings.shutdown_timeout, python=True,
@@ -475,19 +508,14 @@ class RayJob:
             log.info("scheduler on %s:%d; starting %d servers and %d workers", root_uri, port,
                      self.num_servers, self.num_workers)
             starts = []
-            for index, spec in enumerate(self.roles[1:], start=1):
-                env = self._env(spec, root_uri, port, node_ips[index])
-                if spec.role == "worker" and self.function is not None:
-                    # the secret goes as an argument, never in the runtime_env: Ray logs that
-                    handle = self._spawn(index, node_ips[index], {name: env[name] for name in
-                                                                  _PROCESS_START_VARS if name in env})
-                    ref = handle.actor.start_function.remote(self.function, self.args, self.kwargs, env)
-                elif spec.role == "worker":
-                    handle = self._spawn(index, node_ips[index])
+            for handle in self._handles[1:]:
+                env = self._env(handle.spec, root_uri, port, handle.node_ip)
+                if handle.spec.role == "worker" and self.function is not None:
+                    ref = handle.actor.start_function.remote(env)
+                elif handle.spec.role == "worker":
                     ref = handle.actor.start_command.remote(self.command, env, self.cwd,
                                                             self.settings.shutdown_timeout)
                 else:
-                    handle = self._spawn(index, node_ips[index])
                     ref = handle.actor.start_command.remote(["-m", "kvstore.server"], env, self.cwd,
                                                             self.settings.shutdown_timeout, python=True)
                 starts.append((handle, ref))
@@ -497,21 +525,36 @@ class RayJob:
             raise
         return self
 
-    def _started(self, starts: list[tuple[_Handle, Any]]) -> None:
-        """Wait for the actors' start calls, all within one ``KVSTORE_CONNECT_TIMEOUT``.
+    def _created(self) -> None:
+        """Wait for every role's actor to be created (its process started, its runtime_env set up, a
+        function worker's function and arguments unpickled), all within one placement timeout, before
+        any role starts: the roles' own KVSTORE_CONNECT_TIMEOUT (the scheduler's for the rendezvous
+        among them) then counts from actors that are all there.
 
-        Raises RoleFailed for an actor that died (e.g. could not be created) or whose start call
-        raised, DeadlineExceededError naming the first role whose actor has not started it in time.
-        """
+        Raises RoleFailed for an actor that died (e.g. could not be created), DeadlineExceededError
+        naming the first role whose actor is not created in time and the placement timeout."""
+        timeout = self.placement_timeout
+        self._wait_calls([(handle, handle.actor.__ray_ready__.remote()) for handle in self._handles], timeout,
+                         f"was not created within {timeout:g} s (the placement timeout): its process did not "
+                         "start, or is stuck in its runtime_env or unpickling its function and arguments")
+
+    def _started(self, starts: list[tuple[_Handle, Any]]) -> None:
+        """Wait for the (created) actors' start calls, all within one ``KVSTORE_CONNECT_TIMEOUT``.
+
+        Raises RoleFailed for an actor that died or whose start call raised, DeadlineExceededError
+        naming the first role whose actor has not started it in time and KVSTORE_CONNECT_TIMEOUT."""
         timeout = self.settings.connect_timeout
+        self._wait_calls(starts, timeout, f"did not start its role within {timeout:g} s of being created "
+                         "(KVSTORE_CONNECT_TIMEOUT): its start call is stuck")
+
+    def _wait_calls(self, calls: list[tuple[_Handle, Any]], timeout: float, late: str) -> None:
+        """Wait for every actor call of ``calls``, all within one ``timeout``; see _created, _started."""
         deadline = time.monotonic() + timeout
-        for handle, ref in starts:
+        for handle, ref in calls:
             try:
                 ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
-                raise DeadlineExceededError(
-                    f"{handle.spec.name}'s Ray actor did not start its role within {timeout:g} s "
-                    "(KVSTORE_CONNECT_TIMEOUT): the actor's process was not started or is stuck") from None
+                raise DeadlineExceededError(f"{handle.spec.name}'s Ray actor {late}") from None
             except ray.exceptions.RayActorError as exc:
                 handle.dead = True
                 raise self._died(handle, exc) from None
@@ -558,9 +601,11 @@ class RayJob:
                             secret=self.secret, root_uri=root_uri, root_port=port, node_ip=node_ip,
                             forwarded=self.forwarded, extra=self.extra)
 
-    def _spawn(self, index: int, node_ip: str, env_vars: Mapping[str, str] | None = None) -> _Handle:
+    def _spawn(self, index: int, node_ip: str, env_vars: Mapping[str, str] | None = None,
+               call: _Call | None = None) -> _Handle:
         """Create the actor of role ``index`` in its bundle; ``env_vars`` (never a secret: Ray writes a
-        runtime_env to its logs) are set in the actor's process when it starts."""
+        runtime_env to its logs) are set in the actor's process when it starts; ``call`` is a function
+        worker's (function, args, kwargs)."""
         spec = self.roles[index]
         options: dict[str, Any] = {
             "num_cpus": spec.cpus, "num_gpus": spec.gpus,
@@ -568,7 +613,7 @@ class RayJob:
                 self._pg, placement_group_bundle_index=index)}
         if env_vars:
             options["runtime_env"] = {"env_vars": dict(env_vars)}
-        handle = _Handle(spec, _Remote.options(**options).remote(spec.name), node_ip)
+        handle = _Handle(spec, _Remote.options(**options).remote(spec.name, call), node_ip)
         self._handles.append(handle)
         return handle
 

@@ -156,6 +156,23 @@ class _StuckActor(kvray._RoleActor):
         threading.Event().wait(120)
 
 
+class _StuckCreationActor(kvray._RoleActor):
+    """A role actor whose creation never ends (bounded at 120 s): a process stuck starting."""
+
+    def __init__(self, *args: object) -> None:
+        threading.Event().wait(120)
+        super().__init__(*args)
+
+
+class _SlowCreationActor(kvray._RoleActor):
+    """Worker 0's actor takes 6 s to be created (a slow but healthy start: a big import, a runtime_env)."""
+
+    def __init__(self, name: str, *args: object) -> None:
+        if name == "worker 0":
+            threading.Event().wait(6)  # stands in for slow work, not a wait for something
+        super().__init__(name, *args)
+
+
 # -- a role actor's class, in this process (no Ray) ---------------------------------------------------
 
 def _drain_to_exit(actor: object, timeout: float) -> tuple[list[str], int]:
@@ -176,8 +193,8 @@ def test_a_function_worker_gets_its_environment_only_while_it_runs(monkeypatch: 
     and gone again after: it travels as an argument, not in the actor's runtime_env."""
     monkeypatch.setattr(kvray, "_leave_cluster", lambda failure: None)  # leave this process's store be
     name = f"KVSTORE_TEST_PROBE_{uuid.uuid4().hex[:8].upper()}"
-    actor = kvray._RoleActor("worker 0")
-    actor.start_function(lambda: kvconfig.child_environ({}).get(name), (), {}, {name: "set"})
+    actor = kvray._RoleActor("worker 0", (lambda: kvconfig.child_environ({}).get(name), (), {}))
+    actor.start_function({name: "set"})
     _, code = _drain_to_exit(actor, 30)
     assert (code, actor.result()) == (0, "set")
     assert name not in kvconfig.child_environ({})
@@ -286,7 +303,8 @@ def test_the_secret_is_in_no_ray_log_or_session_file(tag: str, ray_address: str)
     assert _session_files_containing(secret) == []
 
 
-@pytest.mark.timeout(240)  # start (placement 60 s, port 30 s, actors 30 s) + 60 s + 60 s + 15 s + 20 s
+@pytest.mark.timeout(330)  # start (placement 60 s, actors created 60 s, scheduler started 30 s, port 30 s,
+                           # roles started 30 s) + 60 s + 60 s + 15 s + 20 s
 @pytest.mark.parametrize("role,rank", [("worker", 1), ("server", 1), ("scheduler", None)])
 def test_killing_a_role_actor_fails_the_run_naming_it(tag: str, ray_address: str, tmp_path: Path,
                                                       role: str, rank: int | None) -> None:
@@ -316,22 +334,44 @@ def test_killing_a_role_actor_fails_the_run_naming_it(tag: str, ray_address: str
     assert _port_dirs() - dirs_before == set()
 
 
+@pytest.mark.parametrize("actor,connect,placement,expected", [
+    (_StuckActor, "3", 60, "scheduler's Ray actor did not start its role within 3 s of being created "
+     "(KVSTORE_CONNECT_TIMEOUT)"),
+    (_StuckCreationActor, "60", 3,
+     "scheduler's Ray actor was not created within 3 s (the placement timeout)"),
+])
 def test_an_actor_that_does_not_start_its_role_fails_the_start_in_time(
-        tag: str, ray_address: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A role actor whose start call never returns: start() raises DeadlineExceededError naming the
-    scheduler and KVSTORE_CONNECT_TIMEOUT (3 s here) instead of blocking, and tears the job down."""
-    stuck = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=4)(_StuckActor)
+        tag: str, ray_address: str, monkeypatch: pytest.MonkeyPatch, actor: type, connect: str,
+        placement: float, expected: str) -> None:
+    """A role actor whose start call never returns, or whose creation never ends: start() raises
+    DeadlineExceededError naming the scheduler and the wait that ran out (KVSTORE_CONNECT_TIMEOUT, or
+    the placement timeout, 3 s here, the other one 60 s) instead of blocking, and tears the job down."""
+    stuck = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=4)(actor)
     monkeypatch.setattr(kvray, "_Remote", stuck)
-    env = {**ROLE_ENV, "KVSTORE_TEST_TAG": tag, "KVSTORE_CONNECT_TIMEOUT": "3"}
+    env = {**ROLE_ENV, "KVSTORE_TEST_TAG": tag, "KVSTORE_CONNECT_TIMEOUT": connect}
     start = time.monotonic()
     with pytest.raises(DeadlineExceededError) as info:
-        kvray.start(steady, 2, 1, args=("/nonexistent",), env=env, stdout=io.StringIO())
-    assert time.monotonic() - start < 30
-    message = str(info.value)
-    assert "scheduler's Ray actor did not start its role within 3 s" in message, message
-    assert "KVSTORE_CONNECT_TIMEOUT" in message, message
+        kvray.start(steady, 2, 1, args=("/nonexistent",), env=env, stdout=io.StringIO(),
+                    placement_timeout=placement)
+    assert time.monotonic() - start < 45  # 3 s, and the teardown: up to 20 s for an actor still being created
+    assert expected in str(info.value), str(info.value)
     assert poll_for(_no_live_placement_groups, 20, "the placement group to be removed")
     assert poll_for(_all_cpus_free, 20, "the stuck actor to be killed and its CPUs released")
+
+
+@pytest.mark.timeout(150)  # run 90 s + 20 s
+def test_a_slow_actor_creation_is_not_held_against_the_connect_timeout(
+        tag: str, ray_address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 0's actor takes 6 s to be created, KVSTORE_CONNECT_TIMEOUT is 4 s: every actor is created
+    (within the placement timeout, 60 s) before any role starts, so neither the driver's wait for the
+    start calls nor the scheduler's rendezvous (both KVSTORE_CONNECT_TIMEOUT) counts the creation, and
+    the run succeeds."""
+    slow = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=4)(_SlowCreationActor)
+    monkeypatch.setattr(kvray, "_Remote", slow)
+    env = {**ROLE_ENV, "KVSTORE_TEST_TAG": tag, "KVSTORE_CONNECT_TIMEOUT": "4"}
+    results = kvray.run(sum_check, 2, 1, args=(1.0,), env=env, stdout=io.StringIO(), timeout=90)
+    assert [result[:3] for result in results] == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert poll_for(lambda: _nothing_left(tag), 20, "every role and worker actor to exit")
 
 
 def _read_lines(stream: io.TextIOBase, lines: list[str]) -> None:

@@ -9,6 +9,7 @@ import logging
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -134,6 +135,21 @@ def test_death_reason_takes_rays_sentence() -> None:
             "The actor is dead because it was killed by `ray.kill`.")
     assert kvray._death_reason(RuntimeError(text)) == "it was killed by `ray.kill`."
     assert kvray._death_reason(RuntimeError("node lost\nmore")) == "node lost"
+
+
+def test_wait_port_reports_the_exit_when_the_port_file_cannot_be_read(tmp_path: Path) -> None:
+    """A scheduler that wrote its port and exited at once: the exit removes the port file's directory,
+    maybe between wait_port seeing the file and opening it.  An unreadable port file (a directory
+    here, which exists but cannot be opened) falls through to the exit code instead of raising."""
+    actor = kvray._RoleActor("scheduler")
+    actor._port_file = str(tmp_path)
+    assert actor.wait_port(0.2) == (None, None)  # nothing readable, no exit: the deadline
+    actor._exited(0)
+    assert actor.wait_port(5) == (None, 0)
+    port_file = tmp_path / "scheduler.port"
+    port_file.write_text("4321\n")
+    actor._port_file = str(port_file)
+    assert actor.wait_port(5) == (4321, None)
 
 
 class _FakeJob:
