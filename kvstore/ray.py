@@ -432,6 +432,7 @@ class _Handle:
     node_ip: str
     exit_code: int | None = None
     dead: bool = False
+    created: bool = False  # its actor answered once: a role it may hold is worth releasing
 
 
 class RayJob:
@@ -536,7 +537,8 @@ class RayJob:
         timeout = self.placement_timeout
         self._wait_calls([(handle, handle.actor.__ray_ready__.remote()) for handle in self._handles], timeout,
                          f"was not created within {timeout:g} s (the placement timeout): its process did not "
-                         "start, or is stuck in its runtime_env or unpickling its function and arguments")
+                         "start, or is stuck in its runtime_env or unpickling its function and arguments",
+                         created=True)
 
     def _started(self, starts: list[tuple[_Handle, Any]]) -> None:
         """Wait for the (created) actors' start calls, all within one ``KVSTORE_CONNECT_TIMEOUT``.
@@ -547,12 +549,15 @@ class RayJob:
         self._wait_calls(starts, timeout, f"did not start its role within {timeout:g} s of being created "
                          "(KVSTORE_CONNECT_TIMEOUT): its start call is stuck")
 
-    def _wait_calls(self, calls: list[tuple[_Handle, Any]], timeout: float, late: str) -> None:
-        """Wait for every actor call of ``calls``, all within one ``timeout``; see _created, _started."""
+    def _wait_calls(self, calls: list[tuple[_Handle, Any]], timeout: float, late: str,
+                    created: bool = False) -> None:
+        """Wait for every actor call of ``calls``, all within one ``timeout``; see _created, _started.
+        With ``created``, each actor that answered is marked created."""
         deadline = time.monotonic() + timeout
         for handle, ref in calls:
             try:
                 ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                handle.created = handle.created or created
             except ray.exceptions.GetTimeoutError:
                 raise DeadlineExceededError(f"{handle.spec.name}'s Ray actor {late}") from None
             except ray.exceptions.RayActorError as exc:
@@ -769,7 +774,7 @@ class RayJob:
         if self._stopped:
             return
         self._stopped = True
-        alive = [h for h in self._handles if not h.dead]
+        alive = [h for h in self._handles if not h.dead and h.created]  # the others hold no role
         try:
             if alive:
                 self._release(alive)
