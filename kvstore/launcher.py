@@ -33,6 +33,7 @@ from typing import TypeVar
 from . import config as kvconfig
 from . import roles, snapshot, tether
 from .errors import ConfigError
+from .node import python_if_script
 
 log = logging.getLogger("kvstore.launcher")
 H = TypeVar("H")
@@ -556,7 +557,7 @@ class Cluster:
         log.info("scheduler on %s:%d; starting %d servers and %d workers%s",
                  _bracketed(root), port, self.cfg.num_servers, self.cfg.num_workers, where)
         python = (self.cfg.remote_python or sys.executable) if remote else sys.executable
-        worker_argv = [python, *self.cfg.command] if self.cfg.command[0].endswith(".py") else self.cfg.command
+        worker_argv = python_if_script(self.cfg.command, python)
         hosts = self.cfg.hosts if remote else [None]
         for role, rank, host in placement(self.cfg.num_servers, self.cfg.num_workers, hosts):
             if role == "server":
@@ -571,9 +572,9 @@ class Cluster:
         (with any code: exit 0 is a failed launch too), TimeoutError after ``KVSTORE_CONNECT_TIMEOUT``."""
         deadline = time.monotonic() + self.settings.connect_timeout
         while time.monotonic() < deadline:
-            if os.path.exists(path):
-                with open(path) as fh:
-                    return int(fh.read().strip())
+            port = roles.read_port_file(path)
+            if port is not None:
+                return port
             try:
                 failed = self.exits.get(timeout=0.05)
             except queue.Empty:

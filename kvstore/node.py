@@ -66,9 +66,9 @@ def role_command(role: str | None, command: list[str]) -> list[str]:
                       "(or start the job with launch.py)")
 
 
-def python_if_script(command: list[str]) -> list[str]:
-    """Prefix ``command`` with this Python when its first word is a ``.py`` file."""
-    return [sys.executable, *command] if command[0].endswith(".py") else list(command)
+def python_if_script(command: list[str], python: str | None = None) -> list[str]:
+    """Prefix ``command`` with ``python`` (default: this Python) when its first word is a ``.py`` file."""
+    return [python or sys.executable, *command] if command[0].endswith(".py") else list(command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,13 +332,7 @@ def _publish(store: adapters.TorchStore, port_file: str, timeout: float, schedul
     try:
         from torch.distributed import TCPStore  # now, while the scheduler starts: the readers' clocks run
 
-        while True:
-            try:
-                with open(port_file) as fh:
-                    port = int(fh.read().strip())
-                break
-            except (OSError, ValueError):
-                pass  # not written yet (the scheduler writes it atomically)
+        while (port := roles.read_port_file(port_file)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 print(f"kvstore.node: the scheduler did not report its port within {timeout:g} s "

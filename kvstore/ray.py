@@ -326,13 +326,7 @@ class _RoleActor:
     def _read_port(self) -> int | None:
         """The port in the port file; None while there is none: not written yet, or removed with its
         directory by the exit of a scheduler that wrote it and exited at once (its code then tells)."""
-        if self._port_file is None:
-            return None
-        try:
-            with open(self._port_file) as fh:
-                return int(fh.read().strip())
-        except OSError:
-            return None
+        return None if self._port_file is None else roles.read_port_file(self._port_file)
 
     def release(self) -> None:
         """Close the tether's stdin: it stops the role (nothing for a function worker); remove the

@@ -44,6 +44,16 @@ def with_node_host(env: Mapping[str, str], host: str) -> dict[str, str]:
     return out
 
 
+def read_port_file(path: str) -> int | None:
+    """The port a scheduler wrote to its ``KVSTORE_PORT_FILE`` at ``path``, or None while there is none
+    (the file is written once, atomically: a read finds no file or the whole port)."""
+    try:
+        with open(path) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def exit_code(returncode: int) -> int:
     """A process's exit code as a shell reports it: 128 + the signal number when a signal ended it."""
     return 128 - returncode if returncode < 0 else returncode

@@ -237,11 +237,9 @@ class _Role:
         """The port the scheduler wrote to ``path``; raises TaskFailed if it exits or times out."""
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                with open(path) as fh:
-                    return int(fh.read().strip())
-            except (OSError, ValueError):
-                pass  # not written yet (it is written atomically, so a read either fails or is whole)
+            port = roles.read_port_file(path)
+            if port is not None:
+                return port
             code = self.exit_code()
             if code is not None:
                 raise self.failure(f"exited with code {code} before reporting its port")
