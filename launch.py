@@ -3,7 +3,7 @@
 
 import sys
 
-from kvstore.launcher import main
+from kvstore.launch.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,9 +1,14 @@
-"""Packaging for the kvstore parameter server (import names ``kvstore`` and ``scheduler``)."""
+"""Packaging for the kvstore parameter server: one import name, ``kvstore``.
+
+The repository's top-level ``scheduler/`` folder is installed as ``kvstore.scheduler`` (started as
+``python -m kvstore.scheduler``), so the distribution claims no generic top-level name; ``launch.py``
+stays a script of the checkout (the installed command is ``kvstore-launch``).
+"""
 
 import re
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 here = Path(__file__).parent
 version = re.search(r'__version__ = "([^"]+)"', (here / "kvstore" / "__init__.py").read_text()).group(1)
@@ -15,14 +20,14 @@ setup(
     long_description=(here / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["kvstore", "scheduler"],
-    py_modules=["launch"],
+    packages=find_packages(include=["kvstore", "kvstore.*"]) + ["kvstore.scheduler"],
+    package_dir={"kvstore.scheduler": "scheduler"},
     install_requires=["numpy>=1.24", "pyzmq>=26", "msgpack>=1.0"],
     extras_require={
         "torch": ["torch>=2.1"],
         "ray": ["ray>=2.9"],  # launch.py --launcher ray, kvstore.ray
         "spark": ["pyspark>=3.5"],  # kvstore.spark (needs Java 17 on the machine)
     },
-    entry_points={"console_scripts": ["kvstore-launch=kvstore.launcher:main"]},
+    entry_points={"console_scripts": ["kvstore-launch=kvstore.launch.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
 )

@@ -72,8 +72,8 @@ def message_cost() -> tuple[float, float]:
 
     import numpy as np
 
-    from kvstore.auth import Channel, derive_key
-    from kvstore.protocol import Message, Op
+    from kvstore.net.auth import Channel, derive_key
+    from kvstore.net.protocol import Message, Op
 
     costs = []
     for key in (None, derive_key("benchmark-secret")):

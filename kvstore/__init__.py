@@ -13,31 +13,31 @@ Submodules: ``kvstore.optimizer`` (server-side update rules), ``kvstore.lr_sched
 Importing kvstore never imports torch.
 """
 
-from . import checkpoint as checkpoint
-from . import data as data
-from . import lr_scheduler as lr_scheduler
-from . import optimizer as optimizer
-from . import snapshot as snapshot
-from .base import KNOWN_TYPES, KVStore, create
-from .errors import (
-                     AuthenticationError,
-                     ConfigError,
-                     DeadlineExceededError,
-                     DTypeMismatchError,
-                     DuplicateInitError,
-                     FormatError,
-                     KeyNotInitializedError,
-                     KeyTypeError,
-                     KVStoreError,
-                     NodeLostError,
-                     OptimizerError,
-                     ProtocolError,
-                     RemoteError,
-                     ShapeMismatchError,
-                     StoreClosedError,
-                     UnknownModeError,
+from kvstore import checkpoint as checkpoint
+from kvstore import data as data
+from kvstore import lr_scheduler as lr_scheduler
+from kvstore import optimizer as optimizer
+from kvstore.base import KNOWN_TYPES, KVStore, create
+from kvstore.core import snapshot as snapshot
+from kvstore.errors import (
+    AuthenticationError,
+    ConfigError,
+    DeadlineExceededError,
+    DTypeMismatchError,
+    DuplicateInitError,
+    FormatError,
+    KeyNotInitializedError,
+    KeyTypeError,
+    KVStoreError,
+    NodeLostError,
+    OptimizerError,
+    ProtocolError,
+    RemoteError,
+    ShapeMismatchError,
+    StoreClosedError,
+    UnknownModeError,
 )
-from .trainer import Trainer
+from kvstore.trainer import Trainer
 
 __version__ = "0.1.0"
 

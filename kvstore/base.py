@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from . import values as V
-from . import xp
-from .errors import DuplicateInitError, KeyNotInitializedError, StoreClosedError, UnknownModeError
-from .optimizer import Optimizer
-from .partition import Key, check_key
+from kvstore.core import values as V
+from kvstore.core import xp
+from kvstore.core.optimizer import Optimizer
+from kvstore.core.partition import Key, check_key
+from kvstore.errors import DuplicateInitError, KeyNotInitializedError, StoreClosedError, UnknownModeError
 
 Group = tuple[Key, V.Meta, list[Any]]  # a key, its meta and its pushed values, checked
 
@@ -194,7 +194,7 @@ class KVStore(abc.ABC):
         """This store's :class:`kvstore.device.DeviceComm`, made on first use (device modes only)."""
         with self._lock:
             if self._comm is None:
-                from .device import DeviceComm
+                from kvstore.device import DeviceComm
 
                 self._comm = DeviceComm()
             return self._comm
@@ -353,8 +353,8 @@ class KVStore(abc.ABC):
 
 
 def _registry() -> dict[str, Any]:
-    from .dist import create_dist
-    from .local import LocalKVStore
+    from kvstore.client.store import create_dist
+    from kvstore.local import LocalKVStore
 
     return {"local": LocalKVStore, "device": LocalKVStore, "local_allreduce_cpu": LocalKVStore,
             "local_allreduce_device": LocalKVStore, "local_update_cpu": LocalKVStore,

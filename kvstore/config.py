@@ -15,7 +15,7 @@ import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from kvstore.errors import ConfigError
 
 ROLES = ("scheduler", "server", "worker")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

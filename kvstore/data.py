@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .values import is_tensor
+from kvstore.core.values import is_tensor
 
 
 class Part(Sequence):

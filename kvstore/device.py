@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from . import values as V
-from . import xp
-from .partition import Key
+from kvstore.core import values as V
+from kvstore.core import xp
+from kvstore.core.partition import Key
 
 Tensor = Any  # torch.Tensor; torch is imported by the user before anything here runs
 

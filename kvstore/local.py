@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from . import checkpoint, snapshot, xp
-from .base import Group, KVStore
-from .device import settle
-from .errors import DTypeMismatchError, OptimizerError
-from .optimizer import Optimizer
-from .partition import Key
+from kvstore.base import Group, KVStore
+from kvstore.core import checkpoint, snapshot, xp
+from kvstore.core.optimizer import Optimizer
+from kvstore.core.partition import Key
+from kvstore.device import settle
+from kvstore.errors import DTypeMismatchError, OptimizerError
 
 LocalUpdater = Callable[[Key, Any, Any], None]
 

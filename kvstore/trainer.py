@@ -34,11 +34,11 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from . import checkpoint, xp
-from . import config as kvconfig
-from . import optimizer as kvoptimizer
-from .base import KVStore, create
-from .optimizer import Optimizer
+from kvstore import config as kvconfig
+from kvstore.base import KVStore, create
+from kvstore.core import checkpoint, xp
+from kvstore.core import optimizer as kvoptimizer
+from kvstore.core.optimizer import Optimizer
 
 Tensor = Any  # a torch.Tensor; torch is not imported when this module loads
 _trainers = itertools.count()

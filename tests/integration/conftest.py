@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from kvstore import config as kvconfig
-from kvstore.auth import Channel, derive_key
-from kvstore.dist import DistKVStore
+from kvstore.client.store import DistKVStore
+from kvstore.net.auth import Channel, derive_key
 from tests.helpers import Processes, poll_for, python, run_parallel, tagged_pids
 
 _names = itertools.count()
@@ -41,7 +41,7 @@ class Cluster:
                     "KVSTORE_SECRET": SECRET}
         self.env.update({k: str(v) for k, v in settings.items()})
         port_file = workdir / "scheduler.port"
-        self.procs.start("scheduler", [python(), "-m", "scheduler"],
+        self.procs.start("scheduler", [python(), "-m", "kvstore.scheduler"],
                          {**self.env, "DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_PORT": "0",
                           "KVSTORE_PORT_FILE": str(port_file)})
         poll_for(port_file.exists, 30, "the scheduler's port file")

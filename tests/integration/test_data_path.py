@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore import protocol
 from kvstore.errors import KeyNotInitializedError, ProtocolError, ShapeMismatchError
-from kvstore.protocol import Message, Op
+from kvstore.net import protocol
+from kvstore.net.protocol import Message, Op
 from tests.helpers import poll_for
 
 from .conftest import Cluster, insider, unique_key

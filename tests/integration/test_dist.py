@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.partition import placement
+from kvstore.core.partition import placement
 from tests.helpers import run_parallel
 
 from .conftest import Cluster, unique_int_key, unique_key

@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 import kvstore
-from kvstore import protocol
-from kvstore.dist import DistKVStore
+from kvstore.client.store import DistKVStore
+from kvstore.core.values import Meta
 from kvstore.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -24,8 +24,8 @@ from kvstore.errors import (
     ShapeMismatchError,
     StoreClosedError,
 )
-from kvstore.protocol import Message, Op
-from kvstore.values import Meta
+from kvstore.net import protocol
+from kvstore.net.protocol import Message, Op
 from tests.helpers import run_parallel
 
 from .conftest import Cluster, insider, unique_key

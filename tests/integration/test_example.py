@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.checkpoint import load_arrays
+from kvstore.core.checkpoint import load_arrays
 from tests.helpers import finish, launch
 
 STEPS = 5  # k: the unbroken run trains 2k global steps, the broken one k, then k more after a resume

@@ -155,7 +155,7 @@ def test_uneven_ends_finish(make_cluster) -> None:
 
 def test_pushes_from_a_left_worker_are_refused_by_the_server_state() -> None:
     """Sanity of the pieces the uneven-ends test relies on (no processes)."""
-    from kvstore.state import ShardState
+    from kvstore.core.shard import ShardState
 
     state = ShardState(2, sync=True)
     state.init("k", np.zeros(2))

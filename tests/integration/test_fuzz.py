@@ -10,7 +10,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.protocol import PROTOCOL_VERSION, Message, Op
+from kvstore.net.protocol import PROTOCOL_VERSION, Message, Op
 
 from .conftest import Cluster, insider
 

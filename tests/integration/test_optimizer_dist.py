@@ -7,16 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore import optimizer as kvopt
-from kvstore.errors import (
-    DTypeMismatchError,
-    FormatError,
-    OptimizerError,
-    RemoteError,
-    ShapeMismatchError,
-)
-from kvstore.protocol import Message, Op
-from kvstore.values import Meta
+from kvstore.core import optimizer as kvopt
+from kvstore.core.values import Meta
+from kvstore.errors import DTypeMismatchError, FormatError, OptimizerError, RemoteError, ShapeMismatchError
+from kvstore.net.protocol import Message, Op
 
 from .conftest import Cluster
 
@@ -274,7 +268,7 @@ def test_save_needs_an_optimizer_and_a_writable_place(make_cluster, tmp_path: Pa
 
 def test_get_optimizer_counts_updates_on_any_server(make_cluster) -> None:
     """get_optimizer's num_update is the highest of all servers, even when server 0 holds no key."""
-    from kvstore.partition import placement
+    from kvstore.core.partition import placement
 
     cluster: Cluster = make_cluster("dist_sync", 1, 3, bound=BOUND)
     (kv,) = cluster.workers

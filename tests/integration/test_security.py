@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import zmq
 
-from kvstore import protocol
-from kvstore.auth import Channel, derive_key
-from kvstore.dist import DistKVStore
+from kvstore.client.store import DistKVStore
 from kvstore.errors import AuthenticationError
-from kvstore.protocol import Message, Op
+from kvstore.net import protocol
+from kvstore.net.auth import Channel, derive_key
+from kvstore.net.protocol import Message, Op
 from tests.helpers import REPO, python
 
 from .conftest import Cluster, insider, unique_key
@@ -106,7 +106,7 @@ def test_scheduler_refuses_a_public_address_without_a_secret() -> None:
     """A scheduler asked to listen on 0.0.0.0 with no KVSTORE_SECRET exits non-zero and says why."""
     env = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "0.0.0.0", "DMLC_PS_ROOT_PORT": "0",
            "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([python(), "-m", "scheduler"], env=env, capture_output=True, text=True,
+    done = subprocess.run([python(), "-m", "kvstore.scheduler"], env=env, capture_output=True, text=True,
                           timeout=60, cwd=REPO)
     assert done.returncode != 0
     assert "without KVSTORE_SECRET" in done.stderr and "KVSTORE_INSECURE=1" in done.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.checkpoint import load_arrays
+from kvstore.core.checkpoint import load_arrays
 from tests.helpers import finish, launch
 
 SCRIPT = Path(__file__).parent / "scripts" / "snapshot_train.py"
@@ -49,7 +49,7 @@ def test_keys_initialised_after_set_optimizer_get_their_state_back(make_cluster,
     import dataclasses
 
     import kvstore
-    from kvstore.dist import DistKVStore
+    from kvstore.client.store import DistKVStore
 
     first = make_cluster("dist_sync", 1, 1)
     (kv,) = first.workers

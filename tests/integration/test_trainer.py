@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore import checkpoint
+from kvstore.core import checkpoint
 from kvstore.errors import RemoteError
 from tests.helpers import finish, launch, poll_for, tagged_pids
 

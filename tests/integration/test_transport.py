@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore import protocol, transport
 from kvstore.errors import ConfigError, DeadlineExceededError, NodeLostError, ProtocolError
-from kvstore.protocol import Message, Op
+from kvstore.net import protocol, transport
+from kvstore.net.protocol import Message, Op
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import torch
 
 import kvstore
 from kvstore import device as D
-from kvstore import optimizer as O
 from kvstore.base import DEVICE_TYPES, KNOWN_TYPES
+from kvstore.core import optimizer as O
 from kvstore.errors import DTypeMismatchError, ShapeMismatchError
 from tests.helpers import cuda_devices
 

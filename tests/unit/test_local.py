@@ -545,7 +545,7 @@ def test_import_kvstore_does_not_import_torch():
 # -- optimizer in the local store ------------------------------------------------------------------
 
 def _sgd_store(**params):
-    from kvstore import optimizer as kvopt
+    from kvstore.core import optimizer as kvopt
     store = kvstore.create("local")
     store.init(["a", 7], [np.ones((2, 3), np.float32), np.zeros(4, np.float64)])
     store.set_optimizer(kvopt.create("sgd", **params))
@@ -589,7 +589,7 @@ def test_local_set_optimizer_params_and_errors():
 
 def test_local_states_round_trip_continues_identically(tmp_path):
     """Save momentum states, load them into a fresh store: the next updates are bit-identical."""
-    from kvstore import optimizer as kvopt
+    from kvstore.core import optimizer as kvopt
     grads = [np.random.default_rng(i).standard_normal((2, 3)).astype(np.float32) for i in range(6)]
     store = _sgd_store(learning_rate=0.1, momentum=0.9)
     for g in grads[:3]:

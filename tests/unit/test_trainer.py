@@ -13,9 +13,9 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import kvstore
-from kvstore import optimizer as kvopt
+from kvstore.core import optimizer as kvopt
+from kvstore.core.lr_scheduler import FactorScheduler
 from kvstore.errors import KeyNotInitializedError, OptimizerError
-from kvstore.lr_scheduler import FactorScheduler
 from kvstore.trainer import Trainer, resolve_update_on_kvstore
 
 BATCH = 32

@@ -1,0 +1,238 @@
+"""A worker's sockets, driven by the threads that use them (no I/O thread of their own).
+
+zmq sockets are not thread-safe, so one lock (``_io``) guards them; whoever holds
+it sends what is queued and receives what has arrived.  A call that sends takes the
+lock if it is free and sends at once; if another thread holds it, the message waits
+in the outbox and a wake-up byte makes the holder send it.  A call that waits for
+replies becomes the *leader* when the lock is free: it polls every socket, matches
+replies to requests by ``seq`` and resolves their futures (its own and other
+threads'), until its own reply is in.  Other waiting threads wait on their futures
+and take over when the leader is done.  Compared with a dedicated I/O thread this
+saves two thread switches per request, which on a busy machine is most of a small
+request's round trip (docs/benchmarks.md).
+
+Replies nobody waits for yet (a push's ack) stay in zmq's queue until the next call
+that sends or waits reads them.  :meth:`Wire.fail` (a lost peer, from the heartbeat
+thread) fails every request in flight at once, without the socket lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.errors import AuthenticationError, ProtocolError, StoreClosedError, error_from_code
+from kvstore.net import transport
+from kvstore.net.auth import Channel
+from kvstore.net.protocol import Message, Op
+
+log = logging.getLogger("kvstore.dist")
+SCHEDULER = -1  # target index of the scheduler socket; servers are 0..S-1
+_SLICE = 0.05  # a leader re-checks closing and its deadline at least this often (seconds)
+_FOLLOW = 0.002  # a waiting non-leader checks whether it may lead this often (seconds)
+_READ_AHEAD = 256  # with this many requests in flight, a sender also reads the replies that are in
+
+
+@dataclass
+class Request:
+    """One message in flight and the future its reply resolves."""
+
+    what: str
+    future: Future = field(default_factory=Future)
+
+
+class Wire:
+    """The scheduler socket and one socket per server of a worker; see the module docstring."""
+
+    def __init__(self, scheduler: Any, servers: list[Any], rank: int, channel: Channel) -> None:
+        self.sockets = {SCHEDULER: scheduler, **dict(enumerate(servers))}
+        self.rank = rank
+        self.channel = channel  # seals every request, opens every reply
+        self._io = threading.Lock()  # the sockets (and the outbox's order on the wire)
+        self._lock = threading.Lock()  # seq, sealing order, the in-flight table, failure, closing
+        self._outbox: collections.deque = collections.deque()  # (target, frames), sealed, in order
+        self._inflight: dict[int, Request] = {}
+        self._seq = itertools.count(1)
+        self._failure: BaseException | None = None  # set by fail(): the cluster is broken
+        self._closed = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poller = transport.Poller()
+        self._poller.add(self._wake_r.fileno())
+        for sock in self.sockets.values():
+            self._poller.add(sock)
+
+    # -- sending ----------------------------------------------------------------------------------
+    def submit(self, target: int, msg: Message, what: str, after_failure: bool = False) -> Request:
+        """Send ``msg`` to ``target`` (a server index or SCHEDULER); return its request.
+
+        After :meth:`fail`, the request is failed at once with that error, unless
+        ``after_failure`` (a LEAVE still goes out, so the scheduler can finish).
+        Raises :class:`StoreClosedError` after :meth:`stop`.
+        """
+        request = Request(what)
+        msg.sender = self.rank
+        with self._lock:  # sealed in queue order: each receiver must see the channel's numbers rise
+            if self._closed:
+                raise StoreClosedError(f"{what}: the store is closed")
+            if self._failure is not None and not after_failure:
+                _resolve(request, exc=self._failure)
+                return request
+            msg.seq = next(self._seq)
+            frames = self.channel.seal(msg, "scheduler" if target == SCHEDULER else f"server{target}")
+            self._inflight[msg.seq] = request
+            self._outbox.append((target, frames, msg.seq))
+        self._pump()
+        return request
+
+    def _pump(self) -> None:
+        """Send the outbox now if the sockets are free, else make their holder send it."""
+        while self._outbox:
+            if not self._io.acquire(blocking=False):
+                self._wake()  # the holder sends it: it flushes when woken and before it lets go
+                return
+            try:
+                self._flush()
+                if len(self._inflight) > _READ_AHEAD:  # a long run of pushes nobody waits for
+                    for sock in self.sockets.values():
+                        self._receive(sock)
+            finally:
+                self._io.release()
+            # a message queued while we held the lock is sent by the next turn of this loop
+
+    def _flush(self) -> None:
+        """Send every queued message, in order (the caller holds ``_io``)."""
+        while True:
+            try:
+                target, frames, seq = self._outbox.popleft()
+            except IndexError:  # empty (stop() may have cleared it meanwhile)
+                return
+            try:
+                transport.send(self.sockets[target], frames)
+            except Exception as exc:  # surface to the waiting caller
+                with self._lock:
+                    request = self._inflight.pop(seq, None)
+                if request is not None:
+                    _resolve(request, exc=exc)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (the holder is due to wake anyway) or closed
+
+    # -- waiting ----------------------------------------------------------------------------------
+    def wait(self, request: Request, timeout: float) -> Any:
+        """The reply to ``request`` (a :class:`Message`), driving the sockets while it is not in.
+
+        Raises the request's error, or ``concurrent.futures.TimeoutError`` after ``timeout``
+        seconds.
+        """
+        future = request.future
+        deadline = time.monotonic() + timeout
+        while not future.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FutureTimeout()
+            if self._io.acquire(blocking=False):
+                try:
+                    self._lead(future, deadline)
+                finally:
+                    self._io.release()
+                    self._pump()  # what other threads queued while we led, even if leading failed
+            else:
+                try:
+                    return future.result(min(left, _FOLLOW))
+                except FutureTimeout:
+                    continue
+        return future.result(0)
+
+    def _lead(self, future: Future, deadline: float) -> None:
+        """Poll every socket and resolve what comes in until ``future`` is done (caller holds ``_io``)."""
+        self._flush()
+        while not future.done() and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            for ready in self._poller.wait(min(left, _SLICE)):
+                if ready == self._wake_r.fileno():
+                    try:
+                        self._wake_r.recv(65536)
+                    except BlockingIOError:
+                        pass
+                    self._flush()
+                else:
+                    self._receive(ready)
+
+    def _receive(self, sock: Any) -> None:
+        """Open and match every reply waiting on ``sock`` (the caller holds ``_io``)."""
+        while True:
+            try:
+                frames = transport.recv_nowait(sock)
+                if frames is None:
+                    return
+                msg = self.channel.open(frames)
+            except (AuthenticationError, ProtocolError) as exc:
+                log.warning("dropped a reply that failed to open: %s", exc)
+                continue
+            with self._lock:
+                request = self._inflight.pop(msg.seq, None)
+            if request is None:
+                log.debug("reply %d matches no request (it may have timed out)", msg.seq)
+            elif msg.op is Op.ERROR:
+                text = f"{request.what} failed: {msg.body.get('message', '')}"
+                _resolve(request, exc=error_from_code(msg.body.get("code", ""), text, msg.body.get("node")))
+            else:
+                _resolve(request, result=msg)
+
+    # -- failure and closing ----------------------------------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        """Fail every request in flight, and every later one, with ``error`` (a lost peer)."""
+        with self._lock:
+            if self._closed or self._failure is not None:
+                return
+            self._failure = error
+            failed, self._inflight = list(self._inflight.values()), {}
+        for request in failed:
+            _resolve(request, exc=error)
+        self._wake()
+
+    def stop(self, timeout: float) -> None:
+        """Close the sockets (waiting up to ``timeout`` s for a leader to let go); fail what is left."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            left, self._inflight = list(self._inflight.values()), {}
+            self._outbox.clear()
+        self._wake()
+        if self._io.acquire(timeout=timeout):  # a leader lets go within one poll slice
+            try:
+                for sock in self.sockets.values():
+                    transport.close(sock)
+                self._wake_r.close()
+                self._wake_w.close()
+            finally:
+                self._io.release()
+        else:  # never close sockets another thread is using; the process's exit reclaims them
+            log.warning("closing the store: a thread still held its sockets after %g s", timeout)
+        for request in left:
+            _resolve(request, exc=StoreClosedError(f"{request.what}: the store was closed"))
+
+
+def _resolve(request: Request, result: Any = None, exc: BaseException | None = None) -> None:
+    if request.future.done():
+        return
+    if exc is not None:
+        request.future.set_exception(exc)
+    else:
+        request.future.set_result(result)

@@ -1,0 +1,540 @@
+"""The worker side of the ``dist_*`` modes.
+
+The API threads validate, sum, encode and drive the sockets themselves
+(``wire.py``: whoever waits receives).  Each reply resolves a future; every wait
+has a deadline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout  # the built-in from 3.11 on
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from kvstore import config as kvconfig
+from kvstore import logs
+from kvstore.base import DEVICE_TYPES, Group, KVStore
+from kvstore.client.collective import StateCalls
+from kvstore.client.mux import SCHEDULER, Request, Wire
+from kvstore.core import values as V
+from kvstore.core import xp
+from kvstore.core.partition import Key, Piece, placement
+from kvstore.core.plan import Part, Send, pack, plan, unpack
+from kvstore.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    KVStoreError,
+    NodeLostError,
+    ProtocolError,
+    StoreClosedError,
+    error_code,
+    error_from_code,
+)
+from kvstore.net import transport
+from kvstore.net.auth import channel_for, new_label
+from kvstore.net.heartbeat import Heartbeat
+from kvstore.net.protocol import Message, Op
+from kvstore.net.router import register
+
+log = logging.getLogger("kvstore.dist")
+
+
+def mode_of(name: str) -> str:
+    """The cluster mode behind a dist store name: ``'dist_sync'`` or ``'dist_async'``."""
+    return "dist_async" if "async" in name else "dist_sync"
+
+
+class DistKVStore(StateCalls, KVStore):
+    """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster.
+
+    In ``dist_*_device`` modes, CUDA values are summed on a GPU and the sum is copied
+    once into pinned memory before it is sent; pulls into CUDA outs are staged
+    in pinned memory and copied to each device on a side stream (``kvstore.device``).
+    """
+
+    def __init__(self, name: str, cfg: kvconfig.Config) -> None:
+        super().__init__(name)
+        cfg.require_cluster(f"kvstore.create({name!r})")
+        self._cfg = cfg
+        self._pid = os.getpid()
+        self._mode = mode_of(name)
+        scheduler = transport.connect_dealer(cfg.root_address)
+        channel = channel_for(cfg, new_label("worker"))
+        try:
+            cmap = register(scheduler, channel, cfg, {"role": "worker", "host": kvconfig.advertised_host(cfg),
+                                                      "rank": cfg.worker_id, "mode": self._mode}, "worker")
+        except BaseException:
+            transport.close(scheduler)
+            raise
+        body = cmap.body
+        self._rank, self._num_workers = body["rank"], body["num_workers"]
+        self._seed = body["seed"]
+        self._servers = [transport.address(h, p) for h, p in body["servers"]]
+        logs.set_identity("worker", self._rank)
+        servers = [transport.connect_dealer(a) for a in self._servers]
+        self._io = Wire(scheduler, servers, self._rank, channel)
+        self._pushes: list[Request] = []  # push requests, pruned of finished ones now and then
+        self._prune_at = 1024
+        self._failures: dict[Key, BaseException] = {}  # refused pushes, raised by the key's next wait
+        self._placements: dict[Key, list[Piece]] = {}  # each initialised key's pieces, computed once
+        self._plans: dict[tuple, tuple[list[Send], frozenset]] = {}  # see _plan (under _lock)
+        self._send_lock = threading.Lock()  # one call's push-like messages leave as one run
+        self._buffers: dict[Key, tuple[np.ndarray, list[Request]]] = {}  # see _flat
+        self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
+        self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
+        self._restored: tuple | None = None  # (values, states) of the KVSTORE_RESUME snapshot, rank 0
+        self._states_resumed = False
+        self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost)
+        self._heartbeat.start()
+        log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This worker's rank in ``[0, num_workers)``."""
+        return self._rank
+
+    @property
+    def num_workers(self) -> int:
+        """Number of workers in the cluster."""
+        return self._num_workers
+
+    @property
+    def num_servers(self) -> int:
+        """Number of servers in the cluster."""
+        return len(self._servers)
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if os.getpid() != self._pid:
+            raise StoreClosedError(f"this store belongs to process {self._pid}; a forked child must "
+                                   "not use its parent's store")
+        super()._check_open()
+        lost = self._lost
+        if lost is not None:
+            raise NodeLostError(str(lost), role=lost.role, rank=lost.rank, host=lost.host)
+
+    def _on_lost(self, error: NodeLostError) -> None:
+        """The heartbeat thread's report: every waiting and later call raises ``error``."""
+        self._lost = error
+        self._io.fail(error)
+
+    def _place(self, key: Key, size: int) -> list[Piece]:
+        """Where a ``size``-element value of ``key`` lives in this cluster."""
+        return placement(key, size, len(self._servers), self._seed, self._cfg.bigarray_bound)
+
+    def _pieces(self, key: Key) -> list[Piece]:
+        pieces = self._placements.get(key)
+        return self._place(key, self._meta[key].size) if pieces is None else pieces
+
+    def _submit(self, op: Op, send: Send, array: np.ndarray | None) -> Request:
+        """Queue one data message (a batch, a whole piece or a chunk) to its server."""
+        first, more = send.parts[0].key, len(send.parts) - 1
+        keys = f"key {first!r}" + (f" and {more} more" if more else "")
+        what = f"{op.name.lower()} of {keys} to server {send.server} ({self._servers[send.server]})"
+        return self._io.submit(send.server, Message(op, send.body(), [] if array is None else [array]), what)
+
+    def _send(self, op: Op, key: Key, piece: Piece, flat: np.ndarray | None) -> Request:
+        arrays = [] if flat is None else [flat[piece.start:piece.stop]]
+        what = f"{op.name.lower()} of key {key!r} to server {piece.server} ({self._servers[piece.server]})"
+        return self._io.submit(piece.server, Message(op, {"key": key}, arrays), what)
+
+    def _wait(self, requests: list[Request], timeout: float, knob: str) -> list[Message]:
+        deadline = time.monotonic() + timeout
+        results = []
+        for request in requests:
+            try:
+                results.append(self._io.wait(request, max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                data = request.what.startswith(("push", "pull"))
+                hint = (" (in dist_sync a push is acknowledged, and a pull answered, only once "
+                        "every worker has pushed that key)" if self._mode == "dist_sync" and data else "")
+                raise DeadlineExceededError(f"{request.what}: no reply after {timeout:g} s "
+                                            f"({knob}){hint}") from None
+            except NodeLostError as exc:  # e.g. a barrier the scheduler failed: the cluster is broken
+                if exc.role is not None and self._lost is None:
+                    self._on_lost(exc)
+                raise
+        return results
+
+    def _push_done(self, keys: list[Key], future: Any) -> None:
+        """A push request finished (in whichever thread read its reply): remember a failure for
+        each of its keys."""
+        error = future.exception()
+        if error is not None:
+            with self._lock:
+                for key in keys:
+                    self._failures.setdefault(key, error)
+
+    def _raise_push_failures(self, keys: list[Key] | None = None) -> None:
+        """Raise (once) the failure of an earlier push to one of ``keys`` (None: any key)."""
+        if not self._failures:
+            return
+        with self._lock:
+            for key in list(self._failures) if keys is None else keys:
+                error = self._failures.pop(key, None)
+                if error is not None:
+                    raise error
+
+    # -- primitives -------------------------------------------------------------------------------
+    def _request_all(self, requests: list[Request]) -> list[Message]:
+        return self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+
+    def _to_servers(self, op: Op, body: dict[str, Any], what: str) -> list[Message]:
+        """Send one control message to every server; return their replies in server order."""
+        return self._request_all([self._io.submit(i, Message(op, dict(body)), f"{what} to server {i}")
+                                  for i in range(len(self._servers))])
+
+    def _collective(self, what: str, action: Any) -> None:
+        """Run ``action()`` on the leader, then a barrier that tells every worker whether it worked.
+
+        A first barrier tells who is still in the cluster: the leader is the lowest rank that
+        has not left (rank 0 unless it finished early).  The leader re-raises its own error;
+        every other worker raises the same type naming the leader, so no worker carries on as
+        if the operation had worked.
+        """
+        left = set(self._barrier_reply().get("left", []))
+        here = [rank for rank in range(self._num_workers) if rank not in left]
+        error: Exception | None = None
+        if self._rank == (here[0] if here else self._rank):
+            try:
+                action()
+            except Exception as exc:  # still join the barrier, so no worker is left waiting
+                error = exc
+        failure = None if error is None else {"code": error_code(error), "message": str(error)}
+        failures = self._barrier_only(failure)
+        if error is not None:
+            raise error
+        if failures:
+            rank, info = failures[0]
+            raise error_from_code(info["code"], f"{what} failed on worker {rank}: {info['message']}")
+
+    def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
+        def send_all() -> None:
+            flats = {key: array.reshape(-1) for key, array in self._resumed(items)}
+            entries = [(key, flat.dtype, self._place(key, flat.size)) for key, flat in flats.items()]
+            sends = plan(entries, self._cfg.batch_bytes, self._chunk_bytes, chunked=False)
+            self._request_all([self._submit(Op.INIT, s, pack(s, flats)) for s in sends])
+
+        self._collective(f"init of {len(items)} key(s)", send_all)
+
+    def _initialised(self, keys: list[Key]) -> None:
+        with self._lock:
+            for key in keys:
+                self._placements[key] = self._place(key, self._meta[key].size)
+        super()._initialised(keys)
+
+    def _plan(self, keys: Any, chunked: bool = True) -> tuple[list[Send], frozenset]:
+        """The messages for ``keys`` (initialised, distinct), and which keys travel only in batches.
+
+        Pushes are chunked; pulls are not (``chunked=False``): a server answers a slice in one
+        message, so a pull never combines chunks from before and after another worker's push.
+        Planned once per list of keys, since a training loop pushes and pulls the same keys every
+        step; the 64 plans used last are remembered."""
+        keys = tuple(keys)
+        with self._lock:
+            found = self._plans.pop((keys, chunked), None)
+            if found is None:
+                meta = self._meta
+                sends = plan([(k, meta[k].dtype, self._pieces(k)) for k in keys], self._cfg.batch_bytes,
+                             self._chunk_bytes, chunked)
+                viewed = {p.key for s in sends if len(s.parts) == 1 for p in s.parts}
+                found = (sends, frozenset(keys) - viewed)
+                if len(self._plans) >= 64:
+                    self._plans.pop(next(iter(self._plans)))  # the least recently used
+            self._plans[(keys, chunked)] = found  # (re)inserted last: the most recently used
+        return found
+
+    def _push(self, groups: list[Group], priority: int) -> None:
+        self._send_groups(Op.PUSH, groups)  # priority is accepted for MXNet scripts; sends keep call order
+
+    def _send_groups(self, op: Op, groups: list[Group]) -> tuple[list[Key], list[Send], list[Request]]:
+        """Sum every group (all before anything is sent), then send the call's PUSH or PUSHPULL
+        messages as one run: another thread's messages cannot come between them, so a key's chunks
+        reach its server in order.  Returns the keys, the messages and their requests."""
+        todo = {k: (meta, vs) for k, meta, vs in groups}
+        sends, packed = self._plan(todo)
+        flats = {k: self._flat(k, meta, vs, k in packed) for k, (meta, vs) in todo.items()}
+        with self._send_lock:
+            requests = [self._submit(op, send, pack(send, flats)) for send in sends]
+        if op is Op.PUSH:
+            self._track_pushes(sends, requests)
+        mine: dict[Key, list[Request]] = {}  # a key sent as views may reuse its buffer later
+        for send, request in zip(sends, requests):
+            for part in send.parts:
+                if part.key not in packed:
+                    mine.setdefault(part.key, []).append(request)
+        with self._lock:
+            for key, held in mine.items():
+                self._buffers[key] = (flats[key], held)
+        return list(todo), sends, requests
+
+    def _flat(self, key: Key, meta: Any, values: list[Any], packed: bool) -> np.ndarray:
+        """One key's pushed sum as a flat numpy array that its messages may send.
+
+        A key whose messages are all batches is copied when the batch is packed, so a single numpy
+        value is used as it is; any other sum goes into a buffer of ours: the key's buffer of its
+        previous push once every message of that push has been acknowledged (the server has it, so
+        zmq is done with it), which saves a fresh allocation's page faults, else a new one."""
+        if packed and len(values) == 1 and type(values[0]) is np.ndarray:
+            return values[0].reshape(-1)
+        if self._device_mode and any(xp.is_cuda(v) for v in values):
+            return self._device().to_host(self._device().reduce(key, meta, values)).reshape(-1)
+        buffer = None
+        with self._lock:
+            held = self._buffers.pop(key, None)
+        if held is not None and all(r.future.done() and r.future.exception() is None for r in held[1]):
+            buffer = held[0].reshape(meta.shape)
+        return V.summed(key, meta, values, out=buffer).reshape(-1)
+
+    def _track_pushes(self, sends: list[Send], requests: list[Request]) -> None:
+        """Remember push requests for barrier() and close(), and their failures per key."""
+        with self._lock:
+            self._pushes.extend(requests)
+            if len(self._pushes) > self._prune_at:
+                self._pushes = [r for r in self._pushes if not r.future.done()]
+                self._prune_at = max(1024, 2 * len(self._pushes))
+        for send, request in zip(sends, requests):
+            request.future.add_done_callback(partial(self._push_done, [p.key for p in send.parts]))
+
+    def _collect(self, keys: list[Key], sends: list[Send], requests: list[Request],
+                 outs: list[list[Any]] | None = None) -> list[np.ndarray | None]:
+        """Wait for the replies to ``sends`` and assemble each key's value from its parts.
+
+        A key whose out is one C-contiguous numpy array gets its parts copied straight into it
+        (no value is assembled first) and None in the result.
+        """
+        replies = self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+        self._raise_push_failures(keys)
+        got: dict[Key, list[tuple[Part, np.ndarray]]] = {}
+        for send, reply in zip(sends, replies):
+            if len(reply.arrays) != 1:
+                raise ProtocolError(f"server {send.server} answered a pull with {len(reply.arrays)} arrays")
+            try:
+                views = unpack(send, reply.arrays[0])
+            except ValueError as exc:
+                raise ProtocolError(f"server {send.server}: {exc}") from None
+            for part, view in zip(send.parts, views):
+                parts = got.get(part.key)
+                if parts is None:
+                    got[part.key] = [(part, view)]
+                else:
+                    parts.append((part, view))
+        result: list[np.ndarray | None] = []
+        for i, key in enumerate(keys):
+            meta, parts = self._meta[key], got[key]
+            out = outs[i][0] if outs is not None and len(outs[i]) == 1 else None
+            if type(out) is np.ndarray and out.flags.c_contiguous:
+                if len(parts) == 1 and parts[0][0].stop - parts[0][0].start == meta.size:
+                    np.copyto(out, parts[0][1].reshape(out.shape))
+                else:
+                    target = out.reshape(-1)  # a view: writing it writes the out
+                    for part, view in parts:
+                        target[part.start:part.stop] = view
+                result.append(None)
+            elif len(parts) == 1:
+                result.append(parts[0][1].reshape(meta.shape))
+            else:
+                array = np.empty(meta.size, meta.dtype)
+                for part, view in parts:
+                    array[part.start:part.stop] = view
+                result.append(array.reshape(meta.shape))
+        return result
+
+    def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
+        unique = list(dict.fromkeys(keys))  # a message names each key once
+        if len(unique) != len(keys):
+            found = dict(zip(unique, self._pull(unique, priority)))
+            return [found[k] for k in keys]
+        sends, _ = self._plan(keys, chunked=False)
+        return self._collect(keys, sends, [self._submit(Op.PULL, s, None) for s in sends], outs)
+
+    def _pushpull(self, groups: list[Group], priority: int,
+                  outs: list[list[Any]] | None = None) -> list[Any]:
+        return self._collect(*self._send_groups(Op.PUSHPULL, groups), outs)
+
+    def _flush(self, timeout: float, knob: str) -> None:
+        with self._lock:
+            requests = list(self._pushes)
+        deadline = time.monotonic() + timeout
+        for request in requests:  # every one: a failure must not end the wait for the others
+            try:
+                self._wait([request], max(0.0, deadline - time.monotonic()), knob)
+            except DeadlineExceededError:
+                raise
+            except KVStoreError:
+                pass  # raised below, with the key it belongs to
+        with self._lock:
+            self._pushes = [r for r in self._pushes if not r.future.done()]
+        self._raise_push_failures()
+
+    def _barrier_only(self, failure: dict[str, str] | None = None) -> list:
+        """Join the scheduler's barrier; return the failures workers reported at it ([rank, info])."""
+        return self._barrier_reply(failure).get("failures", [])
+
+    def _barrier_reply(self, failure: dict[str, str] | None = None) -> dict:
+        """Join the scheduler's barrier; return its reply's body (``failures``, ``left``)."""
+        body = {} if failure is None else {"failure": failure}
+        request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
+        try:
+            return self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
+        except DeadlineExceededError:
+            # Withdraw from the barrier so a retry is not paired with a stale entry.  The
+            # scheduler answers in order: if the barrier completed meanwhile, it has passed.
+            cancel = self._io.submit(SCHEDULER, Message(Op.BARRIER, {"cancel": True}),
+                                     "withdrawal from the barrier")
+            reply = self._wait([cancel], self._cfg.shutdown_timeout, "KVSTORE_SHUTDOWN_TIMEOUT")[0]
+            if not reply.body.get("released"):
+                raise
+            return {}  # it completed, but its reply (and any failure in it) was given up on
+
+    def barrier(self) -> None:
+        """Wait until this worker's pushes are applied, then until every worker reaches the barrier.
+
+        Raises the failure of an earlier push (after joining the barrier, so the other
+        workers are not left waiting), or :class:`DeadlineExceededError`.
+        """
+        self._check_open()
+        error: KVStoreError | None = None
+        try:
+            self._flush(self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+        except DeadlineExceededError:
+            raise
+        except KVStoreError as exc:
+            error = exc
+        self._barrier_only()
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Tell every server, then the scheduler, that this worker is done; close the sockets.
+
+        The servers hear it after this worker's pushes, so each push is applied or counted in
+        its sync round; from then on this worker no longer counts toward barriers and dist_sync
+        rounds, so the others can finish epochs with more batches.  Idempotent.  Raises the
+        failure of a push a server refused, if any, after closing.
+        """
+        self._close(None)
+
+    def _leave_servers(self, timeout: float) -> KVStoreError | None:
+        """Send LEAVE to every server after this worker's pushes, on the same connections, and wait
+        for the replies: then every push has been taken in (applied, or waiting in a sync round that
+        no longer waits for this worker).  Returns the failure of a push the servers refused."""
+        try:
+            if self._lost is None:  # after a loss the cluster is broken: nothing waits for us
+                self._wait([self._io.submit(i, Message(Op.LEAVE), f"leave message to server {i}")
+                            for i in range(len(self._servers))], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
+            self._raise_push_failures()  # replies come in order: a refused push has failed by now
+        except KVStoreError as exc:
+            return exc
+        return None
+
+    def _close(self, failure: str | None) -> None:
+        """close(); with ``failure`` (the process is dying of it) nothing is drained, and the
+        scheduler is told this worker failed, so every other worker raises NodeLostError."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
+        error: BaseException | None = None
+        timeout = self._cfg.shutdown_timeout
+        if failure is None:
+            error = self._leave_servers(timeout)
+        if self._lost is None or self._lost.role != "scheduler":
+            body = {} if failure is None else {"failure": failure}
+            try:  # after a lost peer too: the scheduler counts this worker out and can finish
+                leave = self._io.submit(SCHEDULER, Message(Op.LEAVE, body), "leave message to the scheduler",
+                                        after_failure=True)
+                self._wait([leave], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
+            except KVStoreError as exc:
+                log.warning("%s", exc)
+        self._heartbeat.stop()
+        self._heartbeat.join(timeout)
+        self._io.stop(timeout)
+        if error is not None:
+            raise error
+
+
+_instance: DistKVStore | None = None
+_instance_lock = threading.Lock()
+
+
+def _close_at_exit(store: DistKVStore) -> None:
+    """At interpreter exit: leave the cluster, or report this worker failed if an exception killed it."""
+    if os.getpid() != store._pid:
+        return  # a forked child never touches its parent's sockets
+    died_of = getattr(sys, "last_value", None)  # set when an unhandled exception ends the program
+    failure = None if died_of is None else f"its process died of {type(died_of).__name__}: {died_of}"
+    if isinstance(died_of, NodeLostError):
+        failure = None  # it died of another node's loss, which is already reported: it just leaves
+    try:
+        store._close(failure)
+    except KVStoreError as exc:
+        log.error("closing the store at exit: %s", exc)
+
+
+def process_store() -> DistKVStore | None:
+    """This process's dist store (made by ``kvstore.create('dist_*')``), or None."""
+    store = _instance
+    return store if store is not None and store._pid == os.getpid() else None
+
+
+def release_process_store(failure: str | None = None) -> bool:
+    """Close this process's dist store, if it has one, and forget it, so the process may join another
+    cluster later (a Spark task's Python worker is reused for the next job).
+
+    ``failure``, when given, is reported to the scheduler as this worker's failure,
+    which fails the other workers' waits.  Returns whether there was a store;
+    raises what :meth:`DistKVStore.close` raises (the store is forgotten anyway).
+    """
+    global _instance
+    store = process_store()
+    if store is None:
+        return False
+    try:
+        if store._closed:
+            pass
+        elif failure is None:
+            store.close()
+        else:
+            store._close(failure)
+    finally:
+        with _instance_lock:
+            if _instance is store:
+                _instance = None
+        atexit.unregister(_close_at_exit)
+    return True
+
+
+def create_dist(name: str) -> DistKVStore:
+    """Return this process's dist store, joining the cluster on first use.
+
+    A ``*_device`` name turns on GPU sums for the store it returns (the results are
+    the same; only where CUDA values are summed changes).  Raises :class:`ConfigError`
+    when the process already has a store of another mode, or lacks the ``DMLC_*``
+    environment; :class:`StoreClosedError` when its store was closed (a process
+    joins its cluster once).
+    """
+    global _instance
+    with _instance_lock:
+        if _instance is not None and os.getpid() == _instance._pid:
+            if _instance._closed:
+                raise StoreClosedError("this process's dist store was closed; a process joins its "
+                                       "cluster once")
+            if mode_of(_instance.type) != mode_of(name):
+                raise ConfigError(f"this process already has a {_instance.type} store; one "
+                                  f"process joins one cluster, so {name!r} cannot be created")
+            if name in DEVICE_TYPES:  # asking for a device name turns GPU sums on for the shared store
+                _instance._device_mode = True
+            return _instance
+        store = DistKVStore(name, kvconfig.load())
+        _instance = store
+    atexit.register(_close_at_exit, store)
+    return store

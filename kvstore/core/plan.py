@@ -1,0 +1,137 @@
+"""How a worker cuts a call's keys into messages: pure functions, no I/O.
+
+Each key's value is split into pieces (``partition.placement``: whole on its home
+server, or one slice per server).  Then, per server:
+
+* **small pieces** (at most :data:`SMALL_BYTES`) of one dtype are packed into
+  batches: one message carries many keys, their values concatenated into one
+  array frame, up to ``batch_bytes`` of values per message (``batch_bytes=0``
+  sends one message per piece);
+* **big pieces** go alone, whole up to :data:`WHOLE_CHUNKS` chunks, and beyond that
+  (pushes only: ``chunked``) cut into chunks of ``chunk_bytes`` (one message each),
+  so a server adds one chunk while the next is on the wire, and what a server has
+  received but not yet read stays small (``kvstore.server.INBOUND_MESSAGES``).
+  A whole piece lets a lone worker's push become the stored value with no copy.
+
+A message's body names its keys, the element count of each (``sizes``) and, for a
+chunk, the offset ``lo`` of the chunk in the server's slice (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from kvstore.core.partition import Key, Piece
+
+SMALL_BYTES = 64 * 1024  # a piece up to this size may share a message with others
+WHOLE_CHUNKS = 4  # a piece of up to this many chunks goes in one message
+BATCH_HEADER_BYTES = 256 * 1024  # a batch's keys stay well inside the protocol's 1 MiB header limit
+
+
+class Part(NamedTuple):
+    """Elements ``[start, stop)`` of ``key``'s flat value, carried by one message."""
+
+    key: Key
+    start: int
+    stop: int
+
+
+@dataclass
+class Send:
+    """One message to ``server``: its parts in order; ``lo`` is set for a chunk of a big piece.
+
+    Complete once planned: its body and offsets are computed on first use and kept, since a
+    plan is reused for every call with the same keys.
+    """
+
+    server: int
+    parts: list[Part]
+    lo: int | None = None
+    _body: dict | None = field(default=None, repr=False, compare=False)
+    _offsets: list[int] | None = field(default=None, repr=False, compare=False)
+
+    def body(self) -> dict:
+        """The message body: keys, sizes and, for a chunk, its offset in the server's slice."""
+        if self._body is None:
+            body: dict = {"keys": [p.key for p in self.parts],
+                          "sizes": [p.stop - p.start for p in self.parts]}
+            if self.lo is not None:
+                body["lo"] = self.lo
+            self._body = body
+        return self._body
+
+    def offsets(self) -> list[int]:
+        """Where each part starts in the message's array, then the array's length."""
+        if self._offsets is None:
+            offsets = [0]
+            for part in self.parts:
+                offsets.append(offsets[-1] + part.stop - part.start)
+            self._offsets = offsets
+        return self._offsets
+
+
+def chunk_elements(chunk_bytes: int, dtype: np.dtype) -> int:
+    """Elements per chunk of ``dtype`` (at least one)."""
+    return max(1, chunk_bytes // dtype.itemsize)
+
+
+def plan(entries: list[tuple[Key, np.dtype, list[Piece]]], batch_bytes: int, chunk_bytes: int,
+         chunked: bool = True) -> list[Send]:
+    """The messages that carry ``entries`` (key, dtype, pieces), in the order they should be sent.
+
+    Messages are in order of their first part's appearance.  A key is always small or
+    always big (its pieces' sizes are fixed at init), so a server sees a worker's
+    messages for one key in the order the calls made them.
+    ``chunked=False`` sends big pieces whole (INIT).
+    """
+    sends: list[Send] = []
+    open_batches: dict[tuple[int, np.dtype], list] = {}  # (server, dtype) -> [send, bytes, header bytes]
+    for key, dtype, pieces in entries:
+        itemsize = dtype.itemsize
+        for piece in pieces:
+            nbytes = (piece.stop - piece.start) * itemsize
+            if nbytes <= SMALL_BYTES and batch_bytes > 0:
+                extra = 24 + len(key) * 4 if isinstance(key, str) else 24  # generous header estimate
+                batch = open_batches.get((piece.server, dtype))
+                if batch is None or batch[1] + nbytes > batch_bytes or batch[2] + extra > BATCH_HEADER_BYTES:
+                    batch = open_batches[(piece.server, dtype)] = [Send(piece.server, []), 0, 0]
+                    sends.append(batch[0])
+                batch[0].parts.append(Part(key, piece.start, piece.stop))
+                batch[1] += nbytes
+                batch[2] += extra
+                continue
+            step = chunk_elements(chunk_bytes, dtype) if chunked and chunk_bytes > 0 else 0
+            if not step or piece.stop - piece.start <= WHOLE_CHUNKS * step:
+                sends.append(Send(piece.server, [Part(key, piece.start, piece.stop)]))
+                continue
+            for start in range(piece.start, piece.stop, step):
+                stop = min(start + step, piece.stop)
+                sends.append(Send(piece.server, [Part(key, start, stop)], lo=start - piece.start))
+    return sends
+
+
+def pack(send: Send, flats: dict[Key, np.ndarray]) -> np.ndarray:
+    """The one array frame of a push-like ``send``: its parts' elements, concatenated.
+
+    A message of one part sends a view of the value (no copy).
+    """
+    if len(send.parts) == 1:
+        part = send.parts[0]
+        return flats[part.key][part.start:part.stop]
+    return np.concatenate([flats[p.key][p.start:p.stop] for p in send.parts])
+
+
+def unpack(send: Send, array: np.ndarray) -> list[np.ndarray]:
+    """Split a reply's array frame into one view per part of ``send``.
+
+    Raises ValueError when the array does not hold exactly the parts' elements.
+    """
+    offsets = send.offsets()
+    if array.ndim != 1 or array.size != offsets[-1]:
+        raise ValueError(f"a reply holds {array.size} elements where {offsets[-1]} were asked for")
+    if len(offsets) == 2:
+        return [array]
+    return [array[a:b] for a, b in zip(offsets, offsets[1:])]

@@ -1,0 +1,526 @@
+"""ShardState: the values one server holds, and the rules that change them.
+
+Pure numpy, no I/O: the server loop decodes a request, calls one method here
+and sends whatever :class:`Completion` objects come back.  Requests are
+identified by an opaque ``token`` the caller chooses.
+
+A push carries either the whole value of a key (the stored shape, whatever its
+ndim) or a *chunk*: a 1-D array holding elements ``[lo, lo + n)`` of the key's
+flat value, which must then be 1-D.  One *contribution* of a worker is its
+chunks in increasing order covering ``[0, size)`` exactly; a whole push is a
+contribution of one chunk.  A worker's chunks of a key must arrive in that
+order, each starting where its previous one ended.
+
+Rules (docs/architecture.md, SEMANTICS.md):
+
+* ``dist_sync``: a key's contributions are grouped in rounds, one contribution
+  per worker per round.  A round closes when the contribution of **every**
+  worker still in the cluster is complete; a worker's next contribution belongs
+  to the next round (a worker may run rounds ahead; its chunks wait there).  A
+  worker that has left (:meth:`ShardState.leave`) no longer counts, so the
+  others' last rounds close without it (uneven ends).  The round's sum is then
+  applied (assigned, or handed to the updater), and the replies to its pushes
+  (every chunk of the round) are sent only then.
+* With ``ordered=False`` (the server's default, ``KVSTORE_SUM_ORDER=arrival``)
+  each chunk is added into the round's accumulator the moment it arrives, as
+  MXNet does: nothing is held, so a round costs one accumulator whatever the
+  skew between workers, but float sums of three or more workers may differ in
+  the last bits from run to run.
+* With ``ordered=True`` (``KVSTORE_SUM_ORDER=rank``) the sum is taken element
+  by element in worker-rank order, ``((v0 + v1) + v2) + ...``, so it is
+  bit-identical whatever order the chunks arrive in.  A chunk is added into the
+  accumulator (and dropped) as soon as every lower rank the round expects has
+  been added over that chunk's range; until then it is held.  The ranks a round
+  expects are the workers still in the cluster plus those that contributed to it
+  (one that left part-way through its contribution only over the chunks it sent).
+* Either way a round keeps one accumulator, not every pushed array, and every
+  worker must split a key at the same offsets within a round.  When the round's
+  first addition is a whole push, the accumulator is that pushed array itself
+  (no copy; it is never written to); a second contribution makes an owned sum.
+* ``dist_async``: each contribution is applied (assigned, or updated) once it
+  is complete: a whole push on arrival, chunks once the last one arrives (they
+  are gathered in a buffer until then); every chunk of it is acked then.
+* A pull is answered once every contribution its worker started earlier for
+  that key has been applied (read-your-writes); a pushpull is a push plus such
+  a pull of the range it pushed.
+* A bad request raises before anything changes.
+
+Arrays handed out by :meth:`ShardState.pull` are never written to afterwards:
+every update stores a new array, so a reply may be sent without copying.
+"""
+
+from __future__ import annotations
+
+import operator
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstore.core.partition import Key
+from kvstore.errors import (
+    DTypeMismatchError,
+    DuplicateInitError,
+    KeyNotInitializedError,
+    ProtocolError,
+    ShapeMismatchError,
+)
+
+Updater = Callable[[Key, np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(slots=True)
+class Completion:
+    """A request that is now answered: ``value`` is the slice to send back, or None for a bare ack."""
+
+    token: Any
+    value: np.ndarray | None = None
+
+
+class _Part:
+    """One chunk range ``[lo, hi)`` of a sync round (``lo`` is its key in ``_Round.parts``)."""
+
+    __slots__ = ("hi", "last", "held")
+
+    def __init__(self, hi: int) -> None:
+        self.hi = hi
+        self.last = -1  # highest rank added into the accumulator over this range (-1: none yet)
+        self.held: dict[int, np.ndarray] = {}  # rank -> chunk waiting for lower ranks
+
+
+class _Round:
+    """One dist_sync round of one key: its accumulator and who contributed what."""
+
+    __slots__ = ("acc", "owned", "parts", "tokens", "covered", "complete", "nheld", "ranks")
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.acc: np.ndarray | None = None  # the running sum (over the parts added so far)
+        self.owned = False                  # False: acc is a pushed array itself, never written to
+        self.parts: dict[int, _Part] = {}   # lo -> part
+        self.tokens: dict[int, list] = {}   # worker -> tokens of its chunks (acked at close)
+        self.covered: dict[int, int] = {}   # contributor -> end of its chunks so far
+        self.complete: set[int] = set()     # contributors whose contribution covers [0, size)
+        self.nheld = 0                      # chunks held over all parts
+        self.ranks = ranks                  # sorted ranks expected: active workers + contributors
+
+
+class _Assembly:
+    """A dist_async contribution being gathered from its chunks."""
+
+    __slots__ = ("buf", "covered", "tokens")
+
+    def __init__(self, buf: np.ndarray) -> None:
+        self.buf = buf
+        self.covered = 0
+        self.tokens: list = []
+
+
+@dataclass
+class _KeyState:
+    value: np.ndarray
+    submitted: dict[int, int] = field(default_factory=dict)   # worker -> contributions started
+    applied: dict[int, int] = field(default_factory=dict)     # worker -> contributions applied
+    rounds: deque[_Round] = field(default_factory=deque)      # open sync rounds, oldest first
+    base: int = 0                                             # number of rounds[0] (rounds closed)
+    next_round: dict[int, int] = field(default_factory=dict)  # worker -> round its next chunk joins
+    assembling: dict[int, _Assembly] = field(default_factory=dict)  # async: worker -> partial one
+    waiting_pulls: list[tuple[Any, int, int, int, int]] = field(default_factory=list)
+    # ^ token, worker, target (contributions that must be applied first), lo, hi
+
+
+class ShardState:
+    """The keys (or key slices) held by one server, and their open rounds."""
+
+    def __init__(self, num_workers: int, sync: bool, updater: Updater | None = None,
+                 ordered: bool = True) -> None:
+        self.num_workers = num_workers
+        self.active = set(range(num_workers))  # workers that have not left
+        self._ranks = sorted(self.active)       # the same, sorted: what a new round expects
+        self.sync = sync
+        self.updater = updater
+        self.ordered = ordered  # sum in rank order (holding early chunks), or in arrival order
+        self._keys: dict[Key, _KeyState] = {}
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def nbytes(self) -> int:
+        """Bytes of the values held (not counting rounds in progress: see :meth:`held_bytes`)."""
+        return sum(state.value.nbytes for state in self._keys.values())
+
+    def held_bytes(self) -> int:
+        """Bytes held for updates not applied yet: the accumulators of open sync rounds (a pushed
+        array when that is the accumulator), chunks held for lower ranks, and async assembly buffers."""
+        total = 0
+        for state in self._keys.values():
+            for rnd in state.rounds:
+                if rnd.acc is not None:
+                    total += rnd.acc.nbytes
+                if rnd.nheld:
+                    total += sum(v.nbytes for part in rnd.parts.values() for v in part.held.values())
+            total += sum(asm.buf.nbytes for asm in state.assembling.values())
+        return total
+
+    def value(self, key: Key) -> np.ndarray:
+        """Return the stored value of ``key``; raise :class:`KeyNotInitializedError` if absent."""
+        return self._get(key).value
+
+    def init(self, key: Key, value: np.ndarray) -> None:
+        """Store the first value of ``key``; raise :class:`DuplicateInitError` if it exists."""
+        if key in self._keys:
+            raise DuplicateInitError(f"key {key!r} is already initialised on this server")
+        self._keys[key] = _KeyState(value=np.array(value, copy=True))
+
+    def push(self, token: Any, worker: int, key: Key, value: np.ndarray, lo: int = 0) -> list[Completion]:
+        """Contribute ``value`` from ``worker``; return the requests this answers (maybe none yet).
+
+        ``value`` is the whole value (``lo`` 0, the stored shape) or a 1-D chunk holding elements
+        ``[lo, lo + value.size)`` of the key's 1-D value.  Its ack comes once its contribution is
+        applied: when its round closes (dist_sync), when its last chunk arrives (dist_async).
+        ``value`` is never written to and may be kept (until its round closes, or as the stored
+        value).  Raises, changing nothing:
+        :class:`KeyNotInitializedError` for an unknown key; :class:`ShapeMismatchError` if ``value``
+        is neither the whole value nor a 1-D chunk inside ``[0, size)`` of a 1-D value;
+        :class:`DTypeMismatchError` for another dtype; ``ValueError`` if ``worker`` is not a rank or
+        has left; :class:`ProtocolError` if the chunk is empty, does not start where the worker's
+        previous chunk of this contribution ended (0 for a new one), or (dist_sync) overlaps a chunk
+        of its round that has other bounds; ``TypeError`` if ``lo`` is not an int.
+        """
+        return self.push_many(worker, [(token, key, value, lo)])
+
+    def push_many(self, worker: int, entries: list[tuple[Any, Key, np.ndarray, int]],
+                  pull: bool = False) -> list[Completion]:
+        """Push every ``(token, key, value, lo)`` of ``entries`` (distinct keys) from ``worker``, as
+        :meth:`push` does (as :meth:`pushpull` with ``pull``); return the requests this answers.
+
+        All entries are checked first: any error is raised (as :meth:`push` raises it) before any
+        entry changes anything.
+        """
+        self._check_active(worker)
+        checked = [self._checked_push(key, worker, value, lo) for _, key, value, lo in entries]
+        done: list[Completion] = []
+        for (token, key, value, _), (state, lo, hi) in zip(entries, checked):
+            if pull:
+                done += self._accept(state, key, _SILENT, worker, value, lo, hi)
+                done += self._add_pull(state, token, worker, lo, hi)
+            else:
+                done += self._accept(state, key, token, worker, value, lo, hi)
+        return done
+
+    def pull_many(self, worker: int, entries: list[tuple[Any, Key, int, int | None]],
+                  whole: bool = False) -> list[Completion]:
+        """:meth:`pull` of every ``(token, key, lo, hi)`` of ``entries``; all are checked (raising as
+        :meth:`pull` does) before any is registered.  With ``whole``, each range must be the key's
+        whole value (:class:`ShapeMismatchError` otherwise)."""
+        self._check_worker(worker)
+        checked = []
+        for _, key, lo, hi in entries:
+            state = self._get(key)
+            stored = state.value
+            if whole and (lo != 0 or hi != stored.size):
+                raise ShapeMismatchError(f"pull of key {key!r} asks for {hi - lo} elements; this server "
+                                         f"holds {stored.size}")
+            checked.append((state, *self._checked_range(key, stored, lo, hi)))
+        done: list[Completion] = []
+        for (token, *_), (state, lo, hi) in zip(entries, checked):
+            done += self._add_pull(state, token, worker, lo, hi)
+        return done
+
+    def pull(self, token: Any, worker: int, key: Key, lo: int = 0, hi: int | None = None) -> list[Completion]:
+        """Ask for elements ``[lo, hi)`` of ``key``'s value (all of it by default, in its shape).
+
+        Answered now, or once every contribution ``worker`` started earlier for ``key`` is applied,
+        with the stored value itself (all of it) or a view of it, never written to afterwards.
+        Raises, changing nothing:
+        :class:`KeyNotInitializedError` for an unknown key; ``ValueError`` if ``worker`` is not a
+        rank; :class:`ShapeMismatchError` if ``[lo, hi)`` is not inside ``[0, size)`` or is a part
+        of a value that is not 1-D; ``TypeError`` if ``lo`` or ``hi`` is not an int.
+        """
+        return self.pull_many(worker, [(token, key, lo, hi)])
+
+    def pushpull(self, token: Any, worker: int, key: Key, value: np.ndarray,
+                 lo: int = 0) -> list[Completion]:
+        """Push ``value`` (as :meth:`push`, raising the same) and answer ``token``, once that
+        contribution (and every earlier one of ``worker``) is applied, with elements
+        ``[lo, lo + value.size)`` of the new value (all of it, in its shape, for a whole push);
+        that reply is the push's only ack."""
+        return self.push_many(worker, [(token, key, value, lo)], pull=True)
+
+    def leave(self, worker: int) -> list[Completion]:
+        """``worker`` left: rounds stop waiting for it; return the requests that closing them answers.
+
+        Its chunks already received for a sync round (this one or a later one) still count, but are
+        not acknowledged (nobody waits for them); from a contribution it left unfinished only the
+        chunks it sent count, and rounds no longer wait for the rest (elements that no contribution
+        of a round covers sum to 0).  In dist_async, a contribution it left unfinished is dropped.
+        Its waiting pulls are dropped.  Raises ``ValueError`` if ``worker`` is not a rank; leaving
+        twice changes nothing.
+        """
+        self._check_worker(worker)
+        if worker not in self.active:
+            return []
+        self.active.discard(worker)
+        self._ranks = sorted(self.active)
+        done: list[Completion] = []
+        for key, state in self._keys.items():
+            state.waiting_pulls = [p for p in state.waiting_pulls if p[1] != worker]
+            if state.assembling.pop(worker, None) is not None:
+                state.submitted[worker] -= 1  # never to be applied: its later pulls need not wait
+            for rnd in state.rounds:
+                if worker in rnd.tokens:
+                    rnd.tokens[worker] = []
+                rnd.ranks = sorted(self.active.union(rnd.covered))
+                if rnd.nheld:  # chunks that waited for the leaver may be added now
+                    for lo, part in rnd.parts.items():
+                        if part.held:
+                            self._drain(rnd, part, lo, state.value.size)
+            done += self._close_rounds(state, key)
+        return done
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _get(self, key: Key) -> _KeyState:
+        try:
+            return self._keys[key]
+        except KeyError:
+            raise KeyNotInitializedError(f"key {key!r} has not been initialised (call init first)") from None
+
+    def _check_worker(self, worker: int) -> None:
+        if not (isinstance(worker, int) and 0 <= worker < self.num_workers):
+            raise ValueError(f"worker rank {worker!r} is not in [0, {self.num_workers})")
+
+    def _check_active(self, worker: int) -> None:
+        self._check_worker(worker)
+        if worker not in self.active:
+            raise ValueError(f"worker {worker} has left the cluster; it cannot push")
+
+    def _checked_push(self, key: Key, worker: int, value: np.ndarray, lo: int) -> tuple[_KeyState, int, int]:
+        """Validate a push or pushpull; return the key's state and the chunk's ``[lo, hi)``."""
+        state = self._get(key)
+        stored = state.value
+        if type(lo) is not int:
+            lo = operator.index(lo)
+        if lo == 0 and value.shape == stored.shape:
+            hi = stored.size
+        else:
+            if stored.ndim != 1 or value.ndim != 1:
+                raise ShapeMismatchError(f"key {key!r}: pushed shape {value.shape} differs from the "
+                                         f"stored shape {stored.shape} (a chunk is 1-D, of a 1-D value)")
+            hi = lo + value.size
+            if lo < 0 or hi > stored.size:
+                raise ShapeMismatchError(f"key {key!r}: pushed chunk [{lo}, {hi}) is not inside the "
+                                         f"value's [0, {stored.size})")
+            if hi == lo:
+                raise ProtocolError(f"key {key!r}: worker {worker} pushed an empty chunk at offset {lo}")
+        if value.dtype != stored.dtype:
+            raise DTypeMismatchError(f"key {key!r}: pushed dtype {value.dtype} differs from the "
+                                     f"stored dtype {stored.dtype}")
+        if self.sync:
+            i = state.next_round.get(worker, state.base) - state.base
+            rnd = state.rounds[i] if i < len(state.rounds) else None
+            expected = 0 if rnd is None else rnd.covered.get(worker, 0)
+        else:
+            rnd, asm = None, state.assembling.get(worker)
+            expected = 0 if asm is None else asm.covered
+        if lo != expected:
+            raise ProtocolError(f"key {key!r}: worker {worker} pushed a chunk at offset {lo}, but its "
+                                f"contribution so far covers [0, {expected}): chunks must come in order")
+        if rnd is not None:
+            self._check_part(rnd, key, worker, lo, hi)
+        return state, lo, hi
+
+    @staticmethod
+    def _check_part(rnd: _Round, key: Key, worker: int, lo: int, hi: int) -> None:
+        """Refuse a chunk that overlaps a part of ``rnd`` with other bounds.
+
+        Comparing with the part that starts at ``lo`` is enough: each contributor's chunks tile
+        ``[0, covered)`` with parts that do not overlap, and ``lo`` is 0 or the end of one of the
+        worker's own parts, so a part starting after ``lo`` would overlap that part (by induction,
+        none does) and any other part overlapping ``[lo, hi)`` starts at ``lo``.
+        """
+        part = rnd.parts.get(lo)
+        if part is not None and part.hi != hi:
+            raise ProtocolError(f"key {key!r}: worker {worker}'s chunk [{lo}, {hi}) overlaps the chunk "
+                                f"[{lo}, {part.hi}) of this round: every worker must split a key at "
+                                f"the same offsets")
+
+    @staticmethod
+    def _checked_range(key: Key, stored: np.ndarray, lo: int, hi: int | None) -> tuple[int, int]:
+        size = stored.size
+        lo = operator.index(lo)
+        hi = size if hi is None else operator.index(hi)
+        if not (lo == 0 and hi == size) and (stored.ndim != 1 or not 0 <= lo <= hi <= size):
+            raise ShapeMismatchError(f"key {key!r}: range [{lo}, {hi}) is not inside the value's "
+                                     f"[0, {size})" + ("" if stored.ndim == 1 else
+                                                       f" or not the whole of a {stored.ndim}-D value"))
+        return lo, hi
+
+    def _accept(self, state: _KeyState, key: Key, token: Any, worker: int, value: np.ndarray,
+                lo: int, hi: int) -> list[Completion]:
+        if lo == 0:
+            state.submitted[worker] = state.submitted.get(worker, 0) + 1
+        size = state.value.size
+        if not self.sync:
+            return self._accept_async(state, key, token, worker, value, lo, hi, size)
+        number = state.next_round.get(worker, state.base)
+        i = number - state.base
+        if i == len(state.rounds):
+            state.rounds.append(_Round(self._ranks))
+        rnd = state.rounds[i]
+        tokens = rnd.tokens.get(worker)
+        if tokens is None:
+            rnd.tokens[worker] = [token]
+        else:
+            tokens.append(token)
+        rnd.covered[worker] = hi
+        if hi == size:
+            rnd.complete.add(worker)
+            state.next_round[worker] = number + 1
+        part = rnd.parts.get(lo)
+        if part is None:
+            part = rnd.parts[lo] = _Part(hi)
+        if not self.ordered or self._next_rank(rnd, part) == worker:
+            self._add(rnd, part, worker, lo, value, size)
+            if part.held:
+                self._drain(rnd, part, lo, size)
+        else:
+            part.held[worker] = value  # may view a received frame: never written to
+            rnd.nheld += 1
+        return self._close_rounds(state, key) if i == 0 else []
+
+    def _accept_async(self, state: _KeyState, key: Key, token: Any, worker: int, value: np.ndarray,
+                      lo: int, hi: int, size: int) -> list[Completion]:
+        if hi - lo == size:
+            self._apply(state, key, value, (worker,))
+            return _acks((token,)) + self._release_pulls(state)
+        asm = state.assembling.get(worker)
+        if asm is None:
+            asm = state.assembling[worker] = _Assembly(np.empty(size, state.value.dtype))
+        asm.buf[lo:hi] = value
+        asm.covered = hi
+        asm.tokens.append(token)
+        if hi < size:
+            return []
+        del state.assembling[worker]
+        self._apply(state, key, asm.buf, (worker,))
+        return _acks(asm.tokens) + self._release_pulls(state)
+
+    def _next_rank(self, rnd: _Round, part: _Part) -> int:
+        """The rank to add next over ``part``: the lowest expected rank above ``part.last``.
+
+        Expected: active workers, and contributors whose chunks cover the part (a worker that
+        left part-way through its contribution is not waited for over the rest).
+        """
+        ranks = rnd.ranks
+        active, covered, hi = self.active, rnd.covered, part.hi
+        for i in range(bisect_right(ranks, part.last), len(ranks)):
+            rank = ranks[i]
+            if rank in active or covered.get(rank, 0) >= hi:
+                return rank
+        return -1
+
+    @staticmethod
+    def _add(rnd: _Round, part: _Part, rank: int, lo: int, value: np.ndarray, size: int) -> None:
+        """Add ``rank``'s chunk into the accumulator over ``part`` (the chunk is then dropped)."""
+        hi = part.hi
+        whole = hi - lo == size
+        if part.last < 0:
+            if whole:
+                rnd.acc, rnd.owned = value, False  # no copy; never written to
+            else:
+                if rnd.acc is None:
+                    rnd.acc, rnd.owned = np.empty(size, value.dtype), True
+                rnd.acc[lo:hi] = value
+        elif not rnd.owned:
+            rnd.acc, rnd.owned = rnd.acc + value, True
+        elif whole:
+            rnd.acc += value
+        else:
+            rnd.acc[lo:hi] += value
+        part.last = rank
+
+    def _drain(self, rnd: _Round, part: _Part, lo: int, size: int) -> None:
+        """Add the held chunks of ``part`` whose turn has come, in rank order."""
+        held = part.held
+        while held:
+            rank = self._next_rank(rnd, part)
+            value = held.pop(rank, None)
+            if value is None:
+                return
+            rnd.nheld -= 1
+            self._add(rnd, part, rank, lo, value, size)
+
+    def _close_rounds(self, state: _KeyState, key: Key) -> list[Completion]:
+        """Close the oldest rounds while they are done; return their acks and the pulls released."""
+        rounds, active = state.rounds, self.active
+        if not rounds or not _done(rounds[0], active):
+            return []  # nothing applied: no pull can be released
+        done: list[Completion] = []
+        while rounds and _done(rounds[0], active):
+            rnd = rounds.popleft()
+            state.base += 1
+            if not rnd.complete:  # only workers that left part-way: zero what none covered
+                _zero_gaps(rnd, state.value.size)
+            self._apply(state, key, rnd.acc, rnd.covered)
+            for tokens in rnd.tokens.values():
+                done.extend(_acks(tokens))
+        return done + self._release_pulls(state)
+
+    def _apply(self, state: _KeyState, key: Key, total: np.ndarray, workers: Iterable[int]) -> None:
+        if self.updater is None:
+            state.value = total
+        else:
+            state.value = self.updater(key, total, state.value)
+        for worker in workers:
+            state.applied[worker] = state.applied.get(worker, 0) + 1
+
+    def _add_pull(self, state: _KeyState, token: Any, worker: int, lo: int, hi: int) -> list[Completion]:
+        target = state.submitted.get(worker, 0)
+        if state.applied.get(worker, 0) >= target:
+            return [Completion(token, _part_of(state.value, lo, hi))]
+        state.waiting_pulls.append((token, worker, target, lo, hi))
+        return []
+
+    def _release_pulls(self, state: _KeyState) -> list[Completion]:
+        if not state.waiting_pulls:
+            return []
+        ready, waiting = [], []
+        for entry in state.waiting_pulls:
+            (ready if state.applied.get(entry[1], 0) >= entry[2] else waiting).append(entry)
+        state.waiting_pulls = waiting
+        value = state.value
+        return [Completion(token, _part_of(value, lo, hi)) for token, _, _, lo, hi in ready]
+
+
+_SILENT = object()  # marks the push half of a pushpull, whose ack is folded into the pull's reply
+
+
+def _acks(tokens: Iterable[Any]) -> list[Completion]:
+    return [Completion(t) for t in tokens if t is not _SILENT]
+
+
+def _done(rnd: _Round, active: set[int]) -> bool:
+    """Whether ``rnd`` may close: every active worker's contribution is complete and added."""
+    return not rnd.nheld and len(rnd.complete) >= len(active) and active <= rnd.complete
+
+
+def _part_of(value: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``value`` itself when ``[lo, hi)`` is all of it, else the view ``value[lo:hi]`` (1-D)."""
+    return value if lo == 0 and hi == value.size else value[lo:hi]
+
+
+def _zero_gaps(rnd: _Round, size: int) -> None:
+    """Set to 0 the elements of ``rnd``'s accumulator that no part covers."""
+    pos = 0
+    for lo in sorted(rnd.parts):
+        if lo > pos:
+            rnd.acc[pos:lo] = 0
+        pos = rnd.parts[lo].hi
+    if pos < size:
+        rnd.acc[pos:] = 0

@@ -1,0 +1,3 @@
+"""Talking between nodes: the wire format (protocol), authentication, zmq sockets (transport), the
+request/reply router, the registration handshake, heartbeats, and every address rule.
+"""

@@ -1,0 +1,139 @@
+"""Message authentication: every frame set carries a MAC proving the sender holds the cluster secret.
+
+A :class:`Channel` is one sender's end (and, for what comes back, one receiver's end).
+It seals outgoing messages and opens incoming ones::
+
+    frames on the wire:  [mac, header, array, array, ...]
+
+The header's ``auth`` field is ``[label, n, to]``: the sending channel's random
+label, its message counter (strictly increasing) and the name of the receiver it
+is meant for.  The MAC (HMAC-SHA256, 16 bytes) covers the whole header, the
+number of frames and every frame's length; with ``KVSTORE_AUTH=full`` it covers
+the array bytes too (by default they rely on TCP's integrity).  It is keyed by the
+cluster secret and, once the cluster map is out, by the cluster's session id, so
+messages of an earlier cluster with the same secret do not verify.
+
+Opening checks, in order: the MAC (:class:`AuthenticationError` when it is wrong
+or missing), the header (:class:`ProtocolError`), that the message is addressed to
+this channel, and that ``n`` is larger than anything seen from that label before
+(a replay is an :class:`AuthenticationError`).  Without a secret the MAC frame is
+empty and the other checks still apply; a node with a secret refuses unsigned
+messages and the other way round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import secrets
+import threading
+from typing import Any
+
+from kvstore.errors import AuthenticationError, ProtocolError
+from kvstore.net import protocol
+from kvstore.net.protocol import Message
+
+MAC_BYTES = 16
+
+
+def derive_key(secret: str | None) -> bytes | None:
+    """The HMAC key of a cluster secret (None without a secret)."""
+    if not secret:
+        return None
+    return hashlib.sha256(b"kvstore-auth-v1\0" + secret.encode()).digest()
+
+
+def channel_for(cfg: Any, label: str) -> Channel:
+    """A channel keyed by ``cfg``'s ``KVSTORE_SECRET`` (and ``KVSTORE_AUTH``) sending as ``label``."""
+    return Channel(derive_key(cfg.secret), label, full=cfg.auth_full)
+
+
+def unsigned(msg: Message) -> list[Any]:
+    """Frames of ``msg`` with an empty MAC: only for error replies to peers that failed to authenticate."""
+    msg.auth = None
+    return [b"", *protocol.encode(msg)]
+
+
+def new_label(role: str) -> str:
+    """A fresh random channel label, e.g. ``worker-3fa9c1d2``."""
+    return f"{role}-{secrets.token_hex(4)}"
+
+
+class Channel:
+    """Seals messages sent from ``label`` and opens messages addressed to one of ``names``."""
+
+    def __init__(self, key: bytes | None, label: str, full: bool = False, session: bytes = b"") -> None:
+        self.key, self.label, self.full = key, label, full
+        self.names = {label}
+        self._session_key = self._keyed(session)
+        self._counter = itertools.count(1)
+        self._last: dict[str, int] = {}  # sender label -> highest n accepted
+        self._lock = threading.Lock()
+
+    def _keyed(self, session: bytes) -> Any:
+        """An HMAC object keyed by the secret and ``session``, copied for each message (None: no key)."""
+        if self.key is None:
+            return None
+        return hmac.new(hmac.new(self.key, b"session\0" + session, hashlib.sha256).digest(),
+                        digestmod=hashlib.sha256)
+
+    def rename(self, label: str) -> None:
+        """Send as ``label`` and accept messages addressed to it (a server once it knows its rank)."""
+        self.label, self.names = label, {label}
+
+    def set_session(self, session: bytes) -> None:
+        """Key every later message to the cluster's ``session`` id (from the cluster map)."""
+        self._session_key = self._keyed(session)
+
+    def _mac(self, frames: list[Any]) -> bytes:
+        mac = self._session_key.copy()  # the keyed state is computed once per session
+        mac.update(len(frames).to_bytes(4, "big"))
+        for frame in frames:
+            mac.update(memoryview(frame).nbytes.to_bytes(8, "big"))
+        mac.update(frames[0])
+        if self.full:
+            for frame in frames[1:]:
+                mac.update(frame)
+        return mac.digest()[:MAC_BYTES]
+
+    def seal(self, msg: Message, to: str) -> list[Any]:
+        """The frames of ``msg`` addressed to ``to``, with this channel's next number and the MAC."""
+        msg.auth = [self.label, next(self._counter), to]
+        frames = protocol.encode(msg)
+        return [b"" if self._session_key is None else self._mac(frames), *frames]
+
+    def open(self, frames: list[Any]) -> Message:
+        """Verify and decode ``frames``; raise AuthenticationError or ProtocolError without side effects."""
+        if len(frames) < 2:
+            raise ProtocolError("a message needs a MAC frame and a header")
+        mac, rest = frames[0], frames[1:]
+        if self._session_key is None:
+            if memoryview(mac).nbytes:
+                raise AuthenticationError("a signed message reached a node without KVSTORE_SECRET "
+                                          "(set the same secret on every node)")
+        elif not hmac.compare_digest(bytes(mac), self._mac(rest)):
+            raise AuthenticationError("message authentication failed (a peer without the cluster's "
+                                      "KVSTORE_SECRET, or a damaged or stale message)")
+        msg = protocol.decode(rest)
+        label, n, to = _auth_fields(msg.auth)
+        if to not in self.names:
+            raise AuthenticationError(f"a message for {to!r} reached {sorted(self.names)}")
+        with self._lock:
+            if n <= self._last.get(label, 0):
+                raise AuthenticationError(f"replayed message {n} from {label!r} refused")
+            self._last[label] = n
+        return msg
+
+
+def _auth_fields(auth: Any) -> tuple[str, int, str]:
+    if not (isinstance(auth, list) and len(auth) == 3 and isinstance(auth[0], str)
+            and isinstance(auth[1], int) and not isinstance(auth[1], bool) and auth[1] > 0
+            and isinstance(auth[2], str)):
+        raise ProtocolError("the header's auth field must be [label, n > 0, to]")
+    return auth[0], auth[1], auth[2]
+
+
+def sender_label(msg: Message) -> str:
+    """The label of the channel that sent ``msg`` (after :meth:`Channel.open`)."""
+    return msg.auth[0]

@@ -1,0 +1,109 @@
+"""A node's heartbeat to the scheduler, from a thread (and a socket) of its own.
+
+Every ``KVSTORE_HEARTBEAT_INTERVAL`` the thread sends HEARTBEAT and reads the
+replies.  A reply lists the nodes the scheduler has declared lost; with
+``report_peers`` (workers) the first one to appear is passed to ``on_lost`` as a
+:class:`NodeLostError` naming it, and the thread keeps beating (so the scheduler
+does not take this node for lost too).  When no reply has come for
+``KVSTORE_HEARTBEAT_TIMEOUT``, the scheduler itself is reported lost the same
+way and the thread ends.  It never raises or exits the process: what to do is
+the callback's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvstore import config as kvconfig
+from kvstore.errors import AuthenticationError, KVStoreError, NodeLostError, ProtocolError
+from kvstore.net import transport
+from kvstore.net.auth import channel_for, new_label
+from kvstore.net.protocol import Message, Op
+
+log = logging.getLogger("kvstore.heartbeat")
+
+
+def lost_error(entry: list) -> NodeLostError:
+    """The error for one ``[role, rank, host, why]`` entry of a heartbeat reply."""
+    role, rank, host, why = entry
+    return NodeLostError(f"{role} {rank} on {host} is lost: {why}", role=role, rank=rank, host=host)
+
+
+class Heartbeat(threading.Thread):
+    """Beats for ``(role, rank)`` until :meth:`stop`, or until it reports a loss."""
+
+    def __init__(self, cfg: kvconfig.Config, role: str, rank: int, session: bytes,
+                 on_lost: Callable[[NodeLostError], None], report_peers: bool = True) -> None:
+        super().__init__(name=f"kvstore-heartbeat-{role}{rank}", daemon=True)
+        self.cfg, self.role, self.rank, self.on_lost = cfg, role, rank, on_lost
+        self.report_peers = report_peers
+        self.channel = channel_for(cfg, new_label(f"{role}{rank}-heartbeat"))
+        self.channel.set_session(session)
+        self._stop_event = threading.Event()
+        self.lost: NodeLostError | None = None  # what was reported, if anything
+
+    def stop(self) -> None:
+        """Ask the thread to end (it does within one interval)."""
+        self._stop_event.set()
+
+    def _report(self, error: NodeLostError) -> None:
+        if self.lost is not None:
+            return  # one report is enough: the node is failed from then on
+        self.lost = error
+        log.error("%s", error)
+        try:
+            self.on_lost(error)
+        except Exception:  # noqa: BLE001 - a failing callback must not kill the heartbeat silently
+            log.exception("the node-lost callback failed")
+
+    def run(self) -> None:
+        sock = transport.connect_dealer(self.cfg.root_address)
+        interval, timeout = self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout
+        heard = time.monotonic()
+        try:
+            while not self._stop_event.is_set():
+                beat = Message(Op.HEARTBEAT, {"role": self.role, "rank": self.rank}, sender=self.rank)
+                transport.send(sock, self.channel.seal(beat, "scheduler"))
+                deadline = time.monotonic() + interval
+                while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
+                    if not sock.poll(int(min(left, 0.1) * 1000) + 1):  # short slices: stop() is quick
+                        continue
+                    try:
+                        frames = transport.recv(sock)
+                    except ProtocolError as exc:
+                        log.warning("dropped a bad heartbeat reply: %s", exc)
+                        continue
+                    if self._read(frames):
+                        heard = time.monotonic()
+                if time.monotonic() - heard > timeout:
+                    self._report(NodeLostError(
+                        f"scheduler at {self.cfg.root_address} is lost: no heartbeat reply for "
+                        f"{timeout:g} s (KVSTORE_HEARTBEAT_TIMEOUT)", role="scheduler", rank=0,
+                        host=self.cfg.root_uri))
+                    return
+        except KVStoreError as exc:  # the socket broke: as good as a silent scheduler
+            self._report(NodeLostError(f"scheduler at {self.cfg.root_address} is lost: {exc}",
+                                       role="scheduler", rank=0, host=self.cfg.root_uri))
+        finally:
+            transport.close(sock)
+
+    def _read(self, frames: list) -> bool:
+        """Handle one reply (True if it was the scheduler's): report the first lost node it names."""
+        try:
+            reply = self.channel.open(frames)
+        except (AuthenticationError, ProtocolError) as exc:
+            log.warning("dropped a bad heartbeat reply: %s", exc)
+            return False
+        lost = reply.body.get("lost") if reply.op is Op.OK else None
+        if not lost or not self.report_peers or self.lost is not None:
+            return True
+        try:
+            error = lost_error(lost[0])
+        except (TypeError, ValueError):
+            log.warning("dropped a heartbeat reply with a malformed loss: %r", lost[0])
+            return True
+        self._report(error)
+        return True

@@ -1,0 +1,7 @@
+"""``python -m kvstore.server``: run one server (the launchers and ``kvstore.node`` start it so)."""
+
+import sys
+
+from kvstore.server.process import main
+
+sys.exit(main())

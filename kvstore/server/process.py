@@ -1,0 +1,300 @@
+"""The server process: holds a shard of every key, serves init/push/pull, runs the optimizer.
+
+Run it with ``python -m kvstore.server`` (``DMLC_ROLE=server`` and the other
+``DMLC_*`` variables set).  It binds a port of its own (any free one), registers
+with the scheduler, receives the cluster map, then serves workers until the
+scheduler tells it to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+
+import numpy as np
+
+from kvstore import config as kvconfig
+from kvstore import logs
+from kvstore.core.optimizer import Optimizer, from_spec
+from kvstore.core.partition import check_key
+from kvstore.core.shard import Completion, ShardState
+from kvstore.errors import (
+    AuthenticationError,
+    DTypeMismatchError,
+    DuplicateInitError,
+    OptimizerError,
+    ProtocolError,
+)
+from kvstore.net import transport
+from kvstore.net.auth import channel_for, new_label
+from kvstore.net.heartbeat import Heartbeat
+from kvstore.net.protocol import Message, Op
+from kvstore.net.router import RouterService, register, run_role
+
+log = logging.getLogger("kvstore.server")
+MB = 1 << 20
+# Flow control: zmq queues at most this many messages from each worker before it stops reading that
+# worker's connection, so what a server holds in messages it has not read stays about workers x
+# INBOUND_MESSAGES x the largest message (a chunk, or a slice of up to 4 chunks; kvstore.plan).
+INBOUND_MESSAGES = 8
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class _Batch:
+    """One data request being answered: its reply goes out once every entry is done."""
+
+    __slots__ = ("identity", "seq", "values", "left")
+
+    def __init__(self, identity: bytes, seq: int, entries: int) -> None:
+        self.identity, self.seq, self.left = identity, seq, entries
+        self.values: list[np.ndarray | None] = [None] * entries
+
+    def arrays(self) -> list[np.ndarray]:
+        """The reply's arrays: none for acks, else the entries' values in one flat array."""
+        if self.values[0] is None:
+            return []
+        if len(self.values) == 1:
+            return [self.values[0].reshape(-1)]
+        return [np.concatenate([v.reshape(-1) for v in self.values])]
+
+
+class Server:
+    """One server: a ROUTER for workers, a DEALER to the scheduler, and a :class:`ShardState`."""
+
+    def __init__(self, cfg: kvconfig.Config) -> None:
+        cfg.require_cluster("a server")
+        self.cfg = cfg
+        self.host = kvconfig.node_host(cfg)
+        kvconfig.check_bind(cfg, self.host, "a server")
+        sock, self.port = transport.bind_router(self.host, cfg.node_port, inbound=INBOUND_MESSAGES)
+        self.service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} at join
+        self.scheduler = transport.connect_dealer(cfg.root_address)
+        self.to_scheduler = channel_for(cfg, new_label("server"))
+        self.state: ShardState | None = None
+        self.optimizer: Optimizer | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.service.handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push,
+                                 Op.PULL: self._on_pull, Op.PUSHPULL: self._on_pushpull,
+                                 Op.OPTIMIZER_SET: self._on_optimizer_set,
+                                 Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
+                                 Op.OPTIMIZER_INFO: self._on_optimizer_info,
+                                 Op.STATE_GET: self._on_state_get, Op.STATE_SET: self._on_state_set,
+                                 Op.LEAVE: self._on_leave}
+
+    def join(self) -> None:
+        """Register with the scheduler and set up state from the cluster map."""
+        cmap = register(self.scheduler, self.to_scheduler, self.cfg,
+                        {"role": "server", "host": self.host, "port": self.port,
+                         "rank": self.cfg.server_id}, "server")
+        rank = cmap.body["rank"]
+        self.service.rank = rank
+        self.service.channel.rename(f"server{rank}")  # workers address their requests to it
+        self.service.channel.set_session(cmap.body["session"])
+        self.heartbeat = Heartbeat(self.cfg, "server", rank, cmap.body["session"], lambda error: None,
+                                   report_peers=False)
+        self.heartbeat.start()
+        self.state = ShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync",
+                                ordered=self.cfg.sum_order == "rank")
+        logs.set_identity("server", rank)
+        log.info("serving on %s:%d in %s mode", self.host, self.port, cmap.body["mode"])
+
+    def _reply_all(self, done: list[Completion]) -> None:
+        for c in done:
+            batch, index = c.token
+            batch.values[index] = c.value
+            batch.left -= 1
+            if batch.left == 0:
+                self.service.reply(batch.identity, Message(Op.OK, seq=batch.seq, arrays=batch.arrays()))
+
+    def _sender(self, msg: Message) -> int:
+        if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
+            raise ProtocolError(f"{msg.op.name} carries no valid worker rank (got {msg.sender!r})")
+        return msg.sender
+
+    def _key_and_value(self, msg: Message, with_value: bool) -> tuple:
+        key = check_key(msg.body.get("key"))
+        self._sender(msg)
+        if with_value and len(msg.arrays) != 1:
+            raise ProtocolError(f"{msg.op.name} of key {key!r} needs exactly one array")
+        return key, (msg.arrays[0] if with_value else None)
+
+    def _entries(self, msg: Message, with_values: bool) -> tuple[list, list, list[int], int | None]:
+        """A data request's keys, values (views of its one array, or Nones), sizes and chunk offset."""
+        body = msg.body
+        keys, sizes, lo = body.get("keys"), body.get("sizes"), body.get("lo")
+        if not (isinstance(keys, list) and keys and isinstance(sizes, list) and len(sizes) == len(keys)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)):
+            raise ProtocolError(f"{msg.op.name} needs 'keys' and one size >= 0 per key")
+        if lo is not None and not (isinstance(lo, int) and not isinstance(lo, bool) and lo >= 0
+                                   and len(keys) == 1):
+            raise ProtocolError(f"{msg.op.name}: a chunk ('lo') carries one key and an offset >= 0")
+        keys = [check_key(k) for k in keys]
+        if len(keys) > 1 and len(set(keys)) != len(keys):
+            raise ProtocolError(f"{msg.op.name} names a key twice")
+        self._sender(msg)
+        if not with_values:
+            if msg.arrays:
+                raise ProtocolError(f"{msg.op.name} carries no arrays")
+            return keys, [None] * len(keys), sizes, lo
+        if len(msg.arrays) != 1 or msg.arrays[0].ndim != 1 or msg.arrays[0].size != sum(sizes):
+            raise ProtocolError(f"{msg.op.name} of {len(keys)} key(s) needs one flat array of "
+                                f"{sum(sizes)} elements")
+        values, offset, array = [], 0, msg.arrays[0]
+        for n in sizes:
+            values.append(array[offset:offset + n])
+            offset += n
+        return keys, values, sizes, lo
+
+    def _gradients(self, identity: bytes, msg: Message, pull: bool) -> None:
+        """Push (and with ``pull`` answer with the new values) every key of a PUSH or PUSHPULL."""
+        keys, values, _, lo = self._entries(msg, True)
+        if self.optimizer is not None and values[0].dtype.kind != "f":  # one array: one dtype
+            raise DTypeMismatchError(f"key {keys[0]!r} holds {values[0].dtype}; the {self.optimizer.name} "
+                                     "optimizer updates floating-point keys only")
+        batch = _Batch(identity, msg.seq, len(keys))
+        entries = [((batch, i), key, value, lo or 0) for i, (key, value) in enumerate(zip(keys, values))]
+        self._reply_all(self.state.push_many(msg.sender, entries, pull))
+
+    def _update(self, key: object, total: np.ndarray, stored: np.ndarray) -> np.ndarray:
+        weight = stored.copy()  # a stored array may still be on its way out in a reply
+        self.optimizer.update(key, weight, total)
+        return weight
+
+    def _need_optimizer(self, what: str) -> Optimizer:
+        if self.optimizer is None:
+            raise OptimizerError(f"{what}: no optimizer is set on this server (call set_optimizer)")
+        return self.optimizer
+
+    def _on_init(self, identity: bytes, msg: Message) -> None:
+        keys, values, _, lo = self._entries(msg, True)
+        if lo is not None:
+            raise ProtocolError("INIT sends whole pieces, not chunks")
+        if len(set(keys)) != len(keys):
+            raise ProtocolError("INIT names a key twice")
+        for key in keys:
+            if key in self.state:
+                raise DuplicateInitError(f"key {key!r} is already initialised on this server")
+        for key, value in zip(keys, values):
+            self.state.init(key, value)
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _on_push(self, identity: bytes, msg: Message) -> None:
+        self._gradients(identity, msg, pull=False)
+
+    def _on_pull(self, identity: bytes, msg: Message) -> None:
+        keys, _, sizes, lo = self._entries(msg, False)
+        batch = _Batch(identity, msg.seq, len(keys))
+        start = lo or 0
+        entries = [((batch, i), key, start, start + size) for i, (key, size) in enumerate(zip(keys, sizes))]
+        # without a chunk offset each size must be the key's whole slice: the reply is cut by them
+        self._reply_all(self.state.pull_many(msg.sender, entries, whole=lo is None))
+
+    def _on_pushpull(self, identity: bytes, msg: Message) -> None:
+        self._gradients(identity, msg, pull=True)
+
+    def _on_leave(self, identity: bytes, msg: Message) -> None:
+        """A worker is done.  It sends this after its pushes, on the same connection, so every one of
+        them has been taken in; sync rounds stop waiting for it from now on."""
+        if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
+            raise ProtocolError(f"LEAVE carries no valid worker rank (got {msg.sender!r})")
+        done = self.state.leave(msg.sender)
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        self._reply_all(done)
+        log.info("worker %d left; sync rounds no longer wait for it", msg.sender)
+
+    def _on_optimizer_set(self, identity: bytes, msg: Message) -> None:
+        num_update = msg.body.get("num_update", 0)
+        if not (isinstance(num_update, int) and num_update >= 0):
+            raise ProtocolError("OPTIMIZER_SET's num_update must be an int >= 0")
+        optimizer = from_spec(msg.body.get("spec"))  # raises before anything changes
+        optimizer.num_update = max(optimizer.num_update, num_update)
+        self.optimizer = optimizer
+        self.state.updater = self._update
+        log.info("optimizer set: %s", self.optimizer.spec()["name"])
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _on_optimizer_params(self, identity: bytes, msg: Message) -> None:
+        params = msg.body.get("params")
+        if not (isinstance(params, dict) and all(isinstance(name, str) for name in params)):
+            raise ProtocolError("OPTIMIZER_PARAMS needs a map of parameter names to values")
+        self._need_optimizer("changing optimizer parameters").set_params(**params)
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _on_optimizer_info(self, identity: bytes, msg: Message) -> None:
+        opt = self.optimizer
+        body = {"spec": None, "num_update": 0} if opt is None else {"spec": opt.spec(),
+                                                                    "num_update": opt.num_update}
+        self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
+
+    def _on_state_get(self, identity: bytes, msg: Message) -> None:
+        key, _ = self._key_and_value(msg, False)
+        self.state.value(key)  # the key must be held here
+        found = self._need_optimizer(f"reading the optimizer state of key {key!r}").get_state(key)
+        count, arrays = found if found is not None else (0, {})
+        self.service.reply(identity, Message(Op.OK, {"count": count, "names": list(arrays)},
+                                             arrays=list(arrays.values()), seq=msg.seq))
+
+    def _on_state_set(self, identity: bytes, msg: Message) -> None:
+        key, _ = self._key_and_value(msg, False)
+        count, names = msg.body.get("count"), msg.body.get("names")
+        if not (isinstance(count, int) and count >= 0 and isinstance(names, list)
+                and len(names) == len(msg.arrays) and all(isinstance(n, str) for n in names)):
+            raise ProtocolError(f"STATE_SET of key {key!r} needs a count >= 0 and one name per array")
+        opt = self._need_optimizer(f"setting the optimizer state of key {key!r}")
+        opt.set_state(key, self.state.value(key), count, dict(zip(names, msg.arrays)))
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def run(self) -> int:
+        """Serve until the scheduler says SHUTDOWN (0) or is lost (1); return the exit code."""
+        poller = transport.Poller()
+        poller.add(self.service.sock)
+        poller.add(self.scheduler)
+        try:
+            while True:
+                lost = self.heartbeat.lost if self.heartbeat is not None else None
+                if lost is not None:
+                    log.error("exiting: %s", lost)
+                    return 1
+                ready = poller.wait(self.cfg.heartbeat_interval)
+                if self.service.sock in ready:
+                    self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
+                if self.scheduler in ready and self._from_scheduler():
+                    return 0
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+            transport.close(self.service.sock)
+            transport.close(self.scheduler, linger=1.0)
+
+    def _from_scheduler(self) -> bool:
+        """Handle one message from the scheduler; True when it is SHUTDOWN (after confirming it)."""
+        try:
+            msg = self.to_scheduler.open(transport.recv(self.scheduler))
+        except (AuthenticationError, ProtocolError) as exc:
+            log.warning("dropped a bad message from the scheduler: %s", exc)
+            return False
+        if msg.op is Op.SHUTDOWN:
+            transport.send(self.scheduler, self.to_scheduler.seal(Message(Op.OK, seq=msg.seq), "scheduler"))
+            log.info("shut down by the scheduler: %d keys, %.1f MB held, peak RSS %.1f MB",
+                     len(self.state), self.state.nbytes() / MB, peak_rss() / MB)
+            return True
+        log.warning("ignored %s from the scheduler", msg.op.name)
+        return False
+
+
+def _serve(cfg: kvconfig.Config) -> int:
+    server = Server(cfg)
+    server.join()
+    return server.run()
+
+
+def main() -> int:
+    """Entry point of ``python -m kvstore.server``."""
+    return run_role("server", _serve, rank=lambda cfg: cfg.server_id)
+

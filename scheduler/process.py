@@ -1,0 +1,272 @@
+"""The scheduler process: rendezvous, barriers, liveness and orderly shutdown.
+
+After the rendezvous every node heartbeats here from a thread of its own.  A node
+silent for ``KVSTORE_HEARTBEAT_TIMEOUT`` is declared lost: every heartbeat reply
+from then on names it (so every worker raises :class:`NodeLostError`), waiting
+barriers are released with that error, and the scheduler exits 1 once the
+workers are gone.  A worker that leaves (LEAVE) stops counting toward barriers
+(it has told the servers itself, after its pushes, so sync rounds stop waiting).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import secrets
+import time
+
+from kvstore import config as kvconfig
+from kvstore.errors import (
+    AuthenticationError,
+    DeadlineExceededError,
+    KVStoreError,
+    NodeLostError,
+    ProtocolError,
+)
+from kvstore.net import transport
+from kvstore.net.auth import channel_for
+from kvstore.net.heartbeat import lost_error
+from kvstore.net.protocol import Message, Op
+from kvstore.net.router import RouterService, run_role
+
+from .state import Barrier, Liveness, Node, Rendezvous
+
+log = logging.getLogger("scheduler")
+
+
+def _bind_host(root_uri: str) -> str:
+    try:
+        ipaddress.ip_address(root_uri.strip("[]"))
+        return root_uri.strip("[]")
+    except ValueError:
+        return "127.0.0.1" if root_uri == "localhost" else "*"
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write ``port`` to ``path`` atomically (a temporary name, then a rename)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+class Scheduler:
+    """Rendezvous of every node, worker barriers, and shutdown once every worker has left."""
+
+    def __init__(self, cfg: kvconfig.Config) -> None:
+        cfg.require_cluster("the scheduler")
+        self.cfg = cfg
+        host = _bind_host(cfg.root_uri)
+        kvconfig.check_bind(cfg, host, "the scheduler")
+        sock, self.port = transport.bind_router(host, cfg.root_port)
+        self.service = RouterService(sock, channel_for(cfg, "scheduler"))
+        self.session = secrets.token_bytes(16)  # keys every message once the map is out
+        self.challenges: dict[bytes, tuple[str, str]] = {}  # identity -> (its nonce, our challenge)
+        self.rendezvous = Rendezvous(cfg.num_workers, cfg.num_servers)
+        self.barrier = Barrier(cfg.num_workers)
+        self.worker_ranks: dict[bytes, int] = {}
+        self.left: set[int] = set()
+        self.servers: list[Node] = []
+        self.service.handlers = {Op.HELLO: self._on_hello, Op.REGISTER: self._on_register,
+                                 Op.BARRIER: self._on_barrier,
+                                 Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
+                                 Op.HEARTBEAT: self._on_heartbeat}
+        self.liveness = Liveness(cfg.heartbeat_timeout)
+        self.hosts: dict[tuple[str, int], str] = {}  # (role, rank) -> host
+        self.lost: list[list] = []  # [role, rank, host, why] of every node declared lost
+        self.stopped_servers: set[bytes] = set()
+        self.map_sent = False
+        self.failed: str | None = None
+
+    def _on_hello(self, identity: bytes, msg: Message) -> None:
+        nonce = msg.body.get("nonce")
+        if not (isinstance(nonce, str) and 0 < len(nonce) <= 128):
+            raise ProtocolError("HELLO needs a nonce (a str of at most 128 characters)")
+        if self.map_sent:
+            raise ProtocolError("the cluster is already complete; late registrations are refused")
+        challenge = secrets.token_hex(16)
+        self.challenges[identity] = (nonce, challenge)
+        self.service.reply(identity, Message(Op.CHALLENGE, {"nonce": nonce, "challenge": challenge},
+                                             seq=msg.seq))
+
+    def _on_register(self, identity: bytes, msg: Message) -> None:
+        body = msg.body
+        issued = self.challenges.get(identity)
+        if issued is None or body.get("challenge") != issued[1]:
+            raise AuthenticationError("REGISTER must answer the challenge this connection was given")
+        node = Node(identity=identity, role=str(body.get("role")), host=str(body.get("host")),
+                    port=body.get("port"), wanted_rank=body.get("rank"), mode=body.get("mode"))
+        if self.map_sent:
+            raise ProtocolError("the cluster is already complete; late registrations are refused")
+        self.rendezvous.register(node)
+        log.info("%s registered from %s (%s)", node.role, node.host, self.rendezvous.progress())
+        if self.rendezvous.complete:
+            self._send_map()
+
+    def _send_map(self) -> None:
+        try:
+            mode = self.rendezvous.mode()
+        except KVStoreError as exc:
+            self._fail_all(exc)
+            return
+        ranked = self.rendezvous.ranked()
+        self.servers = ranked["server"]
+        body = {"num_workers": self.cfg.num_workers, "num_servers": self.cfg.num_servers,
+                "servers": [[n.host, n.port] for n in self.servers], "mode": mode,
+                "seed": secrets.randbits(63), "session": self.session,
+                "chunk_bytes": self.cfg.chunk_bytes}  # one chunk size for all: servers check boundaries
+        now = time.monotonic()
+        for role, nodes in ranked.items():
+            for rank, node in enumerate(nodes):
+                if role == "worker":
+                    self.worker_ranks[node.identity] = rank
+                self.hosts[(role, rank)] = node.host
+                self.liveness.watch(role, rank, now)
+                nonce = self.challenges.pop(node.identity)[0]
+                self.service.reply(node.identity, Message(Op.MAP, dict(body, rank=rank, role=role,
+                                                                       nonce=nonce)))
+        self.service.channel.set_session(self.session)
+        self.challenges.clear()
+        self.map_sent = True
+        log.info("cluster complete: %d workers, %d servers, mode %s",
+                 self.cfg.num_workers, self.cfg.num_servers, mode)
+
+    def _fail_all(self, exc: KVStoreError) -> None:
+        log.error("%s", exc)
+        for group in self.rendezvous.nodes.values():
+            for node in group:
+                self.service.reply_error(node.identity, 0, exc)
+        self.failed = str(exc)
+
+    def _worker_rank(self, identity: bytes) -> int:
+        if identity not in self.worker_ranks:
+            raise ProtocolError("only a registered worker may do this")
+        return self.worker_ranks[identity]
+
+    def _on_barrier(self, identity: bytes, msg: Message) -> None:
+        rank = self._worker_rank(identity)
+        if msg.body.get("cancel"):
+            released = not self.barrier.cancel(rank)
+            self.service.reply(identity, Message(Op.OK, {"released": released}, seq=msg.seq))
+            return
+        if self.lost:
+            raise self._lost_error()
+        if rank in self.left:
+            raise ProtocolError(f"worker {rank} has left; it cannot join a barrier")
+        failure = msg.body.get("failure")
+        if failure is not None and not (isinstance(failure, dict) and all(
+                isinstance(failure.get(f), str) for f in ("code", "message"))):
+            raise ProtocolError('a barrier\'s failure must be {"code": str, "message": str}')
+        self._release(self.barrier.arrive(rank, identity, msg.seq, failure))
+
+    def _release(self, released: list[tuple[bytes, int]]) -> None:
+        """Answer released barrier waiters: the failures reported at it, and who has left."""
+        body = {"failures": [[r, text] for r, text in sorted(self.barrier.released_failures.items())],
+                "left": sorted(self.left)}
+        for ident, seq in released:
+            self.service.reply(ident, Message(Op.OK, dict(body), seq=seq))
+
+    def _on_leave(self, identity: bytes, msg: Message) -> None:
+        rank = self._worker_rank(identity)
+        failure = msg.body.get("failure")
+        if failure is not None and not isinstance(failure, str):
+            raise ProtocolError("a LEAVE's failure must be a str")
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        if rank in self.left or self._is_lost("worker", rank):
+            return
+        if failure is not None:  # it is dying: the others must not carry on as if it had left
+            self._declare_lost("worker", rank, failure)
+            return
+        self.left.add(rank)
+        self.liveness.forget("worker", rank)
+        log.info("worker %d left (%d/%d)", rank, len(self.left), self.cfg.num_workers)
+        self._release(self.barrier.leave(rank))  # the others no longer wait for it
+
+    def _on_heartbeat(self, identity: bytes, msg: Message) -> None:
+        role, rank = msg.body.get("role"), msg.body.get("rank")
+        if role not in ("worker", "server") or not isinstance(rank, int) or isinstance(rank, bool):
+            raise ProtocolError('a heartbeat needs {"role": "worker" | "server", "rank": int}')
+        self.liveness.beat(role, rank, time.monotonic())
+        self.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=msg.seq))
+
+    def _lost_error(self) -> NodeLostError:
+        return lost_error(self.lost[0])
+
+    def _live_servers(self) -> list[Node]:
+        lost = {rank for role, rank, _, _ in self.lost if role == "server"}
+        return [node for rank, node in enumerate(self.servers) if rank not in lost]
+
+    def check_liveness(self, now: float) -> None:
+        """Declare every node silent for too long lost."""
+        for role, rank in self.liveness.expired(now):
+            self._declare_lost(role, rank, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s "
+                                           "(KVSTORE_HEARTBEAT_TIMEOUT)")
+
+    def _is_lost(self, role: str, rank: int) -> bool:
+        return any(r == role and k == rank for r, k, _, _ in self.lost)
+
+    def _declare_lost(self, role: str, rank: int, why: str) -> None:
+        """Record the loss (every heartbeat reply names it from now on); fail the waiting barrier."""
+        host = self.hosts.get((role, rank), "?")
+        self.liveness.forget(role, rank)
+        self.lost.append([role, rank, host, why])
+        log.error("%s %d on %s is lost: %s", role, rank, host, why)
+        for ident, seq in self.barrier.drain():
+            self.service.reply_error(ident, seq, self._lost_error())
+
+    def _workers_gone(self) -> int:
+        return len(self.left | {rank for role, rank, _, _ in self.lost if role == "worker"})
+
+    def _on_server_stopped(self, identity: bytes, msg: Message) -> None:
+        if not any(node.identity == identity for node in self.servers):
+            raise ProtocolError("only a server confirms a shutdown")
+        self.stopped_servers.add(identity)
+
+    def run(self) -> int:
+        """Serve until every worker has left and the servers are stopped; return the exit code."""
+        if self.cfg.port_file:
+            write_port_file(self.cfg.port_file, self.port)
+        log.info("listening on port %d for %d workers and %d servers", self.port,
+                 self.cfg.num_workers, self.cfg.num_servers)
+        deadline = time.monotonic() + self.cfg.connect_timeout
+        while not self.map_sent and self.failed is None:
+            if time.monotonic() > deadline:
+                self._fail_all(DeadlineExceededError(
+                    f"rendezvous incomplete: {self.rendezvous.progress()} after "
+                    f"{self.cfg.connect_timeout:g} s (KVSTORE_CONNECT_TIMEOUT)"))
+                break
+            self.service.poll_once(0.1)
+        if self.failed is not None:
+            return 1
+        tick = min(1.0, self.cfg.heartbeat_interval)
+        while self._workers_gone() < self.cfg.num_workers:
+            if self.service.poll_once(tick):
+                self.service.drain()  # heartbeats queued behind a slow message count before the check
+            self.check_liveness(time.monotonic())
+        code = self._stop_servers()
+        if self.lost:
+            names = ", ".join(f"{role} {rank} on {host}" for role, rank, host, _ in self.lost)
+            log.error("the cluster lost %s; exiting with code 1", names)
+            return 1
+        return code
+
+    def _stop_servers(self) -> int:
+        servers = self._live_servers()
+        for node in servers:
+            self.service.reply(node.identity, Message(Op.SHUTDOWN))
+        deadline = time.monotonic() + self.cfg.shutdown_timeout
+        while len(self.stopped_servers) < len(servers) and time.monotonic() < deadline:
+            self.service.poll_once(0.1)
+        missing = len(servers) - len(self.stopped_servers)
+        if missing:
+            log.warning("%d servers did not confirm shutdown within %g s", missing,
+                        self.cfg.shutdown_timeout)
+        log.info("all workers left; shut down")
+        transport.close(self.service.sock)
+        return 0
+
+
+def main() -> int:
+    """Entry point of ``python -m scheduler``: run the scheduler configured by the environment."""
+    return run_role("scheduler", lambda cfg: Scheduler(cfg).run())

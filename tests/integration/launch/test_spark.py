@@ -1,0 +1,241 @@
+"""kvstore.spark.run on a real local Spark (local[6]): the cluster in one barrier job, data feeding,
+failures and the slot check.  One SparkSession for the whole module (starting one takes seconds).
+
+The train_fns below run in Spark's Python workers, which import this module by name (the fixture puts
+the repository on their PYTHONPATH), so they are plain module-level functions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyspark", reason="kvstore.spark needs pyspark (pip install -e .[spark])")
+if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+    pytest.skip("Spark needs Java 17: there is no java on PATH and JAVA_HOME is unset",
+                allow_module_level=True)
+
+from pyspark import SparkContext  # noqa: E402
+from pyspark.sql import SparkSession  # noqa: E402
+
+import kvstore  # noqa: E402
+import kvstore.launch.spark as kvspark  # noqa: E402
+from tests.helpers import REPO, poll_for, tagged_pids  # noqa: E402
+
+SLOTS = 6
+FAILURE_SECONDS = 30  # a failed job must be reported well before anything would time out
+QUIET = {"KVSTORE_SHUTDOWN_TIMEOUT": "5", "KVSTORE_LOG_LEVEL": "WARNING"}
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """A local[6] SparkSession whose Python workers run this interpreter and can import the tests."""
+    names = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ["PYSPARK_PYTHON"] = os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), saved["PYTHONPATH"]) if p)
+    session = (SparkSession.builder.master(f"local[{SLOTS}]").appName("kvstore-spark-tests")
+               .config("spark.ui.enabled", "false")
+               .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
+               .config("spark.sql.shuffle.partitions", "4").config("spark.default.parallelism", str(SLOTS))
+               .getOrCreate())
+    session.sparkContext.setLogLevel("FATAL")  # failures on purpose would print Java stack traces
+    gateway = SparkContext._gateway
+    try:
+        yield session
+    finally:
+        session.stop()
+        # stop() leaves the py4j JVM running for the rest of the session: stop and reap it too
+        jvm = getattr(gateway, "proc", None)
+        gateway.shutdown()
+        SparkContext._gateway = SparkContext._jvm = None
+        if jvm is not None:
+            jvm.terminate()
+            try:
+                jvm.wait(30)
+            except subprocess.TimeoutExpired:
+                jvm.kill()
+                jvm.wait()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# -- train_fns (run on the executors) ----------------------------------------------------------------
+
+def sum_check(records, mode: str) -> dict:
+    """tests/integration/scripts/sum_check.py as a train_fn: W workers push ones*(rank+1), everyone
+    pulls W(W+1)/2; the 2500-element key is split over the servers (KVSTORE_BIGARRAY_BOUND=1000)."""
+    kv = kvstore.create(mode)
+    assert kvstore.create(mode) is kv
+    workers = kv.num_workers
+    for key, size in ((5, 10), ("big", 2500)):
+        kv.init(key, np.zeros(size, np.float32))
+    ok = []
+    for key, size in ((5, 10), ("big", 2500)):
+        kv.push(key, np.ones(size, np.float32) * (kv.rank + 1))
+        ok.append(bool((kv.pull(key) == workers * (workers + 1) / 2).all()))
+    kv.barrier()
+    # no kv.close(): run() must leave the cluster for it
+    return {"rank": kv.rank, "workers": workers, "servers": kv.num_servers, "ok": ok,
+            "big_on": sorted({piece.server for piece in kv._pieces("big")}),
+            "role": os.environ.get("DMLC_ROLE"), "worker_id": os.environ.get("DMLC_WORKER_ID"),
+            "pid": os.getpid()}
+
+
+def environment(_) -> tuple[int, dict]:
+    """What a plain task's Python worker sees of the variables run() sets for its workers."""
+    return os.getpid(), {name: os.environ[name] for name in ("DMLC_ROLE", "DMLC_WORKER_ID", "KVSTORE_SECRET",
+                                                             "KVSTORE_BIGARRAY_BOUND") if name in os.environ}
+
+
+def seen_ids(records) -> list[int]:
+    """Only reads its share (never joins the cluster)."""
+    return [row["id"] for row in records]
+
+
+def fit_linear(records, steps: int, learning_rate: float, total: int) -> dict:
+    """Least squares on this worker's rows with dist_sync: push the gradient of the global mean loss,
+    the servers sum over workers and run SGD, pull the weights back."""
+    rows = list(records)
+    x = np.array([row["x"] for row in rows], np.float32)
+    y = np.array([row["y"] for row in rows], np.float32)
+    kv = kvstore.create("dist_sync")
+    kv.init("w", np.zeros(x.shape[1], np.float32))
+    kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=learning_rate))
+    w = kv.pull("w")
+    losses = []
+    for _ in range(steps):
+        err = x @ w - y
+        losses.append(float(err @ err))  # this worker's part of the global sum of squares
+        kv.push("w", (2.0 / total) * (x.T @ err))
+        w = kv.pull("w")
+    err = x @ w - y
+    losses.append(float(err @ err))
+    kv.close()
+    return {"rank": kv.rank, "ids": sorted(row["id"] for row in rows), "losses": losses, "w": w.tolist()}
+
+
+def fail_rank_1(records, tag: str) -> None:
+    """Rank 1 raises once the cluster runs (saying how many tagged roles it sees); rank 0 then waits
+    in a dist_sync pull that can only end by Spark killing it or by the scheduler reporting rank 1."""
+    kv = kvstore.create("dist_sync")
+    kv.init("k", np.zeros(4, np.float32))
+    if kv.rank == 1:
+        raise RuntimeError(f"worker fails on purpose; tagged roles alive: {len(tagged_pids(tag))}")
+    kv.push("k", np.ones(4, np.float32))
+    kv.pull("k")
+
+
+def join_only(records, mode: str = "dist_sync") -> int:
+    return kvstore.create(mode).rank
+
+
+def never_called(records) -> None:
+    raise AssertionError("no job may start")
+
+
+# -- tests ---------------------------------------------------------------------------------------------
+
+def test_sum_check_two_workers_two_servers(spark):
+    tag = f"kvtest-{uuid.uuid4().hex}"
+    results = kvspark.run(spark, sum_check, 2, 2, args=("dist_sync",),
+                          env={"KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_TEST_TAG": tag, **QUIET})
+    poll_for(lambda: not tagged_pids(tag), 20, "the scheduler and servers to exit")
+    assert [r["rank"] for r in results] == [0, 1]  # rank order
+    for rank, result in enumerate(results):
+        assert {k: v for k, v in result.items() if k != "pid"} == {
+            "rank": rank, "workers": 2, "servers": 2, "ok": [True, True], "big_on": [0, 1], "role": "worker",
+            "worker_id": str(rank)}
+    assert spark.sparkContext.getLocalProperty("spark.jobGroup.id") is None  # run()'s job group is gone
+    # Spark reuses its Python workers: what run() set in the workers' os.environ is gone again
+    seen = spark.sparkContext.parallelize(range(2 * SLOTS), SLOTS).map(environment).collect()
+    assert [env for _, env in seen] == [{}] * (2 * SLOTS)
+    assert {r["pid"] for r in results} & {pid for pid, _ in seen}, "no worker process was reused"
+
+
+def test_runs_again_in_reused_python_workers(spark):
+    """Another cluster, of another mode, in the Python workers Spark reuses: run() forgot the last
+    run's closed store (create() would refuse a second store or a second mode in one process)."""
+    assert kvspark.run(spark, join_only, 2, 1, args=("dist_async",), env=QUIET) == [0, 1]
+
+
+def test_dataframe_rows_reach_each_worker_once(spark):
+    total = 203
+    df = spark.range(0, total, numPartitions=3)
+    shares = kvspark.run(spark, seen_ids, 3, 1, data=df, env=QUIET)
+    assert len(shares) == 3
+    everything = sorted(i for share in shares for i in share)
+    assert everything == list(range(total))  # all N, each exactly once: shares are disjoint
+    sizes = [len(share) for share in shares]
+    assert max(sizes) - min(sizes) <= 3, sizes  # round robin: within the number of source partitions
+
+
+def test_linear_model_trains_on_its_shares(spark):
+    rng = np.random.default_rng(7)
+    total, dim = 240, 5
+    true_w = rng.normal(size=dim)
+    x = rng.normal(size=(total, dim))
+    y = x @ true_w + 0.01 * rng.normal(size=total)
+    df = spark.createDataFrame([(i, x[i].tolist(), float(y[i])) for i in range(total)],
+                               "id long, x array<double>, y double").repartition(4)
+    results = kvspark.run(spark, fit_linear, 2, 1, data=df, args=(40, 0.2, total), env=QUIET)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert sorted(results[0]["ids"] + results[1]["ids"]) == list(range(total))
+    assert results[0]["w"] == results[1]["w"]  # both pulled the servers' weights
+    loss = np.sum([r["losses"] for r in results], axis=0) / total  # the global mean squared error
+    assert loss[-1] < 1e-3 * loss[0], loss
+    np.testing.assert_allclose(results[0]["w"], true_w, atol=0.02)
+
+
+def test_failing_worker_fails_run_and_leaves_no_role(spark):
+    tag = f"kvtest-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    with pytest.raises(kvspark.SparkJobFailed) as info:
+        kvspark.run(spark, fail_rank_1, 2, 1, args=(tag,), env={"KVSTORE_TEST_TAG": tag, **QUIET})
+    assert time.monotonic() - started < FAILURE_SECONDS
+    error = info.value
+    assert isinstance(error, kvstore.KVStoreError) and error.__cause__ is not None
+    # worker 1's own failure, or (if its heartbeat told worker 0 first) worker 0's NodeLostError naming it
+    assert "train_fn raised RuntimeError: worker fails on purpose" in str(error)
+    assert "tagged roles alive: 2" in error.detail  # the scheduler and the server carried the tag
+    poll_for(lambda: not tagged_pids(tag), 20, "the scheduler and server to exit")
+
+
+def test_failing_server_fails_run_with_its_output(spark):
+    tag = f"kvtest-{uuid.uuid4().hex}"
+    with socket.socket() as held:  # the server is told to bind this port, which is taken
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(kvspark.SparkJobFailed) as info:
+            kvspark.run(spark, join_only, 2, 1,
+                        env={"KVSTORE_NODE_PORT": str(port), "KVSTORE_TEST_TAG": tag, **QUIET})
+        elapsed = time.monotonic() - started
+    assert elapsed < FAILURE_SECONDS  # not the workers' KVSTORE_CONNECT_TIMEOUT (60 s)
+    message = str(info.value)
+    assert "server 0 exited with code 1 while the workers were running" in message
+    assert "Address already in use" in message  # its last output lines
+    poll_for(lambda: not tagged_pids(tag), 20, "the scheduler to exit")
+
+
+def test_too_few_slots_is_refused_before_any_job(spark):
+    started = time.monotonic()
+    with pytest.raises(kvspark.NotEnoughSlotsError) as info:
+        kvspark.run(spark, never_called, 3, 3)
+    assert time.monotonic() - started < 5
+    message = str(info.value)
+    assert "needs 7 concurrent task slots (1 scheduler + 3 servers + 3 workers)" in message
+    assert f"has {SLOTS}" in message and "local[7]" in message
+    assert isinstance(info.value, kvstore.ConfigError)

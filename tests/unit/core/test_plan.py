@@ -1,0 +1,125 @@
+"""Unit tests of kvstore.plan: how a call's keys become batches, whole pieces and chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.core.partition import Piece
+from kvstore.core.plan import (
+    BATCH_HEADER_BYTES,
+    SMALL_BYTES,
+    WHOLE_CHUNKS,
+    Part,
+    Send,
+    chunk_elements,
+    pack,
+    plan,
+    unpack,
+)
+
+F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
+
+
+def whole(server: int, size: int) -> list[Piece]:
+    return [Piece(server, 0, size)]
+
+
+def test_small_keys_of_one_server_and_dtype_share_a_message_in_call_order():
+    """Small pieces for one server are packed together, keys in call order; other servers get their own."""
+    entries = [(k, F32, whole(k % 2, 100)) for k in range(6)]
+    sends = plan(entries, batch_bytes=1 << 20, chunk_bytes=4 << 20)
+    assert [(s.server, [p.key for p in s.parts]) for s in sends] == [(0, [0, 2, 4]), (1, [1, 3, 5])]
+    assert all(s.lo is None for s in sends)
+
+
+def test_batching_off_sends_one_message_per_piece():
+    """batch_bytes=0 is the unbatched client: one message per piece."""
+    entries = [(k, F32, whole(0, 100)) for k in range(5)]
+    sends = plan(entries, batch_bytes=0, chunk_bytes=4 << 20)
+    assert [[p.key for p in s.parts] for s in sends] == [[k] for k in range(5)]
+
+
+def test_dtypes_are_never_mixed_in_a_batch():
+    """A batch holds one dtype, since its values travel as one array."""
+    entries = [("a", F32, whole(0, 10)), ("b", F64, whole(0, 10)), ("c", F32, whole(0, 10))]
+    sends = plan(entries, batch_bytes=1 << 20, chunk_bytes=4 << 20)
+    assert [[p.key for p in s.parts] for s in sends] == [["a", "c"], ["b"]]
+
+
+def test_batches_are_cut_at_batch_bytes():
+    """Each batch holds at most batch_bytes of values (a single bigger piece still goes alone)."""
+    entries = [(k, F32, whole(0, 1000)) for k in range(10)]  # 4000 bytes each
+    sends = plan(entries, batch_bytes=9000, chunk_bytes=4 << 20)
+    assert [len(s.parts) for s in sends] == [2, 2, 2, 2, 2]
+    assert [p.key for s in sends for p in s.parts] == list(range(10))
+
+
+def test_batches_are_cut_before_the_header_grows_too_big():
+    """Long str keys end a batch before its header nears the protocol's limit."""
+    key_bytes = 10_000
+    entries = [("k" * key_bytes + str(i), F32, whole(0, 1)) for i in range(100)]
+    sends = plan(entries, batch_bytes=1 << 20, chunk_bytes=4 << 20)
+    assert len(sends) > 1
+    for send in sends:
+        assert sum(len(p.key) for p in send.parts) * 4 <= BATCH_HEADER_BYTES
+
+
+def test_big_piece_is_chunked_with_offsets_in_its_slice():
+    """A piece bigger than a chunk goes in chunk messages; lo is the offset in the server's slice."""
+    size = 2_500_000
+    pieces = [Piece(0, 0, 1_250_000), Piece(1, 1_250_000, size)]
+    sends = plan([("w", F32, pieces)], batch_bytes=1 << 20, chunk_bytes=1 << 18)
+    step = chunk_elements(1 << 18, F32)
+    assert step == 65_536
+    for server, piece in enumerate(pieces):
+        mine = [s for s in sends if s.server == server]
+        assert [s.lo for s in mine] == list(range(0, piece.stop - piece.start, step))
+        assert [(s.parts[0].start, s.parts[0].stop) for s in mine] == [
+            (piece.start + lo, min(piece.start + lo + step, piece.stop)) for lo in range(0, 1_250_000, step)]
+
+
+def test_a_piece_of_up_to_whole_chunks_goes_whole():
+    """A piece of WHOLE_CHUNKS chunks is one message; one element more and it is chunked."""
+    step = chunk_elements(1 << 20, F32)
+    assert len(plan([("w", F32, whole(0, WHOLE_CHUNKS * step))], 1 << 20, 1 << 20)) == 1
+    sends = plan([("w", F32, whole(0, WHOLE_CHUNKS * step + 1))], 1 << 20, 1 << 20)
+    assert [s.lo for s in sends] == [i * step for i in range(WHOLE_CHUNKS + 1)]
+
+
+def test_chunking_off_and_init_send_big_pieces_whole():
+    """chunk_bytes=0, or chunked=False (INIT), sends each big piece in one message."""
+    pieces = [Piece(0, 0, 1 << 20)]
+    for sends in (plan([("w", F32, pieces)], 1 << 20, 0), plan([("w", F32, pieces)], 1 << 20, 4096, False)):
+        assert [(s.lo, s.parts) for s in sends] == [(None, [Part("w", 0, 1 << 20)])]
+
+
+def test_a_piece_just_over_small_goes_alone_unchunked():
+    """A piece over SMALL_BYTES but within a chunk is its own whole message."""
+    n = SMALL_BYTES // 4 + 1
+    entries = [("a", F32, whole(0, 10)), ("b", F32, whole(0, n)), ("c", F32, whole(0, 10))]
+    sends = plan(entries, 1 << 20, 4 << 20)
+    assert [([p.key for p in s.parts], s.lo) for s in sends] == [(["a", "c"], None), (["b"], None)]
+
+
+def test_pack_and_unpack_round_trip():
+    """pack concatenates the parts' elements; unpack gives one view per part; one part is not copied."""
+    flats = {"a": np.arange(5, dtype=np.float32), "b": np.arange(10, 13, dtype=np.float32)}
+    send = Send(0, [Part("a", 1, 4), Part("b", 0, 3)])
+    packed = pack(send, flats)
+    np.testing.assert_array_equal(packed, [1, 2, 3, 10, 11, 12])
+    views = unpack(send, packed)
+    np.testing.assert_array_equal(views[0], [1, 2, 3])
+    np.testing.assert_array_equal(views[1], [10, 11, 12])
+    single = Send(0, [Part("a", 2, 5)])
+    assert np.shares_memory(pack(single, flats), flats["a"])
+    assert send.body() == {"keys": ["a", "b"], "sizes": [3, 3]}
+    assert Send(1, [Part("w", 8, 12)], lo=8).body() == {"keys": ["w"], "sizes": [4], "lo": 8}
+
+
+def test_unpack_refuses_a_reply_of_the_wrong_size():
+    """A reply that does not hold exactly the asked elements is a ValueError."""
+    send = Send(0, [Part("a", 0, 3), Part("b", 0, 2)])
+    with pytest.raises(ValueError, match="4 elements where 5"):
+        unpack(send, np.zeros(4, np.float32))
