@@ -10,7 +10,6 @@ workers are gone.  A worker that leaves (LEAVE) stops counting toward barriers
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import secrets
@@ -24,7 +23,7 @@ from kvstore.errors import (
     NodeLostError,
     ProtocolError,
 )
-from kvstore.net import transport
+from kvstore.net import address, transport
 from kvstore.net.auth import channel_for
 from kvstore.net.heartbeat import lost_error
 from kvstore.net.protocol import Message, Op
@@ -33,14 +32,6 @@ from kvstore.net.router import RouterService, run_role
 from .state import Barrier, Liveness, Node, Rendezvous
 
 log = logging.getLogger("scheduler")
-
-
-def _bind_host(root_uri: str) -> str:
-    try:
-        ipaddress.ip_address(root_uri.strip("[]"))
-        return root_uri.strip("[]")
-    except ValueError:
-        return "127.0.0.1" if root_uri == "localhost" else "*"
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -57,8 +48,8 @@ class Scheduler:
     def __init__(self, cfg: kvconfig.Config) -> None:
         cfg.require_cluster("the scheduler")
         self.cfg = cfg
-        host = _bind_host(cfg.root_uri)
-        kvconfig.check_bind(cfg, host, "the scheduler")
+        host = address.bind_host(cfg.root_uri)
+        address.check_bind(cfg, host, "the scheduler")
         sock, self.port = transport.bind_router(host, cfg.root_port)
         self.service = RouterService(sock, channel_for(cfg, "scheduler"))
         self.session = secrets.token_bytes(16)  # keys every message once the map is out

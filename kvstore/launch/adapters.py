@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from kvstore import config as kvconfig
 from kvstore.errors import ConfigError
+from kvstore.net.address import parse_host_port
 
 DEFAULT_ROOT_PORT = 9091  # the first port MXNet's dmlc tracker tries
 # Slurm without DMLC_PS_ROOT_PORT: 10000 + SLURM_JOB_ID % 20000, i.e. 10000..29999 (below Linux's
@@ -550,11 +551,10 @@ def kubernetes(environ: Mapping[str, str]) -> dict[str, str]:
 def _address(job: str, index: int, address: object) -> tuple[str, int]:
     if not isinstance(address, str):
         raise ConfigError(f"TF_CONFIG: cluster.{job}[{index}] = {address!r} is not a 'host:port' string")
-    host, sep, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"TF_CONFIG: cluster.{job}[{index}] = {address!r} is not 'host:port'")
-    return host, int(port)
+    try:
+        return parse_host_port(address)
+    except ValueError:
+        raise ConfigError(f"TF_CONFIG: cluster.{job}[{index}] = {address!r} is not 'host:port'") from None
 
 
 def _tf_cluster(env: Mapping[str, str]) -> tuple[dict[str, list], str, int]:

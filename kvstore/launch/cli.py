@@ -36,6 +36,7 @@ from kvstore.errors import ConfigError
 from kvstore.launch import envrules as roles
 from kvstore.launch import tether
 from kvstore.launch.node import python_if_script
+from kvstore.net import address
 
 log = logging.getLogger("kvstore.launcher")
 H = TypeVar("H")
@@ -70,29 +71,6 @@ class LaunchConfig:
     ray_options: dict[str, float] = field(default_factory=dict)  # ray: server_cpus, ..., placement_timeout
 
 
-def _split_host(entry: str) -> tuple[str, str | None]:
-    """Split a host file entry into the host ssh is given and the port's text (None without one).
-
-    ``host``, ``host:port``, ``[addr]`` and ``[addr]:port`` (an IPv6 address; the host is given
-    without the brackets), each maybe after ``user@``; an entry with more than one colon outside
-    brackets (``::1``) is a host without a port.  Raises ValueError for an empty host or a bracket
-    left open or followed by something other than ``:port``.
-    """
-    user, at, rest = entry.rpartition("@")
-    if rest.startswith("["):
-        inner, close, after = rest[1:].partition("]")
-        if not close or not inner or (after and not after.startswith(":")):
-            raise ValueError(entry)
-        host, port = user + at + inner, (after[1:] if after else None)
-    elif rest.count(":") == 1:
-        host, _, port = entry.rpartition(":")
-    else:
-        host, port = entry, None
-    if not host or host.endswith("@"):
-        raise ValueError(entry)
-    return host, port
-
-
 def parse_hostfile(path: str) -> list[tuple[str, int | None]]:
     """Read an MXNet-style host file: one ``host`` or ``host:port`` (ssh port) per line; an IPv6
     address with a port is written ``[addr]:port`` (``[addr]`` and a bare ``addr`` work too).
@@ -111,7 +89,7 @@ def parse_hostfile(path: str) -> list[tuple[str, int | None]]:
         if not entry:
             continue
         try:
-            host, port = _split_host(entry)
+            host, port = address.split_login(entry)
         except ValueError:
             port = ""  # reported below
         if port is None:
@@ -546,7 +524,7 @@ class Cluster:
         hosts over ssh).  Raises ChildFailed, StartFailed, TimeoutError or ConfigError."""
         remote = self.cfg.launcher == "ssh"
         if remote:
-            self.base_env["DMLC_PS_ROOT_URI"] = self.cfg.host_ip or kvconfig.route_address(
+            self.base_env["DMLC_PS_ROOT_URI"] = self.cfg.host_ip or address.route_address(
                 node_name(self.cfg.hosts[0][0]), hint="fix the hostfile or give --host-ip")
         root = self.base_env["DMLC_PS_ROOT_URI"]
         port_file = os.path.join(workdir, "scheduler.port")

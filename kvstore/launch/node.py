@@ -28,7 +28,6 @@ plan (docs/cluster-managers.md).  The impure parts live here:
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import os
 import select
 import shutil
@@ -45,12 +44,10 @@ from kvstore import config as kvconfig
 from kvstore.errors import ConfigError, DeadlineExceededError
 from kvstore.launch import adapters
 from kvstore.launch import envrules as roles
+from kvstore.net import address
 
 MPI_NAME_BYTES = 256  # MPI_MAX_PROCESSOR_NAME is 256 in Open MPI, 128 in MPICH
 _PR_SET_PDEATHSIG = 1
-# Addresses that are routed but never reached (TEST-NET-1, RFC 5737; IPv6's documentation prefix, RFC
-# 3849): the source address of a UDP connect() to one is this machine's address on its default route.
-OUTWARD_PROBES = ("192.0.2.1", "2001:db8::1")
 
 
 def role_command(role: str | None, command: list[str]) -> list[str]:
@@ -168,11 +165,11 @@ def node_host_env(env: Mapping[str, str]) -> dict[str, str]:
     That is when the scheduler (``DMLC_PS_ROOT_URI``) is not a loopback address or
     ``localhost`` and neither ``DMLC_NODE_HOST`` nor ``DMLC_INTERFACE`` is set: the
     address is this machine's on the route to the scheduler
-    (:func:`kvstore.config.route_address`).  When that route is a loopback address
+    (:func:`kvstore.net.address.route_address`).  When that route is a loopback address
     (the scheduler is named by this machine's own host name, which Debian's
     /etc/hosts maps to 127.0.1.1, as Slurm's first host or torchrun's MASTER_ADDR
     are on the scheduler's node), the others could not reach it: the address is
-    then this machine's outward one (:func:`outward_address`), or the loopback one
+    then this machine's outward one (:func:`kvstore.net.address.outward_address`), or the loopback one
     when the machine has no default route (then every role runs on it).  A worker
     whose route cannot be found keeps config's fallback (its host name); a
     server's raises ConfigError.
@@ -181,41 +178,19 @@ def node_host_env(env: Mapping[str, str]) -> dict[str, str]:
     if cfg.role not in ("server", "worker") or cfg.node_host or cfg.interface or cfg.root_uri is None:
         return {}
     try:
-        kvconfig.node_host(cfg)  # a loopback root: config's own rule (127.0.0.1) applies
+        address.node_host(cfg)  # a loopback root: the 127.0.0.1 rule applies
         return {}
     except ConfigError:
         pass
     try:
-        address = kvconfig.route_address(cfg.root_uri)
+        route = address.route_address(cfg.root_uri)
     except ConfigError:
         if cfg.role == "worker":
             return {}  # a worker binds nothing; it advertises its host name instead
         raise
-    if _is_loopback(address):
-        address = outward_address() or address
-    return {"DMLC_NODE_HOST": address}
-
-
-def outward_address() -> str | None:
-    """This machine's address on its default route, or None when it has none (an isolated machine).
-
-    The source address of a UDP ``connect()`` to a documentation address
-    (:data:`OUTWARD_PROBES`, IPv4 first) through :func:`kvstore.config.route_address`:
-    no packet is sent.  Raises nothing.
-    """
-    for probe in OUTWARD_PROBES:
-        try:
-            return kvconfig.route_address(probe)
-        except ConfigError:
-            continue
-    return None
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
+    if address.is_loopback(route):
+        route = address.outward_address() or route
+    return {"DMLC_NODE_HOST": route}
 
 
 # -- torchrun: the scheduler's port through the agent's store ---------------------------------------
@@ -368,7 +343,7 @@ def rank0_address(names: Sequence[str]) -> str:
     route to the first other host.  Raises ConfigError when that host cannot be reached.
     """
     others = [name for name in names[1:] if name != names[0]]
-    return "127.0.0.1" if not others else kvconfig.route_address(others[0])
+    return "127.0.0.1" if not others else address.route_address(others[0])
 
 
 def _mpi_root_uri() -> tuple[str, Callable[[], None]]:
@@ -406,8 +381,8 @@ def _exchange_root(MPI) -> str:  # noqa: N803 -- the mpi4py module, by its own n
     if comm.Get_rank() == 0:
         names = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in everyone]
         try:
-            address = rank0_address(names).encode()[:MPI_NAME_BYTES]
-            answer[: len(address)] = np.frombuffer(address, np.uint8)
+            chosen = rank0_address(names).encode()[:MPI_NAME_BYTES]
+            answer[: len(chosen)] = np.frombuffer(chosen, np.uint8)
         except ConfigError as exc:
             failure = exc  # broadcast an empty answer, so the other ranks fail too instead of hanging
     comm.Bcast(answer, root=0)

@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import collections
 import functools
-import ipaddress
 import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +44,7 @@ from kvstore.client import store as dist
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.launch import envrules as roles
 from kvstore.launch import tether
+from kvstore.net import address
 
 SCHEDULER_PARTITION = 0
 #: Variables run() sets per role; ``env`` may not set them.
@@ -270,31 +269,13 @@ class _Role:
         self._pump.join(2.0)
 
 
-def host_address(address: str) -> str:
-    """The IP address of an executor's ``host:port`` as Spark reports it (zmq binds addresses, not
-    names): the host itself when it is an IP address, else what it resolves to (IPv4 first), else the
-    name unchanged."""
-    host = address.rpartition(":")[0] if ":" in address else address
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        pass
-    for family in (socket.AF_INET, socket.AF_UNSPEC):
-        try:
-            return socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)[0][4][0]
-        except (OSError, IndexError):
-            continue
-    return host
-
-
 def _task_host(ctx: BarrierTaskContext, partition: int, env: Mapping[str, str]) -> str:
     """The address this task's roles bind and advertise: that of ``DMLC_INTERFACE`` when the executor's
     environment or run()'s ``env`` names one, else the executor's host as Spark knows it."""
     interface = kvconfig.child_environ(env).get("DMLC_INTERFACE")
     if interface:
-        return kvconfig.node_host(kvconfig.Config(interface=interface))
-    return host_address(ctx.getTaskInfos()[partition].address)
+        return address.node_host(kvconfig.Config(interface=interface))
+    return address.resolve_ip(ctx.getTaskInfos()[partition].address)
 
 
 def _await_workers(ctx: BarrierTaskContext, proc: _Role) -> list[dict]:
@@ -535,4 +516,4 @@ def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_se
 
 
 __all__ = ["run", "SparkJobFailed", "NotEnoughSlotsError", "Layout", "route", "check_slots", "check_env",
-           "role_env", "available_slots", "host_address"]
+           "role_env", "available_slots"]

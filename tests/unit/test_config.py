@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import pytest
 
@@ -166,47 +165,6 @@ def test_require_cluster_names_every_missing_variable():
 
 # -- node_host --------------------------------------------------------------------------------------
 
-def test_node_host_wins_over_everything():
-    """DMLC_NODE_HOST is used as given, even with an interface and a remote root."""
-    cfg = kvconfig.load({"DMLC_NODE_HOST": "10.9.8.7", "DMLC_INTERFACE": "nosuchif0",
-                         "DMLC_PS_ROOT_URI": "10.0.0.1"})
-    assert kvconfig.node_host(cfg) == "10.9.8.7"
-
-
-@pytest.mark.parametrize("root", ["127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"])
-def test_loopback_root_gives_loopback_host(root):
-    """With the scheduler on a loopback address and no host/interface, the node uses 127.0.0.1."""
-    assert kvconfig.node_host(kvconfig.load({"DMLC_PS_ROOT_URI": root})) == "127.0.0.1"
-
-
-def test_no_root_gives_loopback_host():
-    """Without DMLC_PS_ROOT_URI (a local run) the node uses 127.0.0.1."""
-    assert kvconfig.node_host(kvconfig.load({})) == "127.0.0.1"
-
-
-@pytest.mark.parametrize("root", ["10.0.0.1", "192.168.1.20", "scheduler.example.com", "2001:db8::1"])
-def test_remote_root_without_host_or_interface_is_a_config_error(root):
-    """A non-loopback root with no DMLC_NODE_HOST/DMLC_INTERFACE raises ConfigError naming both fixes."""
-    with pytest.raises(ConfigError) as info:
-        kvconfig.node_host(kvconfig.load({"DMLC_PS_ROOT_URI": root}))
-    assert "DMLC_NODE_HOST" in str(info.value)
-    assert "DMLC_INTERFACE" in str(info.value)
-
-
-def test_loopback_interface_gives_127_0_0_1():
-    """DMLC_INTERFACE=lo resolves to the loopback interface's address, 127.0.0.1."""
-    cfg = kvconfig.load({"DMLC_INTERFACE": "lo", "DMLC_PS_ROOT_URI": "10.0.0.1"})
-    assert kvconfig.node_host(cfg) == "127.0.0.1"
-
-
-def test_unknown_interface_is_a_config_error():
-    """An interface that does not exist raises ConfigError naming DMLC_INTERFACE and the name."""
-    with pytest.raises(ConfigError) as info:
-        kvconfig.node_host(kvconfig.load({"DMLC_INTERFACE": "nosuchif0"}))
-    assert "DMLC_INTERFACE" in str(info.value)
-    assert "nosuchif0" in str(info.value)
-
-
 # -- root_address, in_cluster, child_environ --------------------------------------------------------
 
 @pytest.mark.parametrize("uri,port,expected", [
@@ -253,15 +211,6 @@ def test_child_environ_layers_defaults_parent_extra():
     assert env == {"A": "parent", "B": "extra", "C": "default"}
 
 
-def test_worker_advertises_hostname_when_no_bind_address_applies():
-    """A worker binds nothing, so a non-loopback root without DMLC_NODE_HOST still gives a name."""
-    cfg = kvconfig.load({"DMLC_PS_ROOT_URI": "10.1.2.3"})
-    with pytest.raises(ConfigError):
-        kvconfig.node_host(cfg)
-    assert kvconfig.advertised_host(cfg) == socket.gethostname()
-    assert kvconfig.advertised_host(kvconfig.load({"DMLC_NODE_HOST": "10.9.9.9"})) == "10.9.9.9"
-
-
 @pytest.mark.parametrize("level", ["debug", "WARNING"])
 def test_log_level_is_upper_cased(level):
     """KVSTORE_LOG_LEVEL accepts logging's level names in any case."""
@@ -300,21 +249,6 @@ def test_auth_mode_and_insecure_flag():
         kvconfig.load({"KVSTORE_AUTH": "none"})
     with pytest.raises(ConfigError, match="KVSTORE_INSECURE"):
         kvconfig.load({"KVSTORE_INSECURE": "yes"})
-
-
-@pytest.mark.parametrize("host", ["0.0.0.0", "*", "10.1.2.3", "node7"])
-def test_binding_beyond_loopback_needs_a_secret(host):
-    """check_bind refuses a non-loopback address without a secret, unless KVSTORE_INSECURE=1."""
-    with pytest.raises(ConfigError, match="KVSTORE_SECRET"):
-        kvconfig.check_bind(kvconfig.load({}), host, "the scheduler")
-    kvconfig.check_bind(kvconfig.load({"KVSTORE_SECRET": "s"}), host, "the scheduler")
-    kvconfig.check_bind(kvconfig.load({"KVSTORE_INSECURE": "1"}), host, "the scheduler")
-
-
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.9.9.9", "::1", "localhost"])
-def test_loopback_binds_without_a_secret(host):
-    """Loopback addresses need no secret (nothing off this machine can reach them)."""
-    kvconfig.check_bind(kvconfig.load({}), host, "a server")
 
 
 def test_process_environ_sets_then_restores(monkeypatch):

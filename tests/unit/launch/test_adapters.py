@@ -17,6 +17,7 @@ import pytest
 from kvstore import config as kvconfig
 from kvstore.errors import ConfigError
 from kvstore.launch import adapters, node
+from kvstore.net import address
 
 ROLE_IDS = ("DMLC_ROLE", "KVSTORE_SERVER_ID", "DMLC_WORKER_ID")
 TF = json.dumps({"cluster": {"worker": ["w:1"], "ps": ["p:2"]}, "task": {"type": "worker", "index": 0}})
@@ -583,20 +584,20 @@ def test_adapter_objects_derive_like_the_module_functions():
 def test_rank0_address():
     """Every rank on rank 0's host: 127.0.0.1; else rank 0's address on the route to another host."""
     assert node.rank0_address(["h1", "h1", "h1"]) == "127.0.0.1"
-    assert node.rank0_address(["h1", "h1", "localhost"]) == kvconfig.route_address("localhost")
+    assert node.rank0_address(["h1", "h1", "localhost"]) == address.route_address("localhost")
     with pytest.raises(ConfigError, match="DMLC_NODE_HOST"):
         node.rank0_address(["h1", "no-such-host.invalid"])
 
 
 def fake_routes(monkeypatch, routes: dict[str, str]) -> None:
-    """Make kvconfig.route_address answer from ``routes`` (host -> source address); a host missing from
+    """Make address.route_address answer from ``routes`` (host -> source address); a host missing from
     it has no route (ConfigError, as the real one raises)."""
     def route_address(host: str, hint: str | None = None) -> str:
         if host not in routes:
             raise ConfigError(f"no route to {host!r}")
         return routes[host]
 
-    monkeypatch.setattr(kvconfig, "route_address", route_address)
+    monkeypatch.setattr(address, "route_address", route_address)
 
 
 SERVER = {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "n01", "DMLC_PS_ROOT_PORT": "1", "DMLC_NUM_SERVER": "1",
@@ -617,7 +618,7 @@ def test_node_host_env_keeps_loopback_without_a_default_route(monkeypatch):
     """An isolated machine (no default route) runs every role itself: the loopback address is right."""
     fake_routes(monkeypatch, {"n01": "127.0.1.1"})
     assert node.node_host_env(SERVER) == {"DMLC_NODE_HOST": "127.0.1.1"}
-    assert node.outward_address() is None
+    assert address.outward_address() is None
 
 
 def test_node_host_env_uses_a_real_route_and_leaves_loopback_roots_alone(monkeypatch):
@@ -632,8 +633,8 @@ def test_node_host_env_uses_a_real_route_and_leaves_loopback_roots_alone(monkeyp
 
 def test_outward_address_is_not_loopback_where_there_is_a_default_route():
     """The real probe: this machine's address on its default route, never loopback (or None)."""
-    address = node.outward_address()
-    assert address is None or not node._is_loopback(address)
+    outward = address.outward_address()
+    assert outward is None or not address.is_loopback(outward)
 
 
 def test_node_host_env():
@@ -641,8 +642,9 @@ def test_node_host_env():
     name = socket.gethostname()  # resolvable, and not a loopback *name*, so config has no rule for it
     base = {"DMLC_PS_ROOT_URI": name, "DMLC_PS_ROOT_PORT": "1", "DMLC_NUM_SERVER": "1",
             "DMLC_NUM_WORKER": "1"}
-    route = kvconfig.route_address(name)  # loopback where /etc/hosts maps this host's name to 127.x
-    expected = {"DMLC_NODE_HOST": (node.outward_address() or route) if node._is_loopback(route) else route}
+    route = address.route_address(name)  # loopback where /etc/hosts maps this host's name to 127.x
+    outward = address.outward_address() or route
+    expected = {"DMLC_NODE_HOST": outward if address.is_loopback(route) else route}
     assert node.node_host_env({**base, "DMLC_ROLE": "server"}) == expected
     assert node.node_host_env({**base, "DMLC_ROLE": "worker"}) == expected
     assert node.node_host_env({**base, "DMLC_ROLE": "scheduler"}) == {}

@@ -16,6 +16,7 @@ import pytest
 from kvstore import config as kvconfig
 from kvstore.launch import envrules as roles
 from kvstore.launch.cli import LaunchConfig
+from kvstore.net import address
 from tests.helpers import REPO
 
 kvray = pytest.importorskip("kvstore.launch.ray", reason="needs the [ray] extra: `import ray` failed")
@@ -94,7 +95,7 @@ def test_role_environments() -> None:
     # every role's config parses, and names the scheduler's address
     for spec in (server, worker0):
         cfg = kvconfig.load(_env(spec))
-        assert cfg.root_address == "tcp://10.0.0.1:9000" and kvconfig.node_host(cfg) == "10.0.0.7"
+        assert cfg.root_address == "tcp://10.0.0.1:9000" and address.node_host(cfg) == "10.0.0.7"
 
 
 def test_role_environment_precedence() -> None:

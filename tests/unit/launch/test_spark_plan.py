@@ -21,7 +21,6 @@ from kvstore.launch.spark import (
     TaskFailed,
     check_env,
     check_slots,
-    host_address,
     role_env,
     route,
     target_partition,
@@ -117,14 +116,6 @@ def test_role_env_per_role():
     cfg = kvconfig.load(worker)  # what the worker's kvstore.create reads
     assert (cfg.role, cfg.worker_id, cfg.num_workers, cfg.num_servers) == ("worker", 2, 3, 2)
     assert cfg.root_address == "tcp://10.0.0.5:9000" and cfg.node_host == "10.0.0.7"
-
-
-def test_host_address_is_an_ip_address():
-    assert host_address("127.0.0.1:41179") == "127.0.0.1"
-    assert host_address("10.1.2.3:7077") == "10.1.2.3"
-    assert host_address("[::1]:5000") == "::1"
-    assert host_address("localhost:5000") in ("127.0.0.1", "::1")  # a name is resolved: zmq binds addresses
-    assert host_address("no-such-host.invalid:1") == "no-such-host.invalid"  # left for the bind to report
 
 
 SPARK_ERROR = """An error occurred while calling z:org.apache.spark.api.python.PythonRDD.collectAndServe.
