@@ -283,7 +283,8 @@ def test_environ_not_imported_by_name_outside_config():
 
 def test_addresses_only_in_net_address():
     """Address parsing and probing (ipaddress, getaddrinfo, interface ioctls) live in net/address.py."""
-    needles = ("ipaddress", "getaddrinfo", "gethostbyname", "SIOCGIFADDR", "is_loopback")
+    needles = ("ipaddress", "getaddrinfo", "gethostbyname", "SIOCGIFADDR", "def is_loopback",
+               "def _is_loopback")
     offenders = {p.relative_to(ROOT).as_posix() for p in SOURCES
                  if any(n in p.read_text() for n in needles)}
     assert offenders <= {"kvstore/net/address.py"}
