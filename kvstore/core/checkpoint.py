@@ -25,6 +25,7 @@ import numpy as np
 from numpy.lib import format as npy
 
 from kvstore.core import xp
+from kvstore.core.dtypes import DTYPES, dtype_name
 from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import Key, check_key
 from kvstore.errors import (
@@ -35,7 +36,6 @@ from kvstore.errors import (
     OptimizerError,
     ShapeMismatchError,
 )
-from kvstore.net.protocol import DTYPES, dtype_name
 
 FORMAT_VERSION = 1
 FORMAT_NAME = "kvstore"

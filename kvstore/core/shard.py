@@ -23,20 +23,12 @@ Rules (docs/architecture.md, SEMANTICS.md):
   (every chunk of the round) are sent only then.
 * With ``ordered=False`` (the server's default, ``KVSTORE_SUM_ORDER=arrival``)
   each chunk is added into the round's accumulator the moment it arrives, as
-  MXNet does: nothing is held, so a round costs one accumulator whatever the
-  skew between workers, but float sums of three or more workers may differ in
-  the last bits from run to run.
-* With ``ordered=True`` (``KVSTORE_SUM_ORDER=rank``) the sum is taken element
-  by element in worker-rank order, ``((v0 + v1) + v2) + ...``, so it is
-  bit-identical whatever order the chunks arrive in.  A chunk is added into the
-  accumulator (and dropped) as soon as every lower rank the round expects has
-  been added over that chunk's range; until then it is held.  The ranks a round
-  expects are the workers still in the cluster plus those that contributed to it
-  (one that left part-way through its contribution only over the chunks it sent).
-* Either way a round keeps one accumulator, not every pushed array, and every
-  worker must split a key at the same offsets within a round.  When the round's
-  first addition is a whole push, the accumulator is that pushed array itself
-  (no copy; it is never written to); a second contribution makes an owned sum.
+  MXNet does: nothing is held, but float sums of three or more workers may
+  differ in the last bits from run to run.  With ``ordered=True``
+  (``KVSTORE_SUM_ORDER=rank``) the sum is taken in worker-rank order, holding
+  early chunks, so it is bit-identical whatever the arrival order.  Either way a
+  round keeps one accumulator, not every pushed array, and every worker must
+  split a key at the same offsets within a round (:mod:`kvstore.core.rounds`).
 * ``dist_async``: each contribution is applied (assigned, or updated) once it
   is complete: a whole push on arrival, chunks once the last one arrives (they
   are gathered in a buffer until then); every chunk of it is acked then.
@@ -52,7 +44,6 @@ every update stores a new array, so a reply may be sent without copying.
 from __future__ import annotations
 
 import operator
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -61,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.core.partition import Key
+from kvstore.core.rounds import Round
 from kvstore.errors import (
     DTypeMismatchError,
     DuplicateInitError,
@@ -80,33 +72,6 @@ class Completion:
     value: np.ndarray | None = None
 
 
-class _Part:
-    """One chunk range ``[lo, hi)`` of a sync round (``lo`` is its key in ``_Round.parts``)."""
-
-    __slots__ = ("hi", "last", "held")
-
-    def __init__(self, hi: int) -> None:
-        self.hi = hi
-        self.last = -1  # highest rank added into the accumulator over this range (-1: none yet)
-        self.held: dict[int, np.ndarray] = {}  # rank -> chunk waiting for lower ranks
-
-
-class _Round:
-    """One dist_sync round of one key: its accumulator and who contributed what."""
-
-    __slots__ = ("acc", "owned", "parts", "tokens", "covered", "complete", "nheld", "ranks")
-
-    def __init__(self, ranks: list[int]) -> None:
-        self.acc: np.ndarray | None = None  # the running sum (over the parts added so far)
-        self.owned = False                  # False: acc is a pushed array itself, never written to
-        self.parts: dict[int, _Part] = {}   # lo -> part
-        self.tokens: dict[int, list] = {}   # worker -> tokens of its chunks (acked at close)
-        self.covered: dict[int, int] = {}   # contributor -> end of its chunks so far
-        self.complete: set[int] = set()     # contributors whose contribution covers [0, size)
-        self.nheld = 0                      # chunks held over all parts
-        self.ranks = ranks                  # sorted ranks expected: active workers + contributors
-
-
 class _Assembly:
     """A dist_async contribution being gathered from its chunks."""
 
@@ -123,7 +88,7 @@ class _KeyState:
     value: np.ndarray
     submitted: dict[int, int] = field(default_factory=dict)   # worker -> contributions started
     applied: dict[int, int] = field(default_factory=dict)     # worker -> contributions applied
-    rounds: deque[_Round] = field(default_factory=deque)      # open sync rounds, oldest first
+    rounds: deque[Round] = field(default_factory=deque)       # open sync rounds, oldest first
     base: int = 0                                             # number of rounds[0] (rounds closed)
     next_round: dict[int, int] = field(default_factory=dict)  # worker -> round its next chunk joins
     assembling: dict[int, _Assembly] = field(default_factory=dict)  # async: worker -> partial one
@@ -159,11 +124,7 @@ class ShardState:
         array when that is the accumulator), chunks held for lower ranks, and async assembly buffers."""
         total = 0
         for state in self._keys.values():
-            for rnd in state.rounds:
-                if rnd.acc is not None:
-                    total += rnd.acc.nbytes
-                if rnd.nheld:
-                    total += sum(v.nbytes for part in rnd.parts.values() for v in part.held.values())
+            total += sum(rnd.held_bytes() for rnd in state.rounds)
             total += sum(asm.buf.nbytes for asm in state.assembling.values())
         return total
 
@@ -273,13 +234,7 @@ class ShardState:
             if state.assembling.pop(worker, None) is not None:
                 state.submitted[worker] -= 1  # never to be applied: its later pulls need not wait
             for rnd in state.rounds:
-                if worker in rnd.tokens:
-                    rnd.tokens[worker] = []
-                rnd.ranks = sorted(self.active.union(rnd.covered))
-                if rnd.nheld:  # chunks that waited for the leaver may be added now
-                    for lo, part in rnd.parts.items():
-                        if part.held:
-                            self._drain(rnd, part, lo, state.value.size)
+                rnd.leave(worker, self.active, state.value.size)
             done += self._close_rounds(state, key)
         return done
 
@@ -332,23 +287,8 @@ class ShardState:
             raise ProtocolError(f"key {key!r}: worker {worker} pushed a chunk at offset {lo}, but its "
                                 f"contribution so far covers [0, {expected}): chunks must come in order")
         if rnd is not None:
-            self._check_part(rnd, key, worker, lo, hi)
+            rnd.check_part(key, worker, lo, hi)
         return state, lo, hi
-
-    @staticmethod
-    def _check_part(rnd: _Round, key: Key, worker: int, lo: int, hi: int) -> None:
-        """Refuse a chunk that overlaps a part of ``rnd`` with other bounds.
-
-        Comparing with the part that starts at ``lo`` is enough: each contributor's chunks tile
-        ``[0, covered)`` with parts that do not overlap, and ``lo`` is 0 or the end of one of the
-        worker's own parts, so a part starting after ``lo`` would overlap that part (by induction,
-        none does) and any other part overlapping ``[lo, hi)`` starts at ``lo``.
-        """
-        part = rnd.parts.get(lo)
-        if part is not None and part.hi != hi:
-            raise ProtocolError(f"key {key!r}: worker {worker}'s chunk [{lo}, {hi}) overlaps the chunk "
-                                f"[{lo}, {part.hi}) of this round: every worker must split a key at "
-                                f"the same offsets")
 
     @staticmethod
     def _checked_range(key: Key, stored: np.ndarray, lo: int, hi: int | None) -> tuple[int, int]:
@@ -371,27 +311,9 @@ class ShardState:
         number = state.next_round.get(worker, state.base)
         i = number - state.base
         if i == len(state.rounds):
-            state.rounds.append(_Round(self._ranks))
-        rnd = state.rounds[i]
-        tokens = rnd.tokens.get(worker)
-        if tokens is None:
-            rnd.tokens[worker] = [token]
-        else:
-            tokens.append(token)
-        rnd.covered[worker] = hi
-        if hi == size:
-            rnd.complete.add(worker)
+            state.rounds.append(Round(self._ranks))
+        if state.rounds[i].contribute(token, worker, value, lo, hi, size, self.ordered, self.active):
             state.next_round[worker] = number + 1
-        part = rnd.parts.get(lo)
-        if part is None:
-            part = rnd.parts[lo] = _Part(hi)
-        if not self.ordered or self._next_rank(rnd, part) == worker:
-            self._add(rnd, part, worker, lo, value, size)
-            if part.held:
-                self._drain(rnd, part, lo, size)
-        else:
-            part.held[worker] = value  # may view a received frame: never written to
-            rnd.nheld += 1
         return self._close_rounds(state, key) if i == 0 else []
 
     def _accept_async(self, state: _KeyState, key: Key, token: Any, worker: int, value: np.ndarray,
@@ -411,63 +333,16 @@ class ShardState:
         self._apply(state, key, asm.buf, (worker,))
         return _acks(asm.tokens) + self._release_pulls(state)
 
-    def _next_rank(self, rnd: _Round, part: _Part) -> int:
-        """The rank to add next over ``part``: the lowest expected rank above ``part.last``.
-
-        Expected: active workers, and contributors whose chunks cover the part (a worker that
-        left part-way through its contribution is not waited for over the rest).
-        """
-        ranks = rnd.ranks
-        active, covered, hi = self.active, rnd.covered, part.hi
-        for i in range(bisect_right(ranks, part.last), len(ranks)):
-            rank = ranks[i]
-            if rank in active or covered.get(rank, 0) >= hi:
-                return rank
-        return -1
-
-    @staticmethod
-    def _add(rnd: _Round, part: _Part, rank: int, lo: int, value: np.ndarray, size: int) -> None:
-        """Add ``rank``'s chunk into the accumulator over ``part`` (the chunk is then dropped)."""
-        hi = part.hi
-        whole = hi - lo == size
-        if part.last < 0:
-            if whole:
-                rnd.acc, rnd.owned = value, False  # no copy; never written to
-            else:
-                if rnd.acc is None:
-                    rnd.acc, rnd.owned = np.empty(size, value.dtype), True
-                rnd.acc[lo:hi] = value
-        elif not rnd.owned:
-            rnd.acc, rnd.owned = rnd.acc + value, True
-        elif whole:
-            rnd.acc += value
-        else:
-            rnd.acc[lo:hi] += value
-        part.last = rank
-
-    def _drain(self, rnd: _Round, part: _Part, lo: int, size: int) -> None:
-        """Add the held chunks of ``part`` whose turn has come, in rank order."""
-        held = part.held
-        while held:
-            rank = self._next_rank(rnd, part)
-            value = held.pop(rank, None)
-            if value is None:
-                return
-            rnd.nheld -= 1
-            self._add(rnd, part, rank, lo, value, size)
-
     def _close_rounds(self, state: _KeyState, key: Key) -> list[Completion]:
         """Close the oldest rounds while they are done; return their acks and the pulls released."""
         rounds, active = state.rounds, self.active
-        if not rounds or not _done(rounds[0], active):
+        if not rounds or not rounds[0].done(active):
             return []  # nothing applied: no pull can be released
         done: list[Completion] = []
-        while rounds and _done(rounds[0], active):
+        while rounds and rounds[0].done(active):
             rnd = rounds.popleft()
             state.base += 1
-            if not rnd.complete:  # only workers that left part-way: zero what none covered
-                _zero_gaps(rnd, state.value.size)
-            self._apply(state, key, rnd.acc, rnd.covered)
+            self._apply(state, key, rnd.total(state.value.size), rnd.covered)
             for tokens in rnd.tokens.values():
                 done.extend(_acks(tokens))
         return done + self._release_pulls(state)
@@ -505,22 +380,6 @@ def _acks(tokens: Iterable[Any]) -> list[Completion]:
     return [Completion(t) for t in tokens if t is not _SILENT]
 
 
-def _done(rnd: _Round, active: set[int]) -> bool:
-    """Whether ``rnd`` may close: every active worker's contribution is complete and added."""
-    return not rnd.nheld and len(rnd.complete) >= len(active) and active <= rnd.complete
-
-
 def _part_of(value: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """``value`` itself when ``[lo, hi)`` is all of it, else the view ``value[lo:hi]`` (1-D)."""
     return value if lo == 0 and hi == value.size else value[lo:hi]
-
-
-def _zero_gaps(rnd: _Round, size: int) -> None:
-    """Set to 0 the elements of ``rnd``'s accumulator that no part covers."""
-    pos = 0
-    for lo in sorted(rnd.parts):
-        if lo > pos:
-            rnd.acc[pos:lo] = 0
-        pos = rnd.parts[lo].hi
-    if pos < size:
-        rnd.acc[pos:] = 0

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from kvstore.core import xp
+from kvstore.core.dtypes import DTYPES, dtype_name
 from kvstore.core.xp import is_tensor
 from kvstore.errors import DTypeMismatchError, ShapeMismatchError
-from kvstore.net.protocol import DTYPES, dtype_name
 
 
 def is_value(value: Any) -> bool:

@@ -25,13 +25,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.errors import ProtocolError
 
 PROTOCOL_VERSION = 4
-DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64"})
 MAX_HEADER_BYTES = 1 << 20
-_DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}  # dtype.name is slow on the hot path
-_DTYPES_BY_NAME = {name: np.dtype(name) for name in DTYPES}
 
 
 class Op(enum.IntEnum):
@@ -73,13 +71,8 @@ class Message:
     auth: Any = None  # [label, n, to], set by kvstore.auth.Channel.seal
 
 
-def dtype_name(dtype: np.dtype) -> str | None:
-    """The wire name of ``dtype`` (native byte order only), or None when it cannot be sent."""
-    return _DTYPE_NAMES.get(dtype)
-
-
 def _array_meta(array: np.ndarray) -> list[Any]:
-    name = _DTYPE_NAMES.get(array.dtype)
+    name = dtype_name(array.dtype)
     if name is None:
         raise ProtocolError(f"dtype {array.dtype} cannot be sent; supported: {', '.join(sorted(DTYPES))}")
     return [name, list(array.shape)]
@@ -121,7 +114,7 @@ def _decode_array(meta: Any, frame: Any) -> np.ndarray:
     if not (isinstance(meta, list) and len(meta) == 2 and meta[0] in DTYPES
             and isinstance(meta[1], list) and all(isinstance(d, int) and d >= 0 for d in meta[1])):
         raise ProtocolError(f"bad array description {meta!r}")
-    dtype = _DTYPES_BY_NAME[meta[0]]
+    dtype = BY_NAME[meta[0]]
     shape = tuple(meta[1])
     expected = math.prod(shape) * dtype.itemsize
     buf = memoryview(frame).cast("B")

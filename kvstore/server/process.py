@@ -28,9 +28,11 @@ from kvstore.errors import (
 )
 from kvstore.net import transport
 from kvstore.net.auth import channel_for, new_label
+from kvstore.net.handshake import register
 from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
-from kvstore.net.router import RouterService, register, run_role
+from kvstore.net.role import run_role
+from kvstore.net.router import RouterService
 
 log = logging.getLogger("kvstore.server")
 MB = 1 << 20

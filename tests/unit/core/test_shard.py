@@ -1,4 +1,4 @@
-"""Unit tests of kvstore.state.ShardState: sync rounds, async apply, read-your-writes, no I/O."""
+"""Unit tests of kvstore.core.shard.ShardState: sync rounds, async apply, read-your-writes, no I/O."""
 
 from __future__ import annotations
 

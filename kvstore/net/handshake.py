@@ -1,0 +1,78 @@
+"""A node's registration with the scheduler: the challenge-response handshake that proves the shared
+secret and brings back the cluster map (HELLO, CHALLENGE, REGISTER, MAP; docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from kvstore import config as kvconfig
+from kvstore.errors import AuthenticationError, KVStoreError, ProtocolError, error_from_code
+from kvstore.net import protocol, transport
+from kvstore.net.auth import Channel
+from kvstore.net.protocol import Message, Op
+
+
+def register(sock: object, channel: Channel, cfg: kvconfig.Config, body: dict, what: str) -> Message:
+    """Prove the secret to the scheduler and wait for the cluster map (challenge-response).
+
+    HELLO carries a fresh nonce; the scheduler's CHALLENGE (sealed, echoing it) gives
+    the challenge that REGISTER (sealed, with ``body``) must carry; the MAP (sealed,
+    echoing the nonce) gives the session the channel is then keyed to.  Raises
+    :class:`DeadlineExceededError` after ``KVSTORE_CONNECT_TIMEOUT``,
+    :class:`AuthenticationError` when the secrets differ, or the scheduler's error
+    (e.g. an incomplete rendezvous) as its typed exception.
+    """
+    deadline = time.monotonic() + cfg.connect_timeout
+    nonce = secrets.token_hex(16)
+    transport.send(sock, channel.seal(Message(Op.HELLO, {"nonce": nonce}), "scheduler"))
+    challenge = _answer(sock, channel, cfg, deadline, what, Op.CHALLENGE, nonce)
+    if not isinstance(challenge.body.get("challenge"), str):
+        raise ProtocolError("the scheduler's CHALLENGE carries no challenge")
+    body = dict(body, challenge=challenge.body["challenge"])
+    transport.send(sock, channel.seal(Message(Op.REGISTER, body), "scheduler"))
+    cmap = _answer(sock, channel, cfg, deadline, what, Op.MAP, nonce)
+    session = cmap.body.get("session")
+    if not isinstance(session, bytes):
+        raise ProtocolError("the cluster map carries no session id")
+    channel.set_session(session)
+    return cmap
+
+
+def _answer(sock: Any, channel: Channel, cfg: kvconfig.Config, deadline: float, what: str,
+            expected: Op, nonce: str) -> Message:
+    """The scheduler's sealed reply ``expected`` that echoes ``nonce``; errors raised typed."""
+    frames = transport.recv_within(
+        sock, max(0.0, deadline - time.monotonic()),
+        f"{expected.name.lower()} from the scheduler at {cfg.root_address} for this {what} (are the "
+        f"scheduler and all DMLC_NUM_WORKER={cfg.num_workers} workers and DMLC_NUM_SERVER="
+        f"{cfg.num_servers} servers running, with the same KVSTORE_SECRET?)")
+    try:
+        reply = channel.open(frames)
+    except (AuthenticationError, ProtocolError):
+        refusal = _unsigned_error(frames)  # the scheduler could not verify us, and said so
+        if refusal is not None:
+            raise refusal from None
+        raise AuthenticationError(f"the scheduler at {cfg.root_address} failed to authenticate "
+                                  "(does it have the same KVSTORE_SECRET?)") from None
+    if reply.op is Op.ERROR:
+        raise error_from_code(reply.body.get("code", ""), reply.body.get("message", ""))
+    if reply.op is not expected or reply.body.get("nonce") != nonce:
+        raise ProtocolError(f"expected {expected.name} for this registration, got {reply.op.name}")
+    return reply
+
+
+def _unsigned_error(frames: list[Any]) -> KVStoreError | None:
+    """The error an unsigned ERROR reply states (trusted only during registration), else None."""
+    if len(frames) < 2 or memoryview(frames[0]).nbytes:
+        return None
+    try:
+        reply = protocol.decode(frames[1:])
+    except ProtocolError:
+        return None
+    if reply.op is not Op.ERROR:
+        return None
+    return error_from_code(reply.body.get("code", ""), f"the scheduler refused this node: "
+                                                       f"{reply.body.get('message', '')}")
