@@ -26,7 +26,7 @@ from kvstore.errors import (
     OptimizerError,
     ProtocolError,
 )
-from kvstore.net import transport
+from kvstore.net import address, transport
 from kvstore.net.auth import channel_for, new_label
 from kvstore.net.handshake import register
 from kvstore.net.heartbeat import Heartbeat
@@ -72,8 +72,8 @@ class Server:
     def __init__(self, cfg: kvconfig.Config) -> None:
         cfg.require_cluster("a server")
         self.cfg = cfg
-        self.host = kvconfig.node_host(cfg)
-        kvconfig.check_bind(cfg, self.host, "a server")
+        self.host = address.node_host(cfg)
+        address.check_bind(cfg, self.host, "a server")
         sock, self.port = transport.bind_router(self.host, cfg.node_port, inbound=INBOUND_MESSAGES)
         self.service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} at join
         self.scheduler = transport.connect_dealer(cfg.root_address)
