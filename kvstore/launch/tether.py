@@ -116,6 +116,7 @@ def release(proc: subprocess.Popen) -> None:
 
 
 def _signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pid``; a group that is gone or not ours is ignored."""
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -177,6 +178,34 @@ def stop_group(child: subprocess.Popen, grace: float) -> str | None:
     return killed
 
 
+def _announce() -> None:
+    """Write :data:`STARTED` to stdout, before the child starts so that none of its output comes first.
+    Raises nothing: when the reader is gone, end of file on stdin follows and stops the child."""
+    try:
+        os.write(1, STARTED)
+    except OSError:
+        pass
+
+
+def _stop_when_parent_or_child_ends(fd: int, child: subprocess.Popen, stop: threading.Event) -> None:
+    """Start two daemon threads that set ``stop``: one at end of file on ``fd`` (the parent is gone),
+    one when ``child`` exits.  Returns at once; raises RuntimeError if a thread cannot start."""
+
+    def watch_parent() -> None:
+        """Read ``fd`` to end of file, then set ``stop``."""
+        while os.read(fd, 4096):
+            pass
+        stop.set()
+
+    def watch_child() -> None:
+        """Wait for ``child`` to exit, then set ``stop``."""
+        child.wait()
+        stop.set()
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    threading.Thread(target=watch_child, daemon=True).start()
+
+
 def run(fd: int) -> int:
     """Serve one request read from file descriptor ``fd`` (see the module docstring); return the
     exit code.  Reads are unbuffered, so the thread left blocked on ``fd`` holds no lock at exit."""
@@ -188,10 +217,7 @@ def run(fd: int) -> int:
         _report(str(exc))
         return 2
     if announce:
-        try:
-            os.write(1, STARTED)  # before the child starts, so none of its output comes first
-        except OSError:
-            pass  # the reader is gone: end of file on stdin follows, and stops the child
+        _announce()
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
     try:
@@ -200,21 +226,10 @@ def run(fd: int) -> int:
     except OSError as exc:
         _report(f"cannot start {argv[0]}: {exc}")
         return 127
-
-    def watch_parent() -> None:
-        while os.read(fd, 4096):
-            pass
-        stop.set()
-
-    def watch_child() -> None:
-        child.wait()
-        stop.set()
-
     exited_by_itself = False
     killed: str | None = None
     try:
-        threading.Thread(target=watch_parent, daemon=True).start()
-        threading.Thread(target=watch_child, daemon=True).start()
+        _stop_when_parent_or_child_ends(fd, child, stop)
         stop.wait()
         exited_by_itself = child.returncode is not None
     finally:  # whatever happened above, the child and its group are stopped, SIGKILL if need be

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.launch import adapters
+from kvstore.launch import managers
 from tests.helpers import REPO, Processes, poll_for, python, tagged_pids
 
 SCRIPT = str(Path(__file__).parents[1] / "scripts" / "sum_check.py")
 NODE = [sys.executable, "-m", "kvstore.node"]
 # Every variable that could make a child pick another role or manager than the test means: blank
-# counts as unset for kvstore.config and kvstore.adapters alike, so these mask the test runner's own.
-MASKED = {name: "" for adapter in adapters.ADAPTERS for name in adapter.variables} | {
+# counts as unset for kvstore.config and kvstore.launch.managers alike, so these mask the test runner's own.
+MASKED = {name: "" for adapter in managers.ADAPTERS for name in adapter.variables} | {
     name: "" for name in ("DMLC_ROLE", "DMLC_WORKER_ID", "KVSTORE_SERVER_ID", "DMLC_NODE_HOST",
                           "DMLC_INTERFACE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_SERVER",
                           "DMLC_NUM_WORKER", "KVSTORE_RANK_OFFSET", "KVSTORE_NODE_PORT",
@@ -469,9 +469,10 @@ def test_the_real_mpirun_gives_every_rank_one_job_port() -> None:
         pytest.skip("needs Open MPI's mpirun (Debian's openmpi-bin; .ci/run installs it)")
     env = {name: value for name, value in {**os.environ, **MASKED}.items() if value != ""}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    show = ("import os; from kvstore import adapters; env = {**os.environ, 'DMLC_NUM_SERVER': '1', "
-            "'DMLC_PS_ROOT_URI': 'h'}; "  # one write per rank: mpirun interleaves the ranks' writes
-            "os.write(1, f\"<PORT={adapters.mpi(env)['DMLC_PS_ROOT_PORT']}>\\n\".encode())")
+    show = ("import os; from kvstore.launch.managers.mpi import mpi; "
+            "env = {**os.environ, 'DMLC_NUM_SERVER': '1', 'DMLC_PS_ROOT_URI': 'h'}; "
+            # one write per rank: mpirun interleaves the ranks' writes
+            "os.write(1, f\"<PORT={mpi(env)['DMLC_PS_ROOT_PORT']}>\\n\".encode())")
     result = run_group([mpirun, "-n", "3", "--oversubscribe", python(), "-c", show], env)
     assert result.returncode == 0, result.stdout + result.stderr
     ports = re.findall(r"<PORT=(\d+)>", result.stdout)

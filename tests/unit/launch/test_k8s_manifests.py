@@ -1,5 +1,6 @@
 """docs/kubernetes/kvstore-job.yaml: its objects agree with each other, and every pod it would start
-derives its role with kvstore.adapters into exactly one scheduler, servers 0..S-1 and workers 0..W-1."""
+derives its role with kvstore.launch.managers into exactly one scheduler, servers 0..S-1 and workers
+0..W-1."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from kvstore import config as kvconfig
-from kvstore.launch import adapters
+from kvstore.launch import managers
 
 MANIFEST = Path(__file__).resolve().parents[3] / "docs" / "kubernetes" / "kvstore-job.yaml"
 COMMAND = ["python", "-m", "kvstore.node", "train.py"]
@@ -103,7 +104,7 @@ def test_cross_references(docs):
 
 
 def test_every_pod_derives_its_place_in_the_plan(docs):
-    """adapters.derive on every pod's environment: one scheduler, servers 0..S-1, workers 0..W-1, all on
+    """managers.derive on every pod's environment: one scheduler, servers 0..S-1, workers 0..W-1, all on
     the Service's host and port, each advertising its pod IP, all with the same secret."""
     jobs, secrets = by_kind(docs, "Job"), by_kind(docs, "Secret")
     (service_name, service), = by_kind(docs, "Service").items()
@@ -113,8 +114,8 @@ def test_every_pod_derives_its_place_in_the_plan(docs):
         for index in range(jobs[name]["spec"]["completions"]):
             pods += 1
             env = pod_env(jobs[name], index, secrets, pod_ip=f"10.1.0.{pods}")
-            assert adapters.detect(env).name == "kubernetes"
-            derived = adapters.derive(env)
+            assert managers.detect(env).name == "kubernetes"
+            derived = managers.derive(env)
             cfg = kvconfig.load({**env, **derived})
             assert (cfg.root_uri, str(cfg.root_port)) == (service_name, port)
             assert cfg.node_host == f"10.1.0.{pods}" and cfg.secret
