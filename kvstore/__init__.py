@@ -17,7 +17,7 @@ from kvstore import checkpoint as checkpoint
 from kvstore import data as data
 from kvstore import lr_scheduler as lr_scheduler
 from kvstore import optimizer as optimizer
-from kvstore.base import KNOWN_TYPES, KVStore, create
+from kvstore.base import KVStore
 from kvstore.core import snapshot as snapshot
 from kvstore.errors import (
     AuthenticationError,
@@ -37,6 +37,7 @@ from kvstore.errors import (
     StoreClosedError,
     UnknownModeError,
 )
+from kvstore.stores import KNOWN_TYPES, create
 from kvstore.trainer import Trainer
 
 __version__ = "0.1.0"

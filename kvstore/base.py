@@ -1,4 +1,4 @@
-"""The KVStore interface, argument handling shared by every store, and ``create``.
+"""The KVStore interface and the argument handling shared by every store.
 
 A subclass implements the ``_init``, ``_push`` (of checked ``(key, meta, values)``
 groups, which it sums with ``_sum``), ``_pull`` and ``barrier`` primitives
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,9 +19,11 @@ from kvstore.core import values as V
 from kvstore.core import xp
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
-from kvstore.errors import DuplicateInitError, KeyNotInitializedError, StoreClosedError, UnknownModeError
+from kvstore.errors import DuplicateInitError, KeyNotInitializedError, StoreClosedError
 
 Group = tuple[Key, V.Meta, list[Any]]  # a key, its meta and its pushed values, checked
+DEVICE_TYPES = frozenset({"device", "local_allreduce_device", "dist_sync_device", "dist_async_device",
+                          "dist_device_sync", "dist_device_async"})  # the types that sum CUDA values on a GPU
 
 
 def _as_list(obj: Any) -> list[Any]:
@@ -211,12 +212,14 @@ class KVStore(abc.ABC):
             out.append((k, meta, vs))
         return out
 
-    def _sum(self, key: Key, meta: V.Meta, values: list[Any]) -> Any:
-        """The sum of one key's checked values: numpy, or in a device mode with CUDA values a tensor
-        on the key's merge GPU."""
+    def _sum(self, key: Key, meta: V.Meta, values: list[Any], out: np.ndarray | None = None,
+             host: bool = False) -> Any:
+        """The sum of one key's checked values: numpy (written into ``out`` when given), or in a device
+        mode with CUDA values a tensor on the key's merge GPU (with ``host``: copied to pinned numpy)."""
         if self._device_mode and any(xp.is_cuda(v) for v in values):
-            return self._device().reduce(key, meta, values)
-        return V.summed(key, meta, values)
+            total = self._device().reduce(key, meta, values)
+            return self._device().to_host(total) if host else total
+        return V.summed(key, meta, values, out=out)
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values; a list of values for one key is summed first.  Returns without waiting.
@@ -350,36 +353,3 @@ class KVStore(abc.ABC):
         """Initialise ``key`` with rank 0's ``value``, then pull it (into ``out`` if given)."""
         self.init(key, value)
         return self.pull(key, out=out, priority=priority)
-
-
-def _registry() -> dict[str, Any]:
-    from kvstore.client.store import create_dist
-    from kvstore.local import LocalKVStore
-
-    return {"local": LocalKVStore, "device": LocalKVStore, "local_allreduce_cpu": LocalKVStore,
-            "local_allreduce_device": LocalKVStore, "local_update_cpu": LocalKVStore,
-            "dist_sync": create_dist, "dist_async": create_dist,
-            "dist_sync_device": create_dist, "dist_async_device": create_dist,
-            "dist_device_sync": create_dist, "dist_device_async": create_dist}
-
-
-DEVICE_TYPES = frozenset({"device", "local_allreduce_device", "dist_sync_device", "dist_async_device",
-                          "dist_device_sync", "dist_device_async"})
-KNOWN_TYPES: Sequence[str] = ("local", "device", "local_allreduce_cpu", "local_allreduce_device",
-                              "local_update_cpu", "dist_sync", "dist_async", "dist_sync_device",
-                              "dist_async_device", "dist_device_sync", "dist_device_async")
-
-
-def create(name: str = "local") -> KVStore:
-    """Create a store: ``'local'`` (default), ``'device'``, ``'dist_sync'``, ``'dist_async'``, ...
-
-    In the device modes (``'device'``, ``'dist_sync_device'``, ``'dist_async_device'`` and
-    MXNet's aliases) values on CUDA devices are summed on a GPU (docs/devices.md); with
-    numpy arrays and CPU tensors they act exactly as their CPU twins.
-    A dist store is one per process: the same mode returns the existing store.
-    Raises :class:`UnknownModeError` (listing the known names) for an unknown
-    name, :class:`ConfigError` when a dist mode lacks the ``DMLC_*`` variables.
-    """
-    if not isinstance(name, str) or name not in KNOWN_TYPES:
-        raise UnknownModeError(f"unknown kvstore type {name!r}; known types: {', '.join(KNOWN_TYPES)}")
-    return _registry()[name](name)

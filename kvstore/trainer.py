@@ -35,10 +35,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvstore import config as kvconfig
-from kvstore.base import KVStore, create
+from kvstore.base import KVStore
 from kvstore.core import checkpoint, xp
 from kvstore.core import optimizer as kvoptimizer
 from kvstore.core.optimizer import Optimizer
+from kvstore.stores import create
 
 Tensor = Any  # a torch.Tensor; torch is not imported when this module loads
 _trainers = itertools.count()

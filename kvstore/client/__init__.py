@@ -1,3 +1,4 @@
-"""The worker's side of a distributed store: DistKVStore's data path, its collective calls, the socket
-multiplexer driven by the calling threads, and the one store per process.
+"""The worker's side of a distributed store: DistKVStore's data path (``store``), its collective calls
+(``collective``), the socket multiplexer driven by the calling threads (``mux``), and the one store per
+process (``process``: ``create_dist``, ``process_store``, ``release_process_store``).
 """

@@ -1,22 +1,24 @@
 """The dist store's collective calls on the servers' optimizer, its state and snapshots.
 
-A mixin of :class:`kvstore.dist.DistKVStore` (kept apart so each module stays
-readable): ``set_optimizer``, ``set_optimizer_params``, ``get_optimizer``,
-optimizer-state save and load, ``save_checkpoint`` and the ``KVSTORE_RESUME``
-restore.  It uses the store's plumbing (``_collective``, ``_to_servers``,
-``_pieces``, ``_send``, ``_request_all``, ``_pull``, ``barrier``, ``_io``,
-``_meta``, ``_lock``, ``_cfg``).
+:class:`CollectiveCalls` serves :class:`kvstore.client.store.DistKVStore`'s
+``set_optimizer``, ``set_optimizer_params``, ``get_optimizer``, optimizer-state save
+and load, ``save_checkpoint`` and the ``KVSTORE_RESUME`` restore.  It sees its store
+only through a :class:`StoreLink`: the few callables (and values) the store hands it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvstore.client.mux import Request
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import optimizer as kvoptimizer
-from kvstore.core.partition import Key
+from kvstore.core.partition import Key, Piece
+from kvstore.core.values import Meta
 from kvstore.errors import DeadlineExceededError, KVStoreError, OptimizerError
 from kvstore.net.protocol import Message, Op
 
@@ -37,18 +39,40 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class StateCalls:
+@dataclass(frozen=True)
+class StoreLink:
+    """What the collective calls use of their store, and nothing more."""
+
+    run_collective: Callable[[str, Callable[[], Any]], None]  # action on the leader; its failure on all
+    barrier: Callable[[], None]  # the store's barrier(): this worker's pushes applied, every worker met
+    submit: Callable[[int, Message, str], Request]  # queue one message to a server (index, msg, what)
+    request_all: Callable[[list[Request]], list[Message]]  # wait for replies, under the request timeout
+    pieces: Callable[[Key], list[Piece]]  # where an initialised key's value lives
+    metas: Callable[[], dict[Key, Meta]]  # a copy of the initialised keys' metas
+    pull: Callable[[list[Key]], list[Any]]  # the current values of initialised keys
+    servers: Sequence[str]  # the servers' addresses, by index
+    resume: str | None  # the KVSTORE_RESUME snapshot directory, if any
+
+
+class CollectiveCalls:
     """set_optimizer, states, snapshots and resume for a dist store (see the module docstring)."""
 
+    def __init__(self, link: StoreLink) -> None:
+        self._link = link
+        self._restored: tuple | None = None  # (values, states) of the KVSTORE_RESUME snapshot, rank 0
+        self._states_resumed = False
+
+    # -- resume ----------------------------------------------------------------------------------
     def _snapshot(self) -> tuple:
         """The (values, states) of the ``KVSTORE_RESUME`` snapshot, read once (by rank 0)."""
         if self._restored is None:
-            self._restored = snapshot.read(self._cfg.resume)
+            self._restored = snapshot.read(self._link.resume)
         return self._restored
 
-    def _resumed(self, items: list[tuple[Key, np.ndarray]]) -> list[tuple[Key, np.ndarray]]:
-        """Under ``KVSTORE_RESUME`` each key the snapshot holds starts from the snapshot's value."""
-        if self._cfg.resume is None:
+    def resumed(self, items: list[tuple[Key, np.ndarray]]) -> list[tuple[Key, np.ndarray]]:
+        """``items`` where, under ``KVSTORE_RESUME``, each key the snapshot holds has the snapshot's
+        value.  Raises FormatError for a damaged snapshot, a shape or dtype error for a misfit."""
+        if self._link.resume is None:
             return items
         values, _ = self._snapshot()
         resumed = []
@@ -59,25 +83,13 @@ class StateCalls:
             resumed.append((key, array))
         return resumed
 
-    # -- optimizer -------------------------------------------------------------------------------
-    def _set_optimizer(self, optimizer: kvoptimizer.Optimizer) -> None:
-        spec = optimizer.spec()
-        earlier = self._meet()  # pushes made before are applied without the optimizer
-        self._collective("set_optimizer", lambda: self._to_servers(
-            Op.OPTIMIZER_SET, {"spec": spec}, "set_optimizer"))
-        if self._cfg.resume is not None and not self._states_resumed:
-            # the first optimizer continues from the snapshot's state (retried if this fails)
-            self._collective("restoring the snapshot's optimizer state", self._resume_states)
-            self._states_resumed = True
-        _raise(earlier)
-
-    def _initialised(self, keys: list[Key]) -> None:
-        """Under ``KVSTORE_RESUME``, keys initialised after the optimizer was restored get their
-        snapshot state too (collective, like the init that calls it)."""
-        if self._cfg.resume is None or not self._states_resumed:
+    def initialised(self, keys: list[Key]) -> None:
+        """Under ``KVSTORE_RESUME``, give keys initialised after the optimizer was restored their
+        snapshot state too (collective, like the init that calls it); raises what that raises."""
+        if self._link.resume is None or not self._states_resumed:
             return
-        self._collective("restoring the snapshot's optimizer state of new keys",
-                         lambda: self._resume_states(set(keys), install=False))
+        self._link.run_collective("restoring the snapshot's optimizer state of new keys",
+                                  lambda: self._resume_states(set(keys), install=False))
 
     def _resume_states(self, keys: set | None = None, install: bool = True) -> None:
         """Send the snapshot's state of ``keys`` (default: every initialised key) to the servers;
@@ -85,31 +97,53 @@ class StateCalls:
         _, states = self._snapshot()
         if states is None:
             return
-        with self._lock:
-            known = set(self._meta) if keys is None else set(keys) & set(self._meta)
+        metas = self._link.metas()
+        known = set(metas) if keys is None else set(keys) & set(metas)
         kept = checkpoint.StatesFile(None, states.num_update, [e for e in states.entries if e.key in known])
-        self._scatter_states_file(kept, f"the snapshot in {self._cfg.resume}", install)
+        self._scatter_states_file(kept, f"the snapshot in {self._link.resume}", install)
 
+    # -- plumbing --------------------------------------------------------------------------------
     def _meet(self) -> KVStoreError | None:
         """barrier(), but an earlier push's failure is returned, so the caller still meets the others."""
         try:
-            self.barrier()
+            self._link.barrier()
         except DeadlineExceededError:
             raise
         except KVStoreError as exc:
             return exc
         return None
 
-    def _set_optimizer_params(self, params: dict[str, Any]) -> None:
-        params = {name: _plain(value) for name, value in params.items()}
-        self._to_servers(Op.OPTIMIZER_PARAMS, {"params": params}, "set_optimizer_params")
+    def _to_servers(self, op: Op, body: dict[str, Any], what: str) -> list[Message]:
+        """Send one control message to every server; return their replies in server order."""
+        link = self._link
+        return link.request_all([link.submit(i, Message(op, dict(body)), f"{what} to server {i}")
+                                 for i in range(len(link.servers))])
 
     def _optimizer_info(self) -> list[Message]:
         return self._to_servers(Op.OPTIMIZER_INFO, {}, "optimizer query")
 
+    # -- optimizer -------------------------------------------------------------------------------
+    def set_optimizer(self, optimizer: kvoptimizer.Optimizer) -> None:
+        """Install ``optimizer`` on every server (collective), then any snapshot state to resume from.
+
+        Raises the failure of an earlier push (after the others were met) or of the install."""
+        spec = optimizer.spec()
+        earlier = self._meet()  # pushes made before are applied without the optimizer
+        self._link.run_collective("set_optimizer", lambda: self._to_servers(
+            Op.OPTIMIZER_SET, {"spec": spec}, "set_optimizer"))
+        if self._link.resume is not None and not self._states_resumed:
+            # the first optimizer continues from the snapshot's state (retried if this fails)
+            self._link.run_collective("restoring the snapshot's optimizer state", self._resume_states)
+            self._states_resumed = True
+        _raise(earlier)
+
+    def set_optimizer_params(self, params: dict[str, Any]) -> None:
+        """Send new hyper-parameters to every server; raises OptimizerError as the servers do."""
+        params = {name: _plain(value) for name, value in params.items()}
+        self._to_servers(Op.OPTIMIZER_PARAMS, {"params": params}, "set_optimizer_params")
+
     def get_optimizer(self) -> kvoptimizer.Optimizer | None:
         """A copy of the servers' optimizer (spec, and the highest update count of any server), or None."""
-        self._check_open()
         info = [m.body for m in self._optimizer_info()]
         if info[0]["spec"] is None:
             return None
@@ -117,9 +151,13 @@ class StateCalls:
         optimizer.num_update = max(i["num_update"] for i in info)  # a server may hold no updated key
         return optimizer
 
-    def _save_states(self, fname: str, dump_optimizer: bool) -> None:
+    # -- states and snapshots --------------------------------------------------------------------
+    def save_states(self, fname: str, dump_optimizer: bool) -> None:
+        """Gather every key's optimizer state and write it to ``fname`` on the leader (collective).
+
+        Raises OptimizerError when no optimizer is set, OSError from the file system."""
         earlier = self._meet()  # every worker's pushes are applied before the states are read
-        self._collective("save_optimizer_states", lambda: checkpoint.write_states(
+        self._link.run_collective("save_optimizer_states", lambda: checkpoint.write_states(
             fname, self._gather_states(dump_optimizer)))
         _raise(earlier)
 
@@ -127,20 +165,24 @@ class StateCalls:
         info = [m.body for m in self._optimizer_info()]
         if info[0]["spec"] is None:
             raise OptimizerError("save_optimizer_states: no optimizer is set (call set_optimizer)")
-        with self._lock:
-            keys = list(self._meta)
-        requests = [[self._send(Op.STATE_GET, k, p, None) for p in self._pieces(k)] for k in keys]
-        replies = iter(self._request_all([r for group in requests for r in group]))
+        metas = self._link.metas()
+        keys = list(metas)
+        requests = [[self._state_get(k, p) for p in self._link.pieces(k)] for k in keys]
+        replies = iter(self._link.request_all([r for group in requests for r in group]))
         entries = []
         for key, group in zip(keys, requests):
-            entry = self._state_entry(key, [next(replies) for _ in group])
+            entry = self._state_entry(key, metas[key], [next(replies) for _ in group])
             if entry is not None:
                 entries.append(entry)
         return checkpoint.StatesFile(info[0]["spec"] if dump_optimizer else None,
                                      max(i["num_update"] for i in info), entries)
 
-    def _state_entry(self, key: Key, parts: list[Message]) -> checkpoint.StateEntry | None:
-        meta = self._meta[key]
+    def _state_get(self, key: Key, piece: Piece) -> Request:
+        what = f"state_get of key {key!r} to server {piece.server} ({self._link.servers[piece.server]})"
+        return self._link.submit(piece.server, Message(Op.STATE_GET, {"key": key}, []), what)
+
+    @staticmethod
+    def _state_entry(key: Key, meta: Meta, parts: list[Message]) -> checkpoint.StateEntry | None:
         names = {tuple(m.body["names"]) for m in parts}
         if len(names) != 1:
             raise OptimizerError(f"the servers disagree on the optimizer state of key {key!r}: {names}")
@@ -152,26 +194,29 @@ class StateCalls:
         return checkpoint.StateEntry(key, meta.shape, meta.dtype, max(m.body["count"] for m in parts),
                                      arrays)
 
-    def _save_checkpoint(self, directory: str) -> None:
+    def save_checkpoint(self, directory: str) -> None:
+        """Write every key's value and optimizer state as a new snapshot generation (collective).
+
+        Raises OSError from the file system, or the failure of an earlier push."""
         earlier = self._meet()  # every worker's pushes are applied: no round is open
 
         def write() -> None:
             has_optimizer = self._optimizer_info()[0].body["spec"] is not None
             states = self._gather_states(True) if has_optimizer else None
-            with self._lock:
-                keys = list(self._meta)
-            snapshot.write(directory, dict(zip(keys, self._pull(keys, 0))), states)
+            keys = list(self._link.metas())
+            snapshot.write(directory, dict(zip(keys, self._link.pull(keys))), states)
 
-        self._collective("save_checkpoint", write)
+        self._link.run_collective("save_checkpoint", write)
         _raise(earlier)
 
-    def _load_states(self, fname: str) -> None:
+    def load_states(self, fname: str) -> None:
+        """Read the states in ``fname`` on the leader and install them on every server (collective).
+
+        Raises FormatError, OptimizerError or a key error when the file does not fit."""
         earlier = self._meet()
-        self._collective("load_optimizer_states", lambda: self._scatter_states(fname))
+        self._link.run_collective("load_optimizer_states",
+                                  lambda: self._scatter_states_file(checkpoint.read_states(fname), fname))
         _raise(earlier)
-
-    def _scatter_states(self, fname: str) -> None:
-        self._scatter_states_file(checkpoint.read_states(fname), fname)
 
     def _scatter_states_file(self, states: checkpoint.StatesFile, source: str, install: bool = True) -> None:
         """Check ``states`` against the keys, then install them on every server (any server count).
@@ -182,8 +227,7 @@ class StateCalls:
         if spec is None:
             raise OptimizerError(f"load_optimizer_states: {source} holds no optimizer and none is set "
                                  "(call set_optimizer first, or save with dump_optimizer=True)")
-        with self._lock:
-            shapes = {k: np.zeros(m.shape, m.dtype) for k, m in self._meta.items()}
+        shapes = {k: np.zeros(m.shape, m.dtype) for k, m in self._link.metas().items()}
         checkpoint.restore_optimizer(states, kvoptimizer.from_spec(spec), shapes)  # checks it all
         if install:
             self._to_servers(Op.OPTIMIZER_SET, {"spec": spec, "num_update": states.num_update},
@@ -192,9 +236,9 @@ class StateCalls:
         for entry in states.entries:
             names = list(entry.arrays)
             flats = [entry.arrays[n].reshape(-1) for n in names]
-            for piece in self._pieces(entry.key):
+            for piece in self._link.pieces(entry.key):
                 arrays = [f[piece.start:piece.stop] for f in flats]
                 what = f"optimizer state of key {entry.key!r} to server {piece.server}"
                 body = {"key": entry.key, "count": entry.count, "names": names}
-                requests.append(self._io.submit(piece.server, Message(Op.STATE_SET, body, arrays), what))
-        self._request_all(requests)
+                requests.append(self._link.submit(piece.server, Message(Op.STATE_SET, body, arrays), what))
+        self._link.request_all(requests)

@@ -1,16 +1,15 @@
-"""The worker side of the ``dist_*`` modes.
+"""The worker side of the ``dist_*`` modes: :class:`DistKVStore`'s data path.
 
 The API threads validate, sum, encode and drive the sockets themselves
-(``wire.py``: whoever waits receives).  Each reply resolves a future; every wait
-has a deadline.
+(``kvstore.client.mux``: whoever waits receives).  Each reply resolves a future;
+every wait has a deadline.  The optimizer, state and snapshot calls are
+``kvstore.client.collective``'s; the one store per process is ``kvstore.client.process``'s.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import sys
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout  # the built-in from 3.11 on
@@ -21,28 +20,26 @@ import numpy as np
 
 from kvstore import config as kvconfig
 from kvstore import logs
-from kvstore.base import DEVICE_TYPES, Group, KVStore
-from kvstore.client.collective import StateCalls
+from kvstore.base import Group, KVStore
+from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.mux import SCHEDULER, Request, Wire
 from kvstore.core import values as V
-from kvstore.core import xp
+from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, Piece, placement
-from kvstore.core.plan import Part, Send, pack, plan, unpack
+from kvstore.core.plan import Send, collect, pack, plan
 from kvstore.errors import (
-    ConfigError,
     DeadlineExceededError,
     KVStoreError,
     NodeLostError,
-    ProtocolError,
     StoreClosedError,
     error_code,
     error_from_code,
 )
 from kvstore.net import transport
 from kvstore.net.auth import channel_for, new_label
+from kvstore.net.handshake import register
 from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
-from kvstore.net.router import register
 
 log = logging.getLogger("kvstore.dist")
 
@@ -52,7 +49,7 @@ def mode_of(name: str) -> str:
     return "dist_async" if "async" in name else "dist_sync"
 
 
-class DistKVStore(StateCalls, KVStore):
+class DistKVStore(KVStore):
     """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster.
 
     In ``dist_*_device`` modes, CUDA values are summed on a GPU and the sum is copied
@@ -90,8 +87,10 @@ class DistKVStore(StateCalls, KVStore):
         self._buffers: dict[Key, tuple[np.ndarray, list[Request]]] = {}  # see _flat
         self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
-        self._restored: tuple | None = None  # (values, states) of the KVSTORE_RESUME snapshot, rank 0
-        self._states_resumed = False
+        self._collective_calls = CollectiveCalls(StoreLink(
+            run_collective=self._collective, barrier=self.barrier, submit=self._io.submit,
+            request_all=self._request_all, pieces=self._pieces, metas=self._metas,
+            pull=lambda keys: self._pull(keys, 0), servers=self._servers, resume=cfg.resume))
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost)
         self._heartbeat.start()
         log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
@@ -142,11 +141,6 @@ class DistKVStore(StateCalls, KVStore):
         what = f"{op.name.lower()} of {keys} to server {send.server} ({self._servers[send.server]})"
         return self._io.submit(send.server, Message(op, send.body(), [] if array is None else [array]), what)
 
-    def _send(self, op: Op, key: Key, piece: Piece, flat: np.ndarray | None) -> Request:
-        arrays = [] if flat is None else [flat[piece.start:piece.stop]]
-        what = f"{op.name.lower()} of key {key!r} to server {piece.server} ({self._servers[piece.server]})"
-        return self._io.submit(piece.server, Message(op, {"key": key}, arrays), what)
-
     def _wait(self, requests: list[Request], timeout: float, knob: str) -> list[Message]:
         deadline = time.monotonic() + timeout
         results = []
@@ -188,10 +182,10 @@ class DistKVStore(StateCalls, KVStore):
     def _request_all(self, requests: list[Request]) -> list[Message]:
         return self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
 
-    def _to_servers(self, op: Op, body: dict[str, Any], what: str) -> list[Message]:
-        """Send one control message to every server; return their replies in server order."""
-        return self._request_all([self._io.submit(i, Message(op, dict(body)), f"{what} to server {i}")
-                                  for i in range(len(self._servers))])
+    def _metas(self) -> dict[Key, V.Meta]:
+        """A copy of the initialised keys' metas."""
+        with self._lock:
+            return dict(self._meta)
 
     def _collective(self, what: str, action: Any) -> None:
         """Run ``action()`` on the leader, then a barrier that tells every worker whether it worked.
@@ -217,9 +211,31 @@ class DistKVStore(StateCalls, KVStore):
             rank, info = failures[0]
             raise error_from_code(info["code"], f"{what} failed on worker {rank}: {info['message']}")
 
+    # -- the collective calls on the servers' optimizer and state (kvstore.client.collective) ------
+    def _set_optimizer(self, optimizer: Optimizer) -> None:
+        self._collective_calls.set_optimizer(optimizer)
+
+    def _set_optimizer_params(self, params: dict[str, Any]) -> None:
+        self._collective_calls.set_optimizer_params(params)
+
+    def get_optimizer(self) -> Optimizer | None:
+        """A copy of the servers' optimizer (spec, and the highest update count of any server), or None."""
+        self._check_open()
+        return self._collective_calls.get_optimizer()
+
+    def _save_states(self, fname: str, dump_optimizer: bool) -> None:
+        self._collective_calls.save_states(fname, dump_optimizer)
+
+    def _load_states(self, fname: str) -> None:
+        self._collective_calls.load_states(fname)
+
+    def _save_checkpoint(self, directory: str) -> None:
+        self._collective_calls.save_checkpoint(directory)
+
+    # -- the data path ------------------------------------------------------------------------------
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
         def send_all() -> None:
-            flats = {key: array.reshape(-1) for key, array in self._resumed(items)}
+            flats = {key: array.reshape(-1) for key, array in self._collective_calls.resumed(items)}
             entries = [(key, flat.dtype, self._place(key, flat.size)) for key, flat in flats.items()]
             sends = plan(entries, self._cfg.batch_bytes, self._chunk_bytes, chunked=False)
             self._request_all([self._submit(Op.INIT, s, pack(s, flats)) for s in sends])
@@ -230,7 +246,7 @@ class DistKVStore(StateCalls, KVStore):
         with self._lock:
             for key in keys:
                 self._placements[key] = self._place(key, self._meta[key].size)
-        super()._initialised(keys)
+        self._collective_calls.initialised(keys)
 
     def _plan(self, keys: Any, chunked: bool = True) -> tuple[list[Send], frozenset]:
         """The messages for ``keys`` (initialised, distinct), and which keys travel only in batches.
@@ -286,14 +302,12 @@ class DistKVStore(StateCalls, KVStore):
         zmq is done with it), which saves a fresh allocation's page faults, else a new one."""
         if packed and len(values) == 1 and type(values[0]) is np.ndarray:
             return values[0].reshape(-1)
-        if self._device_mode and any(xp.is_cuda(v) for v in values):
-            return self._device().to_host(self._device().reduce(key, meta, values)).reshape(-1)
         buffer = None
         with self._lock:
             held = self._buffers.pop(key, None)
         if held is not None and all(r.future.done() and r.future.exception() is None for r in held[1]):
             buffer = held[0].reshape(meta.shape)
-        return V.summed(key, meta, values, out=buffer).reshape(-1)
+        return self._sum(key, meta, values, out=buffer, host=True).reshape(-1)  # a GPU sum comes to host
 
     def _track_pushes(self, sends: list[Send], requests: list[Request]) -> None:
         """Remember push requests for barrier() and close(), and their failures per key."""
@@ -307,47 +321,13 @@ class DistKVStore(StateCalls, KVStore):
 
     def _collect(self, keys: list[Key], sends: list[Send], requests: list[Request],
                  outs: list[list[Any]] | None = None) -> list[np.ndarray | None]:
-        """Wait for the replies to ``sends`` and assemble each key's value from its parts.
-
-        A key whose out is one C-contiguous numpy array gets its parts copied straight into it
-        (no value is assembled first) and None in the result.
+        """Wait for the replies to ``sends`` and assemble each key's value from its parts
+        (``plan.collect``): a key whose out is one C-contiguous numpy array gets None, its out written.
         """
         replies = self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
         self._raise_push_failures(keys)
-        got: dict[Key, list[tuple[Part, np.ndarray]]] = {}
-        for send, reply in zip(sends, replies):
-            if len(reply.arrays) != 1:
-                raise ProtocolError(f"server {send.server} answered a pull with {len(reply.arrays)} arrays")
-            try:
-                views = unpack(send, reply.arrays[0])
-            except ValueError as exc:
-                raise ProtocolError(f"server {send.server}: {exc}") from None
-            for part, view in zip(send.parts, views):
-                parts = got.get(part.key)
-                if parts is None:
-                    got[part.key] = [(part, view)]
-                else:
-                    parts.append((part, view))
-        result: list[np.ndarray | None] = []
-        for i, key in enumerate(keys):
-            meta, parts = self._meta[key], got[key]
-            out = outs[i][0] if outs is not None and len(outs[i]) == 1 else None
-            if type(out) is np.ndarray and out.flags.c_contiguous:
-                if len(parts) == 1 and parts[0][0].stop - parts[0][0].start == meta.size:
-                    np.copyto(out, parts[0][1].reshape(out.shape))
-                else:
-                    target = out.reshape(-1)  # a view: writing it writes the out
-                    for part, view in parts:
-                        target[part.start:part.stop] = view
-                result.append(None)
-            elif len(parts) == 1:
-                result.append(parts[0][1].reshape(meta.shape))
-            else:
-                array = np.empty(meta.size, meta.dtype)
-                for part, view in parts:
-                    array[part.start:part.stop] = view
-                result.append(array.reshape(meta.shape))
-        return result
+        targets = None if outs is None else [o[0] if len(o) == 1 else None for o in outs]
+        return collect(keys, [self._meta[k] for k in keys], sends, [r.arrays for r in replies], targets)
 
     def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
@@ -460,81 +440,3 @@ class DistKVStore(StateCalls, KVStore):
         self._io.stop(timeout)
         if error is not None:
             raise error
-
-
-_instance: DistKVStore | None = None
-_instance_lock = threading.Lock()
-
-
-def _close_at_exit(store: DistKVStore) -> None:
-    """At interpreter exit: leave the cluster, or report this worker failed if an exception killed it."""
-    if os.getpid() != store._pid:
-        return  # a forked child never touches its parent's sockets
-    died_of = getattr(sys, "last_value", None)  # set when an unhandled exception ends the program
-    failure = None if died_of is None else f"its process died of {type(died_of).__name__}: {died_of}"
-    if isinstance(died_of, NodeLostError):
-        failure = None  # it died of another node's loss, which is already reported: it just leaves
-    try:
-        store._close(failure)
-    except KVStoreError as exc:
-        log.error("closing the store at exit: %s", exc)
-
-
-def process_store() -> DistKVStore | None:
-    """This process's dist store (made by ``kvstore.create('dist_*')``), or None."""
-    store = _instance
-    return store if store is not None and store._pid == os.getpid() else None
-
-
-def release_process_store(failure: str | None = None) -> bool:
-    """Close this process's dist store, if it has one, and forget it, so the process may join another
-    cluster later (a Spark task's Python worker is reused for the next job).
-
-    ``failure``, when given, is reported to the scheduler as this worker's failure,
-    which fails the other workers' waits.  Returns whether there was a store;
-    raises what :meth:`DistKVStore.close` raises (the store is forgotten anyway).
-    """
-    global _instance
-    store = process_store()
-    if store is None:
-        return False
-    try:
-        if store._closed:
-            pass
-        elif failure is None:
-            store.close()
-        else:
-            store._close(failure)
-    finally:
-        with _instance_lock:
-            if _instance is store:
-                _instance = None
-        atexit.unregister(_close_at_exit)
-    return True
-
-
-def create_dist(name: str) -> DistKVStore:
-    """Return this process's dist store, joining the cluster on first use.
-
-    A ``*_device`` name turns on GPU sums for the store it returns (the results are
-    the same; only where CUDA values are summed changes).  Raises :class:`ConfigError`
-    when the process already has a store of another mode, or lacks the ``DMLC_*``
-    environment; :class:`StoreClosedError` when its store was closed (a process
-    joins its cluster once).
-    """
-    global _instance
-    with _instance_lock:
-        if _instance is not None and os.getpid() == _instance._pid:
-            if _instance._closed:
-                raise StoreClosedError("this process's dist store was closed; a process joins its "
-                                       "cluster once")
-            if mode_of(_instance.type) != mode_of(name):
-                raise ConfigError(f"this process already has a {_instance.type} store; one "
-                                  f"process joins one cluster, so {name!r} cannot be created")
-            if name in DEVICE_TYPES:  # asking for a device name turns GPU sums on for the shared store
-                _instance._device_mode = True
-            return _instance
-        store = DistKVStore(name, kvconfig.load())
-        _instance = store
-    atexit.register(_close_at_exit, store)
-    return store

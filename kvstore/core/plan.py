@@ -15,20 +15,31 @@ server, or one slice per server).  Then, per server:
 
 A message's body names its keys, the element count of each (``sizes``) and, for a
 chunk, the offset ``lo`` of the chunk in the server's slice (docs/protocol.md).
+The replies to a pull's messages are put back together by :func:`collect`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from kvstore.core.partition import Key, Piece
+from kvstore.errors import ProtocolError
 
 SMALL_BYTES = 64 * 1024  # a piece up to this size may share a message with others
 WHOLE_CHUNKS = 4  # a piece of up to this many chunks goes in one message
 BATCH_HEADER_BYTES = 256 * 1024  # a batch's keys stay well inside the protocol's 1 MiB header limit
+
+
+class Layout(Protocol):
+    """The shape, dtype and element count of a key's value (a ``kvstore.core.values.Meta``)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    size: int
 
 
 class Part(NamedTuple):
@@ -135,3 +146,56 @@ def unpack(send: Send, array: np.ndarray) -> list[np.ndarray]:
     if len(offsets) == 2:
         return [array]
     return [array[a:b] for a, b in zip(offsets, offsets[1:])]
+
+
+def gather(sends: list[Send], frames: list[list[np.ndarray]]) -> dict[Key, list[tuple[Part, np.ndarray]]]:
+    """Each key's parts, with a view of its elements, from the array frames of the replies to ``sends``.
+
+    Raises :class:`ProtocolError` for a reply without exactly one frame or of the wrong length.
+    """
+    got: dict[Key, list[tuple[Part, np.ndarray]]] = {}
+    for send, arrays in zip(sends, frames):
+        if len(arrays) != 1:
+            raise ProtocolError(f"server {send.server} answered a pull with {len(arrays)} arrays")
+        try:
+            views = unpack(send, arrays[0])
+        except ValueError as exc:
+            raise ProtocolError(f"server {send.server}: {exc}") from None
+        for part, view in zip(send.parts, views):
+            parts = got.get(part.key)
+            if parts is None:
+                got[part.key] = [(part, view)]
+            else:
+                parts.append((part, view))
+    return got
+
+
+def assemble(layout: Layout, parts: list[tuple[Part, np.ndarray]], out: Any = None) -> np.ndarray | None:
+    """One key's value from its parts: written into ``out`` when that is a C-contiguous numpy array
+    (then None is returned), else a view of a lone whole part or a new array."""
+    if type(out) is np.ndarray and out.flags.c_contiguous:
+        if len(parts) == 1 and parts[0][0].stop - parts[0][0].start == layout.size:
+            np.copyto(out, parts[0][1].reshape(out.shape))
+        else:
+            target = out.reshape(-1)  # a view: writing it writes the out
+            for part, view in parts:
+                target[part.start:part.stop] = view
+        return None
+    if len(parts) == 1:
+        return parts[0][1].reshape(layout.shape)
+    array = np.empty(layout.size, layout.dtype)
+    for part, view in parts:
+        array[part.start:part.stop] = view
+    return array.reshape(layout.shape)
+
+
+def collect(keys: list[Key], layouts: Sequence[Layout], sends: list[Send], frames: list[list[np.ndarray]],
+            outs: Sequence[Any] | None = None) -> list[np.ndarray | None]:
+    """The value of each of ``keys`` (with its layout) from the replies' frames to ``sends``.
+
+    ``outs`` gives each key an array to write into, or None; a key written into its out gets None in
+    the result.  Raises :class:`ProtocolError` for a reply that does not match its message.
+    """
+    got = gather(sends, frames)
+    return [assemble(layout, got[key], None if outs is None else outs[i])
+            for i, (key, layout) in enumerate(zip(keys, layouts))]

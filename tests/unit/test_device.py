@@ -9,9 +9,10 @@ import torch
 
 import kvstore
 from kvstore import device as D
-from kvstore.base import DEVICE_TYPES, KNOWN_TYPES
+from kvstore.base import DEVICE_TYPES
 from kvstore.core import optimizer as O
 from kvstore.errors import DTypeMismatchError, ShapeMismatchError
+from kvstore.stores import KNOWN_TYPES
 from tests.helpers import cuda_devices
 
 

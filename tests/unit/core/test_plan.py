@@ -1,4 +1,5 @@
-"""Unit tests of kvstore.plan: how a call's keys become batches, whole pieces and chunks."""
+"""Unit tests of kvstore.plan: how a call's keys become batches, whole pieces and chunks, and how the
+replies to a pull are put back together."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from kvstore.core.plan import (
     Part,
     Send,
     chunk_elements,
+    collect,
     pack,
     plan,
     unpack,
 )
+from kvstore.core.values import meta_of
+from kvstore.errors import ProtocolError
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
@@ -123,3 +127,52 @@ def test_unpack_refuses_a_reply_of_the_wrong_size():
     send = Send(0, [Part("a", 0, 3), Part("b", 0, 2)])
     with pytest.raises(ValueError, match="4 elements where 5"):
         unpack(send, np.zeros(4, np.float32))
+
+
+def _pulled(values: dict, pieces: dict, batch_bytes: int = 1 << 20) -> tuple[list, list, list]:
+    """The messages of a pull of ``values``' keys (placed as ``pieces``) and the frames a faithful
+    server answers them with."""
+    keys = list(values)
+    sends = plan([(k, values[k].dtype, pieces[k]) for k in keys], batch_bytes, 0, chunked=False)
+    flats = {k: v.reshape(-1) for k, v in values.items()}
+    return keys, sends, [[pack(s, flats).copy()] for s in sends]
+
+
+def test_collect_reassembles_batched_and_split_keys():
+    """Keys batched together and a key split over two servers come back whole, in their shapes."""
+    values = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.float32),
+              "w": np.arange(20, dtype=np.float64).reshape(4, 5)}
+    pieces = {"a": whole(0, 6), "b": whole(0, 4), "w": [Piece(0, 0, 8), Piece(1, 8, 20)]}
+    keys, sends, frames = _pulled(values, pieces)
+    got = collect(keys, [meta_of(values[k]) for k in keys], sends, frames)
+    assert [g.shape for g in got] == [(2, 3), (4,), (4, 5)]
+    for key, array in zip(keys, got):
+        np.testing.assert_array_equal(array, values[key])
+
+
+def test_collect_writes_into_contiguous_numpy_outs():
+    """A C-contiguous numpy out is written in place and gets None; any other out gets a new value."""
+    values = {"w": np.arange(20, dtype=np.float32).reshape(4, 5), "s": np.arange(3, dtype=np.float32)}
+    pieces = {"w": [Piece(0, 0, 8), Piece(1, 8, 20)], "s": whole(1, 3)}
+    keys, sends, frames = _pulled(values, pieces)
+    outs = [np.zeros((4, 5), np.float32), np.zeros((3, 2), np.float32)[:, 0]]  # the second is strided
+    got = collect(keys, [meta_of(values[k]) for k in keys], sends, frames, outs)
+    assert got[0] is None
+    np.testing.assert_array_equal(outs[0], values["w"])
+    np.testing.assert_array_equal(got[1], values["s"])
+    assert not outs[1].any()
+    whole_out = [np.zeros(3, np.float32)]
+    _, sends, frames = _pulled({"s": values["s"]}, pieces)
+    assert collect(["s"], [meta_of(values["s"])], sends, frames, whole_out) == [None]
+    np.testing.assert_array_equal(whole_out[0], values["s"])
+
+
+def test_collect_refuses_replies_that_do_not_match_their_messages():
+    """A reply without exactly one frame, or of the wrong length, is a ProtocolError naming the server."""
+    values = {"a": np.arange(4, dtype=np.float32)}
+    keys, sends, frames = _pulled(values, {"a": whole(2, 4)})
+    metas = [meta_of(values["a"])]
+    with pytest.raises(ProtocolError, match="server 2 answered a pull with 2 arrays"):
+        collect(keys, metas, sends, [frames[0] * 2])
+    with pytest.raises(ProtocolError, match="server 2: a reply holds 3 elements where 4"):
+        collect(keys, metas, sends, [[frames[0][0][:3]]])
