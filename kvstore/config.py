@@ -4,14 +4,13 @@ MXNet's ``DMLC_*`` contract (set by ``launch.py`` or any other cluster manager)
 plus this project's ``KVSTORE_*`` knobs become one frozen :class:`Config`.
 Every function takes an ``environ`` mapping so tests can pass plain dicts;
 ``None`` means ``os.environ``.  Every variable is listed in ``docs/env.md``.
+Nothing here probes the network: which address a node binds is :mod:`kvstore.net.address`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
-import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -204,18 +203,6 @@ def _auth_mode(env: Mapping[str, str]) -> str:
     return mode
 
 
-def check_bind(config: Config, host: str, what: str) -> None:
-    """Refuse to bind a non-loopback ``host`` without ``KVSTORE_SECRET`` (unless ``KVSTORE_INSECURE=1``).
-
-    Raises :class:`ConfigError` saying how to fix it.
-    """
-    if config.secret or config.insecure or _is_loopback(host):
-        return
-    raise ConfigError(f"{what} would listen on {host!r} without KVSTORE_SECRET, so anyone who can reach "
-                      "it could push, pull or stop the cluster. Set the same KVSTORE_SECRET on every node "
-                      "(launch.py does), or KVSTORE_INSECURE=1 on a network you trust.")
-
-
 def in_cluster(environ: Mapping[str, str] | None = None) -> bool:
     """True when the environment names a distributed role (as the launcher sets it)."""
     env = os.environ if environ is None else environ
@@ -250,84 +237,3 @@ def process_environ(overrides: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _interface_address(name: str) -> str:
-    """Return the IPv4 address of network interface ``name`` (Linux)."""
-    import fcntl
-    import struct
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        packed = struct.pack("256s", name.encode()[:15])
-        raw = fcntl.ioctl(sock.fileno(), 0x8915, packed)  # SIOCGIFADDR
-    except OSError as exc:
-        raise ConfigError(f"DMLC_INTERFACE={name!r}: cannot read its address ({exc})") from None
-    finally:
-        sock.close()
-    return socket.inet_ntoa(raw[20:24])
-
-
-def advertised_host(config: Config) -> str:
-    """The address a worker reports at registration (it binds nothing, so any name will do)."""
-    try:
-        return node_host(config)
-    except ConfigError:
-        return socket.gethostname()
-
-
-def node_host(config: Config) -> str:
-    """Return the address this node binds and advertises.
-
-    ``DMLC_NODE_HOST``, else the address of ``DMLC_INTERFACE``, else 127.0.0.1
-    when the scheduler is on a loopback address.  Raises :class:`ConfigError`
-    when none applies.
-    """
-    if config.node_host:
-        return config.node_host
-    if config.interface:
-        return _interface_address(config.interface)
-    if config.root_uri is None or _is_loopback(config.root_uri):
-        return "127.0.0.1"
-    raise ConfigError(
-        f"cannot tell which address to bind: DMLC_PS_ROOT_URI={config.root_uri} is not a loopback "
-        "address, so set DMLC_NODE_HOST to this node's address or DMLC_INTERFACE to its interface "
-        "(e.g. eth0)")
-
-
-def route_address(host: str, hint: str | None = None) -> str:
-    """Return this machine's address on the route to ``host`` (an IP address or a name; IPv4 first).
-
-    A UDP socket is ``connect()``-ed to ``host`` and its local address read back:
-    this only asks the kernel which source address it would use, no packet is sent.
-    ``kvstore.node`` uses it as ``DMLC_NODE_HOST`` when a cluster manager's scheduler
-    is not on a loopback address and neither ``DMLC_NODE_HOST`` nor ``DMLC_INTERFACE``
-    is set; the ssh launcher for the scheduler's address.  Raises :class:`ConfigError`
-    when ``host`` does not resolve or no route leads to it; ``hint`` says how to fix it.
-    """
-    target = host.strip("[]")
-    hint = hint or "set DMLC_NODE_HOST to this node's address or DMLC_INTERFACE to its interface (e.g. eth0)"
-    try:
-        infos = socket.getaddrinfo(target, 9, type=socket.SOCK_DGRAM)
-    except OSError as exc:
-        raise ConfigError(f"cannot resolve {host!r} to find this node's address on the route to it "
-                          f"({exc}); {hint}") from None
-    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # 'localhost' -> 127.0.0.1 before ::1
-    failure: OSError | None = None
-    for family, kind, proto, _, address in infos:
-        try:
-            with socket.socket(family, kind, proto) as sock:
-                sock.connect(address)
-                return str(sock.getsockname()[0])
-        except OSError as exc:
-            failure = exc
-    raise ConfigError(f"no route to {host!r} to find this node's address on ({failure}); {hint}")

@@ -35,7 +35,7 @@ from kvstore.errors import (
     error_code,
     error_from_code,
 )
-from kvstore.net import transport
+from kvstore.net import address, transport
 from kvstore.net.auth import channel_for, new_label
 from kvstore.net.handshake import register
 from kvstore.net.heartbeat import Heartbeat
@@ -66,7 +66,7 @@ class DistKVStore(KVStore):
         scheduler = transport.connect_dealer(cfg.root_address)
         channel = channel_for(cfg, new_label("worker"))
         try:
-            cmap = register(scheduler, channel, cfg, {"role": "worker", "host": kvconfig.advertised_host(cfg),
+            cmap = register(scheduler, channel, cfg, {"role": "worker", "host": address.advertised_host(cfg),
                                                       "rank": cfg.worker_id, "mode": self._mode}, "worker")
         except BaseException:
             transport.close(scheduler)
