@@ -21,6 +21,7 @@ from kvstore.base import KVStore
 from kvstore.core import snapshot as snapshot
 from kvstore.errors import (
     AuthenticationError,
+    ChildFailed,
     ConfigError,
     DeadlineExceededError,
     DTypeMismatchError,
@@ -30,11 +31,18 @@ from kvstore.errors import (
     KeyTypeError,
     KVStoreError,
     NodeLostError,
+    NotEnoughSlotsError,
     OptimizerError,
+    PlacementError,
     ProtocolError,
     RemoteError,
+    RoleFailed,
     ShapeMismatchError,
+    SparkJobFailed,
+    StartFailed,
     StoreClosedError,
+    SyncFailed,
+    TaskFailed,
     UnknownModeError,
 )
 from kvstore.stores import KNOWN_TYPES, create
@@ -48,4 +56,7 @@ __all__ = [
     "DuplicateInitError", "ShapeMismatchError", "DTypeMismatchError", "KeyTypeError",
     "DeadlineExceededError", "NodeLostError", "ProtocolError", "AuthenticationError",
     "RemoteError", "StoreClosedError", "OptimizerError", "FormatError",
+    # the launchers' (launch.py, kvstore.ray.run, kvstore.spark.run)
+    "ChildFailed", "StartFailed", "SyncFailed", "PlacementError", "RoleFailed", "SparkJobFailed",
+    "NotEnoughSlotsError", "TaskFailed",
 ]

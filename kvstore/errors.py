@@ -26,9 +26,17 @@ due, a number of values that does not match the number of keys, a read-only
      +-- FormatError(ValueError)           a file is not in kvstore's format, is of a newer
                                            version, or is damaged
 
-The launchers for Ray and Spark add ``kvstore.ray.PlacementError``,
-``kvstore.ray.RoleFailed``, ``kvstore.spark.SparkJobFailed`` and
-``kvstore.spark.NotEnoughSlotsError`` (a ConfigError) in their own modules.
+The launchers' errors are KVStoreErrors too, defined here as well (this module imports neither Ray
+nor Spark; ``kvstore.ray`` and ``kvstore.spark`` re-export theirs)::
+
+    ChildFailed           launch.py: a process exited when it should not have
+    StartFailed           launch.py: a process could not be started
+    SyncFailed            launch.py: rsync of --sync-dst-dir to a host failed
+    PlacementError        Ray could not place every role within the placement timeout
+    RoleFailed            a role on Ray exited non-zero, raised, or its actor died
+    SparkJobFailed        the Spark barrier job failed
+    TaskFailed            (also a RuntimeError) raised inside a Spark task; its text reaches the driver
+    NotEnoughSlotsError   (a ConfigError) fewer concurrent Spark task slots than 1 + S + W
 
 Errors cross the wire as ``(code, message)`` pairs; :func:`error_code` and
 :func:`error_from_code` translate between the two so a server-side
@@ -116,6 +124,75 @@ class OptimizerError(KVStoreError, ValueError):
 
 class FormatError(KVStoreError, ValueError):
     """A file is not in kvstore's format, is of a newer format version, or is damaged."""
+
+
+class ChildFailed(KVStoreError):
+    """A process ``launch.py`` started exited when it should not have (or with a non-zero code).
+
+    ``code`` is the launcher's exit code for it (never 0: a failed launch does not exit 0);
+    ``child`` is the launcher's record of the process, where there is one.
+    """
+
+    def __init__(self, message: str, code: int, child: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.child = child
+
+
+class StartFailed(KVStoreError):
+    """A process could not be started (the command does not exist or cannot be executed)."""
+
+
+class SyncFailed(KVStoreError):
+    """rsync of the working directory to a host failed; ``code`` is rsync's exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PlacementError(KVStoreError):
+    """The Ray cluster could not place the job's roles within the placement timeout."""
+
+
+class RoleFailed(KVStoreError):
+    """A role on Ray exited non-zero, its function raised, or its Ray actor died.
+
+    ``role`` is ``'scheduler'``, ``'server'`` or ``'worker'``; ``rank`` is None
+    for the scheduler; ``exit_code`` is the role's exit code (128 + signal when a
+    signal ended it, 1 for a function that raised), or None when its actor died.
+    """
+
+    def __init__(self, message: str, role: str, rank: int | None, exit_code: int | None) -> None:
+        super().__init__(message)
+        self.role, self.rank, self.exit_code = role, rank, exit_code
+
+
+class SparkJobFailed(KVStoreError):
+    """The barrier job of ``kvstore.spark.run`` failed: a worker's ``train_fn`` raised, a scheduler or
+    server exited with a non-zero code, or Spark aborted the job.
+
+    ``detail`` is the failed task's own message where it could be found in Spark's error (else the
+    first line of that error); the Spark exception is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+class NotEnoughSlotsError(ConfigError):
+    """The Spark application cannot run all ``1 + S + W`` barrier tasks at once."""
+
+
+class TaskFailed(KVStoreError, RuntimeError):
+    """Raised inside a Spark task (on an executor); its message, marked with :attr:`MARK`, reaches
+    the driver in Spark's error text, where ``task_failure_detail`` finds it again."""
+
+    MARK = "kvstore-spark-task-failed"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"[{self.MARK}] {message}")
 
 
 _CODES: dict[str, type[KVStoreError]] = {

@@ -3,6 +3,7 @@
 Importing this module imports ``ray`` (the ``[ray]`` extra); ``import kvstore`` never does.
 """
 
-from kvstore.launch.ray import PlacementError, RayJob, RoleFailed, run, start
+from kvstore.errors import PlacementError, RoleFailed
+from kvstore.launch.ray import RayJob, run, start
 
 __all__ = ["run", "start", "RayJob", "PlacementError", "RoleFailed"]

@@ -3,6 +3,7 @@
 Importing this module imports ``pyspark`` (the ``[spark]`` extra); ``import kvstore`` never does.
 """
 
-from kvstore.launch.spark import NotEnoughSlotsError, SparkJobFailed, run
+from kvstore.errors import NotEnoughSlotsError, SparkJobFailed
+from kvstore.launch.spark import run
 
 __all__ = ["run", "SparkJobFailed", "NotEnoughSlotsError"]

@@ -11,7 +11,6 @@ workers are gone.  A worker that leaves (LEAVE) stops counting toward barriers
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 
@@ -23,23 +22,17 @@ from kvstore.errors import (
     NodeLostError,
     ProtocolError,
 )
+from kvstore.launch.portfile import write as write_port_file
 from kvstore.net import address, transport
 from kvstore.net.auth import channel_for
 from kvstore.net.heartbeat import lost_error
 from kvstore.net.protocol import Message, Op
-from kvstore.net.router import RouterService, run_role
+from kvstore.net.role import run_role
+from kvstore.net.router import RouterService
 
 from .state import Barrier, Liveness, Node, Rendezvous
 
 log = logging.getLogger("scheduler")
-
-
-def write_port_file(path: str, port: int) -> None:
-    """Write ``port`` to ``path`` atomically (a temporary name, then a rename)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(f"{port}\n")
-    os.replace(tmp, path)
 
 
 class Scheduler:

@@ -1,6 +1,6 @@
 """What every launcher shares about the processes it starts: their environment rules and exit codes.
 
-The local and ssh launcher (``kvstore.launcher``), Ray (``kvstore.ray``) and
+The local and ssh launcher (``kvstore.launch.local``), Ray (``kvstore.ray``) and
 Spark (``kvstore.spark``) each build the environment of the roles they start
 and report how they ended; these are the rules they have in common.
 """
@@ -42,16 +42,6 @@ def with_node_host(env: Mapping[str, str], host: str) -> dict[str, str]:
     else:
         out["DMLC_NODE_HOST"] = host
     return out
-
-
-def read_port_file(path: str) -> int | None:
-    """The port a scheduler wrote to its ``KVSTORE_PORT_FILE`` at ``path``, or None while there is none
-    (the file is written once, atomically: a read finds no file or the whole port)."""
-    try:
-        with open(path) as fh:
-            return int(fh.read().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def exit_code(returncode: int) -> int:

@@ -5,7 +5,7 @@ The scheduler and servers are started by module name (``python -m scheduler``,
 word ending in ``.py`` runs with this Python).  The process is replaced with
 ``exec``, so signals from a cluster manager reach the role directly.
 
-Without ``DMLC_ROLE`` the node asks :mod:`kvstore.adapters` which cluster manager
+Without ``DMLC_ROLE`` the node asks :mod:`kvstore.launch.managers` which cluster manager
 started it (TF_CONFIG, torchrun, MPI, Slurm, a Kubernetes indexed Job) and
 derives the ``DMLC_*`` variables from that manager's environment and the role
 plan (docs/cluster-managers.md).  The impure parts live here:
@@ -42,8 +42,11 @@ from datetime import timedelta
 
 from kvstore import config as kvconfig
 from kvstore.errors import ConfigError, DeadlineExceededError
-from kvstore.launch import adapters
 from kvstore.launch import envrules as roles
+from kvstore.launch import portfile
+from kvstore.launch.managers import NO_MANAGER, detect
+from kvstore.launch.managers.common import Adapter, Derivation
+from kvstore.launch.managers.torchrun import TorchStore, torch_store
 from kvstore.net import address
 
 MPI_NAME_BYTES = 256  # MPI_MAX_PROCESSOR_NAME is 256 in Open MPI, 128 in MPICH
@@ -105,9 +108,9 @@ def _run_derived(argv: list[str], env: dict[str, str]) -> int:
     """Derive the role from the cluster manager's environment, then exec it (or run it beside the
     scheduler); returns as :func:`main` says.  Raises ConfigError, DeadlineExceededError when the
     scheduler's port does not come through torchrun's store in time, or OSError when a fork fails."""
-    adapter = adapters.detect(env)
+    adapter = detect(env)
     if adapter is None:
-        raise ConfigError(adapters.NO_MANAGER)
+        raise ConfigError(NO_MANAGER)
     finalize: Callable[[], None] | None = None
     if adapter.name == "mpi" and not env.get("DMLC_PS_ROOT_URI", "").strip() and _have_mpi4py():
         root, finalize = _mpi_root_uri()  # MPI_Init: from here on every path finalizes
@@ -133,12 +136,12 @@ def _run_derived(argv: list[str], env: dict[str, str]) -> int:
     return exec_role(cmd, merged)
 
 
-def _prepare(adapter: adapters.Adapter, argv: list[str], env: dict[str, str]
-             ) -> tuple[adapters.Derivation, dict[str, str], list[str], adapters.TorchStore | None]:
+def _prepare(adapter: Adapter, argv: list[str], env: dict[str, str]
+             ) -> tuple[Derivation, dict[str, str], list[str], TorchStore | None]:
     """The derivation, the role's environment and argv, and the torchrun store this process (rank 0)
     publishes the scheduler's port in (else None).  The plan and the worker's command are checked
     before any wait for the port.  Raises ConfigError or DeadlineExceededError."""
-    store = adapters.torch_store(env)
+    store = torch_store(env)
     reader = store if store is not None and not store.publishes else None
     # A rank that reads the port derives once with the store's own port in its place, so that a plan
     # that does not fit fails at once instead of after the wait for a port rank 0 never publishes.
@@ -196,10 +199,11 @@ def node_host_env(env: Mapping[str, str]) -> dict[str, str]:
 # -- torchrun: the scheduler's port through the agent's store ---------------------------------------
 
 def _first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message without its final period (its type's name if empty)."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
 
 
-def check_store(store: adapters.TorchStore, timeout: float) -> None:
+def check_store(store: TorchStore, timeout: float) -> None:
     """Connect to torchrun's store at ``store.host:store.port`` and hang up, waiting at most ``timeout`` s.
 
     torchrun starts its processes only once its agent's store listens, so a
@@ -215,7 +219,7 @@ def check_store(store: adapters.TorchStore, timeout: float) -> None:
                           "without it") from None
 
 
-def read_store_port(store: adapters.TorchStore, timeout: float) -> int:
+def read_store_port(store: TorchStore, timeout: float) -> int:
     """Wait up to ``timeout`` seconds (from when torch is imported) for rank 0 to publish the scheduler's
     port in torchrun's store.
 
@@ -256,7 +260,7 @@ def read_store_port(store: adapters.TorchStore, timeout: float) -> int:
     return int(text)
 
 
-def publish_port(store: adapters.TorchStore, port_file: str, timeout: float) -> None:
+def publish_port(store: TorchStore, port_file: str, timeout: float) -> None:
     """Start a helper that publishes the scheduler's port in torchrun's store; return at once.
 
     Rank 0 calls it just before it ``exec``s the scheduler, which binds any free
@@ -301,14 +305,14 @@ def publish_port(store: adapters.TorchStore, port_file: str, timeout: float) -> 
     os.set_inheritable(write_end, True)  # kept open by the scheduler's exec until it exits
 
 
-def _publish(store: adapters.TorchStore, port_file: str, timeout: float, scheduler_alive: int) -> int:
+def _publish(store: TorchStore, port_file: str, timeout: float, scheduler_alive: int) -> int:
     """The helper of :func:`publish_port`: 0 once the port is in the store, else 1.  Raises nothing."""
     deadline = time.monotonic() + timeout
     where = f"torchrun's store at {store.host}:{store.port}"
     try:
         from torch.distributed import TCPStore  # now, while the scheduler starts: the readers' clocks run
 
-        while (port := roles.read_port_file(port_file)) is None:
+        while (port := portfile.read(port_file)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 print(f"kvstore.node: the scheduler did not report its port within {timeout:g} s "
@@ -331,6 +335,7 @@ def _publish(store: adapters.TorchStore, port_file: str, timeout: float, schedul
 # -- MPI --------------------------------------------------------------------------------------------
 
 def _have_mpi4py() -> bool:
+    """Whether mpi4py can be found (without importing it, which would initialise MPI).  Raises nothing."""
     import importlib.util
 
     return importlib.util.find_spec("mpi4py") is not None
@@ -403,6 +408,7 @@ def _die_with_parent(parent: int) -> Callable[[], None] | None:
         return None
 
     def preexec() -> None:
+        """In the child: ask for SIGTERM at the parent's death; kill itself if the parent is gone."""
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         except (OSError, AttributeError):
@@ -436,6 +442,7 @@ def run_with_scheduler(worker_cmd: list[str], env: dict[str, str]) -> int:
     children = [scheduler]
 
     def forward(signum: int, frame: object) -> None:
+        """Pass ``signum`` on to every running child's process group."""
         for child in children:
             if child.poll() is None:
                 try:

@@ -29,6 +29,8 @@ from tests.helpers import finish, launch, poll_for, tagged_pids
 
 ray = pytest.importorskip("ray", reason="needs the [ray] extra (pip install -e .[ray]): `import ray` failed")
 kvray = pytest.importorskip("kvstore.launch.ray")
+from kvstore.errors import PlacementError, RoleFailed  # noqa: E402
+from kvstore.launch import ray_actor, ray_job  # noqa: E402 -- after the skip: ray_job imports ray
 
 SCRIPT = str(Path(__file__).parents[1] / "scripts" / "sum_check.py")
 ROLE_ENV = {"KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
@@ -149,14 +151,14 @@ def raise_on_rank_1() -> None:
     kv.pull("x")
 
 
-class _StuckActor(kvray._RoleActor):
+class _StuckActor(ray_actor.RoleActor):
     """A role actor whose start of a command never returns (bounded at 120 s), as a stuck one would not."""
 
     def start_command(self, *args: object, **kwargs: object) -> None:
         threading.Event().wait(120)
 
 
-class _StuckCreationActor(kvray._RoleActor):
+class _StuckCreationActor(ray_actor.RoleActor):
     """A role actor whose creation never ends (bounded at 120 s): a process stuck starting."""
 
     def __init__(self, *args: object) -> None:
@@ -164,7 +166,7 @@ class _StuckCreationActor(kvray._RoleActor):
         super().__init__(*args)
 
 
-class _SlowCreationActor(kvray._RoleActor):
+class _SlowCreationActor(ray_actor.RoleActor):
     """Worker 0's actor takes 6 s to be created (a slow but healthy start: a big import, a runtime_env)."""
 
     def __init__(self, name: str, *args: object) -> None:
@@ -191,9 +193,9 @@ def _drain_to_exit(actor: object, timeout: float) -> tuple[list[str], int]:
 def test_a_function_worker_gets_its_environment_only_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """start_function's env is in os.environ while the function runs (where kvstore.create reads it),
     and gone again after: it travels as an argument, not in the actor's runtime_env."""
-    monkeypatch.setattr(kvray, "_leave_cluster", lambda failure: None)  # leave this process's store be
+    monkeypatch.setattr(ray_actor, "_leave_cluster", lambda failure: None)  # leave this process's store be
     name = f"KVSTORE_TEST_PROBE_{uuid.uuid4().hex[:8].upper()}"
-    actor = kvray._RoleActor("worker 0", (lambda: kvconfig.child_environ({}).get(name), (), {}))
+    actor = ray_actor.RoleActor("worker 0", (lambda: kvconfig.child_environ({}).get(name), (), {}))
     actor.start_function({name: "set"})
     _, code = _drain_to_exit(actor, 30)
     assert (code, actor.result()) == (0, "set")
@@ -213,7 +215,7 @@ def test_a_tethered_role_runs_under_a_keeper_that_carries_its_settings_but_not_t
     script = ("import os, signal; p = os.environ['KVSTORE_PORT_FILE']; open(p + '.tmp', 'w').write('4321'); "
               f"os.replace(p + '.tmp', p); print('secret', os.environ['KVSTORE_SECRET'] == {secret!r}, "
               "flush=True); signal.pause()")
-    actor = kvray._RoleActor("scheduler")
+    actor = ray_actor.RoleActor("scheduler")
     actor.start_command(["-c", script], {"KVSTORE_TEST_TAG": tag, "KVSTORE_SECRET": secret}, None, 5.0,
                         python=True, port_file=True)
     try:
@@ -323,7 +325,7 @@ def test_killing_a_role_actor_fails_the_run_naming_it(tag: str, ray_address: str
         assert sorted(_tethers(tag).values()) == ["keeper"] * 3 + ["tether"] * 3, _tethers(tag)
         killed = time.monotonic()
         ray.kill(job.actor(role, rank))
-        with pytest.raises(kvray.RoleFailed) as info:
+        with pytest.raises(RoleFailed) as info:
             job.wait(timeout=60)
     assert time.monotonic() - killed < 20
     assert (info.value.role, info.value.rank, info.value.exit_code) == (role, rank, None)
@@ -347,7 +349,7 @@ def test_an_actor_that_does_not_start_its_role_fails_the_start_in_time(
     DeadlineExceededError naming the scheduler and the wait that ran out (KVSTORE_CONNECT_TIMEOUT, or
     the placement timeout, 3 s here, the other one 60 s) instead of blocking, and tears the job down."""
     stuck = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=4)(actor)
-    monkeypatch.setattr(kvray, "_Remote", stuck)
+    monkeypatch.setattr(ray_job, "_Remote", stuck)
     env = {**ROLE_ENV, "KVSTORE_TEST_TAG": tag, "KVSTORE_CONNECT_TIMEOUT": connect}
     start = time.monotonic()
     with pytest.raises(DeadlineExceededError) as info:
@@ -367,7 +369,7 @@ def test_a_slow_actor_creation_is_not_held_against_the_connect_timeout(
     start calls nor the scheduler's rendezvous (both KVSTORE_CONNECT_TIMEOUT) counts the creation, and
     the run succeeds."""
     slow = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=4)(_SlowCreationActor)
-    monkeypatch.setattr(kvray, "_Remote", slow)
+    monkeypatch.setattr(ray_job, "_Remote", slow)
     env = {**ROLE_ENV, "KVSTORE_TEST_TAG": tag, "KVSTORE_CONNECT_TIMEOUT": "4"}
     results = kvray.run(sum_check, 2, 1, args=(1.0,), env=env, stdout=io.StringIO(), timeout=90)
     assert [result[:3] for result in results] == [(0, 2, 3.0), (1, 2, 3.0)]
@@ -413,7 +415,7 @@ def test_sigterm_to_the_launcher_exits_143_and_stops_everything(tag: str, ray_ad
 def test_a_raising_function_fails_the_run_with_its_traceback(tag: str, ray_address: str) -> None:
     """A worker function that raises: RoleFailed names the worker, carries the traceback, exit code 1."""
     out = io.StringIO()
-    with pytest.raises(kvray.RoleFailed) as info:
+    with pytest.raises(RoleFailed) as info:
         kvray.run(raise_on_rank_1, 2, 1, env={**ROLE_ENV, "KVSTORE_TEST_TAG": tag}, stdout=out, timeout=60)
     assert (info.value.role, info.value.rank, info.value.exit_code) == ("worker", 1, 1)
     message = str(info.value)
@@ -427,7 +429,7 @@ def test_a_job_that_cannot_be_placed_fails_fast_naming_cpus(ray_address: str) ->
     """worker_cpus=64 on a 2-CPU Ray: PlacementError within the placement timeout, saying what was
     asked and what there is; the placement group is removed."""
     start = time.monotonic()
-    with pytest.raises(kvray.PlacementError) as info:
+    with pytest.raises(PlacementError) as info:
         kvray.run(sum_check, 2, 1, args=(1.0,), worker_cpus=64, placement_timeout=2)
     assert time.monotonic() - start < 10
     message = str(info.value)

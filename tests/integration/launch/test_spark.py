@@ -28,6 +28,7 @@ from pyspark.sql import SparkSession  # noqa: E402
 
 import kvstore  # noqa: E402
 import kvstore.launch.spark as kvspark  # noqa: E402
+from kvstore.errors import NotEnoughSlotsError, SparkJobFailed  # noqa: E402
 from tests.helpers import REPO, poll_for, tagged_pids  # noqa: E402
 
 SLOTS = 6
@@ -201,7 +202,7 @@ def test_linear_model_trains_on_its_shares(spark):
 def test_failing_worker_fails_run_and_leaves_no_role(spark):
     tag = f"kvtest-{uuid.uuid4().hex}"
     started = time.monotonic()
-    with pytest.raises(kvspark.SparkJobFailed) as info:
+    with pytest.raises(SparkJobFailed) as info:
         kvspark.run(spark, fail_rank_1, 2, 1, args=(tag,), env={"KVSTORE_TEST_TAG": tag, **QUIET})
     assert time.monotonic() - started < FAILURE_SECONDS
     error = info.value
@@ -219,7 +220,7 @@ def test_failing_server_fails_run_with_its_output(spark):
         held.listen()
         port = held.getsockname()[1]
         started = time.monotonic()
-        with pytest.raises(kvspark.SparkJobFailed) as info:
+        with pytest.raises(SparkJobFailed) as info:
             kvspark.run(spark, join_only, 2, 1,
                         env={"KVSTORE_NODE_PORT": str(port), "KVSTORE_TEST_TAG": tag, **QUIET})
         elapsed = time.monotonic() - started
@@ -232,7 +233,7 @@ def test_failing_server_fails_run_with_its_output(spark):
 
 def test_too_few_slots_is_refused_before_any_job(spark):
     started = time.monotonic()
-    with pytest.raises(kvspark.NotEnoughSlotsError) as info:
+    with pytest.raises(NotEnoughSlotsError) as info:
         kvspark.run(spark, never_called, 3, 3)
     assert time.monotonic() - started < 5
     message = str(info.value)

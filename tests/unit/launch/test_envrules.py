@@ -47,13 +47,3 @@ def test_raise_interrupt_carries_the_signal() -> None:
         roles.raise_interrupt(signal.SIGTERM, None)
     assert info.value.args == (signal.SIGTERM,)
 
-
-def test_read_port_file(tmp_path) -> None:
-    """A written port is read back; no file, an empty one or a directory reads as 'not yet' (None)."""
-    path = tmp_path / "scheduler.port"
-    assert roles.read_port_file(str(path)) is None
-    path.write_text("")
-    assert roles.read_port_file(str(path)) is None
-    path.write_text("40123\n")
-    assert roles.read_port_file(str(path)) == 40123
-    assert roles.read_port_file(str(tmp_path)) is None

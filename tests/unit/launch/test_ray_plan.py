@@ -14,17 +14,19 @@ from pathlib import Path
 import pytest
 
 from kvstore import config as kvconfig
+from kvstore.errors import PlacementError, RoleFailed
 from kvstore.launch import envrules as roles
-from kvstore.launch.cli import LaunchConfig
+from kvstore.launch.options import LaunchConfig
 from kvstore.net import address
 from tests.helpers import REPO
 
 kvray = pytest.importorskip("kvstore.launch.ray", reason="needs the [ray] extra: `import ray` failed")
+from kvstore.launch import ray_actor, ray_cluster, ray_job, ray_plan  # noqa: E402 -- after the skip: ray_job imports ray
 
 
 def test_plan_has_scheduler_then_servers_then_workers_with_fractional_cpus() -> None:
     """Bundle i is role i: the scheduler, servers 0..S-1, workers 0..W-1, none asking a whole CPU."""
-    roles = kvray.plan_roles(3, 2)
+    roles = ray_plan.role_specs(3, 2)
     assert [r.name for r in roles] == ["scheduler", "server 0", "server 1",
                                        "worker 0", "worker 1", "worker 2"]
     assert [r.bundle() for r in roles] == [{"CPU": 0.05}] + [{"CPU": 0.1}] * 5
@@ -33,7 +35,7 @@ def test_plan_has_scheduler_then_servers_then_workers_with_fractional_cpus() -> 
 
 def test_plan_sizes_are_configurable_and_gpus_go_to_workers_only() -> None:
     """CPU sizes per kind of role; worker_gpus adds a GPU to each worker's bundle only."""
-    roles = kvray.plan_roles(2, 1, scheduler_cpus=0.5, server_cpus=2, worker_cpus=4, worker_gpus=1)
+    roles = ray_plan.role_specs(2, 1, scheduler_cpus=0.5, server_cpus=2, worker_cpus=4, worker_gpus=1)
     assert [r.bundle() for r in roles] == [{"CPU": 0.5}, {"CPU": 2},
                                            {"CPU": 4, "GPU": 1}, {"CPU": 4, "GPU": 1}]
 
@@ -48,20 +50,20 @@ def test_plan_sizes_are_configurable_and_gpus_go_to_workers_only() -> None:
 def test_bad_plans_are_value_errors(kwargs: dict, message: str) -> None:
     """Counts below 1, CPU amounts not > 0 and negative GPU amounts are refused, naming the argument."""
     with pytest.raises(ValueError, match=message):
-        kvray.plan_roles(**kwargs)
+        ray_plan.role_specs(**kwargs)
 
 
 def test_describe_request_and_cluster() -> None:
     """The placement error's two halves: what was asked (roles x size, total) and what there is."""
-    roles = kvray.plan_roles(2, 2, worker_cpus=64)
-    assert kvray.describe_request(roles) == ("1 scheduler x 0.05 CPU, 2 servers x 0.1 CPU, "
+    roles = ray_plan.role_specs(2, 2, worker_cpus=64)
+    assert ray_plan.describe_request(roles) == ("1 scheduler x 0.05 CPU, 2 servers x 0.1 CPU, "
                                              "2 workers x 64 CPU (128.2 CPU in all)")
-    one = kvray.plan_roles(1, 1, worker_gpus=0.5)
-    assert kvray.describe_request(one) == ("1 scheduler x 0.05 CPU, 1 server x 0.1 CPU, "
+    one = ray_plan.role_specs(1, 1, worker_gpus=0.5)
+    assert ray_plan.describe_request(one) == ("1 scheduler x 0.05 CPU, 1 server x 0.1 CPU, "
                                            "1 worker x 0.1 CPU + 0.5 GPU (0.25 CPU and 0.5 GPU in all)")
-    assert kvray.describe_cluster({"CPU": 2.0}, {"CPU": 1.5}, [2.0]) == \
+    assert ray_plan.describe_cluster({"CPU": 2.0}, {"CPU": 1.5}, [2.0]) == \
         "2 CPU in all, 1.5 available, on 1 node of at most 2 CPU"
-    assert kvray.describe_cluster({"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0}, [4.0, 4.0]) == \
+    assert ray_plan.describe_cluster({"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0}, [4.0, 4.0]) == \
         "8 CPU in all, 8 available; 2 GPU in all, 0 available, on 2 nodes of at most 4 CPU"
 
 
@@ -79,13 +81,13 @@ def test_only_kvstore_dmlc_and_omp_variables_are_forwarded_and_never_per_role_on
 def _env(spec: object, **overrides: object) -> dict[str, str]:
     kwargs = {"num_workers": 2, "num_servers": 1, "secret": "s3cret", "root_uri": "10.0.0.1",
               "root_port": 9000, "node_ip": "10.0.0.7", **overrides}
-    return kvray.role_environ(spec, **kwargs)
+    return ray_plan.role_environ(spec, **kwargs)
 
 
 def test_role_environments() -> None:
     """Each role gets the cluster contract, its own rank and node address, the secret, unbuffered
     output; workers default to OMP_NUM_THREADS=1."""
-    scheduler, server, worker0, worker1 = kvray.plan_roles(2, 1)
+    scheduler, server, worker0, worker1 = ray_plan.role_specs(2, 1)
     common = {"DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "10.0.0.1",
               "DMLC_PS_ROOT_PORT": "9000", "DMLC_NODE_HOST": "10.0.0.7", "KVSTORE_SECRET": "s3cret",
               "PYTHONUNBUFFERED": "1"}
@@ -101,7 +103,7 @@ def test_role_environments() -> None:
 def test_role_environment_precedence() -> None:
     """Lowest to highest: OMP default, the caller's variables, PYTHONUNBUFFERED/secret, env (--env),
     then the per-role ones, which nothing overrides; DMLC_INTERFACE replaces the node address."""
-    worker = kvray.plan_roles(1, 1)[2]
+    worker = ray_plan.role_specs(1, 1)[2]
     env = _env(worker, forwarded={"KVSTORE_SECRET": "callers", "KVSTORE_REQUEST_TIMEOUT": "5",
                                   "DMLC_NODE_HOST": "1.2.3.4"},
                extra={"OMP_NUM_THREADS": "4", "KVSTORE_REQUEST_TIMEOUT": "7", "KVSTORE_SECRET": "mine",
@@ -112,9 +114,9 @@ def test_role_environment_precedence() -> None:
     assert env["DMLC_NODE_HOST"] == "10.0.0.7"
     by_interface = _env(worker, forwarded={"DMLC_INTERFACE": "eth0"})
     assert by_interface["DMLC_INTERFACE"] == "eth0" and "DMLC_NODE_HOST" not in by_interface
-    assert "OMP_NUM_THREADS" not in _env(kvray.plan_roles(1, 1)[1])  # servers keep their own default
+    assert "OMP_NUM_THREADS" not in _env(ray_plan.role_specs(1, 1)[1])  # servers keep their own default
     # the caller's OMP_NUM_THREADS (forwarded) replaces the workers' default of 1, and reaches servers
-    for spec in kvray.plan_roles(1, 1)[1:]:
+    for spec in ray_plan.role_specs(1, 1)[1:]:
         assert _env(spec, forwarded=roles.forwarded({"OMP_NUM_THREADS": "8"}))["OMP_NUM_THREADS"] == "8"
 
 
@@ -124,7 +126,7 @@ def test_without_an_address_a_new_local_ray_is_started(monkeypatch: pytest.Monke
     calls: list[dict] = []
     monkeypatch.setattr(kvray.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(kvray.ray, "init", lambda **kwargs: calls.append(kwargs))
-    monkeypatch.setattr(kvray, "_disable_usage_stats", lambda: None)
+    monkeypatch.setattr(ray_cluster, "_disable_usage_stats", lambda: None)
     kvray.RayJob(["train.py"], 1, 1)._connect()
     kvray.RayJob(["train.py"], 1, 1, address="10.0.0.5:6379")._connect()
     assert [call["address"] for call in calls] == ["local", "10.0.0.5:6379"]
@@ -134,15 +136,15 @@ def test_death_reason_takes_rays_sentence() -> None:
     """The reason of a RayActorError is its 'The actor is dead because ...' line, else its first line."""
     text = ("The actor died unexpectedly before finishing this task.\n\tclass_name: _RoleActor\n"
             "The actor is dead because it was killed by `ray.kill`.")
-    assert kvray._death_reason(RuntimeError(text)) == "it was killed by `ray.kill`."
-    assert kvray._death_reason(RuntimeError("node lost\nmore")) == "node lost"
+    assert ray_job._death_reason(RuntimeError(text)) == "it was killed by `ray.kill`."
+    assert ray_job._death_reason(RuntimeError("node lost\nmore")) == "node lost"
 
 
 def test_wait_port_reports_the_exit_when_the_port_file_cannot_be_read(tmp_path: Path) -> None:
     """A scheduler that wrote its port and exited at once: the exit removes the port file's directory,
     maybe between wait_port seeing the file and opening it.  An unreadable port file (a directory
     here, which exists but cannot be opened) falls through to the exit code instead of raising."""
-    actor = kvray._RoleActor("scheduler")
+    actor = ray_actor.RoleActor("scheduler")
     actor._port_file = str(tmp_path)
     assert actor.wait_port(0.2) == (None, None)  # nothing readable, no exit: the deadline
     actor._exited(0)
@@ -179,10 +181,10 @@ class _FakeJob:
 
 @pytest.mark.parametrize("error,code,logged", [
     (None, 0, None),
-    (kvray.RoleFailed("worker 1 exited with code 3", "worker", 1, 3), 3,
+    (RoleFailed("worker 1 exited with code 3", "worker", 1, 3), 3,
      "worker 1 exited with code 3; stopping the other processes"),
-    (kvray.RoleFailed("worker 1 died (its Ray actor ...)", "worker", 1, None), 1, "worker 1 died"),
-    (kvray.PlacementError("Ray could not place the job"), 1, "Ray could not place the job"),
+    (RoleFailed("worker 1 died (its Ray actor ...)", "worker", 1, None), 1, "worker 1 died"),
+    (PlacementError("Ray could not place the job"), 1, "Ray could not place the job"),
     (KeyboardInterrupt(), 130, "interrupted"),
     (KeyboardInterrupt(signal.SIGTERM), 143, "interrupted"),
 ])

@@ -12,13 +12,16 @@ import pytest
 pytest.importorskip("pyspark", reason="kvstore.spark needs pyspark (pip install -e .[spark])")
 
 from kvstore import config as kvconfig  # noqa: E402
-from kvstore.errors import ConfigError, KVStoreError  # noqa: E402
-from kvstore.launch import envrules as roles  # noqa: E402
-from kvstore.launch.spark import (
-    Layout,
+from kvstore.errors import (  # noqa: E402
+    ConfigError,
+    KVStoreError,
     NotEnoughSlotsError,
     SparkJobFailed,
     TaskFailed,
+)
+from kvstore.launch import envrules as roles  # noqa: E402
+from kvstore.launch.spark_plan import (  # noqa: E402
+    Layout,
     check_env,
     check_slots,
     role_env,

@@ -1,0 +1,140 @@
+"""What ``launch.py`` is asked to start: :class:`LaunchConfig`, and :func:`parse_args`, which reads it
+from the command line (MXNet's tools/launch.py flags, plus the ssh and Ray launchers' own)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from dataclasses import dataclass, field
+
+from kvstore.core import snapshot
+from kvstore.errors import ConfigError
+from kvstore.launch.ssh import parse_hostfile
+
+# The flags of each launcher but 'local', by the LaunchConfig field (or ray_options key) they fill.
+SSH_FLAGS = (("-H", "hostfile"), ("--sync-dst-dir", "sync_dst_dir"), ("--ssh-args", "ssh_args"),
+             ("--remote-python", "remote_python"), ("--host-ip", "host_ip"))
+RAY_SIZE_FLAGS = (("--ray-server-cpus", "server_cpus", "CPUs each server's actor reserves (default 0.1)"),
+                  ("--ray-worker-cpus", "worker_cpus", "CPUs each worker's actor reserves (default 0.1)"),
+                  ("--ray-worker-gpus", "worker_gpus", "GPUs each worker's actor reserves (default 0)"),
+                  ("--ray-placement-timeout", "placement_timeout",
+                   "seconds to place and create every role (default 60)"))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What to start: ``num_workers`` workers running ``command`` and ``num_servers`` servers."""
+
+    num_workers: int
+    num_servers: int
+    command: list[str]
+    launcher: str = "local"
+    env: dict[str, str] = field(default_factory=dict)
+    hosts: list[tuple[str, int | None]] = field(default_factory=list)  # ssh: (host, ssh port)
+    sync_dst_dir: str | None = None  # ssh: rsync this directory there first and run from it
+    ssh_args: list[str] = field(default_factory=list)  # ssh: extra options for ssh and rsync
+    remote_python: str | None = None  # ssh: the Python on the hosts (default: this one's path)
+    host_ip: str | None = None  # ssh: the scheduler's address as the hosts reach it
+    ray_address: str | None = None  # ray: the cluster to join (default: start a local one)
+    ray_options: dict[str, float] = field(default_factory=dict)  # ray: server_cpus, ..., placement_timeout
+
+
+def parse_args(argv: list[str] | None = None) -> LaunchConfig:
+    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into a :class:`LaunchConfig`.
+    Raises SystemExit (code 2, the usage and the mistake on stderr) for a bad command line."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.error("give the command every worker runs, e.g. train.py")
+    if args.num_workers < 1 or (args.num_servers is not None and args.num_servers < 1):
+        parser.error("-n and -s must be at least 1")
+    extra = _extra_env(parser, args)
+    hosts = _ssh_hosts(parser, args)
+    ray_options = _ray_options(parser, args)
+    return LaunchConfig(args.num_workers, args.num_servers or args.num_workers,
+                        list(args.command), args.launcher, extra, hosts=hosts,
+                        sync_dst_dir=args.sync_dst_dir, ssh_args=shlex.split(args.ssh_args),
+                        remote_python=args.remote_python, host_ip=args.host_ip,
+                        ray_address=args.ray_address, ray_options=ray_options)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The argument parser of ``launch.py``.  Raises nothing."""
+    parser = argparse.ArgumentParser(
+        prog="launch.py", description="Start a kvstore cluster (1 scheduler, S servers, W workers) "
+        "on this machine, or over ssh on the hosts of -H, and run COMMAND on every worker.")
+    parser.add_argument("-n", "--num-workers", type=int, required=True, help="number of workers")
+    parser.add_argument("-s", "--num-servers", type=int, help="number of servers (default: -n)")
+    parser.add_argument("--launcher", choices=["local", "ssh", "ray"], default="local",
+                        help="how to start processes: 'local' (this machine, the default), 'ssh' "
+                        "(the hosts of -H) or 'ray' (actors on a Ray cluster; needs the [ray] extra)")
+    parser.add_argument("-H", "--hostfile", help="ssh: file of hosts, one 'host' or 'host:sshport' a line; "
+                        "process i (servers first, then workers) runs on host i %% len(hosts)")
+    parser.add_argument("--sync-dst-dir", metavar="DIR", help="ssh: rsync the current directory to DIR "
+                        "on every host first, and run there")
+    parser.add_argument("--ssh-args", default="", metavar="ARGS",
+                        help="ssh: extra options for ssh and rsync, one string, "
+                        "e.g. \"-i key -o BatchMode=yes\"")
+    parser.add_argument("--remote-python", metavar="PATH",
+                        help="ssh: the Python to run on the hosts (default: this one's path)")
+    parser.add_argument("--host-ip", metavar="ADDR", help="ssh: the address the hosts reach this machine's "
+                        "scheduler at (default: this machine's address on the route to the first host)")
+    parser.add_argument("--ray-address", metavar="ADDR", help="ray: the cluster to join, as ray.init takes "
+                        "it (default: start a local Ray instance for this job)")
+    for flag, name, what in RAY_SIZE_FLAGS:
+        parser.add_argument(flag, dest=name, type=float, metavar="N", help=f"ray: {what}")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="extra environment variable for every process (repeatable)")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="start from the snapshot kv.save_checkpoint(DIR) wrote (any number of servers)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker's command")
+    return parser
+
+
+def _extra_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """The variables ``--env`` and ``--resume`` add to every process.  Raises SystemExit (through
+    ``parser.error``) for an ``--env`` that is not NAME=VALUE or a ``--resume`` with no snapshot."""
+    extra = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--env {item!r} is not NAME=VALUE")
+        extra[name] = value
+    if args.resume is not None:
+        if not os.path.isfile(os.path.join(args.resume, snapshot.POINTER)):
+            parser.error(f"--resume {args.resume}: no snapshot there (no LATEST file); "
+                         "take one with kv.save_checkpoint(dir)")
+        extra["KVSTORE_RESUME"] = os.path.abspath(args.resume)
+    return extra
+
+
+def _ssh_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, int | None]]:
+    """The hosts of ``-H`` for ``--launcher ssh`` (none for the others).  Raises SystemExit (through
+    ``parser.error``) for a missing or bad host file, or ssh flags given to another launcher."""
+    if args.launcher == "ssh":
+        if not args.hostfile:
+            parser.error("--launcher ssh needs -H HOSTFILE")
+        try:
+            return parse_hostfile(args.hostfile)
+        except ConfigError as exc:
+            parser.error(str(exc))
+    given = [flag for flag, name in SSH_FLAGS if getattr(args, name)]
+    if given:
+        parser.error(f"{', '.join(given)} only apply to --launcher ssh")
+    return []
+
+
+def _ray_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, float]:
+    """The ``--ray-*`` sizes that were given, by RayJob's argument names.  Raises SystemExit (through
+    ``parser.error``) for Ray flags given to another launcher, or a size out of range."""
+    ray_options = {name: getattr(args, name) for _, name, _ in RAY_SIZE_FLAGS
+                   if getattr(args, name) is not None}
+    if (args.ray_address or ray_options) and args.launcher != "ray":
+        parser.error("--ray-* flags only apply to --launcher ray")
+    positive = ("server_cpus", "worker_cpus", "placement_timeout")  # an actor needs some CPU to be placed
+    if (any(not ray_options.get(name, 1) > 0 for name in positive)
+            or not ray_options.get("worker_gpus", 0) >= 0):
+        parser.error("--ray-server-cpus, --ray-worker-cpus and --ray-placement-timeout must be > 0, "
+                     "--ray-worker-gpus >= 0")
+    return ray_options

@@ -1,0 +1,228 @@
+"""What the barrier tasks of ``kvstore.spark.run`` do on the executors: each runs the role of its
+partition (see :class:`kvstore.launch.spark_plan.Layout`).
+
+The scheduler task starts ``python -m kvstore.scheduler`` under a tether (:mod:`kvstore.launch.tether`:
+the role dies with the task's Python process) on a free port of its executor's address, and every
+task learns that ``host:port`` through ``BarrierTaskContext.allGather``.  Server tasks run
+``python -m kvstore.server`` the same way; worker tasks call ``train_fn(records, *args)`` in the
+task's own Python process with the ``DMLC_*`` variables of their rank in the process environment.
+A second ``allGather`` after the workers are done tells the scheduler and server tasks to wait for
+their roles to exit.  Importing this module imports pyspark.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark import BarrierTaskContext
+
+from kvstore import config as kvconfig
+from kvstore.client.process import release_process_store
+from kvstore.errors import KVStoreError, TaskFailed
+from kvstore.launch import portfile, tether
+from kvstore.launch.spark_plan import SCHEDULER_PARTITION, Layout, role_env
+from kvstore.net import address
+
+TAIL_LINES = 20  # how much of a failed role's output its error shows
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a task needs; Spark pickles it (the secret too) into the job's task closure."""
+
+    layout: Layout
+    secret: str
+    env: dict[str, str]
+    train_fn: Callable[..., Any]
+    args: tuple
+    keyed: bool  # records arrive as (partition, record) pairs from the routing shuffle
+
+
+class _Role:
+    """One scheduler or server process under a tether, its output copied to the task's stderr."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.proc = tether.spawn(argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._pump = threading.Thread(target=self._copy_output, daemon=True)
+        self._pump.start()
+
+    def _copy_output(self) -> None:
+        """Copy the role's output to the task's stderr, prefixed, keeping its last TAIL_LINES lines."""
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            print(f"[kvstore {self.name}] {line}", file=sys.stderr, flush=True)
+
+    def failure(self, what: str) -> TaskFailed:
+        """The error of a role that ``what`` (e.g. 'exited with code 1'), with its last output."""
+        self._pump.join(2.0)  # the rest of its output, if the pipe closes
+        lines = "\n".join(self.tail) or "(no output)"
+        return TaskFailed(f"{self.name} {what}; its last output lines:\n{lines}")
+
+    def exit_code(self) -> int | None:
+        """The role's exit code, or None while it runs."""
+        return self.proc.poll()
+
+    def on_exit(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` from a thread of its own once the role has exited."""
+        threading.Thread(target=lambda: (self.proc.wait(), callback()), daemon=True).start()
+
+    def wait_port(self, path: str, timeout: float) -> int:
+        """The port the scheduler wrote to ``path``; raises TaskFailed if it exits or times out."""
+        port = portfile.wait(path, timeout, lambda seconds: self.wait(seconds) is not None, interval=0.02)
+        if port is not None:
+            return port
+        code = self.exit_code()
+        if code is not None:
+            raise self.failure(f"exited with code {code} before reporting its port")
+        raise self.failure(f"did not report its port within {timeout:g} s (KVSTORE_CONNECT_TIMEOUT)")
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` for the role to exit; its exit code, or None if it still runs."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace: float) -> None:
+        """Close the tether's pipe (it stops the role: SIGTERM, then SIGKILL after ``grace``) and reap."""
+        tether.release(self.proc)
+        try:
+            self.proc.wait(grace + 5.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._pump.join(2.0)
+
+
+def _task_host(ctx: BarrierTaskContext, partition: int, env: Mapping[str, str]) -> str:
+    """The address this task's roles bind and advertise: that of ``DMLC_INTERFACE`` when the executor's
+    environment or run()'s ``env`` names one, else the executor's host as Spark knows it."""
+    interface = kvconfig.child_environ(env).get("DMLC_INTERFACE")
+    if interface:
+        return address.node_host(kvconfig.Config(interface=interface))
+    return address.resolve_ip(ctx.getTaskInfos()[partition].address)
+
+
+def _await_workers(ctx: BarrierTaskContext, proc: _Role) -> list[dict]:
+    """The workers' reports from the second allGather (sent once all of them are done), while
+    watching the role: a role that fails before then fails this task at once, with its output."""
+    wake = threading.Event()
+    gathered: dict[str, Any] = {}
+
+    def gather() -> None:
+        try:
+            gathered["messages"] = ctx.allGather("")
+        except BaseException as exc:  # noqa: BLE001 - handed to the task's thread
+            gathered["error"] = exc
+        wake.set()
+
+    threading.Thread(target=gather, name="kvstore-spark-gather", daemon=True).start()
+    proc.on_exit(wake.set)
+    while True:
+        wake.wait()
+        if "messages" in gathered:
+            return [json.loads(m) for m in gathered["messages"] if m]
+        if "error" in gathered:
+            raise gathered["error"]
+        code = proc.exit_code()
+        if code is not None and code != 0:
+            raise proc.failure(f"exited with code {code} while the workers were running")
+        wake.clear()  # it exited 0 (the scheduler may, once every worker left): wait for the reports
+        if "messages" in gathered or "error" in gathered:
+            wake.set()
+
+
+def _role_task(job: JobSpec, ctx: BarrierTaskContext, role: str, rank: int | None, host: str) -> list:
+    """Run the scheduler (and share its address) or a server, until the workers are done."""
+    settings = kvconfig.load(kvconfig.child_environ({**job.env, "KVSTORE_SECRET": job.secret}))
+    name = role if rank is None else f"{role} {rank}"
+    proc: _Role | None = None
+    try:
+        if role == "scheduler":
+            with tempfile.TemporaryDirectory(prefix="kvstore-spark-") as workdir:
+                port_file = os.path.join(workdir, "scheduler.port")
+                env = role_env(role, None, job.layout, root_host=host, root_port=0, secret=job.secret,
+                               node_host=host, extra=job.env)
+                env["KVSTORE_PORT_FILE"] = port_file
+                proc = _Role(name, [sys.executable, "-m", "kvstore.scheduler"], env)
+                try:
+                    port = proc.wait_port(port_file, settings.connect_timeout)
+                except TaskFailed:
+                    ctx.allGather("")  # the others learn there is no scheduler and return
+                    raise
+            ctx.allGather(json.dumps({"host": host, "port": port}))
+        else:
+            root = ctx.allGather("")[SCHEDULER_PARTITION]
+            if not root:
+                return []  # the scheduler task failed; its error is the job's
+            address = json.loads(root)
+            env = role_env(role, rank, job.layout, root_host=address["host"], root_port=address["port"],
+                           secret=job.secret, node_host=host, extra=job.env)
+            proc = _Role(name, [sys.executable, "-m", "kvstore.server"], env)
+        reports = _await_workers(ctx, proc)
+        if not any(report["joined"] for report in reports):
+            return []  # no worker used the cluster: stopped below
+        code = proc.wait(settings.shutdown_timeout)
+        if code is None:
+            print(f"[kvstore {name}] still running {settings.shutdown_timeout:g} s after every worker "
+                  "left (KVSTORE_SHUTDOWN_TIMEOUT); stopping it", file=sys.stderr, flush=True)
+        elif code != 0:
+            raise proc.failure(f"exited with code {code}")
+        return []
+    finally:
+        if proc is not None and proc.exit_code() is None:
+            proc.stop(settings.shutdown_timeout)
+
+
+def _worker_task(job: JobSpec, ctx: BarrierTaskContext, rank: int, host: str, records: Iterator) -> list:
+    """Call train_fn with this rank's environment; leave the cluster whatever it did."""
+    root = ctx.allGather("")[SCHEDULER_PARTITION]
+    if not root:
+        return []  # the scheduler task failed; its error is the job's
+    address = json.loads(root)
+    env = role_env("worker", rank, job.layout, root_host=address["host"], root_port=address["port"],
+                   secret=job.secret, node_host=host, extra=job.env)
+    data = (record for _, record in records) if job.keyed else iter(())
+    try:
+        release_process_store("its cluster is gone")  # left by an earlier task of this Python worker
+    except KVStoreError:
+        pass
+    with kvconfig.process_environ(env):
+        try:
+            result = job.train_fn(data, *job.args)
+        except BaseException as exc:
+            try:
+                release_process_store(f"train_fn raised {type(exc).__name__}: {exc}")
+            except KVStoreError:
+                pass  # the train_fn's error is the one to report
+            raise TaskFailed(f"worker {rank}: train_fn raised {type(exc).__name__}: {exc}") from exc
+        try:
+            joined = release_process_store()
+        except KVStoreError as exc:
+            raise TaskFailed(f"worker {rank}: leaving the cluster failed: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    ctx.allGather(json.dumps({"rank": rank, "joined": joined}))
+    return [(rank, result)]
+
+
+def run_task(job: JobSpec, records: Iterator) -> list:
+    """One barrier task: the role of this partition (see :class:`Layout`)."""
+    ctx = BarrierTaskContext.get()
+    partition = ctx.partitionId()
+    role, rank = job.layout.role_of(partition)
+    host = _task_host(ctx, partition, job.env)
+    if role == "worker":
+        return _worker_task(job, ctx, rank, host, records)
+    return _role_task(job, ctx, role, rank, host)
