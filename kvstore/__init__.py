@@ -13,12 +13,14 @@ Submodules: ``kvstore.optimizer`` (server-side update rules), ``kvstore.lr_sched
 Importing kvstore never imports torch.
 """
 
+from pathlib import Path as _Path
+
 from kvstore import checkpoint as checkpoint
 from kvstore import data as data
 from kvstore import lr_scheduler as lr_scheduler
 from kvstore import optimizer as optimizer
+from kvstore import snapshot as snapshot
 from kvstore.base import KVStore
-from kvstore.core import snapshot as snapshot
 from kvstore.errors import (
     AuthenticationError,
     ChildFailed,
@@ -47,6 +49,13 @@ from kvstore.errors import (
 )
 from kvstore.stores import KNOWN_TYPES, create
 from kvstore.trainer import Trainer
+
+# The scheduler's code is the repository's top-level scheduler/ folder, which setup.py installs as
+# kvstore.scheduler.  A source checkout used without that install (PYTHONPATH=., or a checkout that
+# shadows an installed copy) finds it under the same name through this one extra search path.
+_checkout = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "scheduler").is_dir() and (_checkout / "scheduler" / "process.py").is_file():
+    __path__.append(str(_checkout))  # noqa: F821 -- a package's own search path
 
 __version__ = "0.1.0"
 

@@ -99,7 +99,7 @@ class DeviceComm:
         """The sum of ``values`` (checked against ``meta``) as a new tensor on the key's merge device.
 
         Summed in list order, in the key's dtype, like the CPU path.  Raises the shape
-        and dtype errors of :func:`kvstore.values.check`.
+        and dtype errors of :func:`kvstore.core.values.check`.
         """
         for value in values:
             V.check(key, meta, value, "pushed value")

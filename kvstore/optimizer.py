@@ -5,6 +5,7 @@ or the ``Trainer``; subclass :class:`Optimizer` and :func:`register` it to add a
 """
 
 from kvstore.core.optimizer import (
+    BASE_PARAMS,
     NAG,
     OPTIMIZERS,
     SGD,
@@ -17,5 +18,5 @@ from kvstore.core.optimizer import (
     register,
 )
 
-__all__ = ["Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "OPTIMIZERS", "create", "from_spec",
+__all__ = ["BASE_PARAMS", "Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "OPTIMIZERS", "create", "from_spec",
            "register"]

@@ -1,6 +1,6 @@
 """``python -m kvstore.node CMD...``: one command line for every role.
 
-The scheduler and servers are started by module name (``python -m scheduler``,
+The scheduler and servers are started by module name (``python -m kvstore.scheduler``,
 ``python -m kvstore.server``) per ``DMLC_ROLE``; a worker runs ``CMD`` (a first
 word ending in ``.py`` runs with this Python).  The process is replaced with
 ``exec``, so signals from a cluster manager reach the role directly.

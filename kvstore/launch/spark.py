@@ -2,7 +2,7 @@
 
 One Spark job in barrier mode runs ``1 + S + W`` tasks at once, one per role:
 partition 0 runs the scheduler, partitions ``1..S`` the servers and partitions
-``S+1..S+W`` the workers.  The scheduler task starts ``python -m scheduler`` under
+``S+1..S+W`` the workers.  The scheduler task starts ``python -m kvstore.scheduler`` under
 a tether (:mod:`kvstore.launch.tether`: the role dies with the task's Python process)
 on a free port of its executor's address, and every task learns that
 ``host:port`` through ``BarrierTaskContext.allGather``.  Server tasks run

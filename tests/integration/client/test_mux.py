@@ -1,4 +1,4 @@
-"""kvstore.wire on real sockets: threads that send and wait share a worker's sockets correctly.
+"""kvstore.client.mux on real sockets: threads that send and wait share a worker's sockets correctly.
 
 A real ROUTER served by ``RouterService`` in a thread stands in for a server: it answers PULL at
 once and holds PUSH replies until the test releases them.

@@ -1,4 +1,4 @@
-"""Unit tests of kvstore.partition: key checks, home servers, slices and placement."""
+"""Unit tests of kvstore.core.partition: key checks, home servers, slices and placement."""
 
 from __future__ import annotations
 

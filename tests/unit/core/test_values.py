@@ -1,4 +1,4 @@
-"""Unit tests of kvstore.values: numpy arrays and torch tensors in, numpy out."""
+"""Unit tests of kvstore.core.values: numpy arrays and torch tensors in, numpy out."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests of kvstore.xp: the array operations shared by numpy arrays and (CPU) torch tensors."""
+"""Unit tests of kvstore.core.xp: the array operations shared by numpy arrays and (CPU) torch tensors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests of kvstore.roles: the environment rules and exit codes every launcher shares."""
+"""Unit tests of kvstore.launch.envrules: the environment rules and exit codes every launcher shares."""
 
 from __future__ import annotations
 
