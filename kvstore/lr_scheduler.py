@@ -10,5 +10,5 @@ from kvstore.core.lr_scheduler import (
     from_spec,
 )
 
-__all__ = ["LRScheduler", "FactorScheduler", "MultiFactorScheduler", "CosineScheduler", "SCHEDULERS", "WARMUP_MODES",
-           "from_spec"]
+__all__ = ["LRScheduler", "FactorScheduler", "MultiFactorScheduler", "CosineScheduler", "SCHEDULERS",
+           "WARMUP_MODES", "from_spec"]

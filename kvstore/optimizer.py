@@ -18,5 +18,5 @@ from kvstore.core.optimizer import (
     register,
 )
 
-__all__ = ["BASE_PARAMS", "Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "OPTIMIZERS", "create", "from_spec",
-           "register"]
+__all__ = ["BASE_PARAMS", "Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "OPTIMIZERS", "create",
+           "from_spec", "register"]
