@@ -32,6 +32,13 @@ DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 # chunk while the next is on the wire and a server's unread messages stay within a few MiB per worker.
 DEFAULT_BATCH_BYTES = 1 << 20
 DEFAULT_CHUNK_BYTES = 2 << 20
+WHOLE_CHUNKS = 4  # a slice of up to this many chunks travels whole (kvstore.core.plan)
+# The largest frame a server's or the scheduler's ROUTER accepts (zmq MAXMSGSIZE; a bigger one
+# disconnects its sender).  A worker's biggest legitimate frames are a slice of up to WHOLE_CHUNKS
+# chunks (8 MiB by default), a batch (1 MiB) and a header (at most MAX_HEADER_BYTES, 1 MiB): 16 MiB
+# leaves them twice that, and stops a stranger's declared multi-GiB frame at 16 MiB.
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+MIN_MESSAGE_BYTES = 1 << 20  # = kvstore.net.protocol.MAX_HEADER_BYTES: every header must fit
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class Config:
     update_on_kvstore: bool = True
     batch_bytes: int = DEFAULT_BATCH_BYTES
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     sum_order: str = "arrival"
 
     def missing_cluster_vars(self) -> list[str]:
@@ -181,8 +189,48 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
                                     fallback="MXNET_UPDATE_ON_KVSTORE", default=1)),
         batch_bytes=env_int(env, "KVSTORE_BATCH_BYTES", minimum=0, default=DEFAULT_BATCH_BYTES),
         chunk_bytes=env_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
+        max_message_bytes=_max_message_bytes(env),
         sum_order=_sum_order(env),
     )
+
+
+def _max_message_bytes(env: Mapping[str, str]) -> int:
+    value = env_int(env, "KVSTORE_MAX_MESSAGE_BYTES", minimum=0, default=DEFAULT_MAX_MESSAGE_BYTES)
+    if 0 < value < MIN_MESSAGE_BYTES:
+        raise ConfigError(f"KVSTORE_MAX_MESSAGE_BYTES={value} must be 0 (no limit) or at least "
+                          f"{MIN_MESSAGE_BYTES} (a message header may take up to {MIN_MESSAGE_BYTES} bytes)")
+    return value
+
+
+def check_message_limits(max_message_bytes: int, chunk_bytes: int, batch_bytes: int | None = None,
+                         source: str = "") -> None:
+    """Raise :class:`ConfigError` naming the variables when a worker's legitimate message could be
+    bigger than ``max_message_bytes`` (0: no limit): chunking off, 4 chunks over the limit, or
+    batches over it.  ``batch_bytes`` None skips the batch check; ``source`` says where the first
+    two values come from (e.g. " (the scheduler's)")."""
+    if not max_message_bytes:
+        return
+    limit = f"KVSTORE_MAX_MESSAGE_BYTES={max_message_bytes}{source}"
+    fix = f"set KVSTORE_CHUNK_BYTES to at most {max_message_bytes // WHOLE_CHUNKS}, or raise {limit}"
+    if chunk_bytes <= 0:
+        raise ConfigError(f"KVSTORE_CHUNK_BYTES=0{source} sends every value slice whole, however big, "
+                          f"so a big one would exceed {limit}: {fix} (0 lifts the limit)")
+    if WHOLE_CHUNKS * chunk_bytes > max_message_bytes:
+        raise ConfigError(f"a value slice of up to {WHOLE_CHUNKS} chunks travels whole, and {WHOLE_CHUNKS} "
+                          f"x KVSTORE_CHUNK_BYTES={chunk_bytes}{source} exceeds {limit}: {fix}")
+    if batch_bytes is not None and batch_bytes > max_message_bytes:
+        raise ConfigError(f"KVSTORE_BATCH_BYTES={batch_bytes} exceeds {limit}: set KVSTORE_BATCH_BYTES "
+                          f"to at most {max_message_bytes}, or raise the limit")
+
+
+def check_node_limit(own: int, cluster: int) -> None:
+    """Raise :class:`ConfigError` when a node whose own ``KVSTORE_MAX_MESSAGE_BYTES`` is ``own`` would
+    refuse frames the workers may send under the cluster's limit ``cluster`` (the scheduler's, from
+    the map; 0 is no limit): ``own`` is smaller."""
+    if own and not 0 < cluster <= own:
+        theirs = cluster or "0 (no limit)"
+        raise ConfigError(f"this node's KVSTORE_MAX_MESSAGE_BYTES={own} is smaller than the scheduler's "
+                          f"{theirs}, under which workers cut their messages: set the same value everywhere")
 
 
 def _sum_order(env: Mapping[str, str]) -> str:

@@ -43,7 +43,9 @@ class Scheduler:
         self.cfg = cfg
         host = address.bind_host(cfg.root_uri)
         address.check_bind(cfg, host, "the scheduler")
-        sock, self.port = transport.bind_router(host, cfg.root_port)
+        # every worker cuts its messages by this map's chunk size, under this map's limit
+        kvconfig.check_message_limits(cfg.max_message_bytes, cfg.chunk_bytes, cfg.batch_bytes)
+        sock, self.port = transport.bind_router(host, cfg.root_port, max_frame_bytes=cfg.max_message_bytes)
         self.service = RouterService(sock, channel_for(cfg, "scheduler"))
         self.session = secrets.token_bytes(16)  # keys every message once the map is out
         self.challenges: dict[bytes, tuple[str, str]] = {}  # identity -> (its nonce, our challenge)
@@ -99,7 +101,8 @@ class Scheduler:
         body = {"num_workers": self.cfg.num_workers, "num_servers": self.cfg.num_servers,
                 "servers": [[n.host, n.port] for n in self.servers], "mode": mode,
                 "seed": secrets.randbits(63), "session": self.session,
-                "chunk_bytes": self.cfg.chunk_bytes}  # one chunk size for all: servers check boundaries
+                "chunk_bytes": self.cfg.chunk_bytes,  # one chunk size for all: servers check boundaries
+                "max_message_bytes": self.cfg.max_message_bytes}  # every frame a worker sends fits
         now = time.monotonic()
         for role, nodes in ranked.items():
             for rank, node in enumerate(nodes):
@@ -252,5 +255,5 @@ class Scheduler:
 
 
 def main() -> int:
-    """Entry point of ``python -m scheduler``: run the scheduler configured by the environment."""
+    """Entry point of ``python -m kvstore.scheduler``: run the scheduler configured by the environment."""
     return run_role("scheduler", lambda cfg: Scheduler(cfg).run())

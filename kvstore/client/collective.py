@@ -18,6 +18,7 @@ from kvstore.client.mux import Request
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import optimizer as kvoptimizer
 from kvstore.core.partition import Key, Piece
+from kvstore.core.plan import plan
 from kvstore.core.values import Meta
 from kvstore.errors import DeadlineExceededError, KVStoreError, OptimizerError
 from kvstore.net.protocol import Message, Op
@@ -52,6 +53,7 @@ class StoreLink:
     pull: Callable[[list[Key]], list[Any]]  # the current values of initialised keys
     servers: Sequence[str]  # the servers' addresses, by index
     resume: str | None  # the KVSTORE_RESUME snapshot directory, if any
+    chunk_bytes: int = 0  # the cluster's chunk size (from the map): big state slices go in chunks
 
 
 class CollectiveCalls:
@@ -234,11 +236,28 @@ class CollectiveCalls:
                              "load_optimizer_states")
         requests = []
         for entry in states.entries:
-            names = list(entry.arrays)
-            flats = [entry.arrays[n].reshape(-1) for n in names]
-            for piece in self._link.pieces(entry.key):
-                arrays = [f[piece.start:piece.stop] for f in flats]
-                what = f"optimizer state of key {entry.key!r} to server {piece.server}"
-                body = {"key": entry.key, "count": entry.count, "names": names}
-                requests.append(self._link.submit(piece.server, Message(Op.STATE_SET, body, arrays), what))
+            requests.extend(self._send_state(entry))
         self._link.request_all(requests)
+
+    def _send_state(self, entry: checkpoint.StateEntry) -> list[Request]:
+        """Queue STATE_SET messages of one key's state: per server its slice of every state array,
+        in chunks (``lo``) cut as a push of that slice would be when it is big, so every frame fits
+        the cluster's ``KVSTORE_MAX_MESSAGE_BYTES``; return their requests."""
+        names = list(entry.arrays)
+        flats = [np.ascontiguousarray(entry.arrays[n]).reshape(-1) for n in names]
+        pieces = self._link.pieces(entry.key)
+        if flats:  # cut by the widest dtype, so no state's chunk is bigger than a push's
+            widest = max((f.dtype for f in flats), key=lambda d: d.itemsize)
+            sends = plan([(entry.key, widest, pieces)], 0, self._link.chunk_bytes)
+            cuts = [(s.server, s.parts[0].start, s.parts[0].stop, s.lo) for s in sends]
+        else:
+            cuts = [(p.server, p.start, p.stop, None) for p in pieces]
+        requests = []
+        for server, start, stop, lo in cuts:
+            body = {"key": entry.key, "count": entry.count, "names": names}
+            if lo is not None:
+                body["lo"] = lo
+            what = f"optimizer state of key {entry.key!r} to server {server}"
+            arrays = [f[start:stop] for f in flats]
+            requests.append(self._link.submit(server, Message(Op.STATE_SET, body, arrays), what))
+        return requests

@@ -52,9 +52,11 @@ class Request:
 class Wire:
     """The scheduler socket and one socket per server of a worker; see the module docstring."""
 
-    def __init__(self, scheduler: Any, servers: list[Any], rank: int, channel: Channel) -> None:
+    def __init__(self, scheduler: Any, servers: list[Any], rank: int, channel: Channel,
+                 max_frame_bytes: int = 0) -> None:
         self.sockets = {SCHEDULER: scheduler, **dict(enumerate(servers))}
         self.rank = rank
+        self.max_frame_bytes = max_frame_bytes  # the cluster's KVSTORE_MAX_MESSAGE_BYTES (0: none)
         self.channel = channel  # seals every request, opens every reply
         self._io = threading.Lock()  # the sockets (and the outbox's order on the wire)
         self._lock = threading.Lock()  # seq, sealing order, the in-flight table, failure, closing
@@ -77,8 +79,14 @@ class Wire:
 
         After :meth:`fail`, the request is failed at once with that error, unless
         ``after_failure`` (a LEAVE still goes out, so the scheduler can finish).
-        Raises :class:`StoreClosedError` after :meth:`stop`.
+        Raises :class:`StoreClosedError` after :meth:`stop`, :class:`ProtocolError` (nothing sent)
+        for an array bigger than the cluster's frame limit, which the receiver would disconnect.
         """
+        limit = self.max_frame_bytes
+        if limit and any(a.nbytes > limit for a in msg.arrays):  # planned messages never are
+            big = max(a.nbytes for a in msg.arrays)
+            raise ProtocolError(f"{what}: an array of {big} bytes exceeds the cluster's "
+                                f"KVSTORE_MAX_MESSAGE_BYTES={limit}; it was not sent")
         request = Request(what)
         msg.sender = self.rank
         with self._lock:  # sealed in queue order: each receiver must see the channel's numbers rise

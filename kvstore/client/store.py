@@ -26,8 +26,9 @@ from kvstore.client.mux import SCHEDULER, Request, Wire
 from kvstore.core import values as V
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, Piece, placement
-from kvstore.core.plan import Send, collect, pack, plan
+from kvstore.core.plan import Send, collect, init_body, pack, plan
 from kvstore.errors import (
+    ConfigError,
     DeadlineExceededError,
     KVStoreError,
     NodeLostError,
@@ -49,6 +50,33 @@ def mode_of(name: str) -> str:
     return "dist_async" if "async" in name else "dist_sync"
 
 
+def _join(scheduler: Any, channel: Any, cfg: kvconfig.Config, mode: str) -> dict:
+    """Register with the scheduler and return the cluster map's body; the socket is closed on failure.
+
+    Raises what registration raises, or :class:`ConfigError` when this worker's batches, or the map's
+    chunks, could exceed the map's ``KVSTORE_MAX_MESSAGE_BYTES``: the scheduler is told this worker
+    failed (LEAVE with the reason), so the other workers stop too instead of waiting for it.
+    """
+    try:
+        body = register(scheduler, channel, cfg, {"role": "worker", "host": address.advertised_host(cfg),
+                                                  "rank": cfg.worker_id, "mode": mode}, "worker").body
+    except BaseException:
+        transport.close(scheduler)
+        raise
+    try:
+        kvconfig.check_message_limits(body.get("max_message_bytes", 0), body.get("chunk_bytes", 0),
+                                      cfg.batch_bytes, source=" (the scheduler's)")
+    except ConfigError as exc:
+        why = {"failure": f"its settings were refused: {exc}"}
+        leave = Message(Op.LEAVE, why, seq=1, sender=body["rank"])
+        try:
+            transport.send(scheduler, channel.seal(leave, "scheduler"))
+        finally:
+            transport.close(scheduler, linger=1.0)  # the LEAVE may still leave
+        raise
+    return body
+
+
 class DistKVStore(KVStore):
     """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster.
 
@@ -65,19 +93,13 @@ class DistKVStore(KVStore):
         self._mode = mode_of(name)
         scheduler = transport.connect_dealer(cfg.root_address)
         channel = channel_for(cfg, new_label("worker"))
-        try:
-            cmap = register(scheduler, channel, cfg, {"role": "worker", "host": address.advertised_host(cfg),
-                                                      "rank": cfg.worker_id, "mode": self._mode}, "worker")
-        except BaseException:
-            transport.close(scheduler)
-            raise
-        body = cmap.body
+        body = _join(scheduler, channel, cfg, self._mode)
         self._rank, self._num_workers = body["rank"], body["num_workers"]
         self._seed = body["seed"]
         self._servers = [transport.address(h, p) for h, p in body["servers"]]
         logs.set_identity("worker", self._rank)
         servers = [transport.connect_dealer(a) for a in self._servers]
-        self._io = Wire(scheduler, servers, self._rank, channel)
+        self._io = Wire(scheduler, servers, self._rank, channel, body.get("max_message_bytes", 0))
         self._pushes: list[Request] = []  # push requests, pruned of finished ones now and then
         self._prune_at = 1024
         self._failures: dict[Key, BaseException] = {}  # refused pushes, raised by the key's next wait
@@ -90,7 +112,8 @@ class DistKVStore(KVStore):
         self._collective_calls = CollectiveCalls(StoreLink(
             run_collective=self._collective, barrier=self.barrier, submit=self._io.submit,
             request_all=self._request_all, pieces=self._pieces, metas=self._metas,
-            pull=lambda keys: self._pull(keys, 0), servers=self._servers, resume=cfg.resume))
+            pull=lambda keys: self._pull(keys, 0), servers=self._servers, resume=cfg.resume,
+            chunk_bytes=self._chunk_bytes))
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost)
         self._heartbeat.start()
         log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
@@ -139,7 +162,8 @@ class DistKVStore(KVStore):
         first, more = send.parts[0].key, len(send.parts) - 1
         keys = f"key {first!r}" + (f" and {more} more" if more else "")
         what = f"{op.name.lower()} of {keys} to server {send.server} ({self._servers[send.server]})"
-        return self._io.submit(send.server, Message(op, send.body(), [] if array is None else [array]), what)
+        body = init_body(send) if op is Op.INIT else send.body()
+        return self._io.submit(send.server, Message(op, body, [] if array is None else [array]), what)
 
     def _wait(self, requests: list[Request], timeout: float, knob: str) -> list[Message]:
         deadline = time.monotonic() + timeout
@@ -237,8 +261,10 @@ class DistKVStore(KVStore):
         def send_all() -> None:
             flats = {key: array.reshape(-1) for key, array in self._collective_calls.resumed(items)}
             entries = [(key, flat.dtype, self._place(key, flat.size)) for key, flat in flats.items()]
-            sends = plan(entries, self._cfg.batch_bytes, self._chunk_bytes, chunked=False)
-            self._request_all([self._submit(Op.INIT, s, pack(s, flats)) for s in sends])
+            sends = plan(entries, self._cfg.batch_bytes, self._chunk_bytes)  # big slices in chunks
+            with self._send_lock:  # a key's chunks leave as one run
+                requests = [self._submit(Op.INIT, s, pack(s, flats)) for s in sends]
+            self._request_all(requests)
 
         self._collective(f"init of {len(items)} key(s)", send_all)
 

@@ -8,13 +8,16 @@ server, or one slice per server).  Then, per server:
   array frame, up to ``batch_bytes`` of values per message (``batch_bytes=0``
   sends one message per piece);
 * **big pieces** go alone, whole up to :data:`WHOLE_CHUNKS` chunks, and beyond that
-  (pushes only: ``chunked``) cut into chunks of ``chunk_bytes`` (one message each),
-  so a server adds one chunk while the next is on the wire, and what a server has
-  received but not yet read stays small (``kvstore.server.INBOUND_MESSAGES``).
+  (pushes, INIT and STATE_SET: ``chunked``) cut into chunks of ``chunk_bytes`` (one
+  message each), so a server adds one chunk while the next is on the wire, what a
+  server has received but not yet read stays small (``kvstore.server.process.INBOUND_MESSAGES``),
+  and no frame exceeds ``KVSTORE_MAX_MESSAGE_BYTES`` (at least ``WHOLE_CHUNKS *
+  chunk_bytes``, ``kvstore.config.check_message_limits``).  Pulls ask for whole pieces.
   A whole piece lets a lone worker's push become the stored value with no copy.
 
 A message's body names its keys, the element count of each (``sizes``) and, for a
-chunk, the offset ``lo`` of the chunk in the server's slice (docs/protocol.md).
+chunk, the offset ``lo`` of the chunk in the server's slice (docs/protocol.md); a
+chunk's :attr:`Send.total` is its piece's element count (an INIT chunk carries it).
 The replies to a pull's messages are put back together by :func:`collect`.
 """
 
@@ -26,11 +29,11 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from kvstore.config import WHOLE_CHUNKS  # a piece of up to this many chunks goes in one message
 from kvstore.core.partition import Key, Piece
 from kvstore.errors import ProtocolError
 
 SMALL_BYTES = 64 * 1024  # a piece up to this size may share a message with others
-WHOLE_CHUNKS = 4  # a piece of up to this many chunks goes in one message
 BATCH_HEADER_BYTES = 256 * 1024  # a batch's keys stay well inside the protocol's 1 MiB header limit
 
 
@@ -52,7 +55,8 @@ class Part(NamedTuple):
 
 @dataclass
 class Send:
-    """One message to ``server``: its parts in order; ``lo`` is set for a chunk of a big piece.
+    """One message to ``server``: its parts in order; ``lo`` is set for a chunk of a big piece, and
+    ``total`` then holds that piece's element count.
 
     Complete once planned: its body and offsets are computed on first use and kept, since a
     plan is reused for every call with the same keys.
@@ -61,6 +65,7 @@ class Send:
     server: int
     parts: list[Part]
     lo: int | None = None
+    total: int | None = None
     _body: dict | None = field(default=None, repr=False, compare=False)
     _offsets: list[int] | None = field(default=None, repr=False, compare=False)
 
@@ -84,6 +89,13 @@ class Send:
         return self._offsets
 
 
+def init_body(send: Send) -> dict:
+    """An INIT message's body: a chunk also carries its piece's element count (``total``), since
+    the server does not know the key before its last chunk."""
+    body = send.body()
+    return body if send.lo is None else dict(body, total=send.total)
+
+
 def chunk_elements(chunk_bytes: int, dtype: np.dtype) -> int:
     """Elements per chunk of ``dtype`` (at least one)."""
     return max(1, chunk_bytes // dtype.itemsize)
@@ -96,7 +108,7 @@ def plan(entries: list[tuple[Key, np.dtype, list[Piece]]], batch_bytes: int, chu
     Messages are in order of their first part's appearance.  A key is always small or
     always big (its pieces' sizes are fixed at init), so a server sees a worker's
     messages for one key in the order the calls made them.
-    ``chunked=False`` sends big pieces whole (INIT).
+    ``chunked=False`` sends big pieces whole (pulls: a reply is one consistent slice).
     """
     sends: list[Send] = []
     open_batches: dict[tuple[int, np.dtype], list] = {}  # (server, dtype) -> [send, bytes, header bytes]
@@ -120,7 +132,8 @@ def plan(entries: list[tuple[Key, np.dtype, list[Piece]]], batch_bytes: int, chu
                 continue
             for start in range(piece.start, piece.stop, step):
                 stop = min(start + step, piece.stop)
-                sends.append(Send(piece.server, [Part(key, start, stop)], lo=start - piece.start))
+                sends.append(Send(piece.server, [Part(key, start, stop)], lo=start - piece.start,
+                                  total=piece.stop - piece.start))
     return sends
 
 

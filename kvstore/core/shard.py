@@ -35,6 +35,8 @@ Rules (docs/architecture.md, SEMANTICS.md):
 * A pull is answered once every contribution its worker started earlier for
   that key has been applied (read-your-writes); a pushpull is a push plus such
   a pull of the range it pushed.
+* A first value (INIT) or optimizer state (STATE_SET) sent in chunks (in order, by
+  one worker) is gathered aside and takes effect only with its last chunk.
 * A bad request raises before anything changes.
 
 Arrays handed out by :meth:`ShardState.pull` are never written to afterwards:
@@ -83,6 +85,16 @@ class _Assembly:
         self.tokens: list = []
 
 
+class _Staged:
+    """A key's first value (INIT) or optimizer state (STATE_SET) being gathered from its chunks."""
+
+    __slots__ = ("worker", "bufs", "covered", "info")
+
+    def __init__(self, worker: int, arrays: list[np.ndarray], total: int, info: Any) -> None:
+        self.worker, self.info, self.covered = worker, info, 0
+        self.bufs = [np.empty(total, a.dtype) for a in arrays]  # pages are touched as chunks arrive
+
+
 @dataclass
 class _KeyState:
     value: np.ndarray
@@ -108,6 +120,8 @@ class ShardState:
         self.updater = updater
         self.ordered = ordered  # sum in rank order (holding early chunks), or in arrival order
         self._keys: dict[Key, _KeyState] = {}
+        self._staged_inits: dict[Key, _Staged] = {}   # chunked INITs of keys not stored yet
+        self._staged_states: dict[Key, _Staged] = {}  # chunked STATE_SETs not installed yet
 
     def __contains__(self, key: Key) -> bool:
         return key in self._keys
@@ -126,6 +140,8 @@ class ShardState:
         for state in self._keys.values():
             total += sum(rnd.held_bytes() for rnd in state.rounds)
             total += sum(asm.buf.nbytes for asm in state.assembling.values())
+        for table in (self._staged_inits, self._staged_states):
+            total += sum(buf.nbytes for staged in table.values() for buf in staged.bufs)
         return total
 
     def value(self, key: Key) -> np.ndarray:
@@ -137,6 +153,39 @@ class ShardState:
         if key in self._keys:
             raise DuplicateInitError(f"key {key!r} is already initialised on this server")
         self._keys[key] = _KeyState(value=np.array(value, copy=True))
+        self._staged_inits.pop(key, None)
+
+    def init_chunk(self, worker: int, key: Key, value: np.ndarray, lo: int, total: int) -> bool:
+        """Take elements ``[lo, lo + value.size)`` of ``key``'s first value (1-D, ``total`` elements)
+        from ``worker``; store it once its chunks cover it, in order, and return whether it is stored
+        (until then the key is not initialised).  A chunk at offset 0 starts afresh (a retried init).
+        Raises, changing nothing: :class:`DuplicateInitError` for a stored key; ``ValueError`` for a
+        worker that is not a rank; :class:`ProtocolError` for a chunk that is empty, not 1-D, outside
+        ``[0, total)``, or does not continue the value gathered so far (offset, total, dtype, worker);
+        ``TypeError`` if ``lo`` is not an int."""
+        self._check_worker(worker)
+        if key in self._keys:
+            raise DuplicateInitError(f"key {key!r} is already initialised on this server")
+        bufs = _stage(self._staged_inits, "INIT", worker, key, [value], lo, total, None)
+        if bufs is None:
+            return False
+        self._keys[key] = _KeyState(value=bufs[0])  # ours: no copy
+        return True
+
+    def state_chunk(self, worker: int, key: Key, arrays: list[np.ndarray], lo: int,
+                    info: Any) -> list[np.ndarray] | None:
+        """Take elements ``[lo, lo + n)`` of each of ``key``'s optimizer state arrays (one 1-D array
+        of ``n`` elements per state, of the key's slice here) from ``worker``; return the whole arrays
+        once the chunks cover them, in order (the caller installs them), else None.  ``info`` (count,
+        names) must be the same in every chunk; a chunk at offset 0 starts afresh.  Raises, changing
+        nothing: :class:`KeyNotInitializedError` for an unknown key, else as :meth:`init_chunk`."""
+        self._check_worker(worker)
+        total = self._get(key).value.size
+        return _stage(self._staged_states, "STATE_SET", worker, key, arrays, lo, total, info)
+
+    def drop_staged_states(self) -> None:
+        """Forget every optimizer state still being gathered (a new optimizer drops all state)."""
+        self._staged_states.clear()
 
     def push(self, token: Any, worker: int, key: Key, value: np.ndarray, lo: int = 0) -> list[Completion]:
         """Contribute ``value`` from ``worker``; return the requests this answers (maybe none yet).
@@ -220,14 +269,17 @@ class ShardState:
         not acknowledged (nobody waits for them); from a contribution it left unfinished only the
         chunks it sent count, and rounds no longer wait for the rest (elements that no contribution
         of a round covers sum to 0).  In dist_async, a contribution it left unfinished is dropped.
-        Its waiting pulls are dropped.  Raises ``ValueError`` if ``worker`` is not a rank; leaving
-        twice changes nothing.
+        Its waiting pulls, and a first value or state it was sending in chunks, are dropped.  Raises
+        ``ValueError`` if ``worker`` is not a rank; leaving twice changes nothing.
         """
         self._check_worker(worker)
         if worker not in self.active:
             return []
         self.active.discard(worker)
         self._ranks = sorted(self.active)
+        for table in (self._staged_inits, self._staged_states):  # nobody will finish them
+            for key in [k for k, staged in table.items() if staged.worker == worker]:
+                del table[key]
         done: list[Completion] = []
         for key, state in self._keys.items():
             state.waiting_pulls = [p for p in state.waiting_pulls if p[1] != worker]
@@ -371,6 +423,54 @@ class ShardState:
         state.waiting_pulls = waiting
         value = state.value
         return [Completion(token, _part_of(value, lo, hi)) for token, _, _, lo, hi in ready]
+
+
+def _stage(table: dict[Key, _Staged], what: str, worker: int, key: Key, arrays: list[np.ndarray],
+           lo: int, total: int, info: Any) -> list[np.ndarray] | None:
+    """Copy a checked chunk into ``table[key]`` (a new entry at offset 0); return the whole arrays,
+    removed from ``table``, once they are covered, else None.  Raises as :func:`_check_chunk`."""
+    staged = table.get(key)
+    lo, hi = _check_chunk(staged, what, worker, key, arrays, lo, total, info)
+    if lo == 0:
+        staged = table[key] = _Staged(worker, arrays, total, info)
+    for buf, array in zip(staged.bufs, arrays):
+        buf[lo:hi] = array
+    staged.covered = hi
+    if hi < total:
+        return None
+    del table[key]
+    return staged.bufs
+
+
+def _check_chunk(staged: _Staged | None, what: str, worker: int, key: Key, arrays: list[np.ndarray],
+                 lo: int, total: int, info: Any) -> tuple[int, int]:
+    """The chunk's ``[lo, hi)``; raises :class:`ProtocolError` for a chunk that is malformed or does
+    not continue ``staged`` (``TypeError`` for a ``lo`` that is not an int)."""
+    lo = operator.index(lo)
+    n = arrays[0].size if arrays else 0
+    if not n or any(not isinstance(a, np.ndarray) or a.ndim != 1 or a.size != n for a in arrays):
+        raise ProtocolError(f"{what} of key {key!r}: a chunk is one non-empty 1-D array per state, "
+                            "all of one length")
+    if type(total) is not int or not 0 <= lo <= total - n:
+        raise ProtocolError(f"{what} of key {key!r}: chunk [{lo}, {lo + n}) is not inside [0, {total!r})")
+    if lo == 0:
+        return lo, n
+    if staged is None:
+        problem = "no chunk at offset 0 came first"
+    elif staged.worker != worker:
+        problem = f"worker {staged.worker} is sending this key's chunks"
+    elif staged.covered != lo:
+        problem = f"the chunks so far cover [0, {staged.covered})"
+    elif staged.bufs[0].size != total:
+        problem = f"the first chunk gave {staged.bufs[0].size} elements in all, this one {total}"
+    elif [b.dtype for b in staged.bufs] != [a.dtype for a in arrays]:
+        problem = f"dtypes {[str(a.dtype) for a in arrays]} differ from the first chunk's"
+    elif staged.info != info:
+        problem = f"{info!r} differs from the first chunk's {staged.info!r}"
+    else:
+        return lo, lo + n
+    raise ProtocolError(f"{what} of key {key!r}: worker {worker}'s chunk at offset {lo} does not continue "
+                        f"it ({problem}): chunks must come in order, from one worker")
 
 
 _SILENT = object()  # marks the push half of a pushpull, whose ack is folded into the pull's reply

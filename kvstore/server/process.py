@@ -38,7 +38,7 @@ log = logging.getLogger("kvstore.server")
 MB = 1 << 20
 # Flow control: zmq queues at most this many messages from each worker before it stops reading that
 # worker's connection, so what a server holds in messages it has not read stays about workers x
-# INBOUND_MESSAGES x the largest message (a chunk, or a slice of up to 4 chunks; kvstore.plan).
+# INBOUND_MESSAGES x the largest message (a chunk, or a slice of up to 4 chunks; kvstore.core.plan).
 INBOUND_MESSAGES = 8
 
 
@@ -74,7 +74,8 @@ class Server:
         self.cfg = cfg
         self.host = address.node_host(cfg)
         address.check_bind(cfg, self.host, "a server")
-        sock, self.port = transport.bind_router(self.host, cfg.node_port, inbound=INBOUND_MESSAGES)
+        sock, self.port = transport.bind_router(self.host, cfg.node_port, inbound=INBOUND_MESSAGES,
+                                                max_frame_bytes=cfg.max_message_bytes)
         self.service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} at join
         self.scheduler = transport.connect_dealer(cfg.root_address)
         self.to_scheduler = channel_for(cfg, new_label("server"))
@@ -94,6 +95,7 @@ class Server:
         cmap = register(self.scheduler, self.to_scheduler, self.cfg,
                         {"role": "server", "host": self.host, "port": self.port,
                          "rank": self.cfg.server_id}, "server")
+        kvconfig.check_node_limit(self.cfg.max_message_bytes, cmap.body.get("max_message_bytes", 0))
         rank = cmap.body["rank"]
         self.service.rank = rank
         self.service.channel.rename(f"server{rank}")  # workers address their requests to it
@@ -175,8 +177,15 @@ class Server:
 
     def _on_init(self, identity: bytes, msg: Message) -> None:
         keys, values, _, lo = self._entries(msg, True)
-        if lo is not None:
-            raise ProtocolError("INIT sends whole pieces, not chunks")
+        if lo is not None:  # a chunk: the key is stored with its last chunk
+            total = msg.body.get("total")
+            if not (isinstance(total, int) and not isinstance(total, bool) and total > 0):
+                raise ProtocolError("an INIT chunk ('lo') needs the slice's element count 'total' > 0")
+            stored = self.state.init_chunk(msg.sender, keys[0], values[0], lo, total)
+            if stored:
+                log.debug("key %r initialised from its chunks", keys[0])
+            self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+            return
         if len(set(keys)) != len(keys):
             raise ProtocolError("INIT names a key twice")
         for key in keys:
@@ -218,6 +227,7 @@ class Server:
         optimizer.num_update = max(optimizer.num_update, num_update)
         self.optimizer = optimizer
         self.state.updater = self._update
+        self.state.drop_staged_states()  # chunks of states of the optimizer it replaces
         log.info("optimizer set: %s", self.optimizer.spec()["name"])
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
@@ -249,7 +259,14 @@ class Server:
                 and len(names) == len(msg.arrays) and all(isinstance(n, str) for n in names)):
             raise ProtocolError(f"STATE_SET of key {key!r} needs a count >= 0 and one name per array")
         opt = self._need_optimizer(f"setting the optimizer state of key {key!r}")
-        opt.set_state(key, self.state.value(key), count, dict(zip(names, msg.arrays)))
+        arrays: list[np.ndarray] | None = list(msg.arrays)
+        lo = msg.body.get("lo")
+        if lo is not None:  # a chunk: the state is checked and installed with its last chunk
+            if not (isinstance(lo, int) and not isinstance(lo, bool) and lo >= 0):
+                raise ProtocolError(f"STATE_SET of key {key!r}: 'lo' must be an offset >= 0")
+            arrays = self.state.state_chunk(msg.sender, key, arrays, lo, (count, tuple(names)))
+        if arrays is not None:
+            opt.set_state(key, self.state.value(key), count, dict(zip(names, arrays)))
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def run(self) -> int:

@@ -23,7 +23,7 @@ SETTINGS = {
     "default": {},
     "unbatched": {"KVSTORE_BATCH_BYTES": "0"},
     "rank_order": {"KVSTORE_SUM_ORDER": "rank"},
-    "unchunked": {"KVSTORE_CHUNK_BYTES": "0"},
+    "unchunked": {"KVSTORE_CHUNK_BYTES": "0", "KVSTORE_MAX_MESSAGE_BYTES": "0"},  # unlimited, or refused
 }
 
 

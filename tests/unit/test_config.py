@@ -24,6 +24,7 @@ def test_defaults_from_empty_environ():
     assert cfg.request_timeout == 600.0
     assert cfg.shutdown_timeout == 10.0
     assert (cfg.batch_bytes, cfg.chunk_bytes, cfg.sum_order) == (1 << 20, 2 << 20, "arrival")
+    assert cfg.max_message_bytes == 16 << 20
 
 
 def test_load_reads_os_environ_when_none(monkeypatch):
@@ -43,13 +44,14 @@ def test_every_variable_is_parsed():
            "KVSTORE_SECRET": "s3cret", "KVSTORE_BIGARRAY_BOUND": "4096", "KVSTORE_CONNECT_TIMEOUT": "1.5",
            "KVSTORE_REQUEST_TIMEOUT": "30", "KVSTORE_SHUTDOWN_TIMEOUT": "0.25",
            "KVSTORE_PORT_FILE": "/tmp/port", "KVSTORE_LOG_LEVEL": "debug", "KVSTORE_BATCH_BYTES": "0",
-           "KVSTORE_CHUNK_BYTES": "65536", "KVSTORE_SUM_ORDER": "Rank", "KVSTORE_NODE_PORT": "7070"}
+           "KVSTORE_CHUNK_BYTES": "65536", "KVSTORE_SUM_ORDER": "Rank", "KVSTORE_NODE_PORT": "7070",
+           "KVSTORE_MAX_MESSAGE_BYTES": "4194304"}
     assert kvconfig.load(env) == kvconfig.Config(
         role="worker", root_uri="10.1.2.3", root_port=9000, num_servers=4, num_workers=8,
         node_host="10.1.2.9", interface="eth1", worker_id=5, server_id=2, secret="s3cret",
         bigarray_bound=4096, connect_timeout=1.5, request_timeout=30.0, shutdown_timeout=0.25,
         port_file="/tmp/port", log_level="DEBUG", batch_bytes=0, chunk_bytes=65536, sum_order="rank",
-        node_port=7070)
+        node_port=7070, max_message_bytes=4 << 20)
 
 
 @pytest.mark.parametrize("role", ["scheduler", "server", "worker"])
@@ -111,6 +113,8 @@ def test_bad_mxnet_bigarray_bound_names_the_variable_that_was_set(raw):
     ("KVSTORE_SHUTDOWN_TIMEOUT", "0"), ("KVSTORE_SHUTDOWN_TIMEOUT", "10s"),
     ("KVSTORE_BATCH_BYTES", "-1"), ("KVSTORE_BATCH_BYTES", "1M"), ("KVSTORE_CHUNK_BYTES", "-4096"),
     ("KVSTORE_SUM_ORDER", "random"), ("KVSTORE_NODE_PORT", "65536"), ("KVSTORE_NODE_PORT", "any"),
+    ("KVSTORE_MAX_MESSAGE_BYTES", "-1"), ("KVSTORE_MAX_MESSAGE_BYTES", "16M"),
+    ("KVSTORE_MAX_MESSAGE_BYTES", "1048575"),
 ])
 def test_invalid_value_raises_config_error_naming_the_variable(name, raw):
     """A present but invalid value raises ConfigError whose message names the variable."""
@@ -269,3 +273,71 @@ def test_process_environ_restores_after_an_exception(monkeypatch):
         assert kvconfig.load().num_workers == 7
         raise RuntimeError("boom")
     assert kvconfig.load().num_workers is None
+
+
+# -- KVSTORE_MAX_MESSAGE_BYTES and the settings it bounds ---------------------------------------------
+
+def test_max_message_bytes_is_zero_for_no_limit_or_at_least_a_header():
+    """0 lifts the limit; the smallest limit is the protocol's largest header."""
+    from kvstore.net.protocol import MAX_HEADER_BYTES
+
+    assert kvconfig.MIN_MESSAGE_BYTES == MAX_HEADER_BYTES
+    assert kvconfig.load({"KVSTORE_MAX_MESSAGE_BYTES": "0"}).max_message_bytes == 0
+    smallest = kvconfig.load({"KVSTORE_MAX_MESSAGE_BYTES": str(MAX_HEADER_BYTES)})
+    assert smallest.max_message_bytes == MAX_HEADER_BYTES
+    with pytest.raises(ConfigError, match=f"=65536 must be 0 .* at least {MAX_HEADER_BYTES}"):
+        kvconfig.load({"KVSTORE_MAX_MESSAGE_BYTES": "65536"})
+
+
+def test_default_settings_fit_the_default_limit_with_room():
+    """The defaults pass the check: 4 chunks (8 MiB), a batch (1 MiB) and a header (1 MiB) fit 16 MiB."""
+    cfg = kvconfig.load({})
+    kvconfig.check_message_limits(cfg.max_message_bytes, cfg.chunk_bytes, cfg.batch_bytes)
+    assert kvconfig.WHOLE_CHUNKS * cfg.chunk_bytes <= cfg.max_message_bytes // 2
+    assert max(cfg.batch_bytes, kvconfig.MIN_MESSAGE_BYTES) <= cfg.max_message_bytes // 2
+
+
+@pytest.mark.parametrize("limit,chunk,batch", [
+    (1 << 20, 256 << 10, 1 << 20),   # exactly at the limit: 4 chunks and a batch of 1 MiB
+    (0, 0, 64 << 20),                # no limit: chunking off and huge batches are fine
+    (0, 1 << 30, 0),
+    (16 << 20, 1, 0),                # tiny chunks, batching off
+])
+def test_consistent_limits_pass(limit, chunk, batch):
+    """Settings under which every planned frame fits the limit are accepted."""
+    kvconfig.check_message_limits(limit, chunk, batch)
+
+
+@pytest.mark.parametrize("limit,chunk,batch,names", [
+    (16 << 20, 0, 1 << 20, ["KVSTORE_CHUNK_BYTES=0", "KVSTORE_MAX_MESSAGE_BYTES=16777216"]),
+    (16 << 20, (4 << 20) + 1, 1 << 20, ["KVSTORE_CHUNK_BYTES=4194305", "KVSTORE_MAX_MESSAGE_BYTES=16777216",
+                                         "at most 4194304"]),
+    (1 << 20, 256 << 10, (1 << 20) + 1, ["KVSTORE_BATCH_BYTES=1048577", "KVSTORE_MAX_MESSAGE_BYTES=1048576"]),
+])
+def test_settings_that_would_exceed_the_limit_are_refused_naming_the_variables(limit, chunk, batch, names):
+    """Chunking off, 4 chunks over the limit, or batches over it: ConfigError naming every variable
+    involved and the value that would fit."""
+    with pytest.raises(ConfigError) as info:
+        kvconfig.check_message_limits(limit, chunk, batch)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_the_batch_check_can_be_skipped_and_the_source_is_named():
+    """batch_bytes None checks the chunk size only; ``source`` tells where the values came from."""
+    kvconfig.check_message_limits(1 << 20, 256 << 10, None)
+    with pytest.raises(ConfigError, match=r"KVSTORE_CHUNK_BYTES=0 \(the scheduler's\)"):
+        kvconfig.check_message_limits(1 << 20, 0, None, source=" (the scheduler's)")
+
+
+@pytest.mark.parametrize("own,cluster,ok", [
+    (0, 0, True), (0, 16 << 20, True), (16 << 20, 16 << 20, True), (32 << 20, 16 << 20, True),
+    (16 << 20, 32 << 20, False), (16 << 20, 0, False),
+])
+def test_a_node_with_a_smaller_limit_than_the_scheduler_is_refused(own, cluster, ok):
+    """A server's own limit must admit whatever the scheduler's limit lets workers send."""
+    if ok:
+        kvconfig.check_node_limit(own, cluster)
+        return
+    with pytest.raises(ConfigError, match=f"KVSTORE_MAX_MESSAGE_BYTES={own} is smaller than the scheduler's"):
+        kvconfig.check_node_limit(own, cluster)

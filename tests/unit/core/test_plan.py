@@ -6,6 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvstore import config as kvconfig
+from kvstore.client.collective import CollectiveCalls, StoreLink
+from kvstore.core.checkpoint import StateEntry
 from kvstore.core.partition import Piece
 from kvstore.core.plan import (
     BATCH_HEADER_BYTES,
@@ -15,12 +18,14 @@ from kvstore.core.plan import (
     Send,
     chunk_elements,
     collect,
+    init_body,
     pack,
     plan,
     unpack,
 )
 from kvstore.core.values import meta_of
 from kvstore.errors import ProtocolError
+from kvstore.net.protocol import Op
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
@@ -92,11 +97,99 @@ def test_a_piece_of_up_to_whole_chunks_goes_whole():
     assert [s.lo for s in sends] == [i * step for i in range(WHOLE_CHUNKS + 1)]
 
 
-def test_chunking_off_and_init_send_big_pieces_whole():
-    """chunk_bytes=0, or chunked=False (INIT), sends each big piece in one message."""
+def test_chunking_off_and_pulls_send_big_pieces_whole():
+    """chunk_bytes=0, or chunked=False (pulls), sends each big piece in one message."""
     pieces = [Piece(0, 0, 1 << 20)]
     for sends in (plan([("w", F32, pieces)], 1 << 20, 0), plan([("w", F32, pieces)], 1 << 20, 4096, False)):
         assert [(s.lo, s.parts) for s in sends] == [(None, [Part("w", 0, 1 << 20)])]
+
+
+def test_init_chunks_carry_their_pieces_total():
+    """INIT is planned like a push: a big slice goes in chunks, and each chunk's body also names the
+    slice's element count (the server does not know the key yet); whole pieces and batches do not."""
+    step = chunk_elements(1 << 18, F32)
+    pieces = [Piece(0, 0, 10 * step + 3), Piece(1, 10 * step + 3, 12 * step)]
+    sends = plan([("w", F32, pieces), ("s", F32, whole(0, 5)), ("t", F32, whole(0, 5))], 1 << 20, 1 << 18)
+    chunks = [s for s in sends if s.lo is not None]
+    assert [(s.server, s.lo) for s in chunks] == [(0, i * step) for i in range(11)]
+    assert [init_body(s) for s in chunks][-1] == {"keys": ["w"], "sizes": [3], "lo": 10 * step,
+                                                  "total": 10 * step + 3}
+    assert all(init_body(s)["total"] == 10 * step + 3 for s in chunks)
+    others = [s for s in sends if s.lo is None]
+    assert [init_body(s) for s in others] == [{"keys": ["w"], "sizes": [2 * step - 3]},
+                                              {"keys": ["s", "t"], "sizes": [5, 5]}]
+    assert all("total" not in s.body() for s in sends)  # a push chunk does not carry it
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_planned_frame_fits_the_message_limit(seed):
+    """Under any settings kvstore.config.check_message_limits accepts, no message a worker plans for a
+    push or an INIT carries an array frame bigger than KVSTORE_MAX_MESSAGE_BYTES."""
+    rng = np.random.default_rng(seed)
+    limit = int(rng.integers(kvconfig.MIN_MESSAGE_BYTES, 20 << 20))
+    chunk = int(rng.integers(limit // 64, limit // WHOLE_CHUNKS + 1))  # a few hundred chunks at most
+    batch = int(rng.choice([0, rng.integers(1, limit + 1), limit]))
+    kvconfig.check_message_limits(limit, chunk, batch)
+    dtypes = [np.dtype(d) for d in ("float16", "float32", "float64", "int32")]
+    entries = []
+    for i in range(40):
+        size = int(rng.choice([1, 1000, SMALL_BYTES // 2, rng.integers(1, 3 * limit // 8)]))
+        cut = int(rng.integers(0, size + 1))
+        pieces = [Piece(0, 0, cut), Piece(1, cut, size)] if cut else whole(0, size)
+        entries.append((i, dtypes[i % 4], [p for p in pieces if p.stop > p.start]))
+    sends = plan(entries, batch, chunk)
+    itemsize = {i: dtype.itemsize for i, dtype, _ in entries}
+    for send in sends:
+        assert send.offsets()[-1] * itemsize[send.parts[0].key] <= limit, (limit, chunk, batch, send)
+    assert any(s.lo is not None for s in sends)
+
+
+def _state_messages(entry: StateEntry, pieces: list[Piece], chunk_bytes: int) -> list[tuple[int, object]]:
+    """The (server, message) pairs CollectiveCalls sends to load ``entry``'s state."""
+    sent = []
+    link = StoreLink(run_collective=None, barrier=None, request_all=None, metas=None, pull=None,
+                     submit=lambda server, msg, what: sent.append((server, msg)) or what,
+                     pieces=lambda key: pieces, servers=["a", "b"], resume=None, chunk_bytes=chunk_bytes)
+    assert len(CollectiveCalls(link)._send_state(entry)) == len(sent)
+    return sent
+
+
+def test_state_set_of_a_big_slice_goes_in_chunks_cut_by_the_widest_state():
+    """STATE_SET is cut as a push of the slice would be, by its widest state dtype (a float16 weight's
+    float32 master copy): every array frame stays within WHOLE_CHUNKS chunks, each chunk names its
+    offset, and the chunks of each server put its slice of every state back together."""
+    n, chunk = 100_000, 16 << 10
+    rng = np.random.default_rng(3)
+    arrays = {"mean": rng.standard_normal(n).astype(np.float16),
+              "weight32": rng.standard_normal(n).astype(np.float32)}
+    entry = StateEntry("w", (n,), np.dtype(np.float16), 7, arrays)
+    pieces = [Piece(0, 0, 60_000), Piece(1, 60_000, n)]
+    sent = _state_messages(entry, pieces, chunk)
+    step = chunk_elements(chunk, F32)
+    for server, piece in enumerate(pieces):
+        mine = [msg for s, msg in sent if s == server]
+        assert [m.body["lo"] for m in mine] == list(range(0, piece.stop - piece.start, step))
+        for m in mine:
+            assert m.op is Op.STATE_SET and (m.body["key"], m.body["count"]) == ("w", 7)
+            assert m.body["names"] == ["mean", "weight32"]
+            assert all(a.nbytes <= chunk for a in m.arrays)
+        for i, name in enumerate(["mean", "weight32"]):
+            joined = np.concatenate([m.arrays[i] for m in mine])
+            np.testing.assert_array_equal(joined, arrays[name][piece.start:piece.stop])
+
+
+def test_state_set_of_small_slices_and_without_chunking_goes_whole():
+    """A slice of up to WHOLE_CHUNKS chunks, any slice with chunking off, and a state with no arrays
+    go in one STATE_SET per server, with no offset."""
+    arrays = {"mom": np.arange(1000, dtype=np.float32)}
+    entry = StateEntry(5, (1000,), np.dtype(np.float32), 2, arrays)
+    pieces = [Piece(0, 0, 400), Piece(1, 400, 1000)]
+    for chunk_bytes in (1 << 20, 0):
+        sent = _state_messages(entry, pieces, chunk_bytes)
+        assert [(s, "lo" in m.body, m.arrays[0].size) for s, m in sent] == [(0, False, 400), (1, False, 600)]
+    bare = StateEntry(5, (1000,), np.dtype(np.float32), 2, {})
+    assert [(s, m.body, m.arrays) for s, m in _state_messages(bare, pieces, 64)] == [
+        (0, {"key": 5, "count": 2, "names": []}, []), (1, {"key": 5, "count": 2, "names": []}, [])]
 
 
 def test_a_piece_just_over_small_goes_alone_unchunked():

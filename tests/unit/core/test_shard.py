@@ -1057,3 +1057,160 @@ def test_pull_many_checks_every_entry_before_answering_any():
         state.pull_many(0, [("a", "k", 0, 2), ("b", "j", 0, 3)], whole=True)
     done = state.pull_many(0, [("a", "k", 0, 2), ("b", "j", 1, 3)])
     assert [c.token for c in done] == ["a", "b"] and done[1].value.size == 2
+
+
+# -- chunked INIT and STATE_SET (a first value or a state too big for one message) ------------------
+
+def _snapshot(state: ShardState) -> tuple:
+    """What a refused chunk must leave unchanged: the keys held and everything being gathered."""
+    tables = {"init": state._staged_inits, "state": state._staged_states}
+    staged = {name: {k: (s.worker, s.covered, s.info, [b.tobytes() for b in s.bufs]) for k, s in t.items()}
+              for name, t in tables.items()}
+    return len(state), state.held_bytes(), staged
+
+
+def test_init_chunks_store_the_key_only_with_the_last_one():
+    """A chunked INIT is gathered aside: until its last chunk the key is not initialised (pulls and
+    pushes are refused, ``in`` is False); then it holds exactly the chunks' elements."""
+    state = ShardState(2, sync=True)
+    value = np.arange(10, dtype=np.float32)
+    assert not state.init_chunk(0, "k", ro(value[:4], np.float32), 0, 10)
+    assert not state.init_chunk(0, "k", ro(value[4:8], np.float32), 4, 10)
+    assert "k" not in state and len(state) == 0
+    assert state.held_bytes() == 40  # the buffer being filled
+    with pytest.raises(KeyNotInitializedError):
+        state.pull("t", 1, "k")
+    with pytest.raises(KeyNotInitializedError):
+        state.push("t", 1, "k", np.zeros(10, np.float32))
+    assert state.init_chunk(0, "k", ro(value[8:], np.float32), 8, 10)
+    assert "k" in state and state.held_bytes() == 0
+    np.testing.assert_array_equal(state.value("k"), value)
+    assert state.value("k").dtype == np.float32
+    assert tokens(state.pull("t", 1, "k")) == ["t"]
+
+
+def _half_staged() -> ShardState:
+    """A 2-worker state where worker 0 has sent elements [0, 4) of key 'k' (10 float32 elements)."""
+    state = ShardState(2, sync=True)
+    state.init_chunk(0, "k", ro(np.ones(4), np.float32), 0, 10)
+    return state
+
+
+@pytest.mark.parametrize("worker,chunk,lo,total,match", [
+    (0, ro(np.ones(3), np.float32), 5, 10, r"chunks so far cover \[0, 4\)"),      # a gap
+    (0, ro(np.ones(3), np.float32), 2, 10, r"chunks so far cover \[0, 4\)"),      # an overlap
+    (1, ro(np.ones(3), np.float32), 4, 10, "worker 0 is sending"),               # another worker
+    (0, ro(np.ones(3), np.float32), 4, 12, "first chunk gave 10 elements in all"),
+    (0, ro(np.ones(3), np.float64), 4, 10, r"dtypes \['float64'\] differ"),
+    (0, ro(np.ones(7), np.float32), 4, 10, r"chunk \[4, 11\) is not inside \[0, 10\)"),
+    (0, ro(np.ones(0), np.float32), 4, 10, "non-empty 1-D"),
+    (0, ro(np.ones((2, 2)), np.float32), 4, 10, "non-empty 1-D"),
+    (0, ro(np.ones(3), np.float32), 4, True, r"not inside \[0, True\)"),
+])
+def test_a_bad_init_chunk_is_refused_and_changes_nothing(worker, chunk, lo, total, match):
+    """A chunk out of order, from another worker, of another total or dtype, outside the value, empty or
+    not 1-D is a ProtocolError naming the key; what was gathered is untouched and can be finished."""
+    state = _half_staged()
+    before = _snapshot(state)
+    with pytest.raises(ProtocolError, match=match) as info:
+        state.init_chunk(worker, "k", chunk, lo, total)
+    assert "INIT of key 'k'" in str(info.value)
+    assert before == _snapshot(state) and "k" not in state
+    assert state.init_chunk(0, "k", ro(np.full(6, 2.0), np.float32), 4, 10)
+    np.testing.assert_array_equal(state.value("k"), [1] * 4 + [2] * 6)
+
+
+def test_an_init_chunk_that_starts_nowhere_is_refused():
+    """A chunk past offset 0 of a key nobody started is refused (nothing to continue)."""
+    state = ShardState(1, sync=False)
+    with pytest.raises(ProtocolError, match="no chunk at offset 0 came first"):
+        state.init_chunk(0, "k", ro([1.0]), 3, 10)
+    assert state.held_bytes() == 0 and "k" not in state
+
+
+def test_init_chunks_of_a_stored_key_or_a_bad_rank_are_refused():
+    """A chunk of a key already stored is a DuplicateInitError; a rank out of range a ValueError."""
+    state = make()
+    with pytest.raises(DuplicateInitError, match="'k' is already initialised"):
+        state.init_chunk(0, "k", ro([1.0]), 0, 2)
+    with pytest.raises(ValueError, match="worker rank 5"):
+        state.init_chunk(5, "new", ro([1.0]), 0, 2)
+    assert state.held_bytes() == 0
+
+
+def test_a_chunk_at_offset_zero_restarts_an_init_and_a_whole_init_replaces_it():
+    """A retried init starts again at offset 0, dropping the partial value; a whole INIT of the key
+    drops it too, so a later chunk of the old one is a DuplicateInitError."""
+    state = _half_staged()
+    assert not state.init_chunk(0, "k", ro(np.full(5, 3.0), np.float32), 0, 10)
+    assert state.held_bytes() == 40
+    assert state.init_chunk(0, "k", ro(np.full(5, 4.0), np.float32), 5, 10)
+    np.testing.assert_array_equal(state.value("k"), [3] * 5 + [4] * 5)
+    other = _half_staged()
+    other.init("k", np.zeros(10, np.float32))
+    assert other.held_bytes() == 0
+    with pytest.raises(DuplicateInitError):
+        other.init_chunk(0, "k", ro(np.ones(6), np.float32), 4, 10)
+
+
+def test_a_leaving_worker_drops_what_it_was_gathering():
+    """An INIT or a state whose sender leaves is dropped (nobody will finish it); others' stay."""
+    state = ShardState(3, sync=True)
+    state.init_chunk(0, "a", ro(np.ones(2)), 0, 4)
+    state.init_chunk(1, "b", ro(np.ones(2)), 0, 4)
+    state.init("w", np.zeros(4))
+    state.state_chunk(0, "w", [ro(np.ones(2))], 0, (1, ("mom",)))
+    state.leave(0)
+    assert set(state._staged_inits) == {"b"} and not state._staged_states
+    assert state.init_chunk(1, "b", ro(np.ones(2)), 2, 4) and "b" in state
+
+
+def test_state_chunks_are_returned_whole_with_the_last_one():
+    """STATE_SET chunks of every state array are gathered (one array per state, same offsets) and
+    handed back whole, in the dtypes sent, once they cover the key's slice here."""
+    state = ShardState(2, sync=True)
+    state.init("w", np.zeros(6, np.float16))
+    mean, master = np.arange(6, dtype=np.float16), np.arange(6, dtype=np.float32) * 10
+    info = (3, ("mean", "weight32"))
+    assert state.state_chunk(1, "w", [ro(mean[:4], np.float16), ro(master[:4], np.float32)], 0, info) is None
+    assert state.held_bytes() == 6 * 2 + 6 * 4
+    got = state.state_chunk(1, "w", [ro(mean[4:], np.float16), ro(master[4:], np.float32)], 4, info)
+    np.testing.assert_array_equal(got[0], mean)
+    np.testing.assert_array_equal(got[1], master)
+    assert [a.dtype for a in got] == [np.float16, np.float32]
+    assert state.held_bytes() == 0
+
+
+@pytest.mark.parametrize("arrays,lo,info,match", [
+    ([ro(np.ones(2))], 2, (4, ("mom",)), r"\(4, \('mom',\)\) differs from the first chunk's"),
+    ([ro(np.ones(2)), ro(np.ones(2))], 2, (3, ("mom",)), "dtypes .* differ"),
+    ([ro(np.ones(2)), ro(np.ones(3))], 2, (3, ("mom",)), "all of one length"),
+    ([], 2, (3, ()), "non-empty"),
+    ([ro(np.ones(2))], 1, (3, ("mom",)), r"cover \[0, 2\)"),
+    ([ro(np.ones(3))], 2, (3, ("mom",)), r"\[2, 5\) is not inside \[0, 4\)"),
+])
+def test_a_bad_state_chunk_is_refused_and_changes_nothing(arrays, lo, info, match):
+    """A state chunk with another count or names, another number of arrays, uneven arrays, out of
+    order or past the slice is a ProtocolError; the state gathered so far is untouched."""
+    state = ShardState(1, sync=True)
+    state.init("w", np.zeros(4))
+    state.state_chunk(0, "w", [ro(np.ones(2))], 0, (3, ("mom",)))
+    before = _snapshot(state)
+    with pytest.raises(ProtocolError, match=match):
+        state.state_chunk(0, "w", arrays, lo, info)
+    assert before == _snapshot(state)
+    assert len(state.state_chunk(0, "w", [ro(np.ones(2))], 2, (3, ("mom",)))) == 1
+
+
+def test_state_chunks_need_a_stored_key_and_a_new_optimizer_drops_them():
+    """A state chunk of an unknown key is a KeyNotInitializedError; drop_staged_states forgets every
+    state being gathered (a new optimizer drops all state), so a later chunk starts nowhere."""
+    state = ShardState(1, sync=True)
+    with pytest.raises(KeyNotInitializedError):
+        state.state_chunk(0, "w", [ro(np.ones(2))], 0, (1, ("mom",)))
+    state.init("w", np.zeros(4))
+    state.state_chunk(0, "w", [ro(np.ones(2))], 0, (1, ("mom",)))
+    state.drop_staged_states()
+    assert state.held_bytes() == 0
+    with pytest.raises(ProtocolError, match="no chunk at offset 0"):
+        state.state_chunk(0, "w", [ro(np.ones(2))], 2, (1, ("mom",)))
