@@ -9,16 +9,23 @@ Header (a msgpack map)::
      "auth": [label, n, to], "body": {...}, "arrays": [[dtype, [dim, ...]], ...]}
 
 ``sender`` (the node's rank), ``seq`` (the request number, echoed by the reply)
-and ``auth`` (``[label, n, to]``, checked by ``kvstore.auth``, whose MAC frame
+and ``auth`` (``[label, n, to]``, checked by ``kvstore.net.auth``, whose MAC frame
 precedes these frames on the wire) are in every header.  Array
 frames follow the header in order and hold C-ordered raw bytes; decoding wraps
 them without copying.  See docs/protocol.md.
+
+``decode`` checks every field before it uses it (types, each array description's
+dims and byte count, computed in Python ints before numpy sees them) and raises
+:class:`ProtocolError`, never anything else, on any input whatsoever: a peer's
+bytes cannot raise past a node's request loop.
 """
 
 from __future__ import annotations
 
 import enum
-import math
+import reprlib
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +35,14 @@ import numpy as np
 from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 1 << 20
+# An array description has at most MAX_DIMS dims: numpy 1.x builds arrays of up to 32 dims, 2.x of
+# up to 64, and a wire rule must not depend on which one a node has installed (setup.py allows both).
+MAX_DIMS = 32
+MAX_DIM = 2**63 - 1  # the largest dim (npy_intp); their product is checked against sys.maxsize too
+_REPR = reprlib.Repr()  # bounded reprs of untrusted values in error messages
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 6, 60, 60
 
 
 class Op(enum.IntEnum):
@@ -45,7 +58,7 @@ class Op(enum.IntEnum):
     HEARTBEAT = 8  # node -> scheduler: {"role", "rank"}; reply OK {"lost": [[role, rank, host, why]]}
     HELLO = 20     # node -> scheduler: {"nonce"}: asks for a registration challenge
     CHALLENGE = 21  # scheduler -> node: {"nonce" (echoed), "challenge"}: REGISTER must carry it
-    # Data ops carry {"keys": [...], "sizes": [...]} (+ "lo" for a chunk of one key, kvstore.plan) and
+    # Data ops carry {"keys": [...], "sizes": [...]} (+ "lo" for a chunk of one key, kvstore.core.plan) and
     # one flat array holding every key's elements in order (none for PULL); replies to PULL and
     # PUSHPULL carry the values the same way, once every key of the request is answered.
     INIT = 10      # worker -> server: store these slices of new keys
@@ -59,6 +72,9 @@ class Op(enum.IntEnum):
     STATE_SET = 18         # worker -> server: {"key", "count", "names"} + one array per name
 
 
+_OPS = {int(op): op for op in Op}  # wire number -> Op, without Enum's slower lookup
+
+
 @dataclass
 class Message:
     """One decoded (or to-be-encoded) message."""
@@ -68,20 +84,23 @@ class Message:
     arrays: list[np.ndarray] = field(default_factory=list)
     seq: int = 0
     sender: int | None = None
-    auth: Any = None  # [label, n, to], set by kvstore.auth.Channel.seal
+    auth: Any = None  # [label, n, to], set by kvstore.net.auth.Channel.seal
 
 
 def _array_meta(array: np.ndarray) -> list[Any]:
     name = dtype_name(array.dtype)
     if name is None:
         raise ProtocolError(f"dtype {array.dtype} cannot be sent; supported: {', '.join(sorted(DTYPES))}")
+    if array.ndim > MAX_DIMS:
+        raise ProtocolError(f"an array of {array.ndim} dims cannot be sent (at most {MAX_DIMS})")
     return [name, list(array.shape)]
 
 
 def encode(msg: Message) -> list[Any]:
     """Encode ``msg`` into frames: header bytes, then one zero-copy buffer per array.
 
-    Raises :class:`ProtocolError` for an unsupported dtype.
+    Raises :class:`ProtocolError` for an unsupported dtype, more than ``MAX_DIMS`` dims or an
+    oversize header.
     """
     arrays = [np.ascontiguousarray(a).reshape(a.shape) for a in msg.arrays]
     header = {"v": PROTOCOL_VERSION, "op": int(msg.op), "seq": msg.seq, "sender": msg.sender,
@@ -94,61 +113,107 @@ def encode(msg: Message) -> list[Any]:
     return frames
 
 
+def _brief(value: Any) -> str:
+    """A short repr of untrusted ``value`` for an error message (a reply must stay far below the
+    header limit, whatever a peer sent)."""
+    return _REPR.repr(value)
+
+
+def _bytes_of(frame: Any) -> memoryview:
+    """``frame`` as a flat byte view; raises ProtocolError when it is not a contiguous buffer."""
+    try:
+        return memoryview(frame).cast("B")
+    except (TypeError, ValueError, BufferError) as exc:
+        raise ProtocolError(f"a frame is not a contiguous byte buffer ({type(frame).__name__}: "
+                            f"{str(exc)[:100]})") from None
+
+
 def _decode_header(raw: Any) -> dict[str, Any]:
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    size = raw.nbytes if type(raw) is memoryview else _bytes_of(raw).nbytes  # zmq gives memoryviews
+    if size > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {size} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_bin_len=MAX_HEADER_BYTES)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
-    if not isinstance(header, dict):
+        raise ProtocolError(f"header is not valid msgpack: {str(exc)[:200]}") from None
+    if type(header) is not dict:
         raise ProtocolError("header is not a map")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version!r} is not supported (this node speaks "
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {_brief(version)} is not supported (this node speaks "
                             f"version {PROTOCOL_VERSION}); run the same kvstore version everywhere")
     return header
 
 
+def _header_fields(header: dict[str, Any]) -> tuple[Op, int, int | None, Any, dict[str, Any], list]:
+    """The header's op, seq, sender, auth, body and array descriptions, each of its wire type."""
+    op = header.get("op")
+    if type(op) is not int or op not in _OPS:
+        raise ProtocolError(f"unknown op {_brief(op)}")
+    seq, sender, auth = header.get("seq", 0), header.get("sender"), header.get("auth")
+    body, metas = header.get("body", {}), header.get("arrays", [])
+    if type(body) is not dict or type(metas) is not list:
+        raise ProtocolError("header fields 'arrays'/'body' have the wrong type")
+    if type(seq) is not int or not (sender is None or (type(sender) is int and sender >= 0)):
+        raise ProtocolError(f"header fields 'seq'/'sender' have the wrong type "
+                            f"(seq {_brief(seq)}, sender {_brief(sender)})")
+    if auth is not None and not (type(auth) is list and len(auth) == 3 and type(auth[0]) is str
+                                 and type(auth[1]) is int and type(auth[2]) is str):
+        raise ProtocolError(f"the header's auth field must be nil or [label, n, to], not {_brief(auth)}")
+    return _OPS[op], seq, sender, auth, body, metas
+
+
+def _shape(meta: list, itemsize: int) -> tuple[tuple[int, ...], int]:
+    """The shape a description declares and the bytes it takes; raises ProtocolError unless it is
+    a list of at most MAX_DIMS ints in [0, MAX_DIM] whose array numpy can make (Python ints, no numpy)."""
+    dims = meta[1]
+    if type(dims) is not list or len(dims) > MAX_DIMS:
+        raise ProtocolError(f"bad array description {_brief(meta)}: the shape must be a list of at "
+                            f"most {MAX_DIMS} dims")
+    count, nonzero = 1, itemsize
+    for dim in dims:
+        if type(dim) is not int or not 0 <= dim <= MAX_DIM:
+            raise ProtocolError(f"bad array description {_brief(meta)}: each dim must be an int in "
+                                f"[0, 2**63-1]")
+        count *= dim
+        if dim:
+            nonzero *= dim
+    if nonzero > sys.maxsize:  # numpy's own limit, zero dims aside (it skips them)
+        raise ProtocolError(f"bad array description {_brief(meta)}: too big for this machine "
+                            f"(its non-zero dims times the itemsize exceed {sys.maxsize})")
+    return tuple(dims), count * itemsize
+
+
 def _decode_array(meta: Any, frame: Any) -> np.ndarray:
-    if not (isinstance(meta, list) and len(meta) == 2 and meta[0] in DTYPES
-            and isinstance(meta[1], list) and all(isinstance(d, int) and d >= 0 for d in meta[1])):
-        raise ProtocolError(f"bad array description {meta!r}")
-    dtype = BY_NAME[meta[0]]
-    shape = tuple(meta[1])
-    expected = math.prod(shape) * dtype.itemsize
-    buf = memoryview(frame).cast("B")
+    dtype = BY_NAME.get(meta[0]) if type(meta) is list and len(meta) == 2 and type(meta[0]) is str else None
+    if dtype is None:
+        raise ProtocolError(f"bad array description {_brief(meta)}: not [dtype, [dim, ...]] with a "
+                            f"dtype of {', '.join(sorted(DTYPES))}")
+    shape, expected = _shape(meta, dtype.itemsize)
+    buf = _bytes_of(frame)
     if buf.nbytes != expected:
         raise ProtocolError(f"array frame has {buf.nbytes} bytes, its header declares {expected} "
-                            f"({meta[0]} {list(shape)})")
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+                            f"({meta[0]} {_brief(meta[1])})")
+    try:
+        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # not expected after the checks
+        raise ProtocolError(f"bad array description {_brief(meta)}: {str(exc)[:200]}") from None
 
 
-def decode(frames: list[Any]) -> Message:
+def decode(frames: Sequence[Any]) -> Message:
     """Decode frames (bytes-like) into a :class:`Message` whose arrays view the frames' memory.
 
-    Raises :class:`ProtocolError` on garbage, a version mismatch, an unknown op
-    or arrays that do not match their declared sizes.
+    Raises :class:`ProtocolError`, and no other exception, for any input that is not such a
+    message (garbage, a version mismatch, an unknown op, a mistyped field, a bad array description).
     """
-    if not frames:
-        raise ProtocolError("empty message")
-    header = _decode_header(frames[0])
-    try:
-        op = Op(header.get("op"))
-    except ValueError:
-        raise ProtocolError(f"unknown op {header.get('op')!r}") from None
-    metas = header.get("arrays") or []
-    body = header.get("body") or {}
-    if not isinstance(metas, list) or not isinstance(body, dict):
-        raise ProtocolError("header fields 'arrays'/'body' have the wrong type")
+    if type(frames) not in (list, tuple) or not frames:
+        raise ProtocolError("empty message" if type(frames) in (list, tuple) else
+                            f"frames must be a list, not {type(frames).__name__}")
+    op, seq, sender, auth, body, metas = _header_fields(_decode_header(frames[0]))
     if len(metas) != len(frames) - 1:
         raise ProtocolError(f"header declares {len(metas)} arrays but {len(frames) - 1} frames follow")
     arrays = [_decode_array(meta, frame) for meta, frame in zip(metas, frames[1:])]
-    seq = header.get("seq", 0)
-    sender = header.get("sender")
-    if not isinstance(seq, int) or not (sender is None or isinstance(sender, int)):
-        raise ProtocolError("header fields 'seq'/'sender' have the wrong type")
-    return Message(op=op, body=body, arrays=arrays, seq=seq, sender=sender, auth=header.get("auth"))
+    return Message(op=op, body=body, arrays=arrays, seq=seq, sender=sender, auth=auth)
 
 
 def error_reply(request_seq: int, code: str, message: str, sender: int | None = None,

@@ -1,8 +1,19 @@
 """Fuzzing a live server and scheduler with hypothesis: garbage, mutated and replayed messages,
-and well-sealed messages with nonsense inside.  Each must be refused (answered with an ERROR),
-the process must keep serving, and what it stores must not change."""
+well-sealed messages with nonsense inside (array descriptions of 0-70 dims, dims up to 2**64-1,
+products past int64), and messages of up to 10**5 frames, unsealed and sealed with the secret.
+
+What must hold, whichever way a node answers bad input (an unsigned ERROR to every message, or a
+sealed ERROR to authenticated ones and at most one reply per connection to unauthenticated junk):
+any reply to a bad message is an ERROR, the node keeps serving (a sealed probe sent after each
+message on the same connection is answered OK, so the message before it has been handled), no
+process exits, and what the server stores does not change.  No reply to junk is required."""
 
 from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -10,34 +21,154 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.net.protocol import PROTOCOL_VERSION, Message, Op
+from kvstore.core.dtypes import BY_NAME
+from kvstore.net.auth import Channel
+from kvstore.net.protocol import MAX_DIMS, PROTOCOL_VERSION, Message, Op, decode
 
 from .conftest import Cluster, insider
 
 EXAMPLES = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
+BIG_EXAMPLES = settings(EXAMPLES, max_examples=4)  # messages of up to 10**5 frames: a few suffice
 VALUE = np.arange(6, dtype=np.float32)
+KEY = "fuzz-target"  # longer than any fuzzed str, so no fuzzed message can name it
+PROBE_SEQS = 1_000_000
+_probe_seqs = itertools.count(PROBE_SEQS)
 
 WIRE_INTS = st.integers(-2**63, 2**64 - 1)  # what msgpack can carry
 raw_frames = st.lists(st.binary(max_size=80), min_size=1, max_size=5)
 mutations = st.tuples(st.sampled_from(["flip", "truncate", "append", "drop", "replay", "unsign"]),
                       st.integers(0, 10_000), st.integers(0, 255))
-array_metas = st.lists(st.tuples(st.sampled_from(["float32", "float64", "int64", "bogus", 7]),
-                                 st.lists(st.one_of(st.integers(0, 4), st.just(2**40), st.integers(-3, -1)),
-                                          max_size=3)).map(list), max_size=2)
+
+# -- array descriptions -------------------------------------------------------------------------------
+BIG_DIMS = [2**31, 2**32, 2**61, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
+dims = st.one_of(st.integers(0, 4), st.integers(0, 2**64 - 1), st.sampled_from(BIG_DIMS),
+                 st.integers(-2**63, -1), st.booleans())
+shapes = st.one_of(st.lists(dims, max_size=70),
+                   st.lists(st.sampled_from([0, 1]), max_size=70),  # many dims, small products
+                   st.lists(st.sampled_from([0, 2**32, 2**62, 2**63 - 1]), min_size=2, max_size=6),
+                   st.text(max_size=3), WIRE_INTS, st.none(), st.floats(),
+                   st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
+dtype_names = st.one_of(st.sampled_from(sorted(BY_NAME)),
+                        st.sampled_from(["bogus", "uint8", "bool", "O", ""]), WIRE_INTS, st.none(),
+                        st.lists(st.text(max_size=3), max_size=2))
+any_meta = st.one_of(st.tuples(dtype_names, shapes).map(list), st.text(max_size=3), WIRE_INTS, st.none(),
+                     st.lists(st.integers(0, 3), max_size=3))
+# descriptions no node may accept: too many dims, a dim out of range, a product numpy cannot
+# allocate, negative or bool dims, an unknown dtype, a shape that is not a list
+bad_meta = st.one_of(
+    st.integers(MAX_DIMS + 1, 70).map(lambda n: ["float32", [1] * n]),
+    st.integers(2**63, 2**64 - 1).map(lambda d: ["float32", [0, d]]),
+    st.lists(st.sampled_from([2**32, 2**61, 2**62, 2**63 - 1]), min_size=1, max_size=4).map(
+        lambda big: ["float64", [0, 2**32, *big]]),
+    st.integers(-2**63, -1).map(lambda d: ["int64", [2, d]]),
+    st.just(["int32", [True, 2]]), st.just(["uint8", [4]]), st.just(["float32", "4"]),
+    st.just(["float32", None]))
+FATAL_METAS = [["float32", [0, 2**63]], ["float32", [1] * 65], ["float32", [1] * 70],
+               ["float64", [0, 2**62, 2**62]], ["int64", [0, 2**64 - 1]], ["int32", [True]], ["int32", [-1]],
+               [["float32"], [1]], ["float32", {"0": 1}]]
+
+
+def _frame_for(meta: Any) -> bytes:
+    """The frame a description would need when that is small (so decoding gets past the size check)."""
+    try:
+        size = math.prod(int(d) for d in meta[1]) * BY_NAME[meta[0]].itemsize
+    except Exception:  # not a description at all: any frame will do
+        return b""
+    return b"\x00" * size if 0 <= size <= 64 else b""
+
+
+def _frames(metas: Any, chosen: list[bytes] | None) -> list[bytes]:
+    if chosen is not None or not isinstance(metas, list):
+        return chosen or []
+    return [_frame_for(m) for m in metas]
+
+
 headers = st.fixed_dictionaries({
-    "v": st.one_of(st.just(PROTOCOL_VERSION), st.integers(-2, 9)),
-    "op": st.one_of(st.sampled_from([int(op) for op in Op]), st.integers(-5, 300)),
-    "seq": st.one_of(st.integers(0, 2**31), st.text(max_size=3)),
-    "sender": st.one_of(st.none(), st.integers(-3, 5), st.just(2**62)),
+    "v": st.one_of(st.just(PROTOCOL_VERSION), st.integers(-2, 9), st.text(max_size=2)),
+    "op": st.one_of(st.sampled_from([int(op) for op in Op]), st.integers(-5, 300), st.booleans(),
+                    st.text(max_size=3)),
+    "seq": st.one_of(st.integers(0, 2**31), WIRE_INTS, st.text(max_size=3), st.booleans()),
+    "sender": st.one_of(st.none(), st.integers(-3, 5), st.just(2**62), st.booleans()),
     "body": st.one_of(st.dictionaries(st.sampled_from(["key", "keys", "sizes", "lo", "spec", "params",
-                                                       "count", "names", "rank"]),
+                                                       "count", "names", "rank", "role"]),
                                       st.one_of(WIRE_INTS, st.text(max_size=5), st.none(), st.floats(),
                                                 st.lists(WIRE_INTS, max_size=3)), max_size=4),
-                      WIRE_INTS, st.text(max_size=4)),
-    "arrays": array_metas,
-})
-insider_payloads = st.tuples(headers, st.lists(st.binary(max_size=40), max_size=3))
+                      WIRE_INTS, st.text(max_size=4), st.none()),
+    "arrays": st.one_of(st.lists(any_meta, max_size=3), any_meta),
+}, optional={"auth": st.one_of(st.none(), WIRE_INTS, st.lists(st.one_of(st.text(max_size=4), WIRE_INTS),
+                                                                 max_size=4))})
+insider_payloads = st.tuples(
+    headers, st.one_of(st.none(), st.lists(st.binary(max_size=40), max_size=4)), bad_meta, st.integers(0, 3),
+    st.sampled_from(["sealed", "sealed-auth", "sealed-auth", "unsigned", "forged"]))
+
+
+def sealed_raw(sealer: Channel, header: dict, frames: list[Any]) -> list[Any]:
+    """``header`` (the version added unless given) and ``frames``, MAC'd by ``sealer``: authentic
+    whatever nonsense they hold."""
+    payload = [msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True), *frames]
+    return [sealer._mac(payload), *payload]
+
+
+def dealer(address: str) -> zmq.Socket:
+    """A DEALER connected to ``address`` that drops unsent messages on close."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+class Target:
+    """One live node under attack: a DEALER to it, its process, and a sealed probe that must be
+    answered OK after every message (one connection is handled in order, so the probe's answer
+    means the message before it was handled, and the node still serves)."""
+
+    def __init__(self, address: str, proc: Any, sealer: Channel, to: str, probe: Message) -> None:
+        self.sock, self.proc, self.sealer, self.to, self.probe = dealer(address), proc, sealer, to, probe
+
+    @classmethod
+    def server(cls, cluster: Cluster, sealer: Channel, rank: int = 0) -> Target:
+        """Server ``rank`` of ``cluster``, probed with OPTIMIZER_INFO."""
+        proc = next(p for name, p, _ in cluster.procs.procs if name == f"server {rank}")
+        return cls(cluster.workers[0]._servers[rank], proc, sealer, f"server{rank}",
+                   Message(Op.OPTIMIZER_INFO, {}, sender=0))
+
+    @classmethod
+    def scheduler(cls, cluster: Cluster, sealer: Channel) -> Target:
+        """The scheduler of ``cluster``, probed with worker 0's HEARTBEAT."""
+        proc = next(p for name, p, _ in cluster.procs.procs if name == "scheduler")
+        return cls(cluster.cfg.root_address, proc, sealer, "scheduler",
+                   Message(Op.HEARTBEAT, {"role": "worker", "rank": 0}, sender=0))
+
+    def auth(self) -> list:
+        """A valid, fresh ``auth`` field for a hand-made header sealed by the sealer."""
+        return [self.sealer.label, next(self.sealer._counter), self.to]
+
+    def answer(self, frames: list[Any], seq: int) -> Message:
+        """Send ``frames``; return the OK reply with ``seq``. Any other reply must be an ERROR."""
+        self.sock.send_multipart(frames)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"{self.to} exited with status {self.proc.returncode}"
+            if self.sock.poll(50):
+                reply = decode(self.sock.recv_multipart()[1:])
+                if reply.op is Op.OK and reply.seq == seq:
+                    return reply
+                if reply.op is Op.OK and PROBE_SEQS <= reply.seq < seq:
+                    continue  # an earlier probe's answer, left unread by a failed example
+                assert reply.op is Op.ERROR, f"{self.to} answered a bad message with {reply.op.name}"
+        raise AssertionError(f"{self.to} did not answer a sealed {self.probe.op.name} within 10 s")
+
+    def refuses(self, frames: list[Any]) -> Message:
+        """Send a bad message, then the probe; return the probe's OK (the node lived, said no more
+        than ERROR)."""
+        self.sock.send_multipart(frames)
+        self.probe.seq = next(_probe_seqs)
+        return self.answer(self.sealer.seal(self.probe, self.to), self.probe.seq)
+
+    def close(self) -> None:
+        """Close the DEALER."""
+        self.sock.close()
 
 
 def _mutate(frames: list, how: str, where: int, byte: int) -> list:
@@ -58,76 +189,110 @@ def _mutate(frames: list, how: str, where: int, byte: int) -> list:
     return frames  # "replay" (or a no-op mutation): the frames as they were, sent again
 
 
-def _answered(sock: zmq.Socket, frames: list) -> None:
-    """Send ``frames``; every message, good or bad, gets exactly one reply within 5 s."""
-    sock.send_multipart(frames)
-    assert sock.poll(5000), f"no answer to {frames!r:.200}"
-    sock.recv_multipart()
+def _insider_frames(target: Target, case: tuple) -> list[Any]:
+    """A sealed (or unsigned, or forged) message from a fuzzed header.  "sealed-auth" ones carry a
+    valid fresh auth field and at least one description no node may accept."""
+    header, chosen, bad, where, how = case
+    if how == "sealed-auth":
+        metas = header["arrays"] if isinstance(header["arrays"], list) else []
+        metas = [*metas[:where], bad, *metas[where:]]
+        header = {**header, "v": PROTOCOL_VERSION, "auth": target.auth(), "arrays": metas}
+    frames = sealed_raw(target.sealer, header, _frames(header["arrays"], chosen))
+    if how == "unsigned":
+        frames[0] = b""
+    elif how == "forged":
+        frames[0] = bytes(16)
+    return frames
 
 
-def _dealer(address: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
+def _attack(target: Target, genuine: list[Any], case: Any) -> None:
+    if isinstance(case, list):
+        target.refuses(case)
+    elif isinstance(case[0], str):
+        target.refuses(_mutate(genuine, *case))
+    else:
+        target.refuses(_insider_frames(target, case))
 
 
-def test_fuzzed_frames_leave_a_live_server_serving_correct_values(make_cluster) -> None:
-    """Garbage, mutations, replays and sealed nonsense sent to a server change nothing it holds."""
-    cluster: Cluster = make_cluster("dist_async", 1, 1)
-    (kv,) = cluster.workers
-    kv.init("fz", VALUE)
-    sealer = insider(kv, "fuzzer")
-    pull = Message(Op.PULL, {"keys": ["fz"], "sizes": [VALUE.size]}, seq=1, sender=0)
-    genuine = sealer.seal(pull, "server0")
-    sock = _dealer(kv._servers[0])
-    _answered(sock, genuine)  # the genuine pull, once: every later copy of it is a replay
+def _every_op_with_fatal_arrays(target: Target) -> None:
+    """Each op, sealed with a fresh auth and unsigned, with each description numpy cannot build."""
+    for op in Op:
+        for meta in FATAL_METAS:
+            header = {"op": int(op), "seq": 5, "sender": 0, "body": {"keys": [0], "sizes": [1]},
+                      "arrays": [meta], "auth": target.auth()}
+            frames = sealed_raw(target.sealer, header, [_frame_for(meta)])
+            target.refuses(frames)
+            target.refuses([b"", *frames[1:]])
+
+
+def _many_frames(target: Target, count: int, sealed: bool, declared: str) -> list[Any]:
+    """A message of ``count`` array frames; the header declares as many (or a bad one, or none)."""
+    metas = {"all": [["float32", [0]]] * min(count, 4096), "bad": [["float32", [1] * 65]],
+             "none": []}[declared]
+    header = {"op": int(Op.PUSH), "seq": 3, "sender": 0, "body": {}, "arrays": metas, "auth": target.auth()}
+    frames = sealed_raw(target.sealer, header, [b""] * count)
+    return frames if sealed else [b"", *frames[1:]]
+
+
+big_messages = st.tuples(st.one_of(st.sampled_from([1021, 1022, 10**5]), st.integers(1, 10**5)),
+                         st.booleans(), st.sampled_from(["all", "bad", "none"]))
+
+
+def _fuzz(target: Target, genuine: list[Any]) -> None:
+    """Run every attack on ``target``: the op sweep, hypothesis' cases, and a few huge messages."""
+    _every_op_with_fatal_arrays(target)
 
     @EXAMPLES
     @given(st.one_of(raw_frames, mutations, insider_payloads))
     def attack(case) -> None:
-        if isinstance(case, list):
-            frames = case
-        elif isinstance(case[0], str):
-            frames = _mutate(genuine, *case)
-        else:
-            header, arrays = case
-            payload = [msgpack.packb(header, use_bin_type=True), *arrays]
-            frames = [sealer._mac(payload), *payload]  # authentic, but nonsense inside
-        _answered(sock, frames)
+        _attack(target, genuine, case)
 
+    @BIG_EXAMPLES
+    @given(big_messages)
+    def flood(case) -> None:
+        target.refuses(_many_frames(target, *case))
+
+    attack()
+    flood()
+
+
+def test_fuzzed_frames_leave_a_live_server_serving_correct_values(make_cluster) -> None:
+    """Garbage, mutations, replays, sealed nonsense and huge messages sent to a server change nothing
+    it holds."""
+    cluster: Cluster = make_cluster("dist_async", 1, 1)
+    (kv,) = cluster.workers
+    kv.init(KEY, VALUE)
+    target = Target.server(cluster, insider(kv, "fuzzer"))
+    pull = Message(Op.PULL, {"keys": [KEY], "sizes": [VALUE.size]}, seq=1, sender=0)
+    genuine = target.sealer.seal(pull, "server0")
     try:
-        attack()
+        target.answer(genuine, 1)  # the genuine pull, once: every later copy of it is a replay
+        _fuzz(target, genuine)
+        assert target.refuses([b"junk"]).body == {"spec": None, "num_update": 0}  # no optimizer was set
     finally:
-        sock.close()
-    server, _ = next((p, log) for name, p, log in cluster.procs.procs if name == "server 0")
-    assert server.poll() is None, "the server died"
-    np.testing.assert_array_equal(kv.pull("fz"), VALUE)
-    kv.push("fz", VALUE * 2)  # and it still serves the real worker
-    np.testing.assert_array_equal(kv.pull("fz"), VALUE * 2)
+        target.close()
+    assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()
+    np.testing.assert_array_equal(kv.pull(KEY), VALUE)
+    kv.push(KEY, VALUE * 2)  # and it still serves the real worker
+    np.testing.assert_array_equal(kv.pull(KEY), VALUE * 2)
 
 
 def test_fuzzed_frames_leave_the_scheduler_running_the_cluster(make_cluster) -> None:
-    """Garbage and mutated heartbeats sent to the scheduler neither stop it nor count a worker out."""
+    """Garbage, mutated heartbeats, sealed nonsense and huge messages sent to the scheduler neither
+    stop it nor count a worker out."""
     cluster: Cluster = make_cluster("dist_sync", 2, 1)
-    sealer = insider(cluster.workers[0], "fuzzer")
-    genuine = sealer.seal(Message(Op.HEARTBEAT, {"role": "worker", "rank": 0}, sender=0), "scheduler")
-    sock = _dealer(cluster.cfg.root_address)
-    _answered(sock, genuine)
-
-    @EXAMPLES
-    @given(st.one_of(raw_frames, mutations))
-    def attack(case) -> None:
-        _answered(sock, case if isinstance(case, list) else _mutate(genuine, *case))
-
+    target = Target.scheduler(cluster, insider(cluster.workers[0], "fuzzer"))
+    genuine = target.sealer.seal(Message(Op.HEARTBEAT, {"role": "worker", "rank": 0}, seq=1, sender=0),
+                                 "scheduler")
     try:
-        attack()
+        target.answer(genuine, 1)
+        _fuzz(target, genuine)
     finally:
-        sock.close()
+        target.close()
+    assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()
     cluster.run(lambda kv: kv.init("after", VALUE))  # init's barrier still needs both workers
     cluster.run(lambda kv: kv.barrier())
     for out in cluster.run(lambda kv: kv.pull("after")):
         np.testing.assert_array_equal(out, VALUE)
     _, log = next((p, lg) for name, p, lg in cluster.procs.procs if name == "scheduler")
     assert "left" not in log.read_text() and "is lost" not in log.read_text()
-

@@ -1,4 +1,4 @@
-"""Unit tests of kvstore.plan: how a call's keys become batches, whole pieces and chunks, and how the
+"""Unit tests of kvstore.core.plan: how a call's keys become batches, whole pieces and chunks, and how the
 replies to a pull are put back together."""
 
 from __future__ import annotations

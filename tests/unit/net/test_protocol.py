@@ -1,13 +1,27 @@
-"""Unit tests of kvstore.protocol: pure bytes in, bytes out, no sockets."""
+"""Unit tests of kvstore.net.protocol: pure bytes in, bytes out, no sockets."""
 
 from __future__ import annotations
+
+import math
+import sys
 
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvstore.errors import ProtocolError
-from kvstore.net.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION, Message, Op, decode, encode, error_reply
+from kvstore.net.protocol import (
+    MAX_DIMS,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    Message,
+    Op,
+    decode,
+    encode,
+    error_reply,
+)
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64"]
 SHAPES = [(0,), (0, 3), (1,), (7,), (2, 3, 4)]
@@ -55,13 +69,13 @@ def sample(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 @pytest.mark.parametrize("op", list(Op))
 def test_every_op_round_trips_with_body(op):
     """Every Op decodes back to the same op, body, seq, sender and auth."""
-    msg = Message(op, body=dict(NESTED_BODY), seq=12345, sender=3, auth=b"mac")
+    msg = Message(op, body=dict(NESTED_BODY), seq=12345, sender=3, auth=["worker-1", 9, "server0"])
     out = roundtrip(msg)
     assert out.op is op
     assert out.body == NESTED_BODY
     assert out.seq == 12345
     assert out.sender == 3
-    assert out.auth == b"mac"
+    assert out.auth == ["worker-1", 9, "server0"]
     assert out.arrays == []
 
 
@@ -331,3 +345,237 @@ def test_op_values_are_stable():
         "HEARTBEAT": 8, "INIT": 10, "PUSH": 11, "PULL": 12, "PUSHPULL": 13,
         "OPTIMIZER_SET": 14, "OPTIMIZER_PARAMS": 15, "OPTIMIZER_INFO": 16, "STATE_GET": 17, "STATE_SET": 18,
         "HELLO": 20, "CHALLENGE": 21}
+
+
+# -- hostile array descriptions and headers: ProtocolError and nothing else ---------------------------
+
+def decode_one(meta, frame: bytes = b"") -> Message:
+    """Decode a PUSH header carrying the one array description ``meta`` and ``frame``."""
+    return decode([header(arrays=[meta]), frame])
+
+
+def test_max_dims_is_within_what_numpy_builds():
+    """numpy (1.x: 32 dims, 2.x: 64) can make an array of MAX_DIMS dims; the wire allows no more."""
+    assert MAX_DIMS == 32
+    assert np.empty((1,) * MAX_DIMS).ndim == MAX_DIMS
+
+
+@pytest.mark.parametrize("ndim", range(71))
+def test_dims_count_up_to_max_dims_decodes_beyond_is_a_protocol_error(ndim):
+    """0..MAX_DIMS dims decode to that shape; 33..70 dims (numpy 2 stops at 64) raise ProtocolError."""
+    meta = ["float32", [1] * ndim]
+    if ndim <= MAX_DIMS:
+        assert decode_one(meta, b"\x00" * 4).arrays[0].shape == (1,) * ndim
+    else:
+        with pytest.raises(ProtocolError, match="bad array description.*at most 32 dims"):
+            decode_one(meta, b"\x00" * 4)
+
+
+@pytest.mark.parametrize("dims", [[2**63], [2**64 - 1], [0, 2**63], [0, 2**64 - 1], [2**63, 0], [1, 2**63],
+                                  [0] * 31 + [2**64 - 1]], ids=str)
+def test_dims_past_int64_are_protocol_errors(dims):
+    """A dim of 2**63 or more (msgpack carries up to 2**64-1) raises ProtocolError, even beside a 0."""
+    with pytest.raises(ProtocolError, match=r"bad array description.*\[0, 2\*\*63-1\]"):
+        decode_one(["float32", dims])
+
+
+@pytest.mark.parametrize("dtype,dims", [
+    ("float32", [0, 2**63 - 1]), ("float32", [0, 2**32, 2**32]), ("float64", [0, 2**62, 2]),
+    ("int64", [2**62, 2**62, 0]), ("float16", [0] + [2**40] * 5), ("float32", [0, sys.maxsize // 4 + 1]),
+], ids=str)
+def test_empty_arrays_numpy_cannot_shape_are_protocol_errors(dtype, dims):
+    """A zero-size shape whose other dims times the itemsize pass sys.maxsize (numpy refuses it:
+    "array is too big") raises ProtocolError before numpy is called."""
+    with pytest.raises(ProtocolError, match="too big"):
+        decode_one([dtype, dims])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_largest_empty_shape_numpy_accepts_decodes(dtype):
+    """The limit is numpy's own: other dims times the itemsize up to sys.maxsize still decode."""
+    itemsize = np.dtype(dtype).itemsize
+    [got] = decode_one([dtype, [0, sys.maxsize // itemsize]]).arrays
+    assert got.shape == (0, sys.maxsize // itemsize) and got.size == 0
+
+
+@pytest.mark.parametrize("dims,nbytes", [([2**32, 2**32], 4), ([2**32, 2**32], 0), ([2**31, 2**31, 4], 16),
+                                         ([3] * 32, 12), ([2**62, 2**62, 2**62], 8)], ids=str)
+def test_products_past_int64_are_protocol_errors(dims, nbytes):
+    """A product past int64 (computed exactly, in Python ints) never matches a frame: ProtocolError."""
+    with pytest.raises(ProtocolError):
+        decode_one(["float32", dims], b"\x00" * nbytes)
+
+
+@pytest.mark.parametrize("dims", [[-1], [2, -3], [-2**63], [0, -1]], ids=str)
+def test_negative_dims_are_protocol_errors(dims):
+    """A negative dim raises ProtocolError."""
+    with pytest.raises(ProtocolError, match="bad array description"):
+        decode_one(["float32", dims])
+
+
+@pytest.mark.parametrize("dims", [[True], [False], [True, True], [2, True], [False, 2]], ids=str)
+def test_bool_dims_are_protocol_errors(dims):
+    """A bool is not a dim (msgpack's true is not 1), even where the byte count would fit."""
+    with pytest.raises(ProtocolError, match="bad array description"):
+        decode_one(["int32", dims], b"\x00" * 8)
+
+
+@pytest.mark.parametrize("shape", ["2", 2, None, {"0": 2}, 2.0, b"\x02", [2.0], [[2]], ["2"], [None]],
+                         ids=repr)
+def test_non_list_shapes_are_protocol_errors(shape):
+    """A shape that is not a list of ints raises ProtocolError."""
+    with pytest.raises(ProtocolError, match="bad array description"):
+        decode_one(["float32", shape], b"\x00" * 8)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "bool", "object", "O", "Float32", "float32 ", ">f4", "",
+                                   b"float32", 7, 2.5, None, True, ["float32"], {"float32": 1}], ids=repr)
+def test_unknown_dtypes_are_protocol_errors(dtype):
+    """A dtype that is not one of the five names (unhashable ones included) raises ProtocolError."""
+    with pytest.raises(ProtocolError, match="bad array description"):
+        decode_one([dtype, [2]], b"\x00" * 8)
+
+
+@pytest.mark.parametrize("metas,frames", [([["float32", [0]]], 10**5), ([["float32", [0]]] * 1000, 0),
+                                          ([["float32", [0]]] * 3, 4), ([], 2)], ids=["1-of-1e5", "1000-of-0",
+                                                                                   "3-of-4", "0-of-2"])
+def test_many_frames_count_mismatch_is_a_protocol_error(metas, frames):
+    """Declared arrays and frames that follow must be as many, however many (up to 10**5) there are."""
+    with pytest.raises(ProtocolError, match="arrays but"):
+        decode([header(arrays=metas)] + [b""] * frames)
+
+
+@pytest.mark.parametrize("frames", [None, 5, "abc", b"abc", [5], [None], ["header"], [3.5],
+                                    [memoryview(np.zeros(8, np.uint8)[::2])],
+                                    [header(arrays=[["float32", [1]]]), 5],
+                                    [header(arrays=[["float32", [1]]]), "four"],
+                                    [header(arrays=[["int32", [2]]]), memoryview(np.zeros(4, np.int32)[::2])],
+                                    ],
+                         ids=["None", "int", "str", "bytes", "int-frame", "None-frame", "str-header",
+                              "float-header", "strided-header", "int-array-frame", "str-array-frame",
+                              "strided-frame"])
+def test_frames_that_are_not_byte_buffers_are_protocol_errors(frames):
+    """Frames that are not a list of contiguous byte buffers raise ProtocolError."""
+    with pytest.raises(ProtocolError):
+        decode(frames)
+
+
+@pytest.mark.parametrize("field,value", [("op", True), ("op", 11.0), ("op", [11]), ("seq", True),
+                                         ("seq", 1.0), ("seq", None), ("sender", True), ("sender", -1),
+                                         ("sender", 0.0), ("body", None), ("body", 3), ("arrays", None),
+                                         ("arrays", {}), ("v", True), ("v", 4.0)], ids=repr)
+def test_header_fields_of_the_wrong_wire_type_are_protocol_errors(field, value):
+    """Each header field must have its wire type exactly (no bools or floats passing as ints)."""
+    with pytest.raises(ProtocolError):
+        decode([header(**{field: value})])
+
+
+@pytest.mark.parametrize("auth", [b"mac", "x", 5, ["a", 1], ["a", True, "b"], [1, 1, "b"], ["a", 1, 2],
+                                  ["a", 1.0, "b"], ["a", 1, "b", "c"]], ids=repr)
+def test_malformed_auth_field_is_a_protocol_error(auth):
+    """``auth`` is nil or [label, n, to] of str, int, str (auth.py checks n > 0 and the names)."""
+    with pytest.raises(ProtocolError, match="auth field"):
+        decode([header(auth=auth)])
+
+
+def test_error_messages_stay_short_whatever_was_sent():
+    """Errors quote at most a little of a hostile field, so an ERROR reply to it always fits a header."""
+    huge = [header(op="x" * (MAX_HEADER_BYTES - 200)),
+            header(v="y" * (MAX_HEADER_BYTES - 200)),
+            header(arrays=[["float32", [0] * 300_000]]),
+            header(arrays=[["float32" * 100_000, [1]]]),
+            header(auth=["a" * 500_000, 1, "b"])]
+    for raw in huge:
+        with pytest.raises(ProtocolError) as caught:
+            decode([raw, b""])
+        assert len(str(caught.value)) < 500
+        encode(error_reply(0, "ProtocolError", str(caught.value)))
+
+
+def test_encode_refuses_more_dims_than_the_wire_carries():
+    """encode raises ProtocolError for an array of more than MAX_DIMS dims (numpy 2 can make them)."""
+    try:
+        array = np.zeros((1,) * (MAX_DIMS + 1), np.float32)
+    except ValueError:
+        pytest.skip("this numpy cannot make more than MAX_DIMS dims")
+    with pytest.raises(ProtocolError, match="dims"):
+        encode(Message(Op.PUSH, arrays=[array]))
+
+
+def test_encode_writes_the_documented_header():
+    """encode's header is exactly the documented map (validation added nothing to the wire)."""
+    msg = Message(Op.PUSH, {"keys": ["w"], "sizes": [3]}, [np.arange(3, dtype=np.float32)], seq=4, sender=1,
+                  auth=["worker-1", 2, "server0"])
+    frames = encode(msg)
+    documented = {"v": PROTOCOL_VERSION, "op": 11, "seq": 4, "sender": 1, "auth": ["worker-1", 2, "server0"],
+                  "body": {"keys": ["w"], "sizes": [3]}, "arrays": [["float32", [3]]]}
+    assert frames[0] == msgpack.packb(documented, use_bin_type=True)
+    assert bytes(frames[1]) == np.arange(3, dtype=np.float32).tobytes()
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
+                     st.text(max_size=6), st.binary(max_size=6))
+_wire_values = st.recursive(_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=3), inner, max_size=4)), max_leaves=20)
+_dim = st.one_of(st.sampled_from([0, 1, 2, 2**31, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1]),
+                 st.integers(-2, 2**64 - 1), _wire_values)
+_shapes = st.one_of(st.lists(_dim, max_size=70), st.lists(st.sampled_from([0, 1]), max_size=70), _wire_values)
+_dtypes = st.one_of(st.sampled_from(DTYPES), _wire_values)
+_metas = st.one_of(st.tuples(_dtypes, _shapes).map(list), _wire_values)
+_headers = st.fixed_dictionaries({
+    "v": st.one_of(st.just(PROTOCOL_VERSION), _wire_values),
+    "op": st.one_of(st.sampled_from([int(op) for op in Op]), _wire_values),
+    "arrays": st.one_of(st.lists(_metas, max_size=4), _wire_values),
+}, optional={"seq": _wire_values, "sender": _wire_values, "auth": _wire_values, "body": _wire_values})
+_array_frames = st.one_of(st.none(), st.lists(st.binary(max_size=16), max_size=5))
+
+
+def _frames_for(metas: object) -> list[bytes]:
+    """One frame per description, of the size it declares where that is small (else empty)."""
+    frames = []
+    for meta in metas if isinstance(metas, list) else []:
+        try:
+            size = math.prod(int(d) for d in meta[1]) * np.dtype(meta[0]).itemsize
+        except Exception:  # not a description numpy understands: any frame will do
+            size = 0
+        frames.append(b"\0" * size if 0 <= size <= 64 else b"")
+    return frames
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.one_of(st.lists(st.binary(max_size=64), max_size=5), st.tuples(_headers, _array_frames)))
+def test_decode_raises_only_protocol_error_on_any_input(case):
+    """Whatever the frames hold, decode returns a Message or raises ProtocolError, nothing else."""
+    if isinstance(case, list):
+        frames = case
+    else:
+        head, chosen = case
+        frames = [msgpack.packb(head, use_bin_type=True), *(_frames_for(head["arrays"]) if chosen is None
+                                                            else chosen)]
+    try:
+        msg = decode(frames)
+    except ProtocolError:
+        return
+    assert isinstance(msg.op, Op) and isinstance(msg.body, dict) and len(msg.arrays) == len(frames) - 1
+
+
+_hostile_dims = st.lists(st.one_of(st.sampled_from([0, 1, 2**31, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1]),
+                                   st.integers(0, 2**64 - 1), st.integers(-2, 3), st.booleans()), max_size=70)
+_hostile_metas = st.tuples(st.one_of(st.sampled_from(DTYPES), st.sampled_from(DTYPES), _wire_values),
+                           st.one_of(_hostile_dims, st.lists(st.sampled_from([0, 1]), max_size=70),
+                                     _hostile_dims.map(lambda dims: [0, *dims]), _wire_values)).map(list)
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(st.lists(_hostile_metas, min_size=1, max_size=3), st.one_of(st.none(), st.none(), _array_frames))
+def test_decode_raises_only_protocol_error_on_hostile_array_descriptions(metas, chosen):
+    """Well-formed headers whose array descriptions hold 0-70 dims, dims up to 2**64-1 and products
+    past int64 (with frames of the declared size) decode or raise ProtocolError, nothing else."""
+    try:
+        msg = decode([header(arrays=metas), *(_frames_for(metas) if chosen is None else chosen)])
+    except ProtocolError:
+        return
+    for meta, array in zip(metas, msg.arrays):
+        assert array.shape == tuple(meta[1]) and len(meta[1]) <= MAX_DIMS
