@@ -28,6 +28,7 @@ plan (docs/cluster-managers.md).  The impure parts live here:
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import select
 import shutil
@@ -42,11 +43,10 @@ from datetime import timedelta
 
 from kvstore import config as kvconfig
 from kvstore.errors import ConfigError, DeadlineExceededError
-from kvstore.launch import envrules as roles
-from kvstore.launch import portfile
 from kvstore.launch.managers import NO_MANAGER, detect
 from kvstore.launch.managers.common import Adapter, Derivation
 from kvstore.launch.managers.torchrun import TorchStore, torch_store
+from kvstore.launch.roleprocess import RoleProcess, RoleSpec, read_port
 from kvstore.net import address
 
 MPI_NAME_BYTES = 256  # MPI_MAX_PROCESSOR_NAME is 256 in Open MPI, 128 in MPICH
@@ -312,14 +312,21 @@ def _publish(store: TorchStore, port_file: str, timeout: float, scheduler_alive:
     try:
         from torch.distributed import TCPStore  # now, while the scheduler starts: the readers' clocks run
 
-        while (port := portfile.read(port_file)) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                print(f"kvstore.node: the scheduler did not report its port within {timeout:g} s "
-                      f"(KVSTORE_CONNECT_TIMEOUT); nothing published in {where}", file=sys.stderr, flush=True)
-                return 1
-            if select.select([scheduler_alive], [], [], min(remaining, 0.05))[0]:
-                return 1  # end of file: the scheduler exited before binding, and said why itself
+        exited: list[bool] = []  # end of file on scheduler_alive: the scheduler exited before binding
+
+        def gone(seconds: float) -> bool:
+            """Wait up to ``seconds`` for the scheduler's end; say whether it has ended."""
+            if select.select([scheduler_alive], [], [], seconds)[0]:
+                exited.append(True)
+            return bool(exited)
+
+        port = read_port(port_file, max(0.0, deadline - time.monotonic()), gone)
+        if port is None and exited:
+            return 1  # the scheduler said why itself
+        if port is None:
+            print(f"kvstore.node: the scheduler did not report its port within {timeout:g} s "
+                  f"(KVSTORE_CONNECT_TIMEOUT); nothing published in {where}", file=sys.stderr, flush=True)
+            return 1
         remaining = max(deadline - time.monotonic(), 1.0)
         TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=remaining)).set(
             store.key, str(port))
@@ -419,6 +426,12 @@ def _die_with_parent(parent: int) -> Callable[[], None] | None:
     return preexec
 
 
+def _start_beside(spec: RoleSpec, preexec: Callable[[], None] | None) -> subprocess.Popen:
+    """Start ``spec`` as this node's child, in a session of its own, its output where the node's goes,
+    ``preexec`` run in the child first.  Raises OSError."""
+    return subprocess.Popen(spec.argv, env=spec.env, preexec_fn=preexec, start_new_session=True)
+
+
 def run_with_scheduler(worker_cmd: list[str], env: dict[str, str]) -> int:
     """Run the scheduler and ``worker_cmd`` as children of this process; return the exit code.
 
@@ -436,33 +449,34 @@ def run_with_scheduler(worker_cmd: list[str], env: dict[str, str]) -> int:
     """
     scheduler_env = {name: value for name, value in env.items() if name != "DMLC_WORKER_ID"}
     scheduler_env["DMLC_ROLE"] = "scheduler"
-    preexec = _die_with_parent(os.getpid())
-    scheduler = subprocess.Popen(role_command("scheduler", []), env=scheduler_env, preexec_fn=preexec,
-                                 start_new_session=True)
+    start = functools.partial(_start_beside, preexec=_die_with_parent(os.getpid()))
+    scheduler = RoleProcess(RoleSpec("scheduler", None, role_command("scheduler", []), scheduler_env),
+                            start).start()
     children = [scheduler]
 
     def forward(signum: int, frame: object) -> None:
         """Pass ``signum`` on to every running child's process group."""
         for child in children:
-            if child.poll() is None:
-                try:
-                    os.killpg(child.pid, signum)  # the child's whole group: what it started goes too
-                except ProcessLookupError:
-                    pass
+            if child.exit_code is None:
+                child.signal(signum)  # the child's whole group: what it started goes too
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
+    worker = RoleProcess(RoleSpec("worker", None, worker_cmd, env), start)
     try:
-        worker = subprocess.Popen(worker_cmd, env=env, preexec_fn=preexec, start_new_session=True)
+        worker.start()
     except OSError as exc:
         print(f"kvstore.node: cannot start {worker_cmd[0]}: {exc.strerror}; stopping the scheduler",
               file=sys.stderr, flush=True)
-        scheduler.terminate()
+        scheduler.signal(signal.SIGTERM)
         scheduler.wait()
+        scheduler.reap()
         return 127
     children.append(worker)
-    code = roles.exit_code(worker.wait())
-    scheduler_code = roles.exit_code(scheduler.wait())
+    code = worker.wait()
+    scheduler_code = scheduler.wait()
+    for child in children:
+        child.reap()
     if scheduler_code:
         print(f"kvstore.node: the scheduler exited with code {scheduler_code}", file=sys.stderr, flush=True)
     return code or scheduler_code

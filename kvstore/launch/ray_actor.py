@@ -2,12 +2,15 @@
 worker), or the user's function called in the actor's own process (a function worker).
 
 :class:`RoleActor` is plain Python; :mod:`kvstore.launch.ray_job` makes it a Ray actor class.  The
-driver long-polls :meth:`RoleActor.drain` for the role's output lines and exit code.
+driver long-polls :meth:`RoleActor.drain` for the role's output lines and exit code.  A tethered
+role is a :class:`~kvstore.launch.roleprocess.RoleProcess` started by a ``/bin/sh`` keeper (this
+module's placement); a function worker's output comes through the same output pump.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shlex
 import shutil
@@ -21,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import config as kvconfig
-from kvstore.launch import envrules as roles
-from kvstore.launch import portfile, tether
+from kvstore.launch import tether
 from kvstore.launch.node import python_if_script
+from kvstore.launch.roleprocess import RoleProcess, RoleSpec, read_port, start_pump
 
 EOF_GRACE = 1.0  # seconds a role's exit waits for its last output (a grandchild may hold the pipe)
 Call = tuple[Callable[..., Any], tuple, dict[str, Any]]  # a function worker's (function, args, kwargs)
@@ -45,7 +48,7 @@ class RoleActor:
         self._code: int | None = None
         self._exited_at = 0.0
         self._eof = False
-        self._proc: subprocess.Popen | None = None
+        self._role: RoleProcess | None = None
         self._tmpdir: str | None = None
         self._port_file: str | None = None
         self._thread: threading.Thread | None = None
@@ -59,14 +62,20 @@ class RoleActor:
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
+    @property
+    def _proc(self) -> subprocess.Popen | None:
+        """The keeper's process of a tethered role, if one was started."""
+        return None if self._role is None else self._role.proc
+
     # output and exit, shared by both kinds
-    def _pump(self, stream: Any) -> None:
-        """Collect the lines of ``stream`` for drain() until its end of file."""
-        for raw in iter(stream.readline, b""):
-            with self._cond:
-                self._lines.append(raw.decode(errors="replace").rstrip("\r\n"))
-                self._cond.notify_all()
-        stream.close()
+    def _collect(self, raw: bytes) -> None:
+        """Keep one output line of the role for drain()."""
+        with self._cond:
+            self._lines.append(raw.decode(errors="replace").rstrip("\r\n"))
+            self._cond.notify_all()
+
+    def _output_end(self) -> None:
+        """Note the end of the role's output and wake drain()."""
         with self._cond:
             self._eof = True
             self._cond.notify_all()
@@ -123,20 +132,16 @@ class RoleActor:
                       if name != "KVSTORE_SECRET"}  # nor this actor's own, should its node set one
         keeper = ["/bin/sh", "-c", f"{shlex.quote(sys.executable)} -m kvstore.launch.tether; exit $?"]
         argv = [sys.executable, *argv] if python else python_if_script(argv)
+        start = functools.partial(_start_keeper, keeper=keeper, keeper_env=keeper_env,
+                                  cwd=cwd if cwd and os.path.isdir(cwd) else None)
+        self._role = RoleProcess(_spec(self.name, argv, env), start, output=self._collect,
+                                 on_output_end=self._output_end, tethered=True)
+        self._role.on_exit(lambda role: self._exited(role.exit_code))
         try:
-            self._proc = subprocess.Popen(keeper, env=keeper_env, stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self._role.start()
         except BaseException:
             self._remove_tmpdir()
             raise
-        try:
-            self._proc.stdin.write(tether.request(argv, env, cwd if cwd and os.path.isdir(cwd) else None))
-            self._proc.stdin.flush()
-        except BrokenPipeError:
-            pass  # the keeper or the tether exited already: its exit code tells why
-        threading.Thread(target=self._pump, args=(self._proc.stdout,), daemon=True).start()
-        proc = self._proc
-        threading.Thread(target=lambda: self._exited(roles.exit_code(proc.wait())), daemon=True).start()
 
     def wait_port(self, timeout: float) -> tuple[int | None, int | None]:
         """Wait up to ``timeout`` for the scheduler's port file; return (port, None), or (None, exit
@@ -146,7 +151,7 @@ class RoleActor:
         then tells).  Raises nothing."""
         port = None
         if self._port_file is not None:
-            port = portfile.wait(self._port_file, timeout, self._exited_within)
+            port = read_port(self._port_file, timeout, self._exited_within)
         if port is not None:
             self._remove_tmpdir()
             return port, None
@@ -163,19 +168,18 @@ class RoleActor:
     def release(self) -> None:
         """Close the tether's stdin: it stops the role (nothing for a function worker); remove the
         port file's directory."""
-        if self._proc is not None:
-            tether.release(self._proc)
+        if self._role is not None:
+            self._role.request_stop()
         self._remove_tmpdir()
 
     def wait(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` for a tethered role to exit; return its code (None while it runs).
         A function worker is not waited for: its code, or None at once."""
-        if self._proc is not None:
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                return None
-            self._remove_tmpdir()
+        if self._role is not None:
+            code = self._role.wait(time.monotonic() + timeout)
+            if code is not None:
+                self._remove_tmpdir()
+            return code
         with self._cond:
             return self._code
 
@@ -206,8 +210,7 @@ class RoleActor:
         os.dup2(write_fd, 1)
         os.dup2(write_fd, 2)
         os.close(write_fd)
-        pump = threading.Thread(target=self._pump, args=(os.fdopen(read_fd, "rb"),), daemon=True)
-        pump.start()
+        start_pump(os.fdopen(read_fd, "rb"), self._collect, self._output_end)
         code, failure = 0, None
         try:
             self._result = fn(*args, **kwargs)
@@ -239,6 +242,27 @@ class RoleActor:
     def error(self) -> str | None:
         """The traceback of the function's exception, if it raised."""
         return self._error
+
+
+def _spec(name: str, argv: list[str], env: dict[str, str]) -> RoleSpec:
+    """The RoleSpec of the role named ``name`` (``scheduler``, ``server 0``, ``worker 1``)."""
+    role, _, rank = name.partition(" ")
+    return RoleSpec(role, int(rank) if rank else None, argv, env)
+
+
+def _start_keeper(spec: RoleSpec, keeper: list[str], keeper_env: dict[str, str],
+                  cwd: str | None) -> subprocess.Popen:
+    """Start the ``/bin/sh`` ``keeper`` that runs a tether (see RoleActor.start_command) with the
+    environment ``keeper_env``, and write ``spec``'s request, to run in ``cwd``, to its stdin.
+    Raises OSError when the keeper cannot be started."""
+    proc = subprocess.Popen(keeper, env=keeper_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        proc.stdin.write(tether.request(spec.argv, spec.env, cwd))
+        proc.stdin.flush()
+    except BrokenPipeError:
+        pass  # the keeper or the tether exited already: its exit code tells why
+    return proc
 
 
 def _leave_cluster(failure: str | None) -> None:

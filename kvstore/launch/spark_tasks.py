@@ -7,7 +7,9 @@ task learns that ``host:port`` through ``BarrierTaskContext.allGather``.  Server
 ``python -m kvstore.server`` the same way; worker tasks call ``train_fn(records, *args)`` in the
 task's own Python process with the ``DMLC_*`` variables of their rank in the process environment.
 A second ``allGather`` after the workers are done tells the scheduler and server tasks to wait for
-their roles to exit.  Importing this module imports pyspark.
+their roles to exit.  A tethered role is a :class:`~kvstore.launch.roleprocess.RoleProcess` (its
+output copied to the task's stderr, prefixed ``[kvstore server 0]``).  Importing this module imports
+pyspark.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,11 +31,13 @@ from pyspark import BarrierTaskContext
 from kvstore import config as kvconfig
 from kvstore.client.process import release_process_store
 from kvstore.errors import KVStoreError, TaskFailed
-from kvstore.launch import portfile, tether
+from kvstore.launch import tether
+from kvstore.launch.roleprocess import RoleProcess, RoleSpec
 from kvstore.launch.spark_plan import SCHEDULER_PARTITION, Layout, role_env
 from kvstore.net import address
 
 TAIL_LINES = 20  # how much of a failed role's output its error shows
+STOP_MARGIN = 5.0  # seconds past the tether's own grace before a stop kills the tether
 
 
 @dataclass(frozen=True)
@@ -47,63 +52,51 @@ class JobSpec:
     keyed: bool  # records arrive as (partition, record) pairs from the routing shuffle
 
 
-class _Role:
-    """One scheduler or server process under a tether, its output copied to the task's stderr."""
+class _Output:
+    """Where a tethered role's output goes: the task's stderr, each line prefixed ``[kvstore NAME]``;
+    its last :data:`TAIL_LINES` lines are kept for its error."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.proc = tether.spawn(argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self._pump = threading.Thread(target=self._copy_output, daemon=True)
-        self._pump.start()
 
-    def _copy_output(self) -> None:
-        """Copy the role's output to the task's stderr, prefixed, keeping its last TAIL_LINES lines."""
-        for raw in iter(self.proc.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.tail.append(line)
-            print(f"[kvstore {self.name}] {line}", file=sys.stderr, flush=True)
+    def __call__(self, raw: bytes) -> None:
+        """Copy one line of the role's output."""
+        line = raw.decode(errors="replace").rstrip("\n")
+        self.tail.append(line)
+        print(f"[kvstore {self.name}] {line}", file=sys.stderr, flush=True)
 
-    def failure(self, what: str) -> TaskFailed:
-        """The error of a role that ``what`` (e.g. 'exited with code 1'), with its last output."""
-        self._pump.join(2.0)  # the rest of its output, if the pipe closes
-        lines = "\n".join(self.tail) or "(no output)"
-        return TaskFailed(f"{self.name} {what}; its last output lines:\n{lines}")
 
-    def exit_code(self) -> int | None:
-        """The role's exit code, or None while it runs."""
-        return self.proc.poll()
+def _start_tethered(spec: RoleSpec) -> subprocess.Popen:
+    """Start ``spec`` under a tether (the role dies with this task's Python process), its output in one
+    pipe.  Raises OSError."""
+    return tether.spawn(spec.argv, spec.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
-    def on_exit(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` from a thread of its own once the role has exited."""
-        threading.Thread(target=lambda: (self.proc.wait(), callback()), daemon=True).start()
 
-    def wait_port(self, path: str, timeout: float) -> int:
-        """The port the scheduler wrote to ``path``; raises TaskFailed if it exits or times out."""
-        port = portfile.wait(path, timeout, lambda seconds: self.wait(seconds) is not None, interval=0.02)
-        if port is not None:
-            return port
-        code = self.exit_code()
-        if code is not None:
-            raise self.failure(f"exited with code {code} before reporting its port")
-        raise self.failure(f"did not report its port within {timeout:g} s (KVSTORE_CONNECT_TIMEOUT)")
+def _start_role(role: str, rank: int | None, argv: list[str], env: dict[str, str],
+                grace: float) -> RoleProcess:
+    """Start ``argv`` as ``role`` under a tether whose grace is ``grace``; a stop gives it that plus
+    :data:`STOP_MARGIN`.  Raises OSError."""
+    spec = RoleSpec(role, rank, argv, env)
+    return RoleProcess(spec, _start_tethered, output=_Output(spec.name), tethered=True,
+                       stop_wait=grace + STOP_MARGIN).start()
 
-    def wait(self, timeout: float) -> int | None:
-        """Wait up to ``timeout`` for the role to exit; its exit code, or None if it still runs."""
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
 
-    def stop(self, grace: float) -> None:
-        """Close the tether's pipe (it stops the role: SIGTERM, then SIGKILL after ``grace``) and reap."""
-        tether.release(self.proc)
-        try:
-            self.proc.wait(grace + 5.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._pump.join(2.0)
+def _failure(proc: RoleProcess, what: str) -> TaskFailed:
+    """The error of a role that ``what`` (e.g. 'exited with code 1'), with its last output."""
+    proc.join(2.0)  # the rest of its output, if the pipe closes
+    lines = "\n".join(proc.output.tail) or "(no output)"
+    return TaskFailed(f"{proc.name} {what}; its last output lines:\n{lines}")
+
+
+def _wait_port(proc: RoleProcess, path: str, timeout: float) -> int:
+    """The port the scheduler wrote to ``path``; raises TaskFailed if it exits or times out."""
+    port = proc.read_port(path, timeout, interval=0.02)
+    if port is not None:
+        return port
+    if proc.exit_code is not None:
+        raise _failure(proc, f"exited with code {proc.exit_code} before reporting its port")
+    raise _failure(proc, f"did not report its port within {timeout:g} s (KVSTORE_CONNECT_TIMEOUT)")
 
 
 def _task_host(ctx: BarrierTaskContext, partition: int, env: Mapping[str, str]) -> str:
@@ -115,7 +108,7 @@ def _task_host(ctx: BarrierTaskContext, partition: int, env: Mapping[str, str]) 
     return address.resolve_ip(ctx.getTaskInfos()[partition].address)
 
 
-def _await_workers(ctx: BarrierTaskContext, proc: _Role) -> list[dict]:
+def _await_workers(ctx: BarrierTaskContext, proc: RoleProcess) -> list[dict]:
     """The workers' reports from the second allGather (sent once all of them are done), while
     watching the role: a role that fails before then fails this task at once, with its output."""
     wake = threading.Event()
@@ -129,16 +122,16 @@ def _await_workers(ctx: BarrierTaskContext, proc: _Role) -> list[dict]:
         wake.set()
 
     threading.Thread(target=gather, name="kvstore-spark-gather", daemon=True).start()
-    proc.on_exit(wake.set)
+    proc.on_exit(lambda _: wake.set())
     while True:
         wake.wait()
         if "messages" in gathered:
             return [json.loads(m) for m in gathered["messages"] if m]
         if "error" in gathered:
             raise gathered["error"]
-        code = proc.exit_code()
+        code = proc.exit_code
         if code is not None and code != 0:
-            raise proc.failure(f"exited with code {code} while the workers were running")
+            raise _failure(proc, f"exited with code {code} while the workers were running")
         wake.clear()  # it exited 0 (the scheduler may, once every worker left): wait for the reports
         if "messages" in gathered or "error" in gathered:
             wake.set()
@@ -148,7 +141,8 @@ def _role_task(job: JobSpec, ctx: BarrierTaskContext, role: str, rank: int | Non
     """Run the scheduler (and share its address) or a server, until the workers are done."""
     settings = kvconfig.load(kvconfig.child_environ({**job.env, "KVSTORE_SECRET": job.secret}))
     name = role if rank is None else f"{role} {rank}"
-    proc: _Role | None = None
+    grace = settings.shutdown_timeout
+    proc: RoleProcess | None = None
     try:
         if role == "scheduler":
             with tempfile.TemporaryDirectory(prefix="kvstore-spark-") as workdir:
@@ -156,9 +150,9 @@ def _role_task(job: JobSpec, ctx: BarrierTaskContext, role: str, rank: int | Non
                 env = role_env(role, None, job.layout, root_host=host, root_port=0, secret=job.secret,
                                node_host=host, extra=job.env)
                 env["KVSTORE_PORT_FILE"] = port_file
-                proc = _Role(name, [sys.executable, "-m", "kvstore.scheduler"], env)
+                proc = _start_role(role, rank, [sys.executable, "-m", "kvstore.scheduler"], env, grace)
                 try:
-                    port = proc.wait_port(port_file, settings.connect_timeout)
+                    port = _wait_port(proc, port_file, settings.connect_timeout)
                 except TaskFailed:
                     ctx.allGather("")  # the others learn there is no scheduler and return
                     raise
@@ -170,20 +164,20 @@ def _role_task(job: JobSpec, ctx: BarrierTaskContext, role: str, rank: int | Non
             address = json.loads(root)
             env = role_env(role, rank, job.layout, root_host=address["host"], root_port=address["port"],
                            secret=job.secret, node_host=host, extra=job.env)
-            proc = _Role(name, [sys.executable, "-m", "kvstore.server"], env)
+            proc = _start_role(role, rank, [sys.executable, "-m", "kvstore.server"], env, grace)
         reports = _await_workers(ctx, proc)
         if not any(report["joined"] for report in reports):
             return []  # no worker used the cluster: stopped below
-        code = proc.wait(settings.shutdown_timeout)
+        code = proc.wait(time.monotonic() + settings.shutdown_timeout)
         if code is None:
             print(f"[kvstore {name}] still running {settings.shutdown_timeout:g} s after every worker "
                   "left (KVSTORE_SHUTDOWN_TIMEOUT); stopping it", file=sys.stderr, flush=True)
         elif code != 0:
-            raise proc.failure(f"exited with code {code}")
+            raise _failure(proc, f"exited with code {code}")
         return []
     finally:
-        if proc is not None and proc.exit_code() is None:
-            proc.stop(settings.shutdown_timeout)
+        if proc is not None:  # one that exited is reaped already: this joins its output
+            proc.stop(join_timeout=2.0)
 
 
 def _worker_task(job: JobSpec, ctx: BarrierTaskContext, rank: int, host: str, records: Iterator) -> list:

@@ -2,8 +2,9 @@
 what a remote role's environment carries, and the copy of the working directory to the hosts.
 
 A remote role runs under a :mod:`kvstore.launch.tether` that ssh starts on its host: the role's argv
-and environment travel on the tether's stdin, never on a command line.  The processes themselves
-are started and supervised by :mod:`kvstore.launch.local`.
+and environment travel on the tether's stdin, never on a command line.  :func:`start_remote` starts
+one (the ssh placement of a :class:`~kvstore.launch.roleprocess.RoleProcess`); the processes are
+supervised by :mod:`kvstore.launch.local`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import NamedTuple, TypeVar
 from kvstore import config as kvconfig
 from kvstore.errors import ConfigError, SyncFailed
 from kvstore.launch import envrules as roles
+from kvstore.launch import tether
 from kvstore.launch.interrupts import held_interrupts
+from kvstore.launch.roleprocess import RoleSpec
 from kvstore.net import address
 
 log = logging.getLogger("kvstore.launcher")
@@ -176,6 +179,14 @@ def remote_role(host: tuple[str, int | None], extra: Mapping[str, str], defaults
     grace = tether_grace(env, settings.shutdown_timeout)
     remote = remote_command(directory, python, settings.shutdown_timeout)
     return RemoteRole(env, grace, ssh_command(host, ssh_args, remote, settings.connect_timeout))
+
+
+def start_remote(spec: RoleSpec, via: list[str]) -> subprocess.Popen:
+    """Start ``spec`` on its host: ``via`` (the ssh argv of :func:`remote_role`) runs a tether there that
+    announces itself, and gets the role's argv and environment on its stdin.  The ssh client runs in a
+    session and process group of its own, its stdout and stderr in one pipe.  Raises OSError."""
+    return tether.spawn(spec.argv, spec.env, via=via, announce=True, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def sync_dir(hosts: list[tuple[str, int | None]], ssh_args: list[str], source: str, dest: str,

@@ -22,28 +22,32 @@ and a report to a closed stderr (the reader is gone) is dropped, so a vanished
 reader never keeps the tether from killing.
 The tether exits with the child's code (128 + the signal number when a signal
 ended it), or 2 for a bad request, or 127 when ``argv`` cannot be started.
+The child is a :class:`~kvstore.launch.roleprocess.RoleProcess`, stopped by that
+type's :meth:`~kvstore.launch.roleprocess.RoleProcess.stop`, as every launcher's roles are.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from kvstore import config as kvconfig
 from kvstore.errors import ConfigError
-from kvstore.launch import envrules as roles
+from kvstore.launch.roleprocess import Killed, RoleProcess, RoleSpec, release
+
+__all__ = ["STARTED", "LEFTOVER_GRACE", "Request", "request", "parse_request", "spawn", "release", "run",
+           "main"]
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STARTED = b"kvstore.tether: started\n"  # on stdout, when the request asks for it, before the child starts
 LEFTOVER_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for what a child that exited left in its group
-_POLL = 0.02  # seconds between looks at a process group that is being stopped
 
 
 class Request(NamedTuple):
@@ -107,31 +111,6 @@ def spawn(argv: list[str], env: Mapping[str, str], *, via: list[str] | None = No
     return proc
 
 
-def release(proc: subprocess.Popen) -> None:
-    """Close a tether's stdin: its child is stopped (SIGTERM, then SIGKILL after the timeout)."""
-    try:
-        proc.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    """Send ``sig`` to process group ``pid``; a group that is gone or not ours is ignored."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` still has a process this one may signal."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
 def _report(message: str) -> None:
     """Write ``kvstore.tether: message`` to stderr, unbuffered; an error (a closed pipe) is ignored."""
     try:
@@ -151,33 +130,6 @@ def _read_line(fd: int) -> bytes:
     return data
 
 
-def stop_group(child: subprocess.Popen, grace: float) -> str | None:
-    """Stop ``child`` (a process group's leader, maybe exited already) and everything in its group.
-
-    SIGTERM to the group; then wait until the child has exited and the group is empty, for at most
-    ``grace`` seconds; then SIGKILL to the group (and to the child, should it have left the group) and
-    reap the child.  The SIGKILL is sent whatever happens meanwhile (it is in a ``finally``).  Returns
-    what had to be killed: ``"child"``, ``"group"`` (only processes the child left in its group) or None.
-    """
-    deadline = time.monotonic() + grace
-    killed: str | None = None
-    try:
-        _signal_group(child.pid, signal.SIGTERM)
-        while (child.poll() is None or group_alive(child.pid)) and time.monotonic() < deadline:
-            time.sleep(_POLL)  # polling interval of a wait bounded by ``deadline``
-    finally:
-        if child.poll() is None:
-            killed = "child"
-        elif group_alive(child.pid):
-            killed = "group"
-        if killed is not None:
-            _signal_group(child.pid, signal.SIGKILL)
-            if child.poll() is None:
-                child.kill()
-        child.wait()
-    return killed
-
-
 def _announce() -> None:
     """Write :data:`STARTED` to stdout, before the child starts so that none of its output comes first.
     Raises nothing: when the reader is gone, end of file on stdin follows and stops the child."""
@@ -187,9 +139,16 @@ def _announce() -> None:
         pass
 
 
-def _stop_when_parent_or_child_ends(fd: int, child: subprocess.Popen, stop: threading.Event) -> None:
-    """Start two daemon threads that set ``stop``: one at end of file on ``fd`` (the parent is gone),
-    one when ``child`` exits.  Returns at once; raises RuntimeError if a thread cannot start."""
+def _start_child(spec: RoleSpec, cwd: str | None) -> subprocess.Popen:
+    """Start the requested child in ``cwd``, in a session and process group of its own, stdin from
+    ``/dev/null``, its output where the tether's goes.  Raises OSError."""
+    return subprocess.Popen(spec.argv, env=spec.env, cwd=cwd, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _stop_when_parent_ends(fd: int, stop: threading.Event) -> None:
+    """Start a daemon thread that sets ``stop`` at end of file on ``fd`` (the parent is gone).
+    Returns at once; raises RuntimeError if the thread cannot start."""
 
     def watch_parent() -> None:
         """Read ``fd`` to end of file, then set ``stop``."""
@@ -197,13 +156,7 @@ def _stop_when_parent_or_child_ends(fd: int, child: subprocess.Popen, stop: thre
             pass
         stop.set()
 
-    def watch_child() -> None:
-        """Wait for ``child`` to exit, then set ``stop``."""
-        child.wait()
-        stop.set()
-
     threading.Thread(target=watch_parent, daemon=True).start()
-    threading.Thread(target=watch_child, daemon=True).start()
 
 
 def run(fd: int) -> int:
@@ -220,29 +173,30 @@ def run(fd: int) -> int:
         _announce()
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
+    child = RoleProcess(RoleSpec("tethered", None, argv, child_env), functools.partial(_start_child, cwd=cwd))
     try:
-        child = subprocess.Popen(argv, env=child_env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+        child.start()
     except OSError as exc:
         _report(f"cannot start {argv[0]}: {exc}")
         return 127
     exited_by_itself = False
-    killed: str | None = None
+    killed: Killed | None = None
     try:
-        _stop_when_parent_or_child_ends(fd, child, stop)
+        child.on_exit(lambda _: stop.set())
+        _stop_when_parent_ends(fd, stop)
         stop.wait()
-        exited_by_itself = child.returncode is not None
+        exited_by_itself = child.exit_code is not None
     finally:  # whatever happened above, the child and its group are stopped, SIGKILL if need be
         wait = min(grace, LEFTOVER_GRACE) if exited_by_itself else grace
-        killed = stop_group(child, wait)
+        killed = child.stop(wait)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if killed == "child":
+    if killed is Killed.PROCESS:
         _report(f"{argv[0]} did not stop within {grace:g} s of SIGTERM; killed it (SIGKILL to its group)")
-    elif killed == "group":
+    elif killed is Killed.GROUP:
         _report(f"what {argv[0]} left in its process group did not stop within {wait:g} s of SIGTERM; "
                 "killed it")
-    return roles.exit_code(child.returncode)
+    return child.exit_code
 
 
 def main() -> int:
