@@ -33,6 +33,10 @@ from kvstore.net.router import RouterService
 from .state import Barrier, Liveness, Node, Rendezvous
 
 log = logging.getLogger("scheduler")
+# zmq queues at most this many unread messages from each peer, then stops reading its connection and
+# TCP holds the sender back: a flood costs the scheduler little memory (a node sends it a few
+# messages at a time: registration, a barrier, its heartbeats).
+INBOUND_MESSAGES = 64
 
 
 class Scheduler:
@@ -45,7 +49,8 @@ class Scheduler:
         address.check_bind(cfg, host, "the scheduler")
         # every worker cuts its messages by this map's chunk size, under this map's limit
         kvconfig.check_message_limits(cfg.max_message_bytes, cfg.chunk_bytes, cfg.batch_bytes)
-        sock, self.port = transport.bind_router(host, cfg.root_port, max_frame_bytes=cfg.max_message_bytes)
+        sock, self.port = transport.bind_router(host, cfg.root_port, inbound=INBOUND_MESSAGES,
+                                                max_frame_bytes=cfg.max_message_bytes)
         self.service = RouterService(sock, channel_for(cfg, "scheduler"))
         self.session = secrets.token_bytes(16)  # keys every message once the map is out
         self.challenges: dict[bytes, tuple[str, str]] = {}  # identity -> (its nonce, our challenge)
@@ -113,6 +118,7 @@ class Scheduler:
                 nonce = self.challenges.pop(node.identity)[0]
                 self.service.reply(node.identity, Message(Op.MAP, dict(body, rank=rank, role=role,
                                                                        nonce=nonce)))
+        self.service.late = channel_for(self.cfg, "scheduler")  # still keyed without the session
         self.service.channel.set_session(self.session)
         self.challenges.clear()
         self.map_sent = True

@@ -13,12 +13,15 @@ the array bytes too (by default they rely on TCP's integrity).  It is keyed by t
 cluster secret and, once the cluster map is out, by the cluster's session id, so
 messages of an earlier cluster with the same secret do not verify.
 
-Opening checks, in order: the MAC (:class:`AuthenticationError` when it is wrong
-or missing), the header (:class:`ProtocolError`), that the message is addressed to
-this channel, and that ``n`` is larger than anything seen from that label before
-(a replay is an :class:`AuthenticationError`).  Without a secret the MAC frame is
-empty and the other checks still apply; a node with a secret refuses unsigned
-messages and the other way round.
+Opening checks, in order: the MAC (:meth:`Channel.verify`: :class:`AuthenticationError`
+when it is wrong or missing), the header (``protocol.decode``: :class:`ProtocolError`), that
+the message is addressed to this channel, and that ``n`` is larger than anything seen from
+that label before (:meth:`Channel.admit`: a replay is an :class:`AuthenticationError`).
+:meth:`Channel.open` does all three; the request loop (``kvstore.net.router``) calls them one
+by one, to tell a stranger's message (answered once, unsigned) from an authenticated but
+malformed one (answered sealed), and tags each refusal with a reason (:func:`refusal_reason`).
+Without a secret the MAC frame is empty and the other checks still apply; a node with a
+secret refuses unsigned messages and the other way round.
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ from kvstore.net import protocol
 from kvstore.net.protocol import Message
 
 MAC_BYTES = 16
+# Why a message was refused (refusal_reason): the first five are failures to authenticate.
+REASON_FRAMES = "no-header"        # fewer than a MAC frame and a header
+REASON_MAC = "unauthenticated"     # a wrong or missing MAC (or one where none is expected)
+REASON_ADDRESSEE = "misaddressed"  # sealed for another node
+REASON_REPLAY = "replayed"         # a number its label has used before
+REASON_UNDECODABLE = "undecodable"  # frames the checks could not even read
+REASON_MALFORMED = "malformed"     # authenticated, but the header or arrays are wrong
 
 
 def derive_key(secret: str | None) -> bytes | None:
@@ -104,34 +114,76 @@ class Channel:
         return [b"" if self._session_key is None else self._mac(frames), *frames]
 
     def open(self, frames: list[Any]) -> Message:
-        """Verify and decode ``frames``; raise AuthenticationError or ProtocolError without side effects."""
+        """Verify and decode ``frames``; raise AuthenticationError or ProtocolError without side effects.
+
+        The same as :meth:`verify`, ``protocol.decode`` of the rest, then :meth:`admit` of its auth.
+        """
+        self.verify(frames)
+        msg = protocol.decode(frames[1:])
+        self.admit(msg.auth)
+        return msg
+
+    def verify(self, frames: list[Any]) -> None:
+        """Check the MAC of ``frames`` (MAC frame, header, arrays) before anything is decoded.
+
+        Raises :class:`ProtocolError` (reason ``REASON_FRAMES``) without a MAC frame and a header,
+        or (``REASON_UNDECODABLE``) for a header over ``MAX_HEADER_BYTES``, which is refused before
+        it is hashed; :class:`AuthenticationError` (``REASON_MAC``) for a wrong, missing or
+        unexpected MAC.
+        """
         if len(frames) < 2:
-            raise ProtocolError("a message needs a MAC frame and a header")
+            raise _refusal(ProtocolError("a message needs a MAC frame and a header"), REASON_FRAMES)
         mac, rest = frames[0], frames[1:]
+        size = memoryview(rest[0]).nbytes
+        if size > protocol.MAX_HEADER_BYTES:  # no header is this big: not worth a MAC over it
+            raise _refusal(ProtocolError(f"header of {size} bytes exceeds the {protocol.MAX_HEADER_BYTES}"
+                                         "-byte limit"), REASON_UNDECODABLE)
         if self._session_key is None:
             if memoryview(mac).nbytes:
-                raise AuthenticationError("a signed message reached a node without KVSTORE_SECRET "
-                                          "(set the same secret on every node)")
+                raise _refusal(AuthenticationError("a signed message reached a node without KVSTORE_SECRET "
+                                                   "(set the same secret on every node)"), REASON_MAC)
         elif not hmac.compare_digest(bytes(mac), self._mac(rest)):
-            raise AuthenticationError("message authentication failed (a peer without the cluster's "
-                                      "KVSTORE_SECRET, or a damaged or stale message)")
-        msg = protocol.decode(rest)
-        label, n, to = _auth_fields(msg.auth)
+            raise _refusal(AuthenticationError("message authentication failed (a peer without the "
+                                               "cluster's KVSTORE_SECRET, or a damaged or stale message)"),
+                           REASON_MAC)
+
+    def admit(self, auth: Any) -> str:
+        """Accept a verified header's ``auth`` field (``[label, n, to]``); return the sender's label.
+
+        Records ``n`` as the label's highest.  Raises :class:`ProtocolError` (``REASON_MALFORMED``)
+        for a field of the wrong shape, :class:`AuthenticationError` for a message addressed to
+        another node (``REASON_ADDRESSEE``) or a number not above the label's highest
+        (``REASON_REPLAY``).
+        """
+        label, n, to = _auth_fields(auth)
         if to not in self.names:
-            raise AuthenticationError(f"a message for {to!r} reached {sorted(self.names)}")
+            raise _refusal(AuthenticationError(f"a message for {to!r} reached {sorted(self.names)}"),
+                           REASON_ADDRESSEE)
         with self._lock:
             if n <= self._last.get(label, 0):
-                raise AuthenticationError(f"replayed message {n} from {label!r} refused")
+                raise _refusal(AuthenticationError(f"replayed message {n} from {label!r} refused"),
+                               REASON_REPLAY)
             self._last[label] = n
-        return msg
+        return label
 
 
 def _auth_fields(auth: Any) -> tuple[str, int, str]:
     if not (isinstance(auth, list) and len(auth) == 3 and isinstance(auth[0], str)
             and isinstance(auth[1], int) and not isinstance(auth[1], bool) and auth[1] > 0
             and isinstance(auth[2], str)):
-        raise ProtocolError("the header's auth field must be [label, n > 0, to]")
+        raise _refusal(ProtocolError("the header's auth field must be [label, n > 0, to]"), REASON_MALFORMED)
     return auth[0], auth[1], auth[2]
+
+
+def _refusal(exc: Exception, reason: str) -> Exception:
+    exc.refusal = reason  # type: ignore[attr-defined]  # read back by refusal_reason()
+    return exc
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """Why :meth:`Channel.verify` or :meth:`Channel.admit` refused a message (a ``REASON_*``);
+    ``REASON_UNDECODABLE`` for any other exception (frames that are not even bytes-like)."""
+    return getattr(exc, "refusal", REASON_UNDECODABLE)
 
 
 def sender_label(msg: Message) -> str:

@@ -6,26 +6,137 @@
 A handler gets ``(identity, message)``.  When it raises, the caller gets an
 ERROR reply naming the error, and the service keeps serving (its state is
 untouched: handlers validate before they change anything).  Every message is
-opened (authenticated, see ``kvstore.auth``) before it is decoded; one that
-fails is logged (rate-limited), answered with an unsigned ERROR and dropped.
-Replies are addressed to the label the peer last sent with.
+authenticated (``kvstore.net.auth``) before it is decoded.  What a peer without
+the secret can make the node do is bounded:
+
+- a message that fails authentication (bad or missing MAC, sealed for another
+  node, replayed, or unreadable before its MAC) gets ONE unsigned ERROR per
+  connection identity (:class:`RefusalGate`; a node with the wrong secret still
+  learns why at registration), later ones from that identity get nothing;
+- a message whose MAC verifies but whose content is malformed gets a sealed
+  ERROR carrying its ``seq`` when the header has one (the sender holds the secret);
+- replies never wait: one that finds its peer's queue full is dropped
+  (``transport.ROUTER_SNDHWM``).
+
+Every refusal and every reply not sent is counted by reason and logged at most
+once a second (:class:`DropLog`).  Replies are addressed to the label the peer
+last sent with.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kvstore.errors import AuthenticationError, KVStoreError, ProtocolError, error_code, error_node
 from kvstore.net import protocol, transport
-from kvstore.net.auth import Channel, sender_label, unsigned
+from kvstore.net.auth import REASON_MALFORMED, REASON_UNDECODABLE, Channel, refusal_reason, unsigned
 from kvstore.net.protocol import Message, Op
 
-log = logging.getLogger("kvstore.service")
+log = logging.getLogger("kvstore.router")
 
 Handler = Callable[[bytes, Message], None]
+
+ANSWERED_PEERS = 4096  # identities remembered as answered (unsigned) already
+REANSWER_AFTER = 60.0  # a remembered identity silent this long may be forgotten to make room
+LOG_EVERY = 1.0  # seconds between two lines of drop counts
+TRIM_AFTER_EVENTS = 10_000  # after this many refusals the heap's free memory goes back to the OS
+MAX_ERROR_TEXT = 300  # characters of an exception's text that go into an ERROR reply
+# Reasons for counting, besides the refusal reasons of kvstore.net.auth:
+NO_PAYLOAD = "no-payload"                  # an identity frame alone
+TOO_MANY_FRAMES = "too-many-frames"        # over transport.MAX_FRAMES: read, dropped, not answered
+WITHHELD_REPEAT = "reply-withheld"         # this identity was answered once already
+WITHHELD_FULL = "reply-withheld-table-full"  # ANSWERED_PEERS identities answered, none idle
+QUEUE_FULL = "reply-dropped-queue-full"    # the peer's send queue holds ROUTER_SNDHWM messages
+PEER_GONE = "reply-dropped-peer-gone"      # the peer disconnected before its reply
+REASON_LATE = "late-registration"          # the right secret, after the cluster was complete
+
+
+class RefusalGate:
+    """Decides which refused messages get their one unsigned ERROR: each identity's first.
+
+    Remembers up to ``capacity`` identities, least recently heard first out, and an identity is
+    forgotten to make room only once silent for ``idle`` seconds; while the table is full of
+    active ones, new identities get no reply either.  So unsigned replies are at most one per
+    connection while it keeps sending, and at most ``capacity`` per ``idle`` seconds in all.
+    """
+
+    def __init__(self, capacity: int = ANSWERED_PEERS, idle: float = REANSWER_AFTER,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity, self.idle, self._clock = capacity, idle, clock
+        self._heard: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._heard)
+
+    def may_answer(self, identity: bytes) -> str | None:
+        """None when ``identity``'s refusal may be answered (it is remembered from now on), else
+        why not (``WITHHELD_REPEAT`` or ``WITHHELD_FULL``).  Raises nothing."""
+        now = self._clock()
+        if identity in self._heard:
+            self._heard[identity] = now
+            self._heard.move_to_end(identity)
+            return WITHHELD_REPEAT
+        if len(self._heard) >= self.capacity:
+            oldest, heard = next(iter(self._heard.items()))
+            if now - heard < self.idle:
+                return WITHHELD_FULL
+            del self._heard[oldest]
+        self._heard[identity] = now
+        return None
+
+    def forget(self, identity: bytes) -> None:
+        """``identity`` has authenticated: its next refusal is answered again."""
+        if self._heard:
+            self._heard.pop(identity, None)
+
+
+class DropLog:
+    """Counts refused messages and unsent replies by reason; logs the counts at most once every
+    ``every`` seconds (the first event after a quiet interval at once)."""
+
+    def __init__(self, logger: logging.Logger, every: float = LOG_EVERY,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.totals: collections.Counter[str] = collections.Counter()
+        self._recent: collections.Counter[str] = collections.Counter()
+        self._logger, self._every, self._clock = logger, every, clock
+        self._logged_at = -math.inf
+        self._since = 0.0
+        self._last = ""
+
+    def count(self, reason: str, detail: str = "") -> None:
+        """Count one event of ``reason`` (``detail``: what happened, shown as the last one); the
+        counts are logged by :meth:`flush`, which the request loop calls."""
+        if not self._recent:
+            self._since = self._clock()
+        self.totals[reason] += 1
+        self._recent[reason] += 1
+        if detail:
+            self._last = detail
+
+    def flush(self) -> int:
+        """Log the counts since the last line when ``every`` seconds have passed; return how many
+        events that line counted (0: nothing logged)."""
+        if not self._recent:
+            return 0
+        now = self._clock()
+        if now - self._logged_at < self._every:
+            return 0
+        self._logger.warning("refused messages and unsent replies in %.1f s: %s; in all: %s; last: %s",
+                             max(0.0, now - self._since), _counts(self._recent), _counts(self.totals),
+                             self._last[:MAX_ERROR_TEXT])
+        events = self._recent.total()
+        self._recent.clear()
+        self._logged_at = now
+        return events
+
+
+def _counts(counter: collections.Counter[str]) -> str:
+    return " ".join(f"{reason}={n}" for reason, n in sorted(counter.items()))
 
 
 class RouterService:
@@ -37,37 +148,47 @@ class RouterService:
         self.rank = rank
         self.handlers: dict[Op, Handler] = {}
         self.peers: dict[bytes, str] = {}  # connection identity -> label it last sent with
-        self._last_bad_log = 0.0
+        self.gate = RefusalGate()
+        self.drops = DropLog(log)
+        # The scheduler, once the map is out, keeps a channel keyed without the session: a HELLO or
+        # REGISTER that verifies under it comes from a node with the right secret registering late,
+        # which is told so instead of being refused as a stranger.
+        self.late: Channel | None = None
+        self._untrimmed = 0  # events logged since the heap was last trimmed
 
     def reply(self, identity: bytes, msg: Message) -> None:
-        """Seal ``msg`` for peer ``identity`` and send it; a peer that has gone is logged, not raised."""
+        """Seal ``msg`` for peer ``identity`` and send it; a peer that has gone, or whose queue is full,
+        is counted and logged, not raised."""
         msg.sender = self.rank
         self._send(identity, self.channel.seal(msg, self.peers.get(identity, "")), msg.op)
 
     def _send(self, identity: bytes, frames: list[Any], op: Op) -> None:
         try:
-            transport.send(self.sock, frames, identity=identity)
+            if not transport.send(self.sock, frames, identity=identity):
+                self.drops.count(QUEUE_FULL, f"{op.name} to {identity!r}: its queue is full")
         except KVStoreError as exc:
-            log.warning("could not reply %s to %r: %s", op.name, identity, exc)
+            self.drops.count(PEER_GONE, f"{op.name} to {identity!r}: {exc}")
 
     def reply_error(self, identity: bytes, seq: int, exc: BaseException) -> None:
         """Send the ERROR reply for ``exc`` to request ``seq`` of ``identity``."""
         self.reply(identity, protocol.error_reply(seq, error_code(exc), str(exc), node=error_node(exc)))
 
     def handle(self, frames: list[Any]) -> None:
-        """Open (authenticate and decode) one received message, identity first, and run its handler."""
+        """Authenticate and decode one received message, identity first, and run its handler.
+
+        Raises nothing: a bad message is refused (counted, answered at most as the module says).
+        """
         if len(frames) < 2:
-            self._log_bad("a message with no payload")
+            self.drops.count(NO_PAYLOAD, "a message with no payload")
             return
-        identity, payload = bytes(frames[0]), frames[1:]
+        identity = bytes(frames[0])
         try:
-            msg = self.channel.open(payload)
-        except (AuthenticationError, ProtocolError) as exc:  # answered unsigned: we cannot address it
-            self._log_bad(str(exc))
-            reply = protocol.error_reply(0, error_code(exc), str(exc), sender=self.rank)
-            self._send(identity, unsigned(reply), reply.op)
+            msg = self._open(identity, frames[1:])
+        except Exception as exc:  # belt and braces: nothing a peer sends may end the loop
+            self.drops.count(REASON_UNDECODABLE, _text(exc))
             return
-        self.peers[identity] = sender_label(msg)
+        if msg is None:
+            return
         handler = self.handlers.get(msg.op)
         try:
             if handler is None:
@@ -78,36 +199,129 @@ class RouterService:
                 log.exception("handler for %s failed", msg.op.name)
             self.reply_error(identity, msg.seq, exc)
 
-    def poll_once(self, timeout: float) -> bool:
-        """Handle at most one waiting message; return whether one was handled."""
-        if not self.sock.poll(int(timeout * 1000)):
+    def _open(self, identity: bytes, payload: list[Any]) -> Message | None:
+        """The authenticated, decoded message; None when it was refused (and answered or not)."""
+        try:
+            self.channel.verify(payload)
+        except Exception as exc:  # any exception: frames a peer made up may break anything
+            if not self._answer_late(identity, payload):
+                self._refuse(identity, exc)
+            return None
+        try:
+            msg = protocol.decode(payload[1:])
+        except Exception as exc:
+            self._malformed(identity, payload[1], exc)
+            return None
+        try:
+            label = self.channel.admit(msg.auth)
+        except AuthenticationError as exc:  # for another node, or replayed
+            self._refuse(identity, exc)
+            return None
+        except Exception as exc:  # an auth field of the wrong shape, under a valid MAC
+            self._answer_malformed(identity, msg.seq, self.peers.get(identity, ""), exc)
+            return None
+        self.gate.forget(identity)
+        self.peers[identity] = label
+        return msg
+
+    def _answer_late(self, identity: bytes, payload: list[Any]) -> bool:
+        """Tell a registration sealed with the secret but not the session that the cluster is already
+        complete (sealed, so the node trusts it); False when ``payload`` is no such message."""
+        if self.late is None:
             return False
         try:
-            frames = transport.recv(self.sock)
-        except ProtocolError as exc:  # too many frames: read, dropped, not answered
-            self._log_bad(str(exc))
-            return True
-        self.handle(frames)
+            self.late.verify(payload)
+            msg = protocol.decode(payload[1:])
+            label = self.late.admit(msg.auth)
+        except Exception:  # not a late registration: refused as any other message
+            return False
+        if msg.op not in (Op.HELLO, Op.REGISTER):
+            return False
+        self.drops.count(REASON_LATE, f"{msg.op.name} from {label!r} after the cluster was complete")
+        late = ProtocolError("the cluster is already complete; late registrations are refused")
+        reply = protocol.error_reply(msg.seq, error_code(late), str(late), sender=self.rank)
+        self._send(identity, self.late.seal(reply, label), reply.op)
         return True
+
+    def _refuse(self, identity: bytes, exc: BaseException) -> None:
+        """Count a message that failed authentication; answer it unsigned if the gate allows."""
+        self.drops.count(refusal_reason(exc), _text(exc))
+        withheld = self.gate.may_answer(identity)
+        if withheld is not None:
+            self.drops.count(withheld)
+            return
+        if not isinstance(exc, KVStoreError):
+            exc = ProtocolError("the message could not be read")
+        reply = protocol.error_reply(0, error_code(exc), _text(exc), sender=self.rank)
+        self._send(identity, unsigned(reply), reply.op)
+
+    def _malformed(self, identity: bytes, header: Any, exc: BaseException) -> None:
+        """A message whose MAC verified but that does not decode: check its auth field if the header
+        has one (a replay or a message for another node is refused as such), then answer sealed."""
+        seq, auth = _peek(header)
+        label = self.peers.get(identity, "")
+        if auth is not None:
+            try:
+                label = self.channel.admit(auth)
+            except AuthenticationError as refused:
+                self._refuse(identity, refused)
+                return
+            except Exception:  # an auth field of the wrong shape: answer the decoding error
+                pass
+        self._answer_malformed(identity, seq, label, exc)
+
+    def _answer_malformed(self, identity: bytes, seq: int, label: str, exc: BaseException) -> None:
+        self.drops.count(REASON_MALFORMED, _text(exc))
+        reply = protocol.error_reply(seq, error_code(exc), _text(exc), sender=self.rank)
+        self._send(identity, self.channel.seal(reply, label), reply.op)
+
+    def poll_once(self, timeout: float) -> bool:
+        """Handle at most one waiting message; return whether one was handled."""
+        ready = bool(self.sock.poll(int(timeout * 1000)))
+        if ready:
+            self._handle_next(transport.recv)
+        self._flush_drops()  # also logs the counts left once the bad traffic stops
+        return ready
 
     def drain(self, limit: int = 1000) -> int:
         """Handle the messages already waiting (at most ``limit``); return how many."""
         handled = 0
-        while handled < limit:
-            try:
-                frames = transport.recv_nowait(self.sock)
-            except ProtocolError as exc:  # too many frames: read, dropped, not answered
-                self._log_bad(str(exc))
-                handled += 1
-                continue
-            if frames is None:
-                break
-            self.handle(frames)
+        while handled < limit and self._handle_next(transport.recv_nowait):
             handled += 1
+        self._flush_drops()
         return handled
 
-    def _log_bad(self, what: str) -> None:
-        now = time.monotonic()
-        if now - self._last_bad_log > 1.0:  # rate-limited: garbage must not flood the log
-            self._last_bad_log = now
-            log.warning("dropped a bad message: %s", what)
+    def _flush_drops(self) -> None:
+        """Log the drop counts when due; after a flood, give the memory zmq queued it in back to the
+        OS (glibc keeps freed heap otherwise: 229 MiB stayed after two million junk messages)."""
+        self._untrimmed += self.drops.flush()
+        if self._untrimmed >= TRIM_AFTER_EVENTS:
+            self._untrimmed = 0
+            transport.trim_heap()
+
+    def _handle_next(self, receive: Callable[[Any], list[Any] | None]) -> bool:
+        """Receive one message with ``receive`` and handle it; False when none was waiting."""
+        try:
+            frames = receive(self.sock)
+        except ProtocolError as exc:  # too many frames: read, dropped, not answered
+            self.drops.count(TOO_MANY_FRAMES, str(exc))
+            return True
+        if frames is None:
+            return False
+        self.handle(frames)
+        return True
+
+
+def _peek(header: Any) -> tuple[int, Any]:
+    """The ``seq`` (0 when absent) and ``auth`` field (None when absent) of a header that failed to
+    decode as a whole; (0, None) when even its map cannot be read."""
+    try:
+        fields = protocol._decode_header(header)  # the map alone, without checking op and arrays
+    except Exception:
+        return 0, None
+    seq = fields.get("seq")
+    return (seq if type(seq) is int else 0), fields.get("auth")
+
+
+def _text(exc: BaseException) -> str:
+    return str(exc)[:MAX_ERROR_TEXT] or type(exc).__name__

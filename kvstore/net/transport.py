@@ -8,7 +8,9 @@ to this project's errors here and never reaches a user.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +20,19 @@ from kvstore.errors import ConfigError, DeadlineExceededError, NodeLostError, Pr
 
 COPY_THRESHOLD = 64 * 1024  # frames at least this big are sent zero-copy
 MAX_FRAMES = 1024  # identity + MAC + header + arrays: far more than any message of ours carries
+# A ROUTER queues at most this many unsent messages for each peer; a reply that finds its peer's
+# queue full is dropped (send() returns False), so a peer that never reads cannot grow the node
+# without bound.  This cannot deadlock: no send anywhere blocks (ROUTERs drop, DEALERs have no
+# SNDHWM).  A worker that reads loses no reply: its DEALER keeps RCVHWM 0, so its zmq I/O thread
+# reads TCP into an unbounded queue whatever its Python threads do, and a server's queue to it
+# holds only the replies TCP has not carried yet, each the answer to a request that worker sent.
+# The bound is far above what one call sends one server (a pull is one message per key slice,
+# small keys batched into 1 MiB messages): 1024 did drop replies of a pipelined pull of 300 x 1 MiB
+# keys on loopback when set to 8, so the margin is wide.  Only a call of more than 65,536 messages
+# to one server, over a link slower than the server, could lose a reply (its call then ends at
+# KVSTORE_REQUEST_TIMEOUT); docs/security.md says what the bound costs against a peer that never reads.
+ROUTER_SNDHWM = 65536
+TRIM_AFTER_FRAMES = 1 << 16  # a discarded message of this many frames gives freed heap back to the OS
 
 
 def _context() -> zmq.Context:
@@ -26,7 +41,8 @@ def _context() -> zmq.Context:
 
 def _unbounded(sock: zmq.Socket) -> None:
     # No high-water marks: with bounded queues a worker blocked sending and a server
-    # blocked replying to it could wait on each other forever.
+    # blocked replying to it could wait on each other forever.  (A ROUTER then bounds its
+    # send queue, ROUTER_SNDHWM, but never waits on it: a reply that does not fit is dropped.)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
 
@@ -35,19 +51,26 @@ def _host_in_url(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def bind_router(host: str, port: int = 0, inbound: int = 0) -> tuple[zmq.Socket, int]:
+def bind_router(host: str, port: int = 0, inbound: int = 0, max_frame_bytes: int = 0,
+                outbound: int = ROUTER_SNDHWM) -> tuple[zmq.Socket, int]:
     """Bind a ROUTER socket on ``host:port`` (0 = any free port); return it and the bound port.
 
     ``inbound`` > 0 caps the messages zmq queues from each peer: beyond it zmq stops reading
-    that peer's connection, and TCP holds the sender back (flow control; replies are never
-    capped, so neither side can block the other).  Raises :class:`ConfigError` when the
-    address cannot be bound (port taken, bad host).
+    that peer's connection, and TCP holds the sender back (flow control).  Replies queue up to
+    ``outbound`` messages per peer (``ROUTER_SNDHWM``) and are never waited for (see :func:`send`),
+    so neither side can block the other.  ``max_frame_bytes`` > 0 is zmq's MAXMSGSIZE: a peer that declares
+    a bigger frame is disconnected as the frame's length arrives, before its bytes are buffered
+    (a per-frame limit: zmq still buffers every frame of a message before delivering it).
+    Raises :class:`ConfigError` when the address cannot be bound (port taken, bad host).
     """
     sock = _context().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     _unbounded(sock)
+    sock.setsockopt(zmq.SNDHWM, outbound)
     if inbound:
         sock.setsockopt(zmq.RCVHWM, inbound)
+    if max_frame_bytes > 0:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
@@ -83,21 +106,30 @@ def address(host: str, port: int) -> str:
     return f"tcp://{_host_in_url(host)}:{port}"
 
 
-def send(sock: zmq.Socket, frames: Sequence[Any], identity: bytes | None = None) -> None:
-    """Send one message; with ``identity``, to that peer of a ROUTER.
+def send(sock: zmq.Socket, frames: Sequence[Any], identity: bytes | None = None) -> bool:
+    """Send one message; with ``identity``, to that peer of a ROUTER, without waiting.
 
-    Raises :class:`NodeLostError` when a ROUTER's peer is no longer connected.
+    Returns False, sending nothing, when that peer's queue already holds ``ROUTER_SNDHWM``
+    messages (the caller drops the reply); True otherwise (a DEALER's send never waits: its
+    queue is unbounded).  Raises :class:`NodeLostError` when a ROUTER's peer is no longer
+    connected, or on any other zmq failure.
     """
     parts = ([identity] if identity is not None else []) + list(frames)
     last = len(parts) - 1
     try:
         for i, part in enumerate(parts):
             big = len(part) >= COPY_THRESHOLD if hasattr(part, "__len__") else False
-            sock.send(part, flags=zmq.SNDMORE if i < last else 0, copy=not big)
+            flags = zmq.SNDMORE if i < last else 0
+            if i == 0 and identity is not None:
+                flags |= zmq.NOBLOCK  # only the routing frame can find the queue full (EAGAIN)
+            sock.send(part, flags=flags, copy=not big)
+    except zmq.Again:
+        return False
     except zmq.ZMQError as exc:
         if exc.errno == errno.EHOSTUNREACH:
             raise NodeLostError(f"peer {identity!r} is not connected") from None
         raise NodeLostError(f"sending failed: {exc.strerror}") from None
+    return True
 
 
 def recv(sock: zmq.Socket, max_frames: int = MAX_FRAMES) -> list[memoryview]:
@@ -123,11 +155,53 @@ def _recv_rest(sock: zmq.Socket, first: Any, max_frames: int) -> list[memoryview
     frames = [first]
     while frames[-1].more:
         if len(frames) >= max_frames:
-            while sock.getsockopt(zmq.RCVMORE):
-                sock.recv(copy=False)
-            raise ProtocolError(f"a message of more than {max_frames} frames was refused")
+            count = len(frames) + _discard_rest(sock, frames[-1])
+            del frames
+            if count >= TRIM_AFTER_FRAMES:
+                trim_heap()
+            raise ProtocolError(f"a message of more than {max_frames} frames was refused "
+                                f"({count} frames read and dropped)")
         frames.append(sock.recv(copy=False))
     return [frame.buffer for frame in frames]
+
+
+def _discard_rest(sock: zmq.Socket, frame: Any) -> int:
+    """Read and drop the rest of the message ``frame`` belongs to; return how many frames that was.
+
+    zmq delivers a message only once all its frames are in, so they are all queued already; the
+    cheapest pyzmq read is ``recv(copy=False)`` and its frame's ``more`` (about 1-2 us a frame
+    here, against 4 us with a RCVMORE query per frame).
+    """
+    recv, count = sock.recv, 0
+    while frame.more:
+        frame = recv(copy=False)
+        count += 1
+    return count
+
+
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None (another libc or OS)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim  # the C library the interpreter runs on
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def trim_heap() -> bool:
+    """Give the heap's free memory back to the OS (glibc ``malloc_trim``); False where there is none.
+
+    After a big discard: zmq's buffers for millions of frames are freed into malloc's arenas,
+    which glibc otherwise keeps (tens of ms for a few hundred MB).  Raises nothing.
+    """
+    if _TRIM is None:
+        return False
+    _TRIM(0)
+    return True
 
 
 class Poller:

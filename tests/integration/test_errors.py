@@ -146,9 +146,15 @@ def test_garbage_to_server_is_rejected_and_serving_goes_on(cluster: Cluster) -> 
         pull = Message(Op.PULL, {"keys": [key], "sizes": [3]}, seq=1, sender=0, auth=["x", 1, server])
         unsigned = [b"", *protocol.encode(pull)]
         for frames in ([b"\xc1garbage"], [b"0" * 16, wrong_version], unsigned):
-            sock.send_multipart(frames)
-            assert sock.poll(5000), "the server did not answer"
-            reply = sock.recv_multipart()
+            stranger = zmq.Context.instance().socket(zmq.DEALER)  # one answered refusal per connection
+            stranger.setsockopt(zmq.LINGER, 0)
+            stranger.connect(f"{host}:{port}")
+            try:
+                stranger.send_multipart(frames)
+                assert stranger.poll(5000), "the server did not answer"
+                reply = stranger.recv_multipart()
+            finally:
+                stranger.close()
             assert reply[0] == b"", "a refusal is unsigned: the peer could not be verified"
             assert protocol.decode(reply[1:]).body["code"] in {"ProtocolError", "AuthenticationError"}
         for msg in (Message(Op.PUSH, {"keys": [key], "sizes": [9]}, [np.ones(9)], seq=2, sender=0),

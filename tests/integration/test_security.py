@@ -72,16 +72,19 @@ def test_forged_and_replayed_pushes_change_nothing(make_cluster) -> None:
 
 
 def test_a_stranger_cannot_make_the_scheduler_release_or_stop(make_cluster) -> None:
-    """Unsigned LEAVE and BARRIER to the scheduler are refused; the cluster goes on."""
+    """Unsigned LEAVE and BARRIER to the scheduler are refused (answered once per connection, then
+    dropped); the cluster goes on."""
     cluster: Cluster = make_cluster("dist_sync", 2, 1)
-    sock = _dealer(cluster.cfg.root_address)
-    try:
-        for op in (Op.LEAVE, Op.BARRIER, Op.HEARTBEAT):
+    for op in (Op.LEAVE, Op.BARRIER, Op.HEARTBEAT):
+        sock = _dealer(cluster.cfg.root_address)  # a connection's first refusal is answered
+        try:
             frames = [b"", *protocol.encode(Message(op, {}, seq=1, auth=["stranger", 1, "scheduler"]))]
             reply = _exchange(sock, frames)
             assert protocol.decode(reply[1:]).body["code"] == "AuthenticationError"
-    finally:
-        sock.close()
+            sock.send_multipart(frames)  # a second one on the same connection is dropped, unanswered
+            assert not sock.poll(300)
+        finally:
+            sock.close()
     cluster.run(lambda kv: kv.barrier())  # still two workers to meet: nobody was counted out
     _, log = next((p, lg) for name, p, lg in cluster.procs.procs if name == "scheduler")
     assert "left" not in log.read_text()

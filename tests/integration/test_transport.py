@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
+import zmq
 
 from kvstore.errors import ConfigError, DeadlineExceededError, NodeLostError, ProtocolError
 from kvstore.net import protocol, transport
@@ -85,6 +88,46 @@ def test_a_message_of_too_many_frames_is_refused_and_the_next_one_arrives() -> N
             transport.recv(sock)
         assert sock.poll(5000)
         assert [bytes(f) for f in transport.recv(sock)][1:] == [b"after", b"ok"]
+    finally:
+        transport.close(dealer)
+        transport.close(sock)
+
+
+def test_max_frame_bytes_disconnects_a_peer_that_declares_a_bigger_frame() -> None:
+    """With max_frame_bytes, a frame up to the cap arrives; a bigger one never does (zmq drops the
+    connection as the frame's length arrives), and the peer's reconnection is served again."""
+    sock, port = transport.bind_router("127.0.0.1", max_frame_bytes=4096)
+    dealer = transport.connect_dealer(transport.address("127.0.0.1", port))
+    try:
+        transport.send(dealer, [b"x" * 4096])
+        assert bytes(transport.recv_within(sock, 10, "the frame at the cap")[1]) == b"x" * 4096
+        transport.send(dealer, [b"y" * 4097])
+        assert not sock.poll(500), "a frame over the cap was delivered"
+        transport.send(dealer, [b"after"])  # zmq reconnects the DEALER; this one goes out on the new link
+        assert bytes(transport.recv_within(sock, 10, "the message after")[1]) == b"after"
+    finally:
+        transport.close(dealer)
+        transport.close(sock)
+
+
+def test_a_router_send_to_a_peer_that_never_reads_returns_false_instead_of_blocking() -> None:
+    """Once a peer's queue holds its bound of messages (and TCP's buffers are full) send returns
+    False at once and sends nothing; the peer that reads again gets whole messages."""
+    bound = 1024  # ROUTER_SNDHWM's mechanism, at a size this test can fill in memory
+    sock, port = transport.bind_router("127.0.0.1", outbound=bound)
+    dealer = transport.connect_dealer(transport.address("127.0.0.1", port))
+    dealer.setsockopt(zmq.RCVHWM, 1)  # this peer's zmq stops reading TCP at once
+    try:
+        transport.send(dealer, [b"hello"])
+        identity = bytes(transport.recv_within(sock, 10, "hello")[0])
+        payload = bytes(transport.COPY_THRESHOLD)
+        sent, started = 0, time.monotonic()
+        while transport.send(sock, [b"%d" % sent, payload], identity=identity):
+            sent += 1
+            assert sent < 20 * bound, "the peer's queue never filled"
+        assert sent >= bound and time.monotonic() - started < 10
+        first = dealer.recv_multipart()
+        assert first[0] == b"0" and len(first[1]) == len(payload)
     finally:
         transport.close(dealer)
         transport.close(sock)

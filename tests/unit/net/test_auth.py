@@ -7,7 +7,20 @@ import pytest
 
 from kvstore.errors import AuthenticationError, ProtocolError
 from kvstore.net import protocol
-from kvstore.net.auth import MAC_BYTES, Channel, derive_key, new_label, unsigned
+from kvstore.net.auth import (
+    MAC_BYTES,
+    REASON_ADDRESSEE,
+    REASON_FRAMES,
+    REASON_MAC,
+    REASON_MALFORMED,
+    REASON_REPLAY,
+    REASON_UNDECODABLE,
+    Channel,
+    derive_key,
+    new_label,
+    refusal_reason,
+    unsigned,
+)
 from kvstore.net.protocol import Message, Op
 
 KEY = derive_key("s3cret")
@@ -131,3 +144,46 @@ def test_keys_labels_and_rename():
     assert receiver.open(sender.seal(push(), "server3")).auth[2] == "server3"
     with pytest.raises(AuthenticationError):
         receiver.open(sender.seal(push(), "server0"))
+
+
+def test_verify_then_admit_is_open_in_steps_with_reasons():
+    """verify checks the MAC alone, admit the addressee and number; each refusal names its reason."""
+    sender, receiver = pair()
+    frames = sender.seal(push(), "server0")
+    receiver.verify(frames)  # no side effect: the message still opens after
+    assert receiver.admit(protocol.decode(frames[1:]).auth) == "worker-a"
+    with pytest.raises(AuthenticationError) as replayed:
+        receiver.admit(protocol.decode(frames[1:]).auth)
+    assert refusal_reason(replayed.value) == REASON_REPLAY
+    with pytest.raises(AuthenticationError) as misaddressed:
+        receiver.admit(["worker-a", 99, "server1"])
+    assert refusal_reason(misaddressed.value) == REASON_ADDRESSEE
+    with pytest.raises(ProtocolError) as malformed:
+        receiver.admit(["worker-a", 0, "server0"])
+    assert refusal_reason(malformed.value) == REASON_MALFORMED
+    with pytest.raises(AuthenticationError) as forged:
+        receiver.verify([bytes(MAC_BYTES), *frames[1:]])
+    assert refusal_reason(forged.value) == REASON_MAC
+    with pytest.raises(ProtocolError) as short:
+        receiver.verify([frames[0]])
+    assert refusal_reason(short.value) == REASON_FRAMES
+    assert refusal_reason(ValueError("anything else")) == REASON_UNDECODABLE
+
+
+def test_a_bad_header_under_a_valid_mac_passes_verify_and_fails_decode():
+    """The MAC covers the header bytes as they are: verify accepts garbage a key-holder sealed, and only
+    decoding then refuses it (the router answers that one sealed, not as a stranger)."""
+    sender, receiver = pair()
+    garbage = [b"\xc1 not msgpack"]
+    frames = [sender._mac(garbage), *garbage]
+    receiver.verify(frames)
+    with pytest.raises(ProtocolError):
+        receiver.open(frames)
+
+
+def test_an_oversize_header_is_refused_before_its_mac_is_computed():
+    """A header frame over MAX_HEADER_BYTES cannot be ours: refused as undecodable, not hashed."""
+    _, receiver = pair()
+    with pytest.raises(ProtocolError, match="exceeds") as big:
+        receiver.verify([bytes(MAC_BYTES), bytes(protocol.MAX_HEADER_BYTES + 1)])
+    assert refusal_reason(big.value) == REASON_UNDECODABLE
