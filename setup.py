@@ -28,6 +28,7 @@ setup(
         "ray": ["ray>=2.9"],  # launch.py --launcher ray, kvstore.ray
         "spark": ["pyspark>=3.5"],  # kvstore.spark (needs Java 17 on the machine)
     },
-    entry_points={"console_scripts": ["kvstore-launch=kvstore.launch.cli:main"]},
+    entry_points={"console_scripts": ["kvstore-launch=kvstore.launch.cli:main",
+                                      "kvstore-node=kvstore.node:main"]},
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
 )

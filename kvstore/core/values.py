@@ -79,7 +79,17 @@ def check(key: Any, meta: Meta, value: Any, what: str) -> None:
                                  f"was initialised with shape {meta.shape}")
     if dtype != meta.dtype:
         raise DTypeMismatchError(f"{what} of key {key!r} has dtype {dtype}, but the key was "
-                                 f"initialised with dtype {meta.dtype}")
+                                 f"initialised with dtype {meta.dtype}: {dtype_fix(value, what, meta.dtype)}")
+
+
+def dtype_fix(value: Any, what: str, dtype: np.dtype) -> str:
+    """How to give ``value`` (named ``what``) the key's ``dtype``, for a DTypeMismatchError's message
+    (``np.ones(shape)`` is float64 where the key is float32).  Raises nothing."""
+    name = np.dtype(dtype).name
+    converted = f"value.to(torch.{name})" if is_tensor(value) else f"value.astype(np.{name})"
+    if what == "out":
+        return f"pass an out of dtype {name}"
+    return f"push {converted} instead (kvstore never converts a value)"
 
 
 def summed(key: Any, meta: Meta, values: list[Any], out: np.ndarray | None = None) -> np.ndarray:

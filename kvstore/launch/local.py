@@ -104,7 +104,8 @@ class Cluster:
         """The (unstarted) RoleProcess of ``argv`` as ``role``: forked here (``host`` None), or ssh to
         ``host`` running a tether that announces itself (stopped by closing its stdin, given its
         tether's grace plus :data:`SSH_STOP_MARGIN`)."""
-        extra = {**self.base_env, "DMLC_ROLE": role, **extra}
+        by_role = {"server": self.cfg.env_server, "worker": self.cfg.env_worker}.get(role, {})
+        extra = {**self.base_env, **by_role, "DMLC_ROLE": role, **extra}
         if host is None:
             env = kvconfig.child_environ(extra, environ=self.inherited, defaults=defaults)
             return RoleProcess(RoleSpec(role, rank, argv, env), stop_wait=self.settings.shutdown_timeout)

@@ -8,8 +8,10 @@ import os
 import shlex
 from dataclasses import dataclass, field
 
+from kvstore import config as kvconfig
 from kvstore.core import snapshot
 from kvstore.errors import ConfigError
+from kvstore.launch.envrules import SET_BY_LAUNCHER
 from kvstore.launch.ssh import parse_hostfile
 
 # The flags of each launcher but 'local', by the LaunchConfig field (or ray_options key) they fill.
@@ -20,6 +22,14 @@ RAY_SIZE_FLAGS = (("--ray-server-cpus", "server_cpus", "CPUs each server's actor
                   ("--ray-worker-gpus", "worker_gpus", "GPUs each worker's actor reserves (default 0)"),
                   ("--ray-placement-timeout", "placement_timeout",
                    "seconds to place and create every role (default 60)"))
+# MXNet's other launchers, refused with what to use instead.
+NOT_LAUNCHERS = {
+    "sge": "--launcher sge is not supported: use --launcher ssh -H HOSTFILE over the hosts the grid engine "
+           "gave the job, or run `python -m kvstore.node CMD` in every task of a cluster manager it "
+           "knows (Slurm: srun ... python -m kvstore.node, see docs/cluster-managers.md)",
+    "yarn": "--launcher yarn is not supported: on YARN, train inside a Spark application with "
+            "kvstore.spark.run (docs/spark.md), or on a Ray cluster with --launcher ray / kvstore.ray.run",
+}
 
 
 @dataclass(frozen=True)
@@ -30,7 +40,9 @@ class LaunchConfig:
     num_servers: int
     command: list[str]
     launcher: str = "local"
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # every role (--env, --resume)
+    env_server: dict[str, str] = field(default_factory=dict)  # servers only (--env-server), over env
+    env_worker: dict[str, str] = field(default_factory=dict)  # workers only (--env-worker), over env
     hosts: list[tuple[str, int | None]] = field(default_factory=list)  # ssh: (host, ssh port)
     sync_dst_dir: str | None = None  # ssh: rsync this directory there first and run from it
     ssh_args: list[str] = field(default_factory=list)  # ssh: extra options for ssh and rsync
@@ -40,33 +52,41 @@ class LaunchConfig:
     ray_options: dict[str, float] = field(default_factory=dict)  # ray: server_cpus, ..., placement_timeout
 
 
-def parse_args(argv: list[str] | None = None) -> LaunchConfig:
-    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into a :class:`LaunchConfig`.
-    Raises SystemExit (code 2, the usage and the mistake on stderr) for a bad command line."""
-    parser = _parser()
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> LaunchConfig:
+    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into a :class:`LaunchConfig`;
+    ``prog`` names the program in the usage (default: ``sys.argv[0]``'s basename, so ``launch.py`` or
+    ``kvstore-launch``).  Raises SystemExit (code 2, the usage and the mistake on stderr) for a bad
+    command line, and SystemExit (code 0, after printing the help) for ``-h``/``--help``."""
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("give the command every worker runs, e.g. train.py")
     if args.num_workers < 1 or (args.num_servers is not None and args.num_servers < 1):
         parser.error("-n and -s must be at least 1")
     extra = _extra_env(parser, args)
+    env_server, env_worker = (_env_items(parser, flag, items) for flag, items
+                              in (("--env-server", args.env_server), ("--env-worker", args.env_worker)))
+    if (env_server or env_worker) and args.launcher == "ray":
+        parser.error("--env-server and --env-worker apply to --launcher local and ssh; "
+                     "with --launcher ray give --env (every role)")
     hosts = _ssh_hosts(parser, args)
     ray_options = _ray_options(parser, args)
     return LaunchConfig(args.num_workers, args.num_servers or args.num_workers,
-                        list(args.command), args.launcher, extra, hosts=hosts,
+                        list(args.command), args.launcher, extra, env_server, env_worker, hosts=hosts,
                         sync_dst_dir=args.sync_dst_dir, ssh_args=shlex.split(args.ssh_args),
                         remote_python=args.remote_python, host_ip=args.host_ip,
                         ray_address=args.ray_address, ray_options=ray_options)
 
 
-def _parser() -> argparse.ArgumentParser:
-    """The argument parser of ``launch.py``.  Raises nothing."""
+def _parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of ``launch.py`` / ``kvstore-launch``, named ``prog`` (default: argparse's,
+    ``sys.argv[0]``'s basename).  Raises nothing."""
     parser = argparse.ArgumentParser(
-        prog="launch.py", description="Start a kvstore cluster (1 scheduler, S servers, W workers) "
+        prog=prog, description="Start a kvstore cluster (1 scheduler, S servers, W workers) "
         "on this machine, or over ssh on the hosts of -H, and run COMMAND on every worker.")
     parser.add_argument("-n", "--num-workers", type=int, required=True, help="number of workers")
     parser.add_argument("-s", "--num-servers", type=int, help="number of servers (default: -n)")
-    parser.add_argument("--launcher", choices=["local", "ssh", "ray"], default="local",
+    parser.add_argument("--launcher", type=_launcher, choices=["local", "ssh", "ray"], default="local",
                         help="how to start processes: 'local' (this machine, the default), 'ssh' "
                         "(the hosts of -H) or 'ray' (actors on a Ray cluster; needs the [ray] extra)")
     parser.add_argument("-H", "--hostfile", help="ssh: file of hosts, one 'host' or 'host:sshport' a line; "
@@ -84,23 +104,70 @@ def _parser() -> argparse.ArgumentParser:
                         "it (default: start a local Ray instance for this job)")
     for flag, name, what in RAY_SIZE_FLAGS:
         parser.add_argument(flag, dest=name, type=float, metavar="N", help=f"ray: {what}")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="extra environment variable for every process (repeatable)")
+    _add_env_flags(parser)
     parser.add_argument("--resume", metavar="DIR",
                         help="start from the snapshot kv.save_checkpoint(DIR) wrote (any number of servers)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker's command")
     return parser
 
 
+def _launcher(name: str) -> str:
+    """``--launcher``'s value; argparse checks it is one of ours.  Raises ArgumentTypeError, which
+    argparse reports as a usage error, for one of MXNet's launchers we do not have (sge, yarn),
+    naming what to use instead."""
+    if name in NOT_LAUNCHERS:
+        raise argparse.ArgumentTypeError(NOT_LAUNCHERS[name])
+    return name
+
+
+def _add_env_flags(parser: argparse.ArgumentParser) -> None:
+    """Add ``--env``, ``--env-server`` and ``--env-worker`` (MXNet's launcher flags) to ``parser``."""
+    how = ("NAME=VALUE (or MXNet's NAME:VALUE) sets it, a bare NAME passes on its value here; repeatable")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                        help=f"an environment variable for every process: {how}")
+    parser.add_argument("--env-server", action="append", default=[], metavar="NAME[=VALUE]",
+                        help=f"an environment variable for the servers only (over --env): {how}")
+    parser.add_argument("--env-worker", action="append", default=[], metavar="NAME[=VALUE]",
+                        help=f"an environment variable for the workers only (over --env): {how}")
+
+
+def env_item(item: str, environ: dict[str, str], per_role: bool = False) -> tuple[str, str]:
+    """``(name, value)`` of one ``--env*`` item: ``NAME=VALUE``, MXNet's ``NAME:VALUE``, or a bare
+    ``NAME``, whose value is taken from ``environ``.  Raises ValueError for an empty name, a bare NAME
+    that ``environ`` lacks, or, for one role's flag (``per_role``), a name the launcher sets for each
+    role itself (:data:`~kvstore.launch.envrules.SET_BY_LAUNCHER`; ``--env`` may override the
+    cluster-wide ones, as docs/env.md says)."""
+    sep = "=" if "=" in item else ":" if ":" in item else ""
+    name, _, value = item.partition(sep) if sep else (item, "", None)
+    if not name or any(c.isspace() for c in name):
+        raise ValueError(f"{item!r} is not NAME, NAME=VALUE or NAME:VALUE")
+    if per_role and name in SET_BY_LAUNCHER:
+        raise ValueError(f"{name} is set by the launcher for each role; it cannot be given")
+    if value is None:
+        value = environ.get(name)
+        if value is None:
+            raise ValueError(f"{name} is not set here, so there is no value to pass on (give {name}=VALUE)")
+    return name, value
+
+
+def _env_items(parser: argparse.ArgumentParser, flag: str, items: list[str]) -> dict[str, str]:
+    """The variables of the ``flag`` items, in order (a later one wins).  Raises SystemExit (through
+    ``parser.error``) for a bad item (see :func:`env_item`)."""
+    environ = kvconfig.child_environ({}) if items else {}  # a copy of the launcher's environment
+    out = {}
+    for item in items:
+        try:
+            name, value = env_item(item, environ, per_role=flag != "--env")
+        except ValueError as exc:
+            parser.error(f"{flag} {exc}")
+        out[name] = value
+    return out
+
+
 def _extra_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
     """The variables ``--env`` and ``--resume`` add to every process.  Raises SystemExit (through
-    ``parser.error``) for an ``--env`` that is not NAME=VALUE or a ``--resume`` with no snapshot."""
-    extra = {}
-    for item in args.env:
-        name, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--env {item!r} is not NAME=VALUE")
-        extra[name] = value
+    ``parser.error``) for a bad ``--env`` (see :func:`env_item`) or a ``--resume`` with no snapshot."""
+    extra = _env_items(parser, "--env", args.env)
     if args.resume is not None:
         if not os.path.isfile(os.path.join(args.resume, snapshot.POINTER)):
             parser.error(f"--resume {args.resume}: no snapshot there (no LATEST file); "

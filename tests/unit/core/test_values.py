@@ -94,6 +94,18 @@ def test_check_dtype_mismatch_names_both_dtypes():
     assert "float64" in str(info.value) and "float32" in str(info.value)
 
 
+def test_dtype_mismatch_names_the_fix():
+    """A float64 push into a float32 key (np.ones(shape)) is refused, naming the conversion to make:
+    ``value.astype(np.float32)`` for an array, ``value.to(torch.float32)`` for a tensor, and the dtype
+    an ``out`` must have."""
+    with pytest.raises(DTypeMismatchError, match=r"push value\.astype\(np\.float32\) instead"):
+        V.check(3, meta(), np.ones((2, 3)), "pushed value")
+    with pytest.raises(DTypeMismatchError, match=r"push value\.to\(torch\.float32\) instead"):
+        V.check(3, meta(), torch.ones((2, 3), dtype=torch.float64), "pushed value")
+    with pytest.raises(DTypeMismatchError, match="pass an out of dtype float32"):
+        V.check(3, meta(), np.ones((2, 3)), "out")
+
+
 def test_summed_adds_all_values_into_a_new_c_array():
     """summed returns a new C-contiguous array with the sum; inputs are unchanged."""
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
