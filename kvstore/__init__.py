@@ -48,6 +48,7 @@ from kvstore.errors import (
     UnknownModeError,
 )
 from kvstore.stores import KNOWN_TYPES, create
+from kvstore.torch_optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from kvstore.trainer import Trainer
 
 # The scheduler's code is the repository's top-level scheduler/ folder, which setup.py installs as
@@ -61,6 +62,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KNOWN_TYPES", "KVStore", "create", "Trainer", "__version__",
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "KVStoreError", "ConfigError", "UnknownModeError", "KeyNotInitializedError",
     "DuplicateInitError", "ShapeMismatchError", "DTypeMismatchError", "KeyTypeError",
     "DeadlineExceededError", "NodeLostError", "ProtocolError", "AuthenticationError",

@@ -11,6 +11,7 @@ from kvstore.core.optimizer import (
     SGD,
     AdaGrad,
     Adam,
+    AdamW,
     Optimizer,
     RMSProp,
     create,
@@ -18,5 +19,5 @@ from kvstore.core.optimizer import (
     register,
 )
 
-__all__ = ["BASE_PARAMS", "Optimizer", "SGD", "NAG", "Adam", "AdaGrad", "RMSProp", "OPTIMIZERS", "create",
-           "from_spec", "register"]
+__all__ = ["BASE_PARAMS", "Optimizer", "SGD", "NAG", "Adam", "AdamW", "AdaGrad", "RMSProp", "OPTIMIZERS",
+           "create", "from_spec", "register"]

@@ -29,7 +29,9 @@ the first replica's.
 from __future__ import annotations
 
 import itertools
+import os
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -167,6 +169,7 @@ class Trainer:
         self._replica_states: list[tuple[dict, dict]] = [({}, {}) for _ in replicas[1:]]
         self._initialized = False
         self._warned: set[str] = set()
+        self._shares = itertools.count()  # numbers the state_dict broadcasts (their keys)
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -377,6 +380,100 @@ class Trainer:
             states = checkpoint.read_states(str(fname))
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._weights())
             self._mirror_states()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's spec, ``num_update`` and per-key states as a dict of plain values and CPU
+        tensors, for ``torch.save`` (call it on every worker: collective in dist modes).
+
+        With update_on_kvstore the states are gathered from the servers (rank 0 writes them to a
+        temporary file, reads them and broadcasts them through the store), so every worker returns
+        the same dict.  Raises OptimizerError when the store holds no optimizer.
+        """
+        self._init_kvstore()
+        if not self._update_on_kvstore:
+            return _states_to_dict(checkpoint.optimizer_states(self._optimizer, self._weights(), True))
+        with tempfile.TemporaryDirectory(prefix="kvstore-states-") as tmp:
+            path = os.path.join(tmp, "states.kvs")
+            self.save_states(path)
+            states = checkpoint.read_states(path) if os.path.exists(path) else None
+        if self._kv.num_workers > 1:
+            states = self._share(states)
+        return _states_to_dict(states)
+
+    def _share(self, states: checkpoint.StatesFile | None) -> checkpoint.StatesFile:
+        """Rank 0's states on every worker, through ``kv.broadcast``: the counts (and num_update) as
+        one array, then each state array; names, shapes and dtypes derive from the optimizer's spec."""
+        import numpy as np
+
+        n, index = next(self._shares), {k: i for i, k in enumerate(self._keys)}
+        counts = np.full(len(self._keys) + 1, -1, np.int64)
+        entries = {e.key: e for e in states.entries} if states is not None else {}
+        if states is not None:
+            counts[-1] = states.num_update
+            for key, entry in entries.items():
+                counts[index[key]] = entry.count
+        self._kv.broadcast(f"__states{n}/{self._keys[0]}/counts", counts, out=counts)
+        spec = self._kv.get_optimizer().spec()
+        template = kvoptimizer.from_spec(spec)
+        out, names, arrays = [], [], []
+        for key, p, count in zip(self._keys, self._params, counts[:-1].tolist()):
+            if count < 0:
+                continue
+            weight = _weight_view(p)
+            like = {a: xp.to_numpy(v) for a, v in template.create_state(key, xp.to_numpy(weight)).items()}
+            saved = entries[key].arrays if key in entries else {}
+            mine = {a: np.ascontiguousarray(saved[a]).reshape(v.shape) if a in saved else v
+                    for a, v in like.items()}
+            names += [f"__states{n}/{key}/{a}" for a in mine]
+            arrays += list(mine.values())
+            out.append(checkpoint.StateEntry(key, tuple(p.shape), xp.dtype_of(weight), int(count), mine))
+        if arrays:
+            self._kv.broadcast(names, arrays, out=arrays)
+        return checkpoint.StatesFile(spec, int(counts[-1]), out)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (call it on every worker with the same dict).
+
+        As :meth:`load_states`: the optimizer is rebuilt from the dict's spec with its states; with
+        update_on_kvstore they go to the servers (collective).  Raises ValueError for a dict that is
+        not a state dict, and what :meth:`load_states` raises for states that do not fit.
+        """
+        states = _states_from_dict(state)
+        self._init_kvstore()
+        if self._update_on_kvstore:
+            with tempfile.TemporaryDirectory(prefix="kvstore-states-") as tmp:
+                path = os.path.join(tmp, "states.kvs")
+                checkpoint.write_states(path, states)
+                self.load_states(path)
+        else:
+            self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._weights())
+            self._mirror_states()
+
+
+def _states_to_dict(states: checkpoint.StatesFile) -> dict[str, Any]:
+    """A StatesFile as plain values and CPU tensors (what torch.load(weights_only=True) reads back)."""
+    import torch
+
+    def tensors(arrays: Mapping[str, Any]) -> dict[str, Tensor]:
+        return {n: torch.from_numpy(xp.to_numpy(a).copy()) for n, a in arrays.items()}
+
+    return {"optimizer": states.optimizer, "num_update": int(states.num_update),
+            "states": {e.key: {"count": int(e.count), "shape": [int(d) for d in e.shape],
+                               "dtype": str(e.dtype), "arrays": tensors(e.arrays)}
+                       for e in states.entries}}
+
+
+def _states_from_dict(state: Mapping[str, Any]) -> checkpoint.StatesFile:
+    """The StatesFile of a :meth:`Trainer.state_dict` dict; ValueError when it is not one."""
+    import numpy as np
+
+    try:
+        entries = [checkpoint.StateEntry(key, tuple(e["shape"]), np.dtype(e["dtype"]), int(e["count"]),
+                                         {n: xp.to_numpy(a.detach().cpu()) for n, a in e["arrays"].items()})
+                   for key, e in state["states"].items()]
+        return checkpoint.StatesFile(state["optimizer"], int(state["num_update"]), entries)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a Trainer state dict ({type(exc).__name__}: {exc})") from None
 
 
 def _weight_view(p: Tensor) -> Any:

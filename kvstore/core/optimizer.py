@@ -1,8 +1,8 @@
 """Optimizers by name: the registry of update rules, :func:`create` and :func:`from_spec`.
 
 The base class lives in :mod:`kvstore.core.optimizer_base` and MXNet 1.x's rules (``sgd``, ``nag``,
-``adam``, ``adagrad``, ``rmsprop``) in :mod:`kvstore.core.update_rules`; both are re-exported here,
-so this module is the one to import (``kvstore.optimizer`` is its public face).
+``adam``, ``adagrad``, ``rmsprop``) and torch's ``adamw`` in :mod:`kvstore.core.update_rules`; both are
+re-exported here, so this module is the one to import (``kvstore.optimizer`` is its public face).
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from typing import Any
 
 from kvstore.core import lr_scheduler as lrs
 from kvstore.core.optimizer_base import BASE_PARAMS, Optimizer
-from kvstore.core.update_rules import NAG, SGD, AdaGrad, Adam, RMSProp
+from kvstore.core.update_rules import NAG, SGD, AdaGrad, Adam, AdamW, RMSProp
 from kvstore.errors import OptimizerError
 
-__all__ = ["BASE_PARAMS", "OPTIMIZERS", "NAG", "SGD", "AdaGrad", "Adam", "Optimizer", "RMSProp", "create",
+__all__ = ["BASE_PARAMS", "OPTIMIZERS", "NAG", "SGD", "AdaGrad", "Adam", "AdamW", "Optimizer", "RMSProp",
+           "create",
            "from_spec", "register"]
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {}
@@ -28,7 +29,7 @@ def register(cls: type[Optimizer]) -> type[Optimizer]:
     return cls
 
 
-for _rule in (SGD, NAG, Adam, AdaGrad, RMSProp):
+for _rule in (SGD, NAG, Adam, AdamW, AdaGrad, RMSProp):
     register(_rule)
 
 

@@ -1,4 +1,5 @@
-"""MXNet 1.x's update rules (SGD, NAG, Adam, AdaGrad, RMSProp), with its names, defaults and formulas.
+"""MXNet 1.x's update rules (SGD, NAG, Adam, AdaGrad, RMSProp), with its names, defaults and formulas,
+and AdamW with torch.optim.AdamW's formula.
 
 Where MXNet's Python docstrings and its C++ kernels (``optimizer_op-inl.h``)
 disagree, the kernel ran and is followed.  ``g = rescale_grad * grad``, ``clip(x)``
@@ -15,6 +16,9 @@ is ``np.clip(x, -clip_gradient, clip_gradient)`` when ``clip_gradient`` is set,
              centered: gbar = (1-gamma1)*c + gamma1*gbar
                        delta = gamma2*delta - lr*c/sqrt(n - gbar*gbar + epsilon); w += delta
              then w = clip(w, +-clip_weights) when clip_weights is set
+    adamw    (torch.optim.AdamW: decoupled weight decay, bias corrections as torch applies them)
+             w *= 1 - lr*wd; c = clip(g); mean = b1*mean + (1-b1)*c; var = b2*var + (1-b2)*c*c
+             w -= lr/(1-b1**t) * mean/(sqrt(var)/sqrt(1-b2**t) + epsilon)
 
 The rules are written once, with Python's in-place operators and the few
 functions of :mod:`kvstore.core.xp`, so :meth:`Optimizer.update` runs them on numpy
@@ -188,3 +192,35 @@ class RMSProp(Optimizer):
             w -= g
         if self.clip_weights is not None:
             xp.clip_(w, self.clip_weights)
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay, as ``torch.optim.AdamW`` computes it (default ``wd`` 0.01).
+
+    ``wd`` is torch's ``weight_decay`` and multiplies the weights by ``1 - lr*wd`` before the
+    moments are updated; ``epsilon`` is added after the root of the bias-corrected ``var``.
+    """
+
+    name = "adamw"
+
+    def __init__(self, learning_rate: float | None = None, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-8, wd: float = 0.01, **kwargs: Any) -> None:
+        super().__init__(learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon, wd=wd, **kwargs)
+
+    def _step(self, w, g, state, lr, wd, t):
+        if wd:
+            w *= 1.0 - lr * wd
+        self._clip(g)
+        mean, var = state["mean"], state["var"]
+        mean *= self.beta1
+        mean += g * (1.0 - self.beta1)
+        var *= self.beta2
+        g *= g
+        g *= 1.0 - self.beta2
+        var += g
+        denom = xp.sqrt(var)
+        denom /= math.sqrt(1.0 - self.beta2 ** t)
+        denom += self.epsilon
+        xp.scale_into(g, mean, lr / (1.0 - self.beta1 ** t))
+        g /= denom
+        w -= g

@@ -31,8 +31,7 @@ NO_RUN = re.compile(r"^<!--\s*no-run:\s*(\S.*?)\s*-->$")
 DIST = re.compile(r"""create\(\s*['"](dist_|horovod|byteps)""")
 LAUNCH = re.compile(r"(?:^|&&|;)\s*((?:python3? (?:\S*/)?launch\.py|kvstore-launch)\s+-[^&;#]*)")
 # Pages whose blocks are known to fail, each with why; they run, and xfail while they fail.
-PENDING = {"docs/optimizers.md": "its block pushes an undefined `grad`; the page belongs to the optimizer "
-                                 "work in progress (define grad = np.ones((4, 3), np.float32) there)"}
+PENDING: dict[str, str] = {}  # page -> why its failure is expected for now (none today)
 PAGE_TIMEOUT = 45.0  # seconds for one page's run; the whole file stays under a minute on 2 cores
 
 

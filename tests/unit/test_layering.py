@@ -132,7 +132,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.base",),                                            # the KVStore ABC
     ("kvstore.client", "kvstore.local", "kvstore.server"),        # the stores; the server process
     ("kvstore.stores",),                                          # create(): the registry of stores
-    ("kvstore.trainer",),
+    ("kvstore.trainer", "kvstore.torch_optim"),                   # the torch-facing wrappers
     ("kvstore.launch",),                                          # starting clusters
     ("kvstore", "kvstore.ray", "kvstore.spark", "kvstore.node"),  # the public surface, entry points
     ("kvstore.scheduler",),                                       # a program over kvstore, started by name

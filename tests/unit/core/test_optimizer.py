@@ -229,7 +229,8 @@ def test_learning_rate_and_scheduler_base_lr():
     opt = kvopt.create("adam", learning_rate=0.2, lr_scheduler=sched)
     assert sched.base_lr == 0.2 and opt.learning_rate == 0.2
     defaults = {n: kvopt.create(n).learning_rate for n in kvopt.OPTIMIZERS}
-    assert defaults == {"sgd": 0.01, "nag": 0.01, "adam": 0.001, "adagrad": 0.01, "rmsprop": 0.001}
+    assert defaults == {"sgd": 0.01, "nag": 0.01, "adam": 0.001, "adamw": 0.001, "adagrad": 0.01,
+                        "rmsprop": 0.001}
     with pytest.raises(OptimizerError):  # the scheduler's warm-up starts above this rate
         kvopt.create("sgd", learning_rate=0.01, lr_scheduler=FactorScheduler(step=2, warmup_begin_lr=0.05,
                                                                              base_lr=0.1))

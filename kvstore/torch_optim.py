@@ -1,0 +1,371 @@
+"""Horovod-style data parallelism over any ``torch.optim`` optimizer, through a KVStore::
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = kvstore.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    kvstore.broadcast_parameters(model.state_dict(), root_rank=0)
+    kvstore.broadcast_optimizer_state(opt, root_rank=0)
+    loss_fn(model(x), y).backward()     # loss averaged over this worker's batch
+    opt.step()                          # gradients averaged over the workers, then torch's step
+
+The servers only sum (no optimizer is set on them); every worker runs the torch optimizer on the
+reduced gradients, so every worker holds the same weights and the same optimizer state.
+``op='average'`` (the default, as Horovod and DDP) divides the sum by the number of workers;
+``op='sum'`` keeps MXNet's convention (the :class:`kvstore.Trainer` sums).
+
+Every function here is collective in dist modes: every worker calls it, in the same order.
+Broadcasts send tensors only; the layout of an optimizer's state dict (names, shapes, dtypes, step
+counts, hyper-parameters) travels as JSON text in a uint8 array, never pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from kvstore import config as kvconfig
+from kvstore.base import KVStore
+from kvstore.client.process import process_store
+from kvstore.errors import ConfigError
+from kvstore.stores import create
+
+Tensor = Any  # a torch.Tensor; torch is not imported when this module loads
+OPS = ("average", "sum")
+_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> {what: next number}
+_counters_lock = threading.Lock()
+_WIRE = {"float16", "float32", "float64", "int32", "int64"}  # torch dtype names the store carries
+
+
+def _store(kv: KVStore | str | None, need: bool = True) -> KVStore | None:
+    """``kv`` as a store: a mode name is created; None means this process's dist store, else
+    'dist_sync' under the launcher, else 'local' (None then, unless ``need``)."""
+    if isinstance(kv, str):
+        return create(kv)
+    if kv is not None:
+        return kv
+    existing = process_store()
+    if existing is not None:
+        return existing
+    if kvconfig.in_cluster():
+        return create("dist_sync")
+    return create("local") if need else None
+
+
+def _next(kv: KVStore, what: str) -> int:
+    """The next number of ``what`` on ``kv`` (from 0): each store counts its own, so every worker,
+    making the same calls in the same order, names the same keys."""
+    with _counters_lock:
+        counts = _counters.setdefault(kv, {})
+        counts[what] = counts.get(what, -1) + 1
+        return counts[what]
+
+
+def _no_store_optimizer(kv: KVStore, what: str) -> None:
+    """Raise ConfigError when ``kv`` runs an optimizer: it would update what is pushed instead of summing."""
+    if kv.get_optimizer() is not None:
+        raise ConfigError(f"{what} needs a store that only sums, but this {kv.type} store runs an "
+                           "optimizer (a Trainer with update_on_kvstore, or kv.set_optimizer, set one); "
+                           "use another store, or a Trainer with update_on_kvstore=False")
+
+
+def _wire_copy(t: Tensor) -> Tensor:
+    """A contiguous copy of ``t`` in a dtype the store carries (exact: bool/int8/int16/uint8 -> int32,
+    bfloat16 -> float32).  TypeError for complex tensors."""
+    import torch
+
+    if t.is_complex():
+        raise TypeError(f"cannot broadcast a complex tensor ({t.dtype})")
+    name = str(t.dtype).removeprefix("torch.")
+    if name in _WIRE:
+        return t.detach().clone(memory_format=torch.contiguous_format)
+    return t.detach().to(torch.float32 if t.is_floating_point() else torch.int32).contiguous()
+
+
+def _broadcast_tensors(kv: KVStore, names: list[str], tensors: list[Tensor], root_rank: int) -> None:
+    """Overwrite every tensor (in place) with the root's; keys ``__bcast{n}/{name}`` are new each call."""
+    if not tensors:
+        return
+    if not 0 <= root_rank < kv.num_workers:
+        raise ValueError(f"root_rank {root_rank} is not a rank of {kv.num_workers} worker(s)")
+    n = _next(kv, "broadcast")
+    keys = [f"__bcast{n}/{name}" for name in names]
+    flat = [_wire_copy(t).reshape(-1) for t in tensors]
+    if root_rank == 0:
+        kv.broadcast(keys, flat, out=flat)
+    else:  # the sum of the root's values and everyone else's zeros is the root's values, exactly
+        _no_store_optimizer(kv, f"a broadcast from root_rank {root_rank}")
+        kv.init(keys, [f.clone().zero_() for f in flat])
+        for f in flat:
+            if kv.rank != root_rank:
+                f.zero_()
+        kv.pushpull(keys, flat)
+    for t, f in zip(tensors, flat):
+        t.data.copy_(f.reshape(t.shape))
+
+
+def _named(params: Any) -> list[tuple[str, Tensor]]:
+    """(name, tensor) pairs of a state dict, of named pairs, or of tensors (named by position)."""
+    torch = sys.modules.get("torch")
+    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    named = []
+    for i, item in enumerate(items):
+        if torch is not None and isinstance(item, torch.Tensor):
+            named.append((str(i), item))
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            named.append(item)
+        else:
+            raise TypeError("params must be a state dict, (name, tensor) pairs or tensors; "
+                            f"got {type(item).__name__} at position {i}")
+    return named
+
+
+def broadcast_parameters(params: Mapping[str, Tensor] | Iterable[Any], root_rank: int = 0,
+                         kv: KVStore | str | None = None) -> None:
+    """Copy the root worker's tensors into every worker's, in place (collective).
+
+    ``params``: ``model.state_dict()`` (parameters and buffers), ``model.named_parameters()`` or
+    tensors; non-tensor entries of a state dict are skipped.  Every worker must pass the same names,
+    shapes and dtypes.  Without a dist store (one process) nothing happens.  Raises ValueError for a
+    bad ``root_rank``, TypeError for bad ``params``.
+    """
+    torch = sys.modules.get("torch")
+    named = [(n, t) for n, t in _named(params) if not isinstance(params, Mapping)
+             or (torch is not None and isinstance(t, torch.Tensor))]
+    store = _store(kv, need=False)
+    if store is None or store.num_workers == 1:
+        if root_rank != 0:
+            raise ValueError(f"root_rank {root_rank} is not a rank of 1 worker")
+        return
+    _broadcast_tensors(store, [n for n, _ in named], [t for _, t in named], root_rank)
+
+
+def _json_array(text: str | None, kv: KVStore, root_rank: int) -> str:
+    """The root's text, broadcast as UTF-8 bytes (its length first)."""
+    import torch
+
+    data = (text or "").encode()
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    _broadcast_tensors(kv, ["layout_length"], [length], root_rank)
+    buf = torch.zeros(int(length.item()), dtype=torch.int32)
+    if kv.rank == root_rank:
+        buf.copy_(torch.from_numpy(np.frombuffer(data, np.uint8).astype(np.int32)))
+    _broadcast_tensors(kv, ["layout"], [buf], root_rank)
+    return bytes(buf.numpy().astype(np.uint8).tolist()).decode()
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as JSON data (tuples become lists); 0-d tensors become numbers.  TypeError otherwise."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, where) for v in value]
+    raise TypeError(f"{where}: a {type(value).__name__} cannot be broadcast (numbers, bools, strings, "
+                    "None, lists of them and tensors can)")
+
+
+def _layout(state_dict: dict[str, Any]) -> str:
+    """JSON text of an optimizer state dict: hyper-parameters, and per state entry a number or a
+    tensor's [dtype, shape]."""
+    torch = sys.modules["torch"]
+    state = {}
+    for index, entries in state_dict["state"].items():
+        state[str(index)] = {
+            name: {"tensor": [str(v.dtype).removeprefix("torch."), list(v.shape)]}
+            if isinstance(v, torch.Tensor) else {"value": _plain(v, f"state[{index}][{name!r}]")}
+            for name, v in entries.items()}
+    groups = [{k: _plain(v, f"param_groups[{i}][{k!r}]") for k, v in g.items()}
+              for i, g in enumerate(state_dict["param_groups"])]
+    return json.dumps({"state": state, "param_groups": groups})
+
+
+def _rebuild(layout: dict[str, Any], mine: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[Tensor]]:
+    """A state dict of the root's layout (zero tensors to be filled) and its tensors by name."""
+    import torch
+
+    state, names, tensors = {}, [], []
+    for index, entries in layout["state"].items():
+        state[int(index)] = {}
+        for name, spec in entries.items():
+            if "tensor" in spec:
+                dtype, shape = spec["tensor"]
+                value = torch.zeros(shape, dtype=getattr(torch, dtype))
+                names.append(f"state/{index}/{name}")
+                tensors.append(value)
+            else:
+                value = spec["value"]
+            state[int(index)][name] = value
+    groups = []
+    for group, local in zip(layout["param_groups"], mine["param_groups"]):
+        groups.append({k: tuple(v) if isinstance(local.get(k), tuple) else v for k, v in group.items()})
+    return {"state": state, "param_groups": groups}, names, tensors
+
+
+def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0, kv: KVStore | str | None = None) -> None:
+    """Give every worker's torch optimizer the root's state and hyper-parameters (collective).
+
+    The root's ``optimizer.state_dict()`` travels as its tensors plus its layout (names, dtypes,
+    shapes, step counts, ``param_groups``' hyper-parameters) as JSON text in an array; every worker
+    then calls ``optimizer.load_state_dict`` with it, so state missing on a worker (no step yet) is
+    created.  The optimizers must have the same parameter groups.  Without a dist store nothing
+    happens.  Raises ValueError for a bad ``root_rank`` or groups that differ, TypeError for state
+    or hyper-parameters that are neither tensors nor JSON-like numbers, bools, strings or None.
+    """
+    store = _store(kv, need=False)
+    if store is None or store.num_workers == 1:
+        if root_rank != 0:
+            raise ValueError(f"root_rank {root_rank} is not a rank of 1 worker")
+        return
+    mine = optimizer.state_dict()
+    text = _layout(mine) if store.rank == root_rank else None
+    layout = json.loads(_json_array(text, store, root_rank))
+    if len(layout["param_groups"]) != len(mine["param_groups"]):
+        raise ValueError(f"the root's optimizer has {len(layout['param_groups'])} parameter groups, "
+                         f"this worker's {len(mine['param_groups'])}")
+    state_dict, names, tensors = _rebuild(layout, mine)
+    if store.rank == root_rank:
+        for name, t in zip(names, tensors):
+            _, index, entry = name.split("/", 2)
+            t.copy_(mine["state"][int(index)][entry])
+    _broadcast_tensors(store, names, tensors, root_rank)
+    optimizer.load_state_dict(state_dict)
+
+
+class _Distributed:
+    """The methods a DistributedOptimizer adds to (or puts in front of) its torch optimizer's class."""
+
+    _kv: KVStore
+    _kv_op: str
+    _kv_keys: list[str]
+    _kv_present: str  # the key of the per-parameter "had a gradient" flags
+    _kv_params: list[Tensor]
+    _kv_ready: bool
+
+    @property
+    def kvstore(self) -> KVStore:
+        """The store the gradients go through."""
+        return self._kv
+
+    @property
+    def op(self) -> str:
+        """'average' or 'sum': how gradients are reduced over the workers."""
+        return self._kv_op
+
+    def synchronize(self) -> None:
+        """Reduce every parameter's gradient over the workers, in place (collective).
+
+        A parameter whose ``.grad`` is None contributes zeros; it receives the reduced gradient when
+        another worker had one, and keeps None when no worker did (DDP's rule), so the optimizer
+        skips it everywhere.
+        """
+        import torch
+
+        params, keys = self._kv_params, self._kv_keys
+        grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) if p.grad is None else p.grad
+                 for p in params]
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        if not self._kv_ready:
+            _no_store_optimizer(self._kv, "DistributedOptimizer.step")
+            self._kv.init([*keys, self._kv_present],
+                          [torch.zeros_like(g) for g in grads] + [torch.zeros_like(present)])
+            self._kv_ready = True
+        self._kv.pushpull([*keys, self._kv_present], [*grads, present])
+        scale = 1.0 / self._kv.num_workers if self._kv_op == "average" else 1.0
+        for p, g, seen in zip(params, grads, present.tolist()):
+            if scale != 1.0:
+                g.mul_(scale)
+            if p.grad is None and seen > 0:
+                p.grad = g
+
+    def step(self, closure: Any = None) -> Any:
+        """Reduce the gradients over the workers, then take the torch optimizer's step (collective).
+
+        A ``closure`` is evaluated once, first (under ``torch.enable_grad``), so its backward's
+        gradients are the ones reduced; its loss is returned.  Optimizers that evaluate the closure
+        themselves, several times (LBFGS), are not supported.
+        """
+        import torch
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        super().step()  # type: ignore[misc]
+        return loss
+
+    # torch's Optimizer.__setstate__ (load_state_dict) wraps a class's step with the step hooks unless it
+    # is marked: the base class's step, called above, already runs them once
+    step.hooked = True  # type: ignore[attr-defined]
+
+
+def _check_params(optimizer: Any, named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    """The optimizer's parameters in ``param_groups`` order with their names ("group.index" when not
+    named).  ValueError for a named tensor the optimizer lacks, a parameter given twice or a
+    duplicate name; TypeError for a dtype the store does not carry."""
+    names = {id(t): n for n, t in named}
+    if len(set(names.values())) != len(named) or len(names) != len(named):
+        raise ValueError("named_parameters must give each parameter once, under unique names")
+    ordered, seen = [], set()
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) in seen:
+                raise ValueError("a parameter appears twice in the optimizer's param_groups")
+            seen.add(id(p))
+            ordered.append((names.get(id(p), f"{g}.{i}") if named else f"{g}.{i}", p))
+    unknown = sorted(n for n, t in named if id(t) not in seen and t.requires_grad)
+    if unknown:
+        raise ValueError(f"named_parameters has tensors the optimizer does not update: {unknown[:5]}")
+    for name, p in ordered:
+        if str(p.dtype).removeprefix("torch.") not in ("float16", "float32", "float64"):
+            raise TypeError(f"parameter {name!r} is {p.dtype}; gradients go through the store as "
+                            "float16, float32 or float64")
+    if not ordered:
+        raise ValueError("the optimizer has no parameters")
+    return ordered
+
+
+def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, Tensor]] | None = None,
+                         kv: KVStore | str | None = None, op: str = "average",
+                         key_prefix: str | None = None) -> Any:
+    """Wrap a ``torch.optim.Optimizer`` so that ``step()`` first reduces gradients over the workers.
+
+    Returns an instance of a subclass of ``type(optimizer)`` sharing its ``param_groups``, ``state``
+    and hooks (use it instead of ``optimizer`` from then on): ``zero_grad``, ``state_dict``,
+    ``load_state_dict``, ``param_groups`` and ``torch.optim.lr_scheduler`` schedulers work unchanged.
+    ``named_parameters`` names the keys (``f"{key_prefix}/grad/{name}"``; unnamed parameters are
+    ``"group.index"``), ``kv`` is a store, a mode name or None (this process's dist store, or
+    'dist_sync' under the launcher, else 'local'), ``op`` 'average' (Horovod's, DDP's) or 'sum'
+    (MXNet's).  ``key_prefix`` defaults to ``f"distopt{i}"``, i counting the wrappers made without
+    one on this store.  Raises ValueError for a bad ``op`` or parameters, TypeError for something
+    that is no torch optimizer or a parameter dtype the store does not carry.
+    """
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, not {op!r}")
+    named = _named(named_parameters) if named_parameters is not None else []
+    ordered = _check_params(optimizer, named)
+    base = type(optimizer)
+    if isinstance(optimizer, _Distributed):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    cls = type(f"Distributed{base.__name__}", (_Distributed, base), {"__module__": __name__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._kv = _store(kv)
+    prefix = f"distopt{_next(wrapped._kv, 'optimizer')}" if key_prefix is None else key_prefix
+    wrapped._kv_op = op
+    wrapped._kv_keys = [f"{prefix}/grad/{name}" for name, _ in ordered]
+    wrapped._kv_present = f"{prefix}/present"
+    wrapped._kv_params = [p for _, p in ordered]
+    wrapped._kv_ready = False
+    return wrapped
