@@ -102,11 +102,9 @@ class Adam(Optimizer):
     def _state_names(self) -> tuple[str, ...]:
         return ("mean", "var")
 
-    def _step(self, w, g, state, lr, wd, t):
-        lr_t = lr * math.sqrt(1.0 - self.beta2 ** t) / (1.0 - self.beta1 ** t)
-        if wd:
-            g += w * wd
-        self._clip(g)
+    def _moments(self, g: Any, state: dict[str, Any]) -> tuple[Any, Any]:
+        """Update the first and second moments in ``state`` with ``g`` (which is left squared and
+        scaled: callers overwrite it); return them."""
         mean, var = state["mean"], state["var"]
         mean *= self.beta1
         mean += g * (1.0 - self.beta1)
@@ -114,6 +112,14 @@ class Adam(Optimizer):
         g *= g
         g *= 1.0 - self.beta2
         var += g
+        return mean, var
+
+    def _step(self, w, g, state, lr, wd, t):
+        lr_t = lr * math.sqrt(1.0 - self.beta2 ** t) / (1.0 - self.beta1 ** t)
+        if wd:
+            g += w * wd
+        self._clip(g)
+        mean, var = self._moments(g, state)
         xp.scale_into(g, mean, lr_t)
         denom = xp.sqrt(var)
         denom += self.epsilon
@@ -211,13 +217,7 @@ class AdamW(Adam):
         if wd:
             w *= 1.0 - lr * wd
         self._clip(g)
-        mean, var = state["mean"], state["var"]
-        mean *= self.beta1
-        mean += g * (1.0 - self.beta1)
-        var *= self.beta2
-        g *= g
-        g *= 1.0 - self.beta2
-        var += g
+        mean, var = self._moments(g, state)
         denom = xp.sqrt(var)
         denom /= math.sqrt(1.0 - self.beta2 ** t)
         denom += self.epsilon
