@@ -46,6 +46,7 @@ from kvstore.errors import (
     SyncFailed,
     TaskFailed,
     UnknownModeError,
+    UnsupportedError,
 )
 from kvstore.stores import KNOWN_TYPES, create
 from kvstore.torch_optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
@@ -67,6 +68,7 @@ __all__ = [
     "DuplicateInitError", "ShapeMismatchError", "DTypeMismatchError", "KeyTypeError",
     "DeadlineExceededError", "NodeLostError", "ProtocolError", "AuthenticationError",
     "RemoteError", "StoreClosedError", "OptimizerError", "FormatError",
+    "UnsupportedError",
     # the launchers' (launch.py, kvstore.ray.run, kvstore.spark.run)
     "ChildFailed", "StartFailed", "SyncFailed", "PlacementError", "RoleFailed", "SparkJobFailed",
     "NotEnoughSlotsError", "TaskFailed",

@@ -10,8 +10,10 @@ raises user errors before anything is sent.
 from __future__ import annotations
 
 import abc
+import functools
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -19,11 +21,35 @@ from kvstore.core import values as V
 from kvstore.core import xp
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
-from kvstore.errors import DuplicateInitError, KeyNotInitializedError, StoreClosedError
+from kvstore.errors import (
+    DuplicateInitError,
+    KeyNotInitializedError,
+    KVStoreError,
+    StoreClosedError,
+    UnsupportedError,
+)
 
 Group = tuple[Key, V.Meta, list[Any]]  # a key, its meta and its pushed values, checked
 DEVICE_TYPES = frozenset({"device", "local_allreduce_device", "dist_sync_device", "dist_async_device",
                           "dist_device_sync", "dist_device_async"})  # the types that sum CUDA values on a GPU
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def public(method: F) -> F:
+    """Mark a public store call: an error from the cluster (``errors.from_cluster``) raised inside it
+    is re-raised from the user's call without kvstore's internal frames or chain (the dist store logs
+    those at DEBUG on ``kvstore.dist``).  Other exceptions pass through unchanged."""
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except KVStoreError as exc:
+            if not getattr(exc, "_from_cluster", False):
+                raise
+            raise exc.with_traceback(None) from None
+    return call  # type: ignore[return-value]
 
 
 def _as_list(obj: Any) -> list[Any]:
@@ -94,6 +120,26 @@ class KVStore(abc.ABC):
         """Whether the store supports ``capability``: only ``'optimizer'`` (updates run in the store)."""
         return capability == "optimizer"
 
+    # -- MXNet methods kvstore will never have (docs/api.md#mxnet-methods-that-are-not-here) -----
+    def _set_updater(self, updater: Any) -> None:
+        """MXNet's worker-side update function; only local stores have one (LocalKVStore overrides
+        this).  Raises :class:`UnsupportedError`."""
+        raise UnsupportedError(f"_set_updater is not available on a {self._type} store: the updates run "
+                               "on the servers, which take no Python functions; use "
+                               "set_optimizer(kvstore.optimizer.create(...)) instead")
+
+    def _send_command_to_servers(self, head: int, body: str) -> None:
+        """MXNet's raw command channel to its servers.  Raises :class:`UnsupportedError`."""
+        raise UnsupportedError("_send_command_to_servers is not supported: kvstore's servers take no raw "
+                               "commands (MXNet sent a pickled optimizer this way); use set_optimizer "
+                               "and set_optimizer_params instead")
+
+    @staticmethod
+    def register(klass: type) -> type:
+        """MXNet 2's registry of store classes for ``create``.  Raises :class:`UnsupportedError`."""
+        raise UnsupportedError("KVStore.register is not supported: kvstore.create() makes only the types "
+                               "in kvstore.KNOWN_TYPES; construct your KVStore subclass directly instead")
+
     # -- primitives ---------------------------------------------------------------------------
     @abc.abstractmethod
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None: ...
@@ -116,6 +162,7 @@ class KVStore(abc.ABC):
     def barrier(self) -> None:
         """Block until every worker has called ``barrier``."""
 
+    @public
     def _barrier(self) -> None:
         """MXNet's name for :meth:`barrier`."""
         self.barrier()
@@ -168,6 +215,7 @@ class KVStore(abc.ABC):
             raise KeyNotInitializedError(f"key {key!r} has not been initialised; call "
                                          "kv.init(key, value) on every worker first") from None
 
+    @public
     def init(self, key: Any, value: Any) -> None:
         """Initialise one key or a list of keys (collective in dist modes: every worker calls it).
 
@@ -221,6 +269,7 @@ class KVStore(abc.ABC):
             return self._device().to_host(total) if host else total
         return V.summed(key, meta, values, out=out)
 
+    @public
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values; a list of values for one key is summed first.  Returns without waiting.
 
@@ -254,6 +303,7 @@ class KVStore(abc.ABC):
                     V.write(o, array)
         return None
 
+    @public
     def pull(self, key: Any, out: Any = None, priority: int = 0) -> Any:
         """Pull the current value of one key or a list of keys.
 
@@ -271,6 +321,7 @@ class KVStore(abc.ABC):
         result = self._deliver(keys, self._pull(keys, priority, outs), outs, single)
         return result if out is None else out
 
+    @public
     def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
         """Push ``value`` then pull the result in one round trip; return what was written.
 
@@ -286,6 +337,7 @@ class KVStore(abc.ABC):
         self._deliver(keys, self._pushpull(groups, priority, outs), outs, single)
         return target
 
+    @public
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Apply every later push through ``optimizer`` (collective in dist modes, like ``init``).
 
@@ -301,6 +353,7 @@ class KVStore(abc.ABC):
                             f"{type(optimizer).__name__}")
         self._set_optimizer(optimizer)
 
+    @public
     def set_optimizer_params(self, **params: Any) -> None:
         """Change hyper-parameters of the optimizer in effect, keeping its state.
 
@@ -313,6 +366,7 @@ class KVStore(abc.ABC):
         self._check_open()
         self._set_optimizer_params(params)
 
+    @public
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
         """Write the optimizer's state of every key to ``fname`` (docs/formats.md).
 
@@ -324,6 +378,7 @@ class KVStore(abc.ABC):
         self._check_open()
         self._save_states(str(fname), dump_optimizer)
 
+    @public
     def load_optimizer_states(self, fname: str) -> None:
         """Restore the states saved by :meth:`save_optimizer_states` (and the optimizer, if dumped).
 
@@ -337,6 +392,7 @@ class KVStore(abc.ABC):
         self._check_open()
         self._load_states(str(fname))
 
+    @public
     def save_checkpoint(self, directory: str) -> None:
         """Snapshot every key's value and the optimizer's state into ``directory``.
 
@@ -349,6 +405,7 @@ class KVStore(abc.ABC):
         self._check_open()
         self._save_checkpoint(str(directory))
 
+    @public
     def broadcast(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
         """Initialise ``key`` with rank 0's ``value``, then pull it (into ``out`` if given)."""
         self.init(key, value)

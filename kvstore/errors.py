@@ -24,7 +24,8 @@ due, a number of values that does not match the number of keys, a read-only
      +-- OptimizerError(ValueError)        a bad optimizer spec or setting, no optimizer where one
      |                                     is needed, or optimizer states that do not fit
      +-- FormatError(ValueError)           a file is not in kvstore's format, is of a newer
-                                           version, or is damaged
+     |                                     version, or is damaged
+     +-- UnsupportedError(NotImplementedError) an MXNet KVStore method kvstore will never have
 
 The launchers' errors are KVStoreErrors too, defined here as well (this module imports neither Ray
 nor Spark; ``kvstore.ray`` and ``kvstore.spark`` re-export theirs)::
@@ -45,6 +46,7 @@ Errors cross the wire as ``(code, message)`` pairs; :func:`error_code` and
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 
@@ -126,6 +128,11 @@ class FormatError(KVStoreError, ValueError):
     """A file is not in kvstore's format, is of a newer format version, or is damaged."""
 
 
+class UnsupportedError(KVStoreError, NotImplementedError):
+    """An MXNet KVStore method that kvstore does not have and never will; the message says what to
+    use instead (docs/api.md lists them)."""
+
+
 class ChildFailed(KVStoreError):
     """A process ``launch.py`` started exited when it should not have (or with a non-zero code).
 
@@ -200,7 +207,7 @@ _CODES: dict[str, type[KVStoreError]] = {
     for cls in (ConfigError, UnknownModeError, KeyNotInitializedError, DuplicateInitError,
                 ShapeMismatchError, DTypeMismatchError, KeyTypeError, DeadlineExceededError,
                 NodeLostError, ProtocolError, AuthenticationError, RemoteError, StoreClosedError,
-                OptimizerError, FormatError)
+                OptimizerError, FormatError, UnsupportedError)
 }
 
 
@@ -229,3 +236,15 @@ def error_node(exc: BaseException) -> list | None:
     if isinstance(exc, NodeLostError) and exc.role is not None:
         return [exc.role, exc.rank, exc.host]
     return None
+
+
+def from_cluster(exc: KVStoreError) -> KVStoreError:
+    """A fresh copy of a cluster's ``exc`` (same type, message and attributes; no traceback, cause
+    or context), marked so that the public store call raising it drops kvstore's internal frames.
+    """
+    try:
+        fresh = copy.copy(exc)
+    except Exception:  # an error class whose constructor does not take its own args
+        fresh = exc.with_traceback(None)
+    fresh._from_cluster = True  # type: ignore[attr-defined]
+    return fresh

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvstore import config as kvconfig
 from kvstore import logs
-from kvstore.base import Group, KVStore
+from kvstore.base import Group, KVStore, public
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.mux import SCHEDULER, Request, Wire
 from kvstore.core import values as V
@@ -35,6 +35,7 @@ from kvstore.errors import (
     StoreClosedError,
     error_code,
     error_from_code,
+    from_cluster,
 )
 from kvstore.net import address, transport
 from kvstore.net.auth import channel_for, new_label
@@ -109,6 +110,7 @@ class DistKVStore(KVStore):
         self._buffers: dict[Key, tuple[np.ndarray, list[Request]]] = {}  # see _flat
         self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
+        self._left: set[int] = {self._rank}  # workers known to have left (warned about once), and us
         self._collective_calls = CollectiveCalls(StoreLink(
             run_collective=self._collective, barrier=self.barrier, submit=self._io.submit,
             request_all=self._request_all, pieces=self._pieces, metas=self._metas,
@@ -142,7 +144,7 @@ class DistKVStore(KVStore):
         super()._check_open()
         lost = self._lost
         if lost is not None:
-            raise NodeLostError(str(lost), role=lost.role, rank=lost.rank, host=lost.host)
+            raise from_cluster(NodeLostError(str(lost), role=lost.role, rank=lost.rank, host=lost.host))
 
     def _on_lost(self, error: NodeLostError) -> None:
         """The heartbeat thread's report: every waiting and later call raises ``error``."""
@@ -175,12 +177,13 @@ class DistKVStore(KVStore):
                 data = request.what.startswith(("push", "pull"))
                 hint = (" (in dist_sync a push is acknowledged, and a pull answered, only once "
                         "every worker has pushed that key)" if self._mode == "dist_sync" and data else "")
-                raise DeadlineExceededError(f"{request.what}: no reply after {timeout:g} s "
-                                            f"({knob}){hint}") from None
-            except NodeLostError as exc:  # e.g. a barrier the scheduler failed: the cluster is broken
-                if exc.role is not None and self._lost is None:
+                raise from_cluster(DeadlineExceededError(f"{request.what}: no reply after {timeout:g} s "
+                                                         f"({knob}){hint}")) from None
+            except KVStoreError as exc:  # a reply's error, or a lost peer (e.g. a barrier that failed)
+                if isinstance(exc, NodeLostError) and exc.role is not None and self._lost is None:
                     self._on_lost(exc)
-                raise
+                log.debug("%s failed inside kvstore", request.what, exc_info=exc)
+                raise from_cluster(exc) from None  # the user's traceback: their call and the error
         return results
 
     def _push_done(self, keys: list[Key], future: Any) -> None:
@@ -200,7 +203,7 @@ class DistKVStore(KVStore):
             for key in list(self._failures) if keys is None else keys:
                 error = self._failures.pop(key, None)
                 if error is not None:
-                    raise error
+                    raise from_cluster(error)
 
     # -- primitives -------------------------------------------------------------------------------
     def _request_all(self, requests: list[Request]) -> list[Message]:
@@ -233,7 +236,8 @@ class DistKVStore(KVStore):
             raise error
         if failures:
             rank, info = failures[0]
-            raise error_from_code(info["code"], f"{what} failed on worker {rank}: {info['message']}")
+            remote = error_from_code(info["code"], f"{what} failed on worker {rank}: {info['message']}")
+            raise from_cluster(remote)
 
     # -- the collective calls on the servers' optimizer and state (kvstore.client.collective) ------
     def _set_optimizer(self, optimizer: Optimizer) -> None:
@@ -242,6 +246,7 @@ class DistKVStore(KVStore):
     def _set_optimizer_params(self, params: dict[str, Any]) -> None:
         self._collective_calls.set_optimizer_params(params)
 
+    @public
     def get_optimizer(self) -> Optimizer | None:
         """A copy of the servers' optimizer (spec, and the highest update count of any server), or None."""
         self._check_open()
@@ -391,7 +396,9 @@ class DistKVStore(KVStore):
         body = {} if failure is None else {"failure": failure}
         request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
         try:
-            return self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
+            body = self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
+            self._warn_left(body.get("left", []))
+            return body
         except DeadlineExceededError:
             # Withdraw from the barrier so a retry is not paired with a stale entry.  The
             # scheduler answers in order: if the barrier completed meanwhile, it has passed.
@@ -402,6 +409,18 @@ class DistKVStore(KVStore):
                 raise
             return {}  # it completed, but its reply (and any failure in it) was given up on
 
+    def _warn_left(self, left: list[int]) -> None:
+        """Log one warning per worker the first time a barrier says it has left: in dist_sync its
+        pushes no longer count toward any later round's sum (docs/failures.md)."""
+        with self._lock:  # several threads may pass barriers
+            new, self._left = sorted(set(left) - self._left), self._left | set(left)
+        for rank in new:
+            if self._mode == "dist_sync":
+                log.warning("worker %d has left: dist_sync sums from now on exclude its pushes", rank)
+            else:
+                log.info("worker %d has left: barriers no longer wait for it", rank)
+
+    @public
     def barrier(self) -> None:
         """Wait until this worker's pushes are applied, then until every worker reaches the barrier.
 
@@ -420,6 +439,7 @@ class DistKVStore(KVStore):
         if error is not None:
             raise error
 
+    @public
     def close(self) -> None:
         """Tell every server, then the scheduler, that this worker is done; close the sockets.
 

@@ -25,8 +25,10 @@ TREE = {
     "StoreClosedError": None,
     "OptimizerError": ValueError,
     "FormatError": ValueError,
+    "UnsupportedError": NotImplementedError,
 }
-BUILTINS = {ValueError, KeyError, TypeError, TimeoutError, ConnectionError, PermissionError}
+BUILTINS = {ValueError, KeyError, TypeError, TimeoutError, ConnectionError, PermissionError,
+            NotImplementedError}
 
 
 def test_docstring_draws_exactly_the_tested_tree():
