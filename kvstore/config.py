@@ -18,6 +18,7 @@ from kvstore.errors import ConfigError
 
 ROLES = ("scheduler", "server", "worker")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEFAULT_LOG_LEVEL = "WARNING"  # without KVSTORE_LOG_LEVEL: no lifecycle chatter, warnings and errors
 DEFAULT_BIGARRAY_BOUND = 1_000_000
 DEFAULT_CONNECT_TIMEOUT = 60.0
 DEFAULT_REQUEST_TIMEOUT = 600.0

@@ -16,6 +16,8 @@ from kvstore.launch import local
 from kvstore.launch.options import LaunchConfig, parse_args
 
 log = logging.getLogger("kvstore.launcher")
+# the one line the launcher prints at every level: what it starts (the rest follows KVSTORE_LOG_LEVEL)
+summary = logging.getLogger("kvstore.launcher.summary")
 
 
 def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
@@ -36,13 +38,15 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``launch.py`` and ``kvstore-launch``: return the exit code (2 for a bad
     ``KVSTORE_*`` setting).  Raises SystemExit (code 2) for a bad command line."""
-    logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(message)s")
+    logging.basicConfig(level=kvconfig.DEFAULT_LOG_LEVEL, format="[launcher] %(levelname)s %(message)s")
     cfg = parse_args(argv)
     try:
         settings = kvconfig.load()
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    log.info("starting 1 scheduler, %d servers, %d workers: %s", cfg.num_servers, cfg.num_workers,
-             " ".join(cfg.command))
+    logging.getLogger().setLevel(settings.log_level or kvconfig.DEFAULT_LOG_LEVEL)
+    summary.setLevel(logging.INFO)
+    summary.info("starting 1 scheduler, %d servers, %d workers: %s", cfg.num_servers, cfg.num_workers,
+                 " ".join(cfg.command))
     return run(cfg, settings)

@@ -71,6 +71,14 @@ def failure(child: RoleProcess, when: str = "") -> ChildFailed:
     return ChildFailed(message, code or 1, child)
 
 
+def failure_summary(child: RoleProcess) -> str:
+    """The last line of a failed launch: the role that failed first, its exit code and the last line
+    of the last traceback it printed, if it printed one."""
+    text = f"launch.py: {child.name} failed first (exit {child.exit_code})"
+    exception = child.printed.last_exception
+    return f"{text}: {exception}" if exception else text
+
+
 def killed_text(child: RoleProcess, killed: Killed, wait: float) -> str:
     """How the launcher names what a stop had to kill of ``child`` after ``wait`` seconds."""
     if killed is Killed.GROUP:
@@ -224,6 +232,7 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     127 when a command cannot be started, rsync's, or 1 for a timeout.  Raises nothing else."""
     previous = signal.signal(signal.SIGTERM, roles.raise_interrupt)
     cluster: Cluster | None = None
+    failed: RoleProcess | None = None
     code = 0
     try:
         if cfg.launcher == "ssh" and cfg.sync_dst_dir:
@@ -233,7 +242,7 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
             cluster.start(workdir)
             code = cluster.supervise()
     except ChildFailed as exc:
-        code = exc.code
+        code, failed = exc.code, exc.child
         log.error("%s; stopping the other processes", exc)
     except KeyboardInterrupt as exc:
         sig = exc.args[0] if exc.args else signal.SIGINT
@@ -255,6 +264,8 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
         killed = cluster.stop_all() if cluster is not None else []
         if killed:
             log.error("killed after their stop timeout: %s", ", ".join(killed))
+        if isinstance(failed, RoleProcess):  # after every role's output: the launch's last line
+            print(failure_summary(failed), file=sys.stderr, flush=True)
         signal.signal(signal.SIGTERM, previous)
     return code
 

@@ -26,7 +26,6 @@ import enum
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from kvstore.launch import envrules, portfile
+from kvstore.launch.output import PrefixedOutput
 
 GROUP_POLL = 0.02  # seconds between two looks at a process group that is being stopped
 JOIN_TIMEOUT = 5.0  # seconds a stop waits for the output pump to reach the end of the output
@@ -85,7 +85,6 @@ class RoleSpec:
 
 
 Start = Callable[[RoleSpec], subprocess.Popen]  # how a backend places and starts a role's process
-_STDOUT_LOCK = threading.Lock()  # one writer at a time of prefixed lines to this process's stdout
 
 
 def start_here(spec: RoleSpec) -> subprocess.Popen:
@@ -156,7 +155,8 @@ class RoleProcess:
 
     ``start`` places and starts the process (default :func:`start_here`).  Each line of its output
     (when ``start`` pipes it) goes to ``output``, default: this process's stdout with the prefix
-    ``[name] ``; ``on_output_end`` is called at the output's end.  With ``tethered`` the process is
+    ``[name] `` (:attr:`printed`, which keeps a traceback together); ``on_output_end`` is called at
+    the output's end.  With ``tethered`` the process is
     a :mod:`~kvstore.launch.tether` (or the ssh client of one): a stop closes its stdin and the
     tether stops the role and what it left.  With ``announce``, the role stays STARTING until a line
     of its output ends with those bytes (they are not copied).  ``stop_wait`` is the seconds
@@ -171,6 +171,7 @@ class RoleProcess:
         self.spec, self.output, self.tethered = spec, output, tethered
         self.announce, self.stop_wait = announce, stop_wait
         self._start, self._on_output_end = start, on_output_end
+        self.printed = PrefixedOutput(f"[{spec.name}] ".encode())
         self._lock = threading.Lock()
         self._state = RoleState.STARTING
         self._callbacks: list[Callable[[RoleProcess], Any]] = []
@@ -240,7 +241,7 @@ class RoleProcess:
                 self._move(RoleState.RUNNING)
             self._started.set()
         if proc.stdout is not None:
-            self._pump = start_pump(proc.stdout, self._line, self._on_output_end)
+            self._pump = start_pump(proc.stdout, self._line, self._output_ended)
         # the exit is watched apart from the output: a grandchild may hold the pipe open for long
         threading.Thread(target=self._watch, args=(proc,), daemon=True).start()
         return self
@@ -261,9 +262,13 @@ class RoleProcess:
         if self.output is not None:
             self.output(line)
             return
-        with _STDOUT_LOCK:
-            sys.stdout.buffer.write(f"[{self.name}] ".encode() + line)
-            sys.stdout.buffer.flush()
+        self.printed.write(line)
+
+    def _output_ended(self) -> None:
+        """At the output's end: write a traceback still held, then tell ``on_output_end``."""
+        self.printed.flush()
+        if self._on_output_end is not None:
+            self._on_output_end()
 
     def _watch(self, proc: subprocess.Popen) -> None:
         """Wait for ``proc``'s exit, leaving it unreaped when it leads its group (see the module

@@ -27,7 +27,7 @@ def run_role(role: str, body: Callable[[kvconfig.Config], int],
     except KVStoreError as exc:
         print(f"{role}: {exc}", file=sys.stderr)
         return 2
-    logs.setup(role, rank(cfg), level=cfg.log_level or "INFO")
+    logs.setup(role, rank(cfg), level=cfg.log_level or kvconfig.DEFAULT_LOG_LEVEL)
     try:
         return body(cfg)
     except KVStoreError as exc:

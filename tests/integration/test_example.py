@@ -30,11 +30,14 @@ def _final_accuracy(output: str) -> float:
 
 @pytest.mark.timeout(240)
 def test_example_reaches_accuracy_through_launcher() -> None:
-    """4 workers and 2 servers in dist_sync train the digits MLP to >= 0.90 test accuracy and exit 0."""
+    """4 workers and 2 servers in dist_sync train the digits MLP to >= 0.90 test accuracy and exit 0,
+    printing at most 25 lines at the default log level."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    output = _launch(["-n", "4", "-s", "2", "examples/train_digits.py"], timeout=220)
+    output = _launch(["-n", "4", "-s", "2", "examples/train_digits.py"], timeout=220,
+                     env={"KVSTORE_LOG_LEVEL": ""})  # the default level, whatever the test's environment
     assert _final_accuracy(output) >= 0.90
+    assert len(output.splitlines()) <= 25, output  # the quick start: no lifecycle chatter by default
 
 
 @pytest.mark.timeout(180)

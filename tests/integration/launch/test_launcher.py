@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ SCRIPT = str(Path(__file__).parents[1] / "scripts" / "sum_check.py")
 
 
 def _launch(args: list[str], tag: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    env = {"KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
+    env = {"KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_SHUTDOWN_TIMEOUT": "5", "KVSTORE_LOG_LEVEL": "INFO",
            "KVSTORE_CONNECT_TIMEOUT": "30", **(env or os.environ), "KVSTORE_TEST_TAG": tag}
     return launch(args, env)
 
@@ -188,4 +189,59 @@ def test_sigkill_mid_training_makes_the_launcher_exit_naming_the_node(tag: str, 
     rc, out = finish(proc, timeout=60)
     assert rc != 0, out
     assert f"{role} 1 exited with code" in out, out
+    assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
+
+
+FAIL_TOGETHER = """
+import os, signal, sys, time, traceback
+from pathlib import Path
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop must not cut a traceback short
+rank, meet = os.environ["DMLC_WORKER_ID"], Path(sys.argv[1])
+(meet / f"ready{rank}").touch()
+deadline = time.monotonic() + 30
+while len(list(meet.glob("ready*"))) < 2 and time.monotonic() < deadline:
+    time.sleep(0.005)  # polling interval of a deadline-bounded wait for the other worker
+
+
+def hook(kind, exc, tb):
+    for line in "".join(traceback.format_exception(kind, exc, tb)).splitlines(keepends=True):
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        time.sleep(0.005)  # pacing: one line at a time, so two workers' lines would interleave
+
+
+def inner():
+    raise ValueError(f"boom {rank}")
+
+
+def middle():
+    inner()
+
+
+def outer():
+    middle()
+
+
+sys.excepthook = hook
+outer()
+"""
+
+
+def test_workers_failing_together_print_whole_tracebacks_and_a_summary(tag: str, tmp_path: Path) -> None:
+    """Two workers that raise at the same moment: each traceback comes out in one piece, and the
+    launcher's last line says which failed first, with its exception and exit code."""
+    script = tmp_path / "fail_together.py"
+    script.write_text(FAIL_TOGETHER)
+    rc, out = finish(_launch(["-n", "2", "-s", "1", str(script), str(tmp_path)], tag), timeout=60)
+    assert rc == 1, out
+    lines = out.splitlines()
+    summary = r"launch\.py: worker ([01]) failed first \(exit 1\): ValueError: boom (\d)"
+    last = re.fullmatch(summary, lines[-1])
+    assert last and last.group(1) == last.group(2), out
+    for rank in (0, 1):
+        start = lines.index(f"[worker {rank}] Traceback (most recent call last):")
+        end = lines.index(f"[worker {rank}] ValueError: boom {rank}")
+        block = lines[start:end + 1]
+        assert len(block) >= 7 and all(line.startswith(f"[worker {rank}] ") for line in block), out
     assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")

@@ -74,7 +74,7 @@ def base_env(tag: str, **extra: str) -> dict[str, str]:
     """The environment every process of a test cluster shares (plus ``extra``)."""
     return {**MASKED, "KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_SECRET": "node-adapters-secret",
             "KVSTORE_CONNECT_TIMEOUT": "30", "KVSTORE_SHUTDOWN_TIMEOUT": "5", "PYTHONUNBUFFERED": "1",
-            "KVSTORE_TEST_TAG": tag, **extra}
+            "KVSTORE_LOG_LEVEL": "INFO", "KVSTORE_TEST_TAG": tag, **extra}
 
 
 BUSY = "Address already in use"

@@ -34,7 +34,7 @@ from kvstore.launch import ray_actor, ray_job  # noqa: E402 -- after the skip: r
 
 SCRIPT = str(Path(__file__).parents[1] / "scripts" / "sum_check.py")
 ROLE_ENV = {"KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
-            "KVSTORE_CONNECT_TIMEOUT": "30"}
+            "KVSTORE_CONNECT_TIMEOUT": "30", "KVSTORE_LOG_LEVEL": "INFO"}
 
 
 def _launch(args: list[str], tag: str) -> object:

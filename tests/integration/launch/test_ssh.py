@@ -141,7 +141,7 @@ def _launch(sshd: Sshd, hostfile: str, args: list[str], tag: str, cwd: Path = RE
             env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``launch.py --launcher ssh -H hostfile ARGS`` from ``cwd``, output merged."""
     env = {"KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_SHUTDOWN_TIMEOUT": "5", "KVSTORE_CONNECT_TIMEOUT": "30",
-           **os.environ, **(env or {})}
+           "KVSTORE_LOG_LEVEL": "INFO", **os.environ, **(env or {})}
     argv = [sys.executable, str(REPO / "launch.py"), "--launcher", "ssh", "-H", hostfile,
             "--ssh-args", sshd.ssh_args, "--env", f"KVSTORE_TEST_TAG={tag}", *args]
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -20,7 +20,7 @@ def setups(monkeypatch) -> list:
 def test_the_bodys_code_is_returned_after_logging_is_set_up(setups):
     """The body gets the config; its return value is the exit code; logging is set up with the rank."""
     assert role.run_role("server", lambda cfg: 7 + cfg.rank, rank=lambda cfg: cfg.rank) == 10
-    assert setups == [(("server", 3), {"level": "INFO"})]
+    assert setups == [(("server", 3), {"level": "WARNING"})]
 
 
 def test_a_kvstore_error_of_the_body_exits_1(setups, monkeypatch):
