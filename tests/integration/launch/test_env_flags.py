@@ -24,7 +24,7 @@ import os, sys, time
 print('got', os.environ.get('KV_ENVTEST_WORKER'), os.environ.get('KV_ENVTEST_SERVER'), flush=True)
 deadline = time.monotonic() + 40
 while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
-    time.sleep(0.05)
+    time.sleep(0.05)  # the polling interval of a deadline-bounded wait
 sys.exit(0 if os.path.exists(sys.argv[1]) else 3)
 """
 
