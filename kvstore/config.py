@@ -40,6 +40,10 @@ WHOLE_CHUNKS = 4  # a slice of up to this many chunks travels whole (kvstore.cor
 # leaves them twice that, and stops a stranger's declared multi-GiB frame at 16 MiB.
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 MIN_MESSAGE_BYTES = 1 << 20  # = kvstore.net.protocol.MAX_HEADER_BYTES: every header must fit
+# A worker keeps at most this many pushes of one key unacknowledged (a further push waits for the
+# oldest ack); a server refuses a push beyond it.  A server then holds O(workers x window x key
+# size) whatever the skew between workers (docs/architecture.md, "Flow control and memory").
+DEFAULT_PUSH_WINDOW = 2
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,9 @@ class Config:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     sum_order: str = "arrival"
+    push_window: int = DEFAULT_PUSH_WINDOW
+    encrypt: str | None = None       # KVSTORE_ENCRYPT: None (off) or "curve"
+    curve_keys: str | None = None    # KVSTORE_CURVE_KEYS: a folder of key files, else derived from the secret
 
     def missing_cluster_vars(self) -> list[str]:
         """Return the names of the ``DMLC_*`` variables a distributed node needs but lacks."""
@@ -192,6 +199,10 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         chunk_bytes=env_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
         max_message_bytes=_max_message_bytes(env),
         sum_order=_sum_order(env),
+        push_window=env_int(env, "KVSTORE_PUSH_WINDOW", minimum=1, maximum=1024,
+                            default=DEFAULT_PUSH_WINDOW),
+        encrypt=_encrypt(env),
+        curve_keys=env_text(env, "KVSTORE_CURVE_KEYS"),
     )
 
 
@@ -250,6 +261,14 @@ def _auth_mode(env: Mapping[str, str]) -> str:
         raise ConfigError(f"KVSTORE_AUTH={mode!r} is not 'header' (the default: MACs over headers and "
                           "frame lengths) or 'full' (also over the array bytes)")
     return mode
+
+
+def _encrypt(env: Mapping[str, str]) -> str | None:
+    mode = (env_text(env, "KVSTORE_ENCRYPT") or "off").lower()
+    if mode not in ("off", "curve"):
+        raise ConfigError(f"KVSTORE_ENCRYPT={mode!r} is not 'off' (the default) or 'curve' (ZeroMQ CURVE "
+                          "encryption on every socket of the cluster)")
+    return None if mode == "off" else mode
 
 
 def in_cluster(environ: Mapping[str, str] | None = None) -> bool:
