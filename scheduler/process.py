@@ -50,7 +50,8 @@ class Scheduler:
         # every worker cuts its messages by this map's chunk size, under this map's limit
         kvconfig.check_message_limits(cfg.max_message_bytes, cfg.chunk_bytes, cfg.batch_bytes)
         sock, self.port = transport.bind_router(host, cfg.root_port, inbound=INBOUND_MESSAGES,
-                                                max_frame_bytes=cfg.max_message_bytes)
+                                                max_frame_bytes=cfg.max_message_bytes,
+                                                curve=transport.curve_keys(cfg))
         self.service = RouterService(sock, channel_for(cfg, "scheduler"))
         self.session = secrets.token_bytes(16)  # keys every message once the map is out
         self.challenges: dict[bytes, tuple[str, str]] = {}  # identity -> (its nonce, our challenge)

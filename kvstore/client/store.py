@@ -92,14 +92,14 @@ class DistKVStore(KVStore):
         self._cfg = cfg
         self._pid = os.getpid()
         self._mode = mode_of(name)
-        scheduler = transport.connect_dealer(cfg.root_address)
+        scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
         channel = channel_for(cfg, new_label("worker"))
         body = _join(scheduler, channel, cfg, self._mode)
         self._rank, self._num_workers = body["rank"], body["num_workers"]
         self._seed = body["seed"]
         self._servers = [transport.address(h, p) for h, p in body["servers"]]
         logs.set_identity("worker", self._rank)
-        servers = [transport.connect_dealer(a) for a in self._servers]
+        servers = [transport.connect_dealer(a, curve=transport.curve_keys(cfg)) for a in self._servers]
         self._io = Wire(scheduler, servers, self._rank, channel, body.get("max_message_bytes", 0))
         self._pushes: list[Request] = []  # push requests, pruned of finished ones now and then
         self._prune_at = 1024

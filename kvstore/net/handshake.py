@@ -48,7 +48,7 @@ def _answer(sock: Any, channel: Channel, cfg: kvconfig.Config, deadline: float, 
         sock, max(0.0, deadline - time.monotonic()),
         f"{expected.name.lower()} from the scheduler at {cfg.root_address} for this {what} (are the "
         f"scheduler and all DMLC_NUM_WORKER={cfg.num_workers} workers and DMLC_NUM_SERVER="
-        f"{cfg.num_servers} servers running, with the same KVSTORE_SECRET?)")
+        f"{cfg.num_servers} servers running, with the same KVSTORE_SECRET and KVSTORE_ENCRYPT?)")
     try:
         reply = channel.open(frames)
     except (AuthenticationError, ProtocolError):

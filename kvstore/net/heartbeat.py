@@ -60,7 +60,7 @@ class Heartbeat(threading.Thread):
             log.exception("the node-lost callback failed")
 
     def run(self) -> None:
-        sock = transport.connect_dealer(self.cfg.root_address)
+        sock = transport.connect_dealer(self.cfg.root_address, curve=transport.curve_keys(self.cfg))
         interval, timeout = self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout
         heard = time.monotonic()
         try:

@@ -1,4 +1,4 @@
-"""zmq sockets, and nothing else: the only module that imports zmq.
+"""zmq sockets, and nothing else: with ``kvstore.net.curve`` (CURVE keys), the only module that imports zmq.
 
 Servers and the scheduler bind a ROUTER (port 0 unless told otherwise, the
 real port read back); every other peer connects a DEALER.  Frames are
@@ -17,6 +17,9 @@ from typing import Any
 import zmq
 
 from kvstore.errors import ConfigError, DeadlineExceededError, NodeLostError, ProtocolError
+from kvstore.net import curve as _curve
+from kvstore.net.curve import CurveKeys
+from kvstore.net.curve import keys_for as curve_keys  # noqa: F401 - the call sites' one way to the keys
 
 COPY_THRESHOLD = 64 * 1024  # frames at least this big are sent zero-copy
 MAX_FRAMES = 1024  # identity + MAC + header + arrays: far more than any message of ours carries
@@ -52,7 +55,7 @@ def _host_in_url(host: str) -> str:
 
 
 def bind_router(host: str, port: int = 0, inbound: int = 0, max_frame_bytes: int = 0,
-                outbound: int = ROUTER_SNDHWM) -> tuple[zmq.Socket, int]:
+                outbound: int = ROUTER_SNDHWM, curve: CurveKeys | None = None) -> tuple[zmq.Socket, int]:
     """Bind a ROUTER socket on ``host:port`` (0 = any free port); return it and the bound port.
 
     ``inbound`` > 0 caps the messages zmq queues from each peer: beyond it zmq stops reading
@@ -61,6 +64,7 @@ def bind_router(host: str, port: int = 0, inbound: int = 0, max_frame_bytes: int
     so neither side can block the other.  ``max_frame_bytes`` > 0 is zmq's MAXMSGSIZE: a peer that declares
     a bigger frame is disconnected as the frame's length arrives, before its bytes are buffered
     (a per-frame limit: zmq still buffers every frame of a message before delivering it).
+    With ``curve`` the ROUTER is a CURVE server (``kvstore.net.curve``): peers must be CURVE clients.
     Raises :class:`ConfigError` when the address cannot be bound (port taken, bad host).
     """
     sock = _context().socket(zmq.ROUTER)
@@ -72,6 +76,12 @@ def bind_router(host: str, port: int = 0, inbound: int = 0, max_frame_bytes: int
     if max_frame_bytes > 0:
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if curve is not None:
+        try:
+            _curve.make_server(sock, curve)
+        except ConfigError:
+            sock.close()
+            raise
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
     try:
@@ -84,11 +94,14 @@ def bind_router(host: str, port: int = 0, inbound: int = 0, max_frame_bytes: int
     return sock, int(endpoint.rsplit(":", 1)[1])
 
 
-def connect_dealer(address: str, identity: bytes | None = None) -> zmq.Socket:
-    """Return a DEALER socket connected to ``address`` (``tcp://host:port``)."""
+def connect_dealer(address: str, identity: bytes | None = None, curve: CurveKeys | None = None) -> zmq.Socket:
+    """Return a DEALER socket connected to ``address`` (``tcp://host:port``); with ``curve``, as a
+    CURVE client of that server key."""
     sock = _context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     _unbounded(sock)
+    if curve is not None:
+        _curve.make_client(sock, curve)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if "[" in address:

@@ -75,9 +75,10 @@ class Server:
         self.host = address.node_host(cfg)
         address.check_bind(cfg, self.host, "a server")
         sock, self.port = transport.bind_router(self.host, cfg.node_port, inbound=INBOUND_MESSAGES,
-                                                max_frame_bytes=cfg.max_message_bytes)
+                                                max_frame_bytes=cfg.max_message_bytes,
+                                                curve=transport.curve_keys(cfg))
         self.service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} at join
-        self.scheduler = transport.connect_dealer(cfg.root_address)
+        self.scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
         self.to_scheduler = channel_for(cfg, new_label("server"))
         self.state: ShardState | None = None
         self.optimizer: Optimizer | None = None
