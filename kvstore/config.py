@@ -13,6 +13,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.errors import ConfigError
 
@@ -44,6 +45,7 @@ MIN_MESSAGE_BYTES = 1 << 20  # = kvstore.net.protocol.MAX_HEADER_BYTES: every he
 # oldest ack); a server refuses a push beyond it.  A server then holds O(workers x window x key
 # size) whatever the skew between workers (docs/architecture.md, "Flow control and memory").
 DEFAULT_PUSH_WINDOW = 2
+DEFAULT_STALL_WARN = 60.0  # a sync round or barrier waiting this long is logged once, naming the late
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class Config:
     push_window: int = DEFAULT_PUSH_WINDOW
     encrypt: str | None = None       # KVSTORE_ENCRYPT: None (off) or "curve"
     curve_keys: str | None = None    # KVSTORE_CURVE_KEYS: a folder of key files, else derived from the secret
+    stall_warn: float = DEFAULT_STALL_WARN  # KVSTORE_STALL_WARN: seconds before a stalled wait is logged
+    stall_abort: float | None = None  # KVSTORE_STALL_ABORT: seconds before a stall raises (None: never)
 
     def missing_cluster_vars(self) -> list[str]:
         """Return the names of the ``DMLC_*`` variables a distributed node needs but lacks."""
@@ -195,15 +199,25 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         log_level=level,
         update_on_kvstore=bool(env_int(env, "KVSTORE_UPDATE_ON_KVSTORE", minimum=0, maximum=1,
                                     fallback="MXNET_UPDATE_ON_KVSTORE", default=1)),
-        batch_bytes=env_int(env, "KVSTORE_BATCH_BYTES", minimum=0, default=DEFAULT_BATCH_BYTES),
-        chunk_bytes=env_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
-        max_message_bytes=_max_message_bytes(env),
-        sum_order=_sum_order(env),
-        push_window=env_int(env, "KVSTORE_PUSH_WINDOW", minimum=1, maximum=1024,
-                            default=DEFAULT_PUSH_WINDOW),
-        encrypt=_encrypt(env),
-        curve_keys=env_text(env, "KVSTORE_CURVE_KEYS"),
+        **_data_path(env),
+        **_watch_and_wire(env),
     )
+
+
+def _watch_and_wire(env: Mapping[str, str]) -> dict[str, Any]:
+    """Encryption and the stall inspector's knobs."""
+    return {"encrypt": _encrypt(env), "curve_keys": env_text(env, "KVSTORE_CURVE_KEYS"),
+            "stall_warn": _seconds(env, "KVSTORE_STALL_WARN", DEFAULT_STALL_WARN),
+            "stall_abort": _seconds(env, "KVSTORE_STALL_ABORT", 0.0) or None}
+
+
+def _data_path(env: Mapping[str, str]) -> dict[str, Any]:
+    """The data path's knobs: message sizes, the sum order and the push window."""
+    return {"batch_bytes": env_int(env, "KVSTORE_BATCH_BYTES", minimum=0, default=DEFAULT_BATCH_BYTES),
+            "chunk_bytes": env_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
+            "max_message_bytes": _max_message_bytes(env), "sum_order": _sum_order(env),
+            "push_window": env_int(env, "KVSTORE_PUSH_WINDOW", minimum=1, maximum=1024,
+                                   default=DEFAULT_PUSH_WINDOW)}
 
 
 def _max_message_bytes(env: Mapping[str, str]) -> int:

@@ -108,7 +108,8 @@ class Scheduler:
                 "servers": [[n.host, n.port] for n in self.servers], "mode": mode,
                 "seed": secrets.randbits(63), "session": self.session,
                 "chunk_bytes": self.cfg.chunk_bytes,  # one chunk size for all: servers check boundaries
-                "max_message_bytes": self.cfg.max_message_bytes}  # every frame a worker sends fits
+                "max_message_bytes": self.cfg.max_message_bytes,  # every frame a worker sends fits
+                "push_window": self.cfg.push_window}  # one window for all: servers refuse beyond it
         now = time.monotonic()
         for role, nodes in ranked.items():
             for rank, node in enumerate(nodes):

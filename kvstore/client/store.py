@@ -23,6 +23,7 @@ from kvstore import logs
 from kvstore.base import Group, KVStore, public
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.mux import SCHEDULER, Request, Wire
+from kvstore.client.window import PushWindow
 from kvstore.core import values as V
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, Piece, placement
@@ -108,6 +109,7 @@ class DistKVStore(KVStore):
         self._plans: dict[tuple, tuple[list[Send], frozenset]] = {}  # see _plan (under _lock)
         self._send_lock = threading.Lock()  # one call's push-like messages leave as one run
         self._buffers: dict[Key, tuple[np.ndarray, list[Request]]] = {}  # see _flat
+        self._window = PushWindow(body.get("push_window", cfg.push_window))
         self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
         self._left: set[int] = {self._rank}  # workers known to have left (warned about once), and us
@@ -308,20 +310,28 @@ class DistKVStore(KVStore):
         messages as one run: another thread's messages cannot come between them, so a key's chunks
         reach its server in order.  Returns the keys, the messages and their requests."""
         todo = {k: (meta, vs) for k, meta, vs in groups}
+        deadline = time.monotonic() + self._cfg.request_timeout
+        self._window.wait_room(todo, deadline, self._io.wait)  # KVSTORE_PUSH_WINDOW
+        self._raise_push_failures(list(todo))  # a refused earlier push of these keys: nothing is sent
         sends, packed = self._plan(todo)
         flats = {k: self._flat(k, meta, vs, k in packed) for k, (meta, vs) in todo.items()}
-        with self._send_lock:
-            requests = [self._submit(op, send, pack(send, flats)) for send in sends]
+        while True:  # another thread may have filled a window meanwhile
+            with self._send_lock:
+                if self._window.has_room(todo):
+                    requests = [self._submit(op, send, pack(send, flats)) for send in sends]
+                    carriers: dict[Key, list[Request]] = {}
+                    for send, request in zip(sends, requests):
+                        for part in send.parts:
+                            carriers.setdefault(part.key, []).append(request)
+                    self._window.add(carriers)
+                    break
+            self._window.wait_room(todo, deadline, self._io.wait)
         if op is Op.PUSH:
             self._track_pushes(sends, requests)
-        mine: dict[Key, list[Request]] = {}  # a key sent as views may reuse its buffer later
-        for send, request in zip(sends, requests):
-            for part in send.parts:
-                if part.key not in packed:
-                    mine.setdefault(part.key, []).append(request)
-        with self._lock:
-            for key, held in mine.items():
-                self._buffers[key] = (flats[key], held)
+        with self._lock:  # a key sent as views may reuse its buffer later
+            for key, held in carriers.items():
+                if key not in packed:
+                    self._buffers[key] = (flats[key], held)
         return list(todo), sends, requests
 
     def _flat(self, key: Key, meta: Any, values: list[Any], packed: bool) -> np.ndarray:

@@ -37,6 +37,10 @@ Rules (docs/architecture.md, SEMANTICS.md):
   a pull of the range it pushed.
 * A first value (INIT) or optimizer state (STATE_SET) sent in chunks (in order, by
   one worker) is gathered aside and takes effect only with its last chunk.
+* With a ``window`` (the cluster's ``KVSTORE_PUSH_WINDOW``), a worker's new contribution to a key
+  is refused while ``window`` earlier ones of it are not yet applied: the worker waits for acks
+  before pushing more, so a server holds at most ``window`` open rounds (or assemblies) per key
+  whatever the skew, and one that does not wait is refused, never buffered.
 * A bad request raises before anything changes.
 
 Arrays handed out by :meth:`ShardState.pull` are never written to afterwards:
@@ -112,8 +116,9 @@ class ShardState:
     """The keys (or key slices) held by one server, and their open rounds."""
 
     def __init__(self, num_workers: int, sync: bool, updater: Updater | None = None,
-                 ordered: bool = True) -> None:
+                 ordered: bool = True, window: int = 0) -> None:
         self.num_workers = num_workers
+        self.window = window  # unapplied contributions per worker and key (0: no limit)
         self.active = set(range(num_workers))  # workers that have not left
         self._ranks = sorted(self.active)       # the same, sorted: what a new round expects
         self.sync = sync
@@ -200,7 +205,8 @@ class ShardState:
         :class:`DTypeMismatchError` for another dtype; ``ValueError`` if ``worker`` is not a rank or
         has left; :class:`ProtocolError` if the chunk is empty, does not start where the worker's
         previous chunk of this contribution ended (0 for a new one), or (dist_sync) overlaps a chunk
-        of its round that has other bounds; ``TypeError`` if ``lo`` is not an int.
+        of its round that has other bounds, or starts a contribution while ``window`` earlier
+        ones of ``worker`` to ``key`` are not applied; ``TypeError`` if ``lo`` is not an int.
         """
         return self.push_many(worker, [(token, key, value, lo)])
 
@@ -338,6 +344,10 @@ class ShardState:
         if lo != expected:
             raise ProtocolError(f"key {key!r}: worker {worker} pushed a chunk at offset {lo}, but its "
                                 f"contribution so far covers [0, {expected}): chunks must come in order")
+        if lo == 0 and self.window and (state.submitted.get(worker, 0) - state.applied.get(worker, 0)
+                                        >= self.window):
+            raise ProtocolError(f"key {key!r}: worker {worker} pushed beyond its window of {self.window} "
+                                "unacknowledged pushes (KVSTORE_PUSH_WINDOW); refused, not buffered")
         if rnd is not None:
             rnd.check_part(key, worker, lo, hi)
         return state, lo, hi

@@ -105,7 +105,8 @@ class Server:
                                    report_peers=False)
         self.heartbeat.start()
         self.state = ShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync",
-                                ordered=self.cfg.sum_order == "rank")
+                                ordered=self.cfg.sum_order == "rank",
+                                window=cmap.body.get("push_window", self.cfg.push_window))
         logs.set_identity("server", rank)
         log.info("serving on %s:%d in %s mode", self.host, self.port, cmap.body["mode"])
 

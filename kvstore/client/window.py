@@ -1,0 +1,96 @@
+"""The push window: at most ``KVSTORE_PUSH_WINDOW`` pushes of one key unacknowledged per worker.
+
+A push (or pushpull) of a key whose window is full waits until the oldest push of that key is
+acknowledged, under the request deadline.  A server acks a push once it has applied it (dist_sync:
+when its round closes, so a worker can run at most ``window`` rounds ahead of the slowest one;
+dist_async: on arrival), and refuses a push beyond the window instead of buffering it.  What a
+worker has queued and what a server holds for it are then bounded by ``window`` x the key's size,
+whatever the skew between workers (docs/architecture.md, "Flow control and memory").
+
+A push that failed counts as acknowledged: its error is raised by the key's next call (the store's
+per-key failures), not here.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from kvstore.core.partition import Key
+from kvstore.errors import DeadlineExceededError, KVStoreError
+
+Wait = Callable[[Any, float], Any]  # Wire.wait: (request, timeout) -> reply, raising its error
+
+
+class PushWindow:
+    """The unacknowledged pushes of each key (each a list of the requests that carry a part of it)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._pending: dict[Key, collections.deque[list[Any]]] = {}
+        self.waiting = 0              # threads waiting for room now
+        self.blocked_seconds = 0.0    # time spent waiting for room, all threads together
+
+    def _oldest_open(self, key: Key) -> list[Any] | None:
+        """The oldest unacknowledged push of ``key`` when its window is full, else None (the caller
+        holds the lock); acknowledged pushes are dropped on the way."""
+        queue = self._pending.get(key)
+        if queue is None:
+            return None
+        while queue and all(r.future.done() for r in queue[0]):
+            queue.popleft()
+        if not queue:
+            del self._pending[key]
+            return None
+        return queue[0] if len(queue) >= self.size else None
+
+    def has_room(self, keys: Iterable[Key]) -> bool:
+        """Whether one more push of every key in ``keys`` fits in its window now."""
+        with self._lock:
+            return all(self._oldest_open(key) is None for key in keys)
+
+    def wait_room(self, keys: Iterable[Key], deadline: float, wait: Wait) -> None:
+        """Wait until one more push of each key fits, driving the sockets with ``wait``.
+
+        Raises :class:`DeadlineExceededError` naming the key and ``KVSTORE_PUSH_WINDOW`` when the
+        oldest push of a key is not acknowledged by ``deadline`` (``time.monotonic()``).
+        """
+        for key in keys:
+            while True:
+                with self._lock:
+                    oldest = self._oldest_open(key)
+                    if oldest is None:
+                        break
+                    self.waiting += 1
+                started = time.monotonic()
+                try:
+                    self._wait_for(key, oldest, deadline, wait)
+                finally:
+                    with self._lock:
+                        self.waiting -= 1
+                        self.blocked_seconds += time.monotonic() - started
+
+    def _wait_for(self, key: Key, requests: list[Any], deadline: float, wait: Wait) -> None:
+        """Wait until every one of ``requests`` (one push of ``key``) is answered or failed."""
+        for request in requests:
+            try:
+                wait(request, max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise DeadlineExceededError(
+                    f"push of key {key!r}: {self.size} earlier pushes of it are still not acknowledged "
+                    f"(KVSTORE_PUSH_WINDOW={self.size}) after the request deadline "
+                    "(KVSTORE_REQUEST_TIMEOUT); in dist_sync a push is acknowledged once every worker "
+                    "has pushed that key") from None
+            except KVStoreError:
+                pass  # a refused push: the key's next call raises it (the store's failures)
+
+    def add(self, held: dict[Key, list[Any]]) -> None:
+        """Record one push of each key of ``held`` (key -> the requests carrying its parts)."""
+        with self._lock:
+            for key, requests in held.items():
+                self._pending.setdefault(key, collections.deque()).append(requests)
