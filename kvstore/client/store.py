@@ -13,7 +13,6 @@ import os
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout  # the built-in from 3.11 on
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -102,9 +101,6 @@ class DistKVStore(KVStore):
         logs.set_identity("worker", self._rank)
         servers = [transport.connect_dealer(a, curve=transport.curve_keys(cfg)) for a in self._servers]
         self._io = Wire(scheduler, servers, self._rank, channel, body.get("max_message_bytes", 0))
-        self._pushes: list[Request] = []  # push requests, pruned of finished ones now and then
-        self._prune_at = 1024
-        self._failures: dict[Key, BaseException] = {}  # refused pushes, raised by the key's next wait
         self._placements: dict[Key, list[Piece]] = {}  # each initialised key's pieces, computed once
         self._plans: dict[tuple, tuple[list[Send], frozenset]] = {}  # see _plan (under _lock)
         self._send_lock = threading.Lock()  # one call's push-like messages leave as one run
@@ -188,24 +184,11 @@ class DistKVStore(KVStore):
                 raise from_cluster(exc) from None  # the user's traceback: their call and the error
         return results
 
-    def _push_done(self, keys: list[Key], future: Any) -> None:
-        """A push request finished (in whichever thread read its reply): remember a failure for
-        each of its keys."""
-        error = future.exception()
-        if error is not None:
-            with self._lock:
-                for key in keys:
-                    self._failures.setdefault(key, error)
-
     def _raise_push_failures(self, keys: list[Key] | None = None) -> None:
         """Raise (once) the failure of an earlier push to one of ``keys`` (None: any key)."""
-        if not self._failures:
-            return
-        with self._lock:
-            for key in list(self._failures) if keys is None else keys:
-                error = self._failures.pop(key, None)
-                if error is not None:
-                    raise from_cluster(error)
+        error = self._window.take_failure(keys)
+        if error is not None:
+            raise from_cluster(error)
 
     # -- primitives -------------------------------------------------------------------------------
     def _request_all(self, requests: list[Request]) -> list[Message]:
@@ -323,11 +306,9 @@ class DistKVStore(KVStore):
                     for send, request in zip(sends, requests):
                         for part in send.parts:
                             carriers.setdefault(part.key, []).append(request)
-                    self._window.add(carriers)
+                    self._window.add(carriers, failures=op is Op.PUSH)
                     break
             self._window.wait_room(todo, deadline, self._io.wait)
-        if op is Op.PUSH:
-            self._track_pushes(sends, requests)
         with self._lock:  # a key sent as views may reuse its buffer later
             for key, held in carriers.items():
                 if key not in packed:
@@ -349,16 +330,6 @@ class DistKVStore(KVStore):
         if held is not None and all(r.future.done() and r.future.exception() is None for r in held[1]):
             buffer = held[0].reshape(meta.shape)
         return self._sum(key, meta, values, out=buffer, host=True).reshape(-1)  # a GPU sum comes to host
-
-    def _track_pushes(self, sends: list[Send], requests: list[Request]) -> None:
-        """Remember push requests for barrier() and close(), and their failures per key."""
-        with self._lock:
-            self._pushes.extend(requests)
-            if len(self._pushes) > self._prune_at:
-                self._pushes = [r for r in self._pushes if not r.future.done()]
-                self._prune_at = max(1024, 2 * len(self._pushes))
-        for send, request in zip(sends, requests):
-            request.future.add_done_callback(partial(self._push_done, [p.key for p in send.parts]))
 
     def _collect(self, keys: list[Key], sends: list[Send], requests: list[Request],
                  outs: list[list[Any]] | None = None) -> list[np.ndarray | None]:
@@ -383,8 +354,7 @@ class DistKVStore(KVStore):
         return self._collect(*self._send_groups(Op.PUSHPULL, groups), outs)
 
     def _flush(self, timeout: float, knob: str) -> None:
-        with self._lock:
-            requests = list(self._pushes)
+        requests = self._window.outstanding()
         deadline = time.monotonic() + timeout
         for request in requests:  # every one: a failure must not end the wait for the others
             try:
@@ -393,8 +363,6 @@ class DistKVStore(KVStore):
                 raise
             except KVStoreError:
                 pass  # raised below, with the key it belongs to
-        with self._lock:
-            self._pushes = [r for r in self._pushes if not r.future.done()]
         self._raise_push_failures()
 
     def _barrier_only(self, failure: dict[str, str] | None = None) -> list:

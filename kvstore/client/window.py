@@ -7,8 +7,8 @@ dist_async: on arrival), and refuses a push beyond the window instead of bufferi
 worker has queued and what a server holds for it are then bounded by ``window`` x the key's size,
 whatever the skew between workers (docs/architecture.md, "Flow control and memory").
 
-A push that failed counts as acknowledged: its error is raised by the key's next call (the store's
-per-key failures), not here.
+A push that failed counts as acknowledged: its error is remembered for each of its keys and raised
+by the key's next call (:meth:`PushWindow.take_failure`), or by ``barrier()``/``close()``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 from typing import Any
 
 from kvstore.core.partition import Key
@@ -33,6 +34,7 @@ class PushWindow:
         self.size = size
         self._lock = threading.Lock()
         self._pending: dict[Key, collections.deque[list[Any]]] = {}
+        self._failures: dict[Key, BaseException] = {}  # refused pushes, raised by the key's next call
         self.waiting = 0              # threads waiting for room now
         self.blocked_seconds = 0.0    # time spent waiting for room, all threads together
 
@@ -89,8 +91,46 @@ class PushWindow:
             except KVStoreError:
                 pass  # a refused push: the key's next call raises it (the store's failures)
 
-    def add(self, held: dict[Key, list[Any]]) -> None:
-        """Record one push of each key of ``held`` (key -> the requests carrying its parts)."""
+    def add(self, held: dict[Key, list[Any]], failures: bool = True) -> None:
+        """Record one push of each key of ``held`` (key -> the requests carrying its parts); with
+        ``failures``, a request that fails is remembered for each of its keys (:meth:`take_failure`).
+        A pushpull's requests are recorded without: the call itself raises their errors."""
+        keys_of: dict[int, tuple[Any, list[Key]]] = {}
         with self._lock:
             for key, requests in held.items():
                 self._pending.setdefault(key, collections.deque()).append(requests)
+                for request in requests:
+                    keys_of.setdefault(id(request), (request, []))[1].append(key)
+        if failures:
+            for request, keys in keys_of.values():
+                request.future.add_done_callback(partial(self._done, keys))
+
+    def _done(self, keys: list[Key], future: Any) -> None:
+        """A push request finished (in whichever thread read its reply): remember its failure."""
+        error = future.exception()
+        if error is not None:
+            with self._lock:
+                for key in keys:
+                    self._failures.setdefault(key, error)
+
+    def take_failure(self, keys: Iterable[Key] | None = None) -> BaseException | None:
+        """The failure of an earlier push of one of ``keys`` (None: any key), forgotten once taken."""
+        if not self._failures:
+            return None
+        with self._lock:
+            for key in list(self._failures) if keys is None else keys:
+                error = self._failures.pop(key, None)
+                if error is not None:
+                    return error
+        return None
+
+    def outstanding(self) -> list[Any]:
+        """Every push request not answered yet, oldest first per key (for barrier() and close())."""
+        seen: dict[int, Any] = {}
+        with self._lock:
+            for queue in self._pending.values():
+                for requests in queue:
+                    for request in requests:
+                        if not request.future.done():
+                            seen.setdefault(id(request), request)
+        return list(seen.values())
