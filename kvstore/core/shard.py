@@ -59,6 +59,7 @@ import numpy as np
 
 from kvstore.core.partition import Key
 from kvstore.core.rounds import Round
+from kvstore.core.staging import Staged, stage
 from kvstore.errors import (
     DTypeMismatchError,
     DuplicateInitError,
@@ -89,16 +90,6 @@ class _Assembly:
         self.tokens: list = []
 
 
-class _Staged:
-    """A key's first value (INIT) or optimizer state (STATE_SET) being gathered from its chunks."""
-
-    __slots__ = ("worker", "bufs", "covered", "info")
-
-    def __init__(self, worker: int, arrays: list[np.ndarray], total: int, info: Any) -> None:
-        self.worker, self.info, self.covered = worker, info, 0
-        self.bufs = [np.empty(total, a.dtype) for a in arrays]  # pages are touched as chunks arrive
-
-
 @dataclass
 class _KeyState:
     value: np.ndarray
@@ -125,8 +116,8 @@ class ShardState:
         self.updater = updater
         self.ordered = ordered  # sum in rank order (holding early chunks), or in arrival order
         self._keys: dict[Key, _KeyState] = {}
-        self._staged_inits: dict[Key, _Staged] = {}   # chunked INITs of keys not stored yet
-        self._staged_states: dict[Key, _Staged] = {}  # chunked STATE_SETs not installed yet
+        self._staged_inits: dict[Key, Staged] = {}   # chunked INITs of keys not stored yet
+        self._staged_states: dict[Key, Staged] = {}  # chunked STATE_SETs not installed yet
 
     def __contains__(self, key: Key) -> bool:
         return key in self._keys
@@ -171,7 +162,7 @@ class ShardState:
         self._check_worker(worker)
         if key in self._keys:
             raise DuplicateInitError(f"key {key!r} is already initialised on this server")
-        bufs = _stage(self._staged_inits, "INIT", worker, key, [value], lo, total, None)
+        bufs = stage(self._staged_inits, "INIT", worker, key, [value], lo, total, None)
         if bufs is None:
             return False
         self._keys[key] = _KeyState(value=bufs[0])  # ours: no copy
@@ -186,7 +177,7 @@ class ShardState:
         nothing: :class:`KeyNotInitializedError` for an unknown key, else as :meth:`init_chunk`."""
         self._check_worker(worker)
         total = self._get(key).value.size
-        return _stage(self._staged_states, "STATE_SET", worker, key, arrays, lo, total, info)
+        return stage(self._staged_states, "STATE_SET", worker, key, arrays, lo, total, info)
 
     def drop_staged_states(self) -> None:
         """Forget every optimizer state still being gathered (a new optimizer drops all state)."""
@@ -433,54 +424,6 @@ class ShardState:
         state.waiting_pulls = waiting
         value = state.value
         return [Completion(token, _part_of(value, lo, hi)) for token, _, _, lo, hi in ready]
-
-
-def _stage(table: dict[Key, _Staged], what: str, worker: int, key: Key, arrays: list[np.ndarray],
-           lo: int, total: int, info: Any) -> list[np.ndarray] | None:
-    """Copy a checked chunk into ``table[key]`` (a new entry at offset 0); return the whole arrays,
-    removed from ``table``, once they are covered, else None.  Raises as :func:`_check_chunk`."""
-    staged = table.get(key)
-    lo, hi = _check_chunk(staged, what, worker, key, arrays, lo, total, info)
-    if lo == 0:
-        staged = table[key] = _Staged(worker, arrays, total, info)
-    for buf, array in zip(staged.bufs, arrays):
-        buf[lo:hi] = array
-    staged.covered = hi
-    if hi < total:
-        return None
-    del table[key]
-    return staged.bufs
-
-
-def _check_chunk(staged: _Staged | None, what: str, worker: int, key: Key, arrays: list[np.ndarray],
-                 lo: int, total: int, info: Any) -> tuple[int, int]:
-    """The chunk's ``[lo, hi)``; raises :class:`ProtocolError` for a chunk that is malformed or does
-    not continue ``staged`` (``TypeError`` for a ``lo`` that is not an int)."""
-    lo = operator.index(lo)
-    n = arrays[0].size if arrays else 0
-    if not n or any(not isinstance(a, np.ndarray) or a.ndim != 1 or a.size != n for a in arrays):
-        raise ProtocolError(f"{what} of key {key!r}: a chunk is one non-empty 1-D array per state, "
-                            "all of one length")
-    if type(total) is not int or not 0 <= lo <= total - n:
-        raise ProtocolError(f"{what} of key {key!r}: chunk [{lo}, {lo + n}) is not inside [0, {total!r})")
-    if lo == 0:
-        return lo, n
-    if staged is None:
-        problem = "no chunk at offset 0 came first"
-    elif staged.worker != worker:
-        problem = f"worker {staged.worker} is sending this key's chunks"
-    elif staged.covered != lo:
-        problem = f"the chunks so far cover [0, {staged.covered})"
-    elif staged.bufs[0].size != total:
-        problem = f"the first chunk gave {staged.bufs[0].size} elements in all, this one {total}"
-    elif [b.dtype for b in staged.bufs] != [a.dtype for a in arrays]:
-        problem = f"dtypes {[str(a.dtype) for a in arrays]} differ from the first chunk's"
-    elif staged.info != info:
-        problem = f"{info!r} differs from the first chunk's {staged.info!r}"
-    else:
-        return lo, lo + n
-    raise ProtocolError(f"{what} of key {key!r}: worker {worker}'s chunk at offset {lo} does not continue "
-                        f"it ({problem}): chunks must come in order, from one worker")
 
 
 _SILENT = object()  # marks the push half of a pushpull, whose ack is folded into the pull's reply
