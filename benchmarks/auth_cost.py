@@ -1,13 +1,14 @@
-"""What ``KVSTORE_AUTH=full`` costs against the default (MACs over headers and frame lengths only).
+"""What ``KVSTORE_AUTH=full`` costs against header-only MACs (``KVSTORE_AUTH=header``).
 
-    python benchmarks/auth_cost.py [--mb 64] [--iters 10]
+    python benchmarks/auth_cost.py [--mb 64] [--iters 10] [--rounds 3]
 
-Starts a real 1-worker 1-server cluster through ``launch.py`` once per mode (the
-same secret, everything else equal); the worker times push+pull round trips of
-one float32 key of ``--mb`` megabytes and prints the rate.  The default mode is
-the baseline: the table gives each mode's rate and its ratio to it.  The raw
-HMAC-SHA256 rate of this machine is printed too, as the floor of what full mode
-adds per byte (each payload byte is MAC'd twice: sent and received, both ways).
+Starts a real 1-worker 1-server cluster through ``launch.py`` per mode and round (the
+same secret, everything else equal; the modes alternate, so both see the same load); the
+worker times push+pull round trips of one float32 key of ``--mb`` megabytes and prints
+the rate.  Header mode is the baseline: the table gives each mode's median rate over the
+rounds and its ratio to header's.  The raw rates of HMAC-SHA256 and Poly1305 on this
+machine are printed too: full mode adds one Poly1305 pass per payload byte on each side
+(``benchmarks/mac_cost.py`` compares more primitives).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import hmac
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -58,16 +60,21 @@ def run(mode: str, mb: int, iters: int) -> float:
     return float(match.group(1))
 
 
-def hmac_rate(mb: int) -> float:
-    """MB/s of HMAC-SHA256 over an ``mb``-megabyte buffer on this machine."""
+def primitive_rates(mb: int) -> tuple[float, float]:
+    """MB/s of HMAC-SHA256 and of Poly1305 over an ``mb``-megabyte buffer on this machine."""
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
     data = bytes(mb * 1024 * 1024)
     started = time.perf_counter()
     hmac.new(b"k" * 32, data, hashlib.sha256).digest()
-    return mb / (time.perf_counter() - started)
+    middle = time.perf_counter()
+    Poly1305.generate_tag(b"k" * 32, data)
+    return mb / (middle - started), mb / (time.perf_counter() - middle)
 
 
-def message_cost() -> tuple[float, float]:
-    """Microseconds to seal and open one small PUSH, without a key (the baseline) and with one."""
+def message_cost() -> tuple[float, float, float]:
+    """Microseconds to seal and open one small PUSH: without a key (the baseline), with one in header
+    mode, with one in full mode."""
     import timeit
 
     import numpy as np
@@ -76,14 +83,15 @@ def message_cost() -> tuple[float, float]:
     from kvstore.net.protocol import Message, Op
 
     costs = []
-    for key in (None, derive_key("benchmark-secret")):
-        def round_trip(sender: Channel = Channel(key, "worker-x", session=b"s"),
-                       receiver: Channel = Channel(key, "server0", session=b"s"),
+    for key, full in ((None, False), (derive_key("benchmark-secret"), False),
+                      (derive_key("benchmark-secret"), True)):
+        def round_trip(sender: Channel = Channel(key, "worker-x", full, b"s"),
+                       receiver: Channel = Channel(key, "server0", full, b"s"),
                        value: np.ndarray = np.ones(1, np.float32)) -> None:
             receiver.open(sender.seal(Message(Op.PUSH, {"key": "w"}, [value], seq=1, sender=0), "server0"))
 
         costs.append(min(timeit.repeat(round_trip, number=20000, repeat=3)) / 20000 * 1e6)
-    return costs[0], costs[1]
+    return costs[0], costs[1], costs[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,21 +99,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=64, help="size of the key in megabytes")
     parser.add_argument("--iters", type=int, default=10, help="timed push+pull round trips")
+    parser.add_argument("--rounds", type=int, default=3, help="clusters per mode; the median is shown")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.mb, args.iters)
         return 0
-    plain, keyed = message_cost()
+    plain, keyed, full = message_cost()
     print(f"seal+open of a small PUSH: {plain:.1f} us without a secret, {keyed:.1f} us with one "
-          f"(ratio {keyed / plain:.2f})")
-    print(f"push+pull of one {args.mb} MB key, 1 worker 1 server, {args.iters} round trips; "
-          f"HMAC-SHA256 alone: {hmac_rate(args.mb):.0f} MB/s")
-    base = run("header", args.mb, args.iters)
-    print(f"{'KVSTORE_AUTH':>14} {'MB/s':>8} {'ratio':>6}")
-    print(f"{'header':>14} {base:>8.1f} {1.0:>6.2f}")
-    full = run("full", args.mb, args.iters)
-    print(f"{'full':>14} {full:>8.1f} {full / base:>6.2f}")
+          f"(ratio {keyed / plain:.2f}), {full:.1f} us with KVSTORE_AUTH=full (ratio {full / plain:.2f})")
+    sha, poly = primitive_rates(args.mb)
+    print(f"push+pull of one {args.mb} MB key, 1 worker 1 server, {args.iters} round trips, median of "
+          f"{args.rounds} clusters per mode; HMAC-SHA256 alone: {sha:.0f} MB/s, Poly1305: {poly:.0f} MB/s")
+    rates: dict[str, list[float]] = {"header": [], "full": []}
+    for _ in range(args.rounds):
+        for mode, got in rates.items():
+            got.append(run(mode, args.mb, args.iters))
+    base = statistics.median(rates["header"])
+    print(f"{'KVSTORE_AUTH':>14} {'MB/s':>8} {'ratio':>6}  each round (MB/s)")
+    for mode, got in rates.items():
+        median = statistics.median(got)
+        print(f"{mode:>14} {median:>8.1f} {median / base:>6.2f}  {' '.join(f'{r:.0f}' for r in got)}")
     return 0
 
 

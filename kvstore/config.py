@@ -273,7 +273,8 @@ def _auth_mode(env: Mapping[str, str]) -> str:
     mode = (env_text(env, "KVSTORE_AUTH") or "header").lower()
     if mode not in ("header", "full"):
         raise ConfigError(f"KVSTORE_AUTH={mode!r} is not 'header' (the default: MACs over headers and "
-                          "frame lengths) or 'full' (also over the array bytes)")
+                          "frame lengths) or 'full' (also a Poly1305 tag over the array bytes; needs the "
+                          "'cryptography' package)")
     return mode
 
 

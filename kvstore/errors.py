@@ -16,9 +16,12 @@ due, a number of values that does not match the number of keys, a read-only
      +-- DTypeMismatchError(ValueError)    value or out has the wrong dtype
      +-- KeyTypeError(TypeError)           key is not an int in [0, 2**64) or a str
      +-- DeadlineExceededError(TimeoutError) a wait ran past its deadline
+     |    +-- StallError(TimeoutError)       KVSTORE_STALL_ABORT: a barrier or round waited too long for
+     |                                       late workers (the message names them)
      +-- NodeLostError(ConnectionError)    a peer process went away
      +-- ProtocolError                     a message could not be decoded
      +-- AuthenticationError(PermissionError) a peer failed to prove the secret
+     |    +-- IntegrityError(PermissionError) KVSTORE_AUTH=full: a message's array bytes were damaged
      +-- RemoteError                       a peer reported a failure we cannot type
      +-- StoreClosedError                  the store was closed (or belongs to another process)
      +-- OptimizerError(ValueError)        a bad optimizer spec or setting, no optimizer where one
@@ -90,6 +93,11 @@ class DeadlineExceededError(KVStoreError, TimeoutError):
     """A blocking wait ran past its deadline; the message names what it waited for."""
 
 
+class StallError(DeadlineExceededError):
+    """``KVSTORE_STALL_ABORT``: a barrier or sync round waited longer than that for late workers; the
+    message names them and what each last did."""
+
+
 class NodeLostError(KVStoreError, ConnectionError):
     """A peer (scheduler, server or worker) went away.
 
@@ -110,6 +118,11 @@ class ProtocolError(KVStoreError):
 
 class AuthenticationError(KVStoreError, PermissionError):
     """A peer could not prove it holds the cluster secret."""
+
+
+class IntegrityError(AuthenticationError):
+    """``KVSTORE_AUTH=full``: a message's header authenticated but its array bytes failed the payload
+    tag (damaged in transit); the receiver applied nothing of it."""
 
 
 class RemoteError(KVStoreError):
@@ -205,9 +218,9 @@ class TaskFailed(KVStoreError, RuntimeError):
 _CODES: dict[str, type[KVStoreError]] = {
     cls.__name__: cls
     for cls in (ConfigError, UnknownModeError, KeyNotInitializedError, DuplicateInitError,
-                ShapeMismatchError, DTypeMismatchError, KeyTypeError, DeadlineExceededError,
-                NodeLostError, ProtocolError, AuthenticationError, RemoteError, StoreClosedError,
-                OptimizerError, FormatError, UnsupportedError)
+                ShapeMismatchError, DTypeMismatchError, KeyTypeError, DeadlineExceededError, StallError,
+                NodeLostError, ProtocolError, AuthenticationError, IntegrityError, RemoteError,
+                StoreClosedError, OptimizerError, FormatError, UnsupportedError)
 }
 
 

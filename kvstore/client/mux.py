@@ -14,6 +14,10 @@ request's round trip (docs/benchmarks.md).
 Replies nobody waits for yet (a push's ack) stay in zmq's queue until the next call
 that sends or waits reads them.  :meth:`Wire.fail` (a lost peer, from the heartbeat
 thread) fails every request in flight at once, without the socket lock.
+
+Tests only: ``Wire._tamper``, when set, is applied to each message's frames after they are sealed
+and just before they are sent (``frames = wire._tamper(frames)``), so a test can damage a message in
+flight, e.g. flip one array byte of a push to exercise ``KVSTORE_AUTH=full``.  It is None otherwise.
 """
 
 from __future__ import annotations
@@ -24,13 +28,20 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import AuthenticationError, ProtocolError, StoreClosedError, error_from_code
-from kvstore.net import transport
+from kvstore.errors import (
+    AuthenticationError,
+    IntegrityError,
+    ProtocolError,
+    StoreClosedError,
+    error_from_code,
+)
+from kvstore.net import protocol, transport
 from kvstore.net.auth import Channel
 from kvstore.net.protocol import Message, Op
 
@@ -58,6 +69,7 @@ class Wire:
         self.rank = rank
         self.max_frame_bytes = max_frame_bytes  # the cluster's KVSTORE_MAX_MESSAGE_BYTES (0: none)
         self.channel = channel  # seals every request, opens every reply
+        self._tamper: Callable[[list], list] | None = None  # tests only: see the module docstring
         self._io = threading.Lock()  # the sockets (and the outbox's order on the wire)
         self._lock = threading.Lock()  # seq, sealing order, the in-flight table, failure, closing
         self._outbox: collections.deque = collections.deque()  # (target, frames), sealed, in order
@@ -124,6 +136,8 @@ class Wire:
                 target, frames, seq = self._outbox.popleft()
             except IndexError:  # empty (stop() may have cleared it meanwhile)
                 return
+            if self._tamper is not None:
+                frames = self._tamper(frames)
             try:
                 transport.send(self.sockets[target], frames)
             except Exception as exc:  # surface to the waiting caller
@@ -189,6 +203,9 @@ class Wire:
                 if frames is None:
                     return
                 msg = self.channel.open(frames)
+            except IntegrityError as exc:  # an authentic header: its request can be failed at once
+                self._fail_damaged(frames, exc)
+                continue
             except (AuthenticationError, ProtocolError) as exc:
                 log.warning("dropped a reply that failed to open: %s", exc)
                 continue
@@ -201,6 +218,21 @@ class Wire:
                 _resolve(request, exc=error_from_code(msg.body.get("code", ""), text, msg.body.get("node")))
             else:
                 _resolve(request, result=msg)
+
+    def _fail_damaged(self, frames: list[Any], exc: IntegrityError) -> None:
+        """Fail the request whose reply's array bytes were damaged in transit (KVSTORE_AUTH=full);
+        a reply whose header does not decode, or replays, is dropped as any bad reply."""
+        try:
+            msg = protocol.decode(frames[1:])
+            self.channel.admit(msg.auth)
+        except (AuthenticationError, ProtocolError) as bad:
+            log.warning("dropped a reply that failed to open: %s", bad)
+            return
+        with self._lock:
+            request = self._inflight.pop(msg.seq, None)
+        if request is not None:
+            _resolve(request, exc=IntegrityError(f"{request.what}: the reply's array bytes failed the "
+                                                 f"integrity check (KVSTORE_AUTH=full): {exc}"))
 
     # -- failure and closing ----------------------------------------------------------------------
     def fail(self, error: BaseException) -> None:

@@ -8,24 +8,30 @@ It seals outgoing messages and opens incoming ones::
 The header's ``auth`` field is ``[label, n, to]``: the sending channel's random
 label, its message counter (strictly increasing) and the name of the receiver it
 is meant for.  The MAC (HMAC-SHA256, 16 bytes) covers the whole header, the
-number of frames and every frame's length; with ``KVSTORE_AUTH=full`` it covers
-the array bytes too (by default they rely on TCP's integrity).  It is keyed by the
-cluster secret and, once the cluster map is out, by the cluster's session id, so
-messages of an earlier cluster with the same secret do not verify.
+number of frames and every frame's length.  It is keyed by the cluster secret and,
+once the cluster map is out, by the cluster's session id, so messages of an earlier
+cluster with the same secret do not verify.  With ``KVSTORE_AUTH=full`` the MAC frame
+also carries a 16-byte payload tag (32 bytes in all): Poly1305 over the array frames,
+under a one-time key derived from the session key and the header MAC (each message's
+``[label, n]`` is unique, so no key is used twice).  By default array bytes rely on
+TCP's integrity.
 
 Opening checks, in order: the MAC (:meth:`Channel.verify`: :class:`AuthenticationError`
-when it is wrong or missing), the header (``protocol.decode``: :class:`ProtocolError`), that
-the message is addressed to this channel, and that ``n`` is larger than anything seen from
-that label before (:meth:`Channel.admit`: a replay is an :class:`AuthenticationError`).
-:meth:`Channel.open` does all three; the request loop (``kvstore.net.router``) calls them one
-by one, to tell a stranger's message (answered once, unsigned) from an authenticated but
-malformed one (answered sealed), and tags each refusal with a reason (:func:`refusal_reason`).
+when it is wrong or missing, :class:`IntegrityError` when the header MAC holds but the
+payload tag does not: array bytes damaged by someone who cannot forge MACs), the header
+(``protocol.decode``: :class:`ProtocolError`), that the message is addressed to this
+channel, and that ``n`` is larger than anything seen from that label before
+(:meth:`Channel.admit`: a replay is an :class:`AuthenticationError`).  :meth:`Channel.open`
+does all three; the request loop (``kvstore.net.router``) calls them one by one, to tell a
+stranger's message (answered once, unsigned) from an authenticated but malformed or
+damaged one (answered sealed), and tags each refusal with a reason (:func:`refusal_reason`).
 Without a secret the MAC frame is empty and the other checks still apply; a node with a
 secret refuses unsigned messages and the other way round.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import itertools
@@ -33,11 +39,12 @@ import secrets
 import threading
 from typing import Any
 
-from kvstore.errors import AuthenticationError, ProtocolError
+from kvstore.errors import AuthenticationError, ConfigError, IntegrityError, ProtocolError
 from kvstore.net import protocol
 from kvstore.net.protocol import Message
 
-MAC_BYTES = 16
+MAC_BYTES = 16  # the header MAC (HMAC-SHA256, truncated)
+TAG_BYTES = 16  # KVSTORE_AUTH=full: the payload tag (Poly1305) after the header MAC
 # Why a message was refused (refusal_reason): the first five are failures to authenticate.
 REASON_FRAMES = "no-header"        # fewer than a MAC frame and a header
 REASON_MAC = "unauthenticated"     # a wrong or missing MAC (or one where none is expected)
@@ -45,6 +52,7 @@ REASON_ADDRESSEE = "misaddressed"  # sealed for another node
 REASON_REPLAY = "replayed"         # a number its label has used before
 REASON_UNDECODABLE = "undecodable"  # frames the checks could not even read
 REASON_MALFORMED = "malformed"     # authenticated, but the header or arrays are wrong
+REASON_PAYLOAD = "damaged-payload"  # KVSTORE_AUTH=full: the header MAC holds, the payload tag not
 
 
 def derive_key(secret: str | None) -> bytes | None:
@@ -75,6 +83,8 @@ class Channel:
 
     def __init__(self, key: bytes | None, label: str, full: bool = False, session: bytes = b"") -> None:
         self.key, self.label, self.full = key, label, full
+        if full and key is not None:
+            _poly1305()  # a missing package is a ConfigError when the node starts, not per message
         self.names = {label}
         self._session_key = self._keyed(session)
         self._counter = itertools.count(1)
@@ -97,21 +107,31 @@ class Channel:
         self._session_key = self._keyed(session)
 
     def _mac(self, frames: list[Any]) -> bytes:
+        """The header MAC: over the frame count, each frame's length and the header (never arrays)."""
         mac = self._session_key.copy()  # the keyed state is computed once per session
         mac.update(len(frames).to_bytes(4, "big"))
         for frame in frames:
             mac.update(memoryview(frame).nbytes.to_bytes(8, "big"))
         mac.update(frames[0])
-        if self.full:
-            for frame in frames[1:]:
-                mac.update(frame)
         return mac.digest()[:MAC_BYTES]
+
+    def _tag(self, header_mac: bytes, arrays: list[Any]) -> bytes:
+        """The payload tag: Poly1305 over the array frames, keyed once for this message's header MAC."""
+        one_time = self._session_key.copy()
+        one_time.update(b"payload-key\0" + header_mac)  # unlike any header MAC's input (a frame count)
+        poly = _poly1305()(one_time.digest())
+        for frame in arrays:
+            poly.update(memoryview(frame).cast("B"))
+        return poly.finalize()
 
     def seal(self, msg: Message, to: str) -> list[Any]:
         """The frames of ``msg`` addressed to ``to``, with this channel's next number and the MAC."""
         msg.auth = [self.label, next(self._counter), to]
         frames = protocol.encode(msg)
-        return [b"" if self._session_key is None else self._mac(frames), *frames]
+        if self._session_key is None:
+            return [b"", *frames]
+        mac = self._mac(frames)
+        return [mac + self._tag(mac, frames[1:]) if self.full else mac, *frames]
 
     def open(self, frames: list[Any]) -> Message:
         """Verify and decode ``frames``; raise AuthenticationError or ProtocolError without side effects.
@@ -124,28 +144,38 @@ class Channel:
         return msg
 
     def verify(self, frames: list[Any]) -> None:
-        """Check the MAC of ``frames`` (MAC frame, header, arrays) before anything is decoded.
+        """Check the MAC frame of ``frames`` (MAC frame, header, arrays) before anything is decoded.
 
         Raises :class:`ProtocolError` (reason ``REASON_FRAMES``) without a MAC frame and a header,
         or (``REASON_UNDECODABLE``) for a header over ``MAX_HEADER_BYTES``, which is refused before
         it is hashed; :class:`AuthenticationError` (``REASON_MAC``) for a wrong, missing or
-        unexpected MAC.
+        unexpected MAC, or one of the other ``KVSTORE_AUTH`` mode; :class:`IntegrityError`
+        (``REASON_PAYLOAD``) when the header MAC holds but the payload tag does not.
         """
         if len(frames) < 2:
             raise _refusal(ProtocolError("a message needs a MAC frame and a header"), REASON_FRAMES)
-        mac, rest = frames[0], frames[1:]
-        size = memoryview(rest[0]).nbytes
+        size = memoryview(frames[1]).nbytes
         if size > protocol.MAX_HEADER_BYTES:  # no header is this big: not worth a MAC over it
             raise _refusal(ProtocolError(f"header of {size} bytes exceeds the {protocol.MAX_HEADER_BYTES}"
                                          "-byte limit"), REASON_UNDECODABLE)
+        size = memoryview(frames[0]).nbytes
         if self._session_key is None:
-            if memoryview(mac).nbytes:
+            if size:
                 raise _refusal(AuthenticationError("a signed message reached a node without KVSTORE_SECRET "
                                                    "(set the same secret on every node)"), REASON_MAC)
-        elif not hmac.compare_digest(bytes(mac), self._mac(rest)):
+            return
+        mac = bytes(frames[0]) if size in (MAC_BYTES, MAC_BYTES + TAG_BYTES) else b""
+        header_mac = self._mac(frames[1:])
+        if not hmac.compare_digest(mac[:MAC_BYTES], header_mac):
             raise _refusal(AuthenticationError("message authentication failed (a peer without the "
                                                "cluster's KVSTORE_SECRET, or a damaged or stale message)"),
                            REASON_MAC)
+        if len(mac) != (MAC_BYTES + TAG_BYTES if self.full else MAC_BYTES):
+            raise _refusal(AuthenticationError(_mode_mismatch(self.full)), REASON_MAC)
+        if self.full and not hmac.compare_digest(mac[MAC_BYTES:], self._tag(header_mac, frames[2:])):
+            raise _refusal(IntegrityError("a message's array bytes failed the integrity check "
+                                          "(KVSTORE_AUTH=full): they were damaged in transit"),
+                           REASON_PAYLOAD)
 
     def admit(self, auth: Any) -> str:
         """Accept a verified header's ``auth`` field (``[label, n, to]``); return the sender's label.
@@ -165,6 +195,23 @@ class Channel:
                                REASON_REPLAY)
             self._last[label] = n
         return label
+
+
+def _mode_mismatch(full: bool) -> str:
+    mine, theirs = ("full", "header") if full else ("header", "full")
+    return (f"a message sealed with KVSTORE_AUTH={theirs} reached a node with KVSTORE_AUTH={mine} "
+            "(set the same KVSTORE_AUTH on every node)")
+
+
+@functools.cache
+def _poly1305() -> Any:
+    """The Poly1305 class of ``cryptography`` (imported on first use by KVSTORE_AUTH=full)."""
+    try:
+        from cryptography.hazmat.primitives.poly1305 import Poly1305
+    except ImportError:
+        raise ConfigError("KVSTORE_AUTH=full needs the 'cryptography' package "
+                          "(pip install 'cryptography>=42')") from None
+    return Poly1305
 
 
 def _auth_fields(auth: Any) -> tuple[str, int, str]:

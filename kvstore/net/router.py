@@ -15,6 +15,9 @@ the secret can make the node do is bounded:
   learns why at registration), later ones from that identity get nothing;
 - a message whose MAC verifies but whose content is malformed gets a sealed
   ERROR carrying its ``seq`` when the header has one (the sender holds the secret);
+- with ``KVSTORE_AUTH=full``, a message whose header MAC verifies but whose array
+  bytes fail the payload tag (damaged in transit) is not handled: its sender gets a
+  sealed ``IntegrityError`` carrying its ``seq``, naming the op and the keys;
 - replies never wait: one that finds its peer's queue full is dropped
   (``transport.ROUTER_SNDHWM``).
 
@@ -32,9 +35,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.errors import AuthenticationError, KVStoreError, ProtocolError, error_code, error_node
+from kvstore.errors import (
+    AuthenticationError,
+    IntegrityError,
+    KVStoreError,
+    ProtocolError,
+    error_code,
+    error_node,
+)
 from kvstore.net import protocol, transport
-from kvstore.net.auth import REASON_MALFORMED, REASON_UNDECODABLE, Channel, refusal_reason, unsigned
+from kvstore.net.auth import (
+    REASON_MALFORMED,
+    REASON_PAYLOAD,
+    REASON_UNDECODABLE,
+    Channel,
+    refusal_reason,
+    unsigned,
+)
 from kvstore.net.protocol import Message, Op
 
 log = logging.getLogger("kvstore.router")
@@ -154,6 +171,9 @@ class RouterService:
         # REGISTER that verifies under it comes from a node with the right secret registering late,
         # which is told so instead of being refused as a stranger.
         self.late: Channel | None = None
+        # Ops answered to a holder of the secret without the session, over ``late`` (the scheduler's
+        # STATUS for kvstore.status): the handler returns the reply, sealed with ``late``.
+        self.late_handlers: dict[Op, Callable[[Message], Message]] = {}
         self._untrimmed = 0  # events logged since the heap was last trimmed
 
     def reply(self, identity: bytes, msg: Message) -> None:
@@ -203,6 +223,9 @@ class RouterService:
         """The authenticated, decoded message; None when it was refused (and answered or not)."""
         try:
             self.channel.verify(payload)
+        except IntegrityError:  # the header is authentic, its arrays were damaged: tell the sender
+            self._damaged(identity, payload[1])
+            return None
         except Exception as exc:  # any exception: frames a peer made up may break anything
             if not self._answer_late(identity, payload):
                 self._refuse(identity, exc)
@@ -235,6 +258,9 @@ class RouterService:
             label = self.late.admit(msg.auth)
         except Exception:  # not a late registration: refused as any other message
             return False
+        if msg.op in self.late_handlers:
+            self._answer_outsider(identity, msg, label)
+            return True
         if msg.op not in (Op.HELLO, Op.REGISTER):
             return False
         self.drops.count(REASON_LATE, f"{msg.op.name} from {label!r} after the cluster was complete")
@@ -242,6 +268,17 @@ class RouterService:
         reply = protocol.error_reply(msg.seq, error_code(late), str(late), sender=self.rank)
         self._send(identity, self.late.seal(reply, label), reply.op)
         return True
+
+    def _answer_outsider(self, identity: bytes, msg: Message, label: str) -> None:
+        """Answer ``msg`` (verified with ``late``) by its late handler, sealed with ``late``."""
+        try:
+            reply = self.late_handlers[msg.op](msg)
+        except Exception as exc:  # a bad request must not kill the service
+            if not isinstance(exc, KVStoreError):
+                log.exception("late handler for %s failed", msg.op.name)
+            reply = protocol.error_reply(0, error_code(exc), _text(exc))
+        reply.seq, reply.sender = msg.seq, self.rank
+        self._send(identity, self.late.seal(reply, label), reply.op)
 
     def _refuse(self, identity: bytes, exc: BaseException) -> None:
         """Count a message that failed authentication; answer it unsigned if the gate allows."""
@@ -269,6 +306,26 @@ class RouterService:
             except Exception:  # an auth field of the wrong shape: answer the decoding error
                 pass
         self._answer_malformed(identity, seq, label, exc)
+
+    def _damaged(self, identity: bytes, header: Any) -> None:
+        """A message whose header MAC verified but whose array bytes did not (KVSTORE_AUTH=full): its
+        auth is checked (a replay is refused as such), nothing is applied, the sender gets a sealed
+        IntegrityError with its ``seq`` that names the op and the keys."""
+        fields = _fields(header)
+        seq = fields.get("seq")
+        seq = seq if type(seq) is int else 0
+        label = self.peers.get(identity, "")
+        try:
+            label = self.channel.admit(fields.get("auth"))
+        except AuthenticationError as refused:
+            self._refuse(identity, refused)
+            return
+        except Exception:  # an auth field of the wrong shape: answer the damage all the same
+            pass
+        exc = IntegrityError(_damage_text(fields))
+        self.drops.count(REASON_PAYLOAD, f"from {label!r}: {exc}")
+        reply = protocol.error_reply(seq, error_code(exc), _text(exc), sender=self.rank)
+        self._send(identity, self.channel.seal(reply, label), reply.op)
 
     def _answer_malformed(self, identity: bytes, seq: int, label: str, exc: BaseException) -> None:
         self.drops.count(REASON_MALFORMED, _text(exc))
@@ -312,15 +369,37 @@ class RouterService:
         return True
 
 
+def _fields(header: Any) -> dict[str, Any]:
+    """The map of a header, without checking op and arrays; {} when even the map cannot be read."""
+    try:
+        return protocol._decode_header(header)
+    except Exception:
+        return {}
+
+
 def _peek(header: Any) -> tuple[int, Any]:
     """The ``seq`` (0 when absent) and ``auth`` field (None when absent) of a header that failed to
     decode as a whole; (0, None) when even its map cannot be read."""
-    try:
-        fields = protocol._decode_header(header)  # the map alone, without checking op and arrays
-    except Exception:
-        return 0, None
+    fields = _fields(header)
     seq = fields.get("seq")
     return (seq if type(seq) is int else 0), fields.get("auth")
+
+
+def _damage_text(fields: dict[str, Any]) -> str:
+    """What a damaged message was: "push of key 'w' refused: ...", from its (authenticated) header."""
+    try:
+        op = Op(fields.get("op")).name.lower()
+    except (ValueError, TypeError):
+        op = "message"
+    body = fields.get("body")
+    keys = body.get("keys") if isinstance(body, dict) else None
+    if not isinstance(keys, list):
+        keys = [body["key"]] if isinstance(body, dict) and "key" in body else []
+    named = ", ".join(protocol._brief(k) for k in keys[:3])
+    named += f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    what = f"{op} of key{'s' if len(keys) > 1 else ''} {named}" if keys else op
+    return (f"{what} refused: its array bytes failed the integrity check (KVSTORE_AUTH=full); "
+            "nothing was applied")
 
 
 def _text(exc: BaseException) -> str:
