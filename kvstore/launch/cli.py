@@ -2,7 +2,8 @@
 
 parse (:mod:`kvstore.launch.options`) -> the ``KVSTORE_*`` settings -> dispatch: ``local`` and
 ``ssh`` to :mod:`kvstore.launch.local` (which rsyncs to the hosts first when asked, see
-:mod:`kvstore.launch.ssh`), ``ray`` to :mod:`kvstore.launch.ray`, imported only then (it imports
+:mod:`kvstore.launch.ssh`), ``mpi`` to :mod:`kvstore.launch.mpirun`, ``ray`` to
+:mod:`kvstore.launch.ray`, imported only then (it imports
 ``ray``).  The launcher exits with the code the chosen launcher returns.
 """
 
@@ -12,7 +13,7 @@ import logging
 
 from kvstore import config as kvconfig
 from kvstore.errors import ConfigError
-from kvstore.launch import local
+from kvstore.launch import local, mpirun
 from kvstore.launch.options import LaunchConfig, parse_args
 
 log = logging.getLogger("kvstore.launcher")
@@ -32,6 +33,8 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
             log.error("--launcher ray needs the [ray] extra: pip install 'kvstore-ps[ray]' (%s)", exc)
             return 2
         return launch_on_ray(cfg, settings)
+    if cfg.launcher == "mpi":
+        return mpirun.run(cfg, settings)
     return local.run(cfg, settings)
 
 

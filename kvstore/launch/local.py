@@ -28,7 +28,7 @@ import time
 from kvstore import config as kvconfig
 from kvstore.errors import ChildFailed, ConfigError, StartFailed, SyncFailed
 from kvstore.launch import envrules as roles
-from kvstore.launch import tether
+from kvstore.launch import gpus, tether
 from kvstore.launch.group import RoleGroup
 from kvstore.launch.interrupts import held_interrupts
 from kvstore.launch.node import python_if_script
@@ -71,6 +71,18 @@ def failure(child: RoleProcess, when: str = "") -> ChildFailed:
     return ChildFailed(message, code or 1, child)
 
 
+def gpu_plan(cfg: LaunchConfig, environ: dict[str, str]) -> list[dict[str, str]] | None:
+    """Every worker's GPU variables under ``--gpus-per-worker`` (None without it), by rank, its host
+    as the local, ssh or mpi launcher places it.  Raises ConfigError when a host has too few GPUs."""
+    if cfg.gpus_per_worker is None:
+        return None
+    hosts = cfg.hosts or [None]
+    placed = placement(cfg.num_servers, cfg.num_workers, hosts)
+    workers = [host for role, _, host in placed if role == "worker"]
+    return gpus.plan(workers, cfg.gpus_per_worker, lambda host: gpus.devices_for(environ, host is not None),
+                     label=lambda host: "localhost" if host is None else host_label(host))
+
+
 def failure_summary(child: RoleProcess) -> str:
     """The last line of a failed launch: the role that failed first, its exit code and the last line
     of the last traceback it printed, if it printed one."""
@@ -101,6 +113,8 @@ class Cluster:
         # a local child inherits the launcher's environment, but for what the launcher sets per role
         # (a KVSTORE_NODE_PORT exported here would make every server bind one port)
         self.inherited = roles.inherited(kvconfig.child_environ({}))
+        self.gpu_env = gpu_plan(cfg, self.inherited)  # before anything starts: too few GPUs fail here
+        self.no_gpu = dict(gpus.NO_GPU) if self.gpu_env is not None else {}
 
     @property
     def children(self) -> list[RoleProcess]:
@@ -182,7 +196,7 @@ class Cluster:
         root = self.base_env["DMLC_PS_ROOT_URI"]
         port_file = os.path.join(workdir, "scheduler.port")
         scheduler = self._start("scheduler", None, [sys.executable, "-m", "kvstore.scheduler"],
-                                {"DMLC_PS_ROOT_PORT": "0", "KVSTORE_PORT_FILE": port_file})
+                                {"DMLC_PS_ROOT_PORT": "0", "KVSTORE_PORT_FILE": port_file, **self.no_gpu})
         port = self._wait_port(port_file, scheduler)
         self.base_env["DMLC_PS_ROOT_PORT"] = str(port)
         count = len(set(self.cfg.hosts))
@@ -195,9 +209,10 @@ class Cluster:
         for role, rank, host in placement(self.cfg.num_servers, self.cfg.num_workers, hosts):
             if role == "server":
                 self._start("server", rank, [python, "-m", "kvstore.server"],
-                            {"KVSTORE_SERVER_ID": str(rank)}, host=host)
+                            {"KVSTORE_SERVER_ID": str(rank), **self.no_gpu}, host=host)
             else:  # OMP_NUM_THREADS=1 unless the launcher's env or --env sets it
-                self._start("worker", rank, list(worker_argv), {"DMLC_WORKER_ID": str(rank)},
+                gpu = self.gpu_env[rank] if self.gpu_env is not None else {}
+                self._start("worker", rank, list(worker_argv), {"DMLC_WORKER_ID": str(rank), **gpu},
                             defaults={"OMP_NUM_THREADS": "1"}, host=host)
 
     def _wait_port(self, path: str, scheduler: RoleProcess) -> int:
@@ -229,15 +244,20 @@ class Cluster:
 def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     """Launch ``cfg`` here (``--launcher local``) or over ssh and supervise it to the end; return the
     launcher's exit code: 0, the failed process's (1 if it exited 0 too early), 128 + n for signal n,
-    127 when a command cannot be started, rsync's, or 1 for a timeout.  Raises nothing else."""
+    127 when a command cannot be started, rsync's, 1 for a timeout, or 2 when ``--gpus-per-worker``
+    finds too few GPUs (before anything starts).  Raises nothing else."""
     previous = signal.signal(signal.SIGTERM, roles.raise_interrupt)
-    cluster: Cluster | None = None
+    try:
+        cluster = Cluster(cfg, settings)  # checks the GPUs before anything starts
+    except ConfigError as exc:
+        log.error("%s", exc)
+        signal.signal(signal.SIGTERM, previous)
+        return 2
     failed: RoleProcess | None = None
     code = 0
     try:
         if cfg.launcher == "ssh" and cfg.sync_dst_dir:
             sync_dir(cfg.hosts, cfg.ssh_args, os.getcwd(), cfg.sync_dst_dir, settings.connect_timeout)
-        cluster = Cluster(cfg, settings)
         with tempfile.TemporaryDirectory(prefix="kvstore-launch-") as workdir:
             cluster.start(workdir)
             code = cluster.supervise()
@@ -261,7 +281,7 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
         code = 127
         log.error("%s", exc)
     finally:
-        killed = cluster.stop_all() if cluster is not None else []
+        killed = cluster.stop_all()
         if killed:
             log.error("killed after their stop timeout: %s", ", ".join(killed))
         if isinstance(failed, RoleProcess):  # after every role's output: the launch's last line

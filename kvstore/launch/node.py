@@ -46,6 +46,7 @@ from kvstore.errors import ConfigError, DeadlineExceededError
 from kvstore.launch.managers import NO_MANAGER, detect
 from kvstore.launch.managers.common import Adapter, Derivation
 from kvstore.launch.managers.torchrun import TorchStore, torch_store
+from kvstore.launch.node_gpus import node_gpu_env
 from kvstore.launch.roleprocess import RoleProcess, RoleSpec, read_port
 from kvstore.net import address
 
@@ -72,10 +73,11 @@ def python_if_script(command: list[str], python: str | None = None) -> list[str]
     return [python or sys.executable, *command] if command[0].endswith(".py") else list(command)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Become this node's role (``exec``).  Returns only when that fails: 2 on a configuration
-    error, 1 when the scheduler's port never came through torchrun's store or a system call fails
-    (an OSError, e.g. a fork), 127 when the command cannot be started; or, for a ``TF_CONFIG`` task
+def main(argv: list[str] | None = None, gpus_per_worker: int | None = None) -> int:
+    """Become this node's role (``exec``), with ``--gpus-per-worker``'s variables when given
+    (:mod:`kvstore.launch.node_gpus`).  Returns only when that fails: 2 on a configuration error (too
+    few GPUs too), 1 when the scheduler's port never came through torchrun's store or a system call
+    fails (an OSError, e.g. a fork), 127 when the command cannot be started; or, for a ``TF_CONFIG`` task
     that hosts the scheduler, its worker's exit code.  Each failure prints one ``kvstore.node: ...``
     line, never a traceback."""
     argv = sys.argv[1:] if argv is None else argv
@@ -83,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         env = kvconfig.child_environ({})  # a copy of this process's environment
         role = kvconfig.load(env).role
         if role is not None:
+            env.update(node_gpu_env(env, gpus_per_worker))
             return exec_role(role_command(role, argv), env)
-        return _run_derived(argv, env)
+        return _run_derived(argv, env, gpus_per_worker)
     except ConfigError as exc:
         print(f"kvstore.node: {exc}", file=sys.stderr)
         return 2
@@ -104,7 +107,7 @@ def exec_role(cmd: list[str], env: Mapping[str, str]) -> int:
     return 127
 
 
-def _run_derived(argv: list[str], env: dict[str, str]) -> int:
+def _run_derived(argv: list[str], env: dict[str, str], gpus_per_worker: int | None = None) -> int:
     """Derive the role from the cluster manager's environment, then exec it (or run it beside the
     scheduler); returns as :func:`main` says.  Raises ConfigError, DeadlineExceededError when the
     scheduler's port does not come through torchrun's store in time, or OSError when a fork fails."""
@@ -120,6 +123,7 @@ def _run_derived(argv: list[str], env: dict[str, str]) -> int:
     finally:
         if finalize is not None:
             finalize()  # Open MPI counts a process that called MPI_Init and exits unfinalized as failed
+    merged.update(node_gpu_env(merged, gpus_per_worker))
     line = derivation.summary()
     if publish is not None:
         line += (f" (any free port, published in torchrun's store at {publish.host}:{publish.port} as "

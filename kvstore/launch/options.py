@@ -12,6 +12,7 @@ from kvstore import config as kvconfig
 from kvstore.core import snapshot
 from kvstore.errors import ConfigError
 from kvstore.launch.envrules import SET_BY_LAUNCHER
+from kvstore.launch.gpus import GPU_NAMES
 from kvstore.launch.ssh import parse_hostfile
 
 # The flags of each launcher but 'local', by the LaunchConfig field (or ray_options key) they fill.
@@ -50,6 +51,7 @@ class LaunchConfig:
     host_ip: str | None = None  # ssh: the scheduler's address as the hosts reach it
     ray_address: str | None = None  # ray: the cluster to join (default: start a local one)
     ray_options: dict[str, float] = field(default_factory=dict)  # ray: server_cpus, ..., placement_timeout
+    gpus_per_worker: int | None = None  # --gpus-per-worker: each worker's share of its host's GPUs
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> LaunchConfig:
@@ -71,11 +73,13 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> Launch
                      "with --launcher ray give --env (every role)")
     hosts = _ssh_hosts(parser, args)
     ray_options = _ray_options(parser, args)
+    _check_gpus(parser, args, {**extra, **env_worker})
     return LaunchConfig(args.num_workers, args.num_servers or args.num_workers,
                         list(args.command), args.launcher, extra, env_server, env_worker, hosts=hosts,
                         sync_dst_dir=args.sync_dst_dir, ssh_args=shlex.split(args.ssh_args),
                         remote_python=args.remote_python, host_ip=args.host_ip,
-                        ray_address=args.ray_address, ray_options=ray_options)
+                        ray_address=args.ray_address, ray_options=ray_options,
+                        gpus_per_worker=args.gpus_per_worker)
 
 
 def _parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -83,14 +87,17 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     ``sys.argv[0]``'s basename).  Raises nothing."""
     parser = argparse.ArgumentParser(
         prog=prog, description="Start a kvstore cluster (1 scheduler, S servers, W workers) "
-        "on this machine, or over ssh on the hosts of -H, and run COMMAND on every worker.")
+        "on this machine, over ssh on the hosts of -H, under mpirun or on Ray, and run COMMAND on every "
+        "worker.")
     parser.add_argument("-n", "--num-workers", type=int, required=True, help="number of workers")
     parser.add_argument("-s", "--num-servers", type=int, help="number of servers (default: -n)")
-    parser.add_argument("--launcher", type=_launcher, choices=["local", "ssh", "ray"], default="local",
+    parser.add_argument("--launcher", type=_launcher, choices=["local", "ssh", "mpi", "ray"], default="local",
                         help="how to start processes: 'local' (this machine, the default), 'ssh' "
-                        "(the hosts of -H) or 'ray' (actors on a Ray cluster; needs the [ray] extra)")
-    parser.add_argument("-H", "--hostfile", help="ssh: file of hosts, one 'host' or 'host:sshport' a line; "
-                        "process i (servers first, then workers) runs on host i %% len(hosts)")
+                        "(the hosts of -H), 'mpi' (one Open MPI mpirun of every role, on the hosts of -H "
+                        "if given) or 'ray' (actors on a Ray cluster; needs the [ray] extra)")
+    parser.add_argument("-H", "--hostfile", help="ssh, mpi: file of hosts, one 'host' "
+                        "(ssh: or 'host:sshport') a line; process i (servers first, then workers) "
+                        "runs on host i %% len(hosts)")
     parser.add_argument("--sync-dst-dir", metavar="DIR", help="ssh: rsync the current directory to DIR "
                         "on every host first, and run there")
     parser.add_argument("--ssh-args", default="", metavar="ARGS",
@@ -104,6 +111,11 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "it (default: start a local Ray instance for this job)")
     for flag, name, what in RAY_SIZE_FLAGS:
         parser.add_argument(flag, dest=name, type=float, metavar="N", help=f"ray: {what}")
+    parser.add_argument("--gpus-per-worker", type=int, metavar="N",
+                        help="local, ssh, mpi: give each worker N GPUs of its host (CUDA_VISIBLE_DEVICES) "
+                        "and torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; servers and the "
+                        "scheduler get CUDA_VISIBLE_DEVICES=''; fails before starting anything when a "
+                        "host has too few GPUs (KVSTORE_HOST_GPUS overrides the count)")
     _add_env_flags(parser)
     parser.add_argument("--resume", metavar="DIR",
                         help="start from the snapshot kv.save_checkpoint(DIR) wrote (any number of servers)")
@@ -177,15 +189,23 @@ def _extra_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
 
 
 def _ssh_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, int | None]]:
-    """The hosts of ``-H`` for ``--launcher ssh`` (none for the others).  Raises SystemExit (through
-    ``parser.error``) for a missing or bad host file, or ssh flags given to another launcher."""
-    if args.launcher == "ssh":
+    """The hosts of ``-H`` for ``--launcher ssh`` (and ``mpi``, where it is optional; none for the
+    others).  Raises SystemExit (through ``parser.error``) for a missing or bad host file, an ssh port
+    for mpi, or ssh flags given to another launcher."""
+    if args.launcher == "ssh" or (args.launcher == "mpi" and args.hostfile):
         if not args.hostfile:
             parser.error("--launcher ssh needs -H HOSTFILE")
         try:
-            return parse_hostfile(args.hostfile)
+            hosts = parse_hostfile(args.hostfile)
         except ConfigError as exc:
             parser.error(str(exc))
+        if args.launcher == "mpi" and any(port is not None for _, port in hosts):
+            parser.error(f"{args.hostfile}: --launcher mpi takes host names without ssh ports "
+                         "(mpirun reaches the hosts its own way)")
+        other = [flag for flag, name in SSH_FLAGS[1:] if getattr(args, name)]
+        if args.launcher == "mpi" and other:
+            parser.error(f"{', '.join(other)} only apply to --launcher ssh")
+        return hosts
     given = [flag for flag, name in SSH_FLAGS if getattr(args, name)]
     if given:
         parser.error(f"{', '.join(given)} only apply to --launcher ssh")
@@ -205,3 +225,20 @@ def _ray_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
         parser.error("--ray-server-cpus, --ray-worker-cpus and --ray-placement-timeout must be > 0, "
                      "--ray-worker-gpus >= 0")
     return ray_options
+
+
+def _check_gpus(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                worker_env: dict[str, str]) -> None:
+    """Check ``--gpus-per-worker``.  Raises SystemExit (through ``parser.error``) for a negative count,
+    ``--launcher ray`` (which has ``--ray-worker-gpus``), or an ``--env``/``--env-worker`` of a
+    variable it sets."""
+    if args.gpus_per_worker is None:
+        return
+    if args.gpus_per_worker < 0:
+        parser.error("--gpus-per-worker must be >= 0")
+    if args.launcher == "ray":
+        parser.error("--gpus-per-worker applies to --launcher local, ssh and mpi; with --launcher ray "
+                     "give --ray-worker-gpus (Ray sets CUDA_VISIBLE_DEVICES itself)")
+    clash = [name for name in GPU_NAMES if name in worker_env]
+    if clash:
+        parser.error(f"--gpus-per-worker sets {', '.join(clash)} for each worker; do not give it with --env")

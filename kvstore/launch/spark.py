@@ -34,7 +34,8 @@ from typing import Any
 from pyspark import RDD, SparkContext
 
 from kvstore import config as kvconfig
-from kvstore.errors import SparkJobFailed
+from kvstore.errors import ConfigError, SparkJobFailed
+from kvstore.launch.gpus import GPU_NAMES
 from kvstore.launch.spark_plan import (
     Layout,
     check_env,
@@ -115,7 +116,7 @@ _JOB_PROPERTIES = ("spark.jobGroup.id", "spark.job.description", "spark.job.inte
 
 def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_servers: int, *,
         data: Any = None, args: tuple = (), env: Mapping[str, str] | None = None,
-        slot_timeout: float = 60.0) -> list:
+        slot_timeout: float = 60.0, worker_gpus: int | None = None) -> list:
     """Run ``train_fn`` on ``num_workers`` workers of a kvstore cluster inside one Spark barrier job.
 
     The job has ``1 + num_servers + num_workers`` tasks, all running at once: the scheduler, the
@@ -128,22 +129,32 @@ def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_se
     after ``train_fn`` returns if it did not close it.  ``env`` is added to every role's environment
     and the workers' environment (its ``KVSTORE_SECRET``, if any, replaces the fresh random secret
     of each run).  ``train_fn``, ``args`` and the secret travel in the job's pickled task closure.
+    ``worker_gpus=N`` gives each worker N GPUs (``CUDA_VISIBLE_DEVICES``: of those Spark assigned its
+    task when Spark schedules GPUs, else its share of its host's) and torchrun's ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; servers and the scheduler then get
+    ``CUDA_VISIBLE_DEVICES=""`` (docs/spark.md).
 
     Returns the workers' return values, by rank.  Raises :class:`NotEnoughSlotsError` before any job
     starts when Spark cannot run every task at once (off local masters after waiting ``slot_timeout``
-    seconds for executors); ConfigError for a bad ``env``; TypeError for bad ``sc_or_spark`` or
-    ``data``; :class:`SparkJobFailed` (the Spark error chained) when a worker raises, a role exits
-    non-zero or Spark aborts the job, after Spark has ended every task of the job (and with their
-    Python workers the tethered roles, which stop within ``KVSTORE_SHUTDOWN_TIMEOUT``).
+    seconds for executors); ConfigError for a bad ``env`` or a negative ``worker_gpus``; TypeError for
+    bad ``sc_or_spark`` or ``data``; :class:`SparkJobFailed` (the Spark error chained) when a worker
+    raises (or has too few GPUs), a role exits non-zero or Spark aborts the job, after Spark has ended
+    every task of the job (and with their Python workers the tethered roles, which stop within
+    ``KVSTORE_SHUTDOWN_TIMEOUT``).
     """
     sc = _spark_context(sc_or_spark)
     layout = Layout(num_servers, num_workers)
     extra = check_env(env)
+    if worker_gpus is not None and (not isinstance(worker_gpus, int) or worker_gpus < 0):
+        raise ConfigError(f"worker_gpus={worker_gpus!r} must be an int >= 0 (or None)")
+    clash = [name for name in GPU_NAMES if name in extra and worker_gpus is not None]
+    if clash:
+        raise ConfigError(f"worker_gpus sets {', '.join(clash)} for each worker; do not give it in env")
     secret = extra.pop("KVSTORE_SECRET", None) or secrets.token_hex(32)
     shutdown_timeout = kvconfig.load(extra).shutdown_timeout
     _wait_for_slots(sc, layout, slot_timeout)
     rdd, keyed = _input_rdd(sc, data, layout)
-    job = JobSpec(layout, secret, extra, train_fn, tuple(args), keyed)
+    job = JobSpec(layout, secret, extra, train_fn, tuple(args), keyed, worker_gpus)
     pairs = _run_barrier_job(sc, rdd, job, shutdown_timeout)
     return [value for _, value in sorted(pairs, key=lambda pair: pair[0])]
 

@@ -30,8 +30,8 @@ from pyspark import BarrierTaskContext
 
 from kvstore import config as kvconfig
 from kvstore.client.process import release_process_store
-from kvstore.errors import KVStoreError, TaskFailed
-from kvstore.launch import tether
+from kvstore.errors import ConfigError, KVStoreError, TaskFailed
+from kvstore.launch import gpus, tether
 from kvstore.launch.roleprocess import RoleProcess, RoleSpec
 from kvstore.launch.spark_plan import SCHEDULER_PARTITION, Layout, role_env
 from kvstore.net import address
@@ -50,6 +50,7 @@ class JobSpec:
     train_fn: Callable[..., Any]
     args: tuple
     keyed: bool  # records arrive as (partition, record) pairs from the routing shuffle
+    worker_gpus: int | None = None  # GPUs per worker (kvstore.launch.gpus); None: no GPU variables
 
 
 class _Output:
@@ -149,7 +150,7 @@ def _role_task(job: JobSpec, ctx: BarrierTaskContext, role: str, rank: int | Non
                 port_file = os.path.join(workdir, "scheduler.port")
                 env = role_env(role, None, job.layout, root_host=host, root_port=0, secret=job.secret,
                                node_host=host, extra=job.env)
-                env["KVSTORE_PORT_FILE"] = port_file
+                env.update(KVSTORE_PORT_FILE=port_file, **_no_gpu(job))
                 proc = _start_role(role, rank, [sys.executable, "-m", "kvstore.scheduler"], env, grace)
                 try:
                     port = _wait_port(proc, port_file, settings.connect_timeout)
@@ -164,6 +165,7 @@ def _role_task(job: JobSpec, ctx: BarrierTaskContext, role: str, rank: int | Non
             address = json.loads(root)
             env = role_env(role, rank, job.layout, root_host=address["host"], root_port=address["port"],
                            secret=job.secret, node_host=host, extra=job.env)
+            env.update(_no_gpu(job))
             proc = _start_role(role, rank, [sys.executable, "-m", "kvstore.server"], env, grace)
         reports = _await_workers(ctx, proc)
         if not any(report["joined"] for report in reports):
@@ -182,12 +184,14 @@ def _role_task(job: JobSpec, ctx: BarrierTaskContext, role: str, rank: int | Non
 
 def _worker_task(job: JobSpec, ctx: BarrierTaskContext, rank: int, host: str, records: Iterator) -> list:
     """Call train_fn with this rank's environment; leave the cluster whatever it did."""
+    gpu_env = _worker_gpus(job, ctx, rank)  # too few GPUs: fails before the first barrier
     root = ctx.allGather("")[SCHEDULER_PARTITION]
     if not root:
         return []  # the scheduler task failed; its error is the job's
     address = json.loads(root)
     env = role_env("worker", rank, job.layout, root_host=address["host"], root_port=address["port"],
                    secret=job.secret, node_host=host, extra=job.env)
+    env.update(gpu_env)
     data = (record for _, record in records) if job.keyed else iter(())
     try:
         release_process_store("its cluster is gone")  # left by an earlier task of this Python worker
@@ -209,6 +213,31 @@ def _worker_task(job: JobSpec, ctx: BarrierTaskContext, rank: int, host: str, re
                              f"{type(exc).__name__}: {exc}") from exc
     ctx.allGather(json.dumps({"rank": rank, "joined": joined}))
     return [(rank, result)]
+
+
+def _no_gpu(job: JobSpec) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES=""`` for the scheduler and servers when ``worker_gpus`` is given."""
+    return dict(gpus.NO_GPU) if job.worker_gpus is not None else {}
+
+
+def _worker_gpus(job: JobSpec, ctx: BarrierTaskContext, rank: int) -> dict[str, str]:
+    """Worker ``rank``'s GPU variables (:mod:`kvstore.launch.gpus`) when ``worker_gpus`` is given: from
+    the GPU addresses Spark gave the task if it schedules GPUs, else the executor host's count (run()'s
+    ``env`` over the executor's environment: its ``KVSTORE_HOST_GPUS`` counts); local
+    ranks count the worker tasks on the same host.  Raises TaskFailed when there are too few GPUs."""
+    if job.worker_gpus is None:
+        return {}
+    infos = ctx.getTaskInfos()
+    layout = job.layout
+    hosts = [infos[layout.worker_partition(r)].address.rpartition(":")[0] for r in range(layout.num_workers)]
+    local, size = gpus.local_ranks(hosts)[rank]
+    resource = ctx.resources().get("gpu")
+    assigned = list(resource.addresses) if resource is not None and resource.addresses else None
+    try:
+        host = [] if assigned is not None else gpus.host_devices(kvconfig.child_environ(job.env))[0]
+        return gpus.task_share(rank, layout.num_workers, local, size, assigned, host, job.worker_gpus)
+    except ConfigError as exc:
+        raise TaskFailed(f"worker {rank} on {hosts[rank]}: {exc}") from None
 
 
 def run_task(job: JobSpec, records: Iterator) -> list:

@@ -100,6 +100,14 @@ def environment(_) -> tuple[int, dict]:
                                                              "KVSTORE_BIGARRAY_BOUND") if name in os.environ}
 
 
+def gpu_names(records) -> dict:
+    """The GPU variables run(worker_gpus=...) gave this worker, after joining the cluster."""
+    kv = kvstore.create("dist_sync")
+    kv.barrier()
+    return {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE",
+                                                    "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
+
+
 def seen_ids(records) -> list[int]:
     """Only reads its share (never joins the cluster)."""
     return [row["id"] for row in records]
@@ -169,6 +177,20 @@ def test_runs_again_in_reused_python_workers(spark):
     """Another cluster, of another mode, in the Python workers Spark reuses: run() forgot the last
     run's closed store (create() would refuse a second store or a second mode in one process)."""
     assert kvspark.run(spark, join_only, 2, 1, args=("dist_async",), env=QUIET) == [0, 1]
+
+
+def test_worker_gpus_gives_each_worker_its_share_and_torchrun_names(spark):
+    """worker_gpus=1 on an executor host said to have 2 GPUs (KVSTORE_HOST_GPUS, Spark schedules no
+    GPUs here): worker i gets GPU i and LOCAL_RANK i; with too few GPUs the job fails saying so."""
+    env = {**QUIET, "KVSTORE_HOST_GPUS": "2"}
+    results = kvspark.run(spark, gpu_names, 2, 1, env=env, worker_gpus=1)
+    assert results == [{"CUDA_VISIBLE_DEVICES": str(r), "RANK": str(r), "WORLD_SIZE": "2",
+                        "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": None} for r in range(2)]
+    too_few = r"worker_gpus=2: 2 worker\(s\) on one host need 4 GPU\(s\), and it has 2"
+    with pytest.raises(SparkJobFailed, match=too_few):
+        kvspark.run(spark, never_called, 2, 1, env=env, worker_gpus=2)
+    with pytest.raises(kvstore.errors.ConfigError, match="CUDA_VISIBLE_DEVICES"):
+        kvspark.run(spark, never_called, 2, 1, env={"CUDA_VISIBLE_DEVICES": "0"}, worker_gpus=1)
 
 
 def test_dataframe_rows_reach_each_worker_once(spark):

@@ -61,7 +61,7 @@ def test_node_help_with_or_without_dmlc_role(role: str | None, flag: str) -> Non
     """``python -m kvstore.node --help`` prints the usage and exits 0, whatever DMLC_ROLE says."""
     out = _run([sys.executable, "-m", "kvstore.node", flag], **({"DMLC_ROLE": role} if role else {}))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: python -m kvstore.node [-h] CMD [ARGS ...]")
+    assert out.stdout.startswith("usage: python -m kvstore.node [-h] [--gpus-per-worker N] CMD [ARGS ...]")
     assert "DMLC_ROLE" in out.stdout and out.stderr == ""
 
 
@@ -69,7 +69,7 @@ def test_kvstore_node_console_script_names_itself() -> None:
     """Run as the kvstore-node console script, the help says kvstore-node."""
     out = _run(_as("/usr/local/bin/kvstore-node", "kvstore.node", ["--help"]), DMLC_ROLE="worker")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: kvstore-node [-h] CMD [ARGS ...]")
+    assert out.stdout.startswith("usage: kvstore-node [-h] [--gpus-per-worker N] CMD [ARGS ...]")
 
 
 def test_a_worker_commands_own_help_passes_through() -> None:

@@ -123,7 +123,7 @@ def test_publish_port_reports_a_failed_fork(monkeypatch, tmp_path, failing_fork)
 
 def test_node_main_reports_an_os_error_in_one_line(monkeypatch, capsys):
     """An OSError out of the derivation (a fork refused) is one kvstore.node line and exit 1."""
-    def refuse(argv: list[str], env: dict[str, str]) -> int:
+    def refuse(argv: list[str], env: dict[str, str], gpus_per_worker: int | None = None) -> int:
         raise OSError("cannot fork the helper that publishes the scheduler's port in torchrun's store")
 
     monkeypatch.setattr(kvconfig, "child_environ", lambda extra: {})

@@ -136,9 +136,9 @@ def test_mxnet_launchers_we_lack_are_refused_naming_what_to_use(
 
 
 def test_help_lists_only_the_launchers_we_have(capsys: pytest.CaptureFixture[str]) -> None:
-    """--help exits 0, names the program as given, and offers local, ssh and ray only."""
+    """--help exits 0, names the program as given, and offers local, ssh, mpi and ray only."""
     with pytest.raises(SystemExit) as info:
         parse_args(["--help"], prog="kvstore-launch")
     out = capsys.readouterr().out
     assert info.value.code == 0 and out.startswith("usage: kvstore-launch ")
-    assert "{local,ssh,ray}" in out and "sge" not in out
+    assert "{local,ssh,mpi,ray}" in out and "sge" not in out
