@@ -29,6 +29,7 @@ setup(
         "spark": ["pyspark>=3.5"],  # kvstore.spark (needs Java 17 on the machine)
     },
     entry_points={"console_scripts": ["kvstore-launch=kvstore.launch.cli:main",
-                                      "kvstore-node=kvstore.node:main"]},
+                                      "kvstore-node=kvstore.node:main",
+                                      "kvstore-status=kvstore.status:main"]},
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
 )

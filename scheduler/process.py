@@ -11,16 +11,19 @@ workers are gone.  A worker that leaves (LEAVE) stops counting toward barriers
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 
 from kvstore import config as kvconfig
+from kvstore.core import stats as kvstats
 from kvstore.errors import (
     AuthenticationError,
     DeadlineExceededError,
     KVStoreError,
     NodeLostError,
     ProtocolError,
+    StallError,
 )
 from kvstore.launch.portfile import write as write_port_file
 from kvstore.net import address, transport
@@ -30,6 +33,7 @@ from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
 from kvstore.net.router import RouterService
 
+from .observe import SchedulerStats, node_rows, scheduler_snapshot
 from .state import Barrier, Liveness, Node, Rendezvous
 
 log = logging.getLogger("scheduler")
@@ -63,7 +67,14 @@ class Scheduler:
         self.service.handlers = {Op.HELLO: self._on_hello, Op.REGISTER: self._on_register,
                                  Op.BARRIER: self._on_barrier,
                                  Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
-                                 Op.HEARTBEAT: self._on_heartbeat}
+                                 Op.HEARTBEAT: self._on_heartbeat, Op.STATUS: self._on_status}
+        # kvstore.status holds the secret, not the session: its STATUS is answered after the map too
+        self.service.late_handlers = {Op.STATUS: lambda msg: Message(Op.OK, self.status_body())}
+        self.stats = SchedulerStats(time.monotonic(), time.time())
+        self.mode: str | None = None  # the cluster's, once the map is out
+        self.map_at: float | None = None  # when the map went out (monotonic)
+        self._refusals_logged: set[tuple[str, int]] = set()  # nodes whose bad snapshot was logged
+        self.stalled: set[int] = set()  # workers whose barrier KVSTORE_STALL_ABORT failed (not released)
         self.liveness = Liveness(cfg.heartbeat_timeout)
         self.hosts: dict[tuple[str, int], str] = {}  # (role, rank) -> host
         self.lost: list[list] = []  # [role, rank, host, why] of every node declared lost
@@ -92,6 +103,8 @@ class Scheduler:
         if self.map_sent:
             raise ProtocolError("the cluster is already complete; late registrations are refused")
         self.rendezvous.register(node)
+        self.stats.joins += 1
+        self.stats.did("register", time.time())
         log.info("%s registered from %s (%s)", node.role, node.host, self.rendezvous.progress())
         if self.rendezvous.complete:
             self._send_map()
@@ -104,6 +117,7 @@ class Scheduler:
             return
         ranked = self.rendezvous.ranked()
         self.servers = ranked["server"]
+        self.mode, self.map_at = mode, time.monotonic()
         body = {"num_workers": self.cfg.num_workers, "num_servers": self.cfg.num_servers,
                 "servers": [[n.host, n.port] for n in self.servers], "mode": mode,
                 "seed": secrets.randbits(63), "session": self.session,
@@ -141,8 +155,11 @@ class Scheduler:
 
     def _on_barrier(self, identity: bytes, msg: Message) -> None:
         rank = self._worker_rank(identity)
+        self.stats.did("barrier", time.time())
         if msg.body.get("cancel"):
-            released = not self.barrier.cancel(rank)
+            released = not self.barrier.cancel(rank) and rank not in self.stalled
+            self.stalled.discard(rank)  # its withdrawal after a StallError: it did not pass
+            self.stats.depart([rank], time.monotonic())
             self.service.reply(identity, Message(Op.OK, {"released": released}, seq=msg.seq))
             return
         if self.lost:
@@ -153,10 +170,14 @@ class Scheduler:
         if failure is not None and not (isinstance(failure, dict) and all(
                 isinstance(failure.get(f), str) for f in ("code", "message"))):
             raise ProtocolError('a barrier\'s failure must be {"code": str, "message": str}')
+        self.stalled.discard(rank)
+        self.stats.arrive(rank, time.monotonic())
         self._release(self.barrier.arrive(rank, identity, msg.seq, failure))
 
     def _release(self, released: list[tuple[bytes, int]]) -> None:
         """Answer released barrier waiters: the failures reported at it, and who has left."""
+        if released:
+            self.stats.released(time.monotonic())
         body = {"failures": [[r, text] for r, text in sorted(self.barrier.released_failures.items())],
                 "left": sorted(self.left)}
         for ident, seq in released:
@@ -175,15 +196,83 @@ class Scheduler:
             return
         self.left.add(rank)
         self.liveness.forget("worker", rank)
+        self.stats.did("leave", time.time())
         log.info("worker %d left (%d/%d)", rank, len(self.left), self.cfg.num_workers)
-        self._release(self.barrier.leave(rank))  # the others no longer wait for it
+        released = self.barrier.leave(rank)
+        self.stats.depart([rank], time.monotonic())
+        self._release(released)  # the others no longer wait for it
 
     def _on_heartbeat(self, identity: bytes, msg: Message) -> None:
         role, rank = msg.body.get("role"), msg.body.get("rank")
         if role not in ("worker", "server") or not isinstance(rank, int) or isinstance(rank, bool):
             raise ProtocolError('a heartbeat needs {"role": "worker" | "server", "rank": int}')
-        self.liveness.beat(role, rank, time.monotonic())
+        now = time.monotonic()
+        self.liveness.beat(role, rank, now)
+        known = (role, rank) in self.hosts
+        refused = self.stats.heartbeat(role, rank, msg.body.get("stats"), known, now)
+        if refused is not None and known and (role, rank) not in self._refusals_logged:
+            self._refusals_logged.add((role, rank))  # once per node: a bad snapshot is not news twice
+            log.warning("ignoring the stats in %s %d's heartbeats: %s", role, rank, refused[:300])
         self.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=msg.seq))
+
+    def _on_status(self, identity: bytes, msg: Message) -> None:
+        self.service.reply(identity, Message(Op.OK, self.status_body(), seq=msg.seq))
+
+    def status_body(self) -> dict:
+        """The STATUS reply: the cluster, every node's latest snapshot and the scheduler's own."""
+        now = time.monotonic()
+        registered = {role: len(group) for role, group in self.rendezvous.nodes.items()}
+        cluster = {"mode": self.mode, "num_workers": self.cfg.num_workers,
+                   "num_servers": self.cfg.num_servers, "complete": self.map_sent,
+                   "registered": registered, "failed": self.failed,
+                   "session_age_s": None if self.map_at is None else now - self.map_at}
+        own = self.snapshot(now)
+        budget = max(0, kvstats.MAX_SNAPSHOT_BYTES * 12 - 256 * len(own["nodes"]))
+        return {"schema": kvstats.SCHEMA_VERSION, "cluster": cluster,
+                "nodes": self.stats.node_snapshots(budget), "scheduler": own}
+
+    def snapshot(self, now: float) -> dict:
+        """The scheduler's own snapshot (docs/observability.md)."""
+        wall = time.time()
+        base = kvstats.node_snapshot("scheduler", 0, self.cfg.root_uri or "", os.getpid(),
+                                     self.stats.started_wall, wall, self.stats.last_op,
+                                     self.stats.last_op_at)
+        if self.map_sent:
+            nodes = [(role, rank, host) for (role, rank), host in sorted(self.hosts.items())]
+        else:
+            nodes = [(n.role, None, n.host) for group in self.rendezvous.nodes.values() for n in group]
+        lost = {(role, rank) for role, rank, _, _ in self.lost}
+        return scheduler_snapshot(self.stats, base, node_rows(nodes, self.stats, self.left, lost, now),
+                                  now)
+
+    def check_stall(self, now: float) -> None:
+        """Log once when the open barrier has waited past KVSTORE_STALL_WARN, naming whom it waits for;
+        past KVSTORE_STALL_ABORT, fail it for the waiting workers with :class:`StallError`."""
+        open_s = self.stats.open_for(now)
+        if open_s is None:
+            return
+        abort = self.cfg.stall_abort
+        if abort is not None and open_s > abort:
+            late = self._late_workers()
+            exc = StallError(f"the barrier waited {open_s:.1f} s for {late} (KVSTORE_STALL_ABORT="
+                             f"{abort:g}): failing it for the workers waiting in it")
+            log.error("%s", exc)
+            self.stalled.update(self.barrier.waiting)
+            for ident, seq in self.barrier.drain():
+                self.service.reply_error(ident, seq, exc)
+            self.stats.depart(None, now)
+        elif open_s > self.cfg.stall_warn and not self.stats.warned:
+            self.stats.warned = True
+            log.warning("a barrier has waited %.1f s for %s; workers %s are in it (KVSTORE_STALL_WARN=%g)",
+                        open_s, self._late_workers(), sorted(self.stats.arrived), self.cfg.stall_warn)
+
+    def _late_workers(self) -> str:
+        """'worker 1 (last op push 3.2 s ago), ...': the workers the open barrier still waits for."""
+        gone = self.left | {rank for role, rank, _, _ in self.lost if role == "worker"}
+        late = [r for r in range(self.cfg.num_workers) if r not in self.barrier.waiting and r not in gone]
+        wall = time.time()
+        return ", ".join(f"worker {r} ({self.stats.describe_last('worker', r, wall)})"
+                         for r in late) or "no worker"
 
     def _lost_error(self) -> NodeLostError:
         return lost_error(self.lost[0])
@@ -206,9 +295,11 @@ class Scheduler:
         host = self.hosts.get((role, rank), "?")
         self.liveness.forget(role, rank)
         self.lost.append([role, rank, host, why])
+        self.stats.losses += 1
         log.error("%s %d on %s is lost: %s", role, rank, host, why)
         for ident, seq in self.barrier.drain():
             self.service.reply_error(ident, seq, self._lost_error())
+        self.stats.depart(None, time.monotonic())
 
     def _workers_gone(self) -> int:
         return len(self.left | {rank for role, rank, _, _ in self.lost if role == "worker"})
@@ -239,6 +330,7 @@ class Scheduler:
             if self.service.poll_once(tick):
                 self.service.drain()  # heartbeats queued behind a slow message count before the check
             self.check_liveness(time.monotonic())
+            self.check_stall(time.monotonic())
         code = self._stop_servers()
         if self.lost:
             names = ", ".join(f"{role} {rank} on {host}" for role, rank, host, _ in self.lost)

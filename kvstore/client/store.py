@@ -21,6 +21,7 @@ from kvstore import config as kvconfig
 from kvstore import logs
 from kvstore.base import Group, KVStore, public
 from kvstore.client.collective import CollectiveCalls, StoreLink
+from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
 from kvstore.client.window import PushWindow
 from kvstore.core import values as V
@@ -114,7 +115,9 @@ class DistKVStore(KVStore):
             request_all=self._request_all, pieces=self._pieces, metas=self._metas,
             pull=lambda keys: self._pull(keys, 0), servers=self._servers, resume=cfg.resume,
             chunk_bytes=self._chunk_bytes))
-        self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost)
+        self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
+        self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,
+                                    stats=self._snapshot)
         self._heartbeat.start()
         log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
 
@@ -163,6 +166,8 @@ class DistKVStore(KVStore):
         keys = f"key {first!r}" + (f" and {more} more" if more else "")
         what = f"{op.name.lower()} of {keys} to server {send.server} ({self._servers[send.server]})"
         body = init_body(send) if op is Op.INIT else send.body()
+        if array is not None:
+            self._meter.sent(array.nbytes)
         return self._io.submit(send.server, Message(op, body, [] if array is None else [array]), what)
 
     def _wait(self, requests: list[Request], timeout: float, knob: str) -> list[Message]:
@@ -170,18 +175,20 @@ class DistKVStore(KVStore):
         results = []
         for request in requests:
             try:
-                results.append(self._io.wait(request, max(0.0, deadline - time.monotonic())))
+                results.append(reply := self._io.wait(request, max(0.0, deadline - time.monotonic())))
+                if reply.arrays:
+                    self._meter.received(sum(a.nbytes for a in reply.arrays))
+            except KVStoreError as exc:  # first: a reply's error may be a TimeoutError too
+                if isinstance(exc, NodeLostError) and exc.role is not None and self._lost is None:
+                    self._on_lost(exc)
+                log.debug("%s failed inside kvstore", request.what, exc_info=exc)
+                raise from_cluster(exc) from None  # the user's traceback: their call and the error
             except FutureTimeout:
                 data = request.what.startswith(("push", "pull"))
                 hint = (" (in dist_sync a push is acknowledged, and a pull answered, only once "
                         "every worker has pushed that key)" if self._mode == "dist_sync" and data else "")
                 raise from_cluster(DeadlineExceededError(f"{request.what}: no reply after {timeout:g} s "
                                                          f"({knob}){hint}")) from None
-            except KVStoreError as exc:  # a reply's error, or a lost peer (e.g. a barrier that failed)
-                if isinstance(exc, NodeLostError) and exc.role is not None and self._lost is None:
-                    self._on_lost(exc)
-                log.debug("%s failed inside kvstore", request.what, exc_info=exc)
-                raise from_cluster(exc) from None  # the user's traceback: their call and the error
         return results
 
     def _raise_push_failures(self, keys: list[Key] | None = None) -> None:
@@ -189,6 +196,19 @@ class DistKVStore(KVStore):
         error = self._window.take_failure(keys)
         if error is not None:
             raise from_cluster(error)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return self._meter.snapshot(self._window.blocked_seconds)
+
+    @public
+    def stats(self, cluster: bool = False) -> dict[str, Any]:
+        """This worker's counters (docs/observability.md, schema 1); with ``cluster``, the scheduler's
+        STATUS reply: every node's latest snapshot.  Raises what a request raises."""
+        self._check_open()
+        if not cluster:
+            return self._snapshot()
+        request = self._io.submit(SCHEDULER, Message(Op.STATUS, {}), "status request to the scheduler")
+        return self._request_all([request])[0].body
 
     # -- primitives -------------------------------------------------------------------------------
     def _request_all(self, requests: list[Request]) -> list[Message]:
@@ -256,7 +276,8 @@ class DistKVStore(KVStore):
                 requests = [self._submit(Op.INIT, s, pack(s, flats)) for s in sends]
             self._request_all(requests)
 
-        self._collective(f"init of {len(items)} key(s)", send_all)
+        with self._meter.op("init"):
+            self._collective(f"init of {len(items)} key(s)", send_all)
 
     def _initialised(self, keys: list[Key]) -> None:
         with self._lock:
@@ -286,7 +307,8 @@ class DistKVStore(KVStore):
         return found
 
     def _push(self, groups: list[Group], priority: int) -> None:
-        self._send_groups(Op.PUSH, groups)  # priority is accepted for MXNet scripts; sends keep call order
+        with self._meter.op("push"):  # priority is accepted for MXNet scripts; sends keep call order
+            self._send_groups(Op.PUSH, groups)
 
     def _send_groups(self, op: Op, groups: list[Group]) -> tuple[list[Key], list[Send], list[Request]]:
         """Sum every group (all before anything is sent), then send the call's PUSH or PUSHPULL
@@ -336,22 +358,28 @@ class DistKVStore(KVStore):
         """Wait for the replies to ``sends`` and assemble each key's value from its parts
         (``plan.collect``): a key whose out is one C-contiguous numpy array gets None, its out written.
         """
-        replies = self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+        with self._meter.blocked("pull"):
+            replies = self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
         self._raise_push_failures(keys)
         targets = None if outs is None else [o[0] if len(o) == 1 else None for o in outs]
         return collect(keys, [self._meta[k] for k in keys], sends, [r.arrays for r in replies], targets)
 
     def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
+        with self._meter.op("pull"):
+            return self._pull_keys(keys, outs)
+
+    def _pull_keys(self, keys: list[Key], outs: list[list[Any]] | None = None) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
         if len(unique) != len(keys):
-            found = dict(zip(unique, self._pull(unique, priority)))
+            found = dict(zip(unique, self._pull_keys(unique)))
             return [found[k] for k in keys]
         sends, _ = self._plan(keys, chunked=False)
         return self._collect(keys, sends, [self._submit(Op.PULL, s, None) for s in sends], outs)
 
     def _pushpull(self, groups: list[Group], priority: int,
                   outs: list[list[Any]] | None = None) -> list[Any]:
-        return self._collect(*self._send_groups(Op.PUSHPULL, groups), outs)
+        with self._meter.op("pushpull"):
+            return self._collect(*self._send_groups(Op.PUSHPULL, groups), outs)
 
     def _flush(self, timeout: float, knob: str) -> None:
         requests = self._window.outstanding()
@@ -406,6 +434,10 @@ class DistKVStore(KVStore):
         workers are not left waiting), or :class:`DeadlineExceededError`.
         """
         self._check_open()
+        with self._meter.op("barrier"), self._meter.blocked("barrier"):
+            self._barrier_after_pushes()
+
+    def _barrier_after_pushes(self) -> None:
         error: KVStoreError | None = None
         try:
             self._flush(self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")

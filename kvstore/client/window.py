@@ -82,14 +82,14 @@ class PushWindow:
         for request in requests:
             try:
                 wait(request, max(0.0, deadline - time.monotonic()))
+            except KVStoreError:  # first: a reply's error may be a TimeoutError too
+                pass  # a refused push: the key's next call raises it (the store's failures)
             except FutureTimeout:
                 raise DeadlineExceededError(
                     f"push of key {key!r}: {self.size} earlier pushes of it are still not acknowledged "
                     f"(KVSTORE_PUSH_WINDOW={self.size}) after the request deadline "
                     "(KVSTORE_REQUEST_TIMEOUT); in dist_sync a push is acknowledged once every worker "
                     "has pushed that key") from None
-            except KVStoreError:
-                pass  # a refused push: the key's next call raises it (the store's failures)
 
     def add(self, held: dict[Key, list[Any]], failures: bool = True) -> None:
         """Record one push of each key of ``held`` (key -> the requests carrying its parts); with

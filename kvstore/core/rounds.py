@@ -38,9 +38,10 @@ class Part:
 class Round:
     """One dist_sync round of one key: its accumulator and who contributed what."""
 
-    __slots__ = ("acc", "owned", "parts", "tokens", "covered", "complete", "nheld", "ranks")
+    __slots__ = ("acc", "owned", "parts", "tokens", "covered", "complete", "nheld", "ranks", "opened",
+                 "last")
 
-    def __init__(self, ranks: list[int]) -> None:
+    def __init__(self, ranks: list[int], opened: float = 0.0) -> None:
         self.acc: np.ndarray | None = None  # the running sum (over the parts added so far)
         self.owned = False                  # False: acc is a pushed array itself, never written to
         self.parts: dict[int, Part] = {}    # lo -> part
@@ -49,6 +50,8 @@ class Round:
         self.complete: set[int] = set()     # contributors whose contribution covers [0, size)
         self.nheld = 0                      # chunks held over all parts
         self.ranks = ranks                  # sorted ranks expected: active workers + contributors
+        self.opened = opened                # when its first chunk arrived (the shard's clock)
+        self.last = -1                      # the worker whose contribution completed last (-1: none)
 
     def held_bytes(self) -> int:
         """Bytes this round holds: its accumulator (maybe a pushed array) and the chunks it holds."""
@@ -84,6 +87,7 @@ class Round:
         complete = hi == size
         if complete:
             self.complete.add(worker)
+            self.last = worker
         part = self.parts.get(lo)
         if part is None:
             part = self.parts[lo] = Part(hi)

@@ -50,6 +50,7 @@ every update stores a new array, so a reply may be sent without copying.
 from __future__ import annotations
 
 import operator
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -107,9 +108,12 @@ class ShardState:
     """The keys (or key slices) held by one server, and their open rounds."""
 
     def __init__(self, num_workers: int, sync: bool, updater: Updater | None = None,
-                 ordered: bool = True, window: int = 0) -> None:
+                 ordered: bool = True, window: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.num_workers = num_workers
         self.window = window  # unapplied contributions per worker and key (0: no limit)
+        self.clock = clock    # stamps a round's opening (its wait is reported when it closes)
+        self.on_close: Callable[[Key, float, int], None] | None = None  # (key, waited s, last worker)
         self.active = set(range(num_workers))  # workers that have not left
         self._ranks = sorted(self.active)       # the same, sorted: what a new round expects
         self.sync = sync
@@ -139,6 +143,26 @@ class ShardState:
         for table in (self._staged_inits, self._staged_states):
             total += sum(buf.nbytes for staged in table.values() for buf in staged.bufs)
         return total
+
+    def open_rounds(self) -> int:
+        """The number of dist_sync rounds open over every key."""
+        return sum(len(state.rounds) for state in self._keys.values())
+
+    def stalled(self, older_than: float) -> list[tuple[Key, float, list[int]]]:
+        """``(key, seconds open, workers it waits for)`` of each key whose oldest round has been open
+        longer than ``older_than`` seconds."""
+        now, found = self.clock(), []
+        for key, state in self._keys.items():
+            if state.rounds and now - state.rounds[0].opened > older_than:
+                rnd = state.rounds[0]
+                found.append((key, now - rnd.opened, sorted(self.active - rnd.complete)))
+        return found
+
+    def drop_waiting_pulls(self, key: Key) -> list[Any]:
+        """Forget the pulls of ``key`` waiting for a round (a stall aborts them); return their tokens."""
+        state = self._get(key)
+        tokens, state.waiting_pulls = [entry[0] for entry in state.waiting_pulls], []
+        return tokens
 
     def value(self, key: Key) -> np.ndarray:
         """Return the stored value of ``key``; raise :class:`KeyNotInitializedError` if absent."""
@@ -364,7 +388,7 @@ class ShardState:
         number = state.next_round.get(worker, state.base)
         i = number - state.base
         if i == len(state.rounds):
-            state.rounds.append(Round(self._ranks))
+            state.rounds.append(Round(self._ranks, self.clock()))
         if state.rounds[i].contribute(token, worker, value, lo, hi, size, self.ordered, self.active):
             state.next_round[worker] = number + 1
         return self._close_rounds(state, key) if i == 0 else []
@@ -396,6 +420,8 @@ class ShardState:
             rnd = rounds.popleft()
             state.base += 1
             self._apply(state, key, rnd.total(state.value.size), rnd.covered)
+            if self.on_close is not None:
+                self.on_close(key, self.clock() - rnd.opened, rnd.last)
             for tokens in rnd.tokens.values():
                 done.extend(_acks(tokens))
         return done + self._release_pulls(state)

@@ -7,7 +7,9 @@ replies.  A reply lists the nodes the scheduler has declared lost; with
 does not take this node for lost too).  When no reply has come for
 ``KVSTORE_HEARTBEAT_TIMEOUT``, the scheduler itself is reported lost the same
 way and the thread ends.  It never raises or exits the process: what to do is
-the callback's business.
+the callback's business.  With ``stats``, each beat carries the node's snapshot
+(``{"stats": stats()}``, docs/observability.md); a snapshot that fails to build or to
+fit a message is left out of that beat (logged once), never the beat itself.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ class Heartbeat(threading.Thread):
     """Beats for ``(role, rank)`` until :meth:`stop`, or until it reports a loss."""
 
     def __init__(self, cfg: kvconfig.Config, role: str, rank: int, session: bytes,
-                 on_lost: Callable[[NodeLostError], None], report_peers: bool = True) -> None:
+                 on_lost: Callable[[NodeLostError], None], report_peers: bool = True,
+                 stats: Callable[[], dict] | None = None) -> None:
         super().__init__(name=f"kvstore-heartbeat-{role}{rank}", daemon=True)
         self.cfg, self.role, self.rank, self.on_lost = cfg, role, rank, on_lost
-        self.report_peers = report_peers
+        self.report_peers, self.stats = report_peers, stats
+        self._stats_failed = False  # a failing snapshot is logged once
         self.channel = channel_for(cfg, new_label(f"{role}{rank}-heartbeat"))
         self.channel.set_session(session)
         self._stop_event = threading.Event()
@@ -65,8 +69,7 @@ class Heartbeat(threading.Thread):
         heard = time.monotonic()
         try:
             while not self._stop_event.is_set():
-                beat = Message(Op.HEARTBEAT, {"role": self.role, "rank": self.rank}, sender=self.rank)
-                transport.send(sock, self.channel.seal(beat, "scheduler"))
+                transport.send(sock, self._beat())
                 deadline = time.monotonic() + interval
                 while (left := deadline - time.monotonic()) > 0 and not self._stop_event.is_set():
                     if not sock.poll(int(min(left, 0.1) * 1000) + 1):  # short slices: stop() is quick
@@ -89,6 +92,19 @@ class Heartbeat(threading.Thread):
                                        role="scheduler", rank=0, host=self.cfg.root_uri))
         finally:
             transport.close(sock)
+
+    def _beat(self) -> list:
+        """The sealed frames of one HEARTBEAT, with this node's snapshot when it builds and fits."""
+        body = {"role": self.role, "rank": self.rank}
+        if self.stats is not None:
+            try:
+                return self.channel.seal(Message(Op.HEARTBEAT, dict(body, stats=self.stats()),
+                                                 sender=self.rank), "scheduler")
+            except Exception as exc:  # noqa: BLE001 - a broken snapshot must not stop the beats
+                if not self._stats_failed:
+                    self._stats_failed = True
+                    log.warning("heartbeats go without this node's stats: %s", str(exc)[:300])
+        return self.channel.seal(Message(Op.HEARTBEAT, body, sender=self.rank), "scheduler")
 
     def _read(self, frames: list) -> bool:
         """Handle one reply (True if it was the scheduler's): report the first lost node it names."""

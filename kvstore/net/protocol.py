@@ -35,7 +35,7 @@ import numpy as np
 from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_HEADER_BYTES = 1 << 20
 # An array description has at most MAX_DIMS dims: numpy 1.x builds arrays of up to 32 dims, 2.x of
 # up to 64, and a wire rule must not depend on which one a node has installed (setup.py allows both).
@@ -55,7 +55,8 @@ class Op(enum.IntEnum):
     SHUTDOWN = 5   # scheduler -> server: stop serving and exit
     OK = 6         # reply: success (body and arrays depend on the request)
     ERROR = 7      # reply: {"code": error class name, "message": str}
-    HEARTBEAT = 8  # node -> scheduler: {"role", "rank"}; reply OK {"lost": [[role, rank, host, why]]}
+    HEARTBEAT = 8  # node -> scheduler: {"role", "rank", "stats"?}; reply OK {"lost": [[role, rank, ...]]}
+    STATUS = 9     # secret holder -> scheduler: {}; reply OK {"schema", "cluster", "nodes", "scheduler"}
     HELLO = 20     # node -> scheduler: {"nonce"}: asks for a registration challenge
     CHALLENGE = 21  # scheduler -> node: {"nonce" (echoed), "challenge"}: REGISTER must carry it
     # Data ops carry {"keys": [...], "sizes": [...]} (+ "lo" for a chunk of one key, kvstore.core.plan) and

@@ -25,6 +25,7 @@ from kvstore.errors import (
     DuplicateInitError,
     OptimizerError,
     ProtocolError,
+    StallError,
 )
 from kvstore.net import address, transport
 from kvstore.net.auth import channel_for, new_label
@@ -32,7 +33,8 @@ from kvstore.net.handshake import register
 from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
-from kvstore.net.router import RouterService
+from kvstore.net.router import Handler, RouterService
+from kvstore.server.meter import ServerMeter
 
 log = logging.getLogger("kvstore.server")
 MB = 1 << 20
@@ -83,13 +85,13 @@ class Server:
         self.state: ShardState | None = None
         self.optimizer: Optimizer | None = None
         self.heartbeat: Heartbeat | None = None
-        self.service.handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push,
-                                 Op.PULL: self._on_pull, Op.PUSHPULL: self._on_pushpull,
-                                 Op.OPTIMIZER_SET: self._on_optimizer_set,
-                                 Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
-                                 Op.OPTIMIZER_INFO: self._on_optimizer_info,
-                                 Op.STATE_GET: self._on_state_get, Op.STATE_SET: self._on_state_set,
-                                 Op.LEAVE: self._on_leave}
+        self.meter = ServerMeter(self.host, cfg.stall_warn, cfg.stall_abort)
+        handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push, Op.PULL: self._on_pull,
+                    Op.PUSHPULL: self._on_pushpull, Op.OPTIMIZER_SET: self._on_optimizer_set,
+                    Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
+                    Op.OPTIMIZER_INFO: self._on_optimizer_info, Op.STATE_GET: self._on_state_get,
+                    Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave}
+        self.service.handlers = {op: self._metered(op, h) for op, h in handlers.items()}
 
     def join(self) -> None:
         """Register with the scheduler and set up state from the cluster map."""
@@ -101,14 +103,30 @@ class Server:
         self.service.rank = rank
         self.service.channel.rename(f"server{rank}")  # workers address their requests to it
         self.service.channel.set_session(cmap.body["session"])
+        self.meter.rank = rank
         self.heartbeat = Heartbeat(self.cfg, "server", rank, cmap.body["session"], lambda error: None,
-                                   report_peers=False)
+                                   report_peers=False, stats=self.meter.snapshot)
         self.heartbeat.start()
         self.state = ShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync",
                                 ordered=self.cfg.sum_order == "rank",
                                 window=cmap.body.get("push_window", self.cfg.push_window))
+        self.state.on_close = self.meter.round_closed
         logs.set_identity("server", rank)
         log.info("serving on %s:%d in %s mode", self.host, self.port, cmap.body["mode"])
+
+    def _metered(self, op: Op, handler: Handler) -> Handler:
+        """``handler``, counting each request (bytes, its worker's last op) and each refusal."""
+        name = op.name.lower()
+
+        def counted(identity: bytes, msg: Message) -> None:
+            sender = msg.sender if type(msg.sender) is int else None
+            self.meter.request(sender, name, sum(a.nbytes for a in msg.arrays) if msg.arrays else 0)
+            try:
+                handler(identity, msg)
+            except Exception as exc:  # the service answers it; count it here
+                self.meter.refused(type(exc).__name__)
+                raise
+        return counted
 
     def _reply_all(self, done: list[Completion]) -> None:
         for c in done:
@@ -116,7 +134,17 @@ class Server:
             batch.values[index] = c.value
             batch.left -= 1
             if batch.left == 0:
-                self.service.reply(batch.identity, Message(Op.OK, seq=batch.seq, arrays=batch.arrays()))
+                arrays = batch.arrays()
+                if arrays:
+                    self.meter.replied(arrays[0].nbytes)
+                self.service.reply(batch.identity, Message(Op.OK, seq=batch.seq, arrays=arrays))
+
+    def _abort_pulls(self, key: object, error: StallError) -> None:
+        """Answer the requests waiting on ``key``'s stalled round with ``error`` (KVSTORE_STALL_ABORT)."""
+        batches = {id(batch): batch for batch, _ in self.state.drop_waiting_pulls(key)}
+        for batch in batches.values():
+            batch.left = -1  # its other entries may complete: it is answered already
+            self.service.reply_error(batch.identity, batch.seq, error)
 
     def _sender(self, msg: Message) -> int:
         if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
@@ -287,6 +315,7 @@ class Server:
                     self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
                 if self.scheduler in ready and self._from_scheduler():
                     return 0
+                self.meter.tick(self.state, self._abort_pulls, self.service.drops.totals)
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.stop()

@@ -134,7 +134,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.stores",),                                          # create(): the registry of stores
     ("kvstore.trainer", "kvstore.torch_optim"),                   # the torch-facing wrappers
     ("kvstore.launch",),                                          # starting clusters
-    ("kvstore", "kvstore.ray", "kvstore.spark", "kvstore.node"),  # the public surface, entry points
+    ("kvstore", "kvstore.ray", "kvstore.spark", "kvstore.node",   # the public surface, entry points
+     "kvstore.status"),
     ("kvstore.scheduler",),                                       # a program over kvstore, started by name
 ]
 LAYER_INDEX = {unit: i for i, units in enumerate(LAYERS) for unit in units}

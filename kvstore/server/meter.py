@@ -1,0 +1,119 @@
+"""A server's counters and its stall inspector (issue 21; the schema is docs/observability.md).
+
+The request loop counts bytes, refusals and each closed round's wait; once a second (:meth:`tick`)
+it copies its gauges (keys, open rounds, bytes held) and looks for sync rounds that have waited
+longer than ``KVSTORE_STALL_WARN`` (logged once per round, naming the workers it waits for and what
+each last did here) or ``KVSTORE_STALL_ABORT`` (the pulls waiting on it are answered with a
+:class:`StallError`).  The heartbeat thread reads :meth:`snapshot`: one lock guards the counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.core.partition import Key
+from kvstore.core.shard import ShardState
+from kvstore.core.stats import Counters, Histogram, node_snapshot
+from kvstore.errors import StallError
+
+log = logging.getLogger("kvstore.server")
+TICK = 1.0  # seconds between two looks at the gauges and the open rounds
+
+
+class ServerMeter:
+    """The counters of one server, and what each worker last did here."""
+
+    def __init__(self, host: str, stall_warn: float, stall_abort: float | None) -> None:
+        self.rank, self.host = -1, host
+        self.stall_warn, self.stall_abort = stall_warn, stall_abort
+        self._lock = threading.Lock()
+        self.counters = Counters(self._lock)
+        self.round_wait = Histogram(self._lock)
+        self.started = time.time()
+        self.last_round: dict[str, Any] | None = None
+        self.last_by_worker: dict[int, tuple[str, float]] = {}  # worker -> (op, unix time)
+        self._warned: dict[Any, float] = {}  # stalled key -> how long its round had waited last tick
+        self._next_tick = 0.0
+        self.dropped: dict[str, int] = {}  # refusals of the request loop (authentication, ...)
+
+    def request(self, worker: int | None, op: str, nbytes: int) -> None:
+        """Count one request of ``worker`` carrying ``nbytes`` of arrays."""
+        self.counters.add("bytes_in", nbytes)
+        if worker is not None:
+            with self._lock:
+                self.last_by_worker[worker] = (op, time.time())
+
+    def replied(self, nbytes: int) -> None:
+        """Count ``nbytes`` of arrays sent back."""
+        self.counters.add("bytes_out", nbytes)
+
+    def refused(self, reason: str) -> None:
+        """Count one request refused for ``reason`` (an error class name)."""
+        self.counters.add_label("refused", reason)
+
+    def round_closed(self, key: Key, waited: float, last: int) -> None:
+        """ShardState's report of a closed round: its wait from first to last arrival, and who came last."""
+        self.round_wait.observe(waited)
+        self.counters.add("rounds_applied")
+        if last >= 0:
+            self.counters.add_label("last_arrivals", str(last))
+        with self._lock:
+            self.last_round = {"key": str(key), "waited_s": waited, "last_worker": last}
+
+    def tick(self, state: ShardState, abort: Callable[[Key, StallError], None],
+             dropped: dict[str, int]) -> None:
+        """Once a second: copy the gauges (and ``dropped``, the request loop's refusals by reason)
+        and inspect stalled rounds (see the module docstring)."""
+        now = time.monotonic()
+        if now < self._next_tick:
+            return
+        self._next_tick = now + TICK
+        self.dropped = dict(dropped)
+        self.counters.set("keys", len(state))
+        self.counters.set("open_rounds", state.open_rounds())
+        self.counters.set("held_bytes", state.nbytes() + state.held_bytes())
+        warned = {}
+        for key, waited, late in state.stalled(self.stall_warn):
+            before = self._warned.get(key)
+            warned[key] = waited
+            if before is None or waited < before:  # once per round: a shorter wait is a newer round
+                log.warning("a sync round of key %r has waited %.0f s (KVSTORE_STALL_WARN=%g) for %s",
+                            key, waited, self.stall_warn, self.describe(late))
+        self._warned = warned
+        if self.stall_abort is not None:
+            for key, waited, late in state.stalled(self.stall_abort):
+                abort(key, StallError(f"the sync round of key {key!r} waited {waited:.0f} s for "
+                                      f"{self.describe(late)} (KVSTORE_STALL_ABORT={self.stall_abort:g})"))
+
+    def describe(self, workers: list[int]) -> str:
+        """``worker 1 (last here: push, 12 s ago), worker 3 (never seen here)``."""
+        now, parts = time.time(), []
+        with self._lock:
+            seen_by = {worker: self.last_by_worker.get(worker) for worker in workers}
+        for worker, seen in seen_by.items():
+            what = "never seen here" if seen is None else f"last here: {seen[0]}, {now - seen[1]:.0f} s ago"
+            parts.append(f"worker {worker} ({what})")
+        return ", ".join(parts) or "no worker"
+
+    def snapshot(self) -> dict[str, Any]:
+        """This server's node snapshot (schema 1)."""
+        counts = self.counters.snapshot()
+        with self._lock:
+            last_round = None if self.last_round is None else dict(self.last_round)
+            recent = max(self.last_by_worker.values(), key=lambda seen: seen[1], default=None)
+        snap = node_snapshot("server", self.rank, self.host, os.getpid(), self.started, time.time(),
+                             *(recent if recent is not None else (None, None)))
+        snap.update({
+            "bytes_in": int(counts.get("bytes_in", 0)), "bytes_out": int(counts.get("bytes_out", 0)),
+            "rounds_applied": int(counts.get("rounds_applied", 0)), "keys": int(counts.get("keys", 0)),
+            "last_arrivals": {w: int(n) for w, n in counts.get("last_arrivals", {}).items()},
+            "round_wait": self.round_wait.snapshot(), "last_round": last_round,
+            "open_rounds": int(counts.get("open_rounds", 0)), "held_bytes": int(counts.get("held_bytes", 0)),
+            "refused": {**self.dropped, **{r: int(n) for r, n in counts.get("refused", {}).items()}},
+        })
+        return snap
