@@ -20,6 +20,7 @@ import numpy as np
 from kvstore import config as kvconfig
 from kvstore import logs
 from kvstore.base import Group, KVStore, public
+from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
@@ -34,8 +35,6 @@ from kvstore.errors import (
     KVStoreError,
     NodeLostError,
     StoreClosedError,
-    error_code,
-    error_from_code,
     from_cluster,
 )
 from kvstore.net import address, transport
@@ -109,7 +108,7 @@ class DistKVStore(KVStore):
         self._window = PushWindow(body.get("push_window", cfg.push_window))
         self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
-        self._left: set[int] = {self._rank}  # workers known to have left (warned about once), and us
+        self._barriers = Barriers(self._io, cfg, self._mode, self._rank, self._num_workers, self._wait)
         self._collective_calls = CollectiveCalls(StoreLink(
             run_collective=self._collective, barrier=self.barrier, submit=self._io.submit,
             request_all=self._request_all, pieces=self._pieces, metas=self._metas,
@@ -220,29 +219,10 @@ class DistKVStore(KVStore):
             return dict(self._meta)
 
     def _collective(self, what: str, action: Any) -> None:
-        """Run ``action()`` on the leader, then a barrier that tells every worker whether it worked.
+        self._barriers.collective(what, action)
 
-        A first barrier tells who is still in the cluster: the leader is the lowest rank that
-        has not left (rank 0 unless it finished early).  The leader re-raises its own error;
-        every other worker raises the same type naming the leader, so no worker carries on as
-        if the operation had worked.
-        """
-        left = set(self._barrier_reply().get("left", []))
-        here = [rank for rank in range(self._num_workers) if rank not in left]
-        error: Exception | None = None
-        if self._rank == (here[0] if here else self._rank):
-            try:
-                action()
-            except Exception as exc:  # still join the barrier, so no worker is left waiting
-                error = exc
-        failure = None if error is None else {"code": error_code(error), "message": str(error)}
-        failures = self._barrier_only(failure)
-        if error is not None:
-            raise error
-        if failures:
-            rank, info = failures[0]
-            remote = error_from_code(info["code"], f"{what} failed on worker {rank}: {info['message']}")
-            raise from_cluster(remote)
+    def _barrier_only(self, failure: dict[str, str] | None = None) -> list:
+        return self._barriers.join(failure).get("failures", [])
 
     # -- the collective calls on the servers' optimizer and state (kvstore.client.collective) ------
     def _set_optimizer(self, optimizer: Optimizer) -> None:
@@ -392,39 +372,6 @@ class DistKVStore(KVStore):
             except KVStoreError:
                 pass  # raised below, with the key it belongs to
         self._raise_push_failures()
-
-    def _barrier_only(self, failure: dict[str, str] | None = None) -> list:
-        """Join the scheduler's barrier; return the failures workers reported at it ([rank, info])."""
-        return self._barrier_reply(failure).get("failures", [])
-
-    def _barrier_reply(self, failure: dict[str, str] | None = None) -> dict:
-        """Join the scheduler's barrier; return its reply's body (``failures``, ``left``)."""
-        body = {} if failure is None else {"failure": failure}
-        request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
-        try:
-            body = self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
-            self._warn_left(body.get("left", []))
-            return body
-        except DeadlineExceededError:
-            # Withdraw from the barrier so a retry is not paired with a stale entry.  The
-            # scheduler answers in order: if the barrier completed meanwhile, it has passed.
-            cancel = self._io.submit(SCHEDULER, Message(Op.BARRIER, {"cancel": True}),
-                                     "withdrawal from the barrier")
-            reply = self._wait([cancel], self._cfg.shutdown_timeout, "KVSTORE_SHUTDOWN_TIMEOUT")[0]
-            if not reply.body.get("released"):
-                raise
-            return {}  # it completed, but its reply (and any failure in it) was given up on
-
-    def _warn_left(self, left: list[int]) -> None:
-        """Log one warning per worker the first time a barrier says it has left: in dist_sync its
-        pushes no longer count toward any later round's sum (docs/failures.md)."""
-        with self._lock:  # several threads may pass barriers
-            new, self._left = sorted(set(left) - self._left), self._left | set(left)
-        for rank in new:
-            if self._mode == "dist_sync":
-                log.warning("worker %d has left: dist_sync sums from now on exclude its pushes", rank)
-            else:
-                log.info("worker %d has left: barriers no longer wait for it", rank)
 
     @public
     def barrier(self) -> None:

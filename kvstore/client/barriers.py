@@ -1,0 +1,86 @@
+"""A worker's side of the scheduler's barrier, and the collective calls built on it.
+
+A collective call (``init``, ``set_optimizer``, ``save_checkpoint``, ...) is an action run by one
+worker, the leader, between two barriers: the first says who is still in the cluster, the second
+carries the leader's failure to every worker (docs/api.md, "Blocking rules").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.client.mux import SCHEDULER, Wire
+from kvstore.config import Config
+from kvstore.errors import DeadlineExceededError, error_code, error_from_code, from_cluster
+from kvstore.net.protocol import Message, Op
+
+log = logging.getLogger("kvstore.dist")
+
+
+class Barriers:
+    """Joins barriers for one worker (``rank`` of ``num_workers``) over ``io``; ``wait`` is the store's
+    deadline-bounded wait for replies."""
+
+    def __init__(self, io: Wire, cfg: Config, mode: str, rank: int, num_workers: int,
+                 wait: Callable[[list, float, str], list]) -> None:
+        self._io, self._cfg, self._mode, self._rank, self._num_workers = io, cfg, mode, rank, num_workers
+        self._wait = wait
+        self._lock = threading.Lock()
+        self._left: set[int] = {rank}  # workers known to have left (warned about once), and us
+
+    def collective(self, what: str, action: Any) -> None:
+        """Run ``action()`` on the leader, then a barrier that tells every worker whether it worked.
+
+        A first barrier tells who is still in the cluster: the leader is the lowest rank that
+        has not left (rank 0 unless it finished early).  The leader re-raises its own error;
+        every other worker raises the same type naming the leader, so no worker carries on as
+        if the operation had worked.
+        """
+        left = set(self.join().get("left", []))
+        here = [rank for rank in range(self._num_workers) if rank not in left]
+        error: Exception | None = None
+        if self._rank == (here[0] if here else self._rank):
+            try:
+                action()
+            except Exception as exc:  # still join the barrier, so no worker is left waiting
+                error = exc
+        failure = None if error is None else {"code": error_code(error), "message": str(error)}
+        failures = self.join(failure).get("failures", [])
+        if error is not None:
+            raise error
+        if failures:
+            rank, info = failures[0]
+            remote = error_from_code(info["code"], f"{what} failed on worker {rank}: {info['message']}")
+            raise from_cluster(remote)
+
+    def join(self, failure: dict[str, str] | None = None) -> dict:
+        """Join the scheduler's barrier; return its reply's body (``failures``, ``left``)."""
+        body = {} if failure is None else {"failure": failure}
+        request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
+        try:
+            body = self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
+            self.warn_left(body.get("left", []))
+            return body
+        except DeadlineExceededError:
+            # Withdraw from the barrier so a retry is not paired with a stale entry.  The
+            # scheduler answers in order: if the barrier completed meanwhile, it has passed.
+            cancel = self._io.submit(SCHEDULER, Message(Op.BARRIER, {"cancel": True}),
+                                     "withdrawal from the barrier")
+            reply = self._wait([cancel], self._cfg.shutdown_timeout, "KVSTORE_SHUTDOWN_TIMEOUT")[0]
+            if not reply.body.get("released"):
+                raise
+            return {}  # it completed, but its reply (and any failure in it) was given up on
+
+    def warn_left(self, left: list[int]) -> None:
+        """Log one warning per worker the first time a barrier says it has left: in dist_sync its
+        pushes no longer count toward any later round's sum (docs/failures.md)."""
+        with self._lock:  # several threads may pass barriers
+            new, self._left = sorted(set(left) - self._left), self._left | set(left)
+        for rank in new:
+            if self._mode == "dist_sync":
+                log.warning("worker %d has left: dist_sync sums from now on exclude its pushes", rank)
+            else:
+                log.info("worker %d has left: barriers no longer wait for it", rank)
