@@ -2,7 +2,9 @@
 latency, bytes each way, and the time spent blocked in pulls, barriers and the push window.
 
 Updated by the threads that make calls, read by the heartbeat thread (which carries the snapshot to
-the scheduler) and by ``kv.stats()``: one lock guards them all.
+the scheduler) and by ``kv.stats()``: one lock guards them, taken once per event.  Kept lean (plain
+lists, no context managers): a pushpull's counting costs about a microsecond
+(``benchmarks/stats_overhead.py``).
 """
 
 from __future__ import annotations
@@ -10,14 +12,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from bisect import bisect_left
 from typing import Any
 
-from kvstore.core.stats import Counters, Histogram, node_snapshot
+from kvstore.core.stats import BOUNDS_S, histogram_snapshot, node_snapshot
 
 OPS = ("push", "pull", "pushpull", "init", "barrier")
 BLOCKED = ("pull", "barrier")  # measured here; "push_window" comes from the window itself
+_BUCKETS = len(BOUNDS_S) + 1
 
 
 class WorkerMeter:
@@ -26,51 +28,54 @@ class WorkerMeter:
     def __init__(self, rank: int, host: str) -> None:
         self.rank, self.host = rank, host
         self._lock = threading.Lock()
-        self.counters = Counters(self._lock)
-        self.latency = {op: Histogram(self._lock) for op in OPS}
         self.started = time.time()
         self.last_op: str | None = None
         self.last_op_at: float | None = None
+        self._ops = dict.fromkeys(OPS, 0)
+        self._hist = {op: [0] * _BUCKETS for op in OPS}
+        self._hist_sum = dict.fromkeys(OPS, 0.0)
+        self._blocked = dict.fromkeys(BLOCKED, 0.0)
+        self._bytes = [0, 0]  # out, in
 
-    @contextmanager
-    def op(self, name: str) -> Iterator[None]:
-        """Count one call of ``name`` (one of :data:`OPS`) and observe its latency."""
-        started = time.perf_counter()
+    def begin(self, name: str) -> float:
+        """Note the start of a call of ``name`` (one of :data:`OPS`); pass the result to :meth:`end`."""
         self.last_op, self.last_op_at = name, time.time()
-        try:
-            yield
-        finally:
-            self.latency[name].observe(time.perf_counter() - started)
-            self.counters.add_label("ops", name)
+        return time.perf_counter()
 
-    @contextmanager
-    def blocked(self, kind: str) -> Iterator[None]:
-        """Add the time spent in the block to ``blocked_s[kind]`` (``pull`` or ``barrier``)."""
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.counters.add_label("blocked_s", kind, time.perf_counter() - started)
+    def end(self, name: str, started: float, blocked: str | None = None) -> None:
+        """Count the call of ``name`` begun at ``started``; with ``blocked``, also add its duration to
+        ``blocked_s[blocked]``."""
+        elapsed = time.perf_counter() - started
+        bucket = bisect_left(BOUNDS_S, elapsed)
+        with self._lock:
+            self._ops[name] += 1
+            self._hist[name][bucket] += 1
+            self._hist_sum[name] += elapsed
+            if blocked is not None:
+                self._blocked[blocked] += elapsed
+
+    def blocked_for(self, kind: str, seconds: float) -> None:
+        """Add ``seconds`` to ``blocked_s[kind]``."""
+        with self._lock:
+            self._blocked[kind] += seconds
 
     def sent(self, nbytes: int) -> None:
         """Count ``nbytes`` of arrays sent."""
-        self.counters.add("bytes_out", nbytes)
+        with self._lock:
+            self._bytes[0] += nbytes
 
     def received(self, nbytes: int) -> None:
         """Count ``nbytes`` of arrays received."""
-        self.counters.add("bytes_in", nbytes)
+        with self._lock:
+            self._bytes[1] += nbytes
 
     def snapshot(self, window_blocked_s: float) -> dict[str, Any]:
         """This worker's node snapshot (schema 1), ``window_blocked_s`` being the push window's total."""
-        counts = self.counters.snapshot()
-        ops, blocked = counts.get("ops", {}), counts.get("blocked_s", {})
+        with self._lock:
+            ops, blocked, (out, received) = dict(self._ops), dict(self._blocked), self._bytes
+            hists = {op: histogram_snapshot(list(self._hist[op]), self._hist_sum[op]) for op in OPS}
         snap = node_snapshot("worker", self.rank, self.host, os.getpid(), self.started, time.time(),
                              self.last_op, self.last_op_at)
-        snap.update({
-            "ops": {op: int(ops.get(op, 0)) for op in OPS},
-            "bytes_out": int(counts.get("bytes_out", 0)), "bytes_in": int(counts.get("bytes_in", 0)),
-            "latency": {op: hist.snapshot() for op, hist in self.latency.items()},
-            "blocked_s": {**{kind: float(blocked.get(kind, 0.0)) for kind in BLOCKED},
-                          "push_window": float(window_blocked_s)},
-        })
+        snap.update({"ops": ops, "bytes_out": out, "bytes_in": received, "latency": hists,
+                     "blocked_s": {**blocked, "push_window": float(window_blocked_s)}})
         return snap

@@ -256,8 +256,11 @@ class DistKVStore(KVStore):
                 requests = [self._submit(Op.INIT, s, pack(s, flats)) for s in sends]
             self._request_all(requests)
 
-        with self._meter.op("init"):
+        started = self._meter.begin("init")
+        try:
             self._collective(f"init of {len(items)} key(s)", send_all)
+        finally:
+            self._meter.end("init", started)
 
     def _initialised(self, keys: list[Key]) -> None:
         with self._lock:
@@ -287,8 +290,11 @@ class DistKVStore(KVStore):
         return found
 
     def _push(self, groups: list[Group], priority: int) -> None:
-        with self._meter.op("push"):  # priority is accepted for MXNet scripts; sends keep call order
+        started = self._meter.begin("push")  # priority is accepted for MXNet scripts; sends keep call order
+        try:
             self._send_groups(Op.PUSH, groups)
+        finally:
+            self._meter.end("push", started)
 
     def _send_groups(self, op: Op, groups: list[Group]) -> tuple[list[Key], list[Send], list[Request]]:
         """Sum every group (all before anything is sent), then send the call's PUSH or PUSHPULL
@@ -338,15 +344,21 @@ class DistKVStore(KVStore):
         """Wait for the replies to ``sends`` and assemble each key's value from its parts
         (``plan.collect``): a key whose out is one C-contiguous numpy array gets None, its out written.
         """
-        with self._meter.blocked("pull"):
+        waiting = time.perf_counter()
+        try:
             replies = self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+        finally:
+            self._meter.blocked_for("pull", time.perf_counter() - waiting)
         self._raise_push_failures(keys)
         targets = None if outs is None else [o[0] if len(o) == 1 else None for o in outs]
         return collect(keys, [self._meta[k] for k in keys], sends, [r.arrays for r in replies], targets)
 
     def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
-        with self._meter.op("pull"):
+        started = self._meter.begin("pull")
+        try:
             return self._pull_keys(keys, outs)
+        finally:
+            self._meter.end("pull", started)
 
     def _pull_keys(self, keys: list[Key], outs: list[list[Any]] | None = None) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
@@ -358,8 +370,11 @@ class DistKVStore(KVStore):
 
     def _pushpull(self, groups: list[Group], priority: int,
                   outs: list[list[Any]] | None = None) -> list[Any]:
-        with self._meter.op("pushpull"):
+        started = self._meter.begin("pushpull")
+        try:
             return self._collect(*self._send_groups(Op.PUSHPULL, groups), outs)
+        finally:
+            self._meter.end("pushpull", started)
 
     def _flush(self, timeout: float, knob: str) -> None:
         requests = self._window.outstanding()
@@ -381,8 +396,11 @@ class DistKVStore(KVStore):
         workers are not left waiting), or :class:`DeadlineExceededError`.
         """
         self._check_open()
-        with self._meter.op("barrier"), self._meter.blocked("barrier"):
+        started = self._meter.begin("barrier")
+        try:
             self._barrier_after_pushes()
+        finally:
+            self._meter.end("barrier", started, blocked="barrier")
 
     def _barrier_after_pushes(self) -> None:
         error: KVStoreError | None = None

@@ -24,7 +24,7 @@ ROLES = ("scheduler", "server", "worker")
 # Upper bounds of the latency buckets in ms: four per decade, 0.1 ms .. 100 s, then one overflow bucket
 # (its upper bound is written as None).
 BUCKETS_MS: tuple[float, ...] = tuple(round(10 ** (e / 4 - 1), 4) for e in range(25))
-_BOUNDS_S = tuple(ms / 1000 for ms in BUCKETS_MS)
+BOUNDS_S = tuple(ms / 1000 for ms in BUCKETS_MS)  # the same bounds in seconds (bisect_left finds a bucket)
 MAX_SNAPSHOT_BYTES = 64 * 1024  # a node's snapshot over this (estimated, msgpack) size is refused
 MAX_DEPTH = 6  # nesting of dicts and lists in a snapshot
 MAX_TEXT = 1024  # characters of any str in a snapshot
@@ -84,7 +84,7 @@ class Histogram:
 
     def observe(self, seconds: float) -> None:
         """Count one duration of ``seconds``."""
-        i = bisect.bisect_left(_BOUNDS_S, seconds)
+        i = bisect.bisect_left(BOUNDS_S, seconds)
         with self._lock:
             self._counts[i] += 1
             self.count += 1
@@ -94,9 +94,15 @@ class Histogram:
         """``{"count", "sum_s", "buckets": [[upper_ms, count], ...]}``: the non-empty buckets, in order,
         each counting the durations above the previous bound up to ``upper_ms`` (None: above 100 s)."""
         with self._lock:
-            counts, count, total = list(self._counts), self.count, self.sum_s
-        return {"count": count, "sum_s": total,
-                "buckets": [[_upper(i), n] for i, n in enumerate(counts) if n]}
+            counts, total = list(self._counts), self.sum_s
+        return histogram_snapshot(counts, total)
+
+
+def histogram_snapshot(counts: list[int], sum_s: float) -> dict[str, Any]:
+    """The snapshot of a histogram whose bucket counts (one per :data:`BUCKETS_MS` bound, then the
+    overflow) are ``counts`` and whose durations sum to ``sum_s``."""
+    return {"count": sum(counts), "sum_s": sum_s,
+            "buckets": [[_upper(i), n] for i, n in enumerate(counts) if n]}
 
 
 def _upper(i: int) -> float | None:
