@@ -213,7 +213,10 @@ class Scheduler:
         if refused is not None and known and (role, rank) not in self._refusals_logged:
             self._refusals_logged.add((role, rank))  # once per node: a bad snapshot is not news twice
             log.warning("ignoring the stats in %s %d's heartbeats: %s", role, rank, refused[:300])
-        self.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=msg.seq))
+        body = {"lost": self.lost}
+        if role == "worker":  # so a worker learns within a beat who has left, not at its next barrier
+            body["left"] = sorted(self.left)
+        self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
 
     def _on_status(self, identity: bytes, msg: Message) -> None:
         self.service.reply(identity, Message(Op.OK, self.status_body(), seq=msg.seq))

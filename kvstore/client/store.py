@@ -116,7 +116,7 @@ class DistKVStore(KVStore):
             chunk_bytes=self._chunk_bytes))
         self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,
-                                    stats=self._snapshot)
+                                    stats=self._snapshot, on_left=self._barriers.warn_left)
         self._heartbeat.start()
         log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
 

@@ -39,10 +39,11 @@ class Heartbeat(threading.Thread):
 
     def __init__(self, cfg: kvconfig.Config, role: str, rank: int, session: bytes,
                  on_lost: Callable[[NodeLostError], None], report_peers: bool = True,
-                 stats: Callable[[], dict] | None = None) -> None:
+                 stats: Callable[[], dict] | None = None,
+                 on_left: Callable[[list[int]], None] | None = None) -> None:
         super().__init__(name=f"kvstore-heartbeat-{role}{rank}", daemon=True)
         self.cfg, self.role, self.rank, self.on_lost = cfg, role, rank, on_lost
-        self.report_peers, self.stats = report_peers, stats
+        self.report_peers, self.stats, self.on_left = report_peers, stats, on_left
         self._stats_failed = False  # a failing snapshot is logged once
         self.channel = channel_for(cfg, new_label(f"{role}{rank}-heartbeat"))
         self.channel.set_session(session)
@@ -113,6 +114,9 @@ class Heartbeat(threading.Thread):
         except (AuthenticationError, ProtocolError) as exc:
             log.warning("dropped a bad heartbeat reply: %s", exc)
             return False
+        left = reply.body.get("left") if reply.op is Op.OK else None
+        if self.on_left is not None and isinstance(left, list) and all(type(r) is int for r in left):
+            self.on_left(left)  # the workers that have left (a worker's beats only)
         lost = reply.body.get("lost") if reply.op is Op.OK else None
         if not lost or not self.report_peers or self.lost is not None:
             return True

@@ -51,3 +51,20 @@ def test_each_remaining_worker_warns_once_when_a_worker_leaves(make_cluster, cap
                 and r.getMessage() == LEFT]
     assert len(warnings) == 2, [r.getMessage() for r in caplog.records]
     assert [r.tolist() for r in results] == [[2.0, 2.0], [2.0, 2.0]]
+
+
+def test_a_worker_that_never_calls_a_barrier_learns_of_a_leaver_within_a_heartbeat(make_cluster, caplog):
+    """The scheduler's heartbeat replies name the workers that have left: workers 0 and 2 each warn
+    once without calling a barrier."""
+    cluster: Cluster = make_cluster("dist_sync", 3, 1, KVSTORE_HEARTBEAT_INTERVAL=0.2,
+                                    KVSTORE_HEARTBEAT_TIMEOUT=5)
+    w0, w1, w2 = cluster.workers
+
+    def left_warnings() -> list:
+        return [r for r in caplog.records if r.name == "kvstore.dist" and r.levelno == logging.WARNING
+                and r.getMessage() == LEFT]
+
+    with caplog.at_level(logging.INFO, logger="kvstore.dist"):
+        w1.close()
+        poll_for(lambda: len(left_warnings()) >= 2, 10, "both other workers' warnings")
+    assert len(left_warnings()) == 2
