@@ -33,6 +33,7 @@ from kvstore.launch.group import RoleGroup
 from kvstore.launch.interrupts import held_interrupts
 from kvstore.launch.node import python_if_script
 from kvstore.launch.options import LaunchConfig
+from kvstore.launch.output import summary_line
 from kvstore.launch.roleprocess import Killed, RoleProcess, RoleSpec, RoleState
 from kvstore.launch.ssh import (
     SSH_STARTING_PER_HOST,
@@ -86,9 +87,7 @@ def gpu_plan(cfg: LaunchConfig, environ: dict[str, str]) -> list[dict[str, str]]
 def failure_summary(child: RoleProcess) -> str:
     """The last line of a failed launch: the role that failed first, its exit code and the last line
     of the last traceback it printed, if it printed one."""
-    text = f"launch.py: {child.name} failed first (exit {child.exit_code})"
-    exception = child.printed.last_exception
-    return f"{text}: {exception}" if exception else text
+    return summary_line(child.name, child.exit_code, child.printed.last_exception)
 
 
 def killed_text(child: RoleProcess, killed: Killed, wait: float) -> str:

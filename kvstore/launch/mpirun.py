@@ -30,7 +30,7 @@ from kvstore.launch import gpus
 from kvstore.launch.local import gpu_plan
 from kvstore.launch.managers import ADAPTERS
 from kvstore.launch.options import LaunchConfig
-from kvstore.launch.output import PrefixedOutput
+from kvstore.launch.output import PrefixedOutput, summary_line
 from kvstore.launch.roleprocess import RoleProcess, RoleSpec
 from kvstore.launch.ssh import node_name, placement
 
@@ -140,8 +140,7 @@ class TaggedOutput:
         out = self.roles[self.first_failed]
         if out.last_exception is None:  # mpirun may see a peer that noticed the death exit first
             out = next((role for role in self.roles if role.last_exception is not None), out)
-        text = f"launch.py: {out.prefix.decode()[1:-2]} failed first (exit {code})"
-        return f"{text}: {out.last_exception}" if out.last_exception else text
+        return summary_line(out.prefix.decode()[1:-2], code, out.last_exception)
 
 
 def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:

@@ -23,6 +23,29 @@ def ends_traceback(line: bytes) -> bool:
     return bool(line.strip()) and not line[:1].isspace() and not line.startswith(TRACEBACK_START)
 
 
+def summary_line(name: str, code: int | None, exception: str | None) -> str:
+    """The last line of a failed launch: ``launch.py: worker 1 failed first (exit 1): ValueError: boom``
+    (every launcher writes this one)."""
+    text = f"launch.py: {name} failed first (exit {'unknown' if code is None else code})"
+    return f"{text}: {exception}" if exception else text
+
+
+class ExceptionLine:
+    """Tracks the exception line of the last complete traceback in a role's lines (text, no output)."""
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+        self._open = False
+
+    def feed(self, line: str) -> None:
+        """Take the role's next output line (without its newline)."""
+        if self._open:
+            if ends_traceback(line.encode(errors="replace")):
+                self.last, self._open = line.strip(), False
+        elif line.startswith(TRACEBACK_START.decode()):
+            self._open = True
+
+
 class PrefixedOutput:
     """The lines of one role, each written to ``stream`` (default: this process's stdout) with
     ``prefix``; a traceback is held until it ends, then written at once (see the module docstring)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
@@ -38,6 +39,7 @@ from kvstore import config as kvconfig
 from kvstore.errors import DeadlineExceededError, PlacementError, RoleFailed
 from kvstore.launch import envrules as roles
 from kvstore.launch.options import LaunchConfig
+from kvstore.launch.output import summary_line
 from kvstore.launch.ray_job import RayJob
 from kvstore.launch.ray_plan import (
     DEFAULT_PLACEMENT_TIMEOUT,
@@ -100,7 +102,7 @@ def launch(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     placed or started; 130 on Ctrl-C; 143 on SIGTERM)."""
     job: RayJob | None = None
     previous = signal.getsignal(signal.SIGTERM)
-    code = 0
+    code, failed = 0, None
     try:
         job = RayJob(cfg.command, cfg.num_workers, cfg.num_servers, address=cfg.ray_address, env=cfg.env,
                      settings=settings, **cfg.ray_options)
@@ -111,6 +113,9 @@ def launch(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     except RoleFailed as exc:
         code = exc.exit_code or 1
         log.error("%s; stopping the other processes", exc)
+        name = exc.role if exc.rank is None else f"{exc.role} {exc.rank}"
+        tracker = job.exceptions.get(name) if job is not None else None
+        failed = summary_line(name, exc.exit_code, tracker.last if tracker else None)
     except KeyboardInterrupt as exc:
         code = 128 + int(exc.args[0] if exc.args else signal.SIGINT)
         log.error("interrupted; stopping every process")
@@ -124,4 +129,6 @@ def launch(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
         if job is not None:
             job.stop()
         signal.signal(signal.SIGTERM, previous)
+    if failed is not None:  # the last line, as every launcher ends a failed run
+        print(failed, file=sys.stderr, flush=True)
     return code

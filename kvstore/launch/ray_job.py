@@ -27,6 +27,7 @@ from kvstore import config as kvconfig
 from kvstore.errors import DeadlineExceededError, RoleFailed
 from kvstore.launch import envrules as roles
 from kvstore.launch import ray_cluster
+from kvstore.launch.output import ExceptionLine
 from kvstore.launch.ray_actor import Call, RoleActor
 from kvstore.launch.ray_plan import (
     DEFAULT_PLACEMENT_TIMEOUT,
@@ -94,6 +95,7 @@ class RayJob:
         self.address, self.placement_timeout = address, placement_timeout
         self.cwd = cwd or os.getcwd()
         self._out = stdout
+        self.exceptions: dict[str, ExceptionLine] = {}  # role name -> its last traceback's exception
         self._handles: list[_Handle] = []
         self._pg: Any = None
         self._started_ray = False
@@ -370,6 +372,9 @@ class RayJob:
         """Write ``lines`` to the job's output, each prefixed with the role's name."""
         if not lines:
             return
+        tracker = self.exceptions.setdefault(handle.spec.name, ExceptionLine())
+        for line in lines:
+            tracker.feed(line)
         out = self._out or sys.stdout
         prefix = f"[{handle.spec.name}] "
         out.write("".join(f"{prefix}{line}\n" for line in lines))

@@ -270,6 +270,8 @@ def test_launch_failing_worker_exits_1_naming_it(tag: str, ray_address: str) -> 
     assert rc == 1, out
     assert "worker 1 exited with code 1" in out, out
     assert "[worker 1] RuntimeError: worker 1 fails on purpose" in out, out
+    last = out.strip().splitlines()[-1]
+    assert last == "launch.py: worker 1 failed first (exit 1): RuntimeError: worker 1 fails on purpose", out
     assert time.monotonic() - start < 45, out  # the other worker was blocked in a pull with a 600 s deadline
     assert poll_for(lambda: _nothing_left(tag), 20, "every role, tether and keeper to exit")
     assert ray.is_initialized() and poll_for(_all_cpus_free, 20, "the job's CPUs to be released")

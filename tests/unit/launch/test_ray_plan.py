@@ -162,7 +162,7 @@ class _FakeJob:
     stopped = 0
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
+        self.exceptions: dict = {}  # no role printed a traceback
 
     def _connect(self) -> None:
         pass
@@ -189,7 +189,8 @@ class _FakeJob:
     (KeyboardInterrupt(signal.SIGTERM), 143, "interrupted"),
 ])
 def test_launch_exit_codes(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-                           error: BaseException | None, code: int, logged: str | None) -> None:
+                           capsys: pytest.CaptureFixture, error: BaseException | None, code: int,
+                           logged: str | None) -> None:
     """launch() keeps the local launcher's exit codes, logs the reason, and always tears down."""
     monkeypatch.setattr(kvray, "RayJob", _FakeJob)
     monkeypatch.setattr(_FakeJob, "error", error)
@@ -200,6 +201,12 @@ def test_launch_exit_codes(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCa
     assert _FakeJob.stopped == 1
     if logged:
         assert any(logged in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+    last = capsys.readouterr().err.strip().splitlines()[-1:]
+    if isinstance(error, RoleFailed):  # the last line, as every launcher ends a failed run
+        exit_text = "unknown" if error.exit_code is None else error.exit_code
+        assert last == [f"launch.py: worker 1 failed first (exit {exit_text})"]
+    else:
+        assert last == []
 
 
 def test_importing_kvstore_does_not_import_ray() -> None:
