@@ -16,48 +16,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import os
-import re
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def worker(mb: int, iters: int) -> None:
-    """Inside the cluster: time push+pull round trips and print ``RATE <MB/s>``."""
-    import numpy as np
-
-    import kvstore
-
-    kv = kvstore.create("dist_sync")
-    n = mb * 1024 * 1024 // 4
-    value, out = np.ones(n, np.float32), np.empty(n, np.float32)
-    kv.init("w", value)
-    for _ in range(2):  # warm-up
-        kv.pushpull("w", value, out=out)
-    started = time.perf_counter()
-    for _ in range(iters):
-        kv.pushpull("w", value, out=out)
-    seconds = time.perf_counter() - started
-    print(f"RATE {2 * mb * iters / seconds:.1f}", flush=True)
-    kv.close()
+from rates import launch_rate, worker
 
 
 def run(mode: str, mb: int, iters: int) -> float:
     """Launch the cluster with ``KVSTORE_AUTH=mode``; return the worker's MB/s."""
-    env = {**os.environ, "KVSTORE_AUTH": mode, "KVSTORE_SECRET": "benchmark-secret",
-           "KVSTORE_BIGARRAY_BOUND": str(1 << 40)}
-    done = subprocess.run([sys.executable, "launch.py", "-n", "1", "-s", "1", __file__, "--worker",
-                           "--mb", str(mb), "--iters", str(iters)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    match = re.search(r"RATE ([\d.]+)", done.stdout + done.stderr)
-    if done.returncode != 0 or match is None:
-        raise SystemExit(f"the {mode} run failed:\n{done.stdout}\n{done.stderr}")
-    return float(match.group(1))
+    return launch_rate(__file__, mode, {"KVSTORE_AUTH": mode}, mb, iters)
 
 
 def primitive_rates(mb: int) -> tuple[float, float]:
