@@ -17,11 +17,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvstore.core import compression as C
 from kvstore.core import values as V
 from kvstore.core import xp
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
 from kvstore.errors import (
+    ConfigError,
     DuplicateInitError,
     KeyNotInitializedError,
     KVStoreError,
@@ -94,6 +96,8 @@ class KVStore(abc.ABC):
         self._closed = False
         self._device_mode = name in DEVICE_TYPES
         self._comm: Any = None  # a kvstore.device.DeviceComm, made when a device mode meets CUDA
+        self._compression: C.Spec | None = None  # set_gradient_compression's setting
+        self._pushed = False  # a push or pushpull has been made (compression can no longer be set)
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -276,7 +280,9 @@ class KVStore(abc.ABC):
         The pushed values are never written to.  Raises on a user error before
         anything is sent; a failure on the server is raised by a later call.
         """
-        self._push(self._groups(key, value), priority)
+        groups = self._groups(key, value)
+        self._pushed = True
+        self._push(groups, priority)
 
     def _outs(self, keys: list[Key], out: Any, single: bool) -> list[list[Any]]:
         outs = ([_as_list(out)] if single else
@@ -334,8 +340,38 @@ class KVStore(abc.ABC):
         keys = [k for k, _, _ in groups]
         target = value if out is None else out
         outs = self._outs(keys, target, single)
+        self._pushed = True
         self._deliver(keys, self._pushpull(groups, priority, outs), outs, single)
         return target
+
+    @public
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Compress pushed gradients: ``{'type': '2bit' | '1bit' | 'fp16' | 'bf16', 'threshold': 0.5}``
+        (docs/compression.md).  Collective in dist modes; only before the first push; raises
+        :class:`UnsupportedError` on ``local``, TypeError / ValueError for bad parameters."""
+        self._check_open()
+        self._set_compression(compression_params)
+
+    @public
+    def get_gradient_compression(self) -> dict[str, Any] | None:
+        """The compression parameters in effect, or None."""
+        spec = self._compression
+        return None if spec is None else spec.params()
+
+    def _set_compression(self, params: Any) -> None:
+        """Check and install ``params`` (the dist store makes it collective)."""
+        self._compression = self._check_compression(params)
+
+    def _check_compression(self, params: Any) -> C.Spec:
+        """The checked setting of ``params``; raises when this store cannot take it now."""
+        if "device" not in self._type and "dist" not in self._type:
+            raise UnsupportedError(f"gradient compression is not supported for a {self._type} store "
+                                   "(MXNet's rule): use 'device' or a dist type")
+        spec = C.parse(params)
+        if self._pushed:
+            raise ConfigError("set_gradient_compression must be called before the first push of any "
+                              f"key; this {self._type} store has pushed already")
+        return spec
 
     @public
     def set_optimizer(self, optimizer: Optimizer) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvstore.base import Group, KVStore
 from kvstore.core import checkpoint, snapshot, xp
+from kvstore.core import compression as C
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.device import settle
@@ -34,6 +35,7 @@ class LocalKVStore(KVStore):
         self._store: dict[Key, Any] = {}  # numpy arrays; in 'device' mode also CUDA tensors
         self._updater: LocalUpdater | None = None
         self._optimizer: Optimizer | None = None
+        self._residuals: dict[tuple[Key, int], Any] = {}  # 'device' compression: one per (key, value)
 
     def _set_updater(self, updater: LocalUpdater) -> None:
         """Apply pushes with ``updater(key, pushed, stored)``, which updates ``stored`` in place.
@@ -100,7 +102,8 @@ class LocalKVStore(KVStore):
                 self._store[key] = array
 
     def _push(self, groups: list[Group], priority: int) -> None:
-        items = [(key, self._sum(key, meta, values)) for key, meta, values in groups]
+        items = [(key, self._compressed_sum(key, meta, values) if self._compression is not None
+                  else self._sum(key, meta, values)) for key, meta, values in groups]
         with self._lock:
             if self._optimizer is not None:
                 for key, total in items:
@@ -122,6 +125,26 @@ class LocalKVStore(KVStore):
                     self._updater(key, self._view(key, total), self._view(key, stored))
                 touched.append(self._store[key])
             settle(touched)  # no GPU work on the store is left pending once the lock is released
+
+    def _compressed_sum(self, key: Key, meta: Any, values: list[Any]) -> Any:
+        """MXNet's CommDevice: each value quantised with its own residual (on its device), the
+        dequantised values summed."""
+        spec = self._compression
+        if meta.size < spec.size_lower_bound:
+            return self._sum(key, meta, values)
+        C.check_dtype(key, meta.dtype)
+        plain = []
+        with self._lock:
+            for i, value in enumerate(values):
+                flat = value.reshape(-1)
+                residual = None
+                if spec.residual:
+                    residual = self._residuals.get((key, i))
+                    if residual is None:
+                        residual = self._residuals[(key, i)] = xp.zeros(flat, np.dtype(np.float32))
+                wire = C.compress(spec, flat, residual)
+                plain.append(C.decompress(spec.type, wire, meta.size, spec.threshold).reshape(meta.shape))
+        return self._sum(key, meta, plain)
 
     def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
         with self._lock:

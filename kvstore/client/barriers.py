@@ -56,6 +56,23 @@ class Barriers:
             remote = error_from_code(info["code"], f"{what} failed on worker {rank}: {info['message']}")
             raise from_cluster(remote)
 
+    def agree(self, what: str, check: Callable[[], None]) -> None:
+        """Run ``check()`` on every worker, then a barrier: each worker raises its own failure, or the
+        first other worker's, so all of them go on only if every check passed."""
+        error: Exception | None = None
+        try:
+            check()
+        except Exception as exc:  # still join the barrier, so no worker is left waiting
+            error = exc
+        failure = None if error is None else {"code": error_code(error), "message": str(error)}
+        failures = self.join(failure).get("failures", [])
+        if error is not None:
+            raise error
+        if failures:
+            rank, info = failures[0]
+            message = f"{what} failed on worker {rank}: {info['message']}"
+            raise from_cluster(error_from_code(info["code"], message))
+
     def join(self, failure: dict[str, str] | None = None) -> dict:
         """Join the scheduler's barrier; return its reply's body (``failures``, ``left``)."""
         body = {} if failure is None else {"failure": failure}

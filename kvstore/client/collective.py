@@ -54,6 +54,7 @@ class StoreLink:
     servers: Sequence[str]  # the servers' addresses, by index
     resume: str | None  # the KVSTORE_RESUME snapshot directory, if any
     chunk_bytes: int = 0  # the cluster's chunk size (from the map): big state slices go in chunks
+    save_residuals: Callable[[str], None] | None = None  # this worker's compression residuals, per rank
 
 
 class CollectiveCalls:
@@ -209,6 +210,8 @@ class CollectiveCalls:
             snapshot.write(directory, dict(zip(keys, self._link.pull(keys))), states)
 
         self._link.run_collective("save_checkpoint", write)
+        if self._link.save_residuals is not None:  # each worker its own, into the generation just written
+            self._link.save_residuals(directory)
         _raise(earlier)
 
     def load_states(self, fname: str) -> None:

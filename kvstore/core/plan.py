@@ -66,6 +66,7 @@ class Send:
     parts: list[Part]
     lo: int | None = None
     total: int | None = None
+    tag: Any = None  # the plan's tag of its keys (a push's compression: keys of one tag share batches)
     _body: dict | None = field(default=None, repr=False, compare=False)
     _offsets: list[int] | None = field(default=None, repr=False, compare=False)
 
@@ -102,25 +103,27 @@ def chunk_elements(chunk_bytes: int, dtype: np.dtype) -> int:
 
 
 def plan(entries: list[tuple[Key, np.dtype, list[Piece]]], batch_bytes: int, chunk_bytes: int,
-         chunked: bool = True) -> list[Send]:
+         chunked: bool = True, tags: dict[Key, Any] | None = None) -> list[Send]:
     """The messages that carry ``entries`` (key, dtype, pieces), in the order they should be sent.
 
     Messages are in order of their first part's appearance.  A key is always small or
     always big (its pieces' sizes are fixed at init), so a server sees a worker's
     messages for one key in the order the calls made them.
     ``chunked=False`` sends big pieces whole (pulls: a reply is one consistent slice).
+    ``tags`` gives keys a tag (None by default): only keys of one tag share a batch.
     """
     sends: list[Send] = []
-    open_batches: dict[tuple[int, np.dtype], list] = {}  # (server, dtype) -> [send, bytes, header bytes]
+    open_batches: dict[tuple, list] = {}  # (server, dtype, tag) -> [send, bytes, header bytes]
     for key, dtype, pieces in entries:
         itemsize = dtype.itemsize
+        tag = None if tags is None else tags.get(key)
         for piece in pieces:
             nbytes = (piece.stop - piece.start) * itemsize
             if nbytes <= SMALL_BYTES and batch_bytes > 0:
                 extra = 24 + len(key) * 4 if isinstance(key, str) else 24  # generous header estimate
-                batch = open_batches.get((piece.server, dtype))
+                batch = open_batches.get((piece.server, dtype, tag))
                 if batch is None or batch[1] + nbytes > batch_bytes or batch[2] + extra > BATCH_HEADER_BYTES:
-                    batch = open_batches[(piece.server, dtype)] = [Send(piece.server, []), 0, 0]
+                    batch = open_batches[(piece.server, dtype, tag)] = [Send(piece.server, [], tag=tag), 0, 0]
                     sends.append(batch[0])
                 batch[0].parts.append(Part(key, piece.start, piece.stop))
                 batch[1] += nbytes
@@ -128,12 +131,12 @@ def plan(entries: list[tuple[Key, np.dtype, list[Piece]]], batch_bytes: int, chu
                 continue
             step = chunk_elements(chunk_bytes, dtype) if chunked and chunk_bytes > 0 else 0
             if not step or piece.stop - piece.start <= WHOLE_CHUNKS * step:
-                sends.append(Send(piece.server, [Part(key, piece.start, piece.stop)]))
+                sends.append(Send(piece.server, [Part(key, piece.start, piece.stop)], tag=tag))
                 continue
             for start in range(piece.start, piece.stop, step):
                 stop = min(start + step, piece.stop)
                 sends.append(Send(piece.server, [Part(key, start, stop)], lo=start - piece.start,
-                                  total=piece.stop - piece.start))
+                                  total=piece.stop - piece.start, tag=tag))
     return sends
 
 

@@ -61,10 +61,9 @@ def test_unsupported_error_is_a_not_implemented_error() -> None:
 
 
 def test_not_yet_implemented_methods_stay_absent() -> None:
-    """row_sparse_pull and set_gradient_compression are absent until an issue implements them."""
+    """row_sparse_pull is absent until an issue implements it."""
     kv = kvstore.create("local")
     assert not hasattr(kv, "row_sparse_pull")
-    assert not hasattr(kv, "set_gradient_compression")
 
 
 def test_from_cluster_copies_type_message_and_node() -> None:

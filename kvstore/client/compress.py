@@ -1,0 +1,124 @@
+"""A worker's gradient compression in dist modes: the setting, the residuals, the compressed arrays.
+
+A worker's values for a key are summed first, then each push message's elements are compressed once
+(``kvstore.core.compression``), each key slice with its own residual, which stays on this worker
+(one flat float32 array per whole key).  The message's body names the compression
+(``{"compression": [type, threshold]}``); its ``sizes`` still count original elements
+(docs/protocol.md).  Servers decompress before they sum (``kvstore.server.decompress``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvstore.core import compression as C
+from kvstore.core import snapshot
+from kvstore.core.partition import Key
+from kvstore.core.plan import Send, pack
+
+log = logging.getLogger("kvstore.dist")
+_RESIDUALS = re.compile(r"residuals-worker(\d+)-of-(\d+)\.values")
+_GENERATION = re.compile(r"snapshot-\d{6,}")  # as kvstore.core.snapshot names them
+
+
+class WorkerCompression:
+    """The compression setting of one dist store, and its residuals by key."""
+
+    def __init__(self) -> None:
+        self.spec: C.Spec | None = None
+        self.residuals: dict[Key, np.ndarray] = {}
+        self._lock = threading.Lock()  # two threads may push one key
+
+    def tags(self, keys: Any, metas: dict[Key, Any]) -> dict[Key, bool] | None:
+        """Which of ``keys`` travel compressed (a push plan's tags), or None without compression.
+
+        Raises DTypeMismatchError for a compressed key that is not float32."""
+        spec = self.spec
+        if spec is None:
+            return None
+        tags = {}
+        for key in keys:
+            meta = metas[key]
+            tags[key] = meta.size >= spec.size_lower_bound
+            if tags[key]:
+                C.check_dtype(key, meta.dtype)
+        return tags
+
+    def encode(self, send: Send, flats: dict[Key, np.ndarray]) -> tuple[np.ndarray, dict | None]:
+        """``send``'s array, compressed when its keys are, and the body fields that say so."""
+        spec = self.spec
+        if spec is None or not send.tag:
+            return pack(send, flats), None
+        grad = pack(send, flats)
+        with self._lock:
+            residual = self._residual(send, flats) if spec.residual else None
+            wire = C.compress(spec, grad, residual)
+            if residual is not None and len(send.parts) > 1:
+                self._scatter(send, residual)
+        if spec.type == "bf16":
+            wire = wire.view(np.float16)  # bfloat16 bits travel in a 2-byte wire dtype
+        return wire, {"compression": spec.wire()}
+
+    def _residual(self, send: Send, flats: dict[Key, np.ndarray]) -> np.ndarray:
+        """The residual of ``send``'s elements: a view for one part, else a concatenated copy."""
+        for part in send.parts:
+            held = self.residuals.get(part.key)
+            if held is None or held.size != flats[part.key].size:  # a restored one must fit its key
+                self.residuals[part.key] = np.zeros(flats[part.key].size, np.float32)
+        return pack(send, self.residuals)
+
+    def _scatter(self, send: Send, residual: np.ndarray) -> None:
+        offsets = send.offsets()
+        for part, a, b in zip(send.parts, offsets, offsets[1:]):
+            self.residuals[part.key][part.start:part.stop] = residual[a:b]
+
+    def state(self) -> dict[Key, np.ndarray]:
+        """A copy of every key's residual (for a checkpoint)."""
+        with self._lock:
+            return {key: r.copy() for key, r in self.residuals.items()}
+
+    def save(self, directory: str, rank: int, num_workers: int) -> None:
+        """Write this worker's residuals into the snapshot generation ``LATEST`` names (after
+        ``save_checkpoint`` wrote it); nothing without residuals.  Raises OSError."""
+        residuals = self.state()
+        if not residuals:
+            return
+        generation = _latest(directory)
+        snapshot.write_values(os.path.join(generation, f"residuals-worker{rank}-of-{num_workers}.values"),
+                              residuals)
+
+    def load(self, directory: str, rank: int, num_workers: int) -> None:
+        """Restore this worker's residuals from the ``KVSTORE_RESUME`` snapshot when it was saved by
+        as many workers; drop them with a warning when by another count."""
+        try:
+            generation = _latest(directory)
+            names = os.listdir(generation)
+        except (OSError, ValueError):
+            return  # no snapshot: the restore of values reports it
+        counts = {int(m.group(2)) for m in map(_RESIDUALS.fullmatch, names) if m}
+        if not counts:
+            return
+        if counts != {num_workers}:
+            log.warning("the snapshot's compression residuals were saved by %s worker(s), this cluster "
+                        "has %d: they are dropped (residuals start at zero)", sorted(counts), num_workers)
+            return
+        path = os.path.join(generation, f"residuals-worker{rank}-of-{num_workers}.values")
+        if os.path.exists(path):
+            with self._lock:
+                self.residuals.update({k: np.array(r, np.float32).reshape(-1)
+                                       for k, r in snapshot.read_values(path).items()})
+
+
+def _latest(directory: str) -> str:
+    """The path of the snapshot generation ``LATEST`` names; ValueError for a bad pointer."""
+    with open(os.path.join(directory, snapshot.POINTER), encoding="utf-8") as f:
+        name = f.read().strip()
+    if not _GENERATION.fullmatch(name):
+        raise ValueError(f"{directory}: LATEST names {name!r:.80}")
+    return os.path.join(directory, name)
