@@ -18,6 +18,7 @@ class Node:
     port: int | None = None
     wanted_rank: int | None = None
     mode: str | None = None
+    quorum: int | None = None  # a worker's create(..., quorum=N) or KVSTORE_SYNC_QUORUM
 
 
 def assign_ranks(nodes: list[Node]) -> list[Node]:
@@ -68,6 +69,21 @@ class Rendezvous:
             raise ConfigError(f"workers disagree on the store type: {detail}; every worker must "
                               "call kvstore.create with the same dist_* name")
         return modes.pop()
+
+    def quorum(self, default: int | None) -> int | None:
+        """The cluster's ``dist_sync`` quorum: the one the workers asked for (all that asked must agree),
+        else ``default`` (the scheduler's KVSTORE_SYNC_QUORUM); raise :class:`ConfigError` when they
+        disagree or it is outside ``[1, num_workers]``."""
+        asked = {n.quorum for n in self.nodes["worker"] if n.quorum is not None}
+        if len(asked) > 1:
+            detail = ", ".join(f"{n.host} asked for {n.quorum}" for n in self.nodes["worker"])
+            raise ConfigError(f"workers disagree on the sync quorum: {detail}; give every worker the "
+                              "same quorum (create(..., quorum=N) or KVSTORE_SYNC_QUORUM)")
+        value = asked.pop() if asked else default
+        workers = self.expected["worker"]
+        if value is not None and not 1 <= value <= workers:
+            raise ConfigError(f"a sync quorum of {value} is outside [1, {workers}] (DMLC_NUM_WORKER)")
+        return value
 
     def ranked(self) -> dict[str, list[Node]]:
         """Workers and servers, each list in rank order."""

@@ -159,6 +159,34 @@ class Round:
         """Whether this round may close: every active worker's contribution is complete and added."""
         return not self.nheld and len(self.complete) >= len(active) and active <= self.complete
 
+    def reached(self, quorum: int, size: int) -> bool:
+        """Whether this round may close by quorum (``KVSTORE_SYNC_QUORUM``): ``quorum`` contributions
+        are complete.  In rank order, the chunks held for workers that did not make it are then added
+        (each over the parts its sender covered), since the round no longer waits for anyone."""
+        if len(self.complete) < quorum:
+            return False
+        if self.nheld:
+            self.ranks = sorted(self.covered)
+            for lo, part in self.parts.items():
+                if part.held:
+                    self.drain(part, lo, size, set())
+        return not self.nheld
+
+    def scaled(self, total: np.ndarray, workers: int) -> np.ndarray:
+        """``total`` (from :meth:`total`) with each part multiplied by ``workers`` / the number of
+        contributions covering it, so a quorum round's sum stands for ``workers`` pushes (float keys
+        only; integer sums are left as they are).  Returns ``total`` or a scaled copy."""
+        if total.dtype.kind not in "fc":
+            return total
+        out = None
+        for lo, part in self.parts.items():
+            count = sum(1 for end in self.covered.values() if end >= part.hi)
+            if count and count != workers:
+                if out is None:
+                    out = (total if self.owned else total.copy()).reshape(-1)
+                out[lo:part.hi] *= workers / count
+        return total if out is None else out.reshape(total.shape)
+
     def total(self, size: int) -> np.ndarray:
         """The round's sum, once :meth:`done`: elements that no contribution covered (only workers
         that left part-way contributed) are set to 0 first."""

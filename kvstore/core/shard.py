@@ -41,6 +41,12 @@ Rules (docs/architecture.md, SEMANTICS.md):
   is refused while ``window`` earlier ones of it are not yet applied: the worker waits for acks
   before pushing more, so a server holds at most ``window`` open rounds (or assemblies) per key
   whatever the skew, and one that does not wait is refused, never buffered.
+* With a ``quorum`` (``KVSTORE_SYNC_QUORUM``, dist_sync), a round also closes once ``quorum``
+  contributions are complete, and each part of its sum is scaled by workers / contributions.  A push
+  carries its worker's round for the key (``rounds``); one for a round already closed is *late*:
+  dropped, acked, counted (:attr:`ShardState.late`, ``on_late``), never applied; a later pull of
+  its worker does not wait for it, and its next push joins the oldest open round (resynced).
+  See :mod:`kvstore.core.staleness` for ``staleness`` (dist_async).
 * A bad request raises before anything changes.
 
 Arrays handed out by :meth:`ShardState.pull` are never written to afterwards:
@@ -59,8 +65,10 @@ from typing import Any
 import numpy as np
 
 from kvstore.core.partition import Key
+from kvstore.core.replies import _SILENT, Completion, _acks, _Assembly, _part_of
 from kvstore.core.rounds import Round
 from kvstore.core.staging import Staged, stage
+from kvstore.core.staleness import StalenessGate
 from kvstore.errors import (
     DTypeMismatchError,
     DuplicateInitError,
@@ -72,25 +80,6 @@ from kvstore.errors import (
 Updater = Callable[[Key, np.ndarray, np.ndarray], np.ndarray]
 
 
-@dataclass(slots=True)
-class Completion:
-    """A request that is now answered: ``value`` is the slice to send back, or None for a bare ack."""
-
-    token: Any
-    value: np.ndarray | None = None
-
-
-class _Assembly:
-    """A dist_async contribution being gathered from its chunks."""
-
-    __slots__ = ("buf", "covered", "tokens")
-
-    def __init__(self, buf: np.ndarray) -> None:
-        self.buf = buf
-        self.covered = 0
-        self.tokens: list = []
-
-
 @dataclass
 class _KeyState:
     value: np.ndarray
@@ -100,6 +89,7 @@ class _KeyState:
     base: int = 0                                             # number of rounds[0] (rounds closed)
     next_round: dict[int, int] = field(default_factory=dict)  # worker -> round its next chunk joins
     assembling: dict[int, _Assembly] = field(default_factory=dict)  # async: worker -> partial one
+    offset: dict[int, int] = field(default_factory=dict)  # quorum: worker -> rounds it was resynced by
     waiting_pulls: list[tuple[Any, int, int, int, int]] = field(default_factory=list)
     # ^ token, worker, target (contributions that must be applied first), lo, hi
 
@@ -109,8 +99,14 @@ class ShardState:
 
     def __init__(self, num_workers: int, sync: bool, updater: Updater | None = None,
                  ordered: bool = True, window: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, quorum: int | None = None,
+                 staleness: int | None = None) -> None:
         self.num_workers = num_workers
+        self.quorum = quorum if sync and quorum is not None and quorum < num_workers else None
+        self.gate = StalenessGate(staleness, window) if not sync and staleness is not None else None
+        self.late: dict[int, int] = {}  # worker -> late pushes dropped (quorum)
+        self.on_late: Callable[[Key, int, int], None] | None = None  # (key, worker, its round)
+        self.incoming_rounds: list[int] | None = None  # the next push_many's rounds (the server's)
         self.window = window  # unapplied contributions per worker and key (0: no limit)
         self.clock = clock    # stamps a round's opening (its wait is reported when it closes)
         self.on_close: Callable[[Key, float, int], None] | None = None  # (key, waited s, last worker)
@@ -226,23 +222,42 @@ class ShardState:
         return self.push_many(worker, [(token, key, value, lo)])
 
     def push_many(self, worker: int, entries: list[tuple[Any, Key, np.ndarray, int]],
-                  pull: bool = False) -> list[Completion]:
+                  pull: bool = False, rounds: list[int] | None = None) -> list[Completion]:
         """Push every ``(token, key, value, lo)`` of ``entries`` (distinct keys) from ``worker``, as
         :meth:`push` does (as :meth:`pushpull` with ``pull``); return the requests this answers.
+        ``rounds`` (default: :attr:`incoming_rounds`, then cleared) is the worker's round of each key.
 
         All entries are checked first: any error is raised (as :meth:`push` raises it) before any
-        entry changes anything.
+        entry changes anything; also :class:`ProtocolError` for a round beyond the next one.
         """
+        rounds, self.incoming_rounds = (self.incoming_rounds if rounds is None else rounds), None
         self._check_active(worker)
-        checked = [self._checked_push(key, worker, value, lo) for _, key, value, lo in entries]
+        checked = [self._checked_push(key, worker, value, lo, None if rounds is None else rounds[i])
+                   for i, (_, key, value, lo) in enumerate(entries)]
         done: list[Completion] = []
-        for (token, key, value, _), (state, lo, hi) in zip(entries, checked):
-            if pull:
-                done += self._accept(state, key, _SILENT, worker, value, lo, hi)
-                done += self._add_pull(state, token, worker, lo, hi)
+        for (token, key, value, _), (state, lo, hi, number) in zip(entries, checked):
+            if number < 0:  # late: its round closed by quorum
+                done += self._late(state, key, token, worker, (lo, hi), -1 - number, pull)
+            elif pull:
+                done += self._accept(state, key, _SILENT, worker, value, lo, hi, number)
+                reply = self._add_pull(state, token, worker, lo, hi)
+                done += reply if self.gate is None else self.gate.attach(key, worker, reply)
             else:
-                done += self._accept(state, key, token, worker, value, lo, hi)
+                done += self._accept(state, key, token, worker, value, lo, hi, number)
         return done
+
+    def _late(self, state: _KeyState, key: Key, token: Any, worker: int, span: tuple[int, int],
+              number: int, pull: bool) -> list[Completion]:
+        """Drop a late push (its round ``number`` closed): ack it (a pushpull gets the current value),
+        count it once per contribution (at its last chunk) and report it to ``on_late``.  The worker's
+        next push joins the oldest open round (it will have pulled the value this one missed)."""
+        lo, hi = span
+        state.offset[worker] = state.offset.get(worker, 0) + state.base - number - 1
+        if hi == state.value.size:
+            self.late[worker] = self.late.get(worker, 0) + 1
+            if self.on_late is not None:
+                self.on_late(key, worker, number)
+        return self._add_pull(state, token, worker, lo, hi) if pull else [Completion(token)]
 
     def pull_many(self, worker: int, entries: list[tuple[Any, Key, int, int | None]],
                   whole: bool = False) -> list[Completion]:
@@ -309,6 +324,8 @@ class ShardState:
             for rnd in state.rounds:
                 rnd.leave(worker, self.active, state.value.size)
             done += self._close_rounds(state, key)
+            if self.gate is not None:  # it no longer counts as the slowest
+                done += self.gate.release(key, state.applied, self.active)
         return done
 
     # -- internals ---------------------------------------------------------------------------
@@ -328,8 +345,10 @@ class ShardState:
         if worker not in self.active:
             raise ValueError(f"worker {worker} has left the cluster; it cannot push")
 
-    def _checked_push(self, key: Key, worker: int, value: np.ndarray, lo: int) -> tuple[_KeyState, int, int]:
-        """Validate a push or pushpull; return the key's state and the chunk's ``[lo, hi)``."""
+    def _checked_push(self, key: Key, worker: int, value: np.ndarray, lo: int,
+                      sent: int | None = None) -> tuple[_KeyState, int, int, int]:
+        """Validate a push or pushpull (``sent``: the round it carries); return the key's state, the
+        chunk's ``[lo, hi)`` and the sync round it joins (``-1 - round`` when late, 0 in async)."""
         state = self._get(key)
         stored = state.value
         if type(lo) is not int:
@@ -349,8 +368,16 @@ class ShardState:
         if value.dtype != stored.dtype:
             raise DTypeMismatchError(f"key {key!r}: pushed dtype {value.dtype} differs from the "
                                      f"stored dtype {stored.dtype}")
+        number = 0
         if self.sync:
-            i = state.next_round.get(worker, state.base) - state.base
+            number = (max(state.next_round.get(worker, state.base), state.base) if sent is None
+                      else sent + state.offset.get(worker, 0))
+            if number < state.base:  # its round closed by quorum: dropped, whatever its offset
+                return state, lo, hi, -1 - number
+            i = number - state.base
+            if i > len(state.rounds):
+                raise ProtocolError(f"key {key!r}: worker {worker} pushed for round {number}, beyond the "
+                                    f"next one ({state.base + len(state.rounds)})")
             rnd = state.rounds[i] if i < len(state.rounds) else None
             expected = 0 if rnd is None else rnd.covered.get(worker, 0)
         else:
@@ -365,7 +392,7 @@ class ShardState:
                                 "unacknowledged pushes (KVSTORE_PUSH_WINDOW); refused, not buffered")
         if rnd is not None:
             rnd.check_part(key, worker, lo, hi)
-        return state, lo, hi
+        return state, lo, hi, number
 
     @staticmethod
     def _checked_range(key: Key, stored: np.ndarray, lo: int, hi: int | None) -> tuple[int, int]:
@@ -379,13 +406,12 @@ class ShardState:
         return lo, hi
 
     def _accept(self, state: _KeyState, key: Key, token: Any, worker: int, value: np.ndarray,
-                lo: int, hi: int) -> list[Completion]:
+                lo: int, hi: int, number: int) -> list[Completion]:
         if lo == 0:
             state.submitted[worker] = state.submitted.get(worker, 0) + 1
         size = state.value.size
         if not self.sync:
             return self._accept_async(state, key, token, worker, value, lo, hi, size)
-        number = state.next_round.get(worker, state.base)
         i = number - state.base
         if i == len(state.rounds):
             state.rounds.append(Round(self._ranks, self.clock()))
@@ -397,7 +423,7 @@ class ShardState:
                       lo: int, hi: int, size: int) -> list[Completion]:
         if hi - lo == size:
             self._apply(state, key, value, (worker,))
-            return _acks((token,)) + self._release_pulls(state)
+            return self._gated(state, key, worker, _acks((token,))) + self._release_pulls(state)
         asm = state.assembling.get(worker)
         if asm is None:
             asm = state.assembling[worker] = _Assembly(np.empty(size, state.value.dtype))
@@ -408,23 +434,36 @@ class ShardState:
             return []
         del state.assembling[worker]
         self._apply(state, key, asm.buf, (worker,))
-        return _acks(asm.tokens) + self._release_pulls(state)
+        return self._gated(state, key, worker, _acks(asm.tokens)) + self._release_pulls(state)
+
+    def _gated(self, state: _KeyState, key: Key, worker: int, acks: list[Completion]) -> list[Completion]:
+        """``acks`` of ``worker``'s applied push, unless the staleness gate withholds them, plus what
+        it releases for others."""
+        if self.gate is None:
+            return acks
+        return self.gate.applied(key, worker, state.applied, self.active, acks)
 
     def _close_rounds(self, state: _KeyState, key: Key) -> list[Completion]:
         """Close the oldest rounds while they are done; return their acks and the pulls released."""
-        rounds, active = state.rounds, self.active
-        if not rounds or not rounds[0].done(active):
+        rounds, size = state.rounds, state.value.size
+        if not rounds or not self._closes(rounds[0], size):
             return []  # nothing applied: no pull can be released
         done: list[Completion] = []
-        while rounds and rounds[0].done(active):
+        while rounds and self._closes(rounds[0], size):
             rnd = rounds.popleft()
             state.base += 1
-            self._apply(state, key, rnd.total(state.value.size), rnd.covered)
+            total = rnd.total(size)
+            self._apply(state, key, total if self.quorum is None else rnd.scaled(total, self.num_workers),
+                        rnd.covered)
             if self.on_close is not None:
                 self.on_close(key, self.clock() - rnd.opened, rnd.last)
             for tokens in rnd.tokens.values():
                 done.extend(_acks(tokens))
         return done + self._release_pulls(state)
+
+    def _closes(self, rnd: Round, size: int) -> bool:
+        """Whether ``rnd`` may close: every live worker's contribution is in, or a quorum's."""
+        return rnd.done(self.active) or (self.quorum is not None and rnd.reached(self.quorum, size))
 
     def _apply(self, state: _KeyState, key: Key, total: np.ndarray, workers: Iterable[int]) -> None:
         if self.updater is None:
@@ -450,15 +489,3 @@ class ShardState:
         state.waiting_pulls = waiting
         value = state.value
         return [Completion(token, _part_of(value, lo, hi)) for token, _, _, lo, hi in ready]
-
-
-_SILENT = object()  # marks the push half of a pushpull, whose ack is folded into the pull's reply
-
-
-def _acks(tokens: Iterable[Any]) -> list[Completion]:
-    return [Completion(t) for t in tokens if t is not _SILENT]
-
-
-def _part_of(value: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """``value`` itself when ``[lo, hi)`` is all of it, else the view ``value[lo:hi]`` (1-D)."""
-    return value if lo == 0 and hi == value.size else value[lo:hi]

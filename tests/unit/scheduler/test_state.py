@@ -272,3 +272,32 @@ def test_liveness_ignores_unwatched_and_forgotten_nodes():
     live.watch("worker", 0, now=0.0)
     live.forget("worker", 0)
     assert not live.beat("worker", 0, now=0.5) and live.expired(now=100.0) == []
+
+
+def _worker(i: int, quorum: int | None) -> Node:
+    return Node(identity=bytes([i]), role="worker", host=f"h{i}", mode="dist_sync", quorum=quorum)
+
+
+def test_the_quorum_is_the_workers_else_the_schedulers():
+    """Workers that ask for a quorum decide it (all must agree); without any, the scheduler's."""
+    rdv = Rendezvous(3, 0)
+    for i, quorum in enumerate((2, None, 2)):
+        rdv.register(_worker(i, quorum))
+    assert rdv.quorum(default=3) == 2
+    quiet = Rendezvous(2, 0)
+    for i in range(2):
+        quiet.register(_worker(i, None))
+    assert quiet.quorum(default=1) == 1 and quiet.quorum(default=None) is None
+
+
+def test_a_quorum_the_workers_disagree_on_or_out_of_range_is_a_config_error():
+    rdv = Rendezvous(2, 0)
+    rdv.register(_worker(0, 1))
+    rdv.register(_worker(1, 2))
+    with pytest.raises(ConfigError, match="disagree on the sync quorum: h0 asked for 1, h1 asked for 2"):
+        rdv.quorum(default=None)
+    big = Rendezvous(2, 0)
+    big.register(_worker(0, 3))
+    big.register(_worker(1, None))
+    with pytest.raises(ConfigError, match=r"outside \[1, 2\]"):
+        big.quorum(default=None)
