@@ -10,7 +10,6 @@ does not answer within ``--timeout`` seconds or refuses the secret (docs/observa
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -18,75 +17,13 @@ from typing import Any
 
 from kvstore import config as kvconfig
 from kvstore.core.status_view import render
-from kvstore.errors import (
-    AuthenticationError,
-    DeadlineExceededError,
-    KVStoreError,
-    ProtocolError,
-    error_from_code,
-)
+from kvstore.errors import KVStoreError
 from kvstore.net import address as kvaddress
-from kvstore.net import protocol, transport
-from kvstore.net.auth import Channel, channel_for, new_label
-from kvstore.net.protocol import Message, Op
+from kvstore.net import transport
+from kvstore.net.status_client import StatusClient
 
 __all__ = ["StatusClient", "main"]
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
-
-
-class StatusClient:
-    """One connection to a scheduler that asks it for STATUS (its own DEALER and channel)."""
-
-    def __init__(self, cfg: kvconfig.Config, where: str) -> None:
-        self.where, self.cfg = where, cfg
-        self.channel: Channel = channel_for(cfg, new_label("status"))
-        self.sock = transport.connect_dealer(where, curve=transport.curve_keys(cfg))
-        self._seq = itertools.count(1)
-
-    def status(self, timeout: float) -> dict[str, Any]:
-        """The scheduler's STATUS reply body; raises DeadlineExceededError past ``timeout`` seconds,
-        AuthenticationError when it refuses this secret (or its reply does not verify)."""
-        seq = next(self._seq)
-        transport.send(self.sock, self.channel.seal(Message(Op.STATUS, {}, seq=seq), "scheduler"))
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                frames = transport.recv_within(self.sock, max(0.0, deadline - time.monotonic()), "reply")
-            except DeadlineExceededError:
-                raise DeadlineExceededError(f"no STATUS reply from the scheduler at {self.where} within "
-                                            f"{timeout:g} s (--timeout)") from None
-            reply = self._open(frames)
-            if reply.seq != seq:
-                continue  # the late answer to an earlier request
-            if reply.op is Op.ERROR:
-                raise error_from_code(str(reply.body.get("code", "")), str(reply.body.get("message", "")))
-            return reply.body
-
-    def _open(self, frames: list[Any]) -> Message:
-        try:
-            return self.channel.open(frames)
-        except (AuthenticationError, ProtocolError):
-            refusal = _unsigned_text(frames)
-            if refusal is not None:
-                raise AuthenticationError(f"the scheduler at {self.where} refused this request: "
-                                          f"{refusal} (is KVSTORE_SECRET the cluster's?)") from None
-            raise AuthenticationError(f"the reply of the scheduler at {self.where} failed to "
-                                      "authenticate (is KVSTORE_SECRET the cluster's?)") from None
-
-    def close(self) -> None:
-        """Close the connection."""
-        transport.close(self.sock)
-
-
-def _unsigned_text(frames: list[Any]) -> str | None:
-    """The message of an unsigned ERROR reply (a refusal), else None."""
-    if len(frames) < 2 or memoryview(frames[0]).nbytes:
-        return None
-    try:
-        reply = protocol.decode(frames[1:])
-    except ProtocolError:
-        return None
-    return str(reply.body.get("message", ""))[:300] if reply.op is Op.ERROR else None
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,0 +1,90 @@
+"""A client of the scheduler's STATUS request, holding the cluster secret and never registering
+(``python -m kvstore.status``, the launcher's TensorBoard writer; docs/observability.md)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from kvstore import config as kvconfig
+from kvstore.errors import AuthenticationError, DeadlineExceededError, ProtocolError, error_from_code
+from kvstore.net import protocol, transport
+from kvstore.net.auth import Channel, channel_for, new_label
+from kvstore.net.protocol import Message, Op
+
+__all__ = ["StatusClient"]
+
+
+class StatusClient:
+    """One connection to a scheduler that asks it for STATUS (its own DEALER and channel)."""
+
+    def __init__(self, cfg: kvconfig.Config, where: str) -> None:
+        self.where, self.cfg = where, cfg
+        self.channel: Channel = channel_for(cfg, new_label("status"))
+        self.sock = transport.connect_dealer(where, curve=transport.curve_keys(cfg))
+        self._seq = itertools.count(1)
+        self._renewed = False  # a fresh channel was tried since the last reply that opened
+        self._refused = False  # the last reply was the scheduler's refusal of this secret
+
+    def status(self, timeout: float) -> dict[str, Any]:
+        """The scheduler's STATUS reply body; raises DeadlineExceededError past ``timeout`` seconds,
+        AuthenticationError when it refuses this secret (or its reply does not verify).
+
+        The scheduler answers STATUS from a new channel once the cluster map is out, whose numbers
+        start over: after a reply that fails to open, the request is asked once more from a fresh
+        channel (a new label), so one client lasts across the rendezvous."""
+        try:
+            body = self._ask(timeout)
+        except AuthenticationError:
+            if self._renewed or self._refused:
+                raise
+            self._renewed = True
+            self.channel = channel_for(self.cfg, new_label("status"))
+            body = self._ask(timeout)
+        self._renewed = False
+        return body
+
+    def _ask(self, timeout: float) -> dict[str, Any]:
+        seq = next(self._seq)
+        transport.send(self.sock, self.channel.seal(Message(Op.STATUS, {}, seq=seq), "scheduler"))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                frames = transport.recv_within(self.sock, max(0.0, deadline - time.monotonic()), "reply")
+            except DeadlineExceededError:
+                raise DeadlineExceededError(f"no STATUS reply from the scheduler at {self.where} within "
+                                            f"{timeout:g} s (--timeout)") from None
+            reply = self._open(frames)
+            if reply.seq != seq:
+                continue  # the late answer to an earlier request
+            if reply.op is Op.ERROR:
+                raise error_from_code(str(reply.body.get("code", "")), str(reply.body.get("message", "")))
+            return reply.body
+
+    def _open(self, frames: list[Any]) -> Message:
+        try:
+            return self.channel.open(frames)
+        except (AuthenticationError, ProtocolError):
+            refusal = _unsigned_text(frames)
+            self._refused = refusal is not None  # the secret is wrong: asking again cannot help
+            if refusal is not None:
+                raise AuthenticationError(f"the scheduler at {self.where} refused this request: "
+                                          f"{refusal} (is KVSTORE_SECRET the cluster's?)") from None
+            raise AuthenticationError(f"the reply of the scheduler at {self.where} failed to "
+                                      "authenticate (is KVSTORE_SECRET the cluster's?)") from None
+
+    def close(self) -> None:
+        """Close the connection."""
+        transport.close(self.sock)
+
+
+def _unsigned_text(frames: list[Any]) -> str | None:
+    """The message of an unsigned ERROR reply (a refusal), else None."""
+    if len(frames) < 2 or memoryview(frames[0]).nbytes:
+        return None
+    try:
+        reply = protocol.decode(frames[1:])
+    except ProtocolError:
+        return None
+    return str(reply.body.get("message", ""))[:300] if reply.op is Op.ERROR else None

@@ -1,0 +1,100 @@
+"""launch.py --tensorboard end to end: a real job, the real TensorBoard server and its HTTP API, and
+the process gone after the job (or kept with --tensorboard-keep until the test stops it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import finish, launch, poll_for
+
+pytest.importorskip("tensorboard")
+pytestmark = pytest.mark.timeout(90)
+
+SCRIPT = str(Path(__file__).parents[1] / "scripts" / "scalar_train.py")
+ANNOUNCED = re.compile(r"TensorBoard at (http://\S+) \(logdir .*, pid (\d+)\)")
+# every role's counters (one each) and the user's loss on every worker
+EXPECTED = {"scheduler": {"barriers", "joins"}, "server-0": {"rounds_applied", "bytes_in"},
+            "worker-0": {"ops/push", "latency/push/p50_ms", "loss"},
+            "worker-1": {"ops/push", "blocked_s/pull", "loss"}}
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie is not running)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def kept_pids():
+    """Pids of TensorBoards a test left running: killed at teardown."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            poll_for(lambda pid=pid: not _alive(pid), 10, f"TensorBoard {pid} to die")
+
+
+def _run_job(logdir: Path, *flags: str) -> tuple[str, int, str]:
+    """Run the small training job with --tensorboard; return (url, TensorBoard's pid, output)."""
+    env = {**os.environ, "KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
+           "KVSTORE_LOG_LEVEL": "INFO"}
+    env.pop("TENSORBOARD_PORT", None)  # a free port
+    proc = launch(["-n", "2", "-s", "1", "--tensorboard", str(logdir), *flags, SCRIPT, "100"], env)
+    try:
+        code, out = finish(proc, timeout=60)
+    except AssertionError as exc:  # the launcher was killed: the TensorBoard it announced must go too
+        for _, pid in ANNOUNCED.findall(str(exc)):
+            os.kill(int(pid), signal.SIGKILL)
+        raise
+    assert code == 0, out
+    found = ANNOUNCED.findall(out)
+    assert len(found) == 1, out  # printed once
+    return found[0][0], int(found[0][1]), out
+
+
+def _tags(url: str) -> dict[str, set[str]]:
+    """TensorBoard's scalar tags by run (the job folder left out); {} while it does not answer."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/data/plugin/scalars/tags", timeout=5) as reply:
+            body = json.load(reply)
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    return {run.rsplit("/", 1)[-1]: set(tags) for run, tags in body.items()}
+
+
+def test_kept_tensorboard_serves_every_roles_counters_and_the_loss(tmp_path: Path, kept_pids) -> None:
+    """--tensorboard-keep: after the job TensorBoard still runs and lists every role's counters and the
+    workers' loss; stopping it ends its process."""
+    url, pid, out = _run_job(tmp_path / "tb", "--tensorboard-keep")
+    kept_pids.append(pid)
+    assert f"kill {pid}" in out
+
+    def complete() -> bool:
+        tags = _tags(url)
+        return all(want <= tags.get(run, set()) for run, want in EXPECTED.items())
+
+    poll_for(complete, 40, f"every role's tags at {url}: {EXPECTED}", interval=0.5)
+    runs = [p.name for p in next((tmp_path / "tb").glob("job-*")).iterdir()]
+    assert sorted(runs) == ["scheduler", "server-0", "worker-0", "worker-1"]
+    os.kill(pid, signal.SIGTERM)
+    poll_for(lambda: not _alive(pid), 20, "the kept TensorBoard to stop")
+
+
+def test_tensorboard_is_stopped_after_the_job(tmp_path: Path, kept_pids) -> None:
+    """Without --tensorboard-keep the launcher stops TensorBoard before it exits."""
+    _, pid, out = _run_job(tmp_path / "tb")
+    kept_pids.append(pid)  # killed at teardown should the launcher have left it
+    assert not _alive(pid), out
+    assert "keeps running" not in out
