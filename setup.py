@@ -27,6 +27,7 @@ setup(
         "torch": ["torch>=2.1"],
         "ray": ["ray>=2.9"],  # launch.py --launcher ray, kvstore.ray
         "spark": ["pyspark>=3.5"],  # kvstore.spark (needs Java 17 on the machine)
+        "tensorboard": ["tensorboard>=2.14"],  # launch.py --tensorboard, kvstore.spark.run(tensorboard=)
     },
     entry_points={"console_scripts": ["kvstore-launch=kvstore.launch.cli:main",
                                       "kvstore-node=kvstore.node:main",

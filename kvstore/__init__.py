@@ -21,6 +21,7 @@ from kvstore import lr_scheduler as lr_scheduler
 from kvstore import optimizer as optimizer
 from kvstore import snapshot as snapshot
 from kvstore.base import KVStore
+from kvstore.client.meter import log_scalar
 from kvstore.errors import (
     AuthenticationError,
     ChildFailed,
@@ -64,7 +65,7 @@ if not (_Path(__file__).parent / "scheduler").is_dir() and (_checkout / "schedul
 __version__ = "0.1.0"
 
 __all__ = [
-    "KNOWN_TYPES", "KVStore", "create", "Trainer", "__version__",
+    "KNOWN_TYPES", "KVStore", "create", "Trainer", "__version__", "log_scalar",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "KVStoreError", "ConfigError", "UnknownModeError", "KeyNotInitializedError",
     "DuplicateInitError", "ShapeMismatchError", "DTypeMismatchError", "KeyTypeError",

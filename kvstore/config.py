@@ -80,6 +80,8 @@ class Config:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     sum_order: str = "arrival"
     push_window: int = DEFAULT_PUSH_WINDOW
+    sync_quorum: int | None = None  # KVSTORE_SYNC_QUORUM: dist_sync rounds close at this many workers
+    staleness: int | None = None    # KVSTORE_STALENESS: dist_async's bound on rounds ahead (None: off)
     encrypt: str | None = None       # KVSTORE_ENCRYPT: None (off) or "curve"
     curve_keys: str | None = None    # KVSTORE_CURVE_KEYS: a folder of key files, else derived from the secret
     stall_warn: float = DEFAULT_STALL_WARN  # KVSTORE_STALL_WARN: seconds before a stalled wait is logged
@@ -212,12 +214,16 @@ def _watch_and_wire(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _data_path(env: Mapping[str, str]) -> dict[str, Any]:
-    """The data path's knobs: message sizes, the sum order and the push window."""
+    """The data path's knobs: message sizes, the sum order, the push window, the sync quorum (in
+    ``[1, DMLC_NUM_WORKER]``) and the staleness bound."""
     return {"batch_bytes": env_int(env, "KVSTORE_BATCH_BYTES", minimum=0, default=DEFAULT_BATCH_BYTES),
             "chunk_bytes": env_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
             "max_message_bytes": _max_message_bytes(env), "sum_order": _sum_order(env),
             "push_window": env_int(env, "KVSTORE_PUSH_WINDOW", minimum=1, maximum=1024,
-                                   default=DEFAULT_PUSH_WINDOW)}
+                                   default=DEFAULT_PUSH_WINDOW),
+            "sync_quorum": env_int(env, "KVSTORE_SYNC_QUORUM", minimum=1,  # at most DMLC_NUM_WORKER
+                                   maximum=env_int(env, "DMLC_NUM_WORKER", minimum=1)),
+            "staleness": env_int(env, "KVSTORE_STALENESS", minimum=0)}
 
 
 def _max_message_bytes(env: Mapping[str, str]) -> int:

@@ -32,12 +32,14 @@ import itertools
 import os
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvstore import config as kvconfig
 from kvstore.base import KVStore
+from kvstore.client.meter import trainer_step
 from kvstore.core import checkpoint, xp
 from kvstore.core import optimizer as kvoptimizer
 from kvstore.core.optimizer import Optimizer
@@ -125,14 +127,16 @@ class Trainer:
     else 'local').  ``update_on_kvstore``: see :func:`resolve_update_on_kvstore`.
     ``key_prefix``: defaults to ``f"trainer{i}"``, i counting (from 0) the Trainers
     made without one in this process; pass the same prefix to load states saved by
-    a Trainer that was made in another order.  Raises ValueError when no parameter requires grad, for a
-    tensor given twice, for replicas that do not match, for ``optimizer_params`` with an Optimizer, and for
-    update_on_kvstore=False with an async store; TypeError for bad ``params``.
+    a Trainer that was made in another order.  ``compression_params``: gluon's (``set_gradient_compression``).
+    Raises ValueError when no parameter requires grad, for a tensor given twice, for replicas that do
+    not match, for ``optimizer_params`` with an Optimizer, for update_on_kvstore=False with an async
+    store; TypeError for bad ``params``.
     """
 
     def __init__(self, params: Iterable[Any] | Mapping[str, Any], optimizer: str | Optimizer,
                  optimizer_params: Mapping[str, Any] | None = None, kvstore: KVStore | str | None = None,
-                 update_on_kvstore: bool | None = None, key_prefix: str | None = None) -> None:
+                 update_on_kvstore: bool | None = None, key_prefix: str | None = None,
+                 compression_params: Mapping[str, Any] | None = None) -> None:
         replicas = [[(n, p) for n, p in named if p.requires_grad] for named in _replica_sets(params)]
         named = replicas[0]
         if not named:
@@ -168,6 +172,7 @@ class Trainer:
         # Per-device optimizer state for replicas 1.. (states, counts), swapped in by _update.
         self._replica_states: list[tuple[dict, dict]] = [({}, {}) for _ in replicas[1:]]
         self._initialized = False
+        self._compression_params = None if compression_params is None else dict(compression_params)
         self._warned: set[str] = set()
         self._shares = itertools.count()  # numbers the state_dict broadcasts (their keys)
 
@@ -225,6 +230,8 @@ class Trainer:
         """Collective: store rank 0's weights, copy them into every worker, set the optimizer."""
         if self._initialized:
             return
+        if self._compression_params:  # gluon's compression_params (docs/compression.md)
+            self._kv.set_gradient_compression(self._compression_params)
         self._kv.init(self._keys, self._params)
         self._kv.pull(self._keys, out=self._per_key(self._replicas))
         if self._update_on_kvstore:
@@ -280,6 +287,7 @@ class Trainer:
         gradient pushes zeros (a warning names it once, unless
         ``ignore_stale_grad``).  Raises ValueError for a batch_size <= 0.
         """
+        began = time.perf_counter()  # for the step time and samples/s (docs/observability.md)
         self._set_rescale(batch_size)
         self._init_kvstore()
         if self._update_on_kvstore:
@@ -288,6 +296,7 @@ class Trainer:
         else:
             self._allreduce(not ignore_stale_grad)
             self._update()
+        trainer_step(began, batch_size)
 
     def allreduce_grads(self) -> None:
         """Sum every parameter's gradient over the workers, in place (update_on_kvstore=False only).

@@ -26,7 +26,7 @@ from kvstore.errors import (
     StallError,
 )
 from kvstore.launch.portfile import write as write_port_file
-from kvstore.net import address, transport
+from kvstore.net import address, timeline, transport
 from kvstore.net.auth import channel_for
 from kvstore.net.heartbeat import lost_error
 from kvstore.net.protocol import Message, Op
@@ -41,6 +41,13 @@ log = logging.getLogger("scheduler")
 # TCP holds the sender back: a flood costs the scheduler little memory (a node sends it a few
 # messages at a time: registration, a barrier, its heartbeats).
 INBOUND_MESSAGES = 64
+
+
+def _quorum(value: object) -> int | None:
+    """A REGISTER's ``quorum`` (None, or an int); raise :class:`ProtocolError` for anything else."""
+    if value is None or (type(value) is int and value >= 1):
+        return value  # type: ignore[return-value]
+    raise ProtocolError(f"REGISTER's quorum must be an int >= 1 or absent, not {str(value)[:40]!r}")
 
 
 class Scheduler:
@@ -81,6 +88,7 @@ class Scheduler:
         self.stopped_servers: set[bytes] = set()
         self.map_sent = False
         self.failed: str | None = None
+        self.timeline = timeline.recorder("scheduler", lambda: 0)  # KVSTORE_TIMELINE, else None
 
     def _on_hello(self, identity: bytes, msg: Message) -> None:
         nonce = msg.body.get("nonce")
@@ -99,7 +107,8 @@ class Scheduler:
         if issued is None or body.get("challenge") != issued[1]:
             raise AuthenticationError("REGISTER must answer the challenge this connection was given")
         node = Node(identity=identity, role=str(body.get("role")), host=str(body.get("host")),
-                    port=body.get("port"), wanted_rank=body.get("rank"), mode=body.get("mode"))
+                    port=body.get("port"), wanted_rank=body.get("rank"), mode=body.get("mode"),
+                    quorum=_quorum(body.get("quorum")))
         if self.map_sent:
             raise ProtocolError("the cluster is already complete; late registrations are refused")
         self.rendezvous.register(node)
@@ -112,6 +121,7 @@ class Scheduler:
     def _send_map(self) -> None:
         try:
             mode = self.rendezvous.mode()
+            quorum = self.rendezvous.quorum(self.cfg.sync_quorum)
         except KVStoreError as exc:
             self._fail_all(exc)
             return
@@ -123,7 +133,9 @@ class Scheduler:
                 "seed": secrets.randbits(63), "session": self.session,
                 "chunk_bytes": self.cfg.chunk_bytes,  # one chunk size for all: servers check boundaries
                 "max_message_bytes": self.cfg.max_message_bytes,  # every frame a worker sends fits
-                "push_window": self.cfg.push_window}  # one window for all: servers refuse beyond it
+                "push_window": self.cfg.push_window,  # one window for all: servers refuse beyond it
+                "sync_quorum": quorum,  # stragglers (issue 25): None is plain sync/async
+                "staleness": self.cfg.staleness}
         now = time.monotonic()
         for role, nodes in ranked.items():
             for rank, node in enumerate(nodes):
@@ -177,6 +189,10 @@ class Scheduler:
     def _release(self, released: list[tuple[bytes, int]]) -> None:
         """Answer released barrier waiters: the failures reported at it, and who has left."""
         if released:
+            if self.timeline is not None and self.stats.opened_at is not None:
+                wall, waited = time.time(), self.stats.open_for(time.monotonic()) or 0.0
+                self.timeline.span("barrier", "scheduler", wall - waited, wall,
+                                   {"workers": sorted(self.stats.arrived)})
             self.stats.released(time.monotonic())
         body = {"failures": [[r, text] for r, text in sorted(self.barrier.released_failures.items())],
                 "left": sorted(self.left)}

@@ -22,6 +22,7 @@ from kvstore import logs
 from kvstore.base import Group, KVStore, public
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
+from kvstore.client.compress import WorkerCompression
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
 from kvstore.client.window import PushWindow
@@ -60,7 +61,8 @@ def _join(scheduler: Any, channel: Any, cfg: kvconfig.Config, mode: str) -> dict
     """
     try:
         body = register(scheduler, channel, cfg, {"role": "worker", "host": address.advertised_host(cfg),
-                                                  "rank": cfg.worker_id, "mode": mode}, "worker").body
+                                                  "rank": cfg.worker_id, "mode": mode,
+                                                  "quorum": cfg.sync_quorum}, "worker").body
     except BaseException:
         transport.close(scheduler)
         raise
@@ -106,14 +108,17 @@ class DistKVStore(KVStore):
         self._send_lock = threading.Lock()  # one call's push-like messages leave as one run
         self._buffers: dict[Key, tuple[np.ndarray, list[Request]]] = {}  # see _flat
         self._window = PushWindow(body.get("push_window", cfg.push_window))
+        self._pushes: dict[Key, int] = {}  # key -> pushes sent: a PUSH's "rounds" (under _send_lock)
         self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
+        self._compress = WorkerCompression()  # set_gradient_compression's residuals (client/compress.py)
         self._barriers = Barriers(self._io, cfg, self._mode, self._rank, self._num_workers, self._wait)
         self._collective_calls = CollectiveCalls(StoreLink(
             run_collective=self._collective, barrier=self.barrier, submit=self._io.submit,
             request_all=self._request_all, pieces=self._pieces, metas=self._metas,
             pull=lambda keys: self._pull(keys, 0), servers=self._servers, resume=cfg.resume,
-            chunk_bytes=self._chunk_bytes))
+            chunk_bytes=self._chunk_bytes,
+            save_residuals=lambda d: self._compress.save(d, self._rank, self._num_workers)))
         self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,
                                     stats=self._snapshot, on_left=self._barriers.warn_left)
@@ -159,12 +164,16 @@ class DistKVStore(KVStore):
         pieces = self._placements.get(key)
         return self._place(key, self._meta[key].size) if pieces is None else pieces
 
-    def _submit(self, op: Op, send: Send, array: np.ndarray | None) -> Request:
+    def _submit(self, op: Op, send: Send, array: np.ndarray | None, extra: dict | None = None) -> Request:
         """Queue one data message (a batch, a whole piece or a chunk) to its server."""
         first, more = send.parts[0].key, len(send.parts) - 1
         keys = f"key {first!r}" + (f" and {more} more" if more else "")
         what = f"{op.name.lower()} of {keys} to server {send.server} ({self._servers[send.server]})"
         body = init_body(send) if op is Op.INIT else send.body()
+        if extra:
+            body = {**body, **extra}  # e.g. a compressed push's "compression"
+        if op is Op.PUSH or op is Op.PUSHPULL:  # each key's round: this worker's earlier pushes of it
+            body = {**body, "rounds": [self._pushes[part.key] - 1 for part in send.parts]}
         if array is not None:
             self._meter.sent(array.nbytes)
         return self._io.submit(send.server, Message(op, body, [] if array is None else [array]), what)
@@ -246,6 +255,17 @@ class DistKVStore(KVStore):
     def _save_checkpoint(self, directory: str) -> None:
         self._collective_calls.save_checkpoint(directory)
 
+    def _set_compression(self, params: Any) -> None:
+        """Collective: every worker checks ``params`` (and that it has not pushed) before any installs."""
+        checked: list = []
+        self._barriers.agree("set_gradient_compression",
+                             lambda: checked.append(self._check_compression(params)))
+        with self._lock:
+            self._compression = self._compress.spec = checked[0]
+            self._plans.clear()  # push plans group compressed keys apart
+        if self._cfg.resume is not None:  # KVSTORE_RESUME: this worker's saved residuals
+            self._compress.load(self._cfg.resume, self._rank, self._num_workers)
+
     # -- the data path ------------------------------------------------------------------------------
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
         def send_all() -> None:
@@ -281,7 +301,7 @@ class DistKVStore(KVStore):
             if found is None:
                 meta = self._meta
                 sends = plan([(k, meta[k].dtype, self._pieces(k)) for k in keys], self._cfg.batch_bytes,
-                             self._chunk_bytes, chunked)
+                             self._chunk_bytes, chunked, self._compress.tags(keys, meta) if chunked else None)
                 viewed = {p.key for s in sends if len(s.parts) == 1 for p in s.parts}
                 found = (sends, frozenset(keys) - viewed)
                 if len(self._plans) >= 64:
@@ -309,7 +329,9 @@ class DistKVStore(KVStore):
         while True:  # another thread may have filled a window meanwhile
             with self._send_lock:
                 if self._window.has_room(todo):
-                    requests = [self._submit(op, send, pack(send, flats)) for send in sends]
+                    for key in todo:  # this call's round of each key (docs/protocol.md)
+                        self._pushes[key] = self._pushes.get(key, 0) + 1
+                    requests = [self._submit(op, send, *self._compress.encode(send, flats)) for send in sends]
                     carriers: dict[Key, list[Request]] = {}
                     for send, request in zip(sends, requests):
                         for part in send.parts:

@@ -29,6 +29,7 @@ from kvstore import config as kvconfig
 from kvstore.errors import ChildFailed, ConfigError, StartFailed, SyncFailed
 from kvstore.launch import envrules as roles
 from kvstore.launch import gpus, tether
+from kvstore.launch import tensorboard as kvtensorboard
 from kvstore.launch.group import RoleGroup
 from kvstore.launch.interrupts import held_interrupts
 from kvstore.launch.node import python_if_script
@@ -46,7 +47,8 @@ from kvstore.launch.ssh import (
     start_remote,
     sync_dir,
 )
-from kvstore.net import address
+from kvstore.net import address, transport
+from kvstore.net import timeline as kvtimeline
 
 log = logging.getLogger("kvstore.launcher")
 
@@ -112,6 +114,7 @@ class Cluster:
         # a local child inherits the launcher's environment, but for what the launcher sets per role
         # (a KVSTORE_NODE_PORT exported here would make every server bind one port)
         self.inherited = roles.inherited(kvconfig.child_environ({}))
+        self.timeline = start_timeline(self.base_env, self.inherited)
         self.gpu_env = gpu_plan(cfg, self.inherited)  # before anything starts: too few GPUs fail here
         self.no_gpu = dict(gpus.NO_GPU) if self.gpu_env is not None else {}
 
@@ -240,6 +243,58 @@ class Cluster:
         return [killed_text(child, killed, wait) for child, killed, wait in self.group.stop()]
 
 
+def start_timeline(base_env: dict[str, str], inherited: dict[str, str]) -> str | None:
+    """Under ``KVSTORE_TIMELINE`` (here or in ``--env``): its absolute path, set in ``base_env`` for
+    every role, its folder of parts emptied of an earlier job's; None without it."""
+    path = kvtimeline.timeline_path({**inherited, **base_env})
+    if path is None:
+        return None
+    path = base_env[kvtimeline.VARIABLE] = os.path.abspath(path)
+    folder = kvtimeline.parts_dir(path)
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name.endswith(".json"):
+                os.remove(os.path.join(folder, name))
+    return path
+
+
+def finish_timeline(path: str | None) -> None:
+    """Merge the roles' timeline parts into ``path`` (nothing when None); logs what it did."""
+    if path is None:
+        return
+    try:
+        merged = kvtimeline.merge_parts(path)
+    except OSError as exc:
+        log.error("cannot write the timeline %s: %s", path, exc)
+        return
+    if merged:
+        log.info("timeline of %d roles written to %s", merged, path)
+    else:
+        log.warning("no timeline parts in %s to merge", kvtimeline.parts_dir(path))
+
+
+def start_board(cfg: LaunchConfig, cluster: Cluster) -> kvtensorboard.JobBoard | None:
+    """``--tensorboard``: TensorBoard started (None without the flag).  Raises ConfigError without
+    the extra or for a bad TENSORBOARD_PORT, OSError when it cannot be started."""
+    if not cfg.tensorboard:
+        return None
+    environ = {**cluster.inherited, **cluster.base_env}
+    board = kvtensorboard.JobBoard(cfg.tensorboard, cfg.tensorboard_keep, environ,
+                                   bind_all=cfg.launcher == "ssh")
+    board.start()
+    return board
+
+
+def attach_board(board: kvtensorboard.JobBoard | None, cluster: Cluster) -> None:
+    """Point the board's writer at the started cluster's scheduler (nothing without a board)."""
+    if board is None:
+        return
+    env = cluster.base_env
+    settings = kvconfig.load(kvconfig.child_environ(env, environ=cluster.inherited))
+    where = transport.address(env["DMLC_PS_ROOT_URI"], int(env["DMLC_PS_ROOT_PORT"]))
+    board.attach(settings, where)
+
+
 def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     """Launch ``cfg`` here (``--launcher local``) or over ssh and supervise it to the end; return the
     launcher's exit code: 0, the failed process's (1 if it exited 0 too early), 128 + n for signal n,
@@ -248,7 +303,8 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     previous = signal.signal(signal.SIGTERM, roles.raise_interrupt)
     try:
         cluster = Cluster(cfg, settings)  # checks the GPUs before anything starts
-    except ConfigError as exc:
+        board = start_board(cfg, cluster)
+    except (ConfigError, OSError) as exc:
         log.error("%s", exc)
         signal.signal(signal.SIGTERM, previous)
         return 2
@@ -259,6 +315,7 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
             sync_dir(cfg.hosts, cfg.ssh_args, os.getcwd(), cfg.sync_dst_dir, settings.connect_timeout)
         with tempfile.TemporaryDirectory(prefix="kvstore-launch-") as workdir:
             cluster.start(workdir)
+            attach_board(board, cluster)
             code = cluster.supervise()
     except ChildFailed as exc:
         code, failed = exc.code, exc.child
@@ -280,11 +337,22 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
         code = 127
         log.error("%s", exc)
     finally:
-        killed = cluster.stop_all()
-        if killed:
-            log.error("killed after their stop timeout: %s", ", ".join(killed))
-        if isinstance(failed, RoleProcess):  # after every role's output: the launch's last line
-            print(failure_summary(failed), file=sys.stderr, flush=True)
+        finish(cluster, board, failed)
         signal.signal(signal.SIGTERM, previous)
     return code
+
+
+def finish(cluster: Cluster, board: kvtensorboard.JobBoard | None, failed: RoleProcess | None) -> None:
+    """The end of a launch: the scalar writer's last poll, every child stopped, the timeline merged,
+    TensorBoard stopped (unless kept), and the failed role's summary last.  Raises nothing."""
+    if board is not None:
+        board.finish_writer()
+    killed = cluster.stop_all()
+    if killed:
+        log.error("killed after their stop timeout: %s", ", ".join(killed))
+    finish_timeline(cluster.timeline)
+    if board is not None:
+        board.finish()
+    if isinstance(failed, RoleProcess):  # after every role's output: the launch's last line
+        print(failure_summary(failed), file=sys.stderr, flush=True)
 

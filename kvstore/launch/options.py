@@ -52,6 +52,8 @@ class LaunchConfig:
     ray_address: str | None = None  # ray: the cluster to join (default: start a local one)
     ray_options: dict[str, float] = field(default_factory=dict)  # ray: server_cpus, ..., placement_timeout
     gpus_per_worker: int | None = None  # --gpus-per-worker: each worker's share of its host's GPUs
+    tensorboard: str | None = None  # --tensorboard DIR: TensorBoard over DIR, the job's scalars under it
+    tensorboard_keep: bool = False  # --tensorboard-keep: leave TensorBoard running after the job
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> LaunchConfig:
@@ -74,12 +76,14 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> Launch
     hosts = _ssh_hosts(parser, args)
     ray_options = _ray_options(parser, args)
     _check_gpus(parser, args, {**extra, **env_worker})
+    _check_tensorboard(parser, args)
     return LaunchConfig(args.num_workers, args.num_servers or args.num_workers,
                         list(args.command), args.launcher, extra, env_server, env_worker, hosts=hosts,
                         sync_dst_dir=args.sync_dst_dir, ssh_args=shlex.split(args.ssh_args),
                         remote_python=args.remote_python, host_ip=args.host_ip,
                         ray_address=args.ray_address, ray_options=ray_options,
-                        gpus_per_worker=args.gpus_per_worker)
+                        gpus_per_worker=args.gpus_per_worker, tensorboard=args.tensorboard,
+                        tensorboard_keep=args.tensorboard_keep)
 
 
 def _parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -117,6 +121,13 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "scheduler get CUDA_VISIBLE_DEVICES=''; fails before starting anything when a "
                         "host has too few GPUs (KVSTORE_HOST_GPUS overrides the count)")
     _add_env_flags(parser)
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="local, ssh: start TensorBoard over DIR (a free port, or TENSORBOARD_PORT) and "
+                        "write every role's counters and the workers' kvstore.log_scalar values under "
+                        "DIR/job-...; needs the [tensorboard] extra; stopped after the job")
+    parser.add_argument("--tensorboard-keep", action="store_true",
+                        help="with --tensorboard: leave TensorBoard running after the job "
+                        "(its pid is printed)")
     parser.add_argument("--resume", metavar="DIR",
                         help="start from the snapshot kv.save_checkpoint(DIR) wrote (any number of servers)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker's command")
@@ -225,6 +236,16 @@ def _ray_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
         parser.error("--ray-server-cpus, --ray-worker-cpus and --ray-placement-timeout must be > 0, "
                      "--ray-worker-gpus >= 0")
     return ray_options
+
+
+def _check_tensorboard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check ``--tensorboard`` and ``--tensorboard-keep``.  Raises SystemExit (through ``parser.error``)
+    for ``--tensorboard-keep`` alone, or ``--tensorboard`` with a launcher other than local and ssh."""
+    if args.tensorboard_keep and not args.tensorboard:
+        parser.error("--tensorboard-keep needs --tensorboard DIR")
+    if args.tensorboard and args.launcher not in ("local", "ssh"):
+        parser.error("--tensorboard applies to --launcher local and ssh (on Spark: "
+                     "kvstore.spark.run(..., tensorboard=DIR))")
 
 
 def _check_gpus(parser: argparse.ArgumentParser, args: argparse.Namespace,

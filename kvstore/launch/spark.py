@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import secrets
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -35,6 +36,7 @@ from pyspark import RDD, SparkContext
 
 from kvstore import config as kvconfig
 from kvstore.errors import ConfigError, SparkJobFailed
+from kvstore.launch import tensorboard as kvtensorboard
 from kvstore.launch.gpus import GPU_NAMES
 from kvstore.launch.spark_plan import (
     Layout,
@@ -45,6 +47,7 @@ from kvstore.launch.spark_plan import (
     task_failure_detail,
 )
 from kvstore.launch.spark_tasks import JobSpec, run_task
+from kvstore.net import transport
 
 
 def _spark_context(sc_or_spark: Any) -> SparkContext:
@@ -116,7 +119,8 @@ _JOB_PROPERTIES = ("spark.jobGroup.id", "spark.job.description", "spark.job.inte
 
 def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_servers: int, *,
         data: Any = None, args: tuple = (), env: Mapping[str, str] | None = None,
-        slot_timeout: float = 60.0, worker_gpus: int | None = None) -> list:
+        slot_timeout: float = 60.0, worker_gpus: int | None = None,
+        tensorboard: bool | str = False, tensorboard_keep: bool = False) -> list:
     """Run ``train_fn`` on ``num_workers`` workers of a kvstore cluster inside one Spark barrier job.
 
     The job has ``1 + num_servers + num_workers`` tasks, all running at once: the scheduler, the
@@ -132,15 +136,16 @@ def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_se
     ``worker_gpus=N`` gives each worker N GPUs (``CUDA_VISIBLE_DEVICES``: of those Spark assigned its
     task when Spark schedules GPUs, else its share of its host's) and torchrun's ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; servers and the scheduler then get
-    ``CUDA_VISIBLE_DEVICES=""`` (docs/spark.md).
+    ``CUDA_VISIBLE_DEVICES=""`` (docs/spark.md).  ``tensorboard=DIR`` (True: a temporary folder) runs
+    TensorBoard and the scalar writer on the driver until run() returns (or on, ``tensorboard_keep``).
 
     Returns the workers' return values, by rank.  Raises :class:`NotEnoughSlotsError` before any job
     starts when Spark cannot run every task at once (off local masters after waiting ``slot_timeout``
-    seconds for executors); ConfigError for a bad ``env`` or a negative ``worker_gpus``; TypeError for
-    bad ``sc_or_spark`` or ``data``; :class:`SparkJobFailed` (the Spark error chained) when a worker
-    raises (or has too few GPUs), a role exits non-zero or Spark aborts the job, after Spark has ended
-    every task of the job (and with their Python workers the tethered roles, which stop within
-    ``KVSTORE_SHUTDOWN_TIMEOUT``).
+    seconds for executors); ConfigError for a bad ``env``, a negative ``worker_gpus`` or ``tensorboard``
+    without its extra; TypeError for bad ``sc_or_spark`` or ``data``; :class:`SparkJobFailed` (the Spark
+    error chained) when a worker raises (or has too few GPUs), a role exits non-zero or Spark aborts
+    the job, after Spark has ended every task of the job (and with their Python workers the tethered
+    roles, which stop within ``KVSTORE_SHUTDOWN_TIMEOUT``).
     """
     sc = _spark_context(sc_or_spark)
     layout = Layout(num_servers, num_workers)
@@ -154,9 +159,40 @@ def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_se
     shutdown_timeout = kvconfig.load(extra).shutdown_timeout
     _wait_for_slots(sc, layout, slot_timeout)
     rdd, keyed = _input_rdd(sc, data, layout)
-    job = JobSpec(layout, secret, extra, train_fn, tuple(args), keyed, worker_gpus)
-    pairs = _run_barrier_job(sc, rdd, job, shutdown_timeout)
+    board, inbox = _start_board(sc, tensorboard, tensorboard_keep, {**extra, "KVSTORE_SECRET": secret})
+    report_to = (sc.getConf().get("spark.driver.host") or "127.0.0.1", inbox.port) if inbox else None
+    job = JobSpec(layout, secret, extra, train_fn, tuple(args), keyed, worker_gpus, report_to)
+    pairs = _run_with_board(sc, rdd, job, shutdown_timeout, board, inbox)
     return [value for _, value in sorted(pairs, key=lambda pair: pair[0])]
+
+
+def _run_with_board(sc: SparkContext, rdd: RDD, job: JobSpec, shutdown_timeout: float,
+                    board: kvtensorboard.JobBoard | None, inbox: kvtensorboard.AddressInbox | None) -> list:
+    """:func:`_run_barrier_job`, then the end of ``tensorboard=``'s inbox and board (if any)."""
+    try:
+        return _run_barrier_job(sc, rdd, job, shutdown_timeout)
+    finally:
+        if inbox is not None:
+            inbox.close()
+        if board is not None:
+            board.finish()
+
+
+def _start_board(sc: SparkContext, tensorboard: bool | str, keep: bool, env: dict[str, str]
+                 ) -> tuple[kvtensorboard.JobBoard | None, kvtensorboard.AddressInbox | None]:
+    """``tensorboard=``: TensorBoard started on the driver, and the inbox where the scheduler task
+    reports its address (which starts the writer); (None, None) without it.  Raises ConfigError
+    without the extra or for a bad TENSORBOARD_PORT, OSError when TensorBoard cannot start."""
+    if not tensorboard:
+        return None, None
+    logdir = tempfile.mkdtemp(prefix="kvstore-tensorboard-") if tensorboard is True else str(tensorboard)
+    board = kvtensorboard.JobBoard(logdir, keep, kvconfig.child_environ(env), bind_all=sc.master != "local"
+                                   and not str(sc.master).startswith("local["))
+    settings = kvconfig.load(kvconfig.child_environ(env))
+    board.start()
+    inbox = kvtensorboard.AddressInbox(
+        lambda host, port: board.attach(settings, transport.address(host, port)))
+    return board, inbox
 
 
 def _run_barrier_job(sc: SparkContext, rdd: RDD, job: JobSpec, shutdown_timeout: float) -> list:

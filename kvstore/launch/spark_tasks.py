@@ -34,6 +34,7 @@ from kvstore.errors import ConfigError, KVStoreError, TaskFailed
 from kvstore.launch import gpus, tether
 from kvstore.launch.roleprocess import RoleProcess, RoleSpec
 from kvstore.launch.spark_plan import SCHEDULER_PARTITION, Layout, role_env
+from kvstore.launch.tensorboard import report_address
 from kvstore.net import address
 
 TAIL_LINES = 20  # how much of a failed role's output its error shows
@@ -51,6 +52,7 @@ class JobSpec:
     args: tuple
     keyed: bool  # records arrive as (partition, record) pairs from the routing shuffle
     worker_gpus: int | None = None  # GPUs per worker (kvstore.launch.gpus); None: no GPU variables
+    report_to: tuple[str, int] | None = None  # tensorboard=: the driver's AddressInbox (host, port)
 
 
 class _Output:
@@ -138,6 +140,18 @@ def _await_workers(ctx: BarrierTaskContext, proc: RoleProcess) -> list[dict]:
             wake.set()
 
 
+def _report_scheduler(job: JobSpec, host: str, port: int) -> None:
+    """Tell the driver where the scheduler listens (for its TensorBoard writer), if it asked; a
+    driver that cannot be reached is reported on stderr and the job goes on without scalars."""
+    if job.report_to is None:
+        return
+    try:
+        report_address(job.report_to, host, port)
+    except OSError as exc:
+        print(f"[kvstore scheduler] cannot tell the driver at {job.report_to[0]}:{job.report_to[1]} "
+              f"where the scheduler is (no TensorBoard scalars): {exc}", file=sys.stderr, flush=True)
+
+
 def _role_task(job: JobSpec, ctx: BarrierTaskContext, role: str, rank: int | None, host: str) -> list:
     """Run the scheduler (and share its address) or a server, until the workers are done."""
     settings = kvconfig.load(kvconfig.child_environ({**job.env, "KVSTORE_SECRET": job.secret}))
@@ -157,6 +171,7 @@ def _role_task(job: JobSpec, ctx: BarrierTaskContext, role: str, rank: int | Non
                 except TaskFailed:
                     ctx.allGather("")  # the others learn there is no scheduler and return
                     raise
+            _report_scheduler(job, host, port)
             ctx.allGather(json.dumps({"host": host, "port": port}))
         else:
             root = ctx.allGather("")[SCHEDULER_PARTITION]

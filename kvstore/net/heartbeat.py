@@ -9,11 +9,14 @@ does not take this node for lost too).  When no reply has come for
 way and the thread ends.  It never raises or exits the process: what to do is
 the callback's business.  With ``stats``, each beat carries the node's snapshot
 (``{"stats": stats()}``, docs/observability.md); a snapshot that fails to build or to
-fit a message is left out of that beat (logged once), never the beat itself.
+fit a message is left out of that beat (logged once), never the beat itself.  Each reply carries
+the scheduler's clock: the round trip feeds :data:`kvstore.net.timeline.CLOCK` (the timeline's
+alignment).  On :meth:`stop` one last beat goes out, so the scheduler has the node's final snapshot.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -21,7 +24,7 @@ from collections.abc import Callable
 
 from kvstore import config as kvconfig
 from kvstore.errors import AuthenticationError, KVStoreError, NodeLostError, ProtocolError
-from kvstore.net import transport
+from kvstore.net import timeline, transport
 from kvstore.net.auth import channel_for, new_label
 from kvstore.net.protocol import Message, Op
 
@@ -49,6 +52,8 @@ class Heartbeat(threading.Thread):
         self.channel.set_session(session)
         self._stop_event = threading.Event()
         self.lost: NodeLostError | None = None  # what was reported, if anything
+        self._seqs = itertools.count(1)
+        self._sent = (0, 0.0)  # (seq, unix time) of the last beat sent: its reply measures the clock
 
     def stop(self) -> None:
         """Ask the thread to end (it does within one interval)."""
@@ -88,6 +93,8 @@ class Heartbeat(threading.Thread):
                         f"{timeout:g} s (KVSTORE_HEARTBEAT_TIMEOUT)", role="scheduler", rank=0,
                         host=self.cfg.root_uri))
                     return
+            transport.send(sock, self._beat())  # the last one: the final snapshot
+            sock.poll(int(min(interval, 0.5) * 1000))  # its reply: it has been read by the scheduler
         except KVStoreError as exc:  # the socket broke: as good as a silent scheduler
             self._report(NodeLostError(f"scheduler at {self.cfg.root_address} is lost: {exc}",
                                        role="scheduler", rank=0, host=self.cfg.root_uri))
@@ -97,15 +104,17 @@ class Heartbeat(threading.Thread):
     def _beat(self) -> list:
         """The sealed frames of one HEARTBEAT, with this node's snapshot when it builds and fits."""
         body = {"role": self.role, "rank": self.rank}
+        seq = next(self._seqs)
+        self._sent = (seq, time.time())
         if self.stats is not None:
             try:
                 return self.channel.seal(Message(Op.HEARTBEAT, dict(body, stats=self.stats()),
-                                                 sender=self.rank), "scheduler")
+                                                 seq=seq, sender=self.rank), "scheduler")
             except Exception as exc:  # noqa: BLE001 - a broken snapshot must not stop the beats
                 if not self._stats_failed:
                     self._stats_failed = True
                     log.warning("heartbeats go without this node's stats: %s", str(exc)[:300])
-        return self.channel.seal(Message(Op.HEARTBEAT, body, sender=self.rank), "scheduler")
+        return self.channel.seal(Message(Op.HEARTBEAT, body, seq=seq, sender=self.rank), "scheduler")
 
     def _read(self, frames: list) -> bool:
         """Handle one reply (True if it was the scheduler's): report the first lost node it names."""
@@ -117,6 +126,9 @@ class Heartbeat(threading.Thread):
         left = reply.body.get("left") if reply.op is Op.OK else None
         if self.on_left is not None and isinstance(left, list) and all(type(r) is int for r in left):
             self.on_left(left)  # the workers that have left (a worker's beats only)
+        remote = reply.body.get("time") if reply.op is Op.OK else None
+        if reply.seq == self._sent[0] and isinstance(remote, float):
+            timeline.CLOCK.observe(self._sent[1], time.time(), remote)
         lost = reply.body.get("lost") if reply.op is Op.OK else None
         if not lost or not self.report_peers or self.lost is not None:
             return True

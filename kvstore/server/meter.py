@@ -20,9 +20,11 @@ from kvstore.core.partition import Key
 from kvstore.core.shard import ShardState
 from kvstore.core.stats import Counters, Histogram, node_snapshot
 from kvstore.errors import StallError
+from kvstore.net import timeline
 
 log = logging.getLogger("kvstore.server")
 TICK = 1.0  # seconds between two looks at the gauges and the open rounds
+LATE_LOG_EVERY = 10.0  # seconds between two warnings about one worker's late pushes
 
 
 class ServerMeter:
@@ -40,6 +42,8 @@ class ServerMeter:
         self._warned: dict[Any, float] = {}  # stalled key -> how long its round had waited last tick
         self._next_tick = 0.0
         self.dropped: dict[str, int] = {}  # refusals of the request loop (authentication, ...)
+        self._late_logged: dict[int, tuple[float, int]] = {}  # worker -> (last warning, late since)
+        self.timeline = timeline.recorder("server", lambda: self.rank)  # KVSTORE_TIMELINE, else None
 
     def request(self, worker: int | None, op: str, nbytes: int) -> None:
         """Count one request of ``worker`` carrying ``nbytes`` of arrays."""
@@ -64,6 +68,24 @@ class ServerMeter:
             self.counters.add_label("last_arrivals", str(last))
         with self._lock:
             self.last_round = {"key": str(key), "waited_s": waited, "last_worker": last}
+        if self.timeline is not None:  # the round, from its first contribution to its update
+            now = time.time()
+            self.timeline.span(f"round {str(key)[:40]}", "server", now - waited, now,
+                               {"key": str(key)[:200], "last_worker": last, "waited_s": waited})
+
+    def late_push(self, key: Key, worker: int, number: int) -> None:
+        """ShardState's report of a late push (its round closed by quorum): counted per worker, and
+        warned about at most once per ``LATE_LOG_EVERY`` seconds per worker."""
+        self.counters.add_label("late_pushes", str(worker))
+        now = time.monotonic()
+        last, since = self._late_logged.get(worker, (-LATE_LOG_EVERY, 0))
+        if now - last < LATE_LOG_EVERY:
+            self._late_logged[worker] = (last, since + 1)
+            return
+        self._late_logged[worker] = (now, 0)
+        log.warning("dropped a late push of key %r from worker %d: its round %d was already applied by "
+                    "quorum (KVSTORE_SYNC_QUORUM)%s", key, worker, number,
+                    f"; {since} more since the last warning" if since else "")
 
     def tick(self, state: ShardState, abort: Callable[[Key, StallError], None],
              dropped: dict[str, int]) -> None:
@@ -77,6 +99,7 @@ class ServerMeter:
         self.counters.set("keys", len(state))
         self.counters.set("open_rounds", state.open_rounds())
         self.counters.set("held_bytes", state.nbytes() + state.held_bytes())
+        self.counters.set("max_lead", state.gate.max_lead if state.gate is not None else 0)
         warned = {}
         for key, waited, late in state.stalled(self.stall_warn):
             before = self._warned.get(key)
@@ -114,6 +137,8 @@ class ServerMeter:
             "last_arrivals": {w: int(n) for w, n in counts.get("last_arrivals", {}).items()},
             "round_wait": self.round_wait.snapshot(), "last_round": last_round,
             "open_rounds": int(counts.get("open_rounds", 0)), "held_bytes": int(counts.get("held_bytes", 0)),
+            "late_pushes": {w: int(n) for w, n in counts.get("late_pushes", {}).items()},
+            "max_lead": int(counts.get("max_lead", 0)),
             "refused": {**self.dropped, **{r: int(n) for r, n in counts.get("refused", {}).items()}},
         })
         return snap

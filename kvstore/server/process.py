@@ -34,6 +34,7 @@ from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
 from kvstore.net.router import Handler, RouterService
+from kvstore.server import decompress
 from kvstore.server.meter import ServerMeter
 
 log = logging.getLogger("kvstore.server")
@@ -109,8 +110,10 @@ class Server:
         self.heartbeat.start()
         self.state = ShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync",
                                 ordered=self.cfg.sum_order == "rank",
-                                window=cmap.body.get("push_window", self.cfg.push_window))
+                                window=cmap.body.get("push_window", self.cfg.push_window),
+                                quorum=cmap.body.get("sync_quorum"), staleness=cmap.body.get("staleness"))
         self.state.on_close = self.meter.round_closed
+        self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
         logs.set_identity("server", rank)
         log.info("serving on %s:%d in %s mode", self.host, self.port, cmap.body["mode"])
 
@@ -187,6 +190,7 @@ class Server:
 
     def _gradients(self, identity: bytes, msg: Message, pull: bool) -> None:
         """Push (and with ``pull`` answer with the new values) every key of a PUSH or PUSHPULL."""
+        msg = decompress.expand(msg)  # a compressed push: its values, dequantised (server/decompress.py)
         keys, values, _, lo = self._entries(msg, True)
         if self.optimizer is not None and values[0].dtype.kind != "f":  # one array: one dtype
             raise DTypeMismatchError(f"key {keys[0]!r} holds {values[0].dtype}; the {self.optimizer.name} "
@@ -226,7 +230,21 @@ class Server:
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def _on_push(self, identity: bytes, msg: Message) -> None:
-        self._gradients(identity, msg, pull=False)
+        self._with_rounds(identity, msg, pull=False)
+
+    def _with_rounds(self, identity: bytes, msg: Message, pull: bool) -> None:
+        """:meth:`_gradients`, handing the PUSH's ``rounds`` (the worker's round of each key) to the
+        shard's next push.  Raises :class:`ProtocolError` for rounds that are not one int >= 0 per key."""
+        rounds, keys = msg.body.get("rounds"), msg.body.get("keys")
+        if rounds is not None and not (isinstance(rounds, list) and isinstance(keys, list)
+                                       and len(rounds) == len(keys)
+                                       and all(type(r) is int and r >= 0 for r in rounds)):
+            raise ProtocolError(f"{msg.op.name}: 'rounds' must hold one round >= 0 per key")
+        self.state.incoming_rounds = rounds
+        try:
+            self._gradients(identity, msg, pull)
+        finally:
+            self.state.incoming_rounds = None
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
         keys, _, sizes, lo = self._entries(msg, False)
@@ -237,7 +255,7 @@ class Server:
         self._reply_all(self.state.pull_many(msg.sender, entries, whole=lo is None))
 
     def _on_pushpull(self, identity: bytes, msg: Message) -> None:
-        self._gradients(identity, msg, pull=True)
+        self._with_rounds(identity, msg, pull=True)
 
     def _on_leave(self, identity: bytes, msg: Message) -> None:
         """A worker is done.  It sends this after its pushes, on the same connection, so every one of

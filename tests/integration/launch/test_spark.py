@@ -262,3 +262,51 @@ def test_too_few_slots_is_refused_before_any_job(spark):
     assert "needs 7 concurrent task slots (1 scheduler + 3 servers + 3 workers)" in message
     assert f"has {SLOTS}" in message and "local[7]" in message
     assert isinstance(info.value, kvstore.ConfigError)
+
+
+def scalar_steps(records) -> int:
+    """100 dist_sync steps (about 3 s), each logging the user's loss (tensorboard=)."""
+    kv = kvstore.create("dist_sync")
+    kv.init("w", np.zeros(4, np.float32))
+    for step in range(100):
+        time.sleep(0.02)  # the step's work
+        kvstore.log_scalar("loss", 1.0 / (step + 1), step)
+        kv.push("w", np.ones(4, np.float32))
+        kv.pull("w")
+    kv.close()
+    return kv.rank
+
+
+def _logdir_processes(logdir: str) -> list[int]:
+    """Pids of processes whose command line names ``logdir`` (a TensorBoard over it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as src:
+                    if logdir.encode() in src.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_scalars_are_written_on_the_driver(spark, tmp_path, capfd):
+    """tensorboard=DIR: the driver learns the scheduler's address from its task, writes every role's
+    counters and the workers' loss under DIR, and stops TensorBoard when run() returns."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    logdir = str(tmp_path / "tb")
+    env = {**QUIET, "KVSTORE_HEARTBEAT_INTERVAL": "0.2"}
+    assert kvspark.run(spark, scalar_steps, 2, 1, env=env, tensorboard=logdir) == [0, 1]
+    job = next((tmp_path / "tb").glob("job-*"))
+    tags = {}
+    for run in job.iterdir():
+        tags[run.name] = {value.tag for path in run.glob("events*")
+                          for event in EventFileLoader(str(path)).Load() for value in event.summary.value}
+    assert {"scheduler", "server-0", "worker-0", "worker-1"} <= set(tags), tags
+    assert {"loss", "ops/push"} <= tags["worker-0"] and "rounds_applied" in tags["server-0"]
+    assert "TensorBoard at http://" in capfd.readouterr().err
+    poll_for(lambda: not _logdir_processes(logdir), 20, "TensorBoard to be gone")
