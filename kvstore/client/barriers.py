@@ -47,14 +47,7 @@ class Barriers:
                 action()
             except Exception as exc:  # still join the barrier, so no worker is left waiting
                 error = exc
-        failure = None if error is None else {"code": error_code(error), "message": str(error)}
-        failures = self.join(failure).get("failures", [])
-        if error is not None:
-            raise error
-        if failures:
-            rank, info = failures[0]
-            remote = error_from_code(info["code"], f"{what} failed on worker {rank}: {info['message']}")
-            raise from_cluster(remote)
+        self._report(what, error)
 
     def agree(self, what: str, check: Callable[[], None]) -> None:
         """Run ``check()`` on every worker, then a barrier: each worker raises its own failure, or the
@@ -64,6 +57,11 @@ class Barriers:
             check()
         except Exception as exc:  # still join the barrier, so no worker is left waiting
             error = exc
+        self._report(what, error)
+
+    def _report(self, what: str, error: Exception | None) -> None:
+        """Join the barrier that carries this worker's ``error`` (None: it worked) to every worker;
+        raise it, or the first other worker's failure (as its type, naming that worker)."""
         failure = None if error is None else {"code": error_code(error), "message": str(error)}
         failures = self.join(failure).get("failures", [])
         if error is not None:

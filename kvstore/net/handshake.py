@@ -64,15 +64,22 @@ def _answer(sock: Any, channel: Channel, cfg: kvconfig.Config, deadline: float, 
     return reply
 
 
-def _unsigned_error(frames: list[Any]) -> KVStoreError | None:
-    """The error an unsigned ERROR reply states (trusted only during registration), else None."""
+def unsigned_refusal(frames: list[Any]) -> dict | None:
+    """The body (``code``, ``message``) of an unsigned ERROR reply, a node's refusal of a peer that
+    failed to authenticate; None for any other frames."""
     if len(frames) < 2 or memoryview(frames[0]).nbytes:
         return None
     try:
         reply = protocol.decode(frames[1:])
     except ProtocolError:
         return None
-    if reply.op is not Op.ERROR:
+    return reply.body if reply.op is Op.ERROR else None
+
+
+def _unsigned_error(frames: list[Any]) -> KVStoreError | None:
+    """The error an unsigned ERROR reply states (trusted only during registration), else None."""
+    body = unsigned_refusal(frames)
+    if body is None:
         return None
-    return error_from_code(reply.body.get("code", ""), f"the scheduler refused this node: "
-                                                       f"{reply.body.get('message', '')}")
+    message = f"the scheduler refused this node: {body.get('message', '')}"
+    return error_from_code(body.get("code", ""), message)

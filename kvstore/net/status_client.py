@@ -9,8 +9,9 @@ from typing import Any
 
 from kvstore import config as kvconfig
 from kvstore.errors import AuthenticationError, DeadlineExceededError, ProtocolError, error_from_code
-from kvstore.net import protocol, transport
+from kvstore.net import transport
 from kvstore.net.auth import Channel, channel_for, new_label
+from kvstore.net.handshake import unsigned_refusal
 from kvstore.net.protocol import Message, Op
 
 __all__ = ["StatusClient"]
@@ -81,10 +82,5 @@ class StatusClient:
 
 def _unsigned_text(frames: list[Any]) -> str | None:
     """The message of an unsigned ERROR reply (a refusal), else None."""
-    if len(frames) < 2 or memoryview(frames[0]).nbytes:
-        return None
-    try:
-        reply = protocol.decode(frames[1:])
-    except ProtocolError:
-        return None
-    return str(reply.body.get("message", ""))[:300] if reply.op is Op.ERROR else None
+    body = unsigned_refusal(frames)
+    return None if body is None else str(body.get("message", ""))[:300]
