@@ -74,6 +74,9 @@ def parse_args() -> argparse.Namespace:
                         help="comma-separated devices, one model replica on each (e.g. cuda:0,cuda:1)")
     parser.add_argument("--min-accuracy", type=float, default=0.90,
                         help="exit with code 1 when the final test accuracy is lower")
+    parser.add_argument("--slow-rank", type=int, default=-1,
+                        help="make this worker a straggler (with --slow-ms), to try KVSTORE_SYNC_QUORUM")
+    parser.add_argument("--slow-ms", type=float, default=0.0, help="extra time per step of --slow-rank")
     return parser.parse_args()
 
 
@@ -152,6 +155,8 @@ def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
                 loss = loss_fn(replica(x), y)
                 loss.backward()
                 total += loss.item()
+            if rank == args.slow_rank:
+                time.sleep(args.slow_ms / 1000)  # a straggler's slower step (a demo, not a wait)
             trainer.step(len(batch) * workers)
         if rank == 0:
             print(f"epoch {epoch:3d}  loss {total / shard:.4f}  "
@@ -160,12 +165,24 @@ def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
     return accuracy(models[0], x_test, y_test)
 
 
+def late_pushes(kv: kvstore.KVStore) -> dict[str, int]:
+    """Every server's count of late pushes per worker, summed (kv.stats(cluster=True))."""
+    total: dict[str, int] = {}
+    for node in kv.stats(cluster=True)["nodes"]:
+        for worker, count in node.get("late_pushes", {}).items():
+            total[worker] = total.get(worker, 0) + count
+    return total
+
+
 def main() -> None:
     args = parse_args()
     with kvstore.create(args.kvstore) as kv:
         rank = kv.rank
         acc = train(kv, args)
+        late = late_pushes(kv) if rank == 0 and args.slow_rank >= 0 else None
     if rank == 0:
+        if late is not None:
+            print(f"late pushes dropped per worker (KVSTORE_SYNC_QUORUM): {late}", flush=True)
         print(f"final test accuracy {acc:.3f}", flush=True)
         if acc < args.min_accuracy:
             raise SystemExit(f"final test accuracy {acc:.3f} is below --min-accuracy {args.min_accuracy}")
