@@ -121,3 +121,15 @@ def test_the_workers_create_quorum_decides_the_clusters(make_cluster):
     cluster.run(lambda kv: kv.init(key, np.zeros(4, np.float32)))
     outs = run_parallel([lambda kv=kv: kv.pushpull(key, np.ones(4, np.float32)) for kv in (kv0, kv1)])
     assert all(np.all(out == 3) for out in outs)  # 2 ones, scaled by 3/2; worker 2 never pushed
+
+
+def test_a_quorum_round_of_compressed_pushes(make_cluster):
+    """Quorum 2 of 3 with 2bit compression: the two pushes are dequantised (+t each, t=0.5), summed
+    and scaled by 3/2; the third worker never pushes."""
+    cluster = make_cluster("dist_sync", num_workers=3, num_servers=1, KVSTORE_SYNC_QUORUM=2)
+    kv0, kv1, _ = cluster.workers
+    key = unique_key()
+    cluster.run(lambda kv: kv.init(key, np.zeros(8, np.float32)))
+    cluster.run(lambda kv: kv.set_gradient_compression({"type": "2bit", "threshold": 0.5}))
+    outs = run_parallel([lambda kv=kv: kv.pushpull(key, np.ones(8, np.float32)) for kv in (kv0, kv1)])
+    assert all(np.all(out == 1.5) for out in outs), outs  # (0.5 + 0.5) * 3 / 2
