@@ -158,9 +158,11 @@ def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
             if rank == args.slow_rank:
                 time.sleep(args.slow_ms / 1000)  # a straggler's slower step (a demo, not a wait)
             trainer.step(len(batch) * workers)
+        kvstore.log_scalar("loss", total / shard, epoch)  # for launch.py --tensorboard (else kept, unused)
         if rank == 0:
-            print(f"epoch {epoch:3d}  loss {total / shard:.4f}  "
-                  f"test accuracy {accuracy(models[0], x_test, y_test):.3f}  "
+            test_accuracy = accuracy(models[0], x_test, y_test)
+            kvstore.log_scalar("test_accuracy", test_accuracy, epoch)
+            print(f"epoch {epoch:3d}  loss {total / shard:.4f}  test accuracy {test_accuracy:.3f}  "
                   f"({time.perf_counter() - started:.2f} s)", flush=True)
     return accuracy(models[0], x_test, y_test)
 

@@ -11,6 +11,7 @@ workers are gone.  A worker that leaves (LEAVE) stops counting toward barriers
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import time
@@ -50,6 +51,9 @@ def _quorum(value: object) -> int | None:
     raise ProtocolError(f"REGISTER's quorum must be an int >= 1 or absent, not {str(value)[:40]!r}")
 
 
+STATUS_LINGER = 2.5  # seconds the scheduler waits at exit for a STATUS poller's last request
+
+
 class Scheduler:
     """Rendezvous of every node, worker barriers, and shutdown once every worker has left."""
 
@@ -76,7 +80,9 @@ class Scheduler:
                                  Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
                                  Op.HEARTBEAT: self._on_heartbeat, Op.STATUS: self._on_status}
         # kvstore.status holds the secret, not the session: its STATUS is answered after the map too
-        self.service.late_handlers = {Op.STATUS: lambda msg: Message(Op.OK, self.status_body())}
+        self.service.late_handlers = {Op.STATUS: lambda msg: Message(Op.OK, self._status_asked())}
+        self.status_asks = 0  # STATUS requests answered, and when the last came (monotonic)
+        self.status_at = -math.inf
         self.stats = SchedulerStats(time.monotonic(), time.time())
         self.mode: str | None = None  # the cluster's, once the map is out
         self.map_at: float | None = None  # when the map went out (monotonic)
@@ -235,7 +241,22 @@ class Scheduler:
         self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
 
     def _on_status(self, identity: bytes, msg: Message) -> None:
-        self.service.reply(identity, Message(Op.OK, self.status_body(), seq=msg.seq))
+        self.service.reply(identity, Message(Op.OK, self._status_asked(), seq=msg.seq))
+
+    def _status_asked(self) -> dict:
+        """The STATUS reply, counting the request (see :meth:`_linger_for_status`)."""
+        self.status_asks += 1
+        self.status_at = time.monotonic()
+        return self.status_body()
+
+    def _linger_for_status(self) -> None:
+        """After shutdown, when something polls STATUS (launch.py's TensorBoard writer, kvstore.status):
+        answer one more request, or wait STATUS_LINGER seconds, so it sees every node's last snapshot."""
+        if time.monotonic() - self.status_at > STATUS_LINGER:
+            return
+        asked, deadline = self.status_asks, time.monotonic() + STATUS_LINGER
+        while self.status_asks == asked and time.monotonic() < deadline:
+            self.service.poll_once(0.1)
 
     def status_body(self) -> dict:
         """The STATUS reply: the cluster, every node's latest snapshot and the scheduler's own."""
@@ -369,6 +390,7 @@ class Scheduler:
             log.warning("%d servers did not confirm shutdown within %g s", missing,
                         self.cfg.shutdown_timeout)
         log.info("all workers left; shut down")
+        self._linger_for_status()
         transport.close(self.service.sock)
         return 0
 
