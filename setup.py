@@ -25,6 +25,7 @@ setup(
     install_requires=["numpy>=1.24", "pyzmq>=26", "msgpack>=1.0"],
     extras_require={
         "torch": ["torch>=2.1"],
+        "bfloat16": ["ml_dtypes>=0.3"],  # numpy bfloat16 values (ml_dtypes.bfloat16 arrays)
         "ray": ["ray>=2.9"],  # launch.py --launcher ray, kvstore.ray
         "spark": ["pyspark>=3.5"],  # kvstore.spark (needs Java 17 on the machine)
         "tensorboard": ["tensorboard>=2.14"],  # launch.py --tensorboard, kvstore.spark.run(tensorboard=)

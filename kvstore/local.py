@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from kvstore.base import Group, KVStore
-from kvstore.core import checkpoint, snapshot, xp
+from kvstore.core import checkpoint, precision, snapshot, xp
 from kvstore.core import compression as C
+from kvstore.core.dtypes import BF16
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.device import settle
@@ -78,7 +79,7 @@ class LocalKVStore(KVStore):
 
     def _save_checkpoint(self, directory: str) -> None:
         with self._lock:
-            values = {k: xp.to_numpy(v) for k, v in self._store.items()}
+            values = {k: self._outgoing(k, xp.to_numpy(v)) for k, v in self._store.items()}
             states = (None if self._optimizer is None
                       else checkpoint.optimizer_states(self._optimizer, self._store, True))
         snapshot.write(directory, values, states)
@@ -99,11 +100,12 @@ class LocalKVStore(KVStore):
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
         with self._lock:
             for key, array in items:
-                self._store[key] = array
+                self._store[key] = precision.master(array)  # bfloat16: a float32 master copy
 
     def _push(self, groups: list[Group], priority: int) -> None:
         items = [(key, self._compressed_sum(key, meta, values) if self._compression is not None
                   else self._sum(key, meta, values)) for key, meta, values in groups]
+        items = [(key, precision.master(total) if xp.is_numpy(total) else total) for key, total in items]
         with self._lock:
             if self._optimizer is not None:
                 for key, total in items:
@@ -150,7 +152,13 @@ class LocalKVStore(KVStore):
         with self._lock:
             copies = [xp.copy(self._store[k]) for k in keys]  # an updater may change them in place
             settle(copies)
-            return copies
+            return [self._outgoing(k, c) for k, c in zip(keys, copies)]
+
+    def _outgoing(self, key: Key, value: Any) -> Any:
+        """``value`` as it leaves the store: a bfloat16 key's float32 master copy rounded to bfloat16."""
+        if self._meta[key].dtype != BF16:
+            return value
+        return precision.narrow(xp.to_numpy(value))
 
     def barrier(self) -> None:
         """Nothing to wait for in a single process."""

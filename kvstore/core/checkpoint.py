@@ -25,7 +25,7 @@ import numpy as np
 from numpy.lib import format as npy
 
 from kvstore.core import xp
-from kvstore.core.dtypes import DTYPES, dtype_name
+from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import Key, check_key
 from kvstore.errors import (
@@ -347,7 +347,7 @@ def _entry(item: Any, arrays: Mapping[str, np.ndarray], where: str) -> StateEntr
             raise FormatError(f"{where}: state {state!r} of key {key!r} is {array.dtype}{list(array.shape)}, "
                               f"which does not fit shape {shape}")
         out[state] = array.reshape(shape)
-    return StateEntry(key, tuple(shape), np.dtype(dtype), count, out)
+    return StateEntry(key, tuple(shape), BY_NAME[dtype], count, out)
 
 
 def _key_order(key: Key) -> tuple[bool, Any]:

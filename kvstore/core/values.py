@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.core import xp
-from kvstore.core.dtypes import DTYPES, dtype_name
+from kvstore.core import precision, xp
+from kvstore.core.dtypes import BF16, DTYPES, dtype_name
 from kvstore.core.xp import is_tensor
 from kvstore.errors import DTypeMismatchError, ShapeMismatchError
 
@@ -51,7 +51,7 @@ def describe(value: Any) -> tuple[tuple[int, ...], np.dtype]:
     a dtype the wire cannot carry.
     """
     if isinstance(value, np.ndarray):
-        shape, dtype = tuple(value.shape), value.dtype
+        shape, dtype = tuple(value.shape), xp.dtype_of(value)
     elif is_tensor(value):
         if value.layout != sys.modules["torch"].strided:
             raise TypeError(f"values must be dense tensors, not {value.layout} ones")
@@ -85,7 +85,7 @@ def check(key: Any, meta: Meta, value: Any, what: str) -> None:
 def dtype_fix(value: Any, what: str, dtype: np.dtype) -> str:
     """How to give ``value`` (named ``what``) the key's ``dtype``, for a DTypeMismatchError's message
     (``np.ones(shape)`` is float64 where the key is float32).  Raises nothing."""
-    name = np.dtype(dtype).name
+    name = dtype_name(np.dtype(dtype)) or np.dtype(dtype).name
     converted = f"value.to(torch.{name})" if is_tensor(value) else f"value.astype(np.{name})"
     if what == "out":
         return f"pass an out of dtype {name}"
@@ -105,6 +105,11 @@ def summed(key: Any, meta: Meta, values: list[Any], out: np.ndarray | None = Non
     for value in values:
         check(key, meta, value, "pushed value")
     arrays = [xp.numpy_view(v) for v in values]  # checked just above
+    if meta.dtype == BF16:  # summed in float32, rounded once
+        total = precision.sum_bf16(arrays)
+        if out is not None:
+            np.copyto(out, total.reshape(out.shape))
+        return total if out is None else out
     if out is None:
         total = np.array(arrays[0], copy=True, order="C")
     else:
@@ -130,11 +135,11 @@ def check_out(key: Any, meta: Meta, out: Any) -> None:
 def write(out: Any, array: Any) -> None:
     """Copy ``array`` (numpy, or a tensor on any device) into ``out`` (the same, any device) in place."""
     if isinstance(out, np.ndarray):
-        np.copyto(out, (array if isinstance(array, np.ndarray) else xp.to_numpy(array)).reshape(out.shape))
+        np.copyto(xp.numpy_view(out), xp.numpy_view(array).reshape(out.shape))
         return
     torch = sys.modules["torch"]
     if isinstance(array, np.ndarray):
-        array = torch.from_numpy(np.ascontiguousarray(array))
+        array = xp.from_numpy(np.ascontiguousarray(array))
     with torch.no_grad():  # out may be a parameter that requires grad
         out.copy_(array.reshape(out.shape))
 
@@ -145,9 +150,9 @@ def new_value(meta: Meta, array: Any) -> Any:
     Keys initialised with a tensor get a tensor on the device the key was initialised on.
     """
     if not meta.tensor:
-        return xp.to_numpy(array).reshape(meta.shape)
-    torch = sys.modules["torch"]
+        fresh = xp.to_numpy(array).reshape(meta.shape)
+        return precision.for_user(fresh) if fresh.dtype == BF16 else fresh
     if isinstance(array, np.ndarray):
-        fresh = torch.from_numpy(np.array(array, copy=True, order="C").reshape(meta.shape))
+        fresh = xp.from_numpy(np.array(array, copy=True, order="C").reshape(meta.shape))
         return fresh if meta.device in (None, "cpu") else fresh.to(meta.device)
     return array.detach().to(meta.device or "cpu", copy=True).reshape(meta.shape)

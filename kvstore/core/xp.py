@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.core import precision
+from kvstore.core.dtypes import BF16
 from kvstore.errors import DTypeMismatchError
 
 Array = Any  # np.ndarray or torch.Tensor
@@ -43,7 +45,10 @@ def is_cuda(a: Any) -> bool:
 
 @functools.cache
 def numpy_dtype_of_torch(dtype: Any) -> np.dtype:
-    """The numpy dtype of a torch dtype; DTypeMismatchError for one numpy lacks (e.g. bfloat16)."""
+    """The numpy dtype of a torch dtype (bfloat16: kvstore's BF16); DTypeMismatchError for one numpy
+    lacks."""
+    if dtype == _torch().bfloat16:
+        return BF16
     try:
         return _torch().empty(0, dtype=dtype).numpy().dtype
     except TypeError:
@@ -53,12 +58,16 @@ def numpy_dtype_of_torch(dtype: Any) -> np.dtype:
 @functools.cache
 def torch_dtype(dtype: np.dtype) -> Any:
     """The torch dtype of a numpy dtype."""
+    if dtype == BF16:
+        return _torch().bfloat16
     return _torch().from_numpy(np.empty(0, dtype)).dtype
 
 
 def dtype_of(a: Array) -> np.dtype:
     """``a``'s dtype as a numpy dtype (DTypeMismatchError for a tensor dtype numpy lacks)."""
-    return a.dtype if is_numpy(a) else numpy_dtype_of_torch(a.dtype)
+    if not is_numpy(a):
+        return numpy_dtype_of_torch(a.dtype)
+    return BF16 if a.dtype.kind == "V" and precision.is_bf16(a.dtype) else a.dtype
 
 
 def same_place(a: Array, b: Array) -> bool:
@@ -139,13 +148,13 @@ def assign(dst: Array, src: Array) -> None:
 def numpy_view(a: Array) -> np.ndarray:
     """``a`` as numpy: itself, a view of a CPU tensor, or a copy of a tensor on another device."""
     if is_numpy(a):
-        return a
+        return precision.internal(a) if a.dtype.kind == "V" and precision.is_bf16(a.dtype) else a
     tensor = a.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     if tensor.is_conj() or tensor.is_neg():
         tensor = tensor.resolve_conj().resolve_neg()
-    return tensor.numpy()
+    return precision.from_tensor(tensor) if tensor.dtype == _torch().bfloat16 else tensor.numpy()
 
 
 def to_numpy(a: Array) -> np.ndarray:
@@ -157,4 +166,9 @@ def like(template: Array, array: np.ndarray) -> Array:
     """``array`` (numpy) copied to ``template``'s side and device, C-contiguous."""
     if is_numpy(template):
         return np.array(array, copy=True, order="C")
-    return _torch().from_numpy(np.array(array, copy=True, order="C")).to(template.device)
+    return from_numpy(np.array(array, copy=True, order="C")).to(template.device)
+
+
+def from_numpy(array: np.ndarray) -> Array:
+    """A CPU tensor sharing ``array``'s memory (a BF16 array becomes a bfloat16 tensor)."""
+    return precision.to_tensor(array) if array.dtype == BF16 else _torch().from_numpy(array)

@@ -8,6 +8,7 @@ scheduler tells it to stop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import resource
 import sys
@@ -16,6 +17,8 @@ import numpy as np
 
 from kvstore import config as kvconfig
 from kvstore import logs
+from kvstore.core import precision
+from kvstore.core.dtypes import BF16
 from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import check_key
 from kvstore.core.shard import Completion, ShardState
@@ -45,6 +48,14 @@ MB = 1 << 20
 INBOUND_MESSAGES = 8
 
 
+def _widened(msg: Message) -> tuple[Message, bool]:
+    """``msg`` with a bfloat16 array widened to float32 (servers sum and update in float32), and
+    whether it was bfloat16."""
+    if len(msg.arrays) != 1 or msg.arrays[0].dtype != BF16:
+        return msg, False
+    return dataclasses.replace(msg, arrays=[precision.widen(msg.arrays[0])]), True
+
+
 def peak_rss() -> int:
     """This process's peak resident set size in bytes (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -54,10 +65,10 @@ def peak_rss() -> int:
 class _Batch:
     """One data request being answered: its reply goes out once every entry is done."""
 
-    __slots__ = ("identity", "seq", "values", "left")
+    __slots__ = ("identity", "seq", "values", "left", "bf16")
 
-    def __init__(self, identity: bytes, seq: int, entries: int) -> None:
-        self.identity, self.seq, self.left = identity, seq, entries
+    def __init__(self, identity: bytes, seq: int, entries: int, bf16: bool = False) -> None:
+        self.identity, self.seq, self.left, self.bf16 = identity, seq, entries, bf16
         self.values: list[np.ndarray | None] = [None] * entries
 
     def arrays(self) -> list[np.ndarray]:
@@ -65,8 +76,10 @@ class _Batch:
         if self.values[0] is None:
             return []
         if len(self.values) == 1:
-            return [self.values[0].reshape(-1)]
-        return [np.concatenate([v.reshape(-1) for v in self.values])]
+            flat = self.values[0].reshape(-1)
+        else:
+            flat = np.concatenate([v.reshape(-1) for v in self.values])
+        return [precision.narrow(flat) if self.bf16 else flat]  # bfloat16 keys: fp32 masters rounded
 
 
 class Server:
@@ -84,6 +97,7 @@ class Server:
         self.scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
         self.to_scheduler = channel_for(cfg, new_label("server"))
         self.state: ShardState | None = None
+        self.bf16_keys: set[object] = set()  # keys held as float32 master copies of bfloat16 values
         self.optimizer: Optimizer | None = None
         self.heartbeat: Heartbeat | None = None
         self.meter = ServerMeter(self.host, cfg.stall_warn, cfg.stall_abort)
@@ -191,11 +205,12 @@ class Server:
     def _gradients(self, identity: bytes, msg: Message, pull: bool) -> None:
         """Push (and with ``pull`` answer with the new values) every key of a PUSH or PUSHPULL."""
         msg = decompress.expand(msg)  # a compressed push: its values, dequantised (server/decompress.py)
+        msg, bf16 = _widened(msg)
         keys, values, _, lo = self._entries(msg, True)
         if self.optimizer is not None and values[0].dtype.kind != "f":  # one array: one dtype
             raise DTypeMismatchError(f"key {keys[0]!r} holds {values[0].dtype}; the {self.optimizer.name} "
                                      "optimizer updates floating-point keys only")
-        batch = _Batch(identity, msg.seq, len(keys))
+        batch = _Batch(identity, msg.seq, len(keys), bf16)
         entries = [((batch, i), key, value, lo or 0) for i, (key, value) in enumerate(zip(keys, values))]
         self._reply_all(self.state.push_many(msg.sender, entries, pull))
 
@@ -210,7 +225,10 @@ class Server:
         return self.optimizer
 
     def _on_init(self, identity: bytes, msg: Message) -> None:
+        msg, bf16 = _widened(msg)  # a bfloat16 key is held as a float32 master copy
         keys, values, _, lo = self._entries(msg, True)
+        if bf16:
+            self.bf16_keys.update(keys)
         if lo is not None:  # a chunk: the key is stored with its last chunk
             total = msg.body.get("total")
             if not (isinstance(total, int) and not isinstance(total, bool) and total > 0):
@@ -248,7 +266,7 @@ class Server:
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
         keys, _, sizes, lo = self._entries(msg, False)
-        batch = _Batch(identity, msg.seq, len(keys))
+        batch = _Batch(identity, msg.seq, len(keys), keys[0] in self.bf16_keys)  # one dtype per batch
         start = lo or 0
         entries = [((batch, i), key, start, start + size) for i, (key, size) in enumerate(zip(keys, sizes))]
         # without a chunk offset each size must be the key's whole slice: the reply is cut by them

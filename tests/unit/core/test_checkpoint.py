@@ -369,7 +369,7 @@ def test_crafted_states_file_reads(tmp_path):
 
 @pytest.mark.parametrize("change", [
     {"key": -1}, {"key": 1.5}, {"key": True}, {"key": None}, {"shape": [3, 3]}, {"shape": [-6]},
-    {"shape": "2x3"}, {"dtype": "bfloat16"}, {"dtype": "object"}, {"count": -1}, {"count": 1.0},
+    {"shape": "2x3"}, {"dtype": "uint16"}, {"dtype": "object"}, {"count": -1}, {"count": 1.0},
     {"states": {"mom": "nope"}}, {"states": ["0/mom"]}, {"shape": None},
 ])
 def test_malformed_state_entries_are_format_errors(tmp_path, change):

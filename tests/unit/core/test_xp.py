@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from kvstore.core import xp
-from kvstore.errors import DTypeMismatchError
 
 torch = pytest.importorskip("torch")
 
@@ -60,12 +59,12 @@ def test_dtype_of_gives_numpy_dtypes_for_both_kinds(dtype):
     assert xp.dtype_of(t) == np.dtype(dtype) and isinstance(xp.dtype_of(t), np.dtype)
 
 
-def test_dtype_of_bfloat16_tensor_raises_dtype_mismatch():
-    """A bfloat16 tensor has no numpy dtype: dtype_of and numpy_dtype_of_torch raise DTypeMismatchError."""
-    with pytest.raises(DTypeMismatchError, match="bfloat16"):
-        xp.dtype_of(torch.ones(2, dtype=torch.bfloat16))
-    with pytest.raises(DTypeMismatchError):
-        xp.numpy_dtype_of_torch(torch.bfloat16)
+def test_dtype_of_bfloat16_tensor_is_kvstores_bf16():
+    """A bfloat16 tensor is described by kvstore's BF16 (its bits) and maps back to torch.bfloat16."""
+    from kvstore.core.dtypes import BF16
+
+    assert xp.dtype_of(torch.ones(2, dtype=torch.bfloat16)) == BF16
+    assert xp.torch_dtype(xp.numpy_dtype_of_torch(torch.bfloat16)) == torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype", ROUND_TRIP)
