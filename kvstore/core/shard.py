@@ -228,7 +228,7 @@ class ShardState:
         ``rounds`` (default: :attr:`incoming_rounds`, then cleared) is the worker's round of each key.
 
         All entries are checked first: any error is raised (as :meth:`push` raises it) before any
-        entry changes anything; also :class:`ProtocolError` for a round beyond the next one.
+        entry changes anything.  A round beyond the next one (after a refused push) is taken as the next.
         """
         rounds, self.incoming_rounds = (self.incoming_rounds if rounds is None else rounds), None
         self._check_active(worker)
@@ -370,14 +370,14 @@ class ShardState:
                                      f"stored dtype {stored.dtype}")
         number = 0
         if self.sync:
-            number = (max(state.next_round.get(worker, state.base), state.base) if sent is None
-                      else sent + state.offset.get(worker, 0))
+            number = (max(state.next_round.get(worker, state.base), state.base)
+                      if sent is None or self.quorum is None else sent + state.offset.get(worker, 0))
             if number < state.base:  # its round closed by quorum: dropped, whatever its offset
                 return state, lo, hi, -1 - number
+            # A round beyond the next one: an earlier push of it was refused (damaged, over the
+            # window), so the worker counted a round the server never saw; it joins the next one.
+            number = min(number, state.base + len(state.rounds))
             i = number - state.base
-            if i > len(state.rounds):
-                raise ProtocolError(f"key {key!r}: worker {worker} pushed for round {number}, beyond the "
-                                    f"next one ({state.base + len(state.rounds)})")
             rnd = state.rounds[i] if i < len(state.rounds) else None
             expected = 0 if rnd is None else rnd.covered.get(worker, 0)
         else:

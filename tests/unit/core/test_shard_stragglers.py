@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from kvstore.core.shard import Completion, ShardState
-from kvstore.errors import ProtocolError
 
 
 def ro(values, dtype=np.float32) -> np.ndarray:
@@ -101,10 +100,13 @@ def test_chunks_of_a_round_closed_by_quorum_mid_contribution_are_dropped():
     assert push(shard, "y", 2, [1, 1], 1, lo=0) == []  # its next contribution starts afresh
 
 
-def test_a_round_beyond_the_next_is_refused():
+def test_a_round_beyond_the_next_joins_the_next():
+    """A worker whose push of round 0 was refused (damaged, over its window) sends round 1 next: the
+    server never saw a round 0 from it, so the push joins the next round instead of leaving a gap."""
     shard = quorum_state()
-    with pytest.raises(ProtocolError, match="beyond the next one"):
-        push(shard, "a", 0, [1, 1], 1)
+    assert push(shard, "a", 0, [1, 1], 1) == []
+    assert tokens(push(shard, "b", 1, [1, 1], 0)) == {"a", "b"}  # round 0: workers 0 and 1
+    np.testing.assert_allclose(shard.value("w"), [3, 3])  # (1 + 1) * 3 / 2
 
 
 def test_fewer_live_workers_than_the_quorum_still_close_rounds():
