@@ -270,11 +270,11 @@ def test_protocol_error_type() -> None:
 
 def _barrier_with_deadline(kv, seconds: float) -> None:
     saved = kv._cfg
-    kv._cfg = dataclasses.replace(saved, request_timeout=seconds)
+    kv._cfg = kv._barriers._cfg = dataclasses.replace(saved, request_timeout=seconds)
     try:
         kv.barrier()
     finally:
-        kv._cfg = saved
+        kv._cfg = kv._barriers._cfg = saved
 
 
 def test_timed_out_barrier_is_withdrawn(cluster: Cluster) -> None:
