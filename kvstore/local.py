@@ -65,23 +65,29 @@ class LocalKVStore(KVStore):
         """The optimizer object in effect (the one given to set_optimizer), or None."""
         return self._optimizer
 
+    def _declared(self) -> dict[Key, np.dtype]:
+        """The bfloat16 keys' dtype: state files record it, as dist stores do, while the store
+        holds (and the optimizer updates) their float32 master copies."""
+        return {k: m.dtype for k, m in self._meta.items() if m.dtype == BF16}
+
     def _save_states(self, fname: str, dump_optimizer: bool) -> None:
         with self._lock:
             opt = self._need_optimizer("save_optimizer_states")
-            states = checkpoint.optimizer_states(opt, self._store, dump_optimizer)
+            states = checkpoint.optimizer_states(opt, self._store, dump_optimizer, self._declared())
         checkpoint.write_states(fname, states)
 
     def _load_states(self, fname: str) -> None:
         states = checkpoint.read_states(fname)
         with self._lock:
-            self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._store)
+            self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._store,
+                                                           self._declared())
             self._updater = None
 
     def _save_checkpoint(self, directory: str) -> None:
         with self._lock:
             values = {k: self._outgoing(k, xp.to_numpy(v)) for k, v in self._store.items()}
             states = (None if self._optimizer is None
-                      else checkpoint.optimizer_states(self._optimizer, self._store, True))
+                      else checkpoint.optimizer_states(self._optimizer, self._store, True, self._declared()))
         snapshot.write(directory, values, states)
 
     def _view(self, key: Key, array: Any) -> Any:

@@ -42,6 +42,7 @@ from kvstore.base import KVStore
 from kvstore.client.meter import trainer_step
 from kvstore.core import checkpoint, xp
 from kvstore.core import optimizer as kvoptimizer
+from kvstore.core.dtypes import BY_NAME, dtype_name
 from kvstore.core.optimizer import Optimizer
 from kvstore.stores import create
 
@@ -468,16 +469,14 @@ def _states_to_dict(states: checkpoint.StatesFile) -> dict[str, Any]:
 
     return {"optimizer": states.optimizer, "num_update": int(states.num_update),
             "states": {e.key: {"count": int(e.count), "shape": [int(d) for d in e.shape],
-                               "dtype": str(e.dtype), "arrays": tensors(e.arrays)}
+                               "dtype": dtype_name(e.dtype), "arrays": tensors(e.arrays)}
                        for e in states.entries}}
 
 
 def _states_from_dict(state: Mapping[str, Any]) -> checkpoint.StatesFile:
     """The StatesFile of a :meth:`Trainer.state_dict` dict; ValueError when it is not one."""
-    import numpy as np
-
     try:
-        entries = [checkpoint.StateEntry(key, tuple(e["shape"]), np.dtype(e["dtype"]), int(e["count"]),
+        entries = [checkpoint.StateEntry(key, tuple(e["shape"]), BY_NAME[e["dtype"]], int(e["count"]),
                                          {n: xp.to_numpy(a.detach().cpu()) for n, a in e["arrays"].items()})
                    for key, e in state["states"].items()]
         return checkpoint.StatesFile(state["optimizer"], int(state["num_update"]), entries)
@@ -487,7 +486,8 @@ def _states_from_dict(state: Mapping[str, Any]) -> checkpoint.StatesFile:
 
 def _weight_view(p: Tensor) -> Any:
     """What the optimizer updates in place for ``p``: a numpy view of a contiguous CPU tensor
-    (the numpy rules, as on the servers), else the tensor itself (the rules run on its device)."""
-    if p.device.type == "cpu" and p.is_contiguous():
+    (the numpy rules, as on the servers), else the tensor itself (the rules run on its device;
+    bfloat16 ones through a float32 master copy)."""
+    if p.device.type == "cpu" and p.is_contiguous() and p.dtype != sys.modules["torch"].bfloat16:
         return p.detach().numpy()
     return p.detach()

@@ -17,6 +17,7 @@ import numpy as np
 from kvstore.client.mux import Request
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import optimizer as kvoptimizer
+from kvstore.core.dtypes import BF16
 from kvstore.core.partition import Key, Piece
 from kvstore.core.plan import plan
 from kvstore.core.values import Meta
@@ -232,8 +233,10 @@ class CollectiveCalls:
         if spec is None:
             raise OptimizerError(f"load_optimizer_states: {source} holds no optimizer and none is set "
                                  "(call set_optimizer first, or save with dump_optimizer=True)")
-        shapes = {k: np.zeros(m.shape, m.dtype) for k, m in self._link.metas().items()}
-        checkpoint.restore_optimizer(states, kvoptimizer.from_spec(spec), shapes)  # checks it all
+        metas = self._link.metas()  # servers hold a bfloat16 key as a float32 master copy
+        shapes = {k: np.zeros(m.shape, np.float32 if m.dtype == BF16 else m.dtype) for k, m in metas.items()}
+        declared = {k: m.dtype for k, m in metas.items()}
+        checkpoint.restore_optimizer(states, kvoptimizer.from_spec(spec), shapes, declared)  # checks it all
         if install:
             self._to_servers(Op.OPTIMIZER_SET, {"spec": spec, "num_update": states.num_update},
                              "load_optimizer_states")

@@ -354,11 +354,14 @@ def _key_order(key: Key) -> tuple[bool, Any]:
     return isinstance(key, str), key
 
 
-def optimizer_states(optimizer: Optimizer, weights: Mapping[Key, Any], dump_optimizer: bool) -> StatesFile:
+def optimizer_states(optimizer: Optimizer, weights: Mapping[Key, Any], dump_optimizer: bool,
+                     declared: Mapping[Key, np.dtype] | None = None) -> StatesFile:
     """The states of every key ``optimizer`` holds state for (ints first, then strs, each sorted).
 
-    Each entry takes its shape and dtype from ``weights[key]``; the spec is included when
-    ``dump_optimizer``.  Raises KeyNotInitializedError when a key with state has no weight.
+    Each entry takes its shape from ``weights[key]`` and its dtype from ``declared[key]`` when
+    given (a store's bfloat16 key, held as a float32 master copy), else from the weight; the
+    spec is included when ``dump_optimizer``.  Raises KeyNotInitializedError when a key with
+    state has no weight.
     """
     from kvstore.core.values import describe
 
@@ -370,13 +373,14 @@ def optimizer_states(optimizer: Optimizer, weights: Mapping[Key, Any], dump_opti
         if key not in weights:
             raise KeyNotInitializedError(f"the optimizer has state for key {key!r}, which has no weight")
         shape, dtype = describe(weights[key])  # a weight on a GPU is not copied
+        dtype = (declared or {}).get(key, dtype)
         count, arrays = got
         entries.append(StateEntry(key, shape, dtype, int(count), arrays))
     return StatesFile(optimizer.spec() if dump_optimizer else None, int(optimizer.num_update), entries)
 
 
-def restore_optimizer(states: StatesFile, optimizer: Optimizer | None,
-                      weights: Mapping[Key, Any]) -> Optimizer:
+def restore_optimizer(states: StatesFile, optimizer: Optimizer | None, weights: Mapping[Key, Any],
+                      declared: Mapping[Key, np.dtype] | None = None) -> Optimizer:
     """The optimizer to use after loading ``states``, with their state installed.
 
     With a spec in ``states`` that is a new optimizer built from it (``optimizer`` is not
@@ -385,7 +389,7 @@ def restore_optimizer(states: StatesFile, optimizer: Optimizer | None,
     changes.  Raises OptimizerError for a bad spec, no spec and no optimizer, or states
     that do not fit the optimizer; KeyNotInitializedError for a key not in ``weights``;
     ShapeMismatchError / DTypeMismatchError when an entry's shape or dtype differs from
-    the weight's.
+    the weight's (``declared[key]`` when given, as for :func:`optimizer_states`).
     """
     if states.optimizer is not None:
         target = scratch = from_spec(states.optimizer)
@@ -404,9 +408,11 @@ def restore_optimizer(states: StatesFile, optimizer: Optimizer | None,
         if tuple(weight.shape) != tuple(entry.shape):
             raise ShapeMismatchError(f"optimizer state of key {entry.key!r} is for shape "
                                      f"{tuple(entry.shape)}, but the key has shape {tuple(weight.shape)}")
-        if xp.dtype_of(weight) != np.dtype(entry.dtype):
+        dtype = (declared or {}).get(entry.key, xp.dtype_of(weight))
+        if dtype != np.dtype(entry.dtype):
             raise DTypeMismatchError(f"optimizer state of key {entry.key!r} is for dtype "
-                                     f"{np.dtype(entry.dtype)}, but the key has dtype {xp.dtype_of(weight)}")
+                                     f"{dtype_name(entry.dtype)}, but the key has dtype "
+                                     f"{dtype_name(dtype) or dtype}")
         scratch.set_state(entry.key, weight, entry.count, entry.arrays)
     if scratch is not target:
         target.states.clear()

@@ -4,7 +4,8 @@ learning-rate and weight-decay multipliers, the update driver and the spec.
 A rule (:mod:`kvstore.core.update_rules`) subclasses :class:`Optimizer` and defines ``_step``;
 :mod:`kvstore.core.optimizer` holds the registry of rules by name.  Arithmetic is in the weight's
 dtype; with ``multi_precision`` a float16 weight is updated through a float32 master copy (state
-``"weight32"``).  An optimizer travels as its :meth:`Optimizer.spec` (a plain dict), never pickled.
+``"weight32"``), and a bfloat16 weight (a torch tensor) always is.  An optimizer travels as its
+:meth:`Optimizer.spec` (a plain dict), never pickled.
 :meth:`Optimizer.update` runs on numpy arrays or on torch tensors on any device (through
 :mod:`kvstore.core.xp`), with the same arithmetic in the same order.
 """
@@ -17,6 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvstore.core import xp
+from kvstore.core.dtypes import BF16, dtype_name
 from kvstore.core.lr_scheduler import LRScheduler, int_param, real_param
 from kvstore.core.partition import Key, check_key
 from kvstore.errors import DTypeMismatchError, KeyTypeError, OptimizerError, ShapeMismatchError
@@ -162,7 +164,9 @@ class Optimizer:
         return ("weight32", *inner) if self._mixed(np.dtype(dtype)) else inner
 
     def _mixed(self, dtype: np.dtype) -> bool:
-        return self.multi_precision and dtype == np.float16
+        """True when a weight of ``dtype`` is updated through a float32 master copy: float16 with
+        ``multi_precision``, bfloat16 always (its 8-bit mantissa cannot take small steps)."""
+        return dtype == BF16 or (self.multi_precision and dtype == np.float16)
 
     def create_state(self, key: Key, weight: Any) -> dict[str, Any]:
         """Fresh state arrays for ``weight`` (a numpy array or a torch tensor; the states are of the
@@ -196,9 +200,10 @@ class Optimizer:
         except KeyTypeError as exc:
             raise OptimizerError(str(exc)) from None
         count = int_param("count", count)
-        if not (xp.is_numpy(weight) or xp.is_tensor(weight)) or xp.dtype_of(weight).kind != "f":
-            raise OptimizerError(f"key {key!r}: optimizer state needs a floating-point weight")
-        template = self.create_state(key, weight)
+        try:
+            template = self.create_state(key, weight)
+        except (TypeError, DTypeMismatchError):
+            raise OptimizerError(f"key {key!r}: optimizer state needs a floating-point weight") from None
         if not isinstance(arrays, Mapping) or set(arrays) != set(template):
             got = sorted(map(str, arrays)) if isinstance(arrays, Mapping) else type(arrays).__name__
             raise OptimizerError(f"key {key!r}: {self.name} state needs arrays {sorted(template)}, got {got}")
@@ -301,9 +306,11 @@ def _check_float(key: Key, weight: Any) -> np.dtype:
         raise TypeError(f"key {key!r}: weight must be a numpy array or a torch tensor, "
                         f"not {type(weight).__name__}")
     dtype = xp.dtype_of(weight)
+    if dtype == BF16 and xp.is_tensor(weight):
+        return dtype  # updated through a float32 master copy (_mixed)
     if dtype.kind != "f":
-        raise DTypeMismatchError(f"key {key!r} holds {dtype}; optimizers update floating-point "
-                                 "weights only")
+        raise DTypeMismatchError(f"key {key!r} holds {dtype_name(dtype) or dtype}; optimizers update "
+                                 "floating-point weights only (bfloat16 ones as torch tensors)")
     return dtype
 
 

@@ -207,12 +207,24 @@ class Server:
         msg = decompress.expand(msg)  # a compressed push: its values, dequantised (server/decompress.py)
         msg, bf16 = _widened(msg)
         keys, values, _, lo = self._entries(msg, True)
+        self._check_precision(keys, bf16, msg.op.name)
         if self.optimizer is not None and values[0].dtype.kind != "f":  # one array: one dtype
             raise DTypeMismatchError(f"key {keys[0]!r} holds {values[0].dtype}; the {self.optimizer.name} "
                                      "optimizer updates floating-point keys only")
         batch = _Batch(identity, msg.seq, len(keys), bf16)
         entries = [((batch, i), key, value, lo or 0) for i, (key, value) in enumerate(zip(keys, values))]
         self._reply_all(self.state.push_many(msg.sender, entries, pull))
+
+    def _check_precision(self, keys: list[object], bf16: bool, op: str) -> None:
+        """Refuse (DTypeMismatchError, nothing changed) a push whose values are bfloat16 for a key
+        that is not, or not bfloat16 for one that is: both are float32 once widened."""
+        if not bf16 and not self.bf16_keys:
+            return  # the common case: no bfloat16 key at all
+        odd = [k for k in keys if (k in self.bf16_keys) != bf16]
+        if odd:
+            held = "bfloat16" if odd[0] in self.bf16_keys else "not bfloat16"
+            sent = "bfloat16" if bf16 else "non-bfloat16"
+            raise DTypeMismatchError(f"{op} of {sent} values to key {odd[0]!r}, which is {held}")
 
     def _update(self, key: object, total: np.ndarray, stored: np.ndarray) -> np.ndarray:
         weight = stored.copy()  # a stored array may still be on its way out in a reply
@@ -227,14 +239,13 @@ class Server:
     def _on_init(self, identity: bytes, msg: Message) -> None:
         msg, bf16 = _widened(msg)  # a bfloat16 key is held as a float32 master copy
         keys, values, _, lo = self._entries(msg, True)
-        if bf16:
-            self.bf16_keys.update(keys)
         if lo is not None:  # a chunk: the key is stored with its last chunk
             total = msg.body.get("total")
             if not (isinstance(total, int) and not isinstance(total, bool) and total > 0):
                 raise ProtocolError("an INIT chunk ('lo') needs the slice's element count 'total' > 0")
             stored = self.state.init_chunk(msg.sender, keys[0], values[0], lo, total)
             if stored:
+                self._mark_precision(keys, bf16)
                 log.debug("key %r initialised from its chunks", keys[0])
             self.service.reply(identity, Message(Op.OK, seq=msg.seq))
             return
@@ -245,7 +256,15 @@ class Server:
                 raise DuplicateInitError(f"key {key!r} is already initialised on this server")
         for key, value in zip(keys, values):
             self.state.init(key, value)
+        self._mark_precision(keys, bf16)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _mark_precision(self, keys: list[object], bf16: bool) -> None:
+        """Record whether newly stored ``keys`` hold bfloat16 values (as float32 master copies)."""
+        if bf16:
+            self.bf16_keys.update(keys)
+        else:
+            self.bf16_keys.difference_update(keys)
 
     def _on_push(self, identity: bytes, msg: Message) -> None:
         self._with_rounds(identity, msg, pull=False)

@@ -80,3 +80,62 @@ def test_without_ml_dtypes_the_error_names_it(monkeypatch: pytest.MonkeyPatch) -
     kv = kvstore.create("local")  # torch users need no ml_dtypes
     kv.init("t", _bf16(5))
     assert kv.pull("t").dtype == torch.bfloat16
+
+
+def test_local_states_file_records_bfloat16_and_reloads(tmp_path: Path) -> None:
+    """A local store's adam states of a bfloat16 key are saved as a bfloat16 entry and restored."""
+    kv = kvstore.create("local")
+    kv.set_optimizer(kvopt.create("adam", learning_rate=0.01))
+    kv.init("w", _bf16(1))
+    kv.push("w", _bf16(2))
+    kv.save_optimizer_states(str(tmp_path / "s"))
+    (entry,) = checkpoint.read_states(tmp_path / "s").entries
+    assert entry.dtype == BF16 and {a.dtype for a in entry.arrays.values()} == {np.dtype(np.float32)}
+    kv.push("w", _bf16(3))
+    kv.load_optimizer_states(str(tmp_path / "s"))  # the moments go back to the saved ones
+    kv.save_optimizer_states(str(tmp_path / "again"))
+    (back,) = checkpoint.read_states(tmp_path / "again").entries
+    assert back.dtype == BF16 and back.count == entry.count
+    for name, array in entry.arrays.items():
+        np.testing.assert_array_equal(back.arrays[name], array)
+    kv.push("w", _bf16(4))  # and updates go on from them
+
+
+def test_local_states_refuse_a_float32_key(tmp_path: Path) -> None:
+    """A bfloat16 entry does not load into a float32 key of the same shape: the dtype is named."""
+    kv = kvstore.create("local")
+    kv.set_optimizer(kvopt.create("sgd", learning_rate=0.1, momentum=0.9))
+    kv.init("w", _bf16(1))
+    kv.push("w", _bf16(2))
+    kv.save_optimizer_states(str(tmp_path / "s"))
+    other = kvstore.create("local")
+    other.set_optimizer(kvopt.create("sgd", learning_rate=0.1, momentum=0.9))
+    other.init("w", np.zeros(64, np.float32))
+    with pytest.raises(DTypeMismatchError, match="bfloat16"):
+        other.load_optimizer_states(str(tmp_path / "s"))
+
+
+def test_trainer_updates_bf16_parameters_through_fp32_masters(tmp_path: Path) -> None:
+    """update_on_kvstore=False: bfloat16 weights step through a float32 copy, and the Trainer's
+    states (file and state dict) hold them."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    master = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    trainer = kvstore.Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.001},
+                              kvstore=kvstore.create("local"), update_on_kvstore=False)
+    x = torch.randn(5, 4).to(torch.bfloat16)
+    for _ in range(3):
+        model.zero_grad()
+        model(x).sum().backward()
+        for n, p in model.named_parameters():
+            master[n] -= 0.001 * p.grad.float()
+        trainer.step(1)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), master[n].to(torch.bfloat16)), n
+    trainer.save_states(str(tmp_path / "t"))
+    entries = checkpoint.read_states(tmp_path / "t").entries
+    assert {e.dtype for e in entries} == {BF16} and all("weight32" in e.arrays for e in entries)
+    trainer.load_states(str(tmp_path / "t"))
+    state = trainer.state_dict()
+    assert {e["dtype"] for e in state["states"].values()} == {"bfloat16"}
+    trainer.load_state_dict(state)
