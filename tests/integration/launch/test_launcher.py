@@ -245,3 +245,15 @@ def test_workers_failing_together_print_whole_tracebacks_and_a_summary(tag: str,
         block = lines[start:end + 1]
         assert len(block) >= 7 and all(line.startswith(f"[worker {rank}] ") for line in block), out
     assert poll_for(lambda: not tagged_pids(tag), 10, "every launched process to exit")
+
+
+@pytest.mark.parametrize("kind,threshold", [("2bit", 0.5), ("1bit", 0.0)])
+def test_compressed_pushes_match_the_reference_under_the_launcher(tag: str, kind: str,
+                                                                  threshold: float) -> None:
+    """launch.py -n 2 -s 2: 2bit and 1bit pushes of two values each sum, bit for bit, as the plain
+    reference rules say, on both workers."""
+    script = str(Path(__file__).parents[1] / "scripts" / "compression_check.py")
+    rc, out = finish(_launch(["-n", "2", "-s", "2", script, kind, str(threshold)], tag))
+    assert rc == 0, out
+    for rank in range(2):
+        assert f"[worker {rank}] RESULT ok rank={rank} kind={kind} servers=2" in out, out
