@@ -25,6 +25,7 @@ from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
+from kvstore.client.sparse import DistRows, RowsLink
 from kvstore.client.window import PushWindow
 from kvstore.core import values as V
 from kvstore.core.optimizer import Optimizer
@@ -119,6 +120,10 @@ class DistKVStore(KVStore):
             pull=lambda keys: self._pull(keys, 0), servers=self._servers, resume=cfg.resume,
             chunk_bytes=self._chunk_bytes,
             save_residuals=lambda d: self._compress.save(d, self._rank, self._num_workers)))
+        self._rows = DistRows(RowsLink(self._io.submit, self._request_all, self._io.wait, self._window,
+                                       self._collective, len(self._servers), self._chunk_bytes,
+                                       cfg.request_timeout))  # row_sparse keys (client/sparse.py)
+        self._rows_init, self._rows_push, self._rows_pull = self._rows.init, self._rows.push, self._rows.pull
         self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,
                                     stats=self._snapshot, on_left=self._barriers.warn_left)

@@ -128,7 +128,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.config", "kvstore.logs"),
     ("kvstore.core",),                                            # pure logic, no I/O
     ("kvstore.net", "kvstore.device", "kvstore.data",              # sockets; GPU sums; sharding
-     "kvstore.optimizer", "kvstore.lr_scheduler", "kvstore.checkpoint"),  # public faces of core
+     "kvstore.optimizer", "kvstore.lr_scheduler", "kvstore.checkpoint",  # public faces of core
+     "kvstore.sparse"),                                            # row-sparse argument rules
     ("kvstore.base",),                                            # the KVStore ABC
     ("kvstore.client", "kvstore.local", "kvstore.server"),        # the stores; the server process
     ("kvstore.stores",),                                          # create(): the registry of stores

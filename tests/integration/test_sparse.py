@@ -1,0 +1,210 @@
+"""Row-sparse keys in dist_sync and dist_async clusters (docs/sparse.md): tables made on the servers,
+pushes of rows only, row_sparse_pull, lazy and standard optimizer updates against dense references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import RowSparse
+from kvstore.core import rowsparse as R
+from kvstore.errors import ShapeMismatchError
+from tests.integration.conftest import _shared_cluster, unique_key
+
+pytestmark = pytest.mark.timeout(90)
+SHAPE = (50, 4)
+
+
+@pytest.fixture(scope="module")
+def sync2(tmp_path_factory):
+    """A dist_sync cluster of 2 workers and 2 servers shared by this module's tests."""
+    cluster = _shared_cluster(tmp_path_factory, "dist_sync", 2, 2)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def async2(tmp_path_factory):
+    """A dist_async cluster of 2 workers and 3 servers shared by this module's tests."""
+    cluster = _shared_cluster(tmp_path_factory, "dist_async", 2, 3)
+    yield cluster
+    cluster.close()
+
+
+def _grad(rank: int, step: int, ids: list[int]) -> RowSparse:
+    rows = np.stack([np.full(SHAPE[1], (rank + 1) * 0.5 + step + i * 0.1, np.float32)
+                     for i in range(len(ids))]) if ids else np.zeros((0, SHAPE[1]), np.float32)
+    return RowSparse(np.array(ids, np.int64), rows, SHAPE)
+
+
+def test_sync_table_generated_on_servers_matches_one_process_and_push_sums_workers(sync2) -> None:
+    """A table made from shape/init is the one a single process generates; a round's rows are the
+    sum of every worker's (unsorted, repeated ids summed; a worker with no rows still pushes)."""
+    key = unique_key("rs")
+
+    def work(kv):
+        kv.init(key, shape=SHAPE, dtype="float32", init={"type": "normal", "sigma": 1.0, "seed": 7})
+        before = kv.row_sparse_pull(key, row_ids=np.arange(SHAPE[0]))
+        ids = [9, 3, 9, 49] if kv.rank == 0 else []
+        kv.push(key, _grad(kv.rank, 0, ids))
+        after = kv.row_sparse_pull(key, row_ids=np.array([49, 3, 3, 9, 0]))
+        dense = np.empty(SHAPE, np.float32)
+        kv.row_sparse_pull(key, out=dense, row_ids=[3, 9])
+        return before, after, dense
+
+    reference = R.generate(R.parse_init(key, {"type": "normal", "sigma": 1.0, "seed": 7}), 0, SHAPE[0],
+                           SHAPE[1], np.dtype(np.float32))
+    for before, after, dense in sync2.run(work):
+        np.testing.assert_array_equal(before.rows, reference)
+        assert list(after.indices) == [0, 3, 9, 49]
+        np.testing.assert_allclose(after.rows[0], reference[0])
+        np.testing.assert_allclose(after.rows[1], np.full(4, 0.6, np.float32))  # id 3: step 0, i=1
+        np.testing.assert_allclose(after.rows[2], np.full(4, 0.5 + 0.7, np.float32))  # id 9 twice
+        np.testing.assert_allclose(after.rows[3], np.full(4, 0.8, np.float32))
+        assert np.count_nonzero(dense.any(axis=1)) == 2 and np.allclose(dense[9], 1.2)
+
+
+def test_sync_both_workers_rows_are_summed_each_round(sync2) -> None:
+    """dist_sync: rows pushed by both workers in a round are summed, and each round is applied once."""
+    key = unique_key("rs")
+
+    def work(kv):
+        kv.init(key, np.zeros(SHAPE, np.float32), stype="row_sparse")
+        for step in range(3):
+            kv.push(key, _grad(kv.rank, step, [5, 20 + kv.rank]))
+        return kv.row_sparse_pull(key, row_ids=[5, 20, 21])
+
+    for got in sync2.run(work):
+        np.testing.assert_allclose(got.rows[0], np.full(4, 0.5 + 2 + 1.0 + 2))  # both workers, step 2
+        np.testing.assert_allclose(got.rows[1], np.full(4, 0.5 + 2 + 0.1))
+        np.testing.assert_allclose(got.rows[2], np.full(4, 1.0 + 2 + 0.1))
+
+
+def test_bad_sparse_pushes_raise_and_leave_the_table(sync2) -> None:
+    """A sparse push to a dense key, a row id out of range and a wrong row width raise before
+    anything is sent; the table is unchanged and later rounds still close."""
+    key, dense_key = unique_key("rs"), unique_key("dense")
+
+    def work(kv):
+        kv.init(key, shape=SHAPE, init="uniform")
+        kv.init(dense_key, np.zeros(3, np.float32))
+        start = kv.row_sparse_pull(key, row_ids=np.arange(SHAPE[0])).rows
+        with pytest.raises(TypeError, match="dense"):
+            kv.push(dense_key, _grad(0, 0, [1]))
+        with pytest.raises(ShapeMismatchError, match="out of range"):
+            kv.push(key, _grad(0, 0, [50]))
+        with pytest.raises(ShapeMismatchError, match="wide"):
+            kv.push(key, RowSparse([1], np.ones((1, 5), np.float32), (50, 5)))
+        with pytest.raises(ShapeMismatchError, match="out of range"):
+            kv.row_sparse_pull(key, row_ids=[-1])
+        with pytest.raises(TypeError, match="row_sparse"):
+            kv.pushpull(key, np.zeros(SHAPE, np.float32))
+        unchanged = kv.row_sparse_pull(key, row_ids=np.arange(SHAPE[0])).rows
+        kv.push(key, _grad(kv.rank, 0, [2]))
+        return start, unchanged, kv.row_sparse_pull(key, row_ids=[2]).rows
+
+    for start, unchanged, row in sync2.run(work):
+        np.testing.assert_array_equal(start, unchanged)
+        np.testing.assert_allclose(row, np.full((1, 4), 0.5 + 1.0))
+
+
+def test_whole_pull_below_the_limit_and_refused_above(sync2, monkeypatch) -> None:
+    """pull of a whole row-sparse key gives the dense table below kvstore.sparse.WHOLE_PULL_BYTES and a
+    clear error above it."""
+    key = unique_key("rs")
+    value = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+
+    def work(kv):
+        kv.init(key, value, stype="row_sparse")
+        whole = kv.pull(key)
+        kv.barrier()
+        return whole
+
+    for whole in sync2.run(work):
+        np.testing.assert_array_equal(whole, value)
+    monkeypatch.setattr(kvstore.sparse, "WHOLE_PULL_BYTES", 100)
+    with pytest.raises(ValueError, match="row_sparse_pull"):
+        sync2.workers[0].pull(key)
+
+
+def _steps(rank: int) -> list[list[int]]:
+    return [[1, 7, 7, 30], [7, 40], [2, 30, 49]] if rank == 0 else [[7, 11], [], [30, 3]]
+
+
+def _dense_reference(opt_args: dict, grads: list[np.ndarray], start: np.ndarray) -> np.ndarray:
+    kv = kvstore.create("local")
+    kv.init(0, start.copy())
+    kv.set_optimizer(kvstore.optimizer.create(**opt_args))
+    for g in grads:
+        kv.push(0, g)
+    return kv.pull(0)
+
+
+@pytest.mark.parametrize("opt_args", [
+    {"name": "sgd", "learning_rate": 0.1, "momentum": 0.9, "wd": 0.01, "lazy_update": False},
+    {"name": "adam", "learning_rate": 0.05, "wd": 0.01, "lazy_update": False}], ids=["sgd", "adam"])
+def test_standard_update_matches_dense_optimizer(sync2, opt_args) -> None:
+    """lazy_update=False: every row is updated as if the summed gradient were dense (sgd with momentum
+    and adam against a dense key's optimizer)."""
+    key = unique_key("rs")
+    init = {"type": "uniform", "seed": 3}
+    start = R.generate(R.parse_init(key, init), 0, SHAPE[0], SHAPE[1], np.dtype(np.float32))
+
+    def work(kv):
+        kv.init(key, shape=SHAPE, init=init)
+        kv.set_optimizer(kvstore.optimizer.create(**opt_args))
+        for step, ids in enumerate(_steps(kv.rank)):
+            kv.push(key, _grad(kv.rank, step, ids))
+        return kv.row_sparse_pull(key, row_ids=np.arange(SHAPE[0])).rows
+
+    grads = [_grad(0, s, a).todense() + _grad(1, s, b).todense() for s, (a, b) in
+             enumerate(zip(_steps(0), _steps(1)))]
+    want = _dense_reference(opt_args, grads, start)
+    for got in sync2.run(work):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt_args", [
+    {"name": "sgd", "learning_rate": 0.1, "momentum": 0.9, "wd": 0.1},
+    {"name": "adam", "learning_rate": 0.05, "wd": 0.1}], ids=["sgd", "adam"])
+def test_lazy_update_touches_only_the_rows_present(async2, opt_args) -> None:
+    """lazy_update (the default): the rows pushed are updated as a dense key of only those rows would
+    be (weight decay and moments included); the other rows keep their values (dist_async, one pusher)."""
+    key = unique_key("rs")
+    rows = [4, 17, 33]
+    start = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
+
+    def work(kv):
+        kv.init(key, start, stype="row_sparse")
+        kv.set_optimizer(kvstore.optimizer.create(**opt_args))
+        if kv.rank == 0:
+            for step in range(3):
+                kv.push(key, _grad(0, step, rows))
+        kv.barrier()
+        return kv.row_sparse_pull(key, row_ids=np.arange(SHAPE[0])).rows
+
+    want = _dense_reference(opt_args, [_grad(0, s, rows).rows for s in range(3)], start[rows])
+    for got in async2.run(work):
+        np.testing.assert_allclose(got[rows], want, rtol=1e-5, atol=1e-6)
+        others = np.setdiff1d(np.arange(SHAPE[0]), rows)
+        np.testing.assert_array_equal(got[others], start[others])
+
+
+def test_async_pushes_apply_on_arrival_and_sum(async2) -> None:
+    """dist_async: each worker's push is applied as it arrives; with plain sgd the result is the sum of
+    both workers' steps whatever their order, and a table of 3 servers equals one process's."""
+    key = unique_key("rs")
+
+    def work(kv):
+        kv.init(key, shape=SHAPE, init="zeros")
+        kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=1.0))
+        kv.push(key, [_grad(kv.rank, 0, [0, 49]), _grad(kv.rank, 1, [0])])
+        kv.barrier()
+        return kv.row_sparse_pull(key, row_ids=[0, 49, 25])
+
+    for got in async2.run(work):
+        np.testing.assert_allclose(got.rows[0], -np.full(4, 0.5 + 1.5 + 1.0 + 2.0), rtol=1e-6)
+        assert list(got.indices) == [0, 25, 49]  # sorted, distinct
+        np.testing.assert_array_equal(got.rows[1], np.zeros(4))
+        np.testing.assert_allclose(got.rows[2], -np.full(4, 0.6 + 1.1), rtol=1e-6)
