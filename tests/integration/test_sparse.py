@@ -208,3 +208,25 @@ def test_async_pushes_apply_on_arrival_and_sum(async2) -> None:
         assert list(got.indices) == [0, 25, 49]  # sorted, distinct
         np.testing.assert_array_equal(got.rows[1], np.zeros(4))
         np.testing.assert_allclose(got.rows[2], -np.full(4, 0.6 + 1.1), rtol=1e-6)
+
+
+def test_chunked_pushes_and_pulls_and_a_leaver_does_not_stall_rounds(make_cluster) -> None:
+    """Rows travel in messages of at most KVSTORE_CHUNK_BYTES (a round's last chunk closes it), pulls
+    too; once a worker has left, rounds close without it."""
+    cluster = make_cluster("dist_sync", num_workers=2, num_servers=2, KVSTORE_CHUNK_BYTES=1024)
+    shape = (400, 4)
+    ids = np.arange(0, 400, 2)  # 200 rows: several messages to each server
+
+    def work(kv):
+        kv.init("big", shape=shape, init="uniform")
+        start = kv.row_sparse_pull("big", row_ids=np.arange(400)).rows
+        kv.push("big", RowSparse(ids, np.full((ids.size, 4), kv.rank + 1.0, np.float32), shape))
+        return start, kv.row_sparse_pull("big", row_ids=np.arange(400)).rows
+
+    for start, after in cluster.run(work):
+        np.testing.assert_array_equal(after[ids], np.full((200, 4), 3.0))
+        np.testing.assert_array_equal(after[1::2], start[1::2])
+    cluster.workers[1].close()
+    kv = cluster.workers[0]
+    kv.push("big", RowSparse([7], np.ones((1, 4), np.float32), shape))
+    assert kv.row_sparse_pull("big", row_ids=[7]).rows[0, 0] == 1.0
