@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.client import sparse_states
 from kvstore.client.mux import Request
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import optimizer as kvoptimizer
@@ -56,6 +57,8 @@ class StoreLink:
     resume: str | None  # the KVSTORE_RESUME snapshot directory, if any
     chunk_bytes: int = 0  # the cluster's chunk size (from the map): big state slices go in chunks
     save_residuals: Callable[[str], None] | None = None  # this worker's compression residuals, per rank
+    rows: Any = None  # the store's client.sparse.DistRows: row-sparse keys' states (client/sparse_states.py)
+    sparse_metas: Callable[[], dict] = dict  # a copy of the row-sparse keys' metas
 
 
 class CollectiveCalls:
@@ -178,6 +181,8 @@ class CollectiveCalls:
             entry = self._state_entry(key, metas[key], [next(replies) for _ in group])
             if entry is not None:
                 entries.append(entry)
+        if self._link.rows is not None:
+            entries.extend(sparse_states.gather(self._link.rows, self._link.sparse_metas()))
         return checkpoint.StatesFile(info[0]["spec"] if dump_optimizer else None,
                                      max(i["num_update"] for i in info), entries)
 
@@ -233,6 +238,11 @@ class CollectiveCalls:
         if spec is None:
             raise OptimizerError(f"load_optimizer_states: {source} holds no optimizer and none is set "
                                  "(call set_optimizer first, or save with dump_optimizer=True)")
+        sparse = self._link.sparse_metas()  # row-sparse keys' states go their own way
+        rows_entries = [e for e in states.entries if e.key in sparse]
+        states = checkpoint.StatesFile(states.optimizer, states.num_update,
+                                       [e for e in states.entries if e.key not in sparse])
+        sparse_states.check(rows_entries, sparse, kvoptimizer.from_spec(spec))
         metas = self._link.metas()  # servers hold a bfloat16 key as a float32 master copy
         shapes = {k: np.zeros(m.shape, np.float32 if m.dtype == BF16 else m.dtype) for k, m in metas.items()}
         declared = {k: m.dtype for k, m in metas.items()}
@@ -244,6 +254,8 @@ class CollectiveCalls:
         for entry in states.entries:
             requests.extend(self._send_state(entry))
         self._link.request_all(requests)
+        if rows_entries:
+            sparse_states.scatter(self._link.rows, rows_entries, sparse)
 
     def _send_state(self, entry: checkpoint.StateEntry) -> list[Request]:
         """Queue STATE_SET messages of one key's state: per server its slice of every state array,

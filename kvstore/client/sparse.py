@@ -51,12 +51,12 @@ class DistRows:
         self._pushes: dict[Key, int] = {}  # key -> rounds pushed by this worker
         self._lock = threading.Lock()  # one push of a key leaves as one run, rounds in order
 
-    def _ranges(self, meta: R.SparseMeta) -> list[tuple[int, int, int]]:
+    def ranges(self, meta: R.SparseMeta) -> list[tuple[int, int, int]]:
         """``(server, lo, hi)`` of each server holding rows of a table (empty ranges left out)."""
         bounds = R.row_bounds(meta.num_rows, self.link.num_servers)
         return [(s, lo, hi) for s, (lo, hi) in enumerate(bounds) if hi > lo]
 
-    def _rows_per_message(self, meta: R.SparseMeta) -> int:
+    def rows_per_message(self, meta: R.SparseMeta) -> int:
         chunk = self.link.chunk_bytes or DEFAULT_CHUNK_BYTES
         return max(1, chunk // (meta.width * meta.dtype.itemsize + 8))
 
@@ -65,7 +65,7 @@ class DistRows:
         def send_all() -> None:
             requests = []
             for key, meta, spec, _ in items:
-                for server, lo, hi in self._ranges(meta):
+                for server, lo, hi in self.ranges(meta):
                     body = {"key": key, "shape": list(meta.shape), "dtype": dtype_name(meta.dtype),
                             "lo": lo, "hi": hi, "init": spec}
                     requests.append(self.link.submit(server, Message(Op.SPARSE_INIT, body),
@@ -78,8 +78,8 @@ class DistRows:
         self.link.collective(f"row_sparse init of {len(items)} key(s)", send_all)
 
     def _set(self, key: Key, meta: R.SparseMeta, table: np.ndarray) -> None:
-        step, requests = self._rows_per_message(meta), []
-        for server, lo, hi in self._ranges(meta):
+        step, requests = self.rows_per_message(meta), []
+        for server, lo, hi in self.ranges(meta):
             for start in range(lo, hi, step):
                 stop = min(hi, start + step)
                 ids = np.arange(start, stop, dtype=np.int64)
@@ -110,9 +110,9 @@ class DistRows:
 
     def _send(self, key: Key, meta: R.SparseMeta, rnd: int, ids: np.ndarray,
               rows: np.ndarray) -> list[Request]:
-        ranges = self._ranges(meta)
+        ranges = self.ranges(meta)
         cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
-        step, requests = self._rows_per_message(meta), []
+        step, requests = self.rows_per_message(meta), []
         for (server, _, _), (start, stop) in zip(ranges, cuts):
             pieces = list(range(start, stop, step)) or [start]
             for i, first in enumerate(pieces):
@@ -129,9 +129,9 @@ class DistRows:
         error = self.link.window.take_failure([key])
         if error is not None:
             raise from_cluster(error)
-        ranges = self._ranges(meta)
+        ranges = self.ranges(meta)
         cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
-        step, requests, spans = self._rows_per_message(meta), [], []
+        step, requests, spans = self.rows_per_message(meta), [], []
         after = self._pushes.get(key, 0)
         for (server, _, _), (start, stop) in zip(ranges, cuts):
             for first in range(start, stop, step):

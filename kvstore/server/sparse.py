@@ -19,7 +19,7 @@ from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
 from kvstore.core.sparse_update import apply_rows
-from kvstore.errors import DTypeMismatchError, ProtocolError
+from kvstore.errors import DTypeMismatchError, OptimizerError, ProtocolError
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import Handler
 
@@ -99,8 +99,33 @@ class SparseServer:
 
     def _on_set(self, identity: bytes, msg: Message) -> None:
         key, ids, rows = self._rows(msg, True)
-        self.tables.set_rows(key, ids, rows)
+        name = msg.body.get("state")
+        if name is None:
+            self.tables.set_rows(key, ids, rows)
+        else:
+            self._set_state(key, name, _int(msg.body, "count"), ids, rows)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _set_state(self, key: Key, name: Any, count: int, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Overwrite rows ``ids`` of state array ``name`` of ``key`` (a load_optimizer_states), making
+        the key's state first if it has none; OptimizerError for a name the optimizer does not keep."""
+        opt = self.optimizer()
+        if opt is None:
+            raise OptimizerError(f"setting the optimizer state of key {key!r}: no optimizer is set")
+        table, local = self.tables.local_ids(key, ids)
+        state = opt.states.get(key)
+        if state is None or any(a.shape != table.weight.shape for a in state.values()):
+            state = opt.create_state(key, table.weight)
+        if name not in state:
+            raise OptimizerError(f"key {key!r}: {opt.name} keeps no state {name!r} (it keeps "
+                                 f"{sorted(state)})")
+        if rows.shape != (ids.size, table.width) or rows.dtype != state[name].dtype:
+            raise OptimizerError(f"key {key!r}: state {name!r} rows must be {state[name].dtype}"
+                                 f"({ids.size}, {table.width}), got {rows.dtype}{rows.shape}")
+        state[name][local] = rows
+        opt.states[key] = state
+        opt.counts[key] = count
+        opt.num_update = max(opt.num_update, count)
 
     def _on_push(self, identity: bytes, msg: Message) -> None:
         key, ids, rows = self._rows(msg, True)
@@ -112,7 +137,19 @@ class SparseServer:
     def _on_pull(self, identity: bytes, msg: Message) -> None:
         key, ids, _ = self._rows(msg, False)
         after = _int(msg.body, "after")
+        if msg.body.get("state") is True:  # the optimizer's state rows (save_optimizer_states)
+            self.service.reply(identity, self._state_rows(key, ids, msg.seq))
+            return
         self._reply_all(self.tables.pull(msg.sender, key, after, ids, (identity, msg.seq)))
+
+    def _state_rows(self, key: Key, ids: np.ndarray, seq: int) -> Message:
+        """The reply to a state pull: ``{count, names}`` and the rows ``ids`` of each state array
+        (no names when the key has no state)."""
+        _, local = self.tables.local_ids(key, ids)
+        opt = self.optimizer()
+        state = {} if opt is None else opt.states.get(key) or {}
+        body = {"count": 0 if opt is None else opt.counts.get(key, 0), "names": list(state)}
+        return Message(Op.OK, body, [a[local] for a in state.values()], seq=seq)
 
     def leave(self, sender: int) -> None:
         """A worker left: answer what no longer waits for it."""

@@ -230,3 +230,39 @@ def test_chunked_pushes_and_pulls_and_a_leaver_does_not_stall_rounds(make_cluste
     kv = cluster.workers[0]
     kv.push("big", RowSparse([7], np.ones((1, 4), np.float32), shape))
     assert kv.row_sparse_pull("big", row_ids=[7]).rows[0, 0] == 1.0
+
+
+def test_optimizer_states_of_row_sparse_keys_save_and_load(sync2, tmp_path) -> None:
+    """save_optimizer_states gathers a row-sparse key's adam state from its servers' row ranges into
+    the file a local store writes; loading it after the state was dropped continues training exactly."""
+    key = unique_key("rs")
+    start = np.random.default_rng(3).standard_normal(SHAPE).astype(np.float32)
+    fname = str(tmp_path / "states.kvs")
+
+    def work(kv):
+        kv.init(key, start, stype="row_sparse")
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+        for step in range(2):
+            kv.push(key, _grad(kv.rank, step, _steps(kv.rank)[step]))
+        kv.save_optimizer_states(fname)
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))  # drops every state
+        kv.load_optimizer_states(fname)
+        kv.push(key, _grad(kv.rank, 2, _steps(kv.rank)[2]))
+        return kv.row_sparse_pull(key, row_ids=np.arange(SHAPE[0])).rows
+
+    results = sync2.run(work)
+    local = kvstore.create("local")
+    local.init(key, start, stype="row_sparse")
+    local.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+    for step in range(3):
+        local.push(key, [_grad(0, step, _steps(0)[step]), _grad(1, step, _steps(1)[step])])
+        if step == 1:
+            local.save_optimizer_states(str(tmp_path / "local.kvs"))
+    saved = {e.key: e for e in kvstore.checkpoint.read_states(fname).entries}[key]
+    want = {e.key: e for e in kvstore.checkpoint.read_states(str(tmp_path / "local.kvs")).entries}[key]
+    assert saved.count == want.count == 2
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(saved.arrays[name].reshape(SHAPE), want.arrays[name].reshape(SHAPE),
+                                   rtol=1e-6)
+    for got in results:
+        np.testing.assert_allclose(got, local.pull(key), rtol=1e-5, atol=1e-6)
