@@ -56,6 +56,7 @@ from kvstore.sparse import RowSparse
 from kvstore.stores import KNOWN_TYPES, create
 from kvstore.torch_optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from kvstore.trainer import Trainer
+from kvstore.trainer_sparse import SparseEmbedding, SparseTrainer
 
 # The scheduler's code is the repository's top-level scheduler/ folder, which setup.py installs as
 # kvstore.scheduler.  A source checkout used without that install (PYTHONPATH=., or a checkout that
@@ -68,6 +69,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KNOWN_TYPES", "KVStore", "create", "Trainer", "__version__", "log_scalar", "RowSparse",
+    "SparseEmbedding", "SparseTrainer",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "KVStoreError", "ConfigError", "UnknownModeError", "KeyNotInitializedError",
     "DuplicateInitError", "ShapeMismatchError", "DTypeMismatchError", "KeyTypeError",

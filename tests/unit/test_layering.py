@@ -134,6 +134,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.client", "kvstore.local", "kvstore.server"),        # the stores; the server process
     ("kvstore.stores",),                                          # create(): the registry of stores
     ("kvstore.trainer", "kvstore.torch_optim"),                   # the torch-facing wrappers
+    ("kvstore.trainer_sparse",),                                  # a Trainer plus row-sparse embeddings
     ("kvstore.launch",),                                          # starting clusters
     ("kvstore", "kvstore.ray", "kvstore.spark", "kvstore.node",   # the public surface, entry points
      "kvstore.status"),
