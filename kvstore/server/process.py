@@ -109,6 +109,7 @@ class Server:
                     Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave}
         self.sparse = SparseServer(self.service, lambda: self.optimizer)  # row-sparse keys (server/sparse.py)
         handlers.update(self.sparse.handlers())
+        self.meter.extra_held = self.sparse.nbytes
         self.service.handlers = {op: self._metered(op, h) for op, h in handlers.items()}
 
     def join(self) -> None:
@@ -392,7 +393,8 @@ class Server:
         if msg.op is Op.SHUTDOWN:
             transport.send(self.scheduler, self.to_scheduler.seal(Message(Op.OK, seq=msg.seq), "scheduler"))
             log.info("shut down by the scheduler: %d keys, %.1f MB held, peak RSS %.1f MB",
-                     len(self.state), self.state.nbytes() / MB, peak_rss() / MB)
+                     len(self.state) + len(self.sparse.tables),
+                     (self.state.nbytes() + self.sparse.nbytes()) / MB, peak_rss() / MB)
             return True
         log.warning("ignored %s from the scheduler", msg.op.name)
         return False

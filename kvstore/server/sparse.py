@@ -55,6 +55,13 @@ class SparseServer:
     def __contains__(self, key: object) -> bool:
         return key in self.tables
 
+    def nbytes(self) -> int:
+        """Bytes of the row ranges held and of their optimizer state."""
+        opt = self.optimizer()
+        states = {} if opt is None else opt.states
+        held = (a.nbytes for k in self.tables.tables for a in states.get(k, {}).values())
+        return self.tables.nbytes() + sum(held)
+
     def _update(self, key: Key, weight: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         apply_rows(self.optimizer(), key, weight, ids, rows)
 
