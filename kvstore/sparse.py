@@ -140,7 +140,7 @@ class SparseCalls:
         rows = self.store._rows_pull(key, meta, wanted)
         results = []
         for target, asked in zip(targets, ids):
-            mine = np.unique(asked)
+            mine = wanted if len(ids) == 1 else np.unique(asked)
             picked = rows if mine.size == wanted.size else rows[np.searchsorted(wanted, mine)]
             results.append(R.deliver(meta, mine, picked, target))
         return results[0] if out is None else out

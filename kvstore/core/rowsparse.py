@@ -180,11 +180,15 @@ def merge(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if ids.size > 1 and np.all(ids[1:] > ids[:-1]):
         return ids, rows  # already sorted and distinct (the common case of a merged push)
     order = np.argsort(ids, kind="stable")
-    ids, rows = ids[order], rows[order]
-    starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
-    if starts.size == ids.size:
-        return ids, rows
-    return ids[starts], np.add.reduceat(rows, starts, axis=0)
+    ids = ids[order]
+    first = np.concatenate(([True], ids[1:] != ids[:-1]))
+    if first.all():
+        return ids, rows[order]
+    out = rows[order[first]]  # each id's first row, then the (few) repeats added into it
+    group = np.cumsum(first) - 1
+    repeats = ~first
+    np.add.at(out, group[repeats], rows[order[repeats]])
+    return ids[first], out
 
 
 def _parts(key: Any, meta: SparseMeta, value: Any) -> tuple[np.ndarray, np.ndarray]:

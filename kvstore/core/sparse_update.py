@@ -60,7 +60,7 @@ def lazy_update(optimizer: Optimizer, key: Key, weight: np.ndarray, ids: np.ndar
     mixed = optimizer._mixed(weight.dtype)
     sub: dict[str, Any] = {name: array[ids] for name, array in state.items()}
     w = weight[ids]
-    g = rows.astype(np.float32 if mixed else weight.dtype) * optimizer.rescale_grad
+    g = np.multiply(rows, optimizer.rescale_grad, dtype=np.float32 if mixed else weight.dtype)
     optimizer._step(sub["weight32"] if mixed else w, g, sub, lr, wd, count)
     if mixed:
         w[...] = sub["weight32"]
