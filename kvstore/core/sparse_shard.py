@@ -41,6 +41,17 @@ class _Round:
     parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     done: set[int] = field(default_factory=set)
     tokens: list[Any] = field(default_factory=list)
+    sent: dict[int, int] = field(default_factory=dict)  # rows each worker has sent in this round
+
+    def add(self, sender: int, local: np.ndarray, rows: np.ndarray, token: Any, limit: int) -> None:
+        """Take a chunk; ProtocolError when ``sender``'s rows in this round would pass ``limit`` (a push
+        carries each row at most once: what a server holds for a round stays bounded)."""
+        count = self.sent.get(sender, 0) + local.size
+        if count > limit:
+            raise ProtocolError(f"worker {sender} sent {count} rows in one push to a range of {limit} rows")
+        self.sent[sender] = count
+        self.parts.append((local, rows))
+        self.tokens.append(token)
 
 
 @dataclass
@@ -136,8 +147,7 @@ class RowTables:
             raise ProtocolError(f"worker {sender} has left; its push of key {key!r} is refused")
         if not self.sync:
             gathering = table.pending.setdefault(sender, _Round())
-            gathering.parts.append((local, rows))
-            gathering.tokens.append(token)
+            gathering.add(sender, local, rows, token, table.hi - table.lo)
             if not last:
                 return []
             del table.pending[sender]
@@ -149,8 +159,7 @@ class RowTables:
         current = table.rounds.setdefault(rnd, _Round())
         if sender in current.done:
             raise ProtocolError(f"worker {sender} pushed round {rnd} of key {key!r} twice")
-        current.parts.append((local, rows))
-        current.tokens.append(token)
+        current.add(sender, local, rows, token, table.hi - table.lo)
         if last:
             current.done.add(sender)
         return self._close(key, table)

@@ -82,3 +82,12 @@ def test_async_chunks_apply_at_the_last_one() -> None:
     done = t.push(1, "e", 0, True, *_rows([14], 2.0), "b")
     assert [c.token for c in done] == ["a", "b"]
     assert calls == [([1, 4], [1.0, 3.0])]
+
+
+def test_a_push_of_more_rows_than_the_range_is_refused() -> None:
+    """A worker's chunks of one push may carry at most the range's row count (memory stays bounded)."""
+    for sync in (True, False):
+        t = _tables(sync=sync)
+        t.push(0, "e", 0, False, *_rows(list(range(10, 20)), 1.0), "a")
+        with pytest.raises(ProtocolError, match="rows in one push"):
+            t.push(0, "e", 0, False, *_rows([11], 1.0), "b")
