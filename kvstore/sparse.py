@@ -78,8 +78,13 @@ class SparseCalls:
             if k in self.metas or k in self.store._meta:
                 raise DuplicateInitError(f"key {k!r} is already initialised")
             items.append(self._init_item(k, v, shape, dtype, init))
-        self.store._rows_init(items)
-        self.metas.update((k, meta) for k, meta, _, _ in items)
+        self.metas.update((k, meta) for k, meta, _, _ in items)  # known during the init (its resume)
+        try:
+            self.store._rows_init(items)
+        except BaseException:
+            for k, _, _, _ in items:
+                self.metas.pop(k, None)
+            raise
 
     def _init_item(self, key: Key, value: Any, shape: Any, dtype: Any, init: Any) -> tuple:
         if value is None:

@@ -90,6 +90,17 @@ class CollectiveCalls:
             resumed.append((key, array))
         return resumed
 
+    def resumed_table(self, key: Key, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """Under ``KVSTORE_RESUME``, the snapshot's value of row-sparse ``key`` (None when it has none);
+        raises like :meth:`resumed`."""
+        if self._link.resume is None:
+            return None
+        values, _ = self._snapshot()
+        if key not in values:
+            return None
+        snapshot.check_fits(values, key, shape, dtype)
+        return values[key]
+
     def initialised(self, keys: list[Key]) -> None:
         """Under ``KVSTORE_RESUME``, give keys initialised after the optimizer was restored their
         snapshot state too (collective, like the init that calls it); raises what that raises."""
@@ -104,7 +115,7 @@ class CollectiveCalls:
         _, states = self._snapshot()
         if states is None:
             return
-        metas = self._link.metas()
+        metas = {**self._link.metas(), **self._link.sparse_metas()}
         known = set(metas) if keys is None else set(keys) & set(metas)
         kept = checkpoint.StatesFile(None, states.num_update, [e for e in states.entries if e.key in known])
         self._scatter_states_file(kept, f"the snapshot in {self._link.resume}", install)
@@ -213,7 +224,10 @@ class CollectiveCalls:
             has_optimizer = self._optimizer_info()[0].body["spec"] is not None
             states = self._gather_states(True) if has_optimizer else None
             keys = list(self._link.metas())
-            snapshot.write(directory, dict(zip(keys, self._link.pull(keys))), states)
+            values = dict(zip(keys, self._link.pull(keys)))
+            if self._link.rows is not None:  # row-sparse tables, whole (client/sparse_states.py)
+                values.update(sparse_states.tables(self._link.rows, self._link.sparse_metas()))
+            snapshot.write(directory, values, states)
 
         self._link.run_collective("save_checkpoint", write)
         if self._link.save_residuals is not None:  # each worker its own, into the generation just written

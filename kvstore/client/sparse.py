@@ -41,6 +41,8 @@ class RowsLink:
     num_servers: int
     chunk_bytes: int
     request_timeout: float
+    resumed: Callable[[Key, tuple, np.dtype], np.ndarray | None] = lambda key, shape, dtype: None
+    initialised: Callable[[list[Key]], None] = lambda keys: None  # KVSTORE_RESUME: restore their states
 
 
 class DistRows:
@@ -72,10 +74,13 @@ class DistRows:
                                                      f"row_sparse init of key {key!r} to server {server}"))
             self.link.wait(requests)
             for key, meta, _, array in items:
+                saved = self.link.resumed(key, meta.shape, meta.dtype)  # KVSTORE_RESUME's table
+                array = array if saved is None else saved
                 if array is not None:
                     self._set(key, meta, array.reshape(meta.num_rows, meta.width))
 
         self.link.collective(f"row_sparse init of {len(items)} key(s)", send_all)
+        self.link.initialised([key for key, _, _, _ in items])
 
     def _set(self, key: Key, meta: R.SparseMeta, table: np.ndarray) -> None:
         step, requests = self.rows_per_message(meta), []

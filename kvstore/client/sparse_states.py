@@ -47,6 +47,12 @@ def gather(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> list[checkpoint.St
     return entries
 
 
+def tables(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> dict[Key, np.ndarray]:
+    """Every row-sparse table, whole, for a snapshot (the writing worker holds them while it writes)."""
+    return {key: rows.pull(key, meta, np.arange(meta.num_rows, dtype=np.int64)).reshape(meta.shape)
+            for key, meta in metas.items()}
+
+
 def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], optimizer: Optimizer) -> None:
     """Raise (before anything is sent) when a row-sparse key's saved state does not fit its table or
     the optimizer: OptimizerError for other state names, ShapeMismatchError for another shape."""

@@ -114,9 +114,11 @@ class DistKVStore(KVStore):
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
         self._compress = WorkerCompression()  # set_gradient_compression's residuals (client/compress.py)
         self._barriers = Barriers(self._io, cfg, self._mode, self._rank, self._num_workers, self._wait)
-        self._rows = DistRows(RowsLink(self._io.submit, self._request_all, self._io.wait, self._window,
-                                       self._collective, len(self._servers), self._chunk_bytes,
-                                       cfg.request_timeout))  # row_sparse keys (client/sparse.py)
+        self._rows = DistRows(RowsLink(  # row_sparse keys (client/sparse.py)
+            self._io.submit, self._request_all, self._io.wait, self._window, self._collective,
+            len(self._servers), self._chunk_bytes, cfg.request_timeout,
+            lambda *a: self._collective_calls.resumed_table(*a),
+            lambda keys: self._collective_calls.initialised(keys)))
         self._collective_calls = CollectiveCalls(StoreLink(
             run_collective=self._collective, barrier=self.barrier, submit=self._io.submit,
             request_all=self._request_all, pieces=self._pieces, metas=self._metas,
