@@ -298,3 +298,42 @@ def test_snapshot_holds_row_sparse_tables_and_resumes_on_other_servers(make_clus
     for key in ("t", "u"):
         got = resumed.row_sparse_pull(key, row_ids=np.arange(SHAPE[0])).rows
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=key)
+
+
+def test_sparse_trainer_in_dist_sync_matches_torch_on_the_joint_batch(sync2) -> None:
+    """Two workers train nn.Embedding(sparse=True) + a head with SparseTrainer; the table and head equal
+    torch's SGD on both workers' batches together (the servers summed every worker's rows)."""
+    torch = pytest.importorskip("torch")
+    rows, dim, batch, prefix = 300, 4, 6, unique_key("st")
+    gen = torch.Generator().manual_seed(4)
+    data = [[(torch.randint(0, rows, (batch, 2), generator=gen), torch.randn(batch, 1, generator=gen))
+             for _ in range(3)] for _ in range(2)]
+    torch.manual_seed(0)
+    start_emb, start_head = torch.nn.Embedding(rows, dim, sparse=True), torch.nn.Linear(dim, 1)
+
+    def work(kv):
+        emb, head = torch.nn.Embedding(rows, dim, sparse=True), torch.nn.Linear(dim, 1)
+        emb.load_state_dict(start_emb.state_dict())
+        head.load_state_dict(start_head.state_dict())
+        model = torch.nn.ModuleDict({"emb": emb, "head": head})
+        trainer = kvstore.SparseTrainer(model.named_parameters(), "sgd", {"learning_rate": 0.3},
+                                        embeddings=[emb], kvstore=kv, key_prefix=prefix)
+        for ids, y in data[kv.rank]:
+            trainer.prefetch(emb, ids)
+            ((head(emb(ids).sum(1)) - y) ** 2).sum().backward()
+            trainer.step(2 * batch)
+            head.zero_grad()
+        trainer.prefetch(emb, torch.arange(rows))
+        return emb.weight.detach().clone(), head.weight.detach().clone()
+
+    results = sync2.run(work)
+    emb, head = start_emb, start_head
+    opt = torch.optim.SGD([emb.weight, *head.parameters()], lr=0.3)
+    for (ids0, y0), (ids1, y1) in zip(*data):
+        opt.zero_grad()
+        ids, y = torch.cat([ids0, ids1]), torch.cat([y0, y1])
+        (((head(emb(ids).sum(1)) - y) ** 2).sum() / (2 * batch)).backward()
+        opt.step()
+    for table, weight in results:
+        torch.testing.assert_close(table, emb.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(weight, head.weight.detach(), rtol=1e-5, atol=1e-6)
