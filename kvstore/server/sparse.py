@@ -7,6 +7,7 @@ Every field is checked before anything changes; a bad request gets an error repl
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,11 +20,19 @@ from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
 from kvstore.core.sparse_update import apply_rows
-from kvstore.errors import DTypeMismatchError, OptimizerError, ProtocolError
+from kvstore.errors import ConfigError, DTypeMismatchError, OptimizerError, ProtocolError
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import Handler
 
 log = logging.getLogger("kvstore.server")
+
+
+def _physical_memory() -> int:
+    """This machine's memory in bytes (a table range beyond it is refused, not attempted)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 def _int(body: dict, name: str, low: int = 0) -> int:
@@ -98,6 +107,10 @@ class SparseServer:
             spec = R.parse_init(key, msg.body.get("init"))
         except (ValueError, TypeError) as exc:
             raise ProtocolError(str(exc)) from None
+        need = (hi - lo) * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        if need > _physical_memory():
+            raise ConfigError(f"row_sparse key {key!r}: rows [{lo}, {hi}) take {need} bytes, more than this "
+                              f"server's memory ({_physical_memory()} bytes); start more servers")
         if self.optimizer() is not None and dtype.kind != "f":
             raise DTypeMismatchError(f"key {key!r}: the optimizer updates floating-point keys only")
         self.tables.init(key, shape, dtype, lo, hi, spec)

@@ -9,7 +9,7 @@ import pytest
 import kvstore
 from kvstore import RowSparse
 from kvstore.core import rowsparse as R
-from kvstore.errors import ShapeMismatchError
+from kvstore.errors import ConfigError, ShapeMismatchError
 from tests.integration.conftest import _shared_cluster, unique_key
 
 pytestmark = pytest.mark.timeout(90)
@@ -337,3 +337,18 @@ def test_sparse_trainer_in_dist_sync_matches_torch_on_the_joint_batch(sync2) -> 
     for table, weight in results:
         torch.testing.assert_close(table, emb.weight.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(weight, head.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_table_bigger_than_a_server_is_refused_and_the_cluster_goes_on(sync2) -> None:
+    """init of a table whose range exceeds a server's memory fails on every worker (ConfigError from the
+    server, nothing allocated); the cluster keeps serving."""
+    key, other = unique_key("huge"), unique_key("rs")
+
+    def work(kv):
+        with pytest.raises(ConfigError, match="memory"):
+            kv.init(key, shape=(2**40, 1024), init="normal")
+        kv.init(other, shape=SHAPE)
+        return kv.row_sparse_pull(other, row_ids=[1]).rows
+
+    for rows in sync2.run(work):
+        assert rows.shape == (1, 4) and not rows.any()
