@@ -130,7 +130,8 @@ class Server:
                                 ordered=self.cfg.sum_order == "rank",
                                 window=cmap.body.get("push_window", self.cfg.push_window),
                                 quorum=cmap.body.get("sync_quorum"), staleness=cmap.body.get("staleness"))
-        self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window)
+        self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
+                              cmap.body.get("max_message_bytes", 0))
         self.state.on_close = self.meter.round_closed
         self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
         logs.set_identity("server", rank)

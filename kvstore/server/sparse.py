@@ -50,10 +50,13 @@ class SparseServer:
         self.optimizer = optimizer
         self.tables = RowTables()
         self.tables.updater = self._update
+        self.max_bytes = 0
 
-    def configure(self, num_workers: int, sync: bool, window: int) -> None:
-        """Set the cluster's worker count and mode (from the map)."""
+    def configure(self, num_workers: int, sync: bool, window: int, max_bytes: int = 0) -> None:
+        """Set the cluster's worker count and mode (from the map), and the largest reply of rows
+        (``KVSTORE_MAX_MESSAGE_BYTES``, 0: no limit)."""
         self.tables = RowTables(num_workers, sync, window or (1 << 30))  # 0: no limit
+        self.max_bytes = max_bytes
         self.tables.updater = self._update
 
     def handlers(self) -> dict[Op, Handler]:
@@ -157,6 +160,10 @@ class SparseServer:
     def _on_pull(self, identity: bytes, msg: Message) -> None:
         key, ids, _ = self._rows(msg, False)
         after = _int(msg.body, "after")
+        table = self.tables.table(key)
+        if self.max_bytes and ids.size * table.weight[:1].nbytes * 3 > self.max_bytes:  # adam: 2 states
+            raise ProtocolError(f"SPARSE_PULL of {ids.size} rows of key {key!r}: the reply could exceed "
+                                f"KVSTORE_MAX_MESSAGE_BYTES={self.max_bytes}; ask in smaller messages")
         if msg.body.get("state") is True:  # the optimizer's state rows (save_optimizer_states)
             self.service.reply(identity, self._state_rows(key, ids, msg.seq))
             return
