@@ -8,6 +8,8 @@ pulls only the rows its batch uses (``trainer.prefetch``) and pushes only their 
 run Adam on them lazily (only the rows present).
 
     python launch.py -n 2 -s 2 examples/train_sparse.py                      # 200k rows x 16
+    python launch.py -n 2 -s 2 examples/train_sparse.py --kvstore dist_async
+    python examples/train_sparse.py --kvstore local
     python launch.py -n 2 -s 2 examples/train_sparse.py --rows 10000000 --check-rss
 
 With ``--check-rss`` each worker asserts its peak RSS stayed below the table's size (10M x 16 float32
