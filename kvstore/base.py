@@ -235,7 +235,7 @@ class KVStore(abc.ABC):
         :class:`KeyTypeError` for a bad key, TypeError for a bad value.
         """
         self._check_open()
-        if stype != "default" or value is None:
+        if self._sparse.wants_init(value, stype):
             self._sparse.init(key, value, stype, shape, dtype, init)
             return
         pairs = group(key, value)

@@ -60,14 +60,20 @@ class SparseCalls:
                                          "value, stype='row_sparse') on every worker first") from None
 
     # -- init -------------------------------------------------------------------------------------
+    @staticmethod
+    def wants_init(value: Any, stype: str) -> bool:
+        """Whether ``init(key, value, stype)`` makes row-sparse keys: ``stype='row_sparse'`` (or another
+        non-default one, refused later), no value, or a row-sparse value (RowSparse, sparse tensor)."""
+        if stype != "default" or value is None:
+            return True
+        return any(R.is_sparse_value(v) for v in _flat(value))
+
     def init(self, key: Any, value: Any, stype: str, shape: Any, dtype: Any, init: Any) -> None:
         """``init`` of row-sparse keys: from values (rank 0's), or from ``shape``/``dtype``/``init``
         without any value (the table is generated on the servers).  Raises ValueError for a bad
         stype or shape, DuplicateInitError for a key that exists, ShapeMismatchError for values."""
         if stype not in R.STYPES:
             raise ValueError(f"stype must be one of {R.STYPES}, not {stype!r}")
-        if value is not None and stype != "row_sparse":
-            raise ValueError(f"stype {stype!r} keys are initialised from values: kv.init(key, value)")
         keys = [check_key(k) for k in _as_list(key)]
         values = [None] * len(keys) if value is None else (
             _as_list(value) if isinstance(key, (list, tuple)) else [value])

@@ -34,6 +34,8 @@ def test_row_sparse_pull_semantics() -> None:
     got = kv.row_sparse_pull(["e"], row_ids=[np.array([4, 4])])
     assert isinstance(got[0], RowSparse) and list(got[0].indices) == [4]
     np.testing.assert_array_equal(kv.pull("e"), value)
+    kv.init("f", RowSparse([2], np.ones((1, 3), np.float32), SHAPE))  # a RowSparse value: row_sparse
+    assert list(kv.row_sparse_pull("f", row_ids=[2, 3]).rows[:, 0]) == [1.0, 0.0]
 
 
 def test_push_sums_values_and_repeated_ids_and_assigns_rows_without_optimizer() -> None:
