@@ -165,8 +165,11 @@ class RowTables:
         return self._close(key, table)
 
     def _apply(self, key: Key, table: Table, contribution: _Round) -> None:
-        ids = np.concatenate([p[0] for p in contribution.parts])
-        rows = np.concatenate([p[1] for p in contribution.parts])
+        if len(contribution.parts) == 1:  # one worker's one message: merged on the worker already
+            ids, rows = contribution.parts[0]
+        else:
+            ids = np.concatenate([p[0] for p in contribution.parts])
+            rows = np.concatenate([p[1] for p in contribution.parts])
         ids, rows = R.merge(ids, rows)
         self.updater(key, table.weight, ids, rows)
 
