@@ -9,7 +9,7 @@ np.float32(2.0)
 
 Submodules: ``kvstore.optimizer`` (server-side update rules), ``kvstore.lr_scheduler``,
 ``kvstore.checkpoint`` (the file format), ``kvstore.snapshot`` (server snapshots on disk),
-``kvstore.data`` (sharding helpers).
+``kvstore.data`` (sharding helpers), ``kvstore.sparse`` (row-sparse keys, ``RowSparse``).
 Importing kvstore never imports torch.
 """
 
@@ -20,6 +20,7 @@ from kvstore import data as data
 from kvstore import lr_scheduler as lr_scheduler
 from kvstore import optimizer as optimizer
 from kvstore import snapshot as snapshot
+from kvstore import sparse as sparse
 from kvstore.base import KVStore
 from kvstore.client.meter import log_scalar
 from kvstore.errors import (
@@ -51,9 +52,11 @@ from kvstore.errors import (
     UnknownModeError,
     UnsupportedError,
 )
+from kvstore.sparse import RowSparse
 from kvstore.stores import KNOWN_TYPES, create
 from kvstore.torch_optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from kvstore.trainer import Trainer
+from kvstore.trainer_sparse import SparseEmbedding, SparseTrainer
 
 # The scheduler's code is the repository's top-level scheduler/ folder, which setup.py installs as
 # kvstore.scheduler.  A source checkout used without that install (PYTHONPATH=., or a checkout that
@@ -65,7 +68,8 @@ if not (_Path(__file__).parent / "scheduler").is_dir() and (_checkout / "schedul
 __version__ = "0.1.0"
 
 __all__ = [
-    "KNOWN_TYPES", "KVStore", "create", "Trainer", "__version__", "log_scalar",
+    "KNOWN_TYPES", "KVStore", "create", "Trainer", "__version__", "log_scalar", "RowSparse",
+    "SparseEmbedding", "SparseTrainer",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "KVStoreError", "ConfigError", "UnknownModeError", "KeyNotInitializedError",
     "DuplicateInitError", "ShapeMismatchError", "DTypeMismatchError", "KeyTypeError",

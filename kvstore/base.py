@@ -30,6 +30,7 @@ from kvstore.errors import (
     StoreClosedError,
     UnsupportedError,
 )
+from kvstore.sparse import SparseCalls
 
 Group = tuple[Key, V.Meta, list[Any]]  # a key, its meta and its pushed values, checked
 DEVICE_TYPES = frozenset({"device", "local_allreduce_device", "dist_sync_device", "dist_async_device",
@@ -98,6 +99,7 @@ class KVStore(abc.ABC):
         self._comm: Any = None  # a kvstore.device.DeviceComm, made when a device mode meets CUDA
         self._compression: C.Spec | None = None  # set_gradient_compression's setting
         self._pushed = False  # a push or pushpull has been made (compression can no longer be set)
+        self._sparse = SparseCalls(self)  # row-sparse keys (kvstore/sparse.py, docs/sparse.md)
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -216,21 +218,30 @@ class KVStore(abc.ABC):
         try:
             return self._meta[key]
         except KeyError:
+            if key in self._sparse.metas:
+                raise TypeError(f"key {key!r} is row_sparse: push row-sparse values to it and read it with "
+                                "row_sparse_pull (or pull, below kvstore.sparse.WHOLE_PULL_BYTES)") from None
             raise KeyNotInitializedError(f"key {key!r} has not been initialised; call "
                                          "kv.init(key, value) on every worker first") from None
 
     @public
-    def init(self, key: Any, value: Any) -> None:
+    def init(self, key: Any, value: Any = None, stype: str = "default", shape: Any = None, dtype: Any = None,
+             init: Any = None) -> None:
         """Initialise one key or a list of keys (collective in dist modes: every worker calls it).
 
-        Only rank 0's value is stored.  Raises :class:`DuplicateInitError` for a key
-        that exists, :class:`KeyTypeError` for a bad key, TypeError for a bad value.
+        Only rank 0's value is stored.  ``stype='row_sparse'``, or no value with ``shape``, ``dtype``
+        and ``init`` (``'zeros'``, ``'uniform'``, ``'normal'``), makes row-sparse tables
+        (docs/sparse.md).  Raises :class:`DuplicateInitError` for a key that exists,
+        :class:`KeyTypeError` for a bad key, TypeError for a bad value.
         """
         self._check_open()
+        if self._sparse.wants_init(value, stype):
+            self._sparse.init(key, value, stype, shape, dtype, init)
+            return
         pairs = group(key, value)
         with self._lock:
             for k, _ in pairs:
-                if k in self._meta:
+                if k in self._meta or k in self._sparse.metas:
                     raise DuplicateInitError(f"key {k!r} is already initialised")
         metas = {k: V.meta_of(vs[0]) for k, vs in pairs}
         items = [(k, xp.to_numpy(vs[0])) for k, vs in pairs]
@@ -280,6 +291,10 @@ class KVStore(abc.ABC):
         The pushed values are never written to.  Raises on a user error before
         anything is sent; a failure on the server is raised by a later call.
         """
+        if self._sparse.handles_push(key, value):
+            self._check_open()
+            self._sparse.push(key, value)
+            return
         groups = self._groups(key, value)
         self._pushed = True
         self._push(groups, priority)
@@ -321,11 +336,31 @@ class KVStore(abc.ABC):
         self._check_open()
         single = not isinstance(key, (list, tuple))
         keys = [check_key(k) for k in _as_list(key)]
+        if self._sparse.owns(keys):
+            return self._sparse.pull_whole(key, out)
         for k in keys:
             self._meta_of(k)
         outs = None if out is None else self._outs(keys, out, single)
         result = self._deliver(keys, self._pull(keys, priority, outs), outs, single)
         return result if out is None else out
+
+    @public
+    def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None) -> Any:
+        """Pull the rows ``row_ids`` of row-sparse keys (MXNet's semantics, docs/sparse.md): ids unsorted
+        and repeated as you like, one array or one per out; a dense ``out`` gets those rows and zeros
+        elsewhere; without ``out`` a :class:`kvstore.RowSparse` of the distinct ids is returned.
+        Raises ShapeMismatchError for an id out of range, TypeError for a dense key."""
+        self._check_open()
+        return self._sparse.row_sparse_pull(key, out, row_ids)
+
+    def _rows_init(self, items: list[tuple]) -> None:
+        raise UnsupportedError(f"row_sparse keys are not supported by a {self._type} store")
+
+    def _rows_push(self, items: list[tuple]) -> None:
+        raise UnsupportedError(f"row_sparse keys are not supported by a {self._type} store")
+
+    def _rows_pull(self, key: Key, meta: Any, ids: np.ndarray) -> np.ndarray:
+        raise UnsupportedError(f"row_sparse keys are not supported by a {self._type} store")
 
     @public
     def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:

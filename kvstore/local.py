@@ -19,11 +19,13 @@ import numpy as np
 from kvstore.base import Group, KVStore
 from kvstore.core import checkpoint, precision, snapshot, xp
 from kvstore.core import compression as C
+from kvstore.core import rowsparse as R
 from kvstore.core.dtypes import BF16
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
+from kvstore.core.sparse_update import apply_rows
 from kvstore.device import settle
-from kvstore.errors import DTypeMismatchError, OptimizerError
+from kvstore.errors import DTypeMismatchError, OptimizerError, UnsupportedError
 
 LocalUpdater = Callable[[Key, Any, Any], None]
 
@@ -153,6 +155,26 @@ class LocalKVStore(KVStore):
                 wire = C.compress(spec, flat, residual)
                 plain.append(C.decompress(spec.type, wire, meta.size, spec.threshold).reshape(meta.shape))
         return self._sum(key, meta, plain)
+
+    # -- row-sparse keys (kvstore/sparse.py checks the arguments): a (rows, width) numpy table each ----
+    def _rows_init(self, items: list[tuple]) -> None:
+        with self._lock:
+            for key, meta, spec, array in items:
+                shape = (meta.num_rows, meta.width)
+                self._store[key] = (R.generate(spec, 0, *shape, meta.dtype) if array is None
+                                    else np.array(array, copy=True).reshape(shape))
+
+    def _rows_push(self, items: list[tuple]) -> None:
+        with self._lock:
+            if self._updater is not None:
+                raise UnsupportedError("row-sparse pushes are applied by an optimizer (set_optimizer) or "
+                                       "assigned, never given to an updater function")
+            for key, _, ids, rows in items:
+                apply_rows(self._optimizer, key, self._store[key], ids, rows)
+
+    def _rows_pull(self, key: Key, meta: Any, ids: np.ndarray) -> np.ndarray:
+        with self._lock:
+            return self._store[key][ids]
 
     def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
         with self._lock:

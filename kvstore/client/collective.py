@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.client import sparse_states
 from kvstore.client.mux import Request
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import optimizer as kvoptimizer
@@ -56,6 +57,8 @@ class StoreLink:
     resume: str | None  # the KVSTORE_RESUME snapshot directory, if any
     chunk_bytes: int = 0  # the cluster's chunk size (from the map): big state slices go in chunks
     save_residuals: Callable[[str], None] | None = None  # this worker's compression residuals, per rank
+    rows: Any = None  # the store's client.sparse.DistRows: row-sparse keys' states (client/sparse_states.py)
+    sparse_metas: Callable[[], dict] = dict  # a copy of the row-sparse keys' metas
 
 
 class CollectiveCalls:
@@ -87,6 +90,17 @@ class CollectiveCalls:
             resumed.append((key, array))
         return resumed
 
+    def resumed_table(self, key: Key, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """Under ``KVSTORE_RESUME``, the snapshot's value of row-sparse ``key`` (None when it has none);
+        raises like :meth:`resumed`."""
+        if self._link.resume is None:
+            return None
+        values, _ = self._snapshot()
+        if key not in values:
+            return None
+        snapshot.check_fits(values, key, shape, dtype)
+        return values[key]
+
     def initialised(self, keys: list[Key]) -> None:
         """Under ``KVSTORE_RESUME``, give keys initialised after the optimizer was restored their
         snapshot state too (collective, like the init that calls it); raises what that raises."""
@@ -101,7 +115,7 @@ class CollectiveCalls:
         _, states = self._snapshot()
         if states is None:
             return
-        metas = self._link.metas()
+        metas = {**self._link.metas(), **self._link.sparse_metas()}
         known = set(metas) if keys is None else set(keys) & set(metas)
         kept = checkpoint.StatesFile(None, states.num_update, [e for e in states.entries if e.key in known])
         self._scatter_states_file(kept, f"the snapshot in {self._link.resume}", install)
@@ -178,6 +192,8 @@ class CollectiveCalls:
             entry = self._state_entry(key, metas[key], [next(replies) for _ in group])
             if entry is not None:
                 entries.append(entry)
+        if self._link.rows is not None:
+            entries.extend(sparse_states.gather(self._link.rows, self._link.sparse_metas()))
         return checkpoint.StatesFile(info[0]["spec"] if dump_optimizer else None,
                                      max(i["num_update"] for i in info), entries)
 
@@ -208,7 +224,10 @@ class CollectiveCalls:
             has_optimizer = self._optimizer_info()[0].body["spec"] is not None
             states = self._gather_states(True) if has_optimizer else None
             keys = list(self._link.metas())
-            snapshot.write(directory, dict(zip(keys, self._link.pull(keys))), states)
+            values = dict(zip(keys, self._link.pull(keys)))
+            if self._link.rows is not None:  # row-sparse tables, whole (client/sparse_states.py)
+                values.update(sparse_states.tables(self._link.rows, self._link.sparse_metas()))
+            snapshot.write(directory, values, states)
 
         self._link.run_collective("save_checkpoint", write)
         if self._link.save_residuals is not None:  # each worker its own, into the generation just written
@@ -233,6 +252,11 @@ class CollectiveCalls:
         if spec is None:
             raise OptimizerError(f"load_optimizer_states: {source} holds no optimizer and none is set "
                                  "(call set_optimizer first, or save with dump_optimizer=True)")
+        sparse = self._link.sparse_metas()  # row-sparse keys' states go their own way
+        rows_entries = [e for e in states.entries if e.key in sparse]
+        states = checkpoint.StatesFile(states.optimizer, states.num_update,
+                                       [e for e in states.entries if e.key not in sparse])
+        sparse_states.check(rows_entries, sparse, kvoptimizer.from_spec(spec))
         metas = self._link.metas()  # servers hold a bfloat16 key as a float32 master copy
         shapes = {k: np.zeros(m.shape, np.float32 if m.dtype == BF16 else m.dtype) for k, m in metas.items()}
         declared = {k: m.dtype for k, m in metas.items()}
@@ -244,6 +268,8 @@ class CollectiveCalls:
         for entry in states.entries:
             requests.extend(self._send_state(entry))
         self._link.request_all(requests)
+        if rows_entries:
+            sparse_states.scatter(self._link.rows, rows_entries, sparse)
 
     def _send_state(self, entry: checkpoint.StateEntry) -> list[Request]:
         """Queue STATE_SET messages of one key's state: per server its slice of every state array,

@@ -25,6 +25,7 @@ from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
+from kvstore.client.sparse import DistRows, RowsLink
 from kvstore.client.window import PushWindow
 from kvstore.core import values as V
 from kvstore.core.optimizer import Optimizer
@@ -113,12 +114,19 @@ class DistKVStore(KVStore):
         self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
         self._compress = WorkerCompression()  # set_gradient_compression's residuals (client/compress.py)
         self._barriers = Barriers(self._io, cfg, self._mode, self._rank, self._num_workers, self._wait)
+        self._rows = DistRows(RowsLink(  # row_sparse keys (client/sparse.py)
+            self._io.submit, self._request_all, self._io.wait, self._window, self._collective,
+            len(self._servers), self._chunk_bytes, cfg.request_timeout,
+            lambda *a: self._collective_calls.resumed_table(*a),
+            lambda keys: self._collective_calls.initialised(keys)))
         self._collective_calls = CollectiveCalls(StoreLink(
             run_collective=self._collective, barrier=self.barrier, submit=self._io.submit,
             request_all=self._request_all, pieces=self._pieces, metas=self._metas,
             pull=lambda keys: self._pull(keys, 0), servers=self._servers, resume=cfg.resume,
             chunk_bytes=self._chunk_bytes,
-            save_residuals=lambda d: self._compress.save(d, self._rank, self._num_workers)))
+            save_residuals=lambda d: self._compress.save(d, self._rank, self._num_workers),
+            rows=self._rows, sparse_metas=lambda: dict(self._sparse.metas)))
+        self._rows_init, self._rows_push, self._rows_pull = self._rows.init, self._rows.push, self._rows.pull
         self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,
                                     stats=self._snapshot, on_left=self._barriers.warn_left)

@@ -41,10 +41,12 @@ class SGD(Optimizer):
     """SGD with optional momentum (MXNet's ``sgd_update`` / ``sgd_mom_update`` kernels)."""
 
     name = "sgd"
-    OWN_PARAMS = ("momentum",)
+    OWN_PARAMS = ("momentum", "lazy_update")
 
-    def __init__(self, learning_rate: float | None = None, momentum: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, learning_rate: float | None = None, momentum: float = 0.0, lazy_update: bool = True,
+                 **kwargs: Any) -> None:
         self.momentum = unit_param("momentum", momentum)
+        self.lazy_update = flag_param("lazy_update", lazy_update)  # row-sparse pushes (docs/sparse.md)
         super().__init__(learning_rate, **kwargs)
 
     def _state_names(self) -> tuple[str, ...]:
@@ -91,11 +93,12 @@ class Adam(Optimizer):
 
     name = "adam"
     DEFAULT_LR = 0.001
-    OWN_PARAMS = ("beta1", "beta2", "epsilon")
+    OWN_PARAMS = ("beta1", "beta2", "epsilon", "lazy_update")
 
     def __init__(self, learning_rate: float | None = None, beta1: float = 0.9, beta2: float = 0.999,
-                 epsilon: float = 1e-8, **kwargs: Any) -> None:
+                 epsilon: float = 1e-8, lazy_update: bool = True, **kwargs: Any) -> None:
         self.beta1, self.beta2 = unit_param("beta1", beta1), unit_param("beta2", beta2)
+        self.lazy_update = flag_param("lazy_update", lazy_update)  # row-sparse pushes (docs/sparse.md)
         self.epsilon = real_param("epsilon", epsilon, low=0.0, low_open=True)
         super().__init__(learning_rate, **kwargs)
 

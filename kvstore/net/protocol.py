@@ -35,7 +35,7 @@ import numpy as np
 from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_HEADER_BYTES = 1 << 20
 # An array description has at most MAX_DIMS dims: numpy 1.x builds arrays of up to 32 dims, 2.x of
 # up to 64, and a wire rule must not depend on which one a node has installed (setup.py allows both).
@@ -71,6 +71,11 @@ class Op(enum.IntEnum):
     OPTIMIZER_INFO = 16    # worker -> server: reply {"spec": spec | None, "num_update": int}
     STATE_GET = 17         # worker -> server: {"key"}; reply {"count", "names"} + one array per name
     STATE_SET = 18         # worker -> server: {"key", "count", "names"} + one array per name
+    # Row-sparse keys (docs/sparse.md): arrays are [ids int64 (n,), rows (n, width)] or [ids] alone.
+    SPARSE_INIT = 22  # worker -> server: {"key", "shape", "dtype", "lo", "hi", "init"}: create rows [lo, hi)
+    SPARSE_SET = 23   # worker -> server: {"key"} + [ids, rows]: overwrite those rows (init from a value)
+    SPARSE_PUSH = 24  # worker -> server: {"key", "round", "last"} + [ids, rows]: one chunk of a round
+    SPARSE_PULL = 25  # worker -> server: {"key", "after"} + [ids]; reply [rows] once "after" rounds applied
 
 
 _OPS = {int(op): op for op in Op}  # wire number -> Op, without Enum's slower lookup

@@ -40,6 +40,7 @@ class ServerMeter:
         self.last_round: dict[str, Any] | None = None
         self.last_by_worker: dict[int, tuple[str, float]] = {}  # worker -> (op, unix time)
         self._warned: dict[Any, float] = {}  # stalled key -> how long its round had waited last tick
+        self.extra_held: Callable[[], int] = lambda: 0  # bytes held outside the shard (row-sparse tables)
         self._next_tick = 0.0
         self.dropped: dict[str, int] = {}  # refusals of the request loop (authentication, ...)
         self._late_logged: dict[int, tuple[float, int]] = {}  # worker -> (last warning, late since)
@@ -98,7 +99,7 @@ class ServerMeter:
         self.dropped = dict(dropped)
         self.counters.set("keys", len(state))
         self.counters.set("open_rounds", state.open_rounds())
-        self.counters.set("held_bytes", state.nbytes() + state.held_bytes())
+        self.counters.set("held_bytes", state.nbytes() + state.held_bytes() + self.extra_held())
         self.counters.set("max_lead", state.gate.max_lead if state.gate is not None else 0)
         warned = {}
         for key, waited, late in state.stalled(self.stall_warn):

@@ -39,6 +39,7 @@ from kvstore.net.role import run_role
 from kvstore.net.router import Handler, RouterService
 from kvstore.server import decompress
 from kvstore.server.meter import ServerMeter
+from kvstore.server.sparse import SparseServer
 
 log = logging.getLogger("kvstore.server")
 MB = 1 << 20
@@ -106,6 +107,9 @@ class Server:
                     Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
                     Op.OPTIMIZER_INFO: self._on_optimizer_info, Op.STATE_GET: self._on_state_get,
                     Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave}
+        self.sparse = SparseServer(self.service, lambda: self.optimizer)  # row-sparse keys (server/sparse.py)
+        handlers.update(self.sparse.handlers())
+        self.meter.extra_held = self.sparse.nbytes
         self.service.handlers = {op: self._metered(op, h) for op, h in handlers.items()}
 
     def join(self) -> None:
@@ -126,6 +130,8 @@ class Server:
                                 ordered=self.cfg.sum_order == "rank",
                                 window=cmap.body.get("push_window", self.cfg.push_window),
                                 quorum=cmap.body.get("sync_quorum"), staleness=cmap.body.get("staleness"))
+        self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
+                              cmap.body.get("max_message_bytes", 0))
         self.state.on_close = self.meter.round_closed
         self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
         logs.set_identity("server", rank)
@@ -302,6 +308,7 @@ class Server:
         done = self.state.leave(msg.sender)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
         self._reply_all(done)
+        self.sparse.leave(msg.sender)
         log.info("worker %d left; sync rounds no longer wait for it", msg.sender)
 
     def _on_optimizer_set(self, identity: bytes, msg: Message) -> None:
@@ -387,7 +394,8 @@ class Server:
         if msg.op is Op.SHUTDOWN:
             transport.send(self.scheduler, self.to_scheduler.seal(Message(Op.OK, seq=msg.seq), "scheduler"))
             log.info("shut down by the scheduler: %d keys, %.1f MB held, peak RSS %.1f MB",
-                     len(self.state), self.state.nbytes() / MB, peak_rss() / MB)
+                     len(self.state) + len(self.sparse.tables),
+                     (self.state.nbytes() + self.sparse.nbytes()) / MB, peak_rss() / MB)
             return True
         log.warning("ignored %s from the scheduler", msg.op.name)
         return False

@@ -128,11 +128,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.config", "kvstore.logs"),
     ("kvstore.core",),                                            # pure logic, no I/O
     ("kvstore.net", "kvstore.device", "kvstore.data",              # sockets; GPU sums; sharding
-     "kvstore.optimizer", "kvstore.lr_scheduler", "kvstore.checkpoint"),  # public faces of core
+     "kvstore.optimizer", "kvstore.lr_scheduler", "kvstore.checkpoint",  # public faces of core
+     "kvstore.sparse"),                                            # row-sparse argument rules
     ("kvstore.base",),                                            # the KVStore ABC
     ("kvstore.client", "kvstore.local", "kvstore.server"),        # the stores; the server process
     ("kvstore.stores",),                                          # create(): the registry of stores
     ("kvstore.trainer", "kvstore.torch_optim"),                   # the torch-facing wrappers
+    ("kvstore.trainer_sparse",),                                  # a Trainer plus row-sparse embeddings
     ("kvstore.launch",),                                          # starting clusters
     ("kvstore", "kvstore.ray", "kvstore.spark", "kvstore.node",   # the public surface, entry points
      "kvstore.status"),

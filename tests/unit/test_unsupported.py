@@ -60,10 +60,12 @@ def test_unsupported_error_is_a_not_implemented_error() -> None:
     assert kvstore.UnsupportedError is UnsupportedError
 
 
-def test_not_yet_implemented_methods_stay_absent() -> None:
-    """row_sparse_pull is absent until an issue implements it."""
+def test_row_sparse_pull_is_there_now() -> None:
+    """row_sparse_pull exists since issue 23 (docs/sparse.md) and refuses a dense key clearly."""
     kv = kvstore.create("local")
-    assert not hasattr(kv, "row_sparse_pull")
+    kv.init(1, np.zeros((2, 2), np.float32))
+    with pytest.raises(TypeError, match="dense"):
+        kv.row_sparse_pull(1, row_ids=[0])
 
 
 def test_from_cluster_copies_type_message_and_node() -> None:

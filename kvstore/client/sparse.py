@@ -1,0 +1,155 @@
+"""The worker's side of row-sparse keys in the dist stores (docs/sparse.md): a table created on the
+servers by row ranges, pushes that carry only the rows present (each to the server holding it, cut
+into messages of at most the cluster's chunk size), and pulls of the rows asked for.
+
+Every push of a key goes to every server holding a range of it, with no rows when this worker has none
+for that range: a dist_sync round counts one push per worker, as for dense keys.  Pushes share the
+store's push window (``KVSTORE_PUSH_WINDOW``), so ``barrier()`` and ``close()`` wait for them and a
+refused push is raised by the key's next call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.client.mux import Request
+from kvstore.client.window import PushWindow
+from kvstore.core import rowsparse as R
+from kvstore.core.dtypes import dtype_name
+from kvstore.core.partition import Key
+from kvstore.errors import ProtocolError, from_cluster
+from kvstore.net.protocol import Message, Op
+
+DEFAULT_CHUNK_BYTES = 4 << 20  # rows per message when the cluster sets no chunk size
+
+
+@dataclass
+class RowsLink:
+    """What the dist store hands its row-sparse side: sending, waiting, the push window, the cluster."""
+
+    submit: Callable[[int, Message, str], Request]
+    wait: Callable[[list[Request]], list[Message]]  # under the request deadline; raises the errors
+    wait_one: Callable[[Any, float], Any]  # Wire.wait, for the push window
+    window: PushWindow
+    collective: Callable[[str, Callable[[], None]], None]
+    num_servers: int
+    chunk_bytes: int
+    request_timeout: float
+    resumed: Callable[[Key, tuple, np.dtype], np.ndarray | None] = lambda key, shape, dtype: None
+    initialised: Callable[[list[Key]], None] = lambda keys: None  # KVSTORE_RESUME: restore their states
+
+
+class DistRows:
+    """Row-sparse init, push and pull for one dist store."""
+
+    def __init__(self, link: RowsLink) -> None:
+        self.link = link
+        self._pushes: dict[Key, int] = {}  # key -> rounds pushed by this worker
+        self._lock = threading.Lock()  # one push of a key leaves as one run, rounds in order
+
+    def ranges(self, meta: R.SparseMeta) -> list[tuple[int, int, int]]:
+        """``(server, lo, hi)`` of each server holding rows of a table (empty ranges left out)."""
+        bounds = R.row_bounds(meta.num_rows, self.link.num_servers)
+        return [(s, lo, hi) for s, (lo, hi) in enumerate(bounds) if hi > lo]
+
+    def rows_per_message(self, meta: R.SparseMeta) -> int:
+        chunk = self.link.chunk_bytes or DEFAULT_CHUNK_BYTES
+        return max(1, chunk // (meta.width * meta.dtype.itemsize + 8))
+
+    def init(self, items: list[tuple[Key, R.SparseMeta, dict, np.ndarray | None]]) -> None:
+        """Create each table on its servers (rank 0 sends; collective), then its rows from a value."""
+        def send_all() -> None:
+            requests = []
+            for key, meta, spec, _ in items:
+                for server, lo, hi in self.ranges(meta):
+                    body = {"key": key, "shape": list(meta.shape), "dtype": dtype_name(meta.dtype),
+                            "lo": lo, "hi": hi, "init": spec}
+                    requests.append(self.link.submit(server, Message(Op.SPARSE_INIT, body),
+                                                     f"row_sparse init of key {key!r} to server {server}"))
+            self.link.wait(requests)
+            for key, meta, _, array in items:
+                saved = self.link.resumed(key, meta.shape, meta.dtype)  # KVSTORE_RESUME's table
+                array = array if saved is None else saved
+                if array is not None:
+                    self._set(key, meta, array.reshape(meta.num_rows, meta.width))
+
+        self.link.collective(f"row_sparse init of {len(items)} key(s)", send_all)
+        self.link.initialised([key for key, _, _, _ in items])
+
+    def _set(self, key: Key, meta: R.SparseMeta, table: np.ndarray) -> None:
+        step, requests = self.rows_per_message(meta), []
+        for server, lo, hi in self.ranges(meta):
+            for start in range(lo, hi, step):
+                stop = min(hi, start + step)
+                ids = np.arange(start, stop, dtype=np.int64)
+                msg = Message(Op.SPARSE_SET, {"key": key}, [ids, np.ascontiguousarray(table[start:stop])])
+                requests.append(self.link.submit(server, msg, f"row_sparse init of key {key!r} rows "
+                                                              f"[{start}, {stop}) to server {server}"))
+                if len(requests) >= 8:  # a few in flight: what the value's rows take on the wire stays small
+                    self.link.wait(requests)
+                    requests = []
+        self.link.wait(requests)
+
+    def push(self, items: list[tuple[Key, R.SparseMeta, np.ndarray, np.ndarray]]) -> None:
+        """Send one round of each key's merged rows to the servers; returns without waiting for acks.
+        Raises the failure of an earlier push of these keys first."""
+        keys = [key for key, _, _, _ in items]
+        deadline = time.monotonic() + self.link.request_timeout
+        with self._lock:
+            self.link.window.wait_room(keys, deadline, self.link.wait_one)
+            error = self.link.window.take_failure(keys)
+            if error is not None:
+                raise from_cluster(error)
+            held = {}
+            for key, meta, ids, rows in items:
+                rnd = self._pushes.get(key, 0)
+                self._pushes[key] = rnd + 1
+                held[key] = self._send(key, meta, rnd, ids, rows)
+            self.link.window.add(held, failures=True)
+
+    def _send(self, key: Key, meta: R.SparseMeta, rnd: int, ids: np.ndarray,
+              rows: np.ndarray) -> list[Request]:
+        ranges = self.ranges(meta)
+        cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
+        step, requests = self.rows_per_message(meta), []
+        for (server, _, _), (start, stop) in zip(ranges, cuts):
+            pieces = list(range(start, stop, step)) or [start]
+            for i, first in enumerate(pieces):
+                end = min(stop, first + step)
+                body = {"key": key, "round": rnd, "last": i == len(pieces) - 1}
+                msg = Message(Op.SPARSE_PUSH, body, [ids[first:end], rows[first:end]])
+                requests.append(self.link.submit(server, msg, f"row_sparse push of key {key!r} "
+                                                              f"({end - first} rows) to server {server}"))
+        return requests
+
+    def pull(self, key: Key, meta: R.SparseMeta, ids: np.ndarray) -> np.ndarray:
+        """The current rows ``ids`` (sorted, distinct) of ``key`` as ``(n, width)``, after this worker's
+        earlier pushes of it are applied (read-your-writes).  Raises what the servers raise."""
+        error = self.link.window.take_failure([key])
+        if error is not None:
+            raise from_cluster(error)
+        ranges = self.ranges(meta)
+        cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
+        step, requests, spans = self.rows_per_message(meta), [], []
+        after = self._pushes.get(key, 0)
+        for (server, _, _), (start, stop) in zip(ranges, cuts):
+            for first in range(start, stop, step):
+                end = min(stop, first + step)
+                msg = Message(Op.SPARSE_PULL, {"key": key, "after": after}, [ids[first:end]])
+                requests.append(self.link.submit(server, msg, f"row_sparse_pull of key {key!r} "
+                                                              f"({end - first} rows) from server {server}"))
+                spans.append((first, end))
+        out = np.empty((ids.size, meta.width), meta.dtype)
+        for (first, end), reply in zip(spans, self.link.wait(requests)):
+            got = reply.arrays[0] if reply.arrays else None
+            if got is None or got.shape != (end - first, meta.width) or got.dtype != meta.dtype:
+                raise from_cluster(ProtocolError(f"row_sparse_pull of key {key!r}: a server answered "
+                                              "rows of the wrong shape"))
+            out[first:end] = got
+        return out

@@ -1,0 +1,214 @@
+"""A server's row-sparse tables, pure: each key's row range, its sync rounds, its waiting pulls.
+
+A row-sparse key's rows ``[lo, hi)`` live on one server as one ``(hi - lo, width)`` array.  A worker's
+push of a key to a server is one or more messages (chunks of rows) of one round, the last one marked;
+every worker pushes every key it trains in every step, with no rows when it has none, so rounds
+count one contribution per worker as dense keys do (MXNet's workers push every key every step too).
+
+* ``dist_sync``: a round closes once every live worker's last chunk of it is in; its rows are merged
+  (repeats summed) and applied once (``updater``), and its acks go out.  A pull carries how many
+  rounds its worker has pushed (``after``) and is answered once that many are applied
+  (read-your-writes).  Rounds more than ``window`` ahead of the applied ones are refused.
+* ``dist_async``: a worker's chunks are gathered until its last one, then applied and acked.
+
+Every check runs before anything changes; errors are the kvstore tree's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstore.core import rowsparse as R
+from kvstore.core.partition import Key
+from kvstore.core.replies import Completion
+from kvstore.errors import (
+    DTypeMismatchError,
+    DuplicateInitError,
+    KeyNotInitializedError,
+    ProtocolError,
+    ShapeMismatchError,
+)
+
+Updater = Callable[[Key, np.ndarray, np.ndarray, np.ndarray], None]  # (key, weight, local ids, rows)
+
+
+@dataclass
+class _Round:
+    parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    done: set[int] = field(default_factory=set)
+    tokens: list[Any] = field(default_factory=list)
+    sent: dict[int, int] = field(default_factory=dict)  # rows each worker has sent in this round
+
+    def add(self, sender: int, local: np.ndarray, rows: np.ndarray, token: Any, limit: int) -> None:
+        """Take a chunk; ProtocolError when ``sender``'s rows in this round would pass ``limit`` (a push
+        carries each row at most once: what a server holds for a round stays bounded)."""
+        count = self.sent.get(sender, 0) + local.size
+        if count > limit:
+            raise ProtocolError(f"worker {sender} sent {count} rows in one push to a range of {limit} rows")
+        self.sent[sender] = count
+        self.parts.append((local, rows))
+        self.tokens.append(token)
+
+
+@dataclass
+class Table:
+    """One key's rows ``[lo, hi)`` of a ``shape`` table, and its rounds."""
+
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+    weight: np.ndarray
+    applied: int = 0
+    rounds: dict[int, _Round] = field(default_factory=dict)  # dist_sync: open rounds by number
+    pending: dict[int, _Round] = field(default_factory=dict)  # dist_async: a worker's chunks so far
+    waiting: list[tuple[int, Any, np.ndarray]] = field(default_factory=list)  # (after, token, local ids)
+
+    @property
+    def width(self) -> int:
+        """Elements per row."""
+        return self.weight.shape[1]
+
+
+def _apply_default(key: Key, weight: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+    weight[ids] = rows
+
+
+class RowTables:
+    """The row-sparse keys a server holds."""
+
+    def __init__(self, num_workers: int = 1, sync: bool = True, window: int = 4) -> None:
+        self.num_workers, self.sync, self.window = num_workers, sync, max(1, window)
+        self.live = set(range(num_workers))
+        self.tables: dict[Key, Table] = {}
+        self.updater: Updater = _apply_default
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.tables
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def nbytes(self) -> int:
+        """Bytes of the row ranges held."""
+        return sum(t.weight.nbytes for t in self.tables.values())
+
+    def table(self, key: Key) -> Table:
+        """``key``'s table; KeyNotInitializedError when this server holds no rows of it."""
+        try:
+            return self.tables[key]
+        except KeyError:
+            raise KeyNotInitializedError(f"row_sparse key {key!r} has no rows on this server (not "
+                                         "initialised with stype='row_sparse')") from None
+
+    def init(self, key: Key, shape: tuple[int, ...], dtype: np.dtype, lo: int, hi: int,
+             spec: dict[str, Any]) -> None:
+        """Create rows ``[lo, hi)`` of ``key``'s table as ``spec`` initialises them."""
+        if key in self.tables:
+            raise DuplicateInitError(f"key {key!r} is already initialised on this server")
+        width = int(np.prod(shape[1:], dtype=np.int64))
+        weight = R.generate(spec, lo, hi, width, dtype)
+        self.tables[key] = Table(tuple(shape), lo, hi, weight)
+
+    def local_ids(self, key: Key, ids: np.ndarray) -> tuple[Table, np.ndarray]:
+        """``key``'s table and ``ids`` (global row ids, int64, 1-d) as positions in its row range;
+        ProtocolError / ShapeMismatchError when they are not ids of rows held here."""
+        table = self.table(key)
+        if ids.dtype != np.int64 or ids.ndim != 1:
+            raise ProtocolError(f"row ids of key {key!r} must be one flat int64 array")
+        if ids.size and (int(ids.min()) < table.lo or int(ids.max()) >= table.hi):
+            raise ShapeMismatchError(f"row ids of key {key!r} outside this server's rows "
+                                     f"[{table.lo}, {table.hi})")
+        return table, ids - table.lo
+
+    def _rows(self, key: Key, table: Table, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        if rows.dtype != table.weight.dtype:
+            raise DTypeMismatchError(f"rows of key {key!r} are {rows.dtype}; the table holds "
+                                     f"{table.weight.dtype}")
+        if rows.ndim != 2 or rows.shape != (ids.size, table.width):
+            raise ShapeMismatchError(f"rows of key {key!r} must be ({ids.size}, {table.width}), "
+                                     f"got {rows.shape}")
+        return rows
+
+    def set_rows(self, key: Key, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Overwrite rows ``ids`` of ``key`` (an init from a value, a restore)."""
+        table, local = self.local_ids(key, ids)
+        table.weight[local] = self._rows(key, table, ids, rows)
+
+    def push(self, sender: int, key: Key, rnd: int, last: bool, ids: np.ndarray, rows: np.ndarray,
+             token: Any) -> list[Completion]:
+        """Take one chunk of ``sender``'s push of ``key`` in its round ``rnd``; return what is answered."""
+        table, local = self.local_ids(key, ids)
+        rows = self._rows(key, table, ids, rows)
+        if sender not in self.live:
+            raise ProtocolError(f"worker {sender} has left; its push of key {key!r} is refused")
+        if not self.sync:
+            gathering = table.pending.setdefault(sender, _Round())
+            gathering.add(sender, local, rows, token, table.hi - table.lo)
+            if not last:
+                return []
+            del table.pending[sender]
+            self._apply(key, table, gathering)
+            return [Completion(t) for t in gathering.tokens]
+        if not table.applied <= rnd < table.applied + self.window:
+            raise ProtocolError(f"push of key {key!r} for round {rnd}: this server has applied "
+                                f"{table.applied} rounds and takes {self.window} ahead (KVSTORE_PUSH_WINDOW)")
+        current = table.rounds.setdefault(rnd, _Round())
+        if sender in current.done:
+            raise ProtocolError(f"worker {sender} pushed round {rnd} of key {key!r} twice")
+        current.add(sender, local, rows, token, table.hi - table.lo)
+        if last:
+            current.done.add(sender)
+        return self._close(key, table)
+
+    def _apply(self, key: Key, table: Table, contribution: _Round) -> None:
+        if len(contribution.parts) == 1:  # one worker's one message: merged on the worker already
+            ids, rows = contribution.parts[0]
+        else:
+            ids = np.concatenate([p[0] for p in contribution.parts])
+            rows = np.concatenate([p[1] for p in contribution.parts])
+        ids, rows = R.merge(ids, rows)
+        self.updater(key, table.weight, ids, rows)
+
+    def _close(self, key: Key, table: Table) -> list[Completion]:
+        """Apply every complete round in order; the acks and pulls that are answered then."""
+        done: list[Completion] = []
+        while True:
+            current = table.rounds.get(table.applied)
+            if current is None or not self.live <= current.done:
+                break
+            self._apply(key, table, current)  # an updater's error leaves the round open
+            del table.rounds[table.applied]
+            table.applied += 1
+            done.extend(Completion(t) for t in current.tokens)
+        if done and table.waiting:
+            ready = [w for w in table.waiting if w[0] <= table.applied]
+            table.waiting = [w for w in table.waiting if w[0] > table.applied]
+            done.extend(Completion(token, table.weight[local]) for _, token, local in ready)
+        return done
+
+    def pull(self, sender: int, key: Key, after: int, ids: np.ndarray, token: Any) -> list[Completion]:
+        """Answer a pull of rows ``ids`` of ``key`` once ``after`` rounds are applied (dist_sync)."""
+        table, local = self.local_ids(key, ids)
+        if self.sync and after > table.applied:
+            if after > table.applied + self.window:
+                raise ProtocolError(f"pull of key {key!r} after round {after}: only {table.applied} "
+                                    "applied")
+            table.waiting.append((after, token, local))
+            return []
+        return [Completion(token, table.weight[local])]
+
+    def leave(self, sender: int) -> list[Completion]:
+        """``sender`` is done: rounds no longer wait for it, its unfinished async chunks are dropped."""
+        self.live.discard(sender)
+        done: list[Completion] = []
+        for key, table in self.tables.items():
+            dropped = table.pending.pop(sender, None)
+            if dropped is not None:
+                done.extend(Completion(t) for t in dropped.tokens)
+            if self.sync:
+                done.extend(self._close(key, table))
+        return done

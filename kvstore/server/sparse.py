@@ -1,0 +1,183 @@
+"""A server's handlers for row-sparse keys (SPARSE_INIT, SPARSE_SET, SPARSE_PUSH, SPARSE_PULL) over its
+:class:`kvstore.core.sparse_shard.RowTables`, and the optimizer's sparse update (docs/sparse.md).
+
+Every field is checked before anything changes; a bad request gets an error reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvstore.core import rowsparse as R
+from kvstore.core.dtypes import BY_NAME
+from kvstore.core.optimizer import Optimizer
+from kvstore.core.partition import Key, check_key
+from kvstore.core.replies import Completion
+from kvstore.core.sparse_shard import RowTables
+from kvstore.core.sparse_update import apply_rows
+from kvstore.errors import ConfigError, DTypeMismatchError, OptimizerError, ProtocolError
+from kvstore.net.protocol import Message, Op
+from kvstore.net.router import Handler
+
+log = logging.getLogger("kvstore.server")
+
+
+def _physical_memory() -> int:
+    """This machine's memory in bytes (a table range beyond it is refused, not attempted)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def _int(body: dict, name: str, low: int = 0) -> int:
+    value = body.get(name)
+    if type(value) is not int or value < low:
+        raise ProtocolError(f"field {name!r} must be an int >= {low}, not {type(value).__name__}")
+    return value
+
+
+class SparseServer:
+    """The row-sparse part of one server: its tables and the four handlers."""
+
+    def __init__(self, service: Any, optimizer: Callable[[], Optimizer | None]) -> None:
+        self.service = service
+        self.optimizer = optimizer
+        self.tables = RowTables()
+        self.tables.updater = self._update
+        self.max_bytes = 0
+
+    def configure(self, num_workers: int, sync: bool, window: int, max_bytes: int = 0) -> None:
+        """Set the cluster's worker count and mode (from the map), and the largest reply of rows
+        (``KVSTORE_MAX_MESSAGE_BYTES``, 0: no limit)."""
+        self.tables = RowTables(num_workers, sync, window or (1 << 30))  # 0: no limit
+        self.max_bytes = max_bytes
+        self.tables.updater = self._update
+
+    def handlers(self) -> dict[Op, Handler]:
+        """The ops this part serves."""
+        return {Op.SPARSE_INIT: self._on_init, Op.SPARSE_SET: self._on_set,
+                Op.SPARSE_PUSH: self._on_push, Op.SPARSE_PULL: self._on_pull}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.tables
+
+    def nbytes(self) -> int:
+        """Bytes of the row ranges held and of their optimizer state."""
+        opt = self.optimizer()
+        states = {} if opt is None else opt.states
+        held = (a.nbytes for k in self.tables.tables for a in states.get(k, {}).values())
+        return self.tables.nbytes() + sum(held)
+
+    def _update(self, key: Key, weight: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+        apply_rows(self.optimizer(), key, weight, ids, rows)
+
+    def _sender(self, msg: Message) -> int:
+        if not (type(msg.sender) is int and 0 <= msg.sender < self.tables.num_workers):
+            raise ProtocolError(f"{msg.op.name} carries no valid worker rank (got {msg.sender!r})")
+        return msg.sender
+
+    def _rows(self, msg: Message, with_rows: bool) -> tuple[Key, np.ndarray, np.ndarray | None]:
+        key = check_key(msg.body.get("key"))
+        self._sender(msg)
+        if len(msg.arrays) != (2 if with_rows else 1):
+            wanted = "ids and rows" if with_rows else "ids"
+            raise ProtocolError(f"{msg.op.name} of key {key!r} needs {wanted}")
+        return key, msg.arrays[0], msg.arrays[1] if with_rows else None
+
+    def _reply_all(self, done: list[Completion]) -> None:
+        for c in done:
+            identity, seq = c.token
+            arrays = [] if c.value is None else [c.value]
+            self.service.reply(identity, Message(Op.OK, seq=seq, arrays=arrays))
+
+    def _on_init(self, identity: bytes, msg: Message) -> None:
+        key = check_key(msg.body.get("key"))
+        self._sender(msg)
+        shape, dtype = msg.body.get("shape"), BY_NAME.get(msg.body.get("dtype"))
+        if not (isinstance(shape, list) and len(shape) >= 2 and dtype is not None):
+            raise ProtocolError(f"SPARSE_INIT of key {key!r} needs a shape of 2+ dims and a dtype")
+        shape, dtype = R.check_meta(key, shape, dtype)
+        lo, hi = _int(msg.body, "lo"), _int(msg.body, "hi")
+        if not lo < hi <= shape[0]:
+            raise ProtocolError(f"SPARSE_INIT of key {key!r}: rows [{lo}, {hi}) are not in [0, {shape[0]})")
+        try:
+            spec = R.parse_init(key, msg.body.get("init"))
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(str(exc)) from None
+        need = (hi - lo) * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        if need > _physical_memory():
+            raise ConfigError(f"row_sparse key {key!r}: rows [{lo}, {hi}) take {need} bytes, more than this "
+                              f"server's memory ({_physical_memory()} bytes); start more servers")
+        if self.optimizer() is not None and dtype.kind != "f":
+            raise DTypeMismatchError(f"key {key!r}: the optimizer updates floating-point keys only")
+        self.tables.init(key, shape, dtype, lo, hi, spec)
+        log.debug("row_sparse key %r: rows [%d, %d) of %s", key, lo, hi, shape)
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _on_set(self, identity: bytes, msg: Message) -> None:
+        key, ids, rows = self._rows(msg, True)
+        name = msg.body.get("state")
+        if name is None:
+            self.tables.set_rows(key, ids, rows)
+        else:
+            self._set_state(key, name, _int(msg.body, "count"), ids, rows)
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _set_state(self, key: Key, name: Any, count: int, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Overwrite rows ``ids`` of state array ``name`` of ``key`` (a load_optimizer_states), making
+        the key's state first if it has none; OptimizerError for a name the optimizer does not keep."""
+        opt = self.optimizer()
+        if opt is None:
+            raise OptimizerError(f"setting the optimizer state of key {key!r}: no optimizer is set")
+        table, local = self.tables.local_ids(key, ids)
+        state = opt.states.get(key)
+        if state is None or any(a.shape != table.weight.shape for a in state.values()):
+            state = opt.create_state(key, table.weight)
+        if name not in state:
+            raise OptimizerError(f"key {key!r}: {opt.name} keeps no state {name!r} (it keeps "
+                                 f"{sorted(state)})")
+        if rows.shape != (ids.size, table.width) or rows.dtype != state[name].dtype:
+            raise OptimizerError(f"key {key!r}: state {name!r} rows must be {state[name].dtype}"
+                                 f"({ids.size}, {table.width}), got {rows.dtype}{rows.shape}")
+        state[name][local] = rows
+        opt.states[key] = state
+        opt.counts[key] = count
+        opt.num_update = max(opt.num_update, count)
+
+    def _on_push(self, identity: bytes, msg: Message) -> None:
+        key, ids, rows = self._rows(msg, True)
+        rnd, last = _int(msg.body, "round"), msg.body.get("last")
+        if type(last) is not bool:
+            raise ProtocolError(f"SPARSE_PUSH of key {key!r} needs 'last' (a bool)")
+        self._reply_all(self.tables.push(msg.sender, key, rnd, last, ids, rows, (identity, msg.seq)))
+
+    def _on_pull(self, identity: bytes, msg: Message) -> None:
+        key, ids, _ = self._rows(msg, False)
+        after = _int(msg.body, "after")
+        table = self.tables.table(key)
+        if self.max_bytes and ids.size * table.weight[:1].nbytes * 3 > self.max_bytes:  # adam: 2 states
+            raise ProtocolError(f"SPARSE_PULL of {ids.size} rows of key {key!r}: the reply could exceed "
+                                f"KVSTORE_MAX_MESSAGE_BYTES={self.max_bytes}; ask in smaller messages")
+        if msg.body.get("state") is True:  # the optimizer's state rows (save_optimizer_states)
+            self.service.reply(identity, self._state_rows(key, ids, msg.seq))
+            return
+        self._reply_all(self.tables.pull(msg.sender, key, after, ids, (identity, msg.seq)))
+
+    def _state_rows(self, key: Key, ids: np.ndarray, seq: int) -> Message:
+        """The reply to a state pull: ``{count, names}`` and the rows ``ids`` of each state array
+        (no names when the key has no state)."""
+        _, local = self.tables.local_ids(key, ids)
+        opt = self.optimizer()
+        state = {} if opt is None else opt.states.get(key) or {}
+        body = {"count": 0 if opt is None else opt.counts.get(key, 0), "names": list(state)}
+        return Message(Op.OK, body, [a[local] for a in state.values()], seq=seq)
+
+    def leave(self, sender: int) -> None:
+        """A worker left: answer what no longer waits for it."""
+        self._reply_all(self.tables.leave(sender))

@@ -1,0 +1,93 @@
+"""Unit tests of kvstore.core.sparse_shard.RowTables: a server's row ranges, rounds and pulls."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.core.sparse_shard import RowTables
+from kvstore.errors import DuplicateInitError, KeyNotInitializedError, ProtocolError, ShapeMismatchError
+
+ZEROS = {"type": "zeros", "seed": 0}
+
+
+def _tables(sync: bool = True, workers: int = 2, window: int = 2) -> RowTables:
+    tables = RowTables(workers, sync, window)
+    tables.init("e", (20, 2), np.dtype(np.float32), 10, 20, ZEROS)
+    return tables
+
+
+def _rows(ids: list[int], value: float) -> tuple[np.ndarray, np.ndarray]:
+    return np.array(ids, np.int64), np.full((len(ids), 2), value, np.float32)
+
+
+def test_a_sync_round_closes_with_every_workers_last_chunk_and_sums_them() -> None:
+    """Rows of a round are applied once every live worker's last chunk is in, repeated ids summed;
+    the acks are withheld until then."""
+    t = _tables()
+    assert t.push(0, "e", 0, False, *_rows([12], 1.0), "a") == []
+    assert t.push(0, "e", 0, True, *_rows([12, 15], 2.0), "b") == []
+    done = t.push(1, "e", 0, True, *_rows([], 0.0), "c")
+    assert sorted(c.token for c in done) == ["a", "b", "c"]
+    assert t.tables["e"].weight[2, 0] == 3.0 and t.tables["e"].weight[5, 0] == 2.0
+
+
+def test_a_pull_waits_for_its_workers_rounds() -> None:
+    """A pull after this worker's push is answered once that round is applied (read-your-writes)."""
+    t = _tables()
+    t.push(0, "e", 0, True, *_rows([11], 1.0), "push")
+    assert t.pull(0, "e", 1, np.array([11], np.int64), "pull") == []
+    assert t.pull(1, "e", 0, np.array([11], np.int64), "other")[0].value[0, 0] == 0.0  # nothing pushed
+    done = t.push(1, "e", 0, True, *_rows([], 0.0), "push1")
+    pulled = [c for c in done if c.token == "pull"]
+    assert pulled and pulled[0].value[0, 0] == 1.0
+
+
+def test_rounds_beyond_the_window_and_twice_pushed_rounds_are_refused() -> None:
+    """A round more than the window ahead, a round pushed twice, rows outside the range, a bad width
+    and a second init raise before anything changes."""
+    t = _tables(window=2)
+    t.push(0, "e", 0, True, *_rows([11], 1.0), "a")
+    with pytest.raises(ProtocolError, match="twice"):
+        t.push(0, "e", 0, True, *_rows([11], 1.0), "b")
+    with pytest.raises(ProtocolError, match="KVSTORE_PUSH_WINDOW"):
+        t.push(0, "e", 2, True, *_rows([11], 1.0), "c")
+    with pytest.raises(ShapeMismatchError, match="outside"):
+        t.push(1, "e", 0, True, *_rows([9], 1.0), "d")
+    with pytest.raises(ShapeMismatchError, match="must be"):
+        t.push(1, "e", 0, True, np.array([11], np.int64), np.zeros((1, 3), np.float32), "e")
+    with pytest.raises(DuplicateInitError):
+        t.init("e", (20, 2), np.dtype(np.float32), 10, 20, ZEROS)
+    with pytest.raises(KeyNotInitializedError):
+        t.pull(0, "nope", 0, np.array([1], np.int64), "f")
+    assert not t.tables["e"].weight.any() and t.tables["e"].applied == 0
+
+
+def test_a_leaving_worker_no_longer_holds_rounds_back() -> None:
+    """When a worker leaves, a round that waited only for it closes."""
+    t = _tables()
+    t.push(0, "e", 0, True, *_rows([13], 4.0), "a")
+    done = t.leave(1)
+    assert [c.token for c in done] == ["a"] and t.tables["e"].weight[3, 0] == 4.0
+    with pytest.raises(ProtocolError, match="left"):
+        t.push(1, "e", 1, True, *_rows([13], 4.0), "b")
+
+
+def test_async_chunks_apply_at_the_last_one() -> None:
+    """dist_async: a worker's chunks are gathered and applied (and acked) with its last one."""
+    calls = []
+    t = _tables(sync=False)
+    t.updater = lambda key, weight, ids, rows: calls.append((list(ids), rows[:, 0].tolist()))
+    assert t.push(1, "e", 0, False, *_rows([14, 11], 1.0), "a") == []
+    done = t.push(1, "e", 0, True, *_rows([14], 2.0), "b")
+    assert [c.token for c in done] == ["a", "b"]
+    assert calls == [([1, 4], [1.0, 3.0])]
+
+
+def test_a_push_of_more_rows_than_the_range_is_refused() -> None:
+    """A worker's chunks of one push may carry at most the range's row count (memory stays bounded)."""
+    for sync in (True, False):
+        t = _tables(sync=sync)
+        t.push(0, "e", 0, False, *_rows(list(range(10, 20)), 1.0), "a")
+        with pytest.raises(ProtocolError, match="rows in one push"):
+            t.push(0, "e", 0, False, *_rows([11], 1.0), "b")
