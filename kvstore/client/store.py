@@ -108,8 +108,9 @@ class DistKVStore(KVStore):
 
     @property
     def rejoined_at(self) -> int | None:
-        """None in a worker's first incarnation; in a restarted one, the sync round it rejoined at:
-        the updates already applied, i.e. the steps the job has done (docs/failures.md)."""
+        """None in a worker's first incarnation; in a restarted one, the step to go on from: in
+        dist_sync the round it rejoined at (the steps the job has done), in dist_async the pushes
+        of its earlier incarnations the servers applied (its own steps); docs/failures.md."""
         return self._rejoined_at
 
     # -- properties -----------------------------------------------------------------------------

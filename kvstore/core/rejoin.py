@@ -17,6 +17,8 @@ a new *incarnation* of the same rank, **rejoins** (REJOIN, in two steps, docs/fa
 So a restarted worker's first step is the job's step ``at`` and uses the same weights as the
 others' step ``at``: the rounds it missed closed without it, and none is applied twice.  This
 assumes every key is pushed once per step, as a Trainer does (round numbers are per key).
+In ``dist_async``, where nothing waits for anyone, the round :meth:`Rejoins.begin` answers is the
+worker's own: the most pushes of one key its earlier incarnations had applied here (its steps).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Rejoins:
     def __init__(self, shard: ShardState) -> None:
         self.shard = shard
         self.current: dict[int, int] = {}  # worker -> incarnation counted now (absent: 0)
+        self.begun: dict[int, int] = {}  # worker -> the round begin() answered (until join_at)
 
     def away(self, worker: int, incarnation: object) -> list[Completion]:
         """Incarnation ``incarnation`` of ``worker`` is lost and will be restarted: rounds stop waiting
@@ -71,13 +74,16 @@ class Rejoins:
         shard._ranks = sorted(shard.active)
         first = 0
         for state in shard._keys.values():
-            first = max(first, state.base + len(state.rounds))
+            # sync: the first round nobody opened; async: the worker's own pushes applied
+            first = max(first, state.base + len(state.rounds) if shard.sync else state.applied.get(worker, 0))
             # the lost incarnation's contributions still in open rounds are applied when they close
             pending = sum(1 for rnd in state.rounds if worker in rnd.covered)
             state.submitted[worker] = state.applied.get(worker, 0) + pending
             state.next_round.pop(worker, None)
-        shard.joins[worker] = first
+        if shard.sync:
+            shard.joins[worker] = first
         self.current[worker] = incarnation
+        self.begun[worker] = first
         return first, done
 
     def join_at(self, worker: int, incarnation: object, at: object) -> list[Completion]:
@@ -86,12 +92,15 @@ class Rejoins:
         changing nothing, for another incarnation or an ``at`` below the round :meth:`begin` gave."""
         incarnation = _incarnation(incarnation, "REJOIN")
         shard = self.shard
-        first = shard.joins.get(worker)
+        first = self.begun.get(worker)
         if first is None or self.current.get(worker, 0) != incarnation:
             raise ProtocolError(f"worker {worker} incarnation {incarnation} has not begun to rejoin")
         if type(at) is not int or at < first:
             raise ProtocolError(f"REJOIN of worker {worker} at round {str(at)[:20]!r}: must be an int "
-                                f">= {first}, the first round no worker has opened on this server")
+                                f">= {first}, the round this server answered")
+        del self.begun[worker]
+        if not shard.sync:
+            return []
         shard.joins[worker] = at
         done: list[Completion] = []
         for key, state in shard._keys.items():

@@ -106,26 +106,47 @@ def launches():
 
 
 def _weights(path: Path) -> dict[str, np.ndarray]:
+    """The arrays a worker of restart_train.py wrote."""
     return load_arrays(str(path))
 
 
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory) -> dict[str, np.ndarray]:
+    """Rank 0's final weights after an unbroken run of restart_train.py (12 steps, 2 workers, 2 servers)."""
+    out = tmp_path_factory.mktemp("unbroken") / "base"
+    run = Launch(["-n", "2", "-s", "2", str(SCRIPT), "12", str(out)], ENV)
+    assert run.finish(60) == 0, run.output
+    return _weights(out.parent / "base.0")
+
+
 @pytest.mark.timeout(120)
-def test_a_worker_killed_at_a_round_boundary_ends_with_the_unbroken_weights(launches, tmp_path: Path) -> None:
-    """SIGKILL of worker 1 after round 4 under --max-restarts 1: every worker's final weights equal an
-    unbroken run's (fp32, 1e-6), the restart is logged, and the job exits 0."""
-    base = launches(["-n", "2", "-s", "2", str(SCRIPT), "12", str(tmp_path / "base")], {})
-    assert base.finish(60) == 0, base.output
-    run = launches(["-n", "2", "-s", "2", "--max-restarts", "1", str(SCRIPT), "12", str(tmp_path / "kill")],
-                   {"KVSTORE_TEST_DIE_AT_ROUND": "1:4"})
+@pytest.mark.parametrize("death", [{"KVSTORE_TEST_DIE_AT_ROUND": "1:4"}, ["--raise-at", "4"]],
+                         ids=["sigkill", "exception"])
+def test_a_worker_killed_at_a_round_boundary_ends_with_the_unbroken_weights(
+        launches, unbroken, tmp_path: Path, death) -> None:
+    """Worker 1 dies after round 4 (SIGKILL, or an exception in its script) under --max-restarts 1:
+    every worker's final weights equal an unbroken run's (fp32, 1e-6), the restart is logged, exit 0."""
+    env, extra = (death, []) if isinstance(death, dict) else ({}, death)  # --raise-at: worker 1 only
+    run = launches(["-n", "2", "-s", "2", "--max-restarts", "1", str(SCRIPT), "12", str(tmp_path / "kill"),
+                    *extra], env)
     assert run.finish(60) == 0, run.output
     out = run.output
-    assert "worker 1 exited with code 137; restarting it as incarnation 1" in out, out
+    assert re.search(r"worker 1 exited with code (137|1); restarting it as incarnation 1", out), out
     assert re.search(r"\[worker 1\] rejoined the cluster as incarnation 1 at round \d+", out), out
-    expected = _weights(tmp_path / "base.0")
     for rank in (0, 1):
         got = _weights(tmp_path / f"kill.{rank}")
-        for name, value in expected.items():
+        for name, value in unbroken.items():
             np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-6, err_msg=f"{name} on rank {rank}")
+
+
+@pytest.mark.timeout(90)
+def test_in_dist_async_a_restarted_worker_goes_on_from_its_own_step(launches, tmp_path: Path) -> None:
+    """dist_async: worker 1 killed after its 4th step rejoins at step 4 and does steps 4..11 only."""
+    run = launches(["-n", "2", "-s", "2", "--max-restarts", "1", str(SCRIPT), "12", str(tmp_path / "a"),
+                    "--mode", "dist_async"], {"KVSTORE_TEST_DIE_AT_ROUND": "1:4"})
+    assert run.finish(60) == 0, run.output
+    assert "[worker 1] rejoined the cluster as incarnation 1 at round 4" in run.output, run.output
+    assert "[worker 1] done steps 4..12 as rank 1" in run.output, run.output
 
 
 @pytest.mark.timeout(90)
@@ -151,7 +172,7 @@ def _final_accuracy(output: str) -> float:
 def test_digits_survive_a_worker_sigkilled_at_a_random_time(launches) -> None:
     """train_digits.py under --max-restarts 1, worker 1 SIGKILLed at a random moment of its training:
     the job finishes and its accuracy is at least the unbroken run's - 0.01."""
-    slow = ["--slow-rank", "0", "--slow-ms", "10"]  # the survivor's steps take long enough for a restart
+    slow = ["--slow-rank", "0", "--slow-ms", "5"]  # the survivor's steps take long enough for a restart
     base = launches(["-n", "2", "-s", "1", *DIGITS, *slow], {})
     assert base.finish(120) == 0, base.output
     run = launches(["-n", "2", "-s", "1", "--max-restarts", "1", *DIGITS, *slow], {})

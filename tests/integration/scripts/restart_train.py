@@ -1,6 +1,6 @@
 """Worker script for the restart tests: STEPS Trainer steps of a tiny MLP, resumable after a restart.
 
-argv: STEPS OUT_PREFIX
+argv: STEPS OUT_PREFIX [--mode dist_sync|dist_async] [--raise-at STEP]
 The batch of a step is a pure function of the step alone, the same on every worker: so a
 dist_sync round that closes without a lost worker (scaled as a quorum of the rest) equals the
 full round, and a run with a worker killed and restarted (``launch.py --max-restarts``) must end
@@ -18,9 +18,11 @@ import kvstore
 parser = argparse.ArgumentParser()
 parser.add_argument("steps", type=int)
 parser.add_argument("out")
+parser.add_argument("--mode", default="dist_sync")
+parser.add_argument("--raise-at", type=int, help="worker 1's first incarnation raises before this step")
 args = parser.parse_args()
 
-kv = kvstore.create("dist_sync")
+kv = kvstore.create(args.mode)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
 trainer = kvstore.Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
@@ -29,6 +31,8 @@ trainer.init_kvstore()  # a restarted worker: the job's current weights
 first = kv.rejoined_at or 0
 loss_fn = nn.CrossEntropyLoss(reduction="sum")
 for step in range(first, args.steps):
+    if step == args.raise_at and kv.rank == 1 and kv.rejoined_at is None:
+        raise RuntimeError(f"dying at step {step} (--raise-at)")
     gen = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(16, 8, generator=gen)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()

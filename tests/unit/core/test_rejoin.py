@@ -81,3 +81,18 @@ def test_stale_and_bad_rejoins_change_nothing() -> None:
         rejoins.away(1, "x")
     assert rejoins.away(1, 0) == []  # the incarnation before the one counted: ignored
     assert 1 in shard.active
+
+
+def test_in_dist_async_the_rejoin_round_is_the_workers_own_step_and_pulls_never_wait() -> None:
+    """dist_async: begin() answers the pushes of the worker's old incarnation that were applied, and
+    the rejoined worker's pull is answered at once."""
+    shard = ShardState(2, sync=False)
+    shard.init("w", np.zeros(2))
+    rejoins = Rejoins(shard)
+    for i in range(3):
+        shard.push(f"p{i}", 1, "w", np.ones(2))
+    shard.push("q", 0, "w", np.ones(2))
+    first, _ = rejoins.begin(1, 1)
+    assert first == 3
+    assert rejoins.join_at(1, 1, 3) == []
+    assert [c.token for c in shard.pull("pull", 1, "w")] == ["pull"]
