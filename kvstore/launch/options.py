@@ -132,8 +132,8 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--resume", metavar="DIR",
                         help="start from the snapshot kv.save_checkpoint(DIR) wrote (any number of servers)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                        help="local: restart a worker that dies (same rank, a new incarnation), at most K "
-                        "times in all; the others go on without it meanwhile (docs/failures.md)")
+                        help="local, ray: restart a worker that dies (same rank, a new incarnation), at "
+                        "most K times in all; the others go on without it meanwhile (docs/failures.md)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker's command")
     return parser
 
@@ -202,8 +202,8 @@ def _extra_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
         extra["KVSTORE_RESUME"] = os.path.abspath(args.resume)
     if args.max_restarts < 0:
         parser.error("--max-restarts must be at least 0")
-    if args.max_restarts and args.launcher != "local":
-        parser.error(f"--max-restarts applies to --launcher local; under --launcher {args.launcher} "
+    if args.max_restarts and args.launcher not in ("local", "ray"):
+        parser.error(f"--max-restarts applies to --launcher local and ray; under --launcher {args.launcher} "
                      "restarts are not supported yet (docs/failures.md)")
     if args.max_restarts:
         extra["KVSTORE_MAX_RESTARTS"] = str(args.max_restarts)  # the scheduler's budget too

@@ -173,9 +173,13 @@ def test_digits_survive_a_worker_sigkilled_at_a_random_time(launches) -> None:
     """train_digits.py under --max-restarts 1, worker 1 SIGKILLed at a random moment of its training:
     the job finishes and its accuracy is at least the unbroken run's - 0.01."""
     slow = ["--slow-rank", "0", "--slow-ms", "5"]  # the survivor's steps take long enough for a restart
-    base = launches(["-n", "2", "-s", "1", *DIGITS, *slow], {})
+    # A heartbeat timeout longer than a restart takes on a busy machine: the restart's registration, not
+    # the timeout, ends the old incarnation, so the others wait for it (the away path, where they train
+    # on without it, is the exactness tests' exception case).
+    env = {"KVSTORE_HEARTBEAT_TIMEOUT": "15"}
+    base = launches(["-n", "2", "-s", "1", *DIGITS, *slow], env)
     assert base.finish(120) == 0, base.output
-    run = launches(["-n", "2", "-s", "1", "--max-restarts", "1", *DIGITS, *slow], {})
+    run = launches(["-n", "2", "-s", "1", "--max-restarts", "1", *DIGITS, *slow], env)
     poll_for(lambda: "[worker 0] epoch   2" in run.output or run.proc.poll() is not None, 90,
              "worker 0's second epoch")
     assert run.proc.poll() is None, run.output

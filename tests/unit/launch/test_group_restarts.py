@@ -48,10 +48,10 @@ def test_without_restarts_left_the_failure_is_returned() -> None:
 
 
 def test_max_restarts_sets_the_budget_for_every_role_and_is_local_only() -> None:
-    """--max-restarts K puts KVSTORE_MAX_RESTARTS=K in every role's environment; other launchers refuse it."""
+    """--max-restarts K puts KVSTORE_MAX_RESTARTS=K in every role's environment; ssh and mpi refuse it."""
     cfg = parse_args(["-n", "2", "--max-restarts", "2", "train.py"])
     assert cfg.max_restarts == 2 and cfg.env["KVSTORE_MAX_RESTARTS"] == "2"
     assert "KVSTORE_MAX_RESTARTS" not in parse_args(["-n", "2", "train.py"]).env
-    for argv in (["--launcher", "ray", "--max-restarts", "1"], ["--max-restarts", "-1"]):
+    for argv in (["--launcher", "ssh", "-H", __file__, "--max-restarts", "1"], ["--max-restarts", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(["-n", "2", *argv, "train.py"])
