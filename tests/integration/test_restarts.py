@@ -66,8 +66,8 @@ class Launch:
         self.proc.wait()
 
 
-def worker_pids(tag: str, rank: int) -> list[int]:
-    """Live worker processes of the launch tagged ``tag`` with rank ``rank``."""
+def role_pids(tag: str, marker: str) -> list[int]:
+    """Live processes of the launch tagged ``tag`` whose environment holds ``marker`` (``NAME=VALUE``)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
@@ -75,10 +75,15 @@ def worker_pids(tag: str, rank: int) -> list[int]:
                 environ = (entry / "environ").read_bytes()
             except OSError:
                 continue
-            wanted = (f"RESTART_TEST_TAG={tag}\0".encode(), f"DMLC_WORKER_ID={rank}\0".encode())
+            wanted = (f"RESTART_TEST_TAG={tag}\0".encode(), f"{marker}\0".encode())
             if all(part in environ for part in wanted):
                 found.append(int(entry.name))
     return found
+
+
+def worker_pids(tag: str, rank: int) -> list[int]:
+    """Live worker processes of the launch tagged ``tag`` with rank ``rank``."""
+    return role_pids(tag, f"DMLC_WORKER_ID={rank}")
 
 
 @pytest.fixture
@@ -191,3 +196,26 @@ def test_digits_survive_a_worker_sigkilled_at_a_random_time(launches) -> None:
     assert run.finish(120) == 0, run.output
     assert "restarting it as incarnation 1" in run.output, run.output
     assert _final_accuracy(run.output) >= _final_accuracy(base.output) - 0.01, (base.output, run.output)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("victim, marker", [("scheduler", "DMLC_ROLE=scheduler"),
+                                            ("server 0", "KVSTORE_SERVER_ID=0")])
+def test_the_scheduler_or_a_server_lost_under_max_restarts_fails_fast_and_named(
+        launches, tmp_path: Path, victim: str, marker: str) -> None:
+    """SIGKILL of the scheduler or a server mid-training under --max-restarts 1: not restarted; the
+    launcher stops the job at once and exits 137, naming it."""
+    run = launches(["-n", "2", "-s", "1", "--max-restarts", "1", str(SCRIPT), "100000", str(tmp_path / "w")],
+                   {})
+    training = ("[worker 0] training from step 0", "[worker 1] training from step 0")
+    poll_for(lambda: all(t in run.output for t in training) or run.proc.poll() is not None, 60,
+             "both workers training")
+    assert run.proc.poll() is None, run.output
+    pids = role_pids(run.tag, marker)
+    assert len(pids) == 1, (pids, run.output)
+    os.kill(pids[0], signal.SIGKILL)
+    started = time.monotonic()
+    assert run.finish(60) == 137, run.output
+    assert time.monotonic() - started < 30, run.output  # the shutdown timeout (5 s) and the stops, not a hang
+    assert f"{victim} exited with code 137; stopping the other processes" in run.output, run.output
+    assert "restarting" not in run.output, run.output

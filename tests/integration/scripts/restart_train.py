@@ -30,6 +30,7 @@ trainer = kvstore.Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1
 trainer.init_kvstore()  # a restarted worker: the job's current weights
 first = kv.rejoined_at or 0
 loss_fn = nn.CrossEntropyLoss(reduction="sum")
+print(f"training from step {first} as rank {kv.rank}", flush=True)
 for step in range(first, args.steps):
     if step == args.raise_at and kv.rank == 1 and kv.rejoined_at is None:
         raise RuntimeError(f"dying at step {step} (--raise-at)")
