@@ -255,7 +255,7 @@ class DistKVStore(KVStore):
         with self._lock:
             self._compression = self._compress.spec = checked[0]
             self._plans.clear()  # push plans group compressed keys apart
-        if self._cfg.resume is not None:  # KVSTORE_RESUME: this worker's saved residuals
+        if self._cfg.resume is not None and self._rejoined_at is None:  # KVSTORE_RESUME: its saved residuals
             self._compress.load(self._cfg.resume, self._rank, self._num_workers)
 
     # -- the data path ------------------------------------------------------------------------------
