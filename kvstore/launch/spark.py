@@ -159,13 +159,7 @@ def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_se
     sc = _spark_context(sc_or_spark)
     layout = Layout(num_servers, num_workers)
     extra = check_env(env)
-    if not (isinstance(max_restarts, int) and max_restarts >= 0):
-        raise ConfigError(f"max_restarts={max_restarts!r} must be an int >= 0")
-    if worker_gpus is not None and (not isinstance(worker_gpus, int) or worker_gpus < 0):
-        raise ConfigError(f"worker_gpus={worker_gpus!r} must be an int >= 0 (or None)")
-    clash = [name for name in GPU_NAMES if name in extra and worker_gpus is not None]
-    if clash:
-        raise ConfigError(f"worker_gpus sets {', '.join(clash)} for each worker; do not give it in env")
+    _check_counts(max_restarts, worker_gpus, extra)
     secret = extra.pop("KVSTORE_SECRET", None) or secrets.token_hex(32)
     shutdown_timeout = kvconfig.load(extra).shutdown_timeout
     _wait_for_slots(sc, layout, slot_timeout)
@@ -176,6 +170,18 @@ def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_se
     retries = (max_restarts, snapshot)
     pairs = _run_with_board(sc, rdd, job, shutdown_timeout, board, inbox, retries)
     return [value for _, value in sorted(pairs, key=lambda pair: pair[0])]
+
+
+def _check_counts(max_restarts: Any, worker_gpus: Any, extra: Mapping[str, str]) -> None:
+    """Raise ConfigError for a ``max_restarts`` that is not an int >= 0, a ``worker_gpus`` that is not
+    one (or None), or GPU variables in ``extra`` that ``worker_gpus`` sets."""
+    if not (isinstance(max_restarts, int) and max_restarts >= 0):
+        raise ConfigError(f"max_restarts={max_restarts!r} must be an int >= 0")
+    if worker_gpus is not None and (not isinstance(worker_gpus, int) or worker_gpus < 0):
+        raise ConfigError(f"worker_gpus={worker_gpus!r} must be an int >= 0 (or None)")
+    clash = [name for name in GPU_NAMES if name in extra and worker_gpus is not None]
+    if clash:
+        raise ConfigError(f"worker_gpus sets {', '.join(clash)} for each worker; do not give it in env")
 
 
 def _run_with_board(sc: SparkContext, rdd: RDD, job: JobSpec, shutdown_timeout: float,
