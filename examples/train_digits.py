@@ -34,6 +34,13 @@ and calls ``trainer.step(global batch size)``:
   Trainer sums the replicas' gradients too: on a GPU with a ``*_device`` store
   (``--kvstore dist_sync_device`` or ``device``), on the CPU otherwise.
 
+Under ``launch.py --max-restarts K`` a worker that dies is restarted and rejoins the
+running job (docs/failures.md): it takes the current weights from the servers and
+skips the ``kv.rejoined_at`` steps the job has done already (drawing the same
+shuffles), so the job still ends after its planned number of updates::
+
+    python launch.py -n 4 -s 2 --max-restarts 1 examples/train_digits.py
+
 Rank 0 prints the loss and test accuracy per epoch; the exit code is 1 when the
 final test accuracy is below ``--min-accuracy``.
 """
@@ -143,11 +150,16 @@ def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
               f"{optimizer_params(args)}, {shard} training samples per worker, {len(x_test)} test samples",
               flush=True)
 
+    done = getattr(kv, "rejoined_at", None) or 0  # a restarted worker: the steps the job has done
+    step = 0
     for epoch in range(1, args.epochs + 1):
         total, started = 0.0, time.perf_counter()
         for batch in torch.randperm(shard, generator=order).split(args.batch_size):
             if len(batch) < len(devices):
                 continue  # too few samples to give every replica one (the same on every worker)
+            step += 1
+            if step <= done:
+                continue  # consumed before this worker's restart
             xs = kvstore.data.split_and_load(x_train[batch], devices, even_split=False)
             ys = kvstore.data.split_and_load(y_train[batch], devices, even_split=False)
             for replica, x, y in zip(models, xs, ys):
@@ -158,6 +170,8 @@ def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
             if rank == args.slow_rank:
                 time.sleep(args.slow_ms / 1000)  # a straggler's slower step (a demo, not a wait)
             trainer.step(len(batch) * workers)
+        if step <= done:
+            continue  # an epoch this worker's previous incarnation finished
         kvstore.log_scalar("loss", total / shard, epoch)  # for launch.py --tensorboard (else kept, unused)
         if rank == 0:
             test_accuracy = accuracy(models[0], x_test, y_test)

@@ -86,6 +86,9 @@ class Config:
     curve_keys: str | None = None    # KVSTORE_CURVE_KEYS: a folder of key files, else derived from the secret
     stall_warn: float = DEFAULT_STALL_WARN  # KVSTORE_STALL_WARN: seconds before a stalled wait is logged
     stall_abort: float | None = None  # KVSTORE_STALL_ABORT: seconds before a stall raises (None: never)
+    max_restarts: int = 0  # KVSTORE_MAX_RESTARTS: worker restarts the job absorbs (launch.py --max-restarts)
+    incarnation: int = 0  # KVSTORE_INCARNATION: this worker's restarts so far (set by the launcher)
+    test_die_at_round: tuple[int | None, int] | None = None  # KVSTORE_TEST_DIE_AT_ROUND: (rank, round)
 
     def missing_cluster_vars(self) -> list[str]:
         """Return the names of the ``DMLC_*`` variables a distributed node needs but lacks."""
@@ -203,7 +206,30 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
                                     fallback="MXNET_UPDATE_ON_KVSTORE", default=1)),
         **_data_path(env),
         **_watch_and_wire(env),
+        **_restarts(env),
     )
+
+
+def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
+    """Worker restarts (docs/failures.md): the job's budget, this process's incarnation, the test hook."""
+    return {"max_restarts": env_int(env, "KVSTORE_MAX_RESTARTS", minimum=0, default=0),
+            "incarnation": env_int(env, "KVSTORE_INCARNATION", minimum=0, default=0),
+            "test_die_at_round": _die_at(env)}
+
+
+def _die_at(env: Mapping[str, str]) -> tuple[int | None, int] | None:
+    """``KVSTORE_TEST_DIE_AT_ROUND``: ``N`` (any worker) or ``RANK:N`` as ``(rank or None, N)``."""
+    raw = env_text(env, "KVSTORE_TEST_DIE_AT_ROUND")
+    if raw is None:
+        return None
+    rank, _, number = raw.rpartition(":")
+    try:
+        parsed = (int(rank) if rank else None, int(number))
+    except ValueError:
+        raise ConfigError(f"KVSTORE_TEST_DIE_AT_ROUND={raw!r} is not N or RANK:N") from None
+    if parsed[1] < 1 or (parsed[0] is not None and parsed[0] < 0):
+        raise ConfigError(f"KVSTORE_TEST_DIE_AT_ROUND={raw!r}: N must be >= 1 and RANK >= 0")
+    return parsed
 
 
 def _watch_and_wire(env: Mapping[str, str]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
 from kvstore.net.router import RouterService
 
+from . import restarts
 from .observe import SchedulerStats, node_rows, scheduler_snapshot
 from .state import Barrier, Liveness, Node, Rendezvous
 
@@ -80,7 +81,12 @@ class Scheduler:
                                  Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
                                  Op.HEARTBEAT: self._on_heartbeat, Op.STATUS: self._on_status}
         # kvstore.status holds the secret, not the session: its STATUS is answered after the map too
-        self.service.late_handlers = {Op.STATUS: lambda msg: Message(Op.OK, self._status_asked())}
+        self.service.late_handlers = {Op.STATUS: lambda _, msg: Message(Op.OK, self._status_asked())}
+        self.restarts = restarts.Restarts(cfg.max_restarts, cfg.num_workers)  # KVSTORE_MAX_RESTARTS
+        if cfg.max_restarts:  # a restarted worker registers after the map (scheduler/restarts.py)
+            self.service.late_handlers[Op.HELLO] = lambda i, m: restarts.late_hello(self, i, m)
+            self.service.late_handlers[Op.REGISTER] = lambda i, m: restarts.late_register(self, i, m)
+        self.map_body: dict = {}  # the map every node got, but its own fields (a restart gets it too)
         self.status_asks = 0  # STATUS requests answered, and when the last came (monotonic)
         self.status_at = -math.inf
         self.stats = SchedulerStats(time.monotonic(), time.time())
@@ -142,6 +148,7 @@ class Scheduler:
                 "push_window": self.cfg.push_window,  # one window for all: servers refuse beyond it
                 "sync_quorum": quorum,  # stragglers (issue 25): None is plain sync/async
                 "staleness": self.cfg.staleness}
+        self.map_body = body
         now = time.monotonic()
         for role, nodes in ranked.items():
             for rank, node in enumerate(nodes):
@@ -238,6 +245,7 @@ class Scheduler:
         body = {"lost": self.lost}
         if role == "worker":  # so a worker learns within a beat who has left, not at its next barrier
             body["left"] = sorted(self.left)
+            body["away"] = sorted(self.restarts.away)  # lost, being restarted (--max-restarts)
         self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
 
     def _on_status(self, identity: bytes, msg: Message) -> None:
@@ -322,16 +330,25 @@ class Scheduler:
         return [node for rank, node in enumerate(self.servers) if rank not in lost]
 
     def check_liveness(self, now: float) -> None:
-        """Declare every node silent for too long lost."""
+        """Declare every node silent for too long lost; and every worker away for longer than
+        KVSTORE_CONNECT_TIMEOUT (its restart did not come back)."""
         for role, rank in self.liveness.expired(now):
             self._declare_lost(role, rank, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s "
                                            "(KVSTORE_HEARTBEAT_TIMEOUT)")
+        for rank in self.restarts.overdue(now, self.cfg.connect_timeout):
+            why = (f"its restart did not rejoin within {self.cfg.connect_timeout:g} s "
+                   "(KVSTORE_CONNECT_TIMEOUT)")
+            self._declare_lost("worker", rank, why, absorb=False)
 
     def _is_lost(self, role: str, rank: int) -> bool:
         return any(r == role and k == rank for r, k, _, _ in self.lost)
 
-    def _declare_lost(self, role: str, rank: int, why: str) -> None:
-        """Record the loss (every heartbeat reply names it from now on); fail the waiting barrier."""
+    def _declare_lost(self, role: str, rank: int, why: str, absorb: bool = True) -> None:
+        """Record the loss (every heartbeat reply names it from now on); fail the waiting barrier.
+        A worker within the restart budget is only away (scheduler/restarts.py)."""
+        if absorb and role == "worker" and self.restarts.absorbs(rank) and not self._is_lost(role, rank):
+            restarts.worker_away(self, rank, why)
+            return
         host = self.hosts.get((role, rank), "?")
         self.liveness.forget(role, rank)
         self.lost.append([role, rank, host, why])

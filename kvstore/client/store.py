@@ -23,6 +23,7 @@ from kvstore.base import Group, KVStore, public
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
+from kvstore.client.joining import die_if_asked, join, rejoin
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
 from kvstore.client.sparse import DistRows, RowsLink
@@ -32,7 +33,6 @@ from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, Piece, placement
 from kvstore.core.plan import Send, collect, init_body, pack, plan
 from kvstore.errors import (
-    ConfigError,
     DeadlineExceededError,
     KVStoreError,
     NodeLostError,
@@ -41,7 +41,6 @@ from kvstore.errors import (
 )
 from kvstore.net import address, transport
 from kvstore.net.auth import channel_for, new_label
-from kvstore.net.handshake import register
 from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
 
@@ -51,34 +50,6 @@ log = logging.getLogger("kvstore.dist")
 def mode_of(name: str) -> str:
     """The cluster mode behind a dist store name: ``'dist_sync'`` or ``'dist_async'``."""
     return "dist_async" if "async" in name else "dist_sync"
-
-
-def _join(scheduler: Any, channel: Any, cfg: kvconfig.Config, mode: str) -> dict:
-    """Register with the scheduler and return the cluster map's body; the socket is closed on failure.
-
-    Raises what registration raises, or :class:`ConfigError` when this worker's batches, or the map's
-    chunks, could exceed the map's ``KVSTORE_MAX_MESSAGE_BYTES``: the scheduler is told this worker
-    failed (LEAVE with the reason), so the other workers stop too instead of waiting for it.
-    """
-    try:
-        body = register(scheduler, channel, cfg, {"role": "worker", "host": address.advertised_host(cfg),
-                                                  "rank": cfg.worker_id, "mode": mode,
-                                                  "quorum": cfg.sync_quorum}, "worker").body
-    except BaseException:
-        transport.close(scheduler)
-        raise
-    try:
-        kvconfig.check_message_limits(body.get("max_message_bytes", 0), body.get("chunk_bytes", 0),
-                                      cfg.batch_bytes, source=" (the scheduler's)")
-    except ConfigError as exc:
-        why = {"failure": f"its settings were refused: {exc}"}
-        leave = Message(Op.LEAVE, why, seq=1, sender=body["rank"])
-        try:
-            transport.send(scheduler, channel.seal(leave, "scheduler"))
-        finally:
-            transport.close(scheduler, linger=1.0)  # the LEAVE may still leave
-        raise
-    return body
 
 
 class DistKVStore(KVStore):
@@ -97,7 +68,7 @@ class DistKVStore(KVStore):
         self._mode = mode_of(name)
         scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
         channel = channel_for(cfg, new_label("worker"))
-        body = _join(scheduler, channel, cfg, self._mode)
+        body = join(scheduler, channel, cfg, self._mode)
         self._rank, self._num_workers = body["rank"], body["num_workers"]
         self._seed = body["seed"]
         self._servers = [transport.address(h, p) for h, p in body["servers"]]
@@ -132,6 +103,15 @@ class DistKVStore(KVStore):
                                     stats=self._snapshot, on_left=self._barriers.warn_left)
         self._heartbeat.start()
         log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
+        # a restarted worker (launch.py --max-restarts): counted again by every server from this round
+        self._rejoined_at = rejoin(self._io, len(self._servers), body, self._request_all)
+
+    @property
+    def rejoined_at(self) -> int | None:
+        """None in a worker's first incarnation; in a restarted one, the step to go on from: in
+        dist_sync the round it rejoined at (the steps the job has done), in dist_async the pushes
+        of its earlier incarnations the servers applied (its own steps); docs/failures.md."""
+        return self._rejoined_at
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -243,7 +223,8 @@ class DistKVStore(KVStore):
 
     # -- the collective calls on the servers' optimizer and state (kvstore.client.collective) ------
     def _set_optimizer(self, optimizer: Optimizer) -> None:
-        self._collective_calls.set_optimizer(optimizer)
+        if self._rejoined_at is None:  # a restarted worker: the servers have it (and its state)
+            self._collective_calls.set_optimizer(optimizer)
 
     def _set_optimizer_params(self, params: dict[str, Any]) -> None:
         self._collective_calls.set_optimizer_params(params)
@@ -266,12 +247,15 @@ class DistKVStore(KVStore):
     def _set_compression(self, params: Any) -> None:
         """Collective: every worker checks ``params`` (and that it has not pushed) before any installs."""
         checked: list = []
-        self._barriers.agree("set_gradient_compression",
-                             lambda: checked.append(self._check_compression(params)))
+        if self._rejoined_at is not None:  # a restarted worker: the others agreed long ago
+            checked.append(self._check_compression(params))
+        else:
+            self._barriers.agree("set_gradient_compression",
+                                 lambda: checked.append(self._check_compression(params)))
         with self._lock:
             self._compression = self._compress.spec = checked[0]
             self._plans.clear()  # push plans group compressed keys apart
-        if self._cfg.resume is not None:  # KVSTORE_RESUME: this worker's saved residuals
+        if self._cfg.resume is not None and self._rejoined_at is None:  # KVSTORE_RESUME: its saved residuals
             self._compress.load(self._cfg.resume, self._rank, self._num_workers)
 
     # -- the data path ------------------------------------------------------------------------------
@@ -284,6 +268,8 @@ class DistKVStore(KVStore):
                 requests = [self._submit(Op.INIT, s, pack(s, flats)) for s in sends]
             self._request_all(requests)
 
+        if self._rejoined_at is not None:  # a restarted worker: the servers hold every key already
+            return
         started = self._meter.begin("init")
         try:
             self._collective(f"init of {len(items)} key(s)", send_all)
@@ -389,6 +375,7 @@ class DistKVStore(KVStore):
             return self._pull_keys(keys, outs)
         finally:
             self._meter.end("pull", started)
+            die_if_asked(self._cfg, self._rank, self._pushes)  # KVSTORE_TEST_DIE_AT_ROUND
 
     def _pull_keys(self, keys: list[Key], outs: list[list[Any]] | None = None) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
@@ -405,6 +392,7 @@ class DistKVStore(KVStore):
             return self._collect(*self._send_groups(Op.PUSHPULL, groups), outs)
         finally:
             self._meter.end("pushpull", started)
+            die_if_asked(self._cfg, self._rank, self._pushes)  # KVSTORE_TEST_DIE_AT_ROUND
 
     def _flush(self, timeout: float, knob: str) -> None:
         requests = self._window.outstanding()

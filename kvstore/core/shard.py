@@ -111,6 +111,8 @@ class ShardState:
         self.clock = clock    # stamps a round's opening (its wait is reported when it closes)
         self.on_close: Callable[[Key, float, int], None] | None = None  # (key, waited s, last worker)
         self.active = set(range(num_workers))  # workers that have not left
+        self.away: dict[int, int] = {}  # lost workers to be restarted -> incarnation (core/rejoin.py)
+        self.joins: dict[int, int] = {}  # rejoined worker -> first round of every key it counts in
         self._ranks = sorted(self.active)       # the same, sorted: what a new round expects
         self.sync = sync
         self.updater = updater
@@ -281,13 +283,11 @@ class ShardState:
     def pull(self, token: Any, worker: int, key: Key, lo: int = 0, hi: int | None = None) -> list[Completion]:
         """Ask for elements ``[lo, hi)`` of ``key``'s value (all of it by default, in its shape).
 
-        Answered now, or once every contribution ``worker`` started earlier for ``key`` is applied,
-        with the stored value itself (all of it) or a view of it, never written to afterwards.
-        Raises, changing nothing:
-        :class:`KeyNotInitializedError` for an unknown key; ``ValueError`` if ``worker`` is not a
-        rank; :class:`ShapeMismatchError` if ``[lo, hi)`` is not inside ``[0, size)`` or is a part
-        of a value that is not 1-D; ``TypeError`` if ``lo`` or ``hi`` is not an int.
-        """
+        Answered now, or once every contribution ``worker`` started earlier for ``key`` is applied
+        (a rejoined worker: once the rounds before its own are), with the stored value or a view of
+        it, never written to afterwards.  Raises, changing nothing: :class:`KeyNotInitializedError`
+        for an unknown key; ``ValueError`` if ``worker`` is not a rank; :class:`ShapeMismatchError` if
+        ``[lo, hi)`` is not inside ``[0, size)`` or a part of a value that is not 1-D; ``TypeError``."""
         return self.pull_many(worker, [(token, key, lo, hi)])
 
     def pushpull(self, token: Any, worker: int, key: Key, value: np.ndarray,
@@ -415,7 +415,7 @@ class ShardState:
         i = number - state.base
         if i == len(state.rounds):
             state.rounds.append(Round(self._ranks, self.clock()))
-        if state.rounds[i].contribute(token, worker, value, lo, hi, size, self.ordered, self.active):
+        if state.rounds[i].contribute(token, worker, value, lo, hi, size, self.ordered, self._at(number)):
             state.next_round[worker] = number + 1
         return self._close_rounds(state, key) if i == 0 else []
 
@@ -446,24 +446,32 @@ class ShardState:
     def _close_rounds(self, state: _KeyState, key: Key) -> list[Completion]:
         """Close the oldest rounds while they are done; return their acks and the pulls released."""
         rounds, size = state.rounds, state.value.size
-        if not rounds or not self._closes(rounds[0], size):
+        if not rounds or not self._closes(rounds[0], size, state.base):
             return []  # nothing applied: no pull can be released
         done: list[Completion] = []
-        while rounds and self._closes(rounds[0], size):
+        while rounds and self._closes(rounds[0], size, state.base):
             rnd = rounds.popleft()
             state.base += 1
-            total = rnd.total(size)
-            self._apply(state, key, total if self.quorum is None else rnd.scaled(total, self.num_workers),
-                        rnd.covered)
+            total = rnd.total(size)  # scaled by quorum, or as a quorum of the rest while a worker is away
+            scale = self.num_workers if self.quorum is not None else len(self.active) + len(self.away)
+            self._apply(state, key, total if self.quorum is None and not self.away
+                        else rnd.scaled(total, scale), rnd.covered)
             if self.on_close is not None:
                 self.on_close(key, self.clock() - rnd.opened, rnd.last)
             for tokens in rnd.tokens.values():
                 done.extend(_acks(tokens))
         return done + self._release_pulls(state)
 
-    def _closes(self, rnd: Round, size: int) -> bool:
-        """Whether ``rnd`` may close: every live worker's contribution is in, or a quorum's."""
-        return rnd.done(self.active) or (self.quorum is not None and rnd.reached(self.quorum, size))
+    def _closes(self, rnd: Round, size: int, number: int) -> bool:
+        """Whether round ``number`` may close: every live worker's contribution is in, or a quorum's."""
+        return rnd.done(self._at(number)) or (self.quorum is not None and rnd.reached(self.quorum, size))
+
+    def _at(self, number: int) -> set[int]:
+        """The workers round ``number`` of a key waits for: the active ones, but a rejoined worker
+        only from the round it rejoined at (:mod:`kvstore.core.rejoin`)."""
+        if not self.joins:
+            return self.active
+        return {w for w in self.active if self.joins.get(w, 0) <= number}
 
     def _apply(self, state: _KeyState, key: Key, total: np.ndarray, workers: Iterable[int]) -> None:
         if self.updater is None:
@@ -475,7 +483,7 @@ class ShardState:
 
     def _add_pull(self, state: _KeyState, token: Any, worker: int, lo: int, hi: int) -> list[Completion]:
         target = state.submitted.get(worker, 0)
-        if state.applied.get(worker, 0) >= target:
+        if state.applied.get(worker, 0) >= target and state.base >= self.joins.get(worker, 0):
             return [Completion(token, _part_of(state.value, lo, hi))]
         state.waiting_pulls.append((token, worker, target, lo, hi))
         return []
@@ -485,7 +493,8 @@ class ShardState:
             return []
         ready, waiting = [], []
         for entry in state.waiting_pulls:
-            (ready if state.applied.get(entry[1], 0) >= entry[2] else waiting).append(entry)
+            ok = state.applied.get(entry[1], 0) >= entry[2] and state.base >= self.joins.get(entry[1], 0)
+            (ready if ok else waiting).append(entry)
         state.waiting_pulls = waiting
         value = state.value
         return [Completion(token, _part_of(value, lo, hi)) for token, _, _, lo, hi in ready]

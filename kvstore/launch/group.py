@@ -3,12 +3,15 @@ launchers; the Ray driver and Spark's barrier tasks keep their own loops over th
 :class:`~kvstore.launch.roleprocess.RoleProcess`).
 
 Fail fast: the first role that fails is what the launcher reports, and every role is then stopped
-against one shared deadline.  A restart policy (``--max-restarts``, a later issue) belongs here: a
-failed role can go back to STARTING (:meth:`RoleProcess.restart`).
+against one shared deadline.  The one exception is the restart policy (``--max-restarts K``): a
+worker that fails while restarts are left is reaped, what it left in its process group killed, and
+started again from its spec (:meth:`RoleProcess.restart`) with the next ``KVSTORE_INCARNATION``;
+a scheduler or server that fails still fails the launch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -35,16 +38,25 @@ class RoleGroup:
         """The first role (in start order) that has FAILED, if any."""
         return next((role for role in self.roles if role.state is RoleState.FAILED), None)
 
-    def supervise(self, workers: int, grace: float) -> RoleProcess | None:
+    def supervise(self, workers: int, grace: float, restarts: int = 0) -> RoleProcess | None:
         """Wait until ``workers`` workers have SUCCEEDED (return None) or any role has FAILED (return
-        the first one to fail: fail fast, the caller then stops the rest).  After the last worker,
+        the first one to fail: fail fast, the caller then stops the rest), but a worker that fails
+        while any of ``restarts`` are left is restarted (:meth:`restart`).  After the last worker,
         the other roles get ``grace`` seconds, one deadline for all, to exit by themselves (a
         scheduler and servers do once every worker has left); each still running is logged."""
-        left = workers
+        left, used = workers, 0
         while left:
             role = self._exits.get()
             if role.state is RoleState.FAILED:
-                return role
+                if role.spec.role != "worker" or used >= restarts:
+                    if restarts and role.spec.role == "worker":
+                        log.error("%s failed again: all %d restarts (--max-restarts) are used",
+                                  role.name, restarts)
+                    return role
+                used += 1
+                if not self.restart(role, f"{used} of {restarts} restarts used"):
+                    return role
+                continue
             # the scheduler and servers exit 0 once every worker has left, maybe before they exit
             left -= role.spec.role == "worker"
         deadline = time.monotonic() + grace
@@ -52,6 +64,24 @@ class RoleGroup:
             if role.wait(deadline) is None:
                 log.warning("%s did not exit within %g s of the workers; stopping it", role.name, grace)
         return None
+
+    def restart(self, role: RoleProcess, why: str) -> bool:
+        """Start the FAILED ``role`` again with the next ``KVSTORE_INCARNATION``, once its process is
+        reaped and what it left in its group killed; False when it cannot be started (it is then
+        FAILED again).  ``why`` goes into the log line."""
+        role.stop(0.0)  # exited already: reaped, its group's leftovers SIGKILLed, its output read
+        incarnation = int(role.spec.env.get("KVSTORE_INCARNATION", "0")) + 1
+        log.warning("%s exited with code %s; restarting it as incarnation %d (%s)", role.name,
+                    role.exit_code, incarnation, why)
+        role.restart()
+        role.spec = dataclasses.replace(role.spec, env={**role.spec.env,
+                                                        "KVSTORE_INCARNATION": str(incarnation)})
+        try:
+            role.start()
+        except OSError as exc:
+            log.error("cannot restart %s: %s", role.name, exc)
+            return False
+        return True
 
     def stop(self) -> list[tuple[RoleProcess, Killed, float]]:
         """Stop every role: ask each to stop, then give each its ``stop_wait`` from that one moment,

@@ -230,7 +230,8 @@ class Cluster:
 
     def supervise(self) -> int:
         """Wait until every worker exits 0 (return 0) or any process fails (raise ChildFailed)."""
-        failed = self.group.supervise(self.cfg.num_workers, self.settings.shutdown_timeout)
+        failed = self.group.supervise(self.cfg.num_workers, self.settings.shutdown_timeout,
+                                      restarts=self.cfg.max_restarts)
         if failed is not None:
             raise failure(failed)
         return 0

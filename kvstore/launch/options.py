@@ -54,6 +54,7 @@ class LaunchConfig:
     gpus_per_worker: int | None = None  # --gpus-per-worker: each worker's share of its host's GPUs
     tensorboard: str | None = None  # --tensorboard DIR: TensorBoard over DIR, the job's scalars under it
     tensorboard_keep: bool = False  # --tensorboard-keep: leave TensorBoard running after the job
+    max_restarts: int = 0  # --max-restarts K: restart dead workers, at most K times in all
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> LaunchConfig:
@@ -83,7 +84,7 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> Launch
                         remote_python=args.remote_python, host_ip=args.host_ip,
                         ray_address=args.ray_address, ray_options=ray_options,
                         gpus_per_worker=args.gpus_per_worker, tensorboard=args.tensorboard,
-                        tensorboard_keep=args.tensorboard_keep)
+                        tensorboard_keep=args.tensorboard_keep, max_restarts=args.max_restarts)
 
 
 def _parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -130,6 +131,9 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(its pid is printed)")
     parser.add_argument("--resume", metavar="DIR",
                         help="start from the snapshot kv.save_checkpoint(DIR) wrote (any number of servers)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="local, ray: restart a worker that dies (same rank, a new incarnation), at "
+                        "most K times in all; the others go on without it meanwhile (docs/failures.md)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker's command")
     return parser
 
@@ -196,6 +200,13 @@ def _extra_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
             parser.error(f"--resume {args.resume}: no snapshot there (no LATEST file); "
                          "take one with kv.save_checkpoint(dir)")
         extra["KVSTORE_RESUME"] = os.path.abspath(args.resume)
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be at least 0")
+    if args.max_restarts and args.launcher not in ("local", "ray"):
+        parser.error(f"--max-restarts applies to --launcher local and ray; under --launcher {args.launcher} "
+                     "restarts are not supported yet (docs/failures.md)")
+    if args.max_restarts:
+        extra["KVSTORE_MAX_RESTARTS"] = str(args.max_restarts)  # the scheduler's budget too
     return extra
 
 

@@ -122,6 +122,8 @@ class RoleActor:
         Raises OSError when the keeper cannot be started.
         """
         env = dict(env)
+        with self._cond:  # a restart (--max-restarts): the role that ran here before has exited
+            self._code, self._eof = None, False
         if port_file:
             self._tmpdir = tempfile.mkdtemp(prefix="kvstore-ray-")
             self._port_file = env["KVSTORE_PORT_FILE"] = os.path.join(self._tmpdir, "scheduler.port")

@@ -61,6 +61,7 @@ class _Handle:
     exit_code: int | None = None
     dead: bool = False
     created: bool = False  # its actor answered once: a role it may hold is worth releasing
+    incarnation: int = 0  # --max-restarts: times its role was started again
 
 
 class RayJob:
@@ -77,7 +78,7 @@ class RayJob:
                  scheduler_cpus: float = DEFAULT_SCHEDULER_CPUS, server_cpus: float = DEFAULT_SERVER_CPUS,
                  worker_cpus: float = DEFAULT_WORKER_CPUS, worker_gpus: float = 0.0,
                  placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT, cwd: str | None = None,
-                 stdout: TextIO | None = None) -> None:
+                 stdout: TextIO | None = None, max_restarts: int = 0) -> None:
         self.function = target if callable(target) else None
         self.command = None if callable(target) else (shlex.split(target) if isinstance(target, str)
                                                        else list(target))
@@ -103,6 +104,11 @@ class RayJob:
         self._results: dict[int, Any] = {}
         self._timeout: float | None = None
         self._pending: dict[Any, _Handle] = {}  # an outstanding drain() per running role
+        # --max-restarts: a command worker that fails is started again in its actor (docs/failures.md)
+        self.restarts_left = max_restarts if self.function is None else 0
+        if self.restarts_left:
+            self.extra["KVSTORE_MAX_RESTARTS"] = str(max_restarts)  # the scheduler's budget
+        self._root: tuple[str, int] = ("", 0)  # the scheduler's address, once it is up
 
     # start -----------------------------------------------------------------------------------------
     def start(self) -> RayJob:
@@ -135,6 +141,7 @@ class RayJob:
                 ["-m", "kvstore.scheduler"], env, self.cwd, self.settings.shutdown_timeout, python=True,
                 port_file=True))])
             port = self._wait_port(scheduler)
+            self._root = (root_uri, port)
             log.info("scheduler on %s:%d; starting %d servers and %d workers", root_uri, port,
                      self.num_servers, self.num_workers)
             starts = []
@@ -323,10 +330,30 @@ class RayJob:
         if final:
             return
         if code != 0:
+            if handle.spec.role == "worker" and self.restarts_left > 0:
+                self._restart(handle, code)
+                return
             raise self._failed(handle, code)
         if handle.spec.role == "worker":
             self._results[handle.spec.rank] = self._result_of(handle)
             workers_left.discard(handle.spec.rank)
+
+    def _restart(self, handle: _Handle, code: int) -> None:
+        """Start the failed command worker ``handle`` again in its actor, with the next
+        ``KVSTORE_INCARNATION`` (one of the restarts left).  Raises RoleFailed when its actor died or
+        the start raised, DeadlineExceededError past ``KVSTORE_CONNECT_TIMEOUT``."""
+        self.restarts_left -= 1
+        handle.incarnation += 1
+        log.warning("%s exited with code %d; restarting it in its actor as incarnation %d (%d restarts "
+                    "left)", handle.spec.name, code, handle.incarnation, self.restarts_left)
+        env = self._env(handle.spec, *self._root, handle.node_ip)
+        env["KVSTORE_INCARNATION"] = str(handle.incarnation)
+        handle.exit_code = None
+        timeout = self.settings.connect_timeout
+        self._wait_calls([(handle, handle.actor.start_command.remote(
+            self.command, env, self.cwd, self.settings.shutdown_timeout))], timeout,
+            f"did not restart its role within {timeout:g} s (KVSTORE_CONNECT_TIMEOUT)")
+        self._pending[handle.actor.drain.remote(_POLL)] = handle
 
     def _result_of(self, handle: _Handle) -> Any:
         """A finished worker's result: 0 for a command, else its function's return value.

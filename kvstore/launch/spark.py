@@ -24,7 +24,10 @@ does not.  docs/spark.md has the whole story.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
+import os
 import secrets
 import tempfile
 import time
@@ -48,6 +51,8 @@ from kvstore.launch.spark_plan import (
 )
 from kvstore.launch.spark_tasks import JobSpec, run_task
 from kvstore.net import transport
+
+log = logging.getLogger("kvstore.launcher")
 
 
 def _spark_context(sc_or_spark: Any) -> SparkContext:
@@ -120,7 +125,8 @@ _JOB_PROPERTIES = ("spark.jobGroup.id", "spark.job.description", "spark.job.inte
 def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_servers: int, *,
         data: Any = None, args: tuple = (), env: Mapping[str, str] | None = None,
         slot_timeout: float = 60.0, worker_gpus: int | None = None,
-        tensorboard: bool | str = False, tensorboard_keep: bool = False) -> list:
+        tensorboard: bool | str = False, tensorboard_keep: bool = False, max_restarts: int = 0,
+        snapshot: str | None = None) -> list:
     """Run ``train_fn`` on ``num_workers`` workers of a kvstore cluster inside one Spark barrier job.
 
     The job has ``1 + num_servers + num_workers`` tasks, all running at once: the scheduler, the
@@ -138,6 +144,9 @@ def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_se
     ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; servers and the scheduler then get
     ``CUDA_VISIBLE_DEVICES=""`` (docs/spark.md).  ``tensorboard=DIR`` (True: a temporary folder) runs
     TensorBoard and the scalar writer on the driver until run() returns (or on, ``tensorboard_keep``).
+    ``max_restarts=K``: a failed barrier stage is run again, at most K times, on a fresh cluster that
+    resumes from the newest generation under ``snapshot`` (``KVSTORE_RESUME``; the workers write it
+    with ``kv.save_checkpoint(snapshot)``), from the start while there is none (docs/failures.md).
 
     Returns the workers' return values, by rank.  Raises :class:`NotEnoughSlotsError` before any job
     starts when Spark cannot run every task at once (off local masters after waiting ``slot_timeout``
@@ -150,11 +159,7 @@ def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_se
     sc = _spark_context(sc_or_spark)
     layout = Layout(num_servers, num_workers)
     extra = check_env(env)
-    if worker_gpus is not None and (not isinstance(worker_gpus, int) or worker_gpus < 0):
-        raise ConfigError(f"worker_gpus={worker_gpus!r} must be an int >= 0 (or None)")
-    clash = [name for name in GPU_NAMES if name in extra and worker_gpus is not None]
-    if clash:
-        raise ConfigError(f"worker_gpus sets {', '.join(clash)} for each worker; do not give it in env")
+    _check_counts(max_restarts, worker_gpus, extra)
     secret = extra.pop("KVSTORE_SECRET", None) or secrets.token_hex(32)
     shutdown_timeout = kvconfig.load(extra).shutdown_timeout
     _wait_for_slots(sc, layout, slot_timeout)
@@ -162,15 +167,29 @@ def run(sc_or_spark: Any, train_fn: Callable[..., Any], num_workers: int, num_se
     board, inbox = _start_board(sc, tensorboard, tensorboard_keep, {**extra, "KVSTORE_SECRET": secret})
     report_to = (sc.getConf().get("spark.driver.host") or "127.0.0.1", inbox.port) if inbox else None
     job = JobSpec(layout, secret, extra, train_fn, tuple(args), keyed, worker_gpus, report_to)
-    pairs = _run_with_board(sc, rdd, job, shutdown_timeout, board, inbox)
+    retries = (max_restarts, snapshot)
+    pairs = _run_with_board(sc, rdd, job, shutdown_timeout, board, inbox, retries)
     return [value for _, value in sorted(pairs, key=lambda pair: pair[0])]
 
 
+def _check_counts(max_restarts: Any, worker_gpus: Any, extra: Mapping[str, str]) -> None:
+    """Raise ConfigError for a ``max_restarts`` that is not an int >= 0, a ``worker_gpus`` that is not
+    one (or None), or GPU variables in ``extra`` that ``worker_gpus`` sets."""
+    if not (isinstance(max_restarts, int) and max_restarts >= 0):
+        raise ConfigError(f"max_restarts={max_restarts!r} must be an int >= 0")
+    if worker_gpus is not None and (not isinstance(worker_gpus, int) or worker_gpus < 0):
+        raise ConfigError(f"worker_gpus={worker_gpus!r} must be an int >= 0 (or None)")
+    clash = [name for name in GPU_NAMES if name in extra and worker_gpus is not None]
+    if clash:
+        raise ConfigError(f"worker_gpus sets {', '.join(clash)} for each worker; do not give it in env")
+
+
 def _run_with_board(sc: SparkContext, rdd: RDD, job: JobSpec, shutdown_timeout: float,
-                    board: kvtensorboard.JobBoard | None, inbox: kvtensorboard.AddressInbox | None) -> list:
-    """:func:`_run_barrier_job`, then the end of ``tensorboard=``'s inbox and board (if any)."""
+                    board: kvtensorboard.JobBoard | None, inbox: kvtensorboard.AddressInbox | None,
+                    retries: tuple[int, str | None] = (0, None)) -> list:
+    """:func:`_run_retried`, then the end of ``tensorboard=``'s inbox and board (if any)."""
     try:
-        return _run_barrier_job(sc, rdd, job, shutdown_timeout)
+        return _run_retried(sc, rdd, job, shutdown_timeout, *retries)
     finally:
         if inbox is not None:
             inbox.close()
@@ -193,6 +212,24 @@ def _start_board(sc: SparkContext, tensorboard: bool | str, keep: bool, env: dic
     inbox = kvtensorboard.AddressInbox(
         lambda host, port: board.attach(settings, transport.address(host, port)))
     return board, inbox
+
+
+def _run_retried(sc: SparkContext, rdd: RDD, job: JobSpec, shutdown_timeout: float, retries: int,
+                 snapshot: str | None) -> list:
+    """:func:`_run_barrier_job`; after a SparkJobFailed, again (``retries`` times at most) with
+    ``KVSTORE_RESUME`` set to ``snapshot`` once it holds a generation.  Raises the last failure."""
+    while True:
+        try:
+            return _run_barrier_job(sc, rdd, job, shutdown_timeout)
+        except SparkJobFailed as exc:
+            if retries <= 0:
+                raise
+            retries -= 1
+            found = snapshot is not None and os.path.isfile(os.path.join(snapshot, "LATEST"))
+            if found:
+                job = dataclasses.replace(job, env={**job.env, "KVSTORE_RESUME": os.path.abspath(snapshot)})
+            log.warning("%s; running the barrier stage again %s (%d more retries)", exc,
+                        f"from the snapshot in {snapshot}" if found else "from the start", retries)
 
 
 def _run_barrier_job(sc: SparkContext, rdd: RDD, job: JobSpec, shutdown_timeout: float) -> list:

@@ -54,6 +54,7 @@ class Heartbeat(threading.Thread):
         self.lost: NodeLostError | None = None  # what was reported, if anything
         self._seqs = itertools.count(1)
         self._sent = (0, 0.0)  # (seq, unix time) of the last beat sent: its reply measures the clock
+        self._away: set[int] = set()  # workers the scheduler says are away (being restarted)
 
     def stop(self) -> None:
         """Ask the thread to end (it does within one interval)."""
@@ -116,6 +117,15 @@ class Heartbeat(threading.Thread):
                     log.warning("heartbeats go without this node's stats: %s", str(exc)[:300])
         return self.channel.seal(Message(Op.HEARTBEAT, body, seq=seq, sender=self.rank), "scheduler")
 
+    def _told_away(self, away: set[int]) -> None:
+        """Log each worker that went away (lost, being restarted: docs/failures.md) or came back."""
+        for rank in sorted(away - self._away):
+            log.warning("worker %d is lost and being restarted: sync rounds close without it, scaled as "
+                        "a quorum of the rest, until it rejoins", rank)
+        for rank in sorted(self._away - away):
+            log.info("worker %d is no longer away", rank)
+        self._away = away
+
     def _read(self, frames: list) -> bool:
         """Handle one reply (True if it was the scheduler's): report the first lost node it names."""
         try:
@@ -126,6 +136,9 @@ class Heartbeat(threading.Thread):
         left = reply.body.get("left") if reply.op is Op.OK else None
         if self.on_left is not None and isinstance(left, list) and all(type(r) is int for r in left):
             self.on_left(left)  # the workers that have left (a worker's beats only)
+        away = reply.body.get("away") if reply.op is Op.OK else None
+        if isinstance(away, list) and all(type(r) is int for r in away):
+            self._told_away(set(away))
         remote = reply.body.get("time") if reply.op is Op.OK else None
         if reply.seq == self._sent[0] and isinstance(remote, float):
             timeline.CLOCK.observe(self._sent[1], time.time(), remote)

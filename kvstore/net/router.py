@@ -172,8 +172,9 @@ class RouterService:
         # which is told so instead of being refused as a stranger.
         self.late: Channel | None = None
         # Ops answered to a holder of the secret without the session, over ``late`` (the scheduler's
-        # STATUS for kvstore.status): the handler returns the reply, sealed with ``late``.
-        self.late_handlers: dict[Op, Callable[[Message], Message]] = {}
+        # STATUS for kvstore.status, a restarted worker's HELLO and REGISTER): the handler gets
+        # ``(identity, message)`` and returns the reply, sealed with ``late``.
+        self.late_handlers: dict[Op, Callable[[bytes, Message], Message]] = {}
         self._untrimmed = 0  # events logged since the heap was last trimmed
 
     def reply(self, identity: bytes, msg: Message) -> None:
@@ -272,7 +273,7 @@ class RouterService:
     def _answer_outsider(self, identity: bytes, msg: Message, label: str) -> None:
         """Answer ``msg`` (verified with ``late``) by its late handler, sealed with ``late``."""
         try:
-            reply = self.late_handlers[msg.op](msg)
+            reply = self.late_handlers[msg.op](identity, msg)
         except Exception as exc:  # a bad request must not kill the service
             if not isinstance(exc, KVStoreError):
                 log.exception("late handler for %s failed", msg.op.name)

@@ -21,6 +21,7 @@ from kvstore.core import precision
 from kvstore.core.dtypes import BF16
 from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import check_key
+from kvstore.core.rejoin import Rejoins
 from kvstore.core.shard import Completion, ShardState
 from kvstore.errors import (
     AuthenticationError,
@@ -106,7 +107,7 @@ class Server:
                     Op.PUSHPULL: self._on_pushpull, Op.OPTIMIZER_SET: self._on_optimizer_set,
                     Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
                     Op.OPTIMIZER_INFO: self._on_optimizer_info, Op.STATE_GET: self._on_state_get,
-                    Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave}
+                    Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave, Op.REJOIN: self._on_rejoin}
         self.sparse = SparseServer(self.service, lambda: self.optimizer)  # row-sparse keys (server/sparse.py)
         handlers.update(self.sparse.handlers())
         self.meter.extra_held = self.sparse.nbytes
@@ -134,6 +135,7 @@ class Server:
                               cmap.body.get("max_message_bytes", 0))
         self.state.on_close = self.meter.round_closed
         self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
+        self.rejoins = Rejoins(self.state)  # restarted workers (launch.py --max-restarts)
         logs.set_identity("server", rank)
         log.info("serving on %s:%d in %s mode", self.host, self.port, cmap.body["mode"])
 
@@ -311,6 +313,29 @@ class Server:
         self.sparse.leave(msg.sender)
         log.info("worker %d left; sync rounds no longer wait for it", msg.sender)
 
+    def _on_rejoin(self, identity: bytes, msg: Message) -> None:
+        """A restarted worker (a new incarnation of its rank) counts again: first from the round no key
+        has opened here (replied as ``round``), then, with ``at``, from that round of every key."""
+        worker, body = self._sender(msg), msg.body
+        if "at" not in body:
+            first, done = self.rejoins.begin(worker, body.get("incarnation"))
+            self.service.reply(identity, Message(Op.OK, {"round": first}, seq=msg.seq))
+        else:
+            done = self.rejoins.join_at(worker, body.get("incarnation"), body.get("at"))
+            self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+            log.warning("worker %d rejoined (incarnation %s) at round %d", worker, body["incarnation"],
+                        body["at"])
+        self._reply_all(done)
+
+    def _on_away(self, body: dict) -> None:
+        """The scheduler's AWAY: a lost worker will be restarted; rounds close without it meanwhile."""
+        worker = body.get("worker")
+        if not (type(worker) is int and 0 <= worker < self.state.num_workers):
+            raise ProtocolError(f"AWAY names no worker rank (got {str(worker)[:20]!r})")
+        self._reply_all(self.rejoins.away(worker, body.get("incarnation")))
+        log.warning("worker %d is away (to be restarted): sync rounds close without it, scaled as a "
+                    "quorum of the rest, until it rejoins", worker)
+
     def _on_optimizer_set(self, identity: bytes, msg: Message) -> None:
         num_update = msg.body.get("num_update", 0)
         if not (isinstance(num_update, int) and num_update >= 0):
@@ -397,6 +422,12 @@ class Server:
                      len(self.state) + len(self.sparse.tables),
                      (self.state.nbytes() + self.sparse.nbytes()) / MB, peak_rss() / MB)
             return True
+        if msg.op is Op.AWAY:
+            try:
+                self._on_away(msg.body)
+            except (ProtocolError, ValueError) as exc:
+                log.warning("dropped a bad AWAY from the scheduler: %s", exc)
+            return False
         log.warning("ignored %s from the scheduler", msg.op.name)
         return False
 

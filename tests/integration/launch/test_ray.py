@@ -277,6 +277,22 @@ def test_launch_failing_worker_exits_1_naming_it(tag: str, ray_address: str) -> 
     assert ray.is_initialized() and poll_for(_all_cpus_free, 20, "the job's CPUs to be released")
 
 
+@pytest.mark.timeout(180)  # finish 100 s + 20 s
+def test_launch_restarts_a_dead_command_worker_in_its_actor(tag: str, ray_address: str,
+                                                            tmp_path: Path) -> None:
+    """--max-restarts 1 on Ray: worker 1 SIGKILLed after round 3 is started again in its actor as
+    incarnation 1, rejoins, and the job exits 0 with every role gone after it."""
+    script = str(Path(__file__).parents[1] / "scripts" / "restart_train.py")
+    rc, out = finish(_launch(["-n", "2", "-s", "1", "--ray-address", ray_address, "--max-restarts", "1",
+                              "--env", "KVSTORE_TEST_DIE_AT_ROUND=1:3", script, "8", str(tmp_path / "w")],
+                             tag), timeout=100)
+    assert rc == 0, out
+    assert "worker 1 exited with code 137; restarting it in its actor as incarnation 1" in out, out
+    assert "[worker 1] rejoined the cluster as incarnation 1 at round" in out, out
+    assert "[worker 1] done steps" in out and "[worker 0] done steps 0..8" in out, out
+    assert poll_for(lambda: _nothing_left(tag), 20, "every role, tether and keeper to exit")
+
+
 # -- the Python API -----------------------------------------------------------------------------------
 
 @pytest.mark.timeout(180)  # run 90 s + 20 s + 20 s

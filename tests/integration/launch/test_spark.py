@@ -150,6 +150,35 @@ def join_only(records, mode: str = "dist_sync") -> int:
     return kvstore.create(mode).rank
 
 
+def resumable_train(records, snapshot: str, steps: int, fail: bool) -> tuple[int, list]:
+    """Trainer steps of a tiny MLP on batches that depend on (step, rank) alone, from the servers'
+    update count (the snapshot's, on a retried stage); a snapshot after every odd step.  With
+    ``fail``, worker 1 raises at step 5 unless the stage was resumed.  Returns (first step, weights)."""
+    import torch
+    from torch import nn
+
+    kv = kvstore.create("dist_sync")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    trainer = kvstore.Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                              kvstore=kv, key_prefix="m")
+    trainer.init_kvstore()
+    first = kv.get_optimizer().num_update
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    for step in range(first, steps):
+        if fail and step == 5 and kv.rank == 1 and "KVSTORE_RESUME" not in os.environ:
+            raise RuntimeError("worker 1 fails on purpose at step 5")
+        gen = torch.Generator().manual_seed(1000 * step + kv.rank)
+        x = torch.randn(16, 8, generator=gen)
+        y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+        model.zero_grad()
+        loss_fn(model(x), y).backward()
+        trainer.step(16 * kv.num_workers)
+        if step % 2 == 1:
+            kv.save_checkpoint(snapshot)
+    return first, [p.detach().numpy().tolist() for p in model.parameters()]
+
+
 def never_called(records) -> None:
     raise AssertionError("no job may start")
 
@@ -251,6 +280,24 @@ def test_failing_server_fails_run_with_its_output(spark):
     assert "server 0 exited with code 1 while the workers were running" in message
     assert "Address already in use" in message  # its last output lines
     poll_for(lambda: not tagged_pids(tag), 20, "the scheduler to exit")
+
+
+def test_a_failed_stage_is_retried_from_the_latest_snapshot(spark, tmp_path):
+    """max_restarts=1: worker 1 raises at step 5, the barrier stage runs again on a fresh cluster that
+    resumes from the snapshot of step 3 (the resume's exactness: test_snapshot.py) and finishes."""
+    env = {**QUIET, "KVSTORE_BIGARRAY_BOUND": "100"}
+    retried = kvspark.run(spark, resumable_train, 2, 1, args=(str(tmp_path / "b"), 8, True), env=env,
+                          max_restarts=1, snapshot=str(tmp_path / "b"))
+    assert [first for first, _ in retried] == [4, 4]  # the snapshot after step 3
+    for mine, other in zip(retried[0][1], retried[1][1]):  # every worker ends with the same weights
+        np.testing.assert_array_equal(np.array(mine), np.array(other))
+
+
+def test_a_bad_max_restarts_is_refused(spark):
+    """max_restarts must be an int >= 0 (ConfigError before any job); 0, the default, raises the first
+    failure (test_failing_worker_fails_run_and_leaves_no_role)."""
+    with pytest.raises(kvstore.ConfigError):
+        kvspark.run(spark, never_called, 1, 1, max_restarts=-1)
 
 
 def test_too_few_slots_is_refused_before_any_job(spark):

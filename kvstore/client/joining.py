@@ -1,0 +1,85 @@
+"""A worker's way into the cluster: registration with the scheduler (:func:`join`), a restarted
+worker's rejoin with every server (:func:`rejoin`, ``launch.py --max-restarts``), and the test hook
+that kills a worker at a round boundary (:func:`die_if_asked`, ``KVSTORE_TEST_DIE_AT_ROUND``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from kvstore import config as kvconfig
+from kvstore.client.mux import Request, Wire
+from kvstore.errors import ConfigError, ProtocolError
+from kvstore.net import address, transport
+from kvstore.net.handshake import register
+from kvstore.net.protocol import Message, Op
+
+log = logging.getLogger("kvstore.dist")
+
+
+def join(scheduler: Any, channel: Any, cfg: kvconfig.Config, mode: str) -> dict:
+    """Register with the scheduler and return the cluster map's body; the socket is closed on failure.
+
+    Raises what registration raises, or :class:`ConfigError` when this worker's batches, or the map's
+    chunks, could exceed the map's ``KVSTORE_MAX_MESSAGE_BYTES``: the scheduler is told this worker
+    failed (LEAVE with the reason), so the other workers stop too instead of waiting for it.
+    """
+    try:
+        body = register(scheduler, channel, cfg, {"role": "worker", "host": address.advertised_host(cfg),
+                                                  "rank": cfg.worker_id, "mode": mode,
+                                                  "quorum": cfg.sync_quorum,
+                                                  "incarnation": cfg.incarnation}, "worker").body
+    except BaseException:
+        transport.close(scheduler)
+        raise
+    try:
+        kvconfig.check_message_limits(body.get("max_message_bytes", 0), body.get("chunk_bytes", 0),
+                                      cfg.batch_bytes, source=" (the scheduler's)")
+    except ConfigError as exc:
+        why = {"failure": f"its settings were refused: {exc}"}
+        leave = Message(Op.LEAVE, why, seq=1, sender=body["rank"])
+        try:
+            transport.send(scheduler, channel.seal(leave, "scheduler"))
+        finally:
+            transport.close(scheduler, linger=1.0)  # the LEAVE may still leave
+        raise
+    return body
+
+
+def rejoin(io: Wire, servers: int, cmap: dict, request_all: Callable[[list[Request]], list[Message]]
+           ) -> int | None:
+    """A restarted worker's rejoin (the map's ``rejoin``; None for any other map): REJOIN to every
+    server, which counts it again from the first round no key has opened there and replies that
+    round; then REJOIN with ``at``, the highest of them, so every server counts it from that round
+    of every key (kvstore/core/rejoin.py).  Returns ``at``.  Raises what the requests raise
+    (DeadlineExceededError after KVSTORE_REQUEST_TIMEOUT), ProtocolError for a reply without a round."""
+    if not cmap.get("rejoin"):
+        return None
+    incarnation = cmap.get("incarnation")
+    what = f"rejoin of incarnation {incarnation} to server"
+    replies = request_all([io.submit(i, Message(Op.REJOIN, {"incarnation": incarnation}), f"{what} {i}")
+                           for i in range(servers)])
+    rounds = [reply.body.get("round") for reply in replies]
+    if not all(type(r) is int and r >= 0 for r in rounds):
+        raise ProtocolError(f"a server answered a REJOIN without a round: {rounds!r}"[:200])
+    at = max(rounds, default=0)
+    request_all([io.submit(i, Message(Op.REJOIN, {"incarnation": incarnation, "at": at}), f"{what} {i}")
+                 for i in range(servers)])
+    log.warning("rejoined the cluster as incarnation %s at round %d", incarnation, at)
+    return at
+
+
+def die_if_asked(cfg: kvconfig.Config, rank: int, pushes: dict[Any, int]) -> None:
+    """The test hook ``KVSTORE_TEST_DIE_AT_ROUND=N`` (or ``RANK:N``, that worker only): a first
+    incarnation SIGKILLs its own process once it has pushed some key N times and the call that
+    waited for that round is done."""
+    hook = cfg.test_die_at_round
+    if hook is None or cfg.incarnation or not pushes or hook[0] not in (None, rank):
+        return
+    if max(pushes.values()) >= hook[1]:
+        log.warning("KVSTORE_TEST_DIE_AT_ROUND: killing worker %d after round %d (SIGKILL)", rank, hook[1])
+        os.kill(os.getpid(), signal.SIGKILL)

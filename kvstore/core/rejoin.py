@@ -1,0 +1,110 @@
+"""Workers that come back: a server's side of a worker's restart (``launch.py --max-restarts``).
+
+Pure, no I/O: the server calls these on its :class:`~kvstore.core.shard.ShardState` when the
+scheduler says a worker is **away** (lost, and to be restarted: AWAY) and when the restarted worker,
+a new *incarnation* of the same rank, **rejoins** (REJOIN, in two steps, docs/failures.md):
+
+1. :meth:`Rejoins.away`: the worker stops counting, as if it had left (its rounds close without it,
+   each sum scaled as a quorum of the rest: ``workers`` / contributions), but it is expected back.
+2. :meth:`Rejoins.begin` (the restarted worker's first REJOIN): it counts again, from the first
+   round of any key that no worker has opened yet on this server, which is returned.  Rounds open
+   before do not wait for it; rounds from there on do, so none can close without it meanwhile.
+3. :meth:`Rejoins.join_at` (its second REJOIN, with ``at``, the highest such round over every
+   server): it counts from round ``at`` of every key.  Its pulls wait until the rounds before
+   ``at`` are closed (they do not need it), so it reads the value every other worker reads before
+   its push of round ``at``, and its first push of each key joins round ``at``.
+
+So a restarted worker's first step is the job's step ``at`` and uses the same weights as the
+others' step ``at``: the rounds it missed closed without it, and none is applied twice.  This
+assumes every key is pushed once per step, as a Trainer does (round numbers are per key).
+In ``dist_async``, where nothing waits for anyone, the round :meth:`Rejoins.begin` answers is the
+worker's own: the most pushes of one key its earlier incarnations had applied here (its steps).
+"""
+
+from __future__ import annotations
+
+from kvstore.core.replies import Completion
+from kvstore.core.shard import ShardState
+from kvstore.errors import ProtocolError
+
+
+def _incarnation(value: object, what: str) -> int:
+    """``value`` as an incarnation (an int >= 0); raises ProtocolError otherwise."""
+    if type(value) is not int or value < 0:
+        raise ProtocolError(f"{what} needs an incarnation (an int >= 0), not {str(value)[:40]!r}")
+    return value
+
+
+class Rejoins:
+    """Which incarnation of each worker a server counts, over its ``shard`` (see the module docstring)."""
+
+    def __init__(self, shard: ShardState) -> None:
+        self.shard = shard
+        self.current: dict[int, int] = {}  # worker -> incarnation counted now (absent: 0)
+        self.begun: dict[int, int] = {}  # worker -> the round begin() answered (until join_at)
+
+    def away(self, worker: int, incarnation: object) -> list[Completion]:
+        """Incarnation ``incarnation`` of ``worker`` is lost and will be restarted: rounds stop waiting
+        for it (as :meth:`ShardState.leave`); return what closing them answers.  Nothing for an
+        incarnation older than the one counted now (its successor is back already), or for a worker
+        away already.  Raises ValueError for a worker that is not a rank, ProtocolError for a bad
+        incarnation, changing nothing."""
+        incarnation = _incarnation(incarnation, "AWAY")
+        self.shard._check_worker(worker)
+        if incarnation < self.current.get(worker, 0) or worker in self.shard.away:
+            return []
+        self.shard.away[worker] = incarnation  # first: the rounds leave() closes are scaled
+        self.shard.joins.pop(worker, None)
+        return self.shard.leave(worker)
+
+    def begin(self, worker: int, incarnation: object) -> tuple[int, list[Completion]]:
+        """A restarted ``worker`` (a new ``incarnation``) counts again from the first round no key has
+        opened here; return that round and what making the old incarnation away answered.  Raises,
+        changing nothing: ValueError for a worker that is not a rank, ProtocolError for an
+        incarnation not above the one counted now."""
+        incarnation = _incarnation(incarnation, "REJOIN")
+        self.shard._check_worker(worker)
+        if incarnation <= self.current.get(worker, 0):
+            raise ProtocolError(f"worker {worker} rejoins as incarnation {incarnation}, but incarnation "
+                                f"{self.current.get(worker, 0)} is counted already")
+        done = self.away(worker, incarnation - 1) if worker in self.shard.active else []
+        shard = self.shard
+        shard.away.pop(worker, None)
+        shard.active.add(worker)
+        shard._ranks = sorted(shard.active)
+        first = 0
+        for state in shard._keys.values():
+            # sync: the first round nobody opened; async: the worker's own pushes applied
+            first = max(first, state.base + len(state.rounds) if shard.sync else state.applied.get(worker, 0))
+            # the lost incarnation's contributions still in open rounds are applied when they close
+            pending = sum(1 for rnd in state.rounds if worker in rnd.covered)
+            state.submitted[worker] = state.applied.get(worker, 0) + pending
+            state.next_round.pop(worker, None)
+        if shard.sync:
+            shard.joins[worker] = first
+        self.current[worker] = incarnation
+        self.begun[worker] = first
+        return first, done
+
+    def join_at(self, worker: int, incarnation: object, at: object) -> list[Completion]:
+        """``worker`` (after :meth:`begin` as ``incarnation``) counts from round ``at`` of every key:
+        rounds before it close without it; return what closing them answers.  Raises ProtocolError,
+        changing nothing, for another incarnation or an ``at`` below the round :meth:`begin` gave."""
+        incarnation = _incarnation(incarnation, "REJOIN")
+        shard = self.shard
+        first = self.begun.get(worker)
+        if first is None or self.current.get(worker, 0) != incarnation:
+            raise ProtocolError(f"worker {worker} incarnation {incarnation} has not begun to rejoin")
+        if type(at) is not int or at < first:
+            raise ProtocolError(f"REJOIN of worker {worker} at round {str(at)[:20]!r}: must be an int "
+                                f">= {first}, the round this server answered")
+        del self.begun[worker]
+        if not shard.sync:
+            return []
+        shard.joins[worker] = at
+        done: list[Completion] = []
+        for key, state in shard._keys.items():
+            state.next_round[worker] = at
+            state.offset[worker] = at  # a quorum PUSH's rounds count from 0 in the new incarnation
+            done += shard._close_rounds(state, key)
+        return done

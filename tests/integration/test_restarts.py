@@ -1,0 +1,221 @@
+"""Workers that rejoin (launch.py --max-restarts): a worker killed mid-training is restarted with its
+rank and a new incarnation, the others go on without it meanwhile, and the job ends as planned."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.core.checkpoint import load_arrays
+from tests.helpers import REPO, poll_for, python
+
+SCRIPT = Path(__file__).parent / "scripts" / "restart_train.py"
+# short heartbeats; the 8x32 weight is sliced over both servers
+ENV = {"KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_HEARTBEAT_TIMEOUT": "3", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
+       "KVSTORE_BIGARRAY_BOUND": "100", "KVSTORE_CONNECT_TIMEOUT": "60"}
+
+
+class Launch:
+    """``python launch.py ARGS`` with its output read line by line as it comes (``lines``)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.lines: list[str] = []
+        self.tag = env.get("RESTART_TEST_TAG", "")
+        self.proc = subprocess.Popen([python(), "launch.py", *args], cwd=REPO, env={**os.environ, **env},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        """Everything read so far."""
+        return "".join(self.lines)
+
+    def finish(self, timeout: float) -> int:
+        """The launcher's exit code; past ``timeout`` its process group is killed and the test fails."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"launcher did not finish within {timeout} s:\n{self.output}") from None
+        finally:
+            self.reader.join(10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the launcher's whole session (its roles are in sessions of their own: see teardown)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def role_pids(tag: str, marker: str) -> list[int]:
+    """Live processes of the launch tagged ``tag`` whose environment holds ``marker`` (``NAME=VALUE``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            wanted = (f"RESTART_TEST_TAG={tag}\0".encode(), f"{marker}\0".encode())
+            if all(part in environ for part in wanted):
+                found.append(int(entry.name))
+    return found
+
+
+def worker_pids(tag: str, rank: int) -> list[int]:
+    """Live worker processes of the launch tagged ``tag`` with rank ``rank``."""
+    return role_pids(tag, f"DMLC_WORKER_ID={rank}")
+
+
+@pytest.fixture
+def launches():
+    """Launches started by a test; every process they left is SIGKILLed at teardown."""
+    started: list[tuple[Launch, str]] = []
+
+    def start(args: list[str], env: dict[str, str]) -> Launch:
+        tag = uuid.uuid4().hex
+        run = Launch(args, {**ENV, **env, "RESTART_TEST_TAG": tag})
+        started.append((run, tag))
+        return run
+
+    yield start
+    for run, tag in started:
+        if run.proc.poll() is None:
+            run.kill()
+        for entry in Path("/proc").iterdir():  # roles run in sessions of their own
+            if entry.name.isdigit():
+                try:
+                    if f"RESTART_TEST_TAG={tag}\0".encode() in (entry / "environ").read_bytes():
+                        os.kill(int(entry.name), signal.SIGKILL)
+                except OSError:
+                    continue
+
+
+def _weights(path: Path) -> dict[str, np.ndarray]:
+    """The arrays a worker of restart_train.py wrote."""
+    return load_arrays(str(path))
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory) -> dict[str, np.ndarray]:
+    """Rank 0's final weights after an unbroken run of restart_train.py (12 steps, 2 workers, 2 servers)."""
+    out = tmp_path_factory.mktemp("unbroken") / "base"
+    run = Launch(["-n", "2", "-s", "2", str(SCRIPT), "12", str(out)], ENV)
+    assert run.finish(60) == 0, run.output
+    return _weights(out.parent / "base.0")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("death", [{"KVSTORE_TEST_DIE_AT_ROUND": "1:4"}, ["--raise-at", "4"]],
+                         ids=["sigkill", "exception"])
+def test_a_worker_killed_at_a_round_boundary_ends_with_the_unbroken_weights(
+        launches, unbroken, tmp_path: Path, death) -> None:
+    """Worker 1 dies after round 4 (SIGKILL, or an exception in its script) under --max-restarts 1:
+    every worker's final weights equal an unbroken run's (fp32, 1e-6), the restart is logged, exit 0."""
+    env, extra = (death, []) if isinstance(death, dict) else ({}, death)  # --raise-at: worker 1 only
+    run = launches(["-n", "2", "-s", "2", "--max-restarts", "1", str(SCRIPT), "12", str(tmp_path / "kill"),
+                    *extra], env)
+    assert run.finish(60) == 0, run.output
+    out = run.output
+    assert re.search(r"worker 1 exited with code (137|1); restarting it as incarnation 1", out), out
+    assert re.search(r"\[worker 1\] rejoined the cluster as incarnation 1 at round \d+", out), out
+    for rank in (0, 1):
+        got = _weights(tmp_path / f"kill.{rank}")
+        for name, value in unbroken.items():
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-6, err_msg=f"{name} on rank {rank}")
+
+
+@pytest.mark.timeout(90)
+def test_in_dist_async_a_restarted_worker_goes_on_from_its_own_step(launches, tmp_path: Path) -> None:
+    """dist_async: worker 1 killed after its 4th step rejoins at step 4 and does steps 4..11 only."""
+    run = launches(["-n", "2", "-s", "2", "--max-restarts", "1", str(SCRIPT), "12", str(tmp_path / "a"),
+                    "--mode", "dist_async"], {"KVSTORE_TEST_DIE_AT_ROUND": "1:4"})
+    assert run.finish(60) == 0, run.output
+    assert "[worker 1] rejoined the cluster as incarnation 1 at round 4" in run.output, run.output
+    assert "[worker 1] done steps 4..12 as rank 1" in run.output, run.output
+
+
+@pytest.mark.timeout(90)
+def test_a_death_past_the_restart_budget_fails_the_job(launches, tmp_path: Path) -> None:
+    """Both workers die at round 3 under --max-restarts 1: one is restarted, the second death fails
+    the launch fast with its code, naming the used-up budget."""
+    run = launches(["-n", "2", "-s", "1", "--max-restarts", "1", str(SCRIPT), "12", str(tmp_path / "w")],
+                   {"KVSTORE_TEST_DIE_AT_ROUND": "3"})
+    assert run.finish(60) == 137, run.output
+    assert "restarts (--max-restarts) are used" in run.output, run.output
+
+
+DIGITS = ["examples/train_digits.py", "--epochs", "20", "--optimizer", "adam", "--min-accuracy", "0"]
+
+
+def _final_accuracy(output: str) -> float:
+    found = re.findall(r"final test accuracy ([0-9.]+)", output)
+    assert found, output
+    return float(found[-1])
+
+
+@pytest.mark.timeout(180)
+def test_digits_survive_a_worker_sigkilled_at_a_random_time(launches) -> None:
+    """train_digits.py under --max-restarts 1, worker 1 SIGKILLed at a random moment of its training:
+    the job finishes and its accuracy is at least the unbroken run's - 0.01."""
+    slow = ["--slow-rank", "0", "--slow-ms", "5"]  # the survivor's steps take long enough for a restart
+    # A heartbeat timeout longer than a restart takes on a busy machine: the restart's registration, not
+    # the timeout, ends the old incarnation, so the others wait for it (the away path, where they train
+    # on without it, is the exactness tests' exception case).
+    env = {"KVSTORE_HEARTBEAT_TIMEOUT": "15"}
+    base = launches(["-n", "2", "-s", "1", *DIGITS, *slow], env)
+    assert base.finish(120) == 0, base.output
+    run = launches(["-n", "2", "-s", "1", "--max-restarts", "1", *DIGITS, *slow], env)
+    poll_for(lambda: "[worker 0] epoch   2" in run.output or run.proc.poll() is not None, 90,
+             "worker 0's second epoch")
+    assert run.proc.poll() is None, run.output
+    time.sleep(random.uniform(0.0, 0.5))  # a random moment of the training (not a wait for a condition)
+    pids = worker_pids(run.tag, 1)
+    assert pids, run.output
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    assert run.finish(120) == 0, run.output
+    assert "restarting it as incarnation 1" in run.output, run.output
+    assert _final_accuracy(run.output) >= _final_accuracy(base.output) - 0.01, (base.output, run.output)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("victim, marker", [("scheduler", "DMLC_ROLE=scheduler"),
+                                            ("server 0", "KVSTORE_SERVER_ID=0")])
+def test_the_scheduler_or_a_server_lost_under_max_restarts_fails_fast_and_named(
+        launches, tmp_path: Path, victim: str, marker: str) -> None:
+    """SIGKILL of the scheduler or a server mid-training under --max-restarts 1: not restarted; the
+    launcher stops the job at once and exits 137, naming it."""
+    run = launches(["-n", "2", "-s", "1", "--max-restarts", "1", str(SCRIPT), "100000", str(tmp_path / "w")],
+                   {})
+    training = ("[worker 0] training from step 0", "[worker 1] training from step 0")
+    poll_for(lambda: all(t in run.output for t in training) or run.proc.poll() is not None, 60,
+             "both workers training")
+    assert run.proc.poll() is None, run.output
+    pids = role_pids(run.tag, marker)
+    assert len(pids) == 1, (pids, run.output)
+    os.kill(pids[0], signal.SIGKILL)
+    started = time.monotonic()
+    assert run.finish(60) == 137, run.output
+    assert time.monotonic() - started < 30, run.output  # the shutdown timeout (5 s) and the stops, not a hang
+    assert f"{victim} exited with code 137; stopping the other processes" in run.output, run.output
+    assert "restarting" not in run.output, run.output

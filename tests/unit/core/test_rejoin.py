@@ -1,0 +1,98 @@
+"""Unit tests of kvstore.core.rejoin: a server's side of a worker that is away and rejoins."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.core.rejoin import Rejoins
+from kvstore.core.shard import ShardState
+from kvstore.errors import ProtocolError
+
+
+def make(workers: int = 3) -> tuple[ShardState, Rejoins]:
+    """A dist_sync shard holding key 'w' = [0, 0], and its Rejoins."""
+    shard = ShardState(workers, sync=True, ordered=True, window=2)
+    shard.init("w", np.zeros(2))
+    return shard, Rejoins(shard)
+
+
+def push(shard: ShardState, worker: int, value: float, token: str) -> list:
+    """Push ``value`` (both elements) from ``worker``; return the tokens answered."""
+    return [c.token for c in shard.push(token, worker, "w", np.full(2, value))]
+
+
+def test_a_round_waiting_for_an_away_worker_closes_scaled_as_a_quorum_of_the_rest() -> None:
+    """Workers 0 and 1 pushed, 2 goes away: the round closes with their sum scaled by 3/2."""
+    shard, rejoins = make()
+    assert push(shard, 0, 1.0, "a") == [] and push(shard, 1, 2.0, "b") == []
+    done = rejoins.away(2, 0)
+    assert sorted(c.token for c in done) == ["a", "b"]
+    np.testing.assert_array_equal(shard.value("w"), [4.5, 4.5])  # (1 + 2) * 3 / 2
+
+
+def test_rejoin_counts_from_the_first_round_nobody_opened_and_not_before() -> None:
+    """A rejoined worker is not waited for in rounds opened before its rejoin, is in every later one,
+    and its pull waits until the rounds before its own are closed."""
+    shard, rejoins = make()
+    rejoins.away(2, 0)
+    push(shard, 0, 1.0, "r0")  # round 0 opened without worker 2
+    first, done = rejoins.begin(2, 1)
+    assert (first, done) == (1, [])
+    assert rejoins.join_at(2, 1, 1) == []
+    assert shard.pull("p", 2, "w") == []  # round 0 still open: its value is not the rejoiner's start
+    answered = [c.token for c in shard.push("r1", 1, "w", np.full(2, 1.0))]
+    assert sorted(answered) == ["p", "r0", "r1"]  # round 0 closed by 0 and 1 alone
+    push(shard, 0, 1.0, "s0")
+    push(shard, 1, 1.0, "s1")
+    assert shard.open_rounds() == 1  # round 1 waits for worker 2
+    assert sorted(push(shard, 2, 1.0, "s2")) == ["s0", "s1", "s2"]
+
+
+def test_join_at_a_later_round_releases_the_rounds_before_it() -> None:
+    """begin() gives round r; join_at(r + 1) lets round r close without the rejoiner."""
+    shard, rejoins = make(2)
+    rejoins.away(1, 0)
+    first, _ = rejoins.begin(1, 1)
+    push(shard, 0, 1.0, "a")  # round 0 waits for worker 1 (begun at round 0)
+    assert shard.open_rounds() == 1
+    assert [c.token for c in rejoins.join_at(1, 1, first + 1)] == ["a"]
+
+
+def test_begin_without_away_makes_the_old_incarnation_away_first() -> None:
+    """A rejoin that overtakes the scheduler's AWAY still closes the round the old one was missing."""
+    shard, rejoins = make(2)
+    push(shard, 0, 1.0, "a")
+    first, done = rejoins.begin(1, 1)
+    assert [c.token for c in done] == ["a"] and first == 1
+
+
+def test_stale_and_bad_rejoins_change_nothing() -> None:
+    """An old incarnation, a second begin, an early join_at and a bad incarnation raise ProtocolError."""
+    shard, rejoins = make(2)
+    rejoins.begin(1, 1)
+    with pytest.raises(ProtocolError):
+        rejoins.begin(1, 1)
+    with pytest.raises(ProtocolError):
+        rejoins.join_at(1, 2, 0)
+    with pytest.raises(ProtocolError):
+        rejoins.join_at(1, 1, -1)
+    with pytest.raises(ProtocolError):
+        rejoins.away(1, "x")
+    assert rejoins.away(1, 0) == []  # the incarnation before the one counted: ignored
+    assert 1 in shard.active
+
+
+def test_in_dist_async_the_rejoin_round_is_the_workers_own_step_and_pulls_never_wait() -> None:
+    """dist_async: begin() answers the pushes of the worker's old incarnation that were applied, and
+    the rejoined worker's pull is answered at once."""
+    shard = ShardState(2, sync=False)
+    shard.init("w", np.zeros(2))
+    rejoins = Rejoins(shard)
+    for i in range(3):
+        shard.push(f"p{i}", 1, "w", np.ones(2))
+    shard.push("q", 0, "w", np.ones(2))
+    first, _ = rejoins.begin(1, 1)
+    assert first == 3
+    assert rejoins.join_at(1, 1, 3) == []
+    assert [c.token for c in shard.pull("pull", 1, "w")] == ["pull"]
