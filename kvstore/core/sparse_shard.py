@@ -146,8 +146,9 @@ class RowTables:
         if sender not in self.live:
             raise ProtocolError(f"worker {sender} has left; its push of key {key!r} is refused")
         if not self.sync:
-            gathering = table.pending.setdefault(sender, _Round())
-            gathering.add(sender, local, rows, token, table.hi - table.lo)
+            gathering = table.pending.get(sender) or _Round()
+            gathering.add(sender, local, rows, token, table.hi - table.lo)  # raises before it is kept
+            table.pending[sender] = gathering
             if not last:
                 return []
             del table.pending[sender]
@@ -156,10 +157,11 @@ class RowTables:
         if not table.applied <= rnd < table.applied + self.window:
             raise ProtocolError(f"push of key {key!r} for round {rnd}: this server has applied "
                                 f"{table.applied} rounds and takes {self.window} ahead (KVSTORE_PUSH_WINDOW)")
-        current = table.rounds.setdefault(rnd, _Round())
+        current = table.rounds.get(rnd) or _Round()
         if sender in current.done:
             raise ProtocolError(f"worker {sender} pushed round {rnd} of key {key!r} twice")
-        current.add(sender, local, rows, token, table.hi - table.lo)
+        current.add(sender, local, rows, token, table.hi - table.lo)  # a refused chunk opens no round
+        table.rounds[rnd] = current
         if last:
             current.done.add(sender)
         return self._close(key, table)

@@ -91,3 +91,15 @@ def test_a_push_of_more_rows_than_the_range_is_refused() -> None:
         t.push(0, "e", 0, False, *_rows(list(range(10, 20)), 1.0), "a")
         with pytest.raises(ProtocolError, match="rows in one push"):
             t.push(0, "e", 0, False, *_rows([11], 1.0), "b")
+
+
+def test_a_refused_push_opens_no_round_and_the_last_leave_closes_cleanly() -> None:
+    """A push refused for carrying more rows than the range leaves no (empty) round or gathering
+    behind, so the last worker's leave closes nothing and raises nothing."""
+    for sync in (True, False):
+        t = _tables(sync=sync, workers=1)
+        with pytest.raises(ProtocolError, match="rows in one push"):
+            t.push(0, "e", 0, True, *_rows(list(range(10, 20)) + [10], 1.0), "bad")
+        assert t.tables["e"].rounds == {} and t.tables["e"].pending == {}
+        assert t.leave(0) == []
+        np.testing.assert_array_equal(t.tables["e"].weight, 0.0)
