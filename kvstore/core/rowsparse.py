@@ -12,6 +12,7 @@ torch is never imported here unless the user handed us a tensor.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from kvstore.core import xp
+from kvstore.core.dtypes import BY_NAME
 from kvstore.core.partition import slice_bounds
-from kvstore.errors import DTypeMismatchError, ShapeMismatchError
+from kvstore.errors import DTypeMismatchError, ProtocolError, ShapeMismatchError
 
 STYPES = ("default", "row_sparse")
 SPARSE_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
@@ -112,6 +114,18 @@ def check_meta(key: Any, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dt
         raise DTypeMismatchError(f"key {key!r}: a row_sparse table holds float16, float32 or float64, "
                                  f"not {dtype}")
     return shape, dtype
+
+
+def wire_meta(key: Any, shape: Any, dtype_name: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """A SPARSE_INIT's ``(shape, dtype)`` as sent: ProtocolError unless ``shape`` is a list of 2+ ints
+    (not bools, floats or strings) in ``[1, 2**63)`` whose rows hold under ``2**63`` elements and
+    ``dtype_name`` a dtype's name; DTypeMismatchError for a dtype a table cannot hold."""
+    good = (isinstance(shape, list) and len(shape) >= 2
+            and all(type(n) is int and 0 < n < 2**63 for n in shape) and math.prod(shape[1:]) < 2**63)
+    if not (good and isinstance(dtype_name, str) and dtype_name in BY_NAME):
+        raise ProtocolError(f"SPARSE_INIT of key {key!r} needs a shape of 2+ ints in [1, 2**63) with rows "
+                            f"of under 2**63 elements, and a dtype name; got {shape!r}, {dtype_name!r}")
+    return check_meta(key, shape, BY_NAME[dtype_name])
 
 
 def parse_init(key: Any, init: Any, seed: int = 0) -> dict[str, Any]:

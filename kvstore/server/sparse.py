@@ -7,6 +7,7 @@ Every field is checked before anything changes; a bad request gets an error repl
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from kvstore.core import rowsparse as R
-from kvstore.core.dtypes import BY_NAME
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
@@ -99,10 +99,7 @@ class SparseServer:
     def _on_init(self, identity: bytes, msg: Message) -> None:
         key = check_key(msg.body.get("key"))
         self._sender(msg)
-        shape, dtype = msg.body.get("shape"), BY_NAME.get(msg.body.get("dtype"))
-        if not (isinstance(shape, list) and len(shape) >= 2 and dtype is not None):
-            raise ProtocolError(f"SPARSE_INIT of key {key!r} needs a shape of 2+ dims and a dtype")
-        shape, dtype = R.check_meta(key, shape, dtype)
+        shape, dtype = R.wire_meta(key, msg.body.get("shape"), msg.body.get("dtype"))
         lo, hi = _int(msg.body, "lo"), _int(msg.body, "hi")
         if not lo < hi <= shape[0]:
             raise ProtocolError(f"SPARSE_INIT of key {key!r}: rows [{lo}, {hi}) are not in [0, {shape[0]})")
@@ -110,7 +107,7 @@ class SparseServer:
             spec = R.parse_init(key, msg.body.get("init"))
         except (ValueError, TypeError) as exc:
             raise ProtocolError(str(exc)) from None
-        need = (hi - lo) * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        need = (hi - lo) * math.prod(shape[1:]) * dtype.itemsize  # exact: no int64 wrap-around
         if need > _physical_memory():
             raise ConfigError(f"row_sparse key {key!r}: rows [{lo}, {hi}) take {need} bytes, more than this "
                               f"server's memory ({_physical_memory()} bytes); start more servers")
