@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +133,8 @@ def parse_init(key: Any, init: Any, seed: int = 0) -> dict[str, Any]:
     """An initializer as a plain dict ``{"type", "seed", ...params}``: ``None`` or ``'zeros'``,
     ``'uniform'`` (low=-0.07, high=0.07), ``'normal'`` (mean=0, sigma=0.01), or a dict
     ``{"type": ..., param: value, "seed": int}``.  ValueError for anything else."""
+    if not (init is None or isinstance(init, (str, Mapping))):
+        raise ValueError(f"key {key!r}: init must be a name or a dict, not {init!r}")
     spec = {"type": "zeros"} if init is None else {"type": init} if isinstance(init, str) else dict(init)
     kind = spec.pop("type", None)
     if kind not in INITIALIZERS:
@@ -141,7 +144,13 @@ def parse_init(key: Any, init: Any, seed: int = 0) -> dict[str, Any]:
     if not 0 <= out["seed"] < 2**63:
         raise ValueError(f"key {key!r}: init seed must be in [0, 2**63)")
     for name, default in INITIALIZERS[kind].items():
-        out[name] = float(spec.pop(name, default))
+        value = spec.pop(name, default)
+        try:
+            out[name] = float(value)
+        except (TypeError, ValueError):
+            out[name] = math.nan
+        if not math.isfinite(out[name]):  # a NaN or infinite parameter would fill the table with NaN
+            raise ValueError(f"key {key!r}: {kind} init's {name!r} must be a finite number, not {value!r}")
     if spec:
         raise ValueError(f"key {key!r}: {kind} init takes {sorted(INITIALIZERS[kind])}, not {sorted(spec)}")
     return out

@@ -121,3 +121,14 @@ def test_wire_meta_refuses_what_is_not_a_table_shape_and_dtype_name(shape, dtype
     with pytest.raises(ProtocolError, match="SPARSE_INIT of key 'k'"):
         R.wire_meta("k", shape, dtype)
     assert R.wire_meta("k", [8, 3, 2], "float16") == ((8, 3, 2), np.dtype(np.float16))
+
+
+@pytest.mark.parametrize("init", [{"type": "normal", "sigma": float("nan")},
+                                  {"type": "uniform", "high": float("inf")},
+                                  {"type": "normal", "mean": "x"}, {"type": "uniform", "low": None},
+                                  5, ["x"]])
+def test_parse_init_refuses_non_finite_or_non_numeric_parameters(init) -> None:
+    """An init whose parameter is NaN, infinite or not a number, or that is neither a name nor a
+    dict, raises a ValueError naming the key (a server answers it; no table of NaN is made)."""
+    with pytest.raises(ValueError, match="key 'k': .*(finite number|a name or a dict)"):
+        R.parse_init("k", init)
