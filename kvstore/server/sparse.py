@@ -108,9 +108,11 @@ class SparseServer:
         except (ValueError, TypeError) as exc:
             raise ProtocolError(str(exc)) from None
         need = (hi - lo) * math.prod(shape[1:]) * dtype.itemsize  # exact: no int64 wrap-around
-        if need > _physical_memory():
+        held = self.nbytes()  # what this server's tables and their state already take
+        if need + held > _physical_memory():
             raise ConfigError(f"row_sparse key {key!r}: rows [{lo}, {hi}) take {need} bytes, more than this "
-                              f"server's memory ({_physical_memory()} bytes); start more servers")
+                              f"server's memory ({_physical_memory()} bytes) less the {held} bytes of its "
+                              "row_sparse tables; start more servers")
         if self.optimizer() is not None and dtype.kind != "f":
             raise DTypeMismatchError(f"key {key!r}: the optimizer updates floating-point keys only")
         self.tables.init(key, shape, dtype, lo, hi, spec)

@@ -1,0 +1,41 @@
+"""Unit tests of kvstore.server.sparse.SparseServer's handlers, over a service that records replies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.errors import ConfigError
+from kvstore.net.protocol import Message, Op
+from kvstore.server import sparse as S
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Replies:
+    """The replies a handler sent, in order (the service's only method handlers use)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Message] = []
+
+    def reply(self, identity: bytes, msg: Message) -> None:
+        self.sent.append(msg)
+
+
+def _init(key: str, rows: int) -> Message:
+    return Message(Op.SPARSE_INIT, {"key": key, "shape": [rows, 1], "dtype": "float32", "lo": 0, "hi": rows,
+                                    "init": "zeros"}, seq=1, sender=0)
+
+
+def test_a_table_range_is_refused_when_it_and_the_tables_held_pass_the_memory(monkeypatch) -> None:
+    """SPARSE_INIT counts the row ranges a server already holds: two ranges that each fit its memory
+    but not together are refused at the second (nothing allocated), not taken until the node dies."""
+    monkeypatch.setattr(S, "_physical_memory", lambda: 1000)
+    server = S.SparseServer(_Replies(), lambda: None)
+    server.configure(1, True, 2)
+    server._on_init(b"w", _init("a", 200))  # 800 bytes
+    with pytest.raises(ConfigError, match="less the 800 bytes"):
+        server._on_init(b"w", _init("b", 200))
+    assert "b" not in server and server.nbytes() == 800
+    assert [m.op for m in server.service.sent] == [Op.OK]
+    np.testing.assert_array_equal(server.tables.table("a").weight, 0.0)
