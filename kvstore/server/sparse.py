@@ -170,12 +170,18 @@ class SparseServer:
 
     def _state_rows(self, key: Key, ids: np.ndarray, seq: int) -> Message:
         """The reply to a state pull: ``{count, names}`` and the rows ``ids`` of each state array
-        (no names when the key has no state)."""
-        _, local = self.tables.local_ids(key, ids)
+        (no names when the key was never updated).  A key stepped with no row of this range yet (lazy
+        updates) answers the fresh state its first update would make, as the other ranges' servers
+        answer their state."""
+        table, local = self.tables.local_ids(key, ids)
         opt = self.optimizer()
-        state = {} if opt is None else opt.states.get(key) or {}
-        body = {"count": 0 if opt is None else opt.counts.get(key, 0), "names": list(state)}
-        return Message(Op.OK, body, [a[local] for a in state.values()], seq=seq)
+        state = None if opt is None else opt.states.get(key)
+        if state is not None:
+            rows = {name: a[local] for name, a in state.items()}
+        else:
+            rows = opt.create_state(key, table.weight[local]) if opt is not None and key in opt.counts else {}
+        body = {"count": 0 if opt is None else opt.counts.get(key, 0), "names": list(rows)}
+        return Message(Op.OK, body, list(rows.values()), seq=seq)
 
     def leave(self, sender: int) -> None:
         """A worker left: answer what no longer waits for it."""

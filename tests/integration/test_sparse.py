@@ -268,6 +268,32 @@ def test_optimizer_states_of_row_sparse_keys_save_and_load(sync2, tmp_path) -> N
         np.testing.assert_allclose(got, local.pull(key), rtol=1e-5, atol=1e-6)
 
 
+def test_states_save_when_a_server_range_never_got_a_row(sync2, tmp_path) -> None:
+    """save_optimizer_states of a lazily updated key whose rows all fell on one server (the other's
+    range got empty pushes only) writes the state a local store writes: zeros for those rows."""
+    key = unique_key("rs")
+    fname = str(tmp_path / "states.kvs")
+
+    def work(kv):
+        kv.init(key, shape=SHAPE, init="uniform")
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+        kv.push(key, _grad(kv.rank, 0, [1, 7]))  # rows of server 0's range only
+        kv.save_optimizer_states(fname)
+
+    sync2.run(work)
+    local = kvstore.create("local")
+    local.init(key, shape=SHAPE, init="uniform")
+    local.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+    local.push(key, [_grad(0, 0, [1, 7]), _grad(1, 0, [1, 7])])
+    local.save_optimizer_states(str(tmp_path / "local.kvs"))
+    saved = {e.key: e for e in kvstore.checkpoint.read_states(fname).entries}[key]
+    want = {e.key: e for e in kvstore.checkpoint.read_states(str(tmp_path / "local.kvs")).entries}[key]
+    assert saved.count == want.count == 1
+    for name in ("mean", "var"):
+        assert not saved.arrays[name].reshape(SHAPE)[25:].any()
+        np.testing.assert_allclose(saved.arrays[name], want.arrays[name], rtol=1e-6)
+
+
 def test_snapshot_holds_row_sparse_tables_and_resumes_on_other_servers(make_cluster, tmp_path) -> None:
     """save_checkpoint writes a row-sparse table and its adam state; a resumed cluster with another
     server count (the table initialised before or after set_optimizer) continues the unbroken run."""
