@@ -38,7 +38,8 @@ def _physical_memory() -> int:
 def _int(body: dict, name: str, low: int = 0) -> int:
     value = body.get(name)
     if type(value) is not int or value < low:
-        raise ProtocolError(f"field {name!r} must be an int >= {low}, not {type(value).__name__}")
+        raise ProtocolError(f"field {name!r} must be an int >= {low}, not {value!r} "
+                            f"({type(value).__name__})")
     return value
 
 

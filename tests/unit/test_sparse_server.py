@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, ProtocolError
 from kvstore.net.protocol import Message, Op
 from kvstore.server import sparse as S
 
@@ -39,3 +41,16 @@ def test_a_table_range_is_refused_when_it_and_the_tables_held_pass_the_memory(mo
     assert "b" not in server and server.nbytes() == 800
     assert [m.op for m in server.service.sent] == [Op.OK]
     np.testing.assert_array_equal(server.tables.table("a").weight, 0.0)
+
+
+@pytest.mark.parametrize("lo, shown", [(-1, "not -1 (int)"), (True, "not True (bool)"), (None, "not None")])
+def test_a_bad_int_field_is_named_with_its_value(lo, shown) -> None:
+    """A SPARSE_INIT whose 'lo' is negative, a bool or missing is refused with an error that shows
+    the value sent (a negative int used to read 'must be an int >= 0, not int')."""
+    server = S.SparseServer(_Replies(), lambda: None)
+    server.configure(1, True, 2)
+    msg = _init("a", 4)
+    msg.body["lo"] = lo
+    with pytest.raises(ProtocolError, match=f"field 'lo' must be an int >= 0, {re.escape(shown)}"):
+        server._on_init(b"w", msg)
+    assert "a" not in server and server.service.sent == []
