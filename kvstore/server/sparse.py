@@ -37,8 +37,8 @@ def _physical_memory() -> int:
 
 def _int(body: dict, name: str, low: int = 0) -> int:
     value = body.get(name)
-    if type(value) is not int or value < low:
-        raise ProtocolError(f"field {name!r} must be an int >= {low}, not {value!r} "
+    if type(value) is not int or not low <= value < 2**63:  # a count past int64 could not be sent back
+        raise ProtocolError(f"field {name!r} must be an int in [{low}, 2**63), not {value!r} "
                             f"({type(value).__name__})")
     return value
 
@@ -126,6 +126,9 @@ class SparseServer:
         if name is None:
             self.tables.set_rows(key, ids, rows)
         else:
+            if not isinstance(name, str):
+                raise ProtocolError(f"SPARSE_SET of key {key!r}: 'state' must be a state's name, "
+                                    f"not {name!r}")
             self._set_state(key, name, _int(msg.body, "count"), ids, rows)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 

@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 
+import kvstore
 from kvstore.errors import ConfigError, ProtocolError
 from kvstore.net.protocol import Message, Op
 from kvstore.server import sparse as S
@@ -51,6 +52,22 @@ def test_a_bad_int_field_is_named_with_its_value(lo, shown) -> None:
     server.configure(1, True, 2)
     msg = _init("a", 4)
     msg.body["lo"] = lo
-    with pytest.raises(ProtocolError, match=f"field 'lo' must be an int >= 0, {re.escape(shown)}"):
+    with pytest.raises(ProtocolError, match=re.escape(f"field 'lo' must be an int in [0, 2**63), {shown}")):
         server._on_init(b"w", msg)
     assert "a" not in server and server.service.sent == []
+
+
+@pytest.mark.parametrize("state, count", [(["mean"], 1), ({"n": 1}, 1), ("mean", 2**64 - 1), ("mean", 2**63)])
+def test_a_state_set_with_a_bad_name_or_count_is_refused_and_changes_nothing(state, count) -> None:
+    """SPARSE_SET of a state whose name is not a str, or whose count does not fit int64 (it would
+    become num_update and break every later reply that carries it), is a ProtocolError; the
+    optimizer keeps no state, count or num_update from it."""
+    opt = kvstore.optimizer.create("adam", learning_rate=0.1)
+    server = S.SparseServer(_Replies(), lambda: opt)
+    server.configure(1, True, 2)
+    server._on_init(b"w", _init("a", 4))
+    ids, rows = np.array([1, 2], np.int64), np.ones((2, 1), np.float32)
+    msg = Message(Op.SPARSE_SET, {"key": "a", "state": state, "count": count}, [ids, rows], seq=2, sender=0)
+    with pytest.raises(ProtocolError, match="'state' must be a state's name|'count' must be an int"):
+        server._on_set(b"w", msg)
+    assert opt.states == {} and opt.counts == {} and opt.num_update == 0
