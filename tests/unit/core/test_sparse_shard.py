@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.core.sparse_shard import RowTables
+from kvstore.core.sparse_shard import WAITING_RANGES, RowTables
 from kvstore.errors import DuplicateInitError, KeyNotInitializedError, ProtocolError, ShapeMismatchError
 
 ZEROS = {"type": "zeros", "seed": 0}
@@ -103,3 +103,18 @@ def test_a_refused_push_opens_no_round_and_the_last_leave_closes_cleanly() -> No
         assert t.tables["e"].rounds == {} and t.tables["e"].pending == {}
         assert t.leave(0) == []
         np.testing.assert_array_equal(t.tables["e"].weight, 0.0)
+
+
+def test_waiting_pulls_are_bounded_per_worker_and_dropped_when_it_leaves() -> None:
+    """A worker's pulls waiting for a round may ask for at most WAITING_RANGES times the range's rows
+    in all; more is a ProtocolError that keeps nothing.  Its waiting pulls go when it leaves."""
+    t = _tables()
+    t.push(0, "e", 0, True, *_rows([11], 1.0), "push")
+    for n in range(WAITING_RANGES):  # as many threads of worker 0, each waiting for the whole range
+        assert t.pull(0, "e", 1, np.arange(10, 20, dtype=np.int64), n) == []
+    with pytest.raises(ProtocolError, match=f"{10 * WAITING_RANGES + 1} rows of key 'e' waiting"):
+        t.pull(0, "e", 1, np.array([10], np.int64), "more")
+    assert t.pull(1, "e", 1, np.array([12], np.int64), "other") == []
+    assert [w[1] for w in t.tables["e"].waiting] == [*range(WAITING_RANGES), "other"]
+    t.leave(0)
+    assert [w[1] for w in t.tables["e"].waiting] == ["other"]
