@@ -12,7 +12,7 @@ from kvstore.core import checkpoint
 from kvstore.core import rowsparse as R
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
-from kvstore.errors import OptimizerError, ShapeMismatchError
+from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError
 from kvstore.net.protocol import Message, Op
 
 
@@ -55,9 +55,16 @@ def tables(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> dict[Key, np.ndarr
 
 def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], optimizer: Optimizer) -> None:
     """Raise (before anything is sent) when a row-sparse key's saved state does not fit its table or
-    the optimizer: OptimizerError for other state names, ShapeMismatchError for another shape."""
+    the optimizer: OptimizerError for other state names, ShapeMismatchError for another shape,
+    DTypeMismatchError for another dtype (of the table, or of a state array)."""
     for entry in entries:
         meta = metas[entry.key]
+        dtype = np.dtype(np.float32) if optimizer._mixed(meta.dtype) else meta.dtype  # as create_state
+        bad = [f"{n} {a.dtype}" for n, a in entry.arrays.items() if a.dtype != dtype]
+        if np.dtype(entry.dtype) != meta.dtype or bad:
+            raise DTypeMismatchError(f"key {entry.key!r}: saved state is for a {np.dtype(entry.dtype)} table "
+                                     f"({', '.join(bad) or 'its arrays fit'}); the table is {meta.dtype} "
+                                     f"and its state arrays {dtype}")
         want = set(optimizer.state_names(meta.dtype))
         if set(entry.arrays) != want:
             raise OptimizerError(f"key {entry.key!r}: {optimizer.name} state needs arrays {sorted(want)}, "

@@ -12,15 +12,18 @@ torch is never imported here unless the user handed us a tensor.
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvstore.core import xp
+from kvstore.core.dtypes import BY_NAME
 from kvstore.core.partition import slice_bounds
-from kvstore.errors import DTypeMismatchError, ShapeMismatchError
+from kvstore.errors import DTypeMismatchError, ProtocolError, ShapeMismatchError
 
 STYPES = ("default", "row_sparse")
 SPARSE_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
@@ -114,10 +117,24 @@ def check_meta(key: Any, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dt
     return shape, dtype
 
 
+def wire_meta(key: Any, shape: Any, dtype_name: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """A SPARSE_INIT's ``(shape, dtype)`` as sent: ProtocolError unless ``shape`` is a list of 2+ ints
+    (not bools, floats or strings) in ``[1, 2**63)`` whose rows hold under ``2**63`` elements and
+    ``dtype_name`` a dtype's name; DTypeMismatchError for a dtype a table cannot hold."""
+    good = (isinstance(shape, list) and len(shape) >= 2
+            and all(type(n) is int and 0 < n < 2**63 for n in shape) and math.prod(shape[1:]) < 2**63)
+    if not (good and isinstance(dtype_name, str) and dtype_name in BY_NAME):
+        raise ProtocolError(f"SPARSE_INIT of key {key!r} needs a shape of 2+ ints in [1, 2**63) with rows "
+                            f"of under 2**63 elements, and a dtype name; got {shape!r}, {dtype_name!r}")
+    return check_meta(key, shape, BY_NAME[dtype_name])
+
+
 def parse_init(key: Any, init: Any, seed: int = 0) -> dict[str, Any]:
     """An initializer as a plain dict ``{"type", "seed", ...params}``: ``None`` or ``'zeros'``,
     ``'uniform'`` (low=-0.07, high=0.07), ``'normal'`` (mean=0, sigma=0.01), or a dict
     ``{"type": ..., param: value, "seed": int}``.  ValueError for anything else."""
+    if not (init is None or isinstance(init, (str, Mapping))):
+        raise ValueError(f"key {key!r}: init must be a name or a dict, not {init!r}")
     spec = {"type": "zeros"} if init is None else {"type": init} if isinstance(init, str) else dict(init)
     kind = spec.pop("type", None)
     if kind not in INITIALIZERS:
@@ -127,7 +144,13 @@ def parse_init(key: Any, init: Any, seed: int = 0) -> dict[str, Any]:
     if not 0 <= out["seed"] < 2**63:
         raise ValueError(f"key {key!r}: init seed must be in [0, 2**63)")
     for name, default in INITIALIZERS[kind].items():
-        out[name] = float(spec.pop(name, default))
+        value = spec.pop(name, default)
+        try:
+            out[name] = float(value)
+        except (TypeError, ValueError):
+            out[name] = math.nan
+        if not math.isfinite(out[name]):  # a NaN or infinite parameter would fill the table with NaN
+            raise ValueError(f"key {key!r}: {kind} init's {name!r} must be a finite number, not {value!r}")
     if spec:
         raise ValueError(f"key {key!r}: {kind} init takes {sorted(INITIALIZERS[kind])}, not {sorted(spec)}")
     return out

@@ -33,6 +33,9 @@ from kvstore.errors import (
     ShapeMismatchError,
 )
 
+# A worker's pulls of a key waiting for a round ask for at most this many times the range's rows (a
+# pull asks each row once; this many threads of one worker may each wait for the whole range).
+WAITING_RANGES = 8
 Updater = Callable[[Key, np.ndarray, np.ndarray, np.ndarray], None]  # (key, weight, local ids, rows)
 
 
@@ -65,7 +68,7 @@ class Table:
     applied: int = 0
     rounds: dict[int, _Round] = field(default_factory=dict)  # dist_sync: open rounds by number
     pending: dict[int, _Round] = field(default_factory=dict)  # dist_async: a worker's chunks so far
-    waiting: list[tuple[int, Any, np.ndarray]] = field(default_factory=list)  # (after, token, local ids)
+    waiting: list[tuple[int, Any, np.ndarray, int]] = field(default_factory=list)  # after, token, ids, sender
 
     @property
     def width(self) -> int:
@@ -146,8 +149,9 @@ class RowTables:
         if sender not in self.live:
             raise ProtocolError(f"worker {sender} has left; its push of key {key!r} is refused")
         if not self.sync:
-            gathering = table.pending.setdefault(sender, _Round())
-            gathering.add(sender, local, rows, token, table.hi - table.lo)
+            gathering = table.pending.get(sender) or _Round()
+            gathering.add(sender, local, rows, token, table.hi - table.lo)  # raises before it is kept
+            table.pending[sender] = gathering
             if not last:
                 return []
             del table.pending[sender]
@@ -156,10 +160,11 @@ class RowTables:
         if not table.applied <= rnd < table.applied + self.window:
             raise ProtocolError(f"push of key {key!r} for round {rnd}: this server has applied "
                                 f"{table.applied} rounds and takes {self.window} ahead (KVSTORE_PUSH_WINDOW)")
-        current = table.rounds.setdefault(rnd, _Round())
+        current = table.rounds.get(rnd) or _Round()
         if sender in current.done:
             raise ProtocolError(f"worker {sender} pushed round {rnd} of key {key!r} twice")
-        current.add(sender, local, rows, token, table.hi - table.lo)
+        current.add(sender, local, rows, token, table.hi - table.lo)  # a refused chunk opens no round
+        table.rounds[rnd] = current
         if last:
             current.done.add(sender)
         return self._close(key, table)
@@ -187,7 +192,7 @@ class RowTables:
         if done and table.waiting:
             ready = [w for w in table.waiting if w[0] <= table.applied]
             table.waiting = [w for w in table.waiting if w[0] > table.applied]
-            done.extend(Completion(token, table.weight[local]) for _, token, local in ready)
+            done.extend(Completion(token, table.weight[local]) for _, token, local, _ in ready)
         return done
 
     def pull(self, sender: int, key: Key, after: int, ids: np.ndarray, token: Any) -> list[Completion]:
@@ -197,15 +202,21 @@ class RowTables:
             if after > table.applied + self.window:
                 raise ProtocolError(f"pull of key {key!r} after round {after}: only {table.applied} "
                                     "applied")
-            table.waiting.append((after, token, local))
+            held = local.size + sum(w[2].size for w in table.waiting if w[3] == sender)
+            if held > WAITING_RANGES * (table.hi - table.lo):  # what waits stays bounded
+                raise ProtocolError(f"worker {sender} has pulls of {held} rows of key {key!r} waiting, more "
+                                    f"than {WAITING_RANGES} times the {table.hi - table.lo} rows held here")
+            table.waiting.append((after, token, local, sender))
             return []
         return [Completion(token, table.weight[local])]
 
     def leave(self, sender: int) -> list[Completion]:
-        """``sender`` is done: rounds no longer wait for it, its unfinished async chunks are dropped."""
+        """``sender`` is done: rounds no longer wait for it, its unfinished async chunks and its waiting
+        pulls are dropped."""
         self.live.discard(sender)
         done: list[Completion] = []
         for key, table in self.tables.items():
+            table.waiting = [w for w in table.waiting if w[3] != sender]  # nobody reads their answers
             dropped = table.pending.pop(sender, None)
             if dropped is not None:
                 done.extend(Completion(t) for t in dropped.tokens)

@@ -7,6 +7,7 @@ Every field is checked before anything changes; a bad request gets an error repl
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from kvstore.core import rowsparse as R
-from kvstore.core.dtypes import BY_NAME
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
@@ -37,8 +37,9 @@ def _physical_memory() -> int:
 
 def _int(body: dict, name: str, low: int = 0) -> int:
     value = body.get(name)
-    if type(value) is not int or value < low:
-        raise ProtocolError(f"field {name!r} must be an int >= {low}, not {type(value).__name__}")
+    if type(value) is not int or not low <= value < 2**63:  # a count past int64 could not be sent back
+        raise ProtocolError(f"field {name!r} must be an int in [{low}, 2**63), not {value!r} "
+                            f"({type(value).__name__})")
     return value
 
 
@@ -99,10 +100,7 @@ class SparseServer:
     def _on_init(self, identity: bytes, msg: Message) -> None:
         key = check_key(msg.body.get("key"))
         self._sender(msg)
-        shape, dtype = msg.body.get("shape"), BY_NAME.get(msg.body.get("dtype"))
-        if not (isinstance(shape, list) and len(shape) >= 2 and dtype is not None):
-            raise ProtocolError(f"SPARSE_INIT of key {key!r} needs a shape of 2+ dims and a dtype")
-        shape, dtype = R.check_meta(key, shape, dtype)
+        shape, dtype = R.wire_meta(key, msg.body.get("shape"), msg.body.get("dtype"))
         lo, hi = _int(msg.body, "lo"), _int(msg.body, "hi")
         if not lo < hi <= shape[0]:
             raise ProtocolError(f"SPARSE_INIT of key {key!r}: rows [{lo}, {hi}) are not in [0, {shape[0]})")
@@ -110,10 +108,12 @@ class SparseServer:
             spec = R.parse_init(key, msg.body.get("init"))
         except (ValueError, TypeError) as exc:
             raise ProtocolError(str(exc)) from None
-        need = (hi - lo) * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-        if need > _physical_memory():
+        need = (hi - lo) * math.prod(shape[1:]) * dtype.itemsize  # exact: no int64 wrap-around
+        held = self.nbytes()  # what this server's tables and their state already take
+        if need + held > _physical_memory():
             raise ConfigError(f"row_sparse key {key!r}: rows [{lo}, {hi}) take {need} bytes, more than this "
-                              f"server's memory ({_physical_memory()} bytes); start more servers")
+                              f"server's memory ({_physical_memory()} bytes) less the {held} bytes of its "
+                              "row_sparse tables; start more servers")
         if self.optimizer() is not None and dtype.kind != "f":
             raise DTypeMismatchError(f"key {key!r}: the optimizer updates floating-point keys only")
         self.tables.init(key, shape, dtype, lo, hi, spec)
@@ -126,6 +126,9 @@ class SparseServer:
         if name is None:
             self.tables.set_rows(key, ids, rows)
         else:
+            if not isinstance(name, str):
+                raise ProtocolError(f"SPARSE_SET of key {key!r}: 'state' must be a state's name, "
+                                    f"not {name!r}")
             self._set_state(key, name, _int(msg.body, "count"), ids, rows)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
@@ -171,12 +174,18 @@ class SparseServer:
 
     def _state_rows(self, key: Key, ids: np.ndarray, seq: int) -> Message:
         """The reply to a state pull: ``{count, names}`` and the rows ``ids`` of each state array
-        (no names when the key has no state)."""
-        _, local = self.tables.local_ids(key, ids)
+        (no names when the key was never updated).  A key stepped with no row of this range yet (lazy
+        updates) answers the fresh state its first update would make, as the other ranges' servers
+        answer their state."""
+        table, local = self.tables.local_ids(key, ids)
         opt = self.optimizer()
-        state = {} if opt is None else opt.states.get(key) or {}
-        body = {"count": 0 if opt is None else opt.counts.get(key, 0), "names": list(state)}
-        return Message(Op.OK, body, [a[local] for a in state.values()], seq=seq)
+        state = None if opt is None else opt.states.get(key)
+        if state is not None:
+            rows = {name: a[local] for name, a in state.items()}
+        else:
+            rows = opt.create_state(key, table.weight[local]) if opt is not None and key in opt.counts else {}
+        body = {"count": 0 if opt is None else opt.counts.get(key, 0), "names": list(rows)}
+        return Message(Op.OK, body, list(rows.values()), seq=seq)
 
     def leave(self, sender: int) -> None:
         """A worker left: answer what no longer waits for it."""

@@ -9,7 +9,7 @@ import pytest
 import kvstore
 from kvstore import RowSparse
 from kvstore.core import rowsparse as R
-from kvstore.errors import ConfigError, ShapeMismatchError
+from kvstore.errors import ConfigError, DTypeMismatchError, ShapeMismatchError
 from tests.integration.conftest import _shared_cluster, unique_key
 
 pytestmark = pytest.mark.timeout(90)
@@ -266,6 +266,63 @@ def test_optimizer_states_of_row_sparse_keys_save_and_load(sync2, tmp_path) -> N
                                    rtol=1e-6)
     for got in results:
         np.testing.assert_allclose(got, local.pull(key), rtol=1e-5, atol=1e-6)
+
+
+def test_states_save_when_a_server_range_never_got_a_row(sync2, tmp_path) -> None:
+    """save_optimizer_states of a lazily updated key whose rows all fell on one server (the other's
+    range got empty pushes only) writes the state a local store writes: zeros for those rows."""
+    key = unique_key("rs")
+    fname = str(tmp_path / "states.kvs")
+
+    def work(kv):
+        kv.init(key, shape=SHAPE, init="uniform")
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+        kv.push(key, _grad(kv.rank, 0, [1, 7]))  # rows of server 0's range only
+        kv.save_optimizer_states(fname)
+
+    sync2.run(work)
+    local = kvstore.create("local")
+    local.init(key, shape=SHAPE, init="uniform")
+    local.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+    local.push(key, [_grad(0, 0, [1, 7]), _grad(1, 0, [1, 7])])
+    local.save_optimizer_states(str(tmp_path / "local.kvs"))
+    saved = {e.key: e for e in kvstore.checkpoint.read_states(fname).entries}[key]
+    want = {e.key: e for e in kvstore.checkpoint.read_states(str(tmp_path / "local.kvs")).entries}[key]
+    assert saved.count == want.count == 1
+    for name in ("mean", "var"):
+        assert not saved.arrays[name].reshape(SHAPE)[25:].any()
+        np.testing.assert_allclose(saved.arrays[name], want.arrays[name], rtol=1e-6)
+
+
+def test_a_states_file_of_another_dtype_is_refused_before_anything_changes(sync2, tmp_path) -> None:
+    """load_optimizer_states of a file whose row-sparse state arrays have another dtype raises
+    DTypeMismatchError on every worker before any server is touched: the state saved after it is
+    the state saved before it."""
+    key = unique_key("rs")
+    good, bad, after = (str(tmp_path / f"{n}.kvs") for n in ("good", "bad", "after"))
+
+    def work(kv):
+        kv.init(key, shape=SHAPE, init="uniform")
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+        kv.push(key, _grad(kv.rank, 0, [1, 7]))
+        kv.save_optimizer_states(good)
+        kv.barrier()
+        if kv.rank == 0:
+            states = kvstore.checkpoint.read_states(good)
+            for entry in states.entries:
+                entry.arrays = {n: a.astype(np.float64) for n, a in entry.arrays.items()}
+            kvstore.checkpoint.write_states(bad, states)
+        kv.barrier()
+        with pytest.raises(DTypeMismatchError, match="state"):
+            kv.load_optimizer_states(bad)
+        kv.save_optimizer_states(after)
+
+    sync2.run(work)
+    before = {e.key: e for e in kvstore.checkpoint.read_states(good).entries}[key]
+    now = {e.key: e for e in kvstore.checkpoint.read_states(after).entries}[key]
+    assert now.count == before.count == 1
+    for name in ("mean", "var"):
+        np.testing.assert_array_equal(now.arrays[name], before.arrays[name])
 
 
 def test_snapshot_holds_row_sparse_tables_and_resumes_on_other_servers(make_cluster, tmp_path) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvstore.core import rowsparse as R
-from kvstore.errors import DTypeMismatchError, ShapeMismatchError
+from kvstore.errors import DTypeMismatchError, ProtocolError, ShapeMismatchError
 
 META = R.SparseMeta((10, 2, 3), np.dtype(np.float32))
 
@@ -108,3 +108,27 @@ def test_pull_ids_takes_one_array_or_one_per_out() -> None:
         R.pull_ids("k", meta, [np.array([1])] * 3, 2)
     with pytest.raises(TypeError, match="integers"):
         R.pull_ids("k", meta, np.array([1.5]), 1)
+
+
+@pytest.mark.parametrize("shape, dtype", [
+    ([8, "3"], "float32"), ([8, 2.5], "float32"), ([True, 3], "float32"), ([8], "float32"),
+    ("8,3", "float32"),
+    ([2**64 - 1, 2], "float32"), ([2, 2**62, 2**62], "float32"), ([2, 2**32, 2**31], "float32"),
+    ([8, 0], "float32"), ([8, 3], ["float32"]), ([8, 3], None), ([8, 3], "bogus")])
+def test_wire_meta_refuses_what_is_not_a_table_shape_and_dtype_name(shape, dtype) -> None:
+    """A SPARSE_INIT's shape must be 2+ true ints with rows under 2**63 elements (no int64
+    wrap-around) and its dtype a name: ProtocolError otherwise, not a silent conversion."""
+    with pytest.raises(ProtocolError, match="SPARSE_INIT of key 'k'"):
+        R.wire_meta("k", shape, dtype)
+    assert R.wire_meta("k", [8, 3, 2], "float16") == ((8, 3, 2), np.dtype(np.float16))
+
+
+@pytest.mark.parametrize("init", [{"type": "normal", "sigma": float("nan")},
+                                  {"type": "uniform", "high": float("inf")},
+                                  {"type": "normal", "mean": "x"}, {"type": "uniform", "low": None},
+                                  5, ["x"]])
+def test_parse_init_refuses_non_finite_or_non_numeric_parameters(init) -> None:
+    """An init whose parameter is NaN, infinite or not a number, or that is neither a name nor a
+    dict, raises a ValueError naming the key (a server answers it; no table of NaN is made)."""
+    with pytest.raises(ValueError, match="key 'k': .*(finite number|a name or a dict)"):
+        R.parse_init("k", init)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.core.sparse_shard import RowTables
+from kvstore.core.sparse_shard import WAITING_RANGES, RowTables
 from kvstore.errors import DuplicateInitError, KeyNotInitializedError, ProtocolError, ShapeMismatchError
 
 ZEROS = {"type": "zeros", "seed": 0}
@@ -91,3 +91,30 @@ def test_a_push_of_more_rows_than_the_range_is_refused() -> None:
         t.push(0, "e", 0, False, *_rows(list(range(10, 20)), 1.0), "a")
         with pytest.raises(ProtocolError, match="rows in one push"):
             t.push(0, "e", 0, False, *_rows([11], 1.0), "b")
+
+
+def test_a_refused_push_opens_no_round_and_the_last_leave_closes_cleanly() -> None:
+    """A push refused for carrying more rows than the range leaves no (empty) round or gathering
+    behind, so the last worker's leave closes nothing and raises nothing."""
+    for sync in (True, False):
+        t = _tables(sync=sync, workers=1)
+        with pytest.raises(ProtocolError, match="rows in one push"):
+            t.push(0, "e", 0, True, *_rows(list(range(10, 20)) + [10], 1.0), "bad")
+        assert t.tables["e"].rounds == {} and t.tables["e"].pending == {}
+        assert t.leave(0) == []
+        np.testing.assert_array_equal(t.tables["e"].weight, 0.0)
+
+
+def test_waiting_pulls_are_bounded_per_worker_and_dropped_when_it_leaves() -> None:
+    """A worker's pulls waiting for a round may ask for at most WAITING_RANGES times the range's rows
+    in all; more is a ProtocolError that keeps nothing.  Its waiting pulls go when it leaves."""
+    t = _tables()
+    t.push(0, "e", 0, True, *_rows([11], 1.0), "push")
+    for n in range(WAITING_RANGES):  # as many threads of worker 0, each waiting for the whole range
+        assert t.pull(0, "e", 1, np.arange(10, 20, dtype=np.int64), n) == []
+    with pytest.raises(ProtocolError, match=f"{10 * WAITING_RANGES + 1} rows of key 'e' waiting"):
+        t.pull(0, "e", 1, np.array([10], np.int64), "more")
+    assert t.pull(1, "e", 1, np.array([12], np.int64), "other") == []
+    assert [w[1] for w in t.tables["e"].waiting] == [*range(WAITING_RANGES), "other"]
+    t.leave(0)
+    assert [w[1] for w in t.tables["e"].waiting] == ["other"]

@@ -1,0 +1,73 @@
+"""Unit tests of kvstore.server.sparse.SparseServer's handlers, over a service that records replies."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore.errors import ConfigError, ProtocolError
+from kvstore.net.protocol import Message, Op
+from kvstore.server import sparse as S
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Replies:
+    """The replies a handler sent, in order (the service's only method handlers use)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Message] = []
+
+    def reply(self, identity: bytes, msg: Message) -> None:
+        self.sent.append(msg)
+
+
+def _init(key: str, rows: int) -> Message:
+    return Message(Op.SPARSE_INIT, {"key": key, "shape": [rows, 1], "dtype": "float32", "lo": 0, "hi": rows,
+                                    "init": "zeros"}, seq=1, sender=0)
+
+
+def test_a_table_range_is_refused_when_it_and_the_tables_held_pass_the_memory(monkeypatch) -> None:
+    """SPARSE_INIT counts the row ranges a server already holds: two ranges that each fit its memory
+    but not together are refused at the second (nothing allocated), not taken until the node dies."""
+    monkeypatch.setattr(S, "_physical_memory", lambda: 1000)
+    server = S.SparseServer(_Replies(), lambda: None)
+    server.configure(1, True, 2)
+    server._on_init(b"w", _init("a", 200))  # 800 bytes
+    with pytest.raises(ConfigError, match="less the 800 bytes"):
+        server._on_init(b"w", _init("b", 200))
+    assert "b" not in server and server.nbytes() == 800
+    assert [m.op for m in server.service.sent] == [Op.OK]
+    np.testing.assert_array_equal(server.tables.table("a").weight, 0.0)
+
+
+@pytest.mark.parametrize("lo, shown", [(-1, "not -1 (int)"), (True, "not True (bool)"), (None, "not None")])
+def test_a_bad_int_field_is_named_with_its_value(lo, shown) -> None:
+    """A SPARSE_INIT whose 'lo' is negative, a bool or missing is refused with an error that shows
+    the value sent (a negative int used to read 'must be an int >= 0, not int')."""
+    server = S.SparseServer(_Replies(), lambda: None)
+    server.configure(1, True, 2)
+    msg = _init("a", 4)
+    msg.body["lo"] = lo
+    with pytest.raises(ProtocolError, match=re.escape(f"field 'lo' must be an int in [0, 2**63), {shown}")):
+        server._on_init(b"w", msg)
+    assert "a" not in server and server.service.sent == []
+
+
+@pytest.mark.parametrize("state, count", [(["mean"], 1), ({"n": 1}, 1), ("mean", 2**64 - 1), ("mean", 2**63)])
+def test_a_state_set_with_a_bad_name_or_count_is_refused_and_changes_nothing(state, count) -> None:
+    """SPARSE_SET of a state whose name is not a str, or whose count does not fit int64 (it would
+    become num_update and break every later reply that carries it), is a ProtocolError; the
+    optimizer keeps no state, count or num_update from it."""
+    opt = kvstore.optimizer.create("adam", learning_rate=0.1)
+    server = S.SparseServer(_Replies(), lambda: opt)
+    server.configure(1, True, 2)
+    server._on_init(b"w", _init("a", 4))
+    ids, rows = np.array([1, 2], np.int64), np.ones((2, 1), np.float32)
+    msg = Message(Op.SPARSE_SET, {"key": "a", "state": state, "count": count}, [ids, rows], seq=2, sender=0)
+    with pytest.raises(ProtocolError, match="'state' must be a state's name|'count' must be an int"):
+        server._on_set(b"w", msg)
+    assert opt.states == {} and opt.counts == {} and opt.num_update == 0
