@@ -12,6 +12,7 @@ torch is never imported here unless the user handed us a tensor.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from collections.abc import Mapping
@@ -129,10 +130,18 @@ def wire_meta(key: Any, shape: Any, dtype_name: Any) -> tuple[tuple[int, ...], n
     return check_meta(key, shape, BY_NAME[dtype_name])
 
 
-def parse_init(key: Any, init: Any, seed: int = 0) -> dict[str, Any]:
+def key_seed(key: Any) -> int:
+    """The default init seed of ``key``: a hash of the key (``3`` and ``'3'`` differ), so two tables
+    of the same shape and init start different unless given one seed."""
+    digest = hashlib.blake2b(f"{type(key).__name__}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def parse_init(key: Any, init: Any, seed: int | None = None) -> dict[str, Any]:
     """An initializer as a plain dict ``{"type", "seed", ...params}``: ``None`` or ``'zeros'``,
     ``'uniform'`` (low=-0.07, high=0.07), ``'normal'`` (mean=0, sigma=0.01), or a dict
-    ``{"type": ..., param: value, "seed": int}``.  ValueError for anything else."""
+    ``{"type": ..., param: value, "seed": int}``; the seed defaults to :func:`key_seed`.
+    ValueError for anything else."""
     if not (init is None or isinstance(init, (str, Mapping))):
         raise ValueError(f"key {key!r}: init must be a name or a dict, not {init!r}")
     spec = {"type": "zeros"} if init is None else {"type": init} if isinstance(init, str) else dict(init)
@@ -140,6 +149,7 @@ def parse_init(key: Any, init: Any, seed: int = 0) -> dict[str, Any]:
     if kind not in INITIALIZERS:
         raise ValueError(f"key {key!r}: init must be one of {sorted(INITIALIZERS)} (or a dict with "
                          f"'type'), not {init!r}")
+    seed = key_seed(key) if seed is None else seed
     out: dict[str, Any] = {"type": kind, "seed": int(spec.pop("seed", seed))}
     if not 0 <= out["seed"] < 2**63:
         raise ValueError(f"key {key!r}: init seed must be in [0, 2**63)")
