@@ -23,6 +23,7 @@ from kvstore.base import Group, KVStore, public
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
+from kvstore.client.fastpath import FastPath
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
 from kvstore.client.window import PushWindow
@@ -120,6 +121,7 @@ class DistKVStore(KVStore):
             chunk_bytes=self._chunk_bytes,
             save_residuals=lambda d: self._compress.save(d, self._rank, self._num_workers)))
         self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
+        self._fast = FastPath(self)  # known lists of small keys (client/fastpath.py)
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,
                                     stats=self._snapshot, on_left=self._barriers.warn_left)
         self._heartbeat.start()
@@ -263,6 +265,7 @@ class DistKVStore(KVStore):
         with self._lock:
             self._compression = self._compress.spec = checked[0]
             self._plans.clear()  # push plans group compressed keys apart
+            self._fast.forget()
         if self._cfg.resume is not None:  # KVSTORE_RESUME: this worker's saved residuals
             self._compress.load(self._cfg.resume, self._rank, self._num_workers)
 
@@ -286,6 +289,7 @@ class DistKVStore(KVStore):
         with self._lock:
             for key in keys:
                 self._placements[key] = self._place(key, self._meta[key].size)
+        self._fast.forget()  # a list that held an unknown key may be eligible now
         self._collective_calls.initialised(keys)
 
     def _plan(self, keys: Any, chunked: bool = True) -> tuple[list[Send], frozenset]:
@@ -308,6 +312,16 @@ class DistKVStore(KVStore):
                     self._plans.pop(next(iter(self._plans)))  # the least recently used
             self._plans[(keys, chunked)] = found  # (re)inserted last: the most recently used
         return found
+
+    @public
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """As :meth:`KVStore.push`; a known list of small keys takes ``client/fastpath.py``."""
+        self._fast.push(key, value) or super().push(key, value, priority)
+
+    @public
+    def pull(self, key: Any, out: Any = None, priority: int = 0) -> Any:
+        """As :meth:`KVStore.pull`; a known list of small keys takes ``client/fastpath.py``."""
+        return out if out is not None and self._fast.pull(key, out) else super().pull(key, out, priority)
 
     def _push(self, groups: list[Group], priority: int) -> None:
         started = self._meter.begin("push")  # priority is accepted for MXNet scripts; sends keep call order
