@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.base import public
 from kvstore.core.dtypes import BF16
-from kvstore.core.plan import Send
+from kvstore.core.plan import SMALL_BYTES, Send
 from kvstore.errors import ProtocolError
 from kvstore.net.protocol import Op
 
@@ -35,7 +36,7 @@ class KeyList:
     """The precomputed plan of one list of keys (both directions)."""
 
     __slots__ = ("keys", "shapes", "dtypes", "push_sends", "push_index", "send_keys", "pull_sends",
-                 "pull_dtypes", "slots", "flat")
+                 "pull_dtypes", "slots", "push_dtypes", "push_slots", "flat")
 
     def __init__(self, keys: tuple, metas: list[Any], push: list[Send], pull: list[Send]) -> None:
         self.keys = keys
@@ -47,12 +48,8 @@ class KeyList:
         self.push_index = [[position[p.key] for p in s.parts] for s in push]
         self.send_keys = [[p.key for p in s.parts] for s in push]
         self.pull_dtypes = [self.dtypes[position[s.parts[0].key]] for s in pull]  # one dtype a batch
-        slots: list[Any] = [None] * len(keys)
-        for i, send in enumerate(pull):
-            offsets = send.offsets()
-            for j, part in enumerate(send.parts):
-                slots[position[part.key]] = (i, offsets[j], offsets[j + 1])
-        self.slots = slots
+        self.push_dtypes = [self.dtypes[position[s.parts[0].key]] for s in push]
+        self.slots, self.push_slots = _slots(pull, position), _slots(push, position)
 
     def takes(self, arrays: list[Any], writable: bool = False) -> bool:
         """Whether ``arrays`` are one numpy array per key, of its shape and dtype (and writable)."""
@@ -61,6 +58,16 @@ class KeyList:
         if [a.shape for a in arrays] != self.shapes or [a.dtype for a in arrays] != self.dtypes:
             return False
         return not writable or all(a.flags.writeable for a in arrays)
+
+
+def _slots(sends: list[Send], position: dict[Any, int]) -> list[tuple[int, int, int]]:
+    """For each key (by ``position``): its message's index in ``sends`` and its range in the array."""
+    slots: list[Any] = [None] * len(position)
+    for i, send in enumerate(sends):
+        offsets = send.offsets()
+        for j, part in enumerate(send.parts):
+            slots[position[part.key]] = (i, offsets[j], offsets[j + 1])
+    return slots
 
 
 def _whole_batches(sends: list[Send], sizes: dict[Any, int]) -> bool:
@@ -87,8 +94,8 @@ class FastPath:
         """Drop every plan (keys were initialised, or compression was set)."""
         self._lists.clear()
 
-    def _find(self, keys: Any) -> KeyList | None:
-        if type(keys) is not list or len(keys) < 2 or not set(map(type, keys)) <= _KEY_TYPES:
+    def _find(self, keys: list) -> KeyList | None:
+        if not set(map(type, keys)) <= _KEY_TYPES:
             return None  # 1 == True == 1.0: only plain ints and strs may match a plan
         name = tuple(keys)
         if name in self._lists:
@@ -106,8 +113,9 @@ class FastPath:
             return None
         with store._lock:
             metas = [store._meta.get(k) for k in keys]
-        if any(m is None or m.tensor or m.dtype == BF16 for m in metas):
-            return None
+        if any(m is None or m.tensor or m.dtype == BF16 or m.size * m.dtype.itemsize > SMALL_BYTES
+               for m in metas):
+            return None  # a big key's send buffer is reused by the generic path (no page faults)
         sizes = {k: m.size for k, m in zip(keys, metas)}
         push, _ = store._plan(keys)
         pull, _ = store._plan(keys, chunked=False)
@@ -115,24 +123,30 @@ class FastPath:
             return None
         return KeyList(keys, metas, push, pull)
 
+    def _match(self, keys: Any, arrays: Any, writable: bool = False) -> tuple[KeyList | None, list]:
+        """The plan of the list ``keys`` if ``arrays`` (one per key) fit it."""
+        if type(keys) is not list or len(keys) < 2 or type(arrays) is not list or len(arrays) != len(keys):
+            return None, arrays  # one key: the generic path measured as fast (docs/benchmarks.md)
+        plan = self._find(keys)
+        return (plan if plan is not None and plan.takes(arrays, writable) else None), arrays
+
     def push(self, keys: Any, values: Any) -> bool:
         """Push ``values`` (one numpy array per key) of a known list; False: the generic path must."""
-        plan = self._find(keys) if type(values) is list and len(values) == len(keys) else None
-        if plan is None or not plan.takes(values):
+        plan, values = self._match(keys, values)
+        if plan is None:
             return False
         store = self.store
         store._check_open()
         store._pushed = True
         started = store._meter.begin("push")
         try:
-            arrays = [np.concatenate([values[j] for j in index], axis=None) if len(index) > 1
-                      else values[index[0]].reshape(-1).copy() for index in plan.push_index]
-            self._send(plan, arrays)
+            self._send(Op.PUSH, plan, _gathered(plan, values))
         finally:
             store._meter.end("push", started)
         return True
 
-    def _send(self, plan: KeyList, arrays: list[np.ndarray]) -> None:
+    def _send(self, op: Op, plan: KeyList, arrays: list[np.ndarray]) -> list[Any]:
+        """Send ``op``'s messages of ``plan`` under the push window; return their requests."""
         store, keys = self.store, plan.keys
         window, deadline = store._window, time.monotonic() + store._cfg.request_timeout
         window.wait_room(keys, deadline, store._io.wait)  # KVSTORE_PUSH_WINDOW
@@ -143,34 +157,90 @@ class FastPath:
                 if window.has_room(keys):
                     for key in keys:  # this call's round of each key (docs/protocol.md)
                         pushes[key] = pushes.get(key, 0) + 1
-                    requests = [store._submit(Op.PUSH, send, array)
-                                for send, array in zip(plan.push_sends, arrays)]
-                    window.add_sends(plan.send_keys, requests)
-                    return
+                    requests = [store._submit(op, s, a) for s, a in zip(plan.push_sends, arrays)]
+                    window.add_sends(plan.send_keys, requests, failures=op is Op.PUSH)
+                    return requests
             window.wait_room(keys, deadline, store._io.wait)
 
     def pull(self, keys: Any, outs: Any) -> bool:
         """Pull a known list into ``outs`` (one writable numpy array per key); False: the generic
         path must.  Raises what the generic pull raises (a failed earlier push, a timeout)."""
-        plan = self._find(keys) if type(outs) is list and len(outs) == len(keys) else None
-        if plan is None or not plan.takes(outs, writable=True):
+        plan, outs = self._match(keys, outs, writable=True)
+        if plan is None:
             return False
         store = self.store
         store._check_open()
         started = store._meter.begin("pull")
         try:
             requests = [store._submit(Op.PULL, send, None) for send in plan.pull_sends]
-            waiting = time.perf_counter()
-            try:
-                replies = store._request_all(requests)
-            finally:
-                store._meter.blocked_for("pull", time.perf_counter() - waiting)
-            store._raise_push_failures(list(plan.keys))
-            _write(plan, [_flat(send, reply.arrays, dtype) for send, reply, dtype in
-                          zip(plan.pull_sends, replies, plan.pull_dtypes)], outs)
+            self._receive(plan, plan.pull_sends, plan.pull_dtypes, plan.slots, requests, outs)
         finally:
             store._meter.end("pull", started)
         return True
+
+    def pushpull(self, keys: Any, values: Any, outs: Any) -> bool:
+        """Pushpull ``values`` of a known list, writing the result into ``outs``; False: the generic
+        path must.  Raises what the generic pushpull raises."""
+        plan, values = self._match(keys, values)
+        plan_out, outs = self._match(keys, outs, writable=True)
+        if plan is None or plan_out is not plan:
+            return False
+        store = self.store
+        store._check_open()
+        store._pushed = True
+        started = store._meter.begin("pushpull")
+        try:
+            requests = self._send(Op.PUSHPULL, plan, _gathered(plan, values))
+            self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs)
+        finally:
+            store._meter.end("pushpull", started)
+        return True
+
+    def _receive(self, plan: KeyList, sends: list[Send], dtypes: list[np.dtype], slots: list[Any],
+                 requests: list[Any], outs: list[np.ndarray]) -> None:
+        """Wait for the replies to ``requests`` and write each key's slice into its out."""
+        store = self.store
+        waiting = time.perf_counter()
+        try:
+            replies = store._request_all(requests)
+        finally:
+            store._meter.blocked_for("pull", time.perf_counter() - waiting)
+        store._raise_push_failures(plan.keys)
+        _write(plan, slots, [_flat(s, r.arrays, d) for s, r, d in zip(sends, replies, dtypes)], outs)
+
+
+class FastCalls:
+    """``push``, ``pull`` and ``pushpull`` of a dist store, through its :class:`FastPath` (``_fast``)
+    where it applies, else the generic calls."""
+
+    _fast: FastPath
+
+    @public
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """As :meth:`kvstore.base.KVStore.push`."""
+        if not self._fast.push(key, value):
+            super().push(key, value, priority)  # type: ignore[misc]
+
+    @public
+    def pull(self, key: Any, out: Any = None, priority: int = 0) -> Any:
+        """As :meth:`kvstore.base.KVStore.pull`."""
+        if out is not None and self._fast.pull(key, out):
+            return out
+        return super().pull(key, out, priority)  # type: ignore[misc]
+
+    @public
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
+        """As :meth:`kvstore.base.KVStore.pushpull`."""
+        target = value if out is None else out
+        if self._fast.pushpull(key, value, target):
+            return target
+        return super().pushpull(key, value, out, priority)  # type: ignore[misc]
+
+
+def _gathered(plan: KeyList, values: list[np.ndarray]) -> list[np.ndarray]:
+    """Each push message's one array: its keys' values, copied (the caller may reuse its arrays)."""
+    return [np.concatenate([values[j] for j in index], axis=None) if len(index) > 1
+            else values[index[0]].reshape(-1).copy() for index in plan.push_index]
 
 
 def _flat(send: Send, arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -182,11 +252,11 @@ def _flat(send: Send, arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     return arrays[0]
 
 
-def _write(plan: KeyList, flats: list[np.ndarray], outs: list[np.ndarray]) -> None:
-    """Copy each key's slice of the replies into its out."""
+def _write(plan: KeyList, slots: list[Any], flats: list[np.ndarray], outs: list[np.ndarray]) -> None:
+    """Copy each key's slice of the replies (``slots``: where it is) into its out."""
     if plan.flat:
-        for out, (i, a, b) in zip(outs, plan.slots):
+        for out, (i, a, b) in zip(outs, slots):
             out[:] = flats[i][a:b]
         return
-    for out, (i, a, b), shape in zip(outs, plan.slots, plan.shapes):
+    for out, (i, a, b), shape in zip(outs, slots, plan.shapes):
         out[...] = flats[i][a:b].reshape(shape)

@@ -23,7 +23,7 @@ from kvstore.base import Group, KVStore, public
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
-from kvstore.client.fastpath import FastPath
+from kvstore.client.fastpath import FastCalls, FastPath
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
 from kvstore.client.window import PushWindow
@@ -81,7 +81,7 @@ def _join(scheduler: Any, channel: Any, cfg: kvconfig.Config, mode: str) -> dict
     return body
 
 
-class DistKVStore(KVStore):
+class DistKVStore(FastCalls, KVStore):
     """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster.
 
     In ``dist_*_device`` modes, CUDA values are summed on a GPU and the sum is copied
@@ -121,7 +121,7 @@ class DistKVStore(KVStore):
             chunk_bytes=self._chunk_bytes,
             save_residuals=lambda d: self._compress.save(d, self._rank, self._num_workers)))
         self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
-        self._fast = FastPath(self)  # known lists of small keys (client/fastpath.py)
+        self._fast = FastPath(self)  # push/pull/pushpull of known lists of small keys (FastCalls)
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,
                                     stats=self._snapshot, on_left=self._barriers.warn_left)
         self._heartbeat.start()
@@ -312,16 +312,6 @@ class DistKVStore(KVStore):
                     self._plans.pop(next(iter(self._plans)))  # the least recently used
             self._plans[(keys, chunked)] = found  # (re)inserted last: the most recently used
         return found
-
-    @public
-    def push(self, key: Any, value: Any, priority: int = 0) -> None:
-        """As :meth:`KVStore.push`; a known list of small keys takes ``client/fastpath.py``."""
-        self._fast.push(key, value) or super().push(key, value, priority)
-
-    @public
-    def pull(self, key: Any, out: Any = None, priority: int = 0) -> Any:
-        """As :meth:`KVStore.pull`; a known list of small keys takes ``client/fastpath.py``."""
-        return out if out is not None and self._fast.pull(key, out) else super().pull(key, out, priority)
 
     def _push(self, groups: list[Group], priority: int) -> None:
         started = self._meter.begin("push")  # priority is accepted for MXNet scripts; sends keep call order

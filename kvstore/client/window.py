@@ -115,9 +115,9 @@ class PushWindow:
                     keys_of.setdefault(id(request), (request, []))[1].append(key)
         self._watch([(request, keys if failures else None) for request, keys in keys_of.values()])
 
-    def add_sends(self, send_keys: list[list[Key]], requests: list[Any]) -> None:
-        """:meth:`add` (with ``failures``) of a push whose ``requests[i]`` carries the whole values of
-        ``send_keys[i]`` (``kvstore.client.fastpath``), each key in one request."""
+    def add_sends(self, send_keys: list[list[Key]], requests: list[Any], failures: bool = True) -> None:
+        """:meth:`add` of a push whose ``requests[i]`` carries the whole values of ``send_keys[i]``
+        (``kvstore.client.fastpath``), each key in one request."""
         with self._lock:
             pending, deque = self._pending, collections.deque
             for keys, request in zip(send_keys, requests):
@@ -128,7 +128,7 @@ class PushWindow:
                         pending[key] = deque((record,))
                     else:
                         queue.append(record)
-        self._watch(list(zip(requests, send_keys)))
+        self._watch(list(zip(requests, send_keys if failures else [None] * len(requests))))
 
     def _watch(self, requests: list[tuple[Any, list[Key] | None]]) -> None:
         """Count ``requests`` as live until answered; a failure is remembered for the keys given."""
