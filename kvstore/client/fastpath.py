@@ -133,16 +133,27 @@ class FastPath:
     def push(self, keys: Any, values: Any) -> bool:
         """Push ``values`` (one numpy array per key) of a known list; False: the generic path must."""
         plan, values = self._match(keys, values)
-        if plan is None:
-            return False
-        store = self.store
+        return plan is not None and self._pushed(Op.PUSH, plan, values, None)
+
+    def pushpull(self, keys: Any, values: Any, outs: Any) -> bool:
+        """Pushpull ``values`` of a known list, writing the result into ``outs``; False: the generic
+        path must.  Raises what the generic pushpull raises."""
+        plan, values = self._match(keys, values)
+        plan_out, outs = self._match(keys, outs, writable=True)
+        return plan is not None and plan_out is plan and self._pushed(Op.PUSHPULL, plan, values, outs)
+
+    def _pushed(self, op: Op, plan: KeyList, values: list[np.ndarray], outs: list[np.ndarray] | None) -> bool:
+        """A PUSH of ``values`` (``outs`` None) or a PUSHPULL written into ``outs``; returns True."""
+        store, name = self.store, op.name.lower()
         store._check_open()
         store._pushed = True
-        started = store._meter.begin("push")
+        started = store._meter.begin(name)
         try:
-            self._send(Op.PUSH, plan, _gathered(plan, values))
+            requests = self._send(op, plan, _gathered(plan, values))
+            if outs is not None:
+                self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs)
         finally:
-            store._meter.end("push", started)
+            store._meter.end(name, started)
         return True
 
     def _send(self, op: Op, plan: KeyList, arrays: list[np.ndarray]) -> list[Any]:
@@ -176,24 +187,6 @@ class FastPath:
             self._receive(plan, plan.pull_sends, plan.pull_dtypes, plan.slots, requests, outs)
         finally:
             store._meter.end("pull", started)
-        return True
-
-    def pushpull(self, keys: Any, values: Any, outs: Any) -> bool:
-        """Pushpull ``values`` of a known list, writing the result into ``outs``; False: the generic
-        path must.  Raises what the generic pushpull raises."""
-        plan, values = self._match(keys, values)
-        plan_out, outs = self._match(keys, outs, writable=True)
-        if plan is None or plan_out is not plan:
-            return False
-        store = self.store
-        store._check_open()
-        store._pushed = True
-        started = store._meter.begin("pushpull")
-        try:
-            requests = self._send(Op.PUSHPULL, plan, _gathered(plan, values))
-            self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs)
-        finally:
-            store._meter.end("pushpull", started)
         return True
 
     def _receive(self, plan: KeyList, sends: list[Send], dtypes: list[np.dtype], slots: list[Any],
