@@ -330,7 +330,8 @@ def launch(workers: int, servers: int, tests: list[str], quick: bool, env: dict[
     """Run ``tests`` in one cluster; return ``{test: [per-worker result]}`` and the servers' memory."""
     argv = [sys.executable, "launch.py", "-n", str(workers), "-s", str(servers), __file__, "--worker",
             ",".join(tests)] + (["--quick"] if quick else [])
-    full_env = {**os.environ, "KVSTORE_REQUEST_TIMEOUT": "600", **env}
+    # INFO: each server logs its peak RSS and the bytes it holds at shutdown (WARNING is the default)
+    full_env = {**os.environ, "KVSTORE_REQUEST_TIMEOUT": "600", "KVSTORE_LOG_LEVEL": "INFO", **env}
     full_env.pop("KVSTORE_SECRET", None)  # the launcher makes one: authentication as shipped
     done = subprocess.run(argv, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
