@@ -38,7 +38,7 @@ from kvstore.core.rounds import Part, Round
 from kvstore.core.shard import ShardState, _KeyState
 from kvstore.errors import KVStoreError, ProtocolError
 
-MIN_KEYS = 2  # a batch of fewer keys gains nothing from a group
+MIN_KEYS = 1  # a lone key gains too: no generic dispatch (docs/benchmarks.md)
 _KEY_TYPES = {int, str}
 
 
@@ -203,7 +203,9 @@ class GroupedShardState(ShardState):
         return done + self._release_group_pulls(group) if group.waiting else done
 
     def _apply_group(self, group: Group, total: np.ndarray, workers: Any) -> None:
-        if self.updater is not None:  # the optimizer updates each key (its state is per key)
+        if self.updater is not None and len(group.keys) == 1:
+            total = self.updater(group.keys[0], total, group.value)
+        elif self.updater is not None:  # the optimizer updates each key (its state is per key)
             old, new, offsets = group.value, np.empty_like(group.value), group.offsets
             for i, key in enumerate(group.keys):
                 a, b = offsets[i], offsets[i + 1]
