@@ -11,6 +11,7 @@ from kvstore.core.groups import GroupedShardState
 from kvstore.core.shard import ShardState
 from kvstore.errors import KVStoreError
 
+pytestmark = pytest.mark.timeout(60)
 KEYS = ["a", "b", 7, "d"]
 SIZE = 3
 SIZES = [SIZE] * len(KEYS)
@@ -93,7 +94,6 @@ def random_ops(rng: random.Random, workers: int, count: int) -> list:
     return ops
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers,sync,window", [(1, True, 0), (2, True, 0), (3, True, 2), (3, False, 0),
                                                  (2, True, 1)])
 def test_groups_answer_every_sequence_as_the_per_key_state_does(workers, sync, window):
@@ -145,3 +145,21 @@ def test_a_list_that_only_compares_equal_is_not_the_group():
     assert state.group_of([True, 2], [SIZE, SIZE], np.ones(6), create=True) is None
     assert state.group_of([1.0, 2], [SIZE, SIZE], None, create=False) is None
     assert state.group_of([1, 2], [SIZE, SIZE], np.ones(6, np.float32), create=True) is None  # dtype
+
+
+@pytest.mark.parametrize("workers,sync", [(2, True), (1, False)])
+def test_a_lone_key_group_answers_as_the_per_key_state_does(workers, sync, monkeypatch):
+    """A group of one key (a single-key PUSH/PULL, MIN_KEYS = 1) matches ShardState as a batch does."""
+    module = globals()
+    monkeypatch.setitem(module, "KEYS", ["solo"])
+    monkeypatch.setitem(module, "SIZES", [SIZE])
+    used = 0
+    for seed in range(20):
+        rng = random.Random(seed)
+        ref, grouped = make(ShardState, workers, sync), make(GroupedShardState, workers, sync)
+        for t, op in enumerate(random_ops(rng, workers, 40)):
+            want, got = run_op(ref, op, t, False), run_op(grouped, op, t, True)
+            assert (got == want) if isinstance(want, type) else same(got, want), (seed, t, op[:3])
+            assert np.array_equal(current(grouped, "solo"), ref._keys["solo"].value), (seed, t)
+            used += bool(grouped._groups)
+    assert used > 50  # the group path was taken
