@@ -9,7 +9,8 @@ launcher's own secret, so authentication is on as shipped) and measures, per wor
   iteration; GB/s = 2 x model bytes x iterations / seconds;
 * ``bigkey``: one 256 MB float32 key, split over the servers, push then pull (its own
   launch, so each server's peak RSS, which it logs at shutdown, is this test's);
-* ``latency``: push then pull of a 1-element key, p50 and p99 in microseconds;
+* ``latency``: push then pull of a 1-element key, p50 and p99 in microseconds, then the same
+  key's ``pushpull`` (one request) timed the same way;
 * ``manykeys``: 10,000 keys of 100 floats pushed then pulled per iteration, keys/s,
   with batching on and off (``KVSTORE_BATCH_BYTES=0``: one request per key);
 * ``train``: the Trainer's step (forward, backward, ``step`` through the servers) for
@@ -234,6 +235,12 @@ def run_latency(kv: Any, count: int) -> None:
         kv.pull("tiny", out=out)
         times.append(time.perf_counter() - started)
     report("latency", **percentiles(times))
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        kv.pushpull("tiny", value, out=out)
+        times.append(time.perf_counter() - started)
+    report("pushpull", **percentiles(times))
 
 
 def run_manykeys(kv: Any, iters: int, label: str, warmup: int = 2) -> None:
@@ -323,7 +330,8 @@ def launch(workers: int, servers: int, tests: list[str], quick: bool, env: dict[
     """Run ``tests`` in one cluster; return ``{test: [per-worker result]}`` and the servers' memory."""
     argv = [sys.executable, "launch.py", "-n", str(workers), "-s", str(servers), __file__, "--worker",
             ",".join(tests)] + (["--quick"] if quick else [])
-    full_env = {**os.environ, "KVSTORE_REQUEST_TIMEOUT": "600", **env}
+    # INFO: each server logs its peak RSS and the bytes it holds at shutdown (WARNING is the default)
+    full_env = {**os.environ, "KVSTORE_REQUEST_TIMEOUT": "600", "KVSTORE_LOG_LEVEL": "INFO", **env}
     full_env.pop("KVSTORE_SECRET", None)  # the launcher makes one: authentication as shipped
     done = subprocess.run(argv, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -356,6 +364,8 @@ def main() -> None:
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--configs", default="1w1s,2w1s,2w2s,4w1s,4w2s")
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    parser.add_argument("--tests", default="throughput,latency,manykeys,train,unbatched,bigkey",
+                        help="which tests to run per config (a subset of the default)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -364,37 +374,51 @@ def main() -> None:
     if args.worker is not None:
         return worker(args.worker.split(","), args.quick)
 
+    tests = args.tests.split(",")
     progress("baseline: raw pyzmq between two processes")
     base = baseline(args.quick)
     out: dict[str, Any] = {"machine": machine(), "baseline": base, "configs": {}}
     for name in args.configs.split(","):
         w, s = (int(x) for x in re.fullmatch(r"(\d+)w(\d+)s", name).groups())
-        progress(f"{name}: throughput, latency, many keys, train")
-        main_run = launch(w, s, ["throughput", "latency", "manykeys", "train"], args.quick, {})
-        progress(f"{name}: many keys without batching")
-        unbatched = launch(w, s, ["manykeys_unbatched"], args.quick, {"KVSTORE_BATCH_BYTES": "0"})
-        progress(f"{name}: one 256 MB key")
-        big = launch(w, s, ["bigkey"], args.quick, {})
-        r = {**main_run["results"], **unbatched["results"], **big["results"]}
-        out["configs"][name] = {
-            "throughput_gbps": mean(r["throughput"], "gbps"),
-            "bigkey_gbps": mean(r["bigkey"], "gbps"),
-            "latency_p50_us": mean(r["latency"], "p50_us"), "latency_p99_us": mean(r["latency"], "p99_us"),
-            "manykeys_per_s": mean(r["manykeys"], "keys_per_s"),
-            "manykeys_unbatched_per_s": mean(r["manykeys_unbatched"], "keys_per_s"),
-            "train_local_ms": mean(r["train"], "local_ms"), "train_dist_ms": mean(r["train"], "dist_ms"),
-            "train_params": r["train"][0]["params"], "bigkey_servers": big["servers"]}
-    if "4w2s" in out["configs"]:
+        out["configs"][name] = run_config(w, s, tests, args.quick)
+    if "4w2s" in out["configs"] and "bigkey" in tests:
         progress("4w2s: one 256 MB key, summed in rank order (KVSTORE_SUM_ORDER=rank)")
         out["bigkey_rank_order_4w2s"] = launch(4, 2, ["bigkey"], args.quick,
                                                {"KVSTORE_SUM_ORDER": "rank"})["servers"]
-    if "1w1s" in out["configs"]:
+    if "1w1s" in out["configs"] and "throughput" in tests:
         progress("1w1s: throughput with KVSTORE_AUTH=full")
         full = launch(1, 1, ["throughput"], args.quick, {"KVSTORE_AUTH": "full"})
         out["auth_full_throughput_gbps"] = mean(full["results"]["throughput"], "gbps")
     print_table(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def run_config(w: int, s: int, tests: list[str], quick: bool) -> dict[str, Any]:
+    """Run ``tests`` (names of the ``--tests`` flag) at ``w`` workers and ``s`` servers; return the
+    figures (NaN for a test not run)."""
+    nan, r = float("nan"), {}
+    main_tests = [t for t in ("throughput", "latency", "manykeys", "train") if t in tests]
+    if main_tests:
+        progress(f"{w}w{s}s: {', '.join(main_tests)}")
+        r.update(launch(w, s, main_tests, quick, {})["results"])
+    if "unbatched" in tests:
+        progress(f"{w}w{s}s: many keys without batching")
+        r.update(launch(w, s, ["manykeys_unbatched"], quick, {"KVSTORE_BATCH_BYTES": "0"})["results"])
+    servers = []
+    if "bigkey" in tests:
+        progress(f"{w}w{s}s: one 256 MB key")
+        big = launch(w, s, ["bigkey"], quick, {})
+        r.update(big["results"])
+        servers = big["servers"]
+    get = lambda test, name: mean(r[test], name) if test in r else nan  # noqa: E731
+    return {"throughput_gbps": get("throughput", "gbps"), "bigkey_gbps": get("bigkey", "gbps"),
+            "latency_p50_us": get("latency", "p50_us"), "latency_p99_us": get("latency", "p99_us"),
+            "pushpull_p50_us": get("pushpull", "p50_us"), "pushpull_p99_us": get("pushpull", "p99_us"),
+            "manykeys_per_s": get("manykeys", "keys_per_s"),
+            "manykeys_unbatched_per_s": get("manykeys_unbatched", "keys_per_s"),
+            "train_local_ms": get("train", "local_ms"), "train_dist_ms": get("train", "dist_ms"),
+            "train_params": r["train"][0]["params"] if "train" in r else 0, "bigkey_servers": servers}
 
 
 def machine() -> dict[str, Any]:
@@ -418,14 +442,17 @@ def print_table(out: dict[str, Any]) -> None:
           f"4-byte p50 {base['latency']['p50_us']:.0f} us p99 {base['latency']['p99_us']:.0f} us")
     many_base = MANY_KEYS / (2 * MANY_KEYS * MANY_FLOATS * 4 / (base["many"]["gbps"] * 1e9))
     head = (f"{'config':>6} {'model GB/s':>10} {'/raw':>5} {'256MB GB/s':>10} {'/raw':>5} {'p50 us':>7} "
-            f"{'/raw':>5} {'p99 us':>7} {'keys/s':>8} {'/raw':>5} {'unbatched':>9} {'batch x':>7} "
+            f"{'/raw':>5} {'p99 us':>7} {'pp p50':>6} {'/raw':>5} {'keys/s':>8} {'/raw':>5} {'unbatched':>9} "
+            f"{'batch x':>7} "
             f"{'step ms':>7} {'1-proc':>6} {'x':>5}")
     print(head)
     for name, c in out["configs"].items():
         print(f"{name:>6} {c['throughput_gbps']:10.3f} {c['throughput_gbps'] / base['model']['gbps']:5.2f} "
               f"{c['bigkey_gbps']:10.3f} {c['bigkey_gbps'] / base['big']['gbps']:5.2f} "
               f"{c['latency_p50_us']:7.0f} {c['latency_p50_us'] / base['latency']['p50_us']:5.1f} "
-              f"{c['latency_p99_us']:7.0f} {c['manykeys_per_s']:8.0f} {c['manykeys_per_s'] / many_base:5.2f} "
+              f"{c['latency_p99_us']:7.0f} {c['pushpull_p50_us']:6.0f} "
+              f"{c['pushpull_p50_us'] / base['latency']['p50_us']:5.1f} {c['manykeys_per_s']:8.0f} "
+              f"{c['manykeys_per_s'] / many_base:5.2f} "
               f"{c['manykeys_unbatched_per_s']:9.0f} "
               f"{c['manykeys_per_s'] / c['manykeys_unbatched_per_s']:7.1f} "
               f"{c['train_dist_ms']:7.2f} {c['train_local_ms']:6.2f} "

@@ -23,6 +23,7 @@ from kvstore.base import Group, KVStore, public
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
+from kvstore.client.fastpath import FastCalls, FastPath
 from kvstore.client.joining import die_if_asked, join, rejoin
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
@@ -52,7 +53,7 @@ def mode_of(name: str) -> str:
     return "dist_async" if "async" in name else "dist_sync"
 
 
-class DistKVStore(KVStore):
+class DistKVStore(FastCalls, KVStore):
     """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster.
 
     In ``dist_*_device`` modes, CUDA values are summed on a GPU and the sum is copied
@@ -99,6 +100,7 @@ class DistKVStore(KVStore):
             rows=self._rows, sparse_metas=lambda: dict(self._sparse.metas)))
         self._rows_init, self._rows_push, self._rows_pull = self._rows.init, self._rows.push, self._rows.pull
         self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
+        self._fast = FastPath(self)  # push/pull/pushpull of known lists of small keys (FastCalls)
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,
                                     stats=self._snapshot, on_left=self._barriers.warn_left)
         self._heartbeat.start()
@@ -255,6 +257,7 @@ class DistKVStore(KVStore):
         with self._lock:
             self._compression = self._compress.spec = checked[0]
             self._plans.clear()  # push plans group compressed keys apart
+            self._fast.forget()
         if self._cfg.resume is not None and self._rejoined_at is None:  # KVSTORE_RESUME: its saved residuals
             self._compress.load(self._cfg.resume, self._rank, self._num_workers)
 
@@ -280,6 +283,7 @@ class DistKVStore(KVStore):
         with self._lock:
             for key in keys:
                 self._placements[key] = self._place(key, self._meta[key].size)
+        self._fast.forget()  # a list that held an unknown key may be eligible now
         self._collective_calls.initialised(keys)
 
     def _plan(self, keys: Any, chunked: bool = True) -> tuple[list[Send], frozenset]:

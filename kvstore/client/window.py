@@ -37,6 +37,7 @@ class PushWindow:
         self._failures: dict[Key, BaseException] = {}  # refused pushes, raised by the key's next call
         self.waiting = 0              # threads waiting for room now
         self.blocked_seconds = 0.0    # time spent waiting for room, all threads together
+        self._live = 0                # recorded requests not answered yet (0: every push is acked)
 
     def _oldest_open(self, key: Key) -> list[Any] | None:
         """The oldest unacknowledged push of ``key`` when its window is full, else None (the caller
@@ -51,10 +52,18 @@ class PushWindow:
             return None
         return queue[0] if len(queue) >= self.size else None
 
+    def _all_acked(self) -> bool:
+        """True, forgetting every push, when no recorded request is unanswered (the caller holds the
+        lock): then every key has room, without looking at each one."""
+        if self._live:
+            return False
+        self._pending.clear()
+        return True
+
     def has_room(self, keys: Iterable[Key]) -> bool:
         """Whether one more push of every key in ``keys`` fits in its window now."""
         with self._lock:
-            return all(self._oldest_open(key) is None for key in keys)
+            return self._all_acked() or all(self._oldest_open(key) is None for key in keys)
 
     def wait_room(self, keys: Iterable[Key], deadline: float, wait: Wait) -> None:
         """Wait until one more push of each key fits, driving the sockets with ``wait``.
@@ -62,6 +71,9 @@ class PushWindow:
         Raises :class:`DeadlineExceededError` naming the key and ``KVSTORE_PUSH_WINDOW`` when the
         oldest push of a key is not acknowledged by ``deadline`` (``time.monotonic()``).
         """
+        with self._lock:
+            if self._all_acked():
+                return
         for key in keys:
             while True:
                 with self._lock:
@@ -101,15 +113,37 @@ class PushWindow:
                 self._pending.setdefault(key, collections.deque()).append(requests)
                 for request in requests:
                     keys_of.setdefault(id(request), (request, []))[1].append(key)
-        if failures:
-            for request, keys in keys_of.values():
-                request.future.add_done_callback(partial(self._done, keys))
+        self._watch([(request, keys if failures else None) for request, keys in keys_of.values()])
 
-    def _done(self, keys: list[Key], future: Any) -> None:
-        """A push request finished (in whichever thread read its reply): remember its failure."""
+    def add_sends(self, send_keys: list[list[Key]], requests: list[Any], failures: bool = True) -> None:
+        """:meth:`add` of a push whose ``requests[i]`` carries the whole values of ``send_keys[i]``
+        (``kvstore.client.fastpath``), each key in one request."""
+        with self._lock:
+            pending, deque = self._pending, collections.deque
+            for keys, request in zip(send_keys, requests):
+                record = [request]
+                for key in keys:
+                    queue = pending.get(key)
+                    if queue is None:
+                        pending[key] = deque((record,))
+                    else:
+                        queue.append(record)
+        self._watch(list(zip(requests, send_keys if failures else [None] * len(requests))))
+
+    def _watch(self, requests: list[tuple[Any, list[Key] | None]]) -> None:
+        """Count ``requests`` as live until answered; a failure is remembered for the keys given."""
+        with self._lock:
+            self._live += len(requests)
+        for request, keys in requests:
+            request.future.add_done_callback(partial(self._done, keys))
+
+    def _done(self, keys: list[Key] | None, future: Any) -> None:
+        """A push request finished (in whichever thread read its reply): remember its failure for
+        ``keys`` (None: a pushpull's, raised by the call itself)."""
         error = future.exception()
-        if error is not None:
-            with self._lock:
+        with self._lock:
+            self._live -= 1
+            if error is not None and keys is not None:
                 for key in keys:
                     self._failures.setdefault(key, error)
 

@@ -35,6 +35,15 @@ def _incarnation(value: object, what: str) -> int:
     return value
 
 
+def _settled(shard: ShardState) -> ShardState:
+    """``shard`` with each key's own state current: a :class:`~kvstore.core.groups.GroupedShardState`
+    dissolves its key groups first (this module reads and changes per-key state)."""
+    settle = getattr(shard, "settle", None)
+    if settle is not None:
+        settle()
+    return shard
+
+
 class Rejoins:
     """Which incarnation of each worker a server counts, over its ``shard`` (see the module docstring)."""
 
@@ -50,7 +59,7 @@ class Rejoins:
         away already.  Raises ValueError for a worker that is not a rank, ProtocolError for a bad
         incarnation, changing nothing."""
         incarnation = _incarnation(incarnation, "AWAY")
-        self.shard._check_worker(worker)
+        _settled(self.shard)._check_worker(worker)
         if incarnation < self.current.get(worker, 0) or worker in self.shard.away:
             return []
         self.shard.away[worker] = incarnation  # first: the rounds leave() closes are scaled
@@ -63,7 +72,7 @@ class Rejoins:
         changing nothing: ValueError for a worker that is not a rank, ProtocolError for an
         incarnation not above the one counted now."""
         incarnation = _incarnation(incarnation, "REJOIN")
-        self.shard._check_worker(worker)
+        _settled(self.shard)._check_worker(worker)
         if incarnation <= self.current.get(worker, 0):
             raise ProtocolError(f"worker {worker} rejoins as incarnation {incarnation}, but incarnation "
                                 f"{self.current.get(worker, 0)} is counted already")
@@ -91,7 +100,7 @@ class Rejoins:
         rounds before it close without it; return what closing them answers.  Raises ProtocolError,
         changing nothing, for another incarnation or an ``at`` below the round :meth:`begin` gave."""
         incarnation = _incarnation(incarnation, "REJOIN")
-        shard = self.shard
+        shard = _settled(self.shard)
         first = self.begun.get(worker)
         if first is None or self.current.get(worker, 0) != incarnation:
             raise ProtocolError(f"worker {worker} incarnation {incarnation} has not begun to rejoin")

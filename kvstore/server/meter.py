@@ -61,12 +61,13 @@ class ServerMeter:
         """Count one request refused for ``reason`` (an error class name)."""
         self.counters.add_label("refused", reason)
 
-    def round_closed(self, key: Key, waited: float, last: int) -> None:
-        """ShardState's report of a closed round: its wait from first to last arrival, and who came last."""
+    def round_closed(self, key: Key, waited: float, last: int, count: int = 1) -> None:
+        """ShardState's report of a closed round: its wait from first to last arrival, and who came last
+        (``count``: a key group's round, one round of each of its ``count`` keys, observed once)."""
         self.round_wait.observe(waited)
-        self.counters.add("rounds_applied")
+        self.counters.add("rounds_applied", count)
         if last >= 0:
-            self.counters.add_label("last_arrivals", str(last))
+            self.counters.add_label("last_arrivals", str(last), count)
         with self._lock:
             self.last_round = {"key": str(key), "waited_s": waited, "last_worker": last}
         if self.timeline is not None:  # the round, from its first contribution to its update

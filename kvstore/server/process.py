@@ -19,6 +19,7 @@ from kvstore import config as kvconfig
 from kvstore import logs
 from kvstore.core import precision
 from kvstore.core.dtypes import BF16
+from kvstore.core.groups import GroupedShardState
 from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import check_key
 from kvstore.core.rejoin import Rejoins
@@ -38,7 +39,7 @@ from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
 from kvstore.net.router import Handler, RouterService
-from kvstore.server import decompress
+from kvstore.server import decompress, fastpath
 from kvstore.server.meter import ServerMeter
 from kvstore.server.sparse import SparseServer
 
@@ -127,10 +128,11 @@ class Server:
         self.heartbeat = Heartbeat(self.cfg, "server", rank, cmap.body["session"], lambda error: None,
                                    report_peers=False, stats=self.meter.snapshot)
         self.heartbeat.start()
-        self.state = ShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync",
-                                ordered=self.cfg.sum_order == "rank",
-                                window=cmap.body.get("push_window", self.cfg.push_window),
-                                quorum=cmap.body.get("sync_quorum"), staleness=cmap.body.get("staleness"))
+        self.state = GroupedShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync",
+                                       ordered=self.cfg.sum_order == "rank",
+                                       window=cmap.body.get("push_window", self.cfg.push_window),
+                                       quorum=cmap.body.get("sync_quorum"),
+                                       staleness=cmap.body.get("staleness"), split=lambda t, i: (t[0], i))
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
                               cmap.body.get("max_message_bytes", 0))
         self.state.on_close = self.meter.round_closed
@@ -153,10 +155,18 @@ class Server:
                 raise
         return counted
 
+    @staticmethod
+    def batch(identity: bytes, seq: int, entries: int, bf16: bool = False) -> _Batch:
+        """A new request being answered (``kvstore.server.fastpath``)."""
+        return _Batch(identity, seq, entries, bf16)
+
     def _reply_all(self, done: list[Completion]) -> None:
         for c in done:
             batch, index = c.token
-            batch.values[index] = c.value
+            if index < 0:  # a key group's whole answer (kvstore.core.groups): every entry at once
+                batch.values, batch.left = [c.value], 1
+            else:
+                batch.values[index] = c.value
             batch.left -= 1
             if batch.left == 0:
                 arrays = batch.arrays()
@@ -214,6 +224,8 @@ class Server:
         """Push (and with ``pull`` answer with the new values) every key of a PUSH or PUSHPULL."""
         msg = decompress.expand(msg)  # a compressed push: its values, dequantised (server/decompress.py)
         msg, bf16 = _widened(msg)
+        if fastpath.push(self, identity, msg, pull, bf16):  # a batch of a key group
+            return
         keys, values, _, lo = self._entries(msg, True)
         self._check_precision(keys, bf16, msg.op.name)
         if self.optimizer is not None and values[0].dtype.kind != "f":  # one array: one dtype
@@ -292,6 +304,8 @@ class Server:
             self.state.incoming_rounds = None
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
+        if fastpath.pull(self, identity, msg):  # a batch of a key group
+            return
         keys, _, sizes, lo = self._entries(msg, False)
         batch = _Batch(identity, msg.seq, len(keys), keys[0] in self.bf16_keys)  # one dtype per batch
         start = lo or 0
