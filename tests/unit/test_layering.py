@@ -132,6 +132,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.base",),                                            # the KVStore ABC
     ("kvstore.client", "kvstore.local", "kvstore.server"),        # the stores; the server process
     ("kvstore.stores",),                                          # create(): the registry of stores
+    ("kvstore.trainer_states", "kvstore.overlap"),                # the Trainer's helpers
     ("kvstore.trainer", "kvstore.torch_optim"),                   # the torch-facing wrappers
     ("kvstore.launch",),                                          # starting clusters
     ("kvstore", "kvstore.ray", "kvstore.spark", "kvstore.node",   # the public surface, entry points
