@@ -1,6 +1,6 @@
 """The benchmark suite: real clusters through ``launch.py`` against raw pyzmq on this machine.
 
-    python benchmarks/suite.py [--json results.json] [--configs 1w1s,2w1s,2w2s,4w1s,4w2s] [--quick]
+    python benchmarks/suite.py [--json results.json] [--configs 1w1s,2w1s,2w2s,4w1s,4w2s] [--quick] [--ddp]
 
 For each cluster shape it launches real clusters (scheduler, servers, workers; the
 launcher's own secret, so authentication is on as shipped) and measures, per worker:
@@ -13,7 +13,10 @@ launcher's own secret, so authentication is on as shipped) and measures, per wor
 * ``manykeys``: 10,000 keys of 100 floats pushed then pulled per iteration, keys/s,
   with batching on and off (``KVSTORE_BATCH_BYTES=0``: one request per key);
 * ``train``: the Trainer's step (forward, backward, ``step`` through the servers) for
-  a real torch model, against the same model trained in one process with torch's SGD.
+  a real torch model, against the same model trained in one process with torch's SGD;
+* with ``--ddp``: ``benchmarks/trainer_step.py``'s comparison (issue 24): the Trainer's step (plain and
+  overlapped) against one process and against torch DDP over gloo, for the 670k-parameter MLP and a
+  20M-parameter one, at each worker count of ``--configs``.
 
 Each rate is the best of three timed blocks (the unbatched many-keys run: one block), each worker
 starting each block together; a worker prints its own figures and the table gives their mean.
@@ -36,6 +39,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trainer_step  # noqa: E402  (benchmarks/ is not a package)
 
 REPO = Path(__file__).resolve().parent.parent
 MB = 1 << 20
@@ -356,6 +362,7 @@ def main() -> None:
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--configs", default="1w1s,2w1s,2w2s,4w1s,4w2s")
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    parser.add_argument("--ddp", action="store_true", help="also the Trainer against DDP (trainer_step.py)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -393,6 +400,10 @@ def main() -> None:
         full = launch(1, 1, ["throughput"], args.quick, {"KVSTORE_AUTH": "full"})
         out["auth_full_throughput_gbps"] = mean(full["results"]["throughput"], "gbps")
     print_table(out)
+    if args.ddp:
+        progress("the Trainer against one process and DDP (benchmarks/trainer_step.py)")
+        out["trainer_vs_ddp"] = trainer_step.compare(
+            sorted({int(n.split("w")[0]) for n in args.configs.split(",")}), args.quick)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 
