@@ -15,7 +15,8 @@ mean cross-entropy of a batch of 64 random samples (per worker), and the update 
   processes, authentication on as shipped), a :class:`kvstore.Trainer` per variant:
   ``plain`` (update_on_kvstore=True, overlap=False: the Trainer before issue 24),
   ``overlap`` (update_on_kvstore=False: the overlap's default), ``overlap-kv`` (update_on_kvstore=True,
-  overlap=True: the servers run SGD).
+  overlap=True: the servers run SGD), ``plain-local`` (update_on_kvstore=False, overlap=False: the
+  overlap's counterpart without hooks; only with ``--variants``).
 
 Each figure is the best of ``--blocks`` timed blocks of ``--iters`` steps (after 3 warm-up steps), the
 workers starting each block together; per side the mean over its workers; the whole comparison runs
@@ -41,7 +42,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BUCKET_BYTES = 1 << 20  # kvstore.overlap's default (not imported: the parent runs without kvstore)
 BATCH = 64
 MODELS = {"670k": (784, 512, 512, 10), "20m": (784, 4096, 4096, 10)}  # 669,706 and 20,037,642 parameters
-VARIANTS = {"overlap": (False, None), "plain": (True, False), "overlap-kv": (True, True)}  # uok, overlap
+VARIANTS = {"overlap": (False, None), "plain": (True, False), "overlap-kv": (True, True),  # uok, overlap
+            "plain-local": (False, False)}
 
 
 def model(name: str) -> Any:
@@ -141,7 +143,8 @@ def worker(name: str, variants: list[str], iters: int, blocks: int, bucket_bytes
 
     torch.set_num_threads(1)
     kv = kvstore.create("dist_sync")
-    for variant in variants:  # update_on_kvstore=False ones first: the servers hold no optimizer yet
+    for variant in sorted(variants, key=lambda v: VARIANTS[v][0]):  # update_on_kvstore=False first: the
+        # servers hold no optimizer yet
         uok, overlap = VARIANTS[variant]
         net = model(name)
         trainer = kvstore.Trainer(list(net.parameters()), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
@@ -225,7 +228,7 @@ def print_table(out: dict, variants: list[str]) -> None:
 
 def compare(counts: list[int], quick: bool) -> dict:
     """Both models at each worker count of ``counts``, every variant; prints the table (for suite.py)."""
-    variants = list(VARIANTS)
+    variants = ["overlap", "plain", "overlap-kv"]
     out = run(list(MODELS), counts, variants, 3 if quick else 5, 3, 1 if quick else 2)
     print_table(out, variants)
     return out
@@ -236,7 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="670k,20m")
     parser.add_argument("--workers", default="1,2,4")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default="overlap,plain,overlap-kv")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="the whole comparison this many times, in turn")
