@@ -261,43 +261,21 @@ def run_manykeys(kv: Any, iters: int, label: str, warmup: int = 2) -> None:
 
 
 def run_train(kv: Any, iters: int) -> None:
-    """Trainer step time through the servers vs the same model with torch's SGD in this process."""
+    """Trainer step time through the servers vs the same model with torch's SGD in this process
+    (``trainer_step``'s 670k-parameter MLP, batch and step; one timed block each)."""
     import torch
 
     from kvstore import Trainer
 
-    def model() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                                   torch.nn.ReLU(), torch.nn.Linear(512, 10))
-
-    generator = torch.Generator().manual_seed(kv.rank)
-    data = torch.randn(64, 784, generator=generator)
-    labels = torch.randint(0, 10, (64,), generator=generator)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def measure(net: torch.nn.Module, update: Any) -> float:
-        def step() -> None:
-            net.zero_grad()
-            loss_fn(net(data), labels).backward()
-            update()
-        for _ in range(3):
-            step()
-        kv.barrier()
-        started = time.perf_counter()
-        for _ in range(iters):
-            step()
-        return (time.perf_counter() - started) / iters
-
-    local = model()
+    local = trainer_step.model("670k")
     sgd = torch.optim.SGD(local.parameters(), lr=0.01, momentum=0.9)
-    local_s = measure(local, sgd.step)
-    net = model()
+    local_ms = trainer_step.timed(local, sgd.step, kv.rank, iters, 1, kv.barrier)
+    net = trainer_step.model("670k")
     trainer = Trainer(list(net.parameters()), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
                       kvstore=kv, update_on_kvstore=True)
-    dist_s = measure(net, lambda: trainer.step(64))
+    dist_ms = trainer_step.timed(net, lambda: trainer.step(64), kv.rank, iters, 1, kv.barrier)
     params = sum(p.numel() for p in net.parameters())
-    report("train", local_ms=local_s * 1e3, dist_ms=dist_s * 1e3, params=params)
+    report("train", local_ms=local_ms, dist_ms=dist_ms, params=params)
 
 
 def worker(tests: list[str], quick: bool) -> None:
