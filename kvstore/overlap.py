@@ -3,8 +3,9 @@ autograd hooks, pulled back in forward order by ``Trainer.step``.
 
 Each trainable parameter gets a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``).
 Parameters are grouped into *buckets* in reverse order (the order backward produces their gradients,
-first bucket = last layers), each at most ``bucket_bytes`` unless one parameter alone is larger (it is
-then a bucket of its own); ``bucket_bytes=0`` gives one bucket per parameter.  When every parameter of a
+first bucket = last layers); as in DDP, a bucket is closed once it holds ``bucket_bytes`` or more, so
+small parameters ride with the next large one instead of travelling alone; ``bucket_bytes=0`` gives
+one bucket per parameter.  When every parameter of a
 bucket has its gradient, the hook pushes the bucket (one ``kv.push`` of its keys: the store batches the
 small keys per server into one message).  ``step`` then pushes the buckets still waiting (a parameter
 that got no gradient pushes zeros, with the warning of today's path), and pulls every key in forward
@@ -38,9 +39,9 @@ DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB (DDP: 25 MB, its first bucket 1 MB); see
 def make_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     """Parameter indexes grouped into buckets in backward order (last parameter first).
 
-    A bucket takes parameters until the next would take it over ``bucket_bytes``; a parameter larger
-    than that is a bucket of its own; 0 gives one bucket per parameter.  Raises ValueError when
-    ``bucket_bytes`` is negative.
+    A bucket takes parameters until it holds ``bucket_bytes`` or more (DDP's rule), so a bucket
+    exceeds the size by at most its last parameter; 0 gives one bucket per parameter.  Raises
+    ValueError when ``bucket_bytes`` is negative.
     """
     if bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes!r}")
@@ -48,11 +49,11 @@ def make_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     current: list[int] = []
     filled = 0
     for index in reversed(range(len(nbytes))):
-        if current and filled + nbytes[index] > bucket_bytes:
-            buckets.append(current)
-            current, filled = [], 0
         current.append(index)
         filled += nbytes[index]
+        if filled >= bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
     if current:
         buckets.append(current)
     return buckets

@@ -75,7 +75,7 @@ def test_overlapped_steps_give_the_plain_paths_weights(make_cluster, workers: in
     cluster = make_cluster("dist_sync", workers, 1)
     for uok in (False, True):  # False first: the store holds no optimizer yet
         plain = run(cluster, train, uok, overlap=False)
-        for bucket_bytes in (0, 700):  # 700: buckets [fc2.bias, fc2.weight], [fc1.bias], [fc1.weight]
+        for bucket_bytes in (0, 700):  # 700: buckets [fc2.bias, fc2.weight, fc1.bias], [fc1.weight]
             overlapped = run(cluster, train, uok, overlap=True, bucket_bytes=bucket_bytes)
             for a, b in zip(plain, overlapped):
                 assert_same(a, b)

@@ -369,12 +369,13 @@ def test_load_states_needs_the_same_keys(tmp_path: Path, uok: bool) -> None:
 
 # -- the overlap's buckets (kvstore.overlap, issue 24) ------------------------------------------------
 def test_buckets_group_parameters_in_backward_order_up_to_the_size() -> None:
-    """Buckets fill from the last parameter, a bigger one stands alone, 0 gives one per parameter."""
+    """Buckets fill from the last parameter until they hold the size (DDP's rule); 0: one per parameter."""
     from kvstore.overlap import make_buckets
 
-    assert make_buckets([4096, 64, 640, 40], 700) == [[3, 2], [1], [0]]
+    assert make_buckets([4096, 64, 640, 40], 700) == [[3, 2, 1], [0]]
+    assert make_buckets([4096, 64, 640, 40], 600) == [[3, 2], [1, 0]]
     assert make_buckets([10, 10, 10], 1 << 20) == [[2, 1, 0]]
-    assert make_buckets([10, 5000, 10], 100) == [[2], [1], [0]]
+    assert make_buckets([10, 5000, 10], 100) == [[2, 1], [0]]
     assert make_buckets([10, 10, 10], 0) == [[2], [1], [0]]
     with pytest.raises(ValueError, match="bucket_bytes"):
         make_buckets([10], -1)
