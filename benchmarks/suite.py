@@ -1,6 +1,6 @@
 """The benchmark suite: real clusters through ``launch.py`` against raw pyzmq on this machine.
 
-    python benchmarks/suite.py [--json results.json] [--configs 1w1s,2w1s,2w2s,4w1s,4w2s] [--quick]
+    python benchmarks/suite.py [--json results.json] [--configs 1w1s,2w1s,2w2s,4w1s,4w2s] [--quick] [--ddp]
 
 For each cluster shape it launches real clusters (scheduler, servers, workers; the
 launcher's own secret, so authentication is on as shipped) and measures, per worker:
@@ -14,7 +14,10 @@ launcher's own secret, so authentication is on as shipped) and measures, per wor
 * ``manykeys``: 10,000 keys of 100 floats pushed then pulled per iteration, keys/s,
   with batching on and off (``KVSTORE_BATCH_BYTES=0``: one request per key);
 * ``train``: the Trainer's step (forward, backward, ``step`` through the servers) for
-  a real torch model, against the same model trained in one process with torch's SGD.
+  a real torch model, against the same model trained in one process with torch's SGD;
+* with ``--ddp``: ``benchmarks/trainer_step.py``'s comparison (issue 24): the Trainer's step (plain and
+  overlapped) against one process and against torch DDP over gloo, for the 670k-parameter MLP and a
+  20M-parameter one, at each worker count of ``--configs``.
 
 Each rate is the best of three timed blocks (the unbatched many-keys run: one block), each worker
 starting each block together; a worker prints its own figures and the table gives their mean.
@@ -37,6 +40,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trainer_step  # noqa: E402  (benchmarks/ is not a package)
 
 REPO = Path(__file__).resolve().parent.parent
 MB = 1 << 20
@@ -262,43 +268,21 @@ def run_manykeys(kv: Any, iters: int, label: str, warmup: int = 2) -> None:
 
 
 def run_train(kv: Any, iters: int) -> None:
-    """Trainer step time through the servers vs the same model with torch's SGD in this process."""
+    """Trainer step time through the servers vs the same model with torch's SGD in this process
+    (``trainer_step``'s 670k-parameter MLP, batch and step; one timed block each)."""
     import torch
 
     from kvstore import Trainer
 
-    def model() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                                   torch.nn.ReLU(), torch.nn.Linear(512, 10))
-
-    generator = torch.Generator().manual_seed(kv.rank)
-    data = torch.randn(64, 784, generator=generator)
-    labels = torch.randint(0, 10, (64,), generator=generator)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def measure(net: torch.nn.Module, update: Any) -> float:
-        def step() -> None:
-            net.zero_grad()
-            loss_fn(net(data), labels).backward()
-            update()
-        for _ in range(3):
-            step()
-        kv.barrier()
-        started = time.perf_counter()
-        for _ in range(iters):
-            step()
-        return (time.perf_counter() - started) / iters
-
-    local = model()
+    local = trainer_step.model("670k")
     sgd = torch.optim.SGD(local.parameters(), lr=0.01, momentum=0.9)
-    local_s = measure(local, sgd.step)
-    net = model()
+    local_ms = trainer_step.timed(local, sgd.step, kv.rank, iters, 1, kv.barrier)
+    net = trainer_step.model("670k")
     trainer = Trainer(list(net.parameters()), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
                       kvstore=kv, update_on_kvstore=True)
-    dist_s = measure(net, lambda: trainer.step(64))
+    dist_ms = trainer_step.timed(net, lambda: trainer.step(64), kv.rank, iters, 1, kv.barrier)
     params = sum(p.numel() for p in net.parameters())
-    report("train", local_ms=local_s * 1e3, dist_ms=dist_s * 1e3, params=params)
+    report("train", local_ms=local_ms, dist_ms=dist_ms, params=params)
 
 
 def worker(tests: list[str], quick: bool) -> None:
@@ -366,6 +350,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     parser.add_argument("--tests", default="throughput,latency,manykeys,train,unbatched,bigkey",
                         help="which tests to run per config (a subset of the default)")
+    parser.add_argument("--ddp", action="store_true", help="also the Trainer against DDP (trainer_step.py)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -390,6 +375,10 @@ def main() -> None:
         full = launch(1, 1, ["throughput"], args.quick, {"KVSTORE_AUTH": "full"})
         out["auth_full_throughput_gbps"] = mean(full["results"]["throughput"], "gbps")
     print_table(out)
+    if args.ddp:
+        progress("the Trainer against one process and DDP (benchmarks/trainer_step.py)")
+        out["trainer_vs_ddp"] = trainer_step.compare(
+            sorted({int(n.split("w")[0]) for n in args.configs.split(",")}), args.quick)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 

@@ -28,6 +28,7 @@ the first replica's.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -42,9 +43,11 @@ from kvstore.base import KVStore
 from kvstore.client.meter import trainer_step
 from kvstore.core import checkpoint, xp
 from kvstore.core import optimizer as kvoptimizer
-from kvstore.core.dtypes import BY_NAME, dtype_name
 from kvstore.core.optimizer import Optimizer
+from kvstore.overlap import DEFAULT_BUCKET_BYTES, Overlap
 from kvstore.stores import create
+from kvstore.trainer_states import states_from_dict as _states_from_dict
+from kvstore.trainer_states import states_to_dict as _states_to_dict
 
 Tensor = Any  # a torch.Tensor; torch is not imported when this module loads
 _trainers = itertools.count()
@@ -129,6 +132,8 @@ class Trainer:
     ``key_prefix``: defaults to ``f"trainer{i}"``, i counting (from 0) the Trainers
     made without one in this process; pass the same prefix to load states saved by
     a Trainer that was made in another order.  ``compression_params``: gluon's (``set_gradient_compression``).
+    ``overlap``: push gradients during backward, in buckets of ``bucket_bytes`` (:mod:`kvstore.overlap`);
+    None (the default) means on for a dist store with update_on_kvstore=False and one replica.
     Raises ValueError when no parameter requires grad, for a tensor given twice, for replicas that do
     not match, for ``optimizer_params`` with an Optimizer, for update_on_kvstore=False with an async
     store; TypeError for bad ``params``.
@@ -137,7 +142,8 @@ class Trainer:
     def __init__(self, params: Iterable[Any] | Mapping[str, Any], optimizer: str | Optimizer,
                  optimizer_params: Mapping[str, Any] | None = None, kvstore: KVStore | str | None = None,
                  update_on_kvstore: bool | None = None, key_prefix: str | None = None,
-                 compression_params: Mapping[str, Any] | None = None) -> None:
+                 compression_params: Mapping[str, Any] | None = None, overlap: bool | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         replicas = [[(n, p) for n, p in named if p.requires_grad] for named in _replica_sets(params)]
         named = replicas[0]
         if not named:
@@ -176,6 +182,20 @@ class Trainer:
         self._compression_params = None if compression_params is None else dict(compression_params)
         self._warned: set[str] = set()
         self._shares = itertools.count()  # numbers the state_dict broadcasts (their keys)
+        if overlap is None:
+            overlap = self._kv.type.startswith("dist") and not self._update_on_kvstore and len(replicas) == 1
+        self._overlap = Overlap(self._kv, self._keys, self._params, self._update_on_kvstore,
+                                bucket_bytes) if overlap and len(replicas) == 1 else None
+
+    def close(self) -> None:
+        """Remove the overlap's autograd hooks (the store stays open); garbage collection does it too."""
+        if self._overlap is not None:
+            self._overlap.close()
+
+    def no_sync(self) -> Any:
+        """A context in which backward only accumulates gradients (DDP's ``no_sync``): nothing is pushed
+        until the backward after it.  Needed for accumulation only with update_on_kvstore and overlap."""
+        return self._overlap.no_sync() if self._overlap is not None else contextlib.nullcontext()
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -292,8 +312,9 @@ class Trainer:
         self._set_rescale(batch_size)
         self._init_kvstore()
         if self._update_on_kvstore:
-            self._kv.pushpull(self._keys, self._per_key(self._grads(not ignore_stale_grad)),
-                              out=self._per_key(self._replicas))
+            if not self._overlapped(not ignore_stale_grad):
+                self._kv.pushpull(self._keys, self._per_key(self._grads(not ignore_stale_grad)),
+                                  out=self._per_key(self._replicas))
         else:
             self._allreduce(not ignore_stale_grad)
             self._update()
@@ -309,7 +330,14 @@ class Trainer:
         self._init_kvstore()
         self._allreduce(True)
 
+    def _overlapped(self, warn: bool) -> bool:
+        """Whether the overlap finished this step's communication (:meth:`Overlap.reduce`)."""
+        return self._overlap is not None and self._overlap.reduce(
+            lambda: self._grads(warn)[0], self._optimizer.rescale_grad)
+
     def _allreduce(self, warn: bool) -> None:
+        if self._overlapped(warn):
+            return
         grads = self._grads(warn)
         self._kv.pushpull(self._keys, self._per_key(grads))  # the sum lands in every replica's grad
         for replica, row in zip(self._replicas, grads):
@@ -458,30 +486,6 @@ class Trainer:
         else:
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._weights())
             self._mirror_states()
-
-
-def _states_to_dict(states: checkpoint.StatesFile) -> dict[str, Any]:
-    """A StatesFile as plain values and CPU tensors (what torch.load(weights_only=True) reads back)."""
-    import torch
-
-    def tensors(arrays: Mapping[str, Any]) -> dict[str, Tensor]:
-        return {n: torch.from_numpy(xp.to_numpy(a).copy()) for n, a in arrays.items()}
-
-    return {"optimizer": states.optimizer, "num_update": int(states.num_update),
-            "states": {e.key: {"count": int(e.count), "shape": [int(d) for d in e.shape],
-                               "dtype": dtype_name(e.dtype), "arrays": tensors(e.arrays)}
-                       for e in states.entries}}
-
-
-def _states_from_dict(state: Mapping[str, Any]) -> checkpoint.StatesFile:
-    """The StatesFile of a :meth:`Trainer.state_dict` dict; ValueError when it is not one."""
-    try:
-        entries = [checkpoint.StateEntry(key, tuple(e["shape"]), BY_NAME[e["dtype"]], int(e["count"]),
-                                         {n: xp.to_numpy(a.detach().cpu()) for n, a in e["arrays"].items()})
-                   for key, e in state["states"].items()]
-        return checkpoint.StatesFile(state["optimizer"], int(state["num_update"]), entries)
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"not a Trainer state dict ({type(exc).__name__}: {exc})") from None
 
 
 def _weight_view(p: Tensor) -> Any:

@@ -365,3 +365,41 @@ def test_load_states_needs_the_same_keys(tmp_path: Path, uok: bool) -> None:
     other = Trainer(copy.deepcopy(model).parameters(), "adam", update_on_kvstore=uok, key_prefix="other")
     with pytest.raises(KeyNotInitializedError, match="saved/0"):
         other.load_states(tmp_path / "s")
+
+
+# -- the overlap's buckets (kvstore.overlap, issue 24) ------------------------------------------------
+def test_buckets_group_parameters_in_backward_order_up_to_the_size() -> None:
+    """Buckets fill from the last parameter until they hold the size (DDP's rule); 0: one per parameter."""
+    from kvstore.overlap import make_buckets
+
+    assert make_buckets([4096, 64, 640, 40], 700) == [[3, 2, 1], [0]]
+    assert make_buckets([4096, 64, 640, 40], 600) == [[3, 2], [1, 0]]
+    assert make_buckets([10, 10, 10], 1 << 20) == [[2, 1, 0]]
+    assert make_buckets([10, 5000, 10], 100) == [[2, 1], [0]]
+    assert make_buckets([10, 10, 10], 0) == [[2], [1], [0]]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        make_buckets([10], -1)
+
+
+def test_overlap_is_on_by_default_only_where_it_keeps_todays_semantics() -> None:
+    """A local store gets no hooks unless asked; overlap=True on one replica installs one per parameter."""
+    model = make_model()
+    assert Trainer(model.parameters(), "sgd", {"learning_rate": 0.1})._overlap is None
+    trainer = Trainer(model.parameters(), "sgd", {"learning_rate": 0.1}, overlap=True)
+    assert trainer._overlap.hooks == 4
+    trainer.close()
+    assert trainer._overlap.hooks == 0
+
+
+def test_overlap_on_a_local_store_gives_the_plain_weights() -> None:
+    """overlap=True on a local store (both update modes, with no_sync accumulation) ends bit for bit as
+    the plain Trainer."""
+    for uok in (False, True):
+        plain, overlapped = make_model(), make_model()
+        a = Trainer(plain.parameters(), "sgd", dict(SGD), update_on_kvstore=uok, overlap=False)
+        b = Trainer(overlapped.parameters(), "sgd", dict(SGD), update_on_kvstore=uok, overlap=True,
+                    bucket_bytes=700)
+        run(plain, a.step, batches(5))
+        run(overlapped, b.step, batches(5))
+        assert b._overlap.early == 4 * len(b._overlap.buckets)
+        assert_equal(plain, overlapped)

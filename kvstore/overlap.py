@@ -1,0 +1,182 @@
+"""The Trainer's overlap of communication with backward (issue 24): buckets of gradients pushed from
+autograd hooks, pulled back in forward order by ``Trainer.step``.
+
+Each trainable parameter gets a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``).
+Parameters are grouped into *buckets* in reverse order (the order backward produces their gradients,
+first bucket = last layers); as in DDP, a bucket is closed once it holds ``bucket_bytes`` or more, so
+small parameters ride with the next large one instead of travelling alone; ``bucket_bytes=0`` gives
+one bucket per parameter.  When every parameter of a
+bucket has its gradient, the hook pushes the bucket (one ``kv.push`` of its keys: the store batches the
+small keys per server into one message).  ``step`` then pushes the buckets still waiting (a parameter
+that got no gradient pushes zeros, with the warning of today's path), and pulls every key in forward
+order (first layers first): into the parameters with update_on_kvstore, into the ``.grad`` otherwise,
+before the local update.  It waits only for what is still in flight.
+
+The first step of a Trainer takes the plain path (it initialises the keys); hooks push from the second
+on.  A parameter whose hook runs twice before a step (gradients accumulated over several backward
+passes) makes that step take the plain path: with update_on_kvstore=False it pushes every key again
+(one extra round, the same on every worker when every worker accumulates alike), which gives today's
+sums; with update_on_kvstore=True the earlier push has been applied already, so the step raises
+(use ``trainer.no_sync()`` around the backward passes that only accumulate).  ``no_sync()`` turns the
+hooks off inside its block, as DDP's does.
+
+Thread-safety: the hooks run on autograd's thread (for CPU tensors, the one that called backward), and
+push through the store, whose calls are thread-safe (``kvstore.client.mux``: a lock guards the sockets;
+the store's ``_lock`` and ``_send_lock`` guard its tables).  The hooks hold only a weak reference to
+this object, and its handles are removed by :meth:`Overlap.close` or when it is garbage collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB (DDP: 25 MB, its first bucket 1 MB); see docs/trainer.md
+
+
+def make_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Parameter indexes grouped into buckets in backward order (last parameter first).
+
+    A bucket takes parameters until it holds ``bucket_bytes`` or more (DDP's rule), so a bucket
+    exceeds the size by at most its last parameter; 0 gives one bucket per parameter.  Raises
+    ValueError when ``bucket_bytes`` is negative.
+    """
+    if bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes!r}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for index in reversed(range(len(nbytes))):
+        current.append(index)
+        filled += nbytes[index]
+        if filled >= bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _on_grad(ref: weakref.ref, index: int, param: Any) -> None:
+    """The hook of parameter ``index``: tell the Overlap, if it still exists."""
+    overlap = ref()
+    if overlap is not None:
+        overlap.ready(index)
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+class Overlap:
+    """Pushes a Trainer's gradients bucket by bucket during backward (see the module's docstring)."""
+
+    def __init__(self, kv: Any, keys: list[str], params: list[Any], update_on_kvstore: bool,
+                 bucket_bytes: int) -> None:
+        self._kv, self._keys, self._params = kv, keys, params
+        self._uok = update_on_kvstore
+        self.buckets = make_buckets([p.numel() * p.element_size() for p in params], bucket_bytes)
+        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self._armed = False     # set by the first reduce: keys initialised, rescale known
+        self._paused = 0        # no_sync() depth
+        self._scale: float | None = None  # the rescale the servers hold for this step's pushes
+        self.early = 0          # buckets pushed from the hooks, over the Trainer's life
+        self._reset()
+        ref = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(
+            lambda param, i=i: _on_grad(ref, i, param)) for i, p in enumerate(params)]
+        self._finalizer = weakref.finalize(self, _remove, self._handles)
+
+    def _reset(self) -> None:
+        self._fired = [0] * len(self._params)
+        self._left = [len(b) for b in self.buckets]
+        self._pushed = [False] * len(self.buckets)
+        self._refired = False
+
+    def close(self) -> None:
+        """Remove every hook (idempotent)."""
+        self._finalizer()
+
+    @property
+    def hooks(self) -> int:
+        """The number of hooks still installed."""
+        return len(self._handles)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside the block, backward only accumulates gradients: nothing is pushed."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def ready(self, index: int) -> None:
+        """Parameter ``index`` has its gradient: push its bucket once the bucket is complete."""
+        if not self._armed or self._paused:
+            return
+        self._fired[index] += 1
+        if self._fired[index] > 1:
+            self._refired = True  # accumulation: the step takes the plain path
+            return
+        bucket = self._bucket_of[index]
+        self._left[bucket] -= 1
+        if self._left[bucket] == 0 and not self._refired:
+            self._push(bucket, {i: self._params[i].grad for i in self.buckets[bucket]})
+            self.early += 1
+
+    def _push(self, bucket: int, grads: dict[int, Any]) -> None:
+        self._pushed[bucket] = True
+        indexes = self.buckets[bucket]
+        self._kv.push([self._keys[i] for i in indexes], [grads[i] for i in indexes])
+
+    def reduce(self, grads: Any, scale: float) -> bool:
+        """Finish the step's communication: push the buckets not pushed yet, pull every key in
+        forward order; False when the step must take the plain path instead (the first step, or
+        gradients accumulated over several backward passes with update_on_kvstore=False).
+
+        ``grads()`` returns every gradient (zeros, and the warning, where one is None); ``scale`` is
+        the rescale_grad of this step.  Raises RuntimeError (update_on_kvstore) when a gradient was
+        accumulated after its push, ValueError when pushes left with another rescale_grad.
+        """
+        pushed, refired, pushed_scale = self._pushed, self._refired, self._scale
+        pushed_any = any(pushed)
+        armed, self._armed, self._scale = self._armed, True, scale
+        self._reset()
+        if not armed:
+            return False
+        if self._uok and pushed_any and refired:
+            raise RuntimeError("a gradient was accumulated after the hooks pushed it, and the servers have "
+                               "applied that push: with update_on_kvstore and overlap, run the backward "
+                               "passes that only accumulate inside trainer.no_sync()")
+        if self._uok and pushed_any and scale != pushed_scale:
+            raise ValueError(f"this step's gradients were pushed during backward with rescale_grad "
+                             f"{pushed_scale!r} (the previous step's batch size), and step asked for "
+                             f"{scale!r}: "
+                             "with update_on_kvstore and overlap every step needs the same batch size; "
+                             "create the Trainer with overlap=False (or update_on_kvstore=False) to vary it")
+        if refired:
+            return False
+        self._finish(grads(), pushed)
+        return True
+
+    def _finish(self, values: list[Any], pushed: list[bool]) -> None:
+        """Push the buckets ``pushed`` marks False (last layers first), then pull every key in forward
+        order; a step whose hooks pushed nothing (no parameter got a gradient) is one pushpull."""
+        outs = self._params if self._uok else values
+        if not any(pushed):
+            self._kv.pushpull(self._keys, [[v] for v in values], out=[[o] for o in outs])
+        else:
+            for bucket, done in enumerate(pushed):
+                if not done:
+                    self._push(bucket, values)
+            self._pushed = [False] * len(self.buckets)  # _push marked them: this step's are over
+            self._kv.pull(self._keys, out=[[o] for o in outs])  # forward order: first layers first
+        if not self._uok:
+            for p, g in zip(self._params, values):
+                if p.grad is None:
+                    p.grad = g
