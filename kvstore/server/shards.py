@@ -85,7 +85,7 @@ class ShardWriter:
         self.last_time = self.last_check = clock()
         self.thread: threading.Thread | None = None
         self.written = self.failed = 0
-        self.last_written: ShardImage | None = None
+        self.last_written: ShardImage | None = None  # the last image written (its buffers are reused)
 
     def tick(self, state: ShardState | None, optimizer: Any, bf16_keys: set[Key]) -> bool:
         """Capture a shard and start writing it when one is due; return whether one was."""
@@ -102,7 +102,9 @@ class ShardWriter:
             if progress(state) < self.last_step + self.rounds:
                 return False
         self.number += 1
-        image = capture(state, optimizer, bf16_keys, self.rank, self.number)
+        spare = self.last_written.keys if self.last_written is not None else None
+        self.last_written = None  # its state arrays become this image's copies
+        image = capture(state, optimizer, bf16_keys, self.rank, self.number, spare)
         self.last_step, self.last_time = image.step(), now
         self.thread = threading.Thread(target=self._write, args=(image,), name="kvstore-shard", daemon=True)
         self.thread.start()

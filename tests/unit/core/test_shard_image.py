@@ -87,3 +87,15 @@ def test_an_async_image_counts_each_workers_applied_pushes() -> None:
     shard.push("b", 1, "w", np.ones(2))
     image = capture(shard, None, set(), 0, 1)
     assert image.keys["w"].applied == {0: 3, 1: 1} and image.step() == 3 and image.optimizer is None
+
+
+def test_a_capture_copies_into_an_earlier_images_buffers() -> None:
+    """With ``spare``, the state copies land in the earlier image's arrays and hold the new state."""
+    shard, opt = trained(2, open_round=False)
+    first = capture(shard, opt, set(), 0, 1)
+    buffer = first.keys["w"].states["mom"]
+    for worker in (0, 1):
+        shard.push(worker, worker, "w", np.full(3, 1.0, np.float32))
+    second = capture(shard, opt, set(), 0, 2, spare=first.keys)
+    assert second.keys["w"].states["mom"] is buffer and second.keys["w"].round == 3
+    np.testing.assert_array_equal(buffer, opt.get_state("w")[1]["mom"])
