@@ -25,7 +25,7 @@ from kvstore.core import checkpoint
 from kvstore.core.partition import Key
 from kvstore.core.shard import ShardState
 from kvstore.core.shard_image import ShardImage, capture, from_file, progress, to_file
-from kvstore.errors import FormatError
+from kvstore.errors import ConfigError, FormatError
 
 log = logging.getLogger("kvstore.server")
 KEEP = 2  # the latest shard and the one before it
@@ -139,7 +139,11 @@ class ShardWriter:
 
 def shard_writer(cfg: Any, rank: int) -> ShardWriter | None:
     """Server ``rank``'s writer as ``cfg`` (a :class:`kvstore.config.Config`) asks, or None (no
-    ``KVSTORE_SNAPSHOT_EVERY``).  Raises OSError when the folder cannot be made."""
+    ``KVSTORE_SNAPSHOT_EVERY``).  Raises :class:`ConfigError` naming the folder when it cannot be made."""
     if not (cfg.snapshot_rounds or cfg.snapshot_seconds):
         return None
-    return ShardWriter(cfg.snapshot_dir, rank, cfg.snapshot_rounds, cfg.snapshot_seconds)
+    try:
+        return ShardWriter(cfg.snapshot_dir, rank, cfg.snapshot_rounds, cfg.snapshot_seconds)
+    except OSError as exc:
+        raise ConfigError(f"KVSTORE_SNAPSHOT_DIR={cfg.snapshot_dir!r}: cannot make server {rank}'s shard "
+                          f"folder ({exc})") from None

@@ -11,7 +11,7 @@ import pytest
 from kvstore import config
 from kvstore.core.shard import ShardState
 from kvstore.errors import ConfigError, FormatError
-from kvstore.server.shards import ShardWriter, read_latest, shard_files
+from kvstore.server.shards import ShardWriter, read_latest, shard_files, shard_writer
 
 
 class Clock:
@@ -101,3 +101,12 @@ def test_a_bad_snapshot_period_or_a_missing_folder_is_a_config_error(env: dict) 
     """Zero, words, or a period without a folder: ConfigError naming the variable."""
     with pytest.raises(ConfigError, match="KVSTORE_SNAPSHOT"):
         config.load(env)
+
+
+def test_a_shard_folder_that_cannot_be_made_is_a_config_error(tmp_path) -> None:
+    """KVSTORE_SNAPSHOT_DIR under a file: ConfigError naming the variable, not a bare OSError."""
+    (tmp_path / "file").write_text("x")
+    cfg = config.load({"KVSTORE_SNAPSHOT_EVERY": "3", "KVSTORE_SNAPSHOT_DIR": str(tmp_path / "file")})
+    with pytest.raises(ConfigError, match="KVSTORE_SNAPSHOT_DIR"):
+        shard_writer(cfg, 0)
+    assert shard_writer(config.load({}), 0) is None
