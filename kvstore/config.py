@@ -210,6 +210,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         **_data_path(env),
         **_watch_and_wire(env),
         **_restarts(env),
+        **_shards(env),
     )
 
 
@@ -217,7 +218,7 @@ def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
     """Worker restarts (docs/failures.md): the job's budget, this process's incarnation, the test hook."""
     return {"max_restarts": env_int(env, "KVSTORE_MAX_RESTARTS", minimum=0, default=0),
             "incarnation": env_int(env, "KVSTORE_INCARNATION", minimum=0, default=0),
-            "test_die_at_round": _die_at(env), **_shards(env)}
+            "test_die_at_round": _die_at(env)}
 
 
 def _shards(env: Mapping[str, str]) -> dict[str, Any]:
