@@ -89,6 +89,9 @@ class Config:
     max_restarts: int = 0  # KVSTORE_MAX_RESTARTS: worker restarts the job absorbs (launch.py --max-restarts)
     incarnation: int = 0  # KVSTORE_INCARNATION: this worker's restarts so far (set by the launcher)
     test_die_at_round: tuple[int | None, int] | None = None  # KVSTORE_TEST_DIE_AT_ROUND: (rank, round)
+    snapshot_rounds: int = 0  # KVSTORE_SNAPSHOT_EVERY=N: a server writes its shard every N rounds (0: off)
+    snapshot_seconds: float = 0.0  # KVSTORE_SNAPSHOT_EVERY=Ns: ... every N seconds instead (0: off)
+    snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
 
     def missing_cluster_vars(self) -> list[str]:
         """Return the names of the ``DMLC_*`` variables a distributed node needs but lacks."""
@@ -207,6 +210,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         **_data_path(env),
         **_watch_and_wire(env),
         **_restarts(env),
+        **_shards(env),
     )
 
 
@@ -215,6 +219,26 @@ def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
     return {"max_restarts": env_int(env, "KVSTORE_MAX_RESTARTS", minimum=0, default=0),
             "incarnation": env_int(env, "KVSTORE_INCARNATION", minimum=0, default=0),
             "test_die_at_round": _die_at(env)}
+
+
+def _shards(env: Mapping[str, str]) -> dict[str, Any]:
+    """Server shards (docs/failures.md): ``KVSTORE_SNAPSHOT_EVERY`` (``N`` rounds or ``Ns`` seconds)
+    and ``KVSTORE_SNAPSHOT_DIR``.  Raises ConfigError for a malformed period or one without a folder."""
+    raw, folder = env_text(env, "KVSTORE_SNAPSHOT_EVERY"), env_text(env, "KVSTORE_SNAPSHOT_DIR")
+    if raw is None:
+        return {"snapshot_dir": folder}
+    try:
+        number = float(raw[:-1]) if raw.endswith("s") else int(raw)
+    except ValueError:
+        number = 0
+    if not number > 0:
+        raise ConfigError(f"KVSTORE_SNAPSHOT_EVERY={raw!r} is not N (rounds, >= 1) or Ns (seconds, > 0)")
+    if folder is None:
+        raise ConfigError("KVSTORE_SNAPSHOT_EVERY is set but KVSTORE_SNAPSHOT_DIR is not: "
+                          "servers need a folder for their shards")
+    if raw.endswith("s"):
+        return {"snapshot_seconds": float(number), "snapshot_dir": folder}
+    return {"snapshot_rounds": int(number), "snapshot_dir": folder}
 
 
 def _die_at(env: Mapping[str, str]) -> tuple[int | None, int] | None:

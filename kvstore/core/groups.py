@@ -259,6 +259,14 @@ class GroupedShardState(ShardState):
         for group in list(self._groups.values()):
             self._dissolve(group)
 
+    def group_progress(self) -> int:
+        """The furthest progress of any key group, as ``core/shard_image.progress`` reads each key's:
+        rounds closed (dist_sync), or one worker's most applied pushes (dist_async)."""
+        if self.sync:
+            return max((g.start[0] + g.base for g in self._groups.values()), default=0)
+        return max((max(_added(g.start[2], g.applied).values(), default=0) for g in self._groups.values()),
+                   default=0)
+
     # -- ShardState's per-key entry points, made group-aware ------------------------------------------
     def _get(self, key: Key) -> _KeyState:
         group = self._grouped.get(key)

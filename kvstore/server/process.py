@@ -41,6 +41,7 @@ from kvstore.net.role import run_role
 from kvstore.net.router import Handler, RouterService
 from kvstore.server import decompress, fastpath
 from kvstore.server.meter import ServerMeter
+from kvstore.server.shards import ShardWriter, shard_writer
 from kvstore.server.sparse import SparseServer
 
 log = logging.getLogger("kvstore.server")
@@ -103,6 +104,7 @@ class Server:
         self.bf16_keys: set[object] = set()  # keys held as float32 master copies of bfloat16 values
         self.optimizer: Optimizer | None = None
         self.heartbeat: Heartbeat | None = None
+        self.shards: ShardWriter | None = None  # KVSTORE_SNAPSHOT_EVERY (server/shards.py)
         self.meter = ServerMeter(self.host, cfg.stall_warn, cfg.stall_abort)
         handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push, Op.PULL: self._on_pull,
                     Op.PUSHPULL: self._on_pushpull, Op.OPTIMIZER_SET: self._on_optimizer_set,
@@ -138,6 +140,7 @@ class Server:
         self.state.on_close = self.meter.round_closed
         self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self.rejoins = Rejoins(self.state)  # restarted workers (launch.py --max-restarts)
+        self.shards = shard_writer(self.cfg, rank)
         logs.set_identity("server", rank)
         log.info("serving on %s:%d in %s mode", self.host, self.port, cmap.body["mode"])
 
@@ -417,7 +420,11 @@ class Server:
                 if self.scheduler in ready and self._from_scheduler():
                     return 0
                 self.meter.tick(self.state, self._abort_pulls, self.service.drops.totals)
+                if self.shards is not None:
+                    self.shards.tick(self.state, self.optimizer, self.bf16_keys)
         finally:
+            if self.shards is not None:
+                self.shards.close(self.cfg.shutdown_timeout)
             if self.heartbeat is not None:
                 self.heartbeat.stop()
             transport.close(self.service.sock)

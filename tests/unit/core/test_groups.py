@@ -163,3 +163,20 @@ def test_a_lone_key_group_answers_as_the_per_key_state_does(workers, sync, monke
             assert np.array_equal(current(grouped, "solo"), ref._keys["solo"].value), (seed, t)
             used += bool(grouped._groups)
     assert used > 50  # the group path was taken
+
+
+def test_a_shard_image_and_its_progress_see_the_groups_rounds():
+    """core/shard_image: progress counts a group's closed rounds, and an image holds the values the
+    group's rounds made (its keys' own state is made current first)."""
+    from kvstore.core.shard_image import capture, progress
+
+    state = make(GroupedShardState, 2, True)
+    for _ in range(3):
+        for w in (0, 1):
+            group = state.group_of(list(KEYS), list(SIZES), np.ones(12), create=True)
+            state.push_group(group, w, (w, -1), np.ones(12))
+    assert state._groups and progress(state) == 3
+    image = capture(state, None, set(), rank=0, number=1)
+    for key in KEYS:
+        assert image.keys[key].round == 3
+        np.testing.assert_array_equal(image.keys[key].value, np.full(SIZE, 2.0))

@@ -1,0 +1,175 @@
+"""A server's shard image: its slices, their rounds and their optimizer state, taken at one instant.
+
+Pure, no I/O: :func:`capture` reads a :class:`~kvstore.core.shard.ShardState` (and the server's
+optimizer) between two requests, so every key is as of the same instant and each key's value is
+exactly the sum of its closed rounds (``dist_sync``) or applied contributions (``dist_async``): an
+open round's accumulator or a half-assembled push is never in it.  Round numbers are per key, so
+the image records each key's own: ``round`` (rounds closed) and ``applied`` (each worker's
+contributions applied).  Taking it costs no barrier and no copy of the values (a stored value is
+never written to: every update stores a new array); only the optimizer's state arrays, which an
+update changes in place, are copied.
+
+:func:`to_file` and :func:`from_file` turn an image into the manifest fields and arrays of the one
+file format (:mod:`kvstore.core.checkpoint`, ``"kind": "server_shard"``, docs/formats.md) and back;
+:func:`from_file` checks everything first and raises :class:`~kvstore.errors.FormatError` naming
+what is wrong.  :mod:`kvstore.server.shards` writes and reads the files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstore.core.groups import GroupedShardState
+from kvstore.core.partition import Key, check_key
+from kvstore.core.shard import ShardState
+from kvstore.errors import FormatError, KeyTypeError
+
+KIND = "server_shard"
+
+
+@dataclass
+class KeyImage:
+    """One key's slice as of the image: its value, rounds and optimizer state."""
+
+    value: np.ndarray
+    round: int                                   # rounds closed (dist_sync); 0 in dist_async
+    applied: dict[int, int] = field(default_factory=dict)  # worker -> its contributions applied
+    bf16: bool = False                           # held as the float32 master copy of a bfloat16 key
+    count: int | None = None                     # the key's optimizer update count (None: no state)
+    states: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class ShardImage:
+    """Everything one server holds of the dense keys, as of one instant."""
+
+    rank: int
+    number: int                                  # the server's shards so far, this one included
+    mode: str                                    # "dist_sync" or "dist_async"
+    num_workers: int
+    optimizer: dict[str, Any] | None             # the optimizer's spec (None: values are assigned)
+    num_update: int
+    keys: dict[Key, KeyImage]
+
+    def step(self) -> int:
+        """The furthest key's progress: rounds closed, or (async) one worker's most contributions."""
+        return max((k.round if self.mode == "dist_sync" else max(k.applied.values(), default=0)
+                    for k in self.keys.values()), default=0)
+
+
+def progress(state: ShardState) -> int:
+    """The progress :meth:`ShardImage.step` would record for ``state`` now (a scan of its keys)."""
+    keys = state._keys.values()  # noqa: SLF001 -- a read-only view, as core/rejoin.py takes
+    grouped = state.group_progress() if isinstance(state, GroupedShardState) else 0  # not dissolved
+    if state.sync:
+        return max(grouped, max((k.base for k in keys), default=0))
+    return max(grouped, max((max(k.applied.values(), default=0) for k in keys), default=0))
+
+
+def _copied(array: np.ndarray, spare: np.ndarray | None) -> np.ndarray:
+    """A copy of ``array``, into ``spare`` when that has its shape and dtype (no new allocation)."""
+    if spare is not None and spare.shape == array.shape and spare.dtype == array.dtype:
+        np.copyto(spare, array)
+        return spare
+    return np.array(array, copy=True)
+
+
+def capture(state: ShardState, optimizer: Any, bf16_keys: set[Key], rank: int, number: int,
+            spare: dict[Key, KeyImage] | None = None) -> ShardImage:
+    """An image of ``state`` (and ``optimizer``'s state of its keys, copied) as of now.
+
+    ``spare``: the keys of an earlier image nobody reads any more, whose state arrays are reused
+    as the copies' buffers (a copy into memory already touched is several times faster than one
+    into fresh pages).
+    """
+    keys: dict[Key, KeyImage] = {}
+    spare = spare or {}
+    if isinstance(state, GroupedShardState):
+        state.settle()  # each key's own value and counts are then current (its groups form again)
+    for key, held in state._keys.items():  # noqa: SLF001
+        image = KeyImage(held.value, held.base if state.sync else 0, dict(held.applied), key in bf16_keys)
+        found = optimizer.get_state(key) if optimizer is not None else None
+        if found is not None:
+            old = spare.get(key)
+            image.count = found[0]
+            image.states = {name: _copied(array, old.states.get(name) if old is not None else None)
+                            for name, array in found[1].items()}
+        keys[key] = image
+    spec = optimizer.spec() if optimizer is not None else None
+    return ShardImage(rank, number, "dist_sync" if state.sync else "dist_async", state.num_workers, spec,
+                      optimizer.num_update if optimizer is not None else 0, keys)
+
+
+def to_file(image: ShardImage) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The manifest fields and the arrays that store ``image`` (docs/formats.md, ``server_shard``)."""
+    arrays: dict[str, np.ndarray] = {}
+    entries = []
+    for index, (key, held) in enumerate(image.keys.items()):
+        arrays[f"{index}/value"] = held.value
+        states = {}
+        for name, array in held.states.items():
+            states[name] = f"{index}/state/{len(states)}"
+            arrays[states[name]] = array
+        entries.append({"key": key, "value": f"{index}/value", "round": held.round,
+                        "applied": [[w, n] for w, n in sorted(held.applied.items())], "bfloat16": held.bf16,
+                        "count": held.count, "states": states})
+    manifest = {"kind": KIND, "rank": image.rank, "number": image.number, "mode": image.mode,
+                "num_workers": image.num_workers, "optimizer": image.optimizer,
+                "num_update": image.num_update, "step": image.step(), "keys": entries}
+    return manifest, arrays
+
+
+def _count(value: Any, what: str, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise FormatError(f"{where}: {what} must be an int >= 0, not {str(value)[:40]!r}")
+    return value
+
+
+def _key_image(entry: Any, arrays: dict[str, np.ndarray], where: str) -> tuple[Key, KeyImage]:
+    """One ``keys`` entry of a shard's manifest, checked."""
+    if not isinstance(entry, dict):
+        raise FormatError(f"{where}: a 'keys' entry must be an object")
+    try:
+        key = check_key(entry.get("key"))
+    except KeyTypeError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    value = arrays.get(entry.get("value")) if isinstance(entry.get("value"), str) else None
+    applied, states = entry.get("applied"), entry.get("states")
+    if value is None or not isinstance(applied, list) or not isinstance(states, dict):
+        raise FormatError(f"{where}: key {key!r} lacks its value, 'applied' or 'states'")
+    pairs = {}
+    for pair in applied:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise FormatError(f"{where}: key {key!r}: 'applied' holds [worker, count] pairs")
+        pairs[_count(pair[0], "a worker rank", where)] = _count(pair[1], "a count", where)
+    found = {}
+    for name, array_name in states.items():
+        state = arrays.get(array_name) if isinstance(array_name, str) else None
+        if state is None or state.size != value.size:
+            raise FormatError(f"{where}: key {key!r}'s state {name!r} is missing or not the value's size")
+        found[name] = state
+    count = entry.get("count")
+    image = KeyImage(value, _count(entry.get("round"), "'round'", where), pairs,
+                     entry.get("bfloat16") is True,
+                     None if count is None else _count(count, "'count'", where), found)
+    return key, image
+
+
+def from_file(manifest: dict[str, Any], arrays: dict[str, np.ndarray], where: str) -> ShardImage:
+    """The image a shard file stores; raises :class:`FormatError` (naming ``where``) if malformed."""
+    if manifest.get("kind") != KIND:
+        raise FormatError(f"{where} is not a server shard (kind {str(manifest.get('kind'))[:40]!r})")
+    entries, mode, spec = manifest.get("keys"), manifest.get("mode"), manifest.get("optimizer")
+    if not isinstance(entries, list) or mode not in ("dist_sync", "dist_async") or not (
+            spec is None or isinstance(spec, dict)):
+        raise FormatError(f"{where}: a shard needs 'keys', a mode and an optimizer spec or null")
+    keys = dict(_key_image(entry, arrays, where) for entry in entries)
+    if len(keys) != len(entries):
+        raise FormatError(f"{where}: a key is stored twice")
+    rank = _count(manifest.get("rank"), "'rank'", where)
+    number = _count(manifest.get("number"), "'number'", where)
+    return ShardImage(rank, number, mode, _count(manifest.get("num_workers"), "'num_workers'", where), spec,
+                      _count(manifest.get("num_update"), "'num_update'", where), keys)

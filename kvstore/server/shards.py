@@ -1,0 +1,149 @@
+"""A server's own shard files: written every ``KVSTORE_SNAPSHOT_EVERY`` rounds or seconds, read back.
+
+The server loop calls :meth:`ShardWriter.tick` between requests.  When a shard is due (the
+server's furthest key has closed ``N`` rounds more than at the last shard, or ``N`` seconds have
+passed), it takes an image of its state at once (:func:`kvstore.core.shard_image.capture`: no
+barrier, no copy of the values, a copy of the optimizer state) and a thread of its own writes it,
+so training stops only for the capture.  While one write is in flight no other image is taken
+(memory stays one image).  Files live in ``KVSTORE_SNAPSHOT_DIR/server-RANK/shard-NUMBER.kvs``, in
+the one file format (atomic: a crash mid-write leaves the previous shard in effect); the latest two
+are kept and older ones removed.  A failed write is logged and counted, never fatal: training goes
+on with the previous shard in effect.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.core import checkpoint
+from kvstore.core.partition import Key
+from kvstore.core.shard import ShardState
+from kvstore.core.shard_image import ShardImage, capture, from_file, progress, to_file
+from kvstore.errors import ConfigError, FormatError
+
+log = logging.getLogger("kvstore.server")
+KEEP = 2  # the latest shard and the one before it
+CHECK_EVERY = 0.05  # seconds between two looks at the rounds (a scan of the keys) at most
+_NAME = re.compile(r"^shard-(\d{8})\.kvs$")
+
+
+def server_dir(directory: str, rank: int) -> str:
+    """The folder of server ``rank``'s shards under ``directory``."""
+    return os.path.join(directory, f"server-{rank}")
+
+
+def shard_files(directory: str, rank: int) -> list[tuple[int, str]]:
+    """Server ``rank``'s shard files under ``directory`` as (number, path), oldest first."""
+    folder = server_dir(directory, rank)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(folder, name)) for name in names if (m := _NAME.match(name))]
+    return sorted(found)
+
+
+def read_latest(directory: str, rank: int) -> ShardImage | None:
+    """Server ``rank``'s newest readable shard under ``directory`` (None: none written yet).
+
+    A damaged newest file is skipped with a warning for the one before it; raises
+    :class:`FormatError` when shards exist and none is readable.
+    """
+    files = shard_files(directory, rank)
+    errors = []
+    for _, path in reversed(files):
+        try:
+            manifest, arrays = checkpoint.read(path)
+            return from_file(manifest, arrays, path)
+        except FormatError as exc:
+            log.warning("skipping a damaged shard: %s", exc)
+            errors.append(str(exc))
+    if errors:
+        raise FormatError(f"no readable shard of server {rank} under {directory}: {'; '.join(errors)}")
+    return None
+
+
+class ShardWriter:
+    """When a server's shard is due, its capture, and its write on a thread of its own."""
+
+    def __init__(self, directory: str, rank: int, rounds: int = 0, seconds: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not (rounds > 0 or seconds > 0):
+            raise ValueError("a ShardWriter needs a period in rounds or seconds")
+        self.folder = server_dir(directory, rank)
+        os.makedirs(self.folder, exist_ok=True)
+        self.rank, self.rounds, self.seconds, self.clock = rank, rounds, seconds, clock
+        files = shard_files(directory, rank)
+        self.number = files[-1][0] if files else 0  # a restart goes on numbering
+        self.last_step = 0
+        self.last_time = self.last_check = clock()
+        self.thread: threading.Thread | None = None
+        self.written = self.failed = 0
+        self.last_written: ShardImage | None = None  # the last image written (its buffers are reused)
+
+    def tick(self, state: ShardState | None, optimizer: Any, bf16_keys: set[Key]) -> bool:
+        """Capture a shard and start writing it when one is due; return whether one was."""
+        now = self.clock()
+        if state is None or (self.thread is not None and self.thread.is_alive()):
+            return False
+        if self.seconds > 0:
+            if now - self.last_time < self.seconds:
+                return False
+        else:
+            if now - self.last_check < CHECK_EVERY:
+                return False
+            self.last_check = now
+            if progress(state) < self.last_step + self.rounds:
+                return False
+        self.number += 1
+        spare = self.last_written.keys if self.last_written is not None else None
+        self.last_written = None  # its state arrays become this image's copies
+        image = capture(state, optimizer, bf16_keys, self.rank, self.number, spare)
+        self.last_step, self.last_time = image.step(), now
+        self.thread = threading.Thread(target=self._write, args=(image,), name="kvstore-shard", daemon=True)
+        self.thread.start()
+        return True
+
+    def _write(self, image: ShardImage) -> None:
+        """Write ``image`` atomically, then remove all but the latest :data:`KEEP` shards."""
+        path = os.path.join(self.folder, f"shard-{image.number:08d}.kvs")
+        started = time.monotonic()
+        try:
+            checkpoint.write(path, *to_file(image))
+            for _, old in shard_files(os.path.dirname(self.folder), self.rank)[:-KEEP]:
+                os.unlink(old)
+        except (OSError, ValueError, TypeError) as exc:
+            self.failed += 1
+            log.error("server %d could not write shard %d (%s): the previous one stays in effect",
+                      self.rank, image.number, exc)
+            return
+        self.written += 1
+        self.last_written = image
+        log.info("server %d wrote shard %d (step %d, keys %d) to %s in %.3f s", self.rank, image.number,
+                 image.step(), len(image.keys), path, time.monotonic() - started)
+
+    def close(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a write in flight (logged when it outlasts it)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                log.warning("server %d: a shard write still runs after %.1f s; leaving it", self.rank,
+                            timeout)
+
+
+def shard_writer(cfg: Any, rank: int) -> ShardWriter | None:
+    """Server ``rank``'s writer as ``cfg`` (a :class:`kvstore.config.Config`) asks, or None (no
+    ``KVSTORE_SNAPSHOT_EVERY``).  Raises :class:`ConfigError` naming the folder when it cannot be made."""
+    if not (cfg.snapshot_rounds or cfg.snapshot_seconds):
+        return None
+    try:
+        return ShardWriter(cfg.snapshot_dir, rank, cfg.snapshot_rounds, cfg.snapshot_seconds)
+    except OSError as exc:
+        raise ConfigError(f"KVSTORE_SNAPSHOT_DIR={cfg.snapshot_dir!r}: cannot make server {rank}'s shard "
+                          f"folder ({exc})") from None

@@ -1,0 +1,112 @@
+"""Unit tests of kvstore.server.shards and its settings: when a shard is due, what is kept on disk,
+how a damaged newest shard is skipped, and KVSTORE_SNAPSHOT_EVERY's forms."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvstore import config
+from kvstore.core.shard import ShardState
+from kvstore.errors import ConfigError, FormatError
+from kvstore.server.shards import ShardWriter, read_latest, shard_files, shard_writer
+
+
+class Clock:
+    """A settable clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def closed(shard: ShardState, rounds: int) -> None:
+    """Close ``rounds`` more rounds of key 'w' of a one-worker dist_sync shard."""
+    for _ in range(rounds):
+        shard.push(None, 0, "w", np.ones(2))
+
+
+def written(writer: ShardWriter) -> None:
+    """Wait (bounded) for the write in flight."""
+    writer.close(10)
+    assert not writer.thread.is_alive()
+
+
+def test_a_shard_is_due_every_n_rounds_and_only_two_are_kept(tmp_path) -> None:
+    """Every 3 rounds: nothing before round 3, then shards 1..4 of which 3 and 4 stay on disk."""
+    clock, shard = Clock(), ShardState(1, sync=True)
+    shard.init("w", np.zeros(2))
+    writer = ShardWriter(str(tmp_path), 0, rounds=3, clock=clock)
+    closed(shard, 2)
+    clock.now += 1
+    assert not writer.tick(shard, None, set())
+    for _ in range(4):
+        closed(shard, 3)
+        clock.now += 1
+        assert writer.tick(shard, None, set())
+        written(writer)
+    assert [n for n, _ in shard_files(str(tmp_path), 0)] == [3, 4] and writer.written == 4
+    image = read_latest(str(tmp_path), 0)
+    assert image.keys["w"].round == 14 and image.number == 4
+    np.testing.assert_array_equal(image.keys["w"].value, [1, 1])  # no optimizer: the last round's sum
+
+
+def test_a_shard_is_due_every_n_seconds(tmp_path) -> None:
+    """Every 2 s: not at 1 s, at 2 s, and a restarted writer numbers on from the files it finds."""
+    clock, shard = Clock(), ShardState(1, sync=False)
+    shard.init("w", np.zeros(2))
+    writer = ShardWriter(str(tmp_path), 5, seconds=2.0, clock=clock)
+    clock.now = 1.0
+    assert not writer.tick(shard, None, set())
+    clock.now = 2.0
+    assert writer.tick(shard, None, set())
+    written(writer)
+    assert ShardWriter(str(tmp_path), 5, seconds=2.0, clock=clock).number == 1
+
+
+def test_a_damaged_newest_shard_is_skipped_for_the_one_before(tmp_path) -> None:
+    """Shard 2 cut short: read_latest gives shard 1; with shard 1 damaged too, FormatError."""
+    clock, shard = Clock(), ShardState(1, sync=True)
+    shard.init("w", np.zeros(2))
+    writer = ShardWriter(str(tmp_path), 0, rounds=1, clock=clock)
+    for _ in range(2):
+        closed(shard, 1)
+        clock.now += 1
+        writer.tick(shard, None, set())
+        written(writer)
+    (_, first), (_, second) = shard_files(str(tmp_path), 0)
+    os.truncate(second, 100)
+    assert read_latest(str(tmp_path), 0).number == 1
+    os.truncate(first, 100)
+    with pytest.raises(FormatError, match="no readable shard of server 0"):
+        read_latest(str(tmp_path), 0)
+    assert read_latest(str(tmp_path), 1) is None
+
+
+@pytest.mark.parametrize("raw, rounds, seconds", [("5", 5, 0.0), ("2.5s", 0, 2.5)])
+def test_snapshot_every_takes_rounds_or_seconds(raw: str, rounds: int, seconds: float) -> None:
+    """KVSTORE_SNAPSHOT_EVERY=N is rounds, Ns seconds; both need KVSTORE_SNAPSHOT_DIR."""
+    cfg = config.load({"KVSTORE_SNAPSHOT_EVERY": raw, "KVSTORE_SNAPSHOT_DIR": "/x"})
+    assert (cfg.snapshot_rounds, cfg.snapshot_seconds, cfg.snapshot_dir) == (rounds, seconds, "/x")
+
+
+@pytest.mark.parametrize("env", [{"KVSTORE_SNAPSHOT_EVERY": "0", "KVSTORE_SNAPSHOT_DIR": "/x"},
+                                 {"KVSTORE_SNAPSHOT_EVERY": "often", "KVSTORE_SNAPSHOT_DIR": "/x"},
+                                 {"KVSTORE_SNAPSHOT_EVERY": "5"}])
+def test_a_bad_snapshot_period_or_a_missing_folder_is_a_config_error(env: dict) -> None:
+    """Zero, words, or a period without a folder: ConfigError naming the variable."""
+    with pytest.raises(ConfigError, match="KVSTORE_SNAPSHOT"):
+        config.load(env)
+
+
+def test_a_shard_folder_that_cannot_be_made_is_a_config_error(tmp_path) -> None:
+    """KVSTORE_SNAPSHOT_DIR under a file: ConfigError naming the variable, not a bare OSError."""
+    (tmp_path / "file").write_text("x")
+    cfg = config.load({"KVSTORE_SNAPSHOT_EVERY": "3", "KVSTORE_SNAPSHOT_DIR": str(tmp_path / "file")})
+    with pytest.raises(ConfigError, match="KVSTORE_SNAPSHOT_DIR"):
+        shard_writer(cfg, 0)
+    assert shard_writer(config.load({}), 0) is None
