@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import DeadlineExceededError, KVStoreError, ProtocolError, RemoteError
+from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, ProtocolError, RemoteError
 from kvstore.net import address, transport
 from kvstore.net.auth import Channel, derive_key
 from kvstore.net.protocol import Message, Op
@@ -89,7 +89,7 @@ class StageLink:
         peer = self.prev if op == Op.PIPE_ACT else self.next
         deadline = time.monotonic() + self.timeout
         while (op, step, mb) not in self.inbox:
-            self.kv.check_alive()
+            self._check_alive()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DeadlineExceededError(
@@ -98,6 +98,16 @@ class StageLink:
             if self.poller.wait(min(left, TICK)):
                 self._drain(step)
         return self.inbox.pop((op, step, mb))
+
+    def _check_alive(self) -> None:
+        """Raise the heartbeat's NodeLostError, naming the stage when the lost node is a pipeline worker."""
+        try:
+            self.kv.check_alive()
+        except NodeLostError as exc:
+            if exc.role != "worker" or exc.rank not in self.names:
+                raise
+            raise NodeLostError(f"{self.names[exc.rank]} is lost, so {self.names[self.rank]} stops: {exc}",
+                                role=exc.role, rank=exc.rank, host=exc.host) from None
 
     def _drain(self, step: int) -> None:
         """File every waiting message in the inbox; drop (and log) what is not for us."""

@@ -30,6 +30,14 @@ def _layers(module: Any) -> list[Any]:
     raise ConfigError(f"a Pipeline needs an nn.Sequential or a list of modules, not {type(module).__name__}")
 
 
+def trainer_args(params: Any, kvstore: Any, overlap: bool | None) -> tuple[Any, Any, bool | None]:
+    """A Trainer's (params, kvstore, overlap) with a Pipeline as params: every stage's parameters (the
+    store's keys are the same on every rank), the Pipeline's store, no overlap; else unchanged."""
+    if not isinstance(params, Pipeline):
+        return params, kvstore, overlap
+    return list(params.named_parameters()), params.kv if kvstore is None else kvstore, False
+
+
 def _default_store() -> Any:
     from kvstore.client.process import process_store
 
@@ -95,6 +103,18 @@ class Pipeline:
         """``id()`` of each parameter this rank's stage holds."""
         return {id(p) for p in self.module.parameters()}
 
+    def zero_foreign_grads(self) -> None:
+        """Give every parameter of the other stages a zero ``.grad`` (``step`` does, after its backwards):
+        a Trainer over the Pipeline pushes
+        every key from every rank (dist_sync counts each key's pushes over all workers), so each key's
+        sum is its stage's replicas' gradients."""
+        import torch
+
+        mine = self.stage_parameters()
+        for _, p in self.named_parameters():
+            if id(p) not in mine and p.requires_grad:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+
     def close(self) -> None:
         """Close this stage's sockets."""
         self.link.close()
@@ -110,7 +130,9 @@ class Pipeline:
         """
         self.steps += 1
         try:
-            return _Run(self, x, y, loss_fn).go()
+            loss = _Run(self, x, y, loss_fn).go()
+            self.zero_foreign_grads()
+            return loss
         except BaseException as exc:
             self.link.abort(f"{self.names[self.kv.rank]}: {type(exc).__name__}: {exc}", self.steps)
             raise

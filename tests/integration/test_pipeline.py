@@ -8,13 +8,14 @@ without checkpointing.  Failures: a shape mismatch names both stages and no stag
 from __future__ import annotations
 
 import copy
+import time
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore.errors import RemoteError, ShapeMismatchError  # noqa: E402
+from kvstore.errors import NodeLostError, RemoteError, ShapeMismatchError  # noqa: E402
 from kvstore.pipeline import Pipeline  # noqa: E402
 
 STEPS, BATCH = 3, 12
@@ -135,3 +136,80 @@ def test_a_shape_mismatch_names_both_stages(make_cluster) -> None:
     assert "stage 1 (worker 1) received from stage 0 (worker 0)" in str(last), last
     assert "(2, 7)" in str(last) and "(2, ..., 8)" in str(last), last
     assert isinstance(first, RemoteError) and "stage 1 (worker 1)" in str(first), first
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_stage_is_named_to_every_other_stage(make_cluster) -> None:
+    """The middle of 3 stages goes silent: both other stages raise NodeLostError naming it within the
+    heartbeat timeout (+ 5 s), instead of waiting out KVSTORE_REQUEST_TIMEOUT."""
+    cluster = make_cluster(num_workers=3, **FAST)
+    x, y = data(torch.float64)[0]
+
+    def run(kv):
+        pipe = Pipeline(copy.deepcopy(MODELS[torch.float64]), stages=3, kv=kv, chunks=2, balance=[2, 3, 2])
+        try:
+            if pipe.stage == 1:
+                kv._heartbeat.stop()  # as if its process froze: it sends nothing from now on
+                return None
+            started = time.monotonic()
+            with pytest.raises(NodeLostError) as caught:
+                pipe.step(x if pipe.is_first else None, y if pipe.is_last else None,
+                          torch.nn.functional.mse_loss)
+            return caught.value, time.monotonic() - started
+        finally:
+            pipe.close()
+
+    first, middle, last = cluster.run(run)
+    assert middle is None
+    for error, elapsed in (first, last):
+        assert (error.role, error.rank) == ("worker", 1), error
+        assert "stage 1 (worker 1) is lost" in str(error), error
+        assert elapsed < 3 + 5, elapsed
+
+
+def trainer_reference(dtype: torch.dtype) -> dict[str, np.ndarray]:
+    """One process, whole batches, a Trainer over the 'local' store (sgd with momentum)."""
+    from kvstore.trainer import Trainer
+
+    model = copy.deepcopy(MODELS[dtype])
+    trainer = Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                      kvstore="local", key_prefix="ref")
+    for x, y in data(dtype):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        trainer.step(1)
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def hybrid(kv, dtype: torch.dtype, update_on_kvstore: bool, schedule: str) -> dict[str, np.ndarray]:
+    """Stage kv.rank % 2 of replica kv.rank // 2, on that replica's half of each batch, through a Trainer."""
+    from kvstore.trainer import Trainer
+
+    model = copy.deepcopy(MODELS[dtype])
+    pipe = Pipeline(model, stages=2, kv=kv, chunks=3, schedule=schedule)
+    trainer = Trainer(pipe, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                      update_on_kvstore=update_on_kvstore, key_prefix=f"hybrid-{update_on_kvstore}")
+    half = slice(pipe.replica * BATCH // 2, (pipe.replica + 1) * BATCH // 2)
+    try:
+        for x, y in data(dtype):
+            model.zero_grad()
+            pipe.step(x[half] if pipe.is_first else None, y[half] if pipe.is_last else None,
+                      torch.nn.functional.mse_loss)
+            trainer.step(pipe.replicas)  # each replica's gradient is its half's mean: average the two
+    finally:
+        pipe.close()
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(90)
+def test_two_replicas_per_stage_through_a_trainer_match_one_process(make_cluster) -> None:
+    """2 stages x 2 replicas (dist_sync): a Trainer over the Pipeline, optimizer on the servers or on the
+    workers, gives every rank one process's weights for the whole model."""
+    cluster = make_cluster(num_workers=4, **FAST)
+    reference = trainer_reference(torch.float64)
+    # workers' optimizer first: once set on the servers, an optimizer applies to every key's pushes
+    for update_on_kvstore, schedule in ((False, "gpipe"), (True, "1f1b")):
+        for part in cluster.run(lambda kv, u=update_on_kvstore, s=schedule: hybrid(kv, torch.float64, u, s)):
+            assert sorted(part) == sorted(reference)
+            for key, value in reference.items():
+                np.testing.assert_allclose(part[key], value, rtol=1e-12, atol=0, err_msg=key)
