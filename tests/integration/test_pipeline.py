@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore.errors import NodeLostError, RemoteError, ShapeMismatchError  # noqa: E402
+from kvstore.net.protocol import Op  # noqa: E402
 from kvstore.pipeline import Pipeline  # noqa: E402
 
 STEPS, BATCH = 3, 12
@@ -213,3 +214,38 @@ def test_two_replicas_per_stage_through_a_trainer_match_one_process(make_cluster
             assert sorted(part) == sorted(reference)
             for key, value in reference.items():
                 np.testing.assert_allclose(part[key], value, rtol=1e-12, atol=0, err_msg=key)
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_neighbour_ends_in_a_deadline_naming_it(make_cluster) -> None:
+    """A live stage that never steps: its neighbour raises DeadlineExceededError naming the stage and
+    micro-batch it waited for after KVSTORE_REQUEST_TIMEOUT, and garbage sent to its socket meanwhile
+    is dropped, not fatal."""
+    from kvstore.errors import DeadlineExceededError
+    from kvstore.net import transport
+
+    cluster = make_cluster(num_workers=2, connect=False, **FAST)
+    cluster.connect(request_timeout=2.0)
+    x, _ = data(torch.float64)[0]
+
+    def run(kv):
+        pipe = Pipeline(copy.deepcopy(MODELS[torch.float64]), stages=2, kv=kv, chunks=2)
+        try:
+            if pipe.is_last:
+                return None
+            reply = kv.scheduler_request(Op.PIPE_LOOKUP, {"rank": 0}, "own address")
+            stranger = transport.connect_dealer(transport.address(*reply.body["address"]))
+            transport.send(stranger, [b"not a mac", b"not a header"])
+            try:
+                with pytest.raises(DeadlineExceededError) as caught:
+                    pipe.step(x, None, torch.nn.functional.mse_loss)
+            finally:
+                transport.close(stranger)
+            return caught.value
+        finally:
+            pipe.close()
+
+    error, nothing = cluster.run(run)
+    assert nothing is None
+    assert ("stage 0 (worker 0) waited 2 s for the gradient of micro-batch 0 from stage 1 (worker 1)"
+            in str(error)), error
