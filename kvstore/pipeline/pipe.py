@@ -16,6 +16,7 @@ from typing import Any
 
 from kvstore.errors import ConfigError, DTypeMismatchError, ShapeMismatchError
 from kvstore.net.protocol import Op
+from kvstore.pipeline import batchnorm
 from kvstore.pipeline import schedule as plan_
 from kvstore.pipeline.link import StageLink
 
@@ -52,10 +53,16 @@ class Pipeline:
     every stage (call it on every rank).  Raises :class:`ConfigError` for a bad argument."""
 
     def __init__(self, module: Any, stages: int, balance: Sequence[int] | None = None, chunks: int = 1,
-                 schedule: str = "gpipe", checkpoint: str = "except_last", kv: Any = None) -> None:
+                 schedule: str = "gpipe", checkpoint: str = "except_last", kv: Any = None,
+                 deferred_batch_norm: bool = False) -> None:
         import torch
 
         layers = _layers(module)
+        if deferred_batch_norm:  # in place in an nn.Sequential, so the caller's model holds them too
+            layers = [batchnorm.convert(layer) for layer in layers]
+            if isinstance(module, torch.nn.Sequential):
+                for index, layer in enumerate(layers):
+                    module[index] = layer
         plan_.plan(schedule, max(stages, 1), max(chunks, 1), 0)  # checks the name
         plan_.checkpointed(checkpoint, 0, 1)
         if type(chunks) is not int or chunks < 1:
@@ -70,6 +77,7 @@ class Pipeline:
         lo = sum(self.balance[:self.stage])
         self.module = torch.nn.Sequential(*layers[lo:lo + self.balance[self.stage]])
         self.full = layers
+        self.deferred = batchnorm.deferred_in(self.module)  # their running stats move once per step
         rank = self.kv.rank
         self.names = {r: f"stage {r % stages} (worker {r})" for r in range(self.kv.num_workers)}
         self.prev = rank - 1 if self.stage > 0 else None
@@ -131,9 +139,13 @@ class Pipeline:
         self.steps += 1
         try:
             loss = _Run(self, x, y, loss_fn).go()
+            for norm in self.deferred:
+                norm.commit()
             self.zero_foreign_grads()
             return loss
         except BaseException as exc:
+            for norm in self.deferred:
+                norm.commit(apply=False)
             self.link.abort(f"{self.names[self.kv.rank]}: {type(exc).__name__}: {exc}", self.steps)
             raise
 
@@ -161,6 +173,8 @@ class _Run:
         if self.pipe.is_last and len(self.y) != sum(self.sizes):
             raise ShapeMismatchError(f"{self.me} got {len(self.y)} targets for a batch of {sum(self.sizes)}")
         for kind, mb in plan_.plan(self.pipe.schedule, self.pipe.stages, len(self.sizes), self.pipe.stage):
+            for norm in self.pipe.deferred:
+                norm.begin(mb)  # a checkpointed forward recomputed in B mb is not counted again
             self._forward(mb) if kind == "F" else self._backward(mb)
         self.pipe.max_held = self.peak
         return self.loss if self.pipe.is_last else None

@@ -254,3 +254,35 @@ def test_a_silent_neighbour_ends_in_a_deadline_naming_it(make_cluster) -> None:
     assert nothing is None
     assert ("stage 0 (worker 0) waited 2 s for the gradient of micro-batch 0 from stage 1 (worker 1)"
             in str(error)), error
+
+
+@pytest.mark.timeout(60)
+def test_deferred_batch_norm_keeps_one_process_running_statistics(make_cluster) -> None:
+    """deferred_batch_norm=True with 4 checkpointed micro-batches: the running mean and variance after 3
+    steps are one process's over whole batches; plain batch norm's (per micro-batch) are not."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 3)).double()
+    whole = copy.deepcopy(base)
+    for x, _ in data(torch.float64):
+        whole(x)
+    cluster = make_cluster(num_workers=2, **FAST)
+
+    def run(kv, deferred: bool):
+        model = copy.deepcopy(base)
+        pipe = Pipeline(model, stages=2, kv=kv, chunks=4, schedule="1f1b", checkpoint="always",
+                        balance=[2, 2], deferred_batch_norm=deferred)
+        try:
+            for x, y in data(torch.float64):
+                pipe.step(x if pipe.is_first else None, y if pipe.is_last else None,
+                          torch.nn.functional.mse_loss)
+        finally:
+            pipe.close()
+        return model[0] if pipe.is_first else None
+
+    for deferred in (True, False):
+        norm, _ = cluster.run(lambda kv, d=deferred: run(kv, d))
+        same = [np.allclose(getattr(norm, name).numpy(), getattr(whole[0], name).numpy(), rtol=1e-10, atol=0)
+                for name in ("running_mean", "running_var")]
+        assert same == [deferred, deferred], (deferred, norm.running_mean, whole[0].running_mean)
+        assert int(norm.num_batches_tracked) == (3 if deferred else 3 * 4 * 2)  # plain: recomputed too
