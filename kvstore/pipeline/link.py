@@ -42,14 +42,14 @@ class StageLink:
         host = address.node_host(cfg)
         address.check_bind(cfg, host, "a pipeline stage")
         curve = transport.curve_keys(cfg)
-        self.sock, port = transport.bind_router(host, 0, max_frame_bytes=cfg.max_message_bytes, curve=curve)
         self.channel = Channel(derive_key(cfg.secret), label(self.rank), full=cfg.auth_full,
                                session=kv._session)
+        self.sock, port = transport.bind_router(host, 0, max_frame_bytes=cfg.max_message_bytes, curve=curve)
         self.peers: dict[int, Any] = {}
         self.inbox: dict[tuple[int, int, int], tuple[np.ndarray, dict]] = {}  # (op, step, mb) -> array, body
-        self.poller = transport.Poller()
-        self.poller.add(self.sock)
         try:
+            self.poller = transport.Poller()
+            self.poller.add(self.sock)
             kv.scheduler_request(Op.PIPE_PUBLISH, {"host": host, "port": port}, "pipeline address")
             kv.barrier()  # every stage has published before anyone looks up
             for peer in (p for p in (prev, nxt) if p is not None):

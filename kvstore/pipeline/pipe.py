@@ -68,6 +68,8 @@ class Pipeline:
         if type(chunks) is not int or chunks < 1:
             raise ConfigError(f"chunks must be an int >= 1, not {chunks!r}")
         self.kv = kv if kv is not None else _default_store()
+        if not callable(getattr(self.kv, "scheduler_request", None)):
+            raise ConfigError(f"a Pipeline needs a dist store (dist_sync), not {self.kv.type!r}")
         self.stages, self.chunks, self.schedule, self.checkpoint = stages, chunks, schedule, checkpoint
         self.replicas = plan_.check_workers(self.kv.num_workers, stages)
         self.stage, self.replica = plan_.stage_of(self.kv.rank, stages)

@@ -286,3 +286,19 @@ def test_deferred_batch_norm_keeps_one_process_running_statistics(make_cluster) 
                 for name in ("running_mean", "running_var")]
         assert same == [deferred, deferred], (deferred, norm.running_mean, whole[0].running_mean)
         assert int(norm.num_batches_tracked) == (3 if deferred else 3 * 4 * 2)  # plain: recomputed too
+
+
+@pytest.mark.timeout(30)
+def test_bad_arguments_are_config_errors() -> None:
+    """A local store, a bad schedule, checkpoint or chunks: ConfigError naming it (balance and worker
+    counts: tests/unit/test_pipeline_schedule.py)."""
+    import kvstore
+    from kvstore.errors import ConfigError
+
+    model = copy.deepcopy(MODELS[torch.float64])
+    with pytest.raises(ConfigError, match="dist store"):
+        Pipeline(model, stages=1, kv=kvstore.create("local"))
+    for options, names in (({"schedule": "zb"}, "'zb'"), ({"checkpoint": "sometimes"}, "'sometimes'"),
+                           ({"chunks": 0}, "chunks")):
+        with pytest.raises(ConfigError, match=names):
+            Pipeline(model, stages=1, kv=kvstore.create("local"), **options)
