@@ -45,6 +45,7 @@ from kvstore.core import checkpoint, xp
 from kvstore.core import optimizer as kvoptimizer
 from kvstore.core.optimizer import Optimizer
 from kvstore.overlap import DEFAULT_BUCKET_BYTES, Overlap
+from kvstore.pipeline.pipe import trainer_args
 from kvstore.stores import create
 from kvstore.trainer_states import states_from_dict as _states_from_dict
 from kvstore.trainer_states import states_to_dict as _states_to_dict
@@ -144,6 +145,7 @@ class Trainer:
                  update_on_kvstore: bool | None = None, key_prefix: str | None = None,
                  compression_params: Mapping[str, Any] | None = None, overlap: bool | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        params, kvstore, overlap = trainer_args(params, kvstore, overlap)  # a Pipeline: docs/pipeline.md
         replicas = [[(n, p) for n, p in named if p.requires_grad] for named in _replica_sets(params)]
         named = replicas[0]
         if not named:

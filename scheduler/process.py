@@ -34,7 +34,7 @@ from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
 from kvstore.net.router import RouterService
 
-from . import restarts
+from . import pipes, restarts
 from .observe import SchedulerStats, node_rows, scheduler_snapshot
 from .state import Barrier, Liveness, Node, Rendezvous
 
@@ -80,6 +80,7 @@ class Scheduler:
                                  Op.BARRIER: self._on_barrier,
                                  Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
                                  Op.HEARTBEAT: self._on_heartbeat, Op.STATUS: self._on_status}
+        self.service.handlers.update(pipes.handlers(self))  # pipeline sockets (docs/pipeline.md)
         # kvstore.status holds the secret, not the session: its STATUS is answered after the map too
         self.service.late_handlers = {Op.STATUS: lambda _, msg: Message(Op.OK, self._status_asked())}
         self.restarts = restarts.Restarts(cfg.max_restarts, cfg.num_workers)  # KVSTORE_MAX_RESTARTS

@@ -72,6 +72,7 @@ class DistKVStore(FastCalls, KVStore):
         body = join(scheduler, channel, cfg, self._mode)
         self._rank, self._num_workers = body["rank"], body["num_workers"]
         self._seed = body["seed"]
+        self._session = body["session"]  # keys a pipeline's stage-to-stage channel (kvstore.pipeline)
         self._servers = [transport.address(h, p) for h, p in body["servers"]]
         logs.set_identity("worker", self._rank)
         servers = [transport.connect_dealer(a, curve=transport.curve_keys(cfg)) for a in self._servers]
@@ -140,6 +141,16 @@ class DistKVStore(FastCalls, KVStore):
         lost = self._lost
         if lost is not None:
             raise from_cluster(NodeLostError(str(lost), role=lost.role, rank=lost.rank, host=lost.host))
+
+    def scheduler_request(self, op: Op, body: dict[str, Any], what: str) -> Message:
+        """Send one control request to the scheduler and return its reply (kvstore.pipeline's hook);
+        raises what a request raises (DeadlineExceededError after KVSTORE_REQUEST_TIMEOUT, NodeLostError)."""
+        self._check_open()
+        return self._request_all([self._io.submit(SCHEDULER, Message(op, body), what)])[0]
+
+    def check_alive(self) -> None:
+        """Raise the NodeLostError the heartbeat reported (or StoreClosedError); else return."""
+        self._check_open()
 
     def _on_lost(self, error: NodeLostError) -> None:
         """The heartbeat thread's report: every waiting and later call raises ``error``."""

@@ -35,7 +35,7 @@ import numpy as np
 from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_HEADER_BYTES = 1 << 20
 # An array description has at most MAX_DIMS dims: numpy 1.x builds arrays of up to 32 dims, 2.x of
 # up to 64, and a wire rule must not depend on which one a node has installed (setup.py allows both).
@@ -61,6 +61,12 @@ class Op(enum.IntEnum):
     CHALLENGE = 21  # scheduler -> node: {"nonce" (echoed), "challenge"}: REGISTER must carry it
     AWAY = 26      # scheduler -> server: {"worker", "incarnation"}: lost, to be restarted; rounds go on
     REJOIN = 27    # restarted worker -> server: {"incarnation"} (reply {"round"}), then {"incarnation", "at"}
+    # Pipeline parallelism (docs/pipeline.md): a stage's worker binds one socket and publishes it.
+    PIPE_PUBLISH = 28  # worker -> scheduler: {"host", "port"}: this worker's pipeline socket; reply OK
+    PIPE_LOOKUP = 29   # worker -> scheduler: {"rank"}; reply OK {"address": [host, port] | None}
+    PIPE_ACT = 30      # stage -> next stage: {"step", "mb"} + [activation]
+    PIPE_GRAD = 31     # stage -> previous stage: {"step", "mb"} + [gradient of its output]
+    PIPE_ABORT = 32    # stage -> neighbours: {"message"}: this stage failed the step; stop waiting
     # Data ops carry {"keys": [...], "sizes": [...]} (+ "lo" for a chunk of one key, kvstore.core.plan) and
     # one flat array holding every key's elements in order (none for PULL); replies to PULL and
     # PUSHPULL carry the values the same way, once every key of the request is answered.

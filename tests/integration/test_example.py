@@ -104,3 +104,13 @@ def test_spark_example_reaches_accuracy() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = re.search(r"final test accuracy (\d\.\d+)", proc.stdout)
     assert match and float(match.group(1)) >= 0.90, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_example_two_stages_two_replicas_through_launcher() -> None:
+    """launch.py -n 4 -s 1: the digits MLP in 2 pipeline stages x 2 replicas (1f1b) reaches >= 0.90."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    output = _launch(["-n", "4", "-s", "1", "examples/pipeline_digits.py"], timeout=130)
+    assert "4 workers: 2 stages x 2 replicas" in output, output
+    assert _final_accuracy(output) >= 0.90

@@ -133,7 +133,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.base",),                                            # the KVStore ABC
     ("kvstore.client", "kvstore.local", "kvstore.server"),        # the stores; the server process
     ("kvstore.stores",),                                          # create(): the registry of stores
-    ("kvstore.trainer_states", "kvstore.overlap"),                # the Trainer's helpers
+    ("kvstore.trainer_states", "kvstore.overlap", "kvstore.pipeline"),  # the Trainer's helpers, pipelines
     ("kvstore.trainer", "kvstore.torch_optim"),                   # the torch-facing wrappers
     ("kvstore.trainer_sparse",),                                  # a Trainer plus row-sparse embeddings
     ("kvstore.launch",),                                          # starting clusters

@@ -1,0 +1,5 @@
+"""Synchronous pipeline parallelism (GPipe, 1F1B) across the workers of a cluster: docs/pipeline.md."""
+
+from kvstore.pipeline.pipe import Pipeline
+
+__all__ = ["Pipeline"]

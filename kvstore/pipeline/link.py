@@ -1,0 +1,146 @@
+"""Stage-to-stage transport: one bound socket per pipeline worker, sealed messages to its neighbours.
+
+Each pipeline worker binds one ROUTER (port 0) and publishes its address through the
+scheduler (PIPE_PUBLISH); after a barrier it looks its neighbours up (PIPE_LOOKUP) and
+connects a DEALER to each.  Activations go forward and gradients backward as sealed
+messages (``kvstore.net.auth``, keyed by the cluster's secret and session), each array a
+raw frame (zero-copy for big ones).  Every wait has a deadline (KVSTORE_REQUEST_TIMEOUT)
+and watches the store's heartbeat: a lost worker is raised as the store raises it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, ProtocolError, RemoteError
+from kvstore.net import address, transport
+from kvstore.net.auth import Channel, derive_key
+from kvstore.net.protocol import Message, Op
+
+log = logging.getLogger("kvstore.pipeline")
+TICK = 0.05  # seconds between checks of the heartbeat's verdict while waiting for a neighbour
+KINDS = {Op.PIPE_ACT: "activation", Op.PIPE_GRAD: "gradient"}
+
+
+def label(rank: int) -> str:
+    """The channel name of worker ``rank``'s pipeline socket."""
+    return f"pipe-{rank}"
+
+
+class StageLink:
+    """Worker ``rank``'s pipeline socket and its connections to the ranks ``prev`` and ``next``
+    (None at the ends).  ``names`` maps a rank to the words naming it in errors ("stage 0 (worker 2)")."""
+
+    def __init__(self, kv: Any, prev: int | None, nxt: int | None, names: dict[int, str]) -> None:
+        cfg = kv._cfg
+        self.kv, self.rank, self.prev, self.next, self.names = kv, kv.rank, prev, nxt, names
+        self.timeout = cfg.request_timeout
+        host = address.node_host(cfg)
+        address.check_bind(cfg, host, "a pipeline stage")
+        curve = transport.curve_keys(cfg)
+        self.channel = Channel(derive_key(cfg.secret), label(self.rank), full=cfg.auth_full,
+                               session=kv._session)
+        self.sock, port = transport.bind_router(host, 0, max_frame_bytes=cfg.max_message_bytes, curve=curve)
+        self.peers: dict[int, Any] = {}
+        self.inbox: dict[tuple[int, int, int], tuple[np.ndarray, dict]] = {}  # (op, step, mb) -> array, body
+        try:
+            self.poller = transport.Poller()
+            self.poller.add(self.sock)
+            kv.scheduler_request(Op.PIPE_PUBLISH, {"host": host, "port": port}, "pipeline address")
+            kv.barrier()  # every stage has published before anyone looks up
+            for peer in (p for p in (prev, nxt) if p is not None):
+                self.peers[peer] = self._connect(peer, curve)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, peer: int, curve: Any) -> Any:
+        reply = self.kv.scheduler_request(Op.PIPE_LOOKUP, {"rank": peer}, f"address of {self.names[peer]}")
+        found = reply.body.get("address")
+        if not (isinstance(found, list) and len(found) == 2):
+            raise ProtocolError(f"the scheduler has no pipeline address for {self.names[peer]}")
+        return transport.connect_dealer(transport.address(found[0], found[1]),
+                                        identity=label(self.rank).encode(), curve=curve)
+
+    def send(self, peer: int, op: Op, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        """Seal and send one message to neighbour ``peer``; raises NodeLostError when that fails."""
+        transport.send(self.peers[peer], self.channel.seal(Message(op, body, arrays, sender=self.rank),
+                                                           label(peer)))
+
+    def abort(self, message: str, step: int) -> None:
+        """Tell every neighbour this stage failed ``step`` (they raise RemoteError instead of waiting)."""
+        for peer in self.peers:
+            try:
+                self.send(peer, Op.PIPE_ABORT, {"message": message[:2000], "step": step}, [])
+            except KVStoreError:
+                pass  # it may be the one that is gone
+
+    def receive(self, op: Op, step: int, mb: int) -> tuple[np.ndarray, dict]:
+        """The ``op`` (PIPE_ACT or PIPE_GRAD) array and body of micro-batch ``mb`` of ``step`` (waits).
+
+        Raises :class:`DeadlineExceededError` naming the awaited stage after KVSTORE_REQUEST_TIMEOUT,
+        the store's :class:`NodeLostError` once the heartbeat reports a lost node, and
+        :class:`RemoteError` when a neighbour aborted the step.
+        """
+        peer = self.prev if op == Op.PIPE_ACT else self.next
+        deadline = time.monotonic() + self.timeout
+        while (op, step, mb) not in self.inbox:
+            self._check_alive()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(
+                    f"{self.names[self.rank]} waited {self.timeout:g} s for the {KINDS[op]} of micro-batch "
+                    f"{mb} from {self.names[peer]} (KVSTORE_REQUEST_TIMEOUT)")
+            if self.poller.wait(min(left, TICK)):
+                self._drain(step)
+        return self.inbox.pop((op, step, mb))
+
+    def _check_alive(self) -> None:
+        """Raise the heartbeat's NodeLostError, naming the stage when the lost node is a pipeline worker."""
+        try:
+            self.kv.check_alive()
+        except NodeLostError as exc:
+            if exc.role != "worker" or exc.rank not in self.names:
+                raise
+            raise NodeLostError(f"{self.names[exc.rank]} is lost, so {self.names[self.rank]} stops: {exc}",
+                                role=exc.role, rank=exc.rank, host=exc.host) from None
+
+    def _drain(self, step: int) -> None:
+        """File every waiting message in the inbox; drop (and log) what is not for us."""
+        while (frames := transport.recv_nowait(self.sock)) is not None:
+            try:
+                msg = self.channel.open(frames[1:])
+                self._file(msg, step)
+            except (ProtocolError, PermissionError) as exc:
+                log.warning("%s dropped a message: %s", self.names[self.rank], exc)
+
+    def _file(self, msg: Message, step: int) -> None:
+        if msg.sender not in (self.prev, self.next):
+            raise ProtocolError(f"a pipeline message from worker {msg.sender}, not a neighbour")
+        if msg.op == Op.PIPE_ABORT:
+            if msg.body.get("step") != step:
+                return  # an earlier step's failure, already raised here
+            raise RemoteError(f"{self.names[msg.sender]} failed the step: {msg.body.get('message')}")
+        expected = {Op.PIPE_ACT: self.prev, Op.PIPE_GRAD: self.next}.get(msg.op)
+        got_step, mb = msg.body.get("step"), msg.body.get("mb")
+        if expected is None or msg.sender != expected or len(msg.arrays) != 1:
+            raise ProtocolError(f"unexpected {msg.op.name} from worker {msg.sender}")
+        if type(got_step) is not int or type(mb) is not int or not step <= got_step <= step + 1 or mb < 0:
+            raise ProtocolError(f"{msg.op.name} from worker {msg.sender} for step {got_step!r} micro-batch "
+                                f"{mb!r} (this step is {step})")
+        if len(self.inbox) > 4096:
+            raise ProtocolError("too many pipeline messages waiting; dropping")
+        self.inbox[(msg.op, got_step, mb)] = (msg.arrays[0], msg.body)
+
+    def close(self) -> None:
+        """Close every socket (idempotent)."""
+        for sock in self.peers.values():
+            transport.close(sock)
+        self.peers = {}
+        if self.sock is not None:
+            transport.close(self.sock)
+            self.sock = None

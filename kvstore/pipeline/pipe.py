@@ -1,0 +1,269 @@
+"""``Pipeline``: an ``nn.Sequential`` cut into stages run by the workers of a cluster.
+
+Rank r runs stage r % K of replica r // K (``schedule.stage_of``).  ``step`` cuts the
+first stage's batch into micro-batches, streams activations forward and gradients
+backward between neighbouring stages (``link.StageLink``) in the order of the chosen
+schedule (``schedule.plan``), and leaves each stage's gradients in its parameters'
+``.grad``: the gradients of ``loss_fn`` over the whole batch, as one process would get
+them when ``loss_fn`` averages over the batch.  docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kvstore.errors import ConfigError, DTypeMismatchError, ShapeMismatchError
+from kvstore.net.protocol import Op
+from kvstore.pipeline import batchnorm
+from kvstore.pipeline import schedule as plan_
+from kvstore.pipeline.link import StageLink
+
+
+def _layers(module: Any) -> list[Any]:
+    """The layers of an ``nn.Sequential`` or a list of modules; ConfigError for anything else."""
+    import torch
+
+    if isinstance(module, torch.nn.Sequential) or (isinstance(module, (list, tuple)) and all(
+            isinstance(m, torch.nn.Module) for m in module)):
+        return list(module)
+    raise ConfigError(f"a Pipeline needs an nn.Sequential or a list of modules, not {type(module).__name__}")
+
+
+def trainer_args(params: Any, kvstore: Any, overlap: bool | None) -> tuple[Any, Any, bool | None]:
+    """A Trainer's (params, kvstore, overlap) with a Pipeline as params: every stage's parameters (the
+    store's keys are the same on every rank), the Pipeline's store, no overlap; else unchanged."""
+    if not isinstance(params, Pipeline):
+        return params, kvstore, overlap
+    return list(params.named_parameters()), params.kv if kvstore is None else kvstore, False
+
+
+def _default_store() -> Any:
+    from kvstore.client.process import process_store
+
+    kv = process_store()
+    if kv is None:
+        raise ConfigError("a Pipeline needs a dist store: call kvstore.create('dist_sync') first or pass kv=")
+    return kv
+
+
+class Pipeline:
+    """Stage ``rank % stages`` of ``module`` on this worker; ``step`` trains one mini-batch through
+    every stage (call it on every rank).  Raises :class:`ConfigError` for a bad argument."""
+
+    def __init__(self, module: Any, stages: int, balance: Sequence[int] | None = None, chunks: int = 1,
+                 schedule: str = "gpipe", checkpoint: str = "except_last", kv: Any = None,
+                 deferred_batch_norm: bool = False) -> None:
+        import torch
+
+        layers = _layers(module)
+        if deferred_batch_norm:  # in place in an nn.Sequential, so the caller's model holds them too
+            layers = [batchnorm.convert(layer) for layer in layers]
+            if isinstance(module, torch.nn.Sequential):
+                for index, layer in enumerate(layers):
+                    module[index] = layer
+        plan_.plan(schedule, max(stages, 1), max(chunks, 1), 0)  # checks the name
+        plan_.checkpointed(checkpoint, 0, 1)
+        if type(chunks) is not int or chunks < 1:
+            raise ConfigError(f"chunks must be an int >= 1, not {chunks!r}")
+        self.kv = kv if kv is not None else _default_store()
+        if not callable(getattr(self.kv, "scheduler_request", None)):
+            raise ConfigError(f"a Pipeline needs a dist store (dist_sync), not {self.kv.type!r}")
+        self.stages, self.chunks, self.schedule, self.checkpoint = stages, chunks, schedule, checkpoint
+        self.replicas = plan_.check_workers(self.kv.num_workers, stages)
+        self.stage, self.replica = plan_.stage_of(self.kv.rank, stages)
+        weights = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        self.balance = (plan_.check_balance(balance, len(layers), stages) if balance is not None
+                        else plan_.balance_by_weight(weights, stages))
+        lo = sum(self.balance[:self.stage])
+        self.module = torch.nn.Sequential(*layers[lo:lo + self.balance[self.stage]])
+        self.full = layers
+        self.deferred = batchnorm.deferred_in(self.module)  # their running stats move once per step
+        rank = self.kv.rank
+        self.names = {r: f"stage {r % stages} (worker {r})" for r in range(self.kv.num_workers)}
+        self.prev = rank - 1 if self.stage > 0 else None
+        self.next = rank + 1 if self.stage < stages - 1 else None
+        self.link = StageLink(self.kv, self.prev, self.next, self.names)
+        self.steps = 0
+        self.max_held = 0  # the most micro-batches whose activations this stage held at once (last step)
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs the first stage (it feeds the inputs)."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage (it computes the loss)."""
+        return self.stage == self.stages - 1
+
+    def parameters(self) -> Iterable[Any]:
+        """This stage's parameters."""
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterable[tuple[str, Any]]:
+        """Every parameter of the whole model, named as in the full ``nn.Sequential`` (e.g. ``2.weight``),
+        each replica's in the same order: what a Trainer over a Pipeline keeps in the store."""
+        for index, layer in enumerate(self.full):
+            for name, p in layer.named_parameters():
+                yield f"{index}.{name}", p
+
+    def stage_parameters(self) -> set[int]:
+        """``id()`` of each parameter this rank's stage holds."""
+        return {id(p) for p in self.module.parameters()}
+
+    def zero_foreign_grads(self) -> None:
+        """Give every parameter of the other stages a zero ``.grad`` (``step`` does, after its backwards):
+        a Trainer over the Pipeline pushes
+        every key from every rank (dist_sync counts each key's pushes over all workers), so each key's
+        sum is its stage's replicas' gradients."""
+        import torch
+
+        mine = self.stage_parameters()
+        for _, p in self.named_parameters():
+            if id(p) not in mine and p.requires_grad:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+
+    def close(self) -> None:
+        """Close this stage's sockets."""
+        self.link.close()
+
+    def step(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], Any]) -> float | None:
+        """Forward and backward one mini-batch through the pipeline; gradients accumulate in this
+        stage's ``.grad``.  The first stage passes ``x``, the last ``y`` (others may pass None).
+        Returns the mini-batch's loss on the last stage, None elsewhere.
+
+        Raises ConfigError (a missing x or y), ShapeMismatchError / DTypeMismatchError naming both
+        stages, DeadlineExceededError naming the stage waited for, NodeLostError, and RemoteError
+        when another stage failed the step (every neighbour is told, so no stage hangs).
+        """
+        self.steps += 1
+        try:
+            loss = _Run(self, x, y, loss_fn).go()
+            for norm in self.deferred:
+                norm.commit()
+            self.zero_foreign_grads()
+            return loss
+        except BaseException as exc:
+            for norm in self.deferred:
+                norm.commit(apply=False)
+            self.link.abort(f"{self.names[self.kv.rank]}: {type(exc).__name__}: {exc}", self.steps)
+            raise
+
+
+class _Run:
+    """One ``step`` of one stage: its micro-batches, the activations it holds, the ops it runs."""
+
+    def __init__(self, pipe: Pipeline, x: Any, y: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
+        self.pipe, self.link, self.loss_fn, self.step = pipe, pipe.link, loss_fn, pipe.steps
+        self.me = pipe.names[pipe.kv.rank]
+        if pipe.is_first and x is None:
+            raise ConfigError(f"{self.me} is the first stage: its step needs the inputs x")
+        if pipe.is_last and y is None:
+            raise ConfigError(f"{self.me} is the last stage: its step needs the targets y")
+        self.x, self.y = x, y
+        self.sizes: list[int] = plan_.split_sizes(len(x), pipe.chunks) if pipe.is_first else []
+        self.inputs: dict[int, Any] = {}
+        self.held: dict[int, tuple[Any, Any]] = {}  # mb -> (its input, its output or scaled loss)
+        self.loss = 0.0
+        self.peak = 0
+
+    def go(self) -> float | None:
+        first = self._input(0)  # every schedule begins with micro-batch 0's forward
+        self.inputs[0] = first
+        if self.pipe.is_last and len(self.y) != sum(self.sizes):
+            raise ShapeMismatchError(f"{self.me} got {len(self.y)} targets for a batch of {sum(self.sizes)}")
+        for kind, mb in plan_.plan(self.pipe.schedule, self.pipe.stages, len(self.sizes), self.pipe.stage):
+            for norm in self.pipe.deferred:
+                norm.begin(mb)  # a checkpointed forward recomputed in B mb is not counted again
+            self._forward(mb) if kind == "F" else self._backward(mb)
+        self.pipe.max_held = self.peak
+        return self.loss if self.pipe.is_last else None
+
+    def _input(self, mb: int) -> Any:
+        """Micro-batch ``mb``'s input: a slice of x, or the previous stage's activation (checked)."""
+        import torch
+
+        if self.pipe.is_first:
+            start = sum(self.sizes[:mb])
+            return self.x[start:start + self.sizes[mb]]
+        array, body = self.link.receive(Op.PIPE_ACT, self.step, mb)
+        if mb == 0:
+            self.sizes = _sizes(body.get("sizes"), self.me, self.pipe.names[self.pipe.prev])
+        self._check_activation(array, mb)
+        with warnings.catch_warnings():  # a read-only frame: autograd never writes to its input
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(array)
+        return tensor.requires_grad_(tensor.is_floating_point())
+
+    def _check_activation(self, array: Any, mb: int) -> None:
+        frm = self.pipe.names[self.pipe.prev]
+        params = [p for p in self.pipe.module.parameters() if p.is_floating_point()]
+        want = _dtype(params[0]) if params else None
+        if want is not None and str(array.dtype) != want:
+            raise DTypeMismatchError(f"{self.me} received from {frm} an activation of dtype {array.dtype} "
+                                     f"for micro-batch {mb}; its layers take {want}")
+        features = getattr(self.pipe.module[0], "in_features", None)
+        shape = tuple(array.shape)
+        if not shape or shape[0] != self.sizes[mb] or (features is not None and shape[-1] != features):
+            expected = f"({self.sizes[mb]}, ..., {features})" if features else f"({self.sizes[mb]}, ...)"
+            raise ShapeMismatchError(f"{self.me} received from {frm} an activation of shape {shape} for "
+                                     f"micro-batch {mb}; it expects {expected}")
+
+    def _run(self, inp: Any, mb: int) -> Any:
+        if plan_.checkpointed(self.pipe.checkpoint, mb, len(self.sizes)):
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.pipe.module, inp, use_reentrant=False)
+        return self.pipe.module(inp)
+
+    def _forward(self, mb: int) -> None:
+        inp = self.inputs.pop(mb) if mb in self.inputs else self._input(mb)
+        out = self._run(inp, mb)
+        if self.pipe.is_last:
+            start = sum(self.sizes[:mb])
+            target = self.y[start:start + self.sizes[mb]]
+            out = self.loss_fn(out, target) * (self.sizes[mb] / sum(self.sizes))
+            self.loss += float(out.detach())
+        else:
+            body = {"step": self.step, "mb": mb}
+            if mb == 0:
+                body["sizes"] = self.sizes
+            self.link.send(self.pipe.next, Op.PIPE_ACT, body, [out.detach().contiguous().numpy()])
+        self.held[mb] = (inp, out)
+        self.peak = max(self.peak, len(self.held))
+
+    def _backward(self, mb: int) -> None:
+        import torch
+
+        inp, out = self.held.pop(mb)
+        if self.pipe.is_last:
+            out.backward()
+        else:
+            array, _ = self.link.receive(Op.PIPE_GRAD, self.step, mb)
+            frm = self.pipe.names[self.pipe.next]
+            if tuple(array.shape) != tuple(out.shape) or str(array.dtype) != _dtype(out):
+                raise ShapeMismatchError(f"{self.me} received from {frm} a gradient of {array.dtype} "
+                                         f"{tuple(array.shape)} for micro-batch {mb}; its output was "
+                                         f"{out.dtype} {tuple(out.shape)}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                out.backward(torch.from_numpy(array))
+        if not self.pipe.is_first:
+            grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            self.link.send(self.pipe.prev, Op.PIPE_GRAD, {"step": self.step, "mb": mb},
+                           [grad.contiguous().numpy()])
+
+
+def _sizes(value: Any, me: str, frm: str) -> list[int]:
+    """The micro-batch sizes the first stage announced; ProtocolError-free check, ShapeMismatchError."""
+    if not (isinstance(value, list) and 0 < len(value) <= 1 << 16
+            and all(type(v) is int and v > 0 for v in value)):
+        raise ShapeMismatchError(f"{me} received from {frm} a first micro-batch without valid sizes")
+    return value
+
+
+def _dtype(tensor: Any) -> str:
+    """A tensor's dtype as numpy names it (``float64``)."""
+    return str(tensor.dtype).replace("torch.", "")
