@@ -20,6 +20,7 @@ from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, P
 from kvstore.net import address, transport
 from kvstore.net.auth import Channel, derive_key
 from kvstore.net.protocol import Message, Op
+from kvstore.net.router import DropLog
 
 log = logging.getLogger("kvstore.pipeline")
 TICK = 0.05  # seconds between checks of the heartbeat's verdict while waiting for a neighbour
@@ -47,6 +48,7 @@ class StageLink:
         self.sock, port = transport.bind_router(host, 0, max_frame_bytes=cfg.max_message_bytes, curve=curve)
         self.peers: dict[int, Any] = {}
         self.inbox: dict[tuple[int, int, int], tuple[np.ndarray, dict]] = {}  # (op, step, mb) -> array, body
+        self.drops = DropLog(log)  # what the socket refused, counted by reason and logged now and then
         try:
             self.poller = transport.Poller()
             self.poller.add(self.sock)
@@ -110,13 +112,26 @@ class StageLink:
                                 role=exc.role, rank=exc.rank, host=exc.host) from None
 
     def _drain(self, step: int) -> None:
-        """File every waiting message in the inbox; drop (and log) what is not for us."""
-        while (frames := transport.recv_nowait(self.sock)) is not None:
+        """File every waiting message in the inbox; drop and count what is not for us (anyone may
+        connect, so nothing read here may raise but a neighbour's PIPE_ABORT)."""
+        while True:
+            try:
+                frames = transport.recv_nowait(self.sock)
+            except ProtocolError as exc:  # too many frames: read and dropped by the transport
+                self.drops.count("frames", str(exc))
+                continue
+            if frames is None:
+                break
             try:
                 msg = self.channel.open(frames[1:])
+            except Exception as exc:  # made-up frames may break anything in the decoder
+                self.drops.count("unreadable", f"{type(exc).__name__}: {exc}")
+                continue
+            try:
                 self._file(msg, step)
-            except (ProtocolError, PermissionError) as exc:
-                log.warning("%s dropped a message: %s", self.names[self.rank], exc)
+            except ProtocolError as exc:
+                self.drops.count("unexpected", str(exc))
+        self.drops.flush()
 
     def _file(self, msg: Message, step: int) -> None:
         if msg.sender not in (self.prev, self.next):

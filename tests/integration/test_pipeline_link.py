@@ -1,0 +1,51 @@
+"""The stage link (kvstore/pipeline/link.py) against bad input on its bound socket: a stranger's
+oversized message, and a neighbour that floods, repeats or sends what is not asked for.  Two
+in-process workers of a real cluster, each with a StageLink; no torch needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.net import transport
+from kvstore.net.protocol import Op
+from kvstore.pipeline.link import StageLink
+
+NAMES = {0: "stage 0 (worker 0)", 1: "stage 1 (worker 1)"}
+ACT = np.arange(4, dtype=np.float32)
+
+
+def _link(kv) -> StageLink:
+    return StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, NAMES)
+
+
+@pytest.mark.timeout(60)
+def test_a_message_of_too_many_frames_is_dropped_not_raised(make_cluster) -> None:
+    """A stranger's message of more than MAX_FRAMES frames is counted and dropped; the stage then
+    receives its neighbour's activation."""
+    cluster = make_cluster(num_workers=2, connect=False)
+    cluster.connect(request_timeout=5.0)
+
+    def run(kv):
+        link = _link(kv)
+        try:
+            if kv.rank == 0:
+                kv.barrier()
+                link.send(1, Op.PIPE_ACT, {"step": 0, "mb": 0}, [ACT])
+                return None
+            stranger = transport.connect_dealer(transport.address(*kv.scheduler_request(
+                Op.PIPE_LOOKUP, {"rank": 1}, "own address").body["address"]))
+            try:
+                transport.send(stranger, [b"x"] * (transport.MAX_FRAMES + 5))
+                assert link.poller.wait(10), "the stranger's message never arrived"
+                kv.barrier()
+                array, _ = link.receive(Op.PIPE_ACT, 0, 0)
+            finally:
+                transport.close(stranger)
+            return array, link.drops.totals["frames"]
+        finally:
+            link.close()
+
+    _, (array, dropped) = cluster.run(run)
+    np.testing.assert_array_equal(array, ACT)
+    assert dropped == 1
