@@ -25,6 +25,7 @@ from kvstore.net.router import DropLog
 log = logging.getLogger("kvstore.pipeline")
 TICK = 0.05  # seconds between checks of the heartbeat's verdict while waiting for a neighbour
 KINDS = {Op.PIPE_ACT: "activation", Op.PIPE_GRAD: "gradient"}
+MAX_CHUNKS = 1 << 16  # micro-batches of a step when the caller does not say (the most a stage may announce)
 
 
 def label(rank: int) -> str:
@@ -34,11 +35,15 @@ def label(rank: int) -> str:
 
 class StageLink:
     """Worker ``rank``'s pipeline socket and its connections to the ranks ``prev`` and ``next``
-    (None at the ends).  ``names`` maps a rank to the words naming it in errors ("stage 0 (worker 2)")."""
+    (None at the ends).  ``names`` maps a rank to the words naming it in errors ("stage 0 (worker 2)").
+    A step has at most ``chunks`` micro-batches: what waits in the inbox is at most one message per
+    (kind, step, micro-batch) of this step and the next, so at most ``4 * chunks`` messages."""
 
-    def __init__(self, kv: Any, prev: int | None, nxt: int | None, names: dict[int, str]) -> None:
+    def __init__(self, kv: Any, prev: int | None, nxt: int | None, names: dict[int, str],
+                 chunks: int = MAX_CHUNKS) -> None:
         cfg = kv._cfg
         self.kv, self.rank, self.prev, self.next, self.names = kv, kv.rank, prev, nxt, names
+        self.chunks = chunks
         self.timeout = cfg.request_timeout
         host = address.node_host(cfg)
         address.check_bind(cfg, host, "a pipeline stage")
@@ -48,6 +53,7 @@ class StageLink:
         self.sock, port = transport.bind_router(host, 0, max_frame_bytes=cfg.max_message_bytes, curve=curve)
         self.peers: dict[int, Any] = {}
         self.inbox: dict[tuple[int, int, int], tuple[np.ndarray, dict]] = {}  # (op, step, mb) -> array, body
+        self.taken: set[tuple[int, int, int]] = set()  # keys received already (a repeat is dropped)
         self.drops = DropLog(log)  # what the socket refused, counted by reason and logged now and then
         try:
             self.poller = transport.Poller()
@@ -89,6 +95,7 @@ class StageLink:
         :class:`RemoteError` when a neighbour aborted the step.
         """
         peer = self.prev if op == Op.PIPE_ACT else self.next
+        self._forget_before(step)
         deadline = time.monotonic() + self.timeout
         while (op, step, mb) not in self.inbox:
             self._check_alive()
@@ -99,7 +106,14 @@ class StageLink:
                     f"{mb} from {self.names[peer]} (KVSTORE_REQUEST_TIMEOUT)")
             if self.poller.wait(min(left, TICK)):
                 self._drain(step)
+        self.taken.add((op, step, mb))
         return self.inbox.pop((op, step, mb))
+
+    def _forget_before(self, step: int) -> None:
+        """Drop what an earlier step left waiting (a failed step's late messages) and its receipts."""
+        for key in [k for k in self.inbox if k[1] < step]:
+            del self.inbox[key]
+        self.taken = {k for k in self.taken if k[1] >= step}
 
     def _check_alive(self) -> None:
         """Raise the heartbeat's NodeLostError, naming the stage when the lost node is a pipeline worker."""
@@ -144,12 +158,15 @@ class StageLink:
         got_step, mb = msg.body.get("step"), msg.body.get("mb")
         if expected is None or msg.sender != expected or len(msg.arrays) != 1:
             raise ProtocolError(f"unexpected {msg.op.name} from worker {msg.sender}")
-        if type(got_step) is not int or type(mb) is not int or not step <= got_step <= step + 1 or mb < 0:
+        if (type(got_step) is not int or type(mb) is not int or not step <= got_step <= step + 1
+                or not 0 <= mb < self.chunks):
             raise ProtocolError(f"{msg.op.name} from worker {msg.sender} for step {got_step!r} micro-batch "
-                                f"{mb!r} (this step is {step})")
-        if len(self.inbox) > 4096:
-            raise ProtocolError("too many pipeline messages waiting; dropping")
-        self.inbox[(msg.op, got_step, mb)] = (msg.arrays[0], msg.body)
+                                f"{mb!r} (this step is {step}, of at most {self.chunks} micro-batches)")
+        key = (msg.op, got_step, mb)
+        if key in self.inbox or key in self.taken:
+            raise ProtocolError(f"a repeated {msg.op.name} from worker {msg.sender} for step {got_step} "
+                                f"micro-batch {mb}")
+        self.inbox[key] = (msg.arrays[0], msg.body)
 
     def close(self) -> None:
         """Close every socket (idempotent)."""

@@ -15,8 +15,8 @@ NAMES = {0: "stage 0 (worker 0)", 1: "stage 1 (worker 1)"}
 ACT = np.arange(4, dtype=np.float32)
 
 
-def _link(kv) -> StageLink:
-    return StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, NAMES)
+def _link(kv, chunks: int = 2) -> StageLink:
+    return StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, NAMES, chunks=chunks)
 
 
 @pytest.mark.timeout(60)
@@ -32,6 +32,7 @@ def test_a_message_of_too_many_frames_is_dropped_not_raised(make_cluster) -> Non
             if kv.rank == 0:
                 kv.barrier()
                 link.send(1, Op.PIPE_ACT, {"step": 0, "mb": 0}, [ACT])
+                kv.barrier()  # a closed DEALER drops what it has not sent yet (LINGER 0)
                 return None
             stranger = transport.connect_dealer(transport.address(*kv.scheduler_request(
                 Op.PIPE_LOOKUP, {"rank": 1}, "own address").body["address"]))
@@ -40,6 +41,7 @@ def test_a_message_of_too_many_frames_is_dropped_not_raised(make_cluster) -> Non
                 assert link.poller.wait(10), "the stranger's message never arrived"
                 kv.barrier()
                 array, _ = link.receive(Op.PIPE_ACT, 0, 0)
+                kv.barrier()
             finally:
                 transport.close(stranger)
             return array, link.drops.totals["frames"]
@@ -49,3 +51,31 @@ def test_a_message_of_too_many_frames_is_dropped_not_raised(make_cluster) -> Non
     _, (array, dropped) = cluster.run(run)
     np.testing.assert_array_equal(array, ACT)
     assert dropped == 1
+
+
+@pytest.mark.timeout(60)
+def test_repeats_and_out_of_range_micro_batches_do_not_pile_up(make_cluster) -> None:
+    """A neighbour's repeated micro-batches and one past ``chunks`` are dropped, one never asked for is
+    forgotten when the next step begins: the inbox ends empty and the right arrays are received."""
+    cluster = make_cluster(num_workers=2, connect=False)
+    cluster.connect(request_timeout=5.0)
+
+    def run(kv):
+        link = _link(kv)
+        try:
+            if kv.rank == 0:
+                for step, mb in ((0, 0), (0, 0), (0, 5), (0, 1), (1, 0), (1, 0), (1, 1)):
+                    link.send(1, Op.PIPE_ACT, {"step": step, "mb": mb}, [ACT + 10 * step + mb])
+                kv.barrier()  # a closed DEALER drops what it has not sent yet (LINGER 0)
+                return None
+            got = [link.receive(Op.PIPE_ACT, step, mb)[0] for step, mb in ((0, 0), (1, 0), (1, 1))]
+            kv.barrier()
+            return got, dict(link.inbox), link.drops.totals["unexpected"]
+        finally:
+            link.close()
+
+    _, (got, left, dropped) = cluster.run(run)
+    for array, want in zip(got, (ACT, ACT + 10, ACT + 11), strict=True):
+        np.testing.assert_array_equal(array, want)
+    assert left == {}
+    assert dropped >= 3  # two repeats and micro-batch 5 (step 0's micro-batch 1: forgotten, or dropped late)
