@@ -151,9 +151,13 @@ class StageLink:
         if msg.sender not in (self.prev, self.next):
             raise ProtocolError(f"a pipeline message from worker {msg.sender}, not a neighbour")
         if msg.op == Op.PIPE_ABORT:
-            if msg.body.get("step") != step:
+            got_step, text = msg.body.get("step"), msg.body.get("message")
+            if type(got_step) is not int or not isinstance(text, str) or len(msg.arrays) > 0:
+                raise ProtocolError(f"a PIPE_ABORT from worker {msg.sender} needs an int step, a str message "
+                                    "and no arrays")
+            if got_step != step:
                 return  # an earlier step's failure, already raised here
-            raise RemoteError(f"{self.names[msg.sender]} failed the step: {msg.body.get('message')}")
+            raise RemoteError(f"{self.names[msg.sender]} failed the step: {text[:2000]}")
         expected = {Op.PIPE_ACT: self.prev, Op.PIPE_GRAD: self.next}.get(msg.op)
         got_step, mb = msg.body.get("step"), msg.body.get("mb")
         if expected is None or msg.sender != expected or len(msg.arrays) != 1:

@@ -79,3 +79,33 @@ def test_repeats_and_out_of_range_micro_batches_do_not_pile_up(make_cluster) -> 
         np.testing.assert_array_equal(array, want)
     assert left == {}
     assert dropped >= 3  # two repeats and micro-batch 5 (step 0's micro-batch 1: forgotten, or dropped late)
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_abort_is_dropped_and_a_good_one_raised(make_cluster) -> None:
+    """A PIPE_ABORT whose step is a bool (True == 1) or whose message is not a str is dropped; a
+    well-formed one for this step is the neighbour's RemoteError."""
+    from kvstore.errors import RemoteError
+
+    cluster = make_cluster(num_workers=2, connect=False)
+    cluster.connect(request_timeout=5.0)
+
+    def run(kv):
+        link = _link(kv)
+        try:
+            if kv.rank == 0:
+                for body in ({"step": True, "message": "bool step"}, {"step": 1, "message": ["not", "a str"]},
+                             {"step": 1, "message": "it broke"}):
+                    link.send(1, Op.PIPE_ABORT, body, [])
+                kv.barrier()  # a closed DEALER drops what it has not sent yet (LINGER 0)
+                return None
+            with pytest.raises(RemoteError) as caught:
+                link.receive(Op.PIPE_ACT, 1, 0)
+            kv.barrier()
+            return str(caught.value), link.drops.totals["unexpected"]
+        finally:
+            link.close()
+
+    _, (text, dropped) = cluster.run(run)
+    assert text == "stage 0 (worker 0) failed the step: it broke"
+    assert dropped == 2
