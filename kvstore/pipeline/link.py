@@ -173,9 +173,11 @@ class StageLink:
         self.inbox[key] = (msg.arrays[0], msg.body)
 
     def close(self) -> None:
-        """Close every socket (idempotent)."""
+        """Close every socket (idempotent).  What the connections to the neighbours have not sent yet
+        (a last stage's final gradients) keeps up to KVSTORE_REQUEST_TIMEOUT to leave, in zmq's
+        background thread: the wait a neighbour would otherwise spend on it, then fail."""
         for sock in self.peers.values():
-            transport.close(sock)
+            transport.close(sock, linger=self.timeout)
         self.peers = {}
         if self.sock is not None:
             transport.close(self.sock)

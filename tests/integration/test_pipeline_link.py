@@ -109,3 +109,25 @@ def test_a_malformed_abort_is_dropped_and_a_good_one_raised(make_cluster) -> Non
     _, (text, dropped) = cluster.run(run)
     assert text == "stage 0 (worker 0) failed the step: it broke"
     assert dropped == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_that_closes_right_after_sending_still_delivers(make_cluster) -> None:
+    """Closing a link gives what it has not sent yet time to leave: the last stage's final gradient
+    reaches its neighbour even when that stage closes at once."""
+    cluster = make_cluster(num_workers=2, connect=False)
+    cluster.connect(request_timeout=10.0)
+    big = np.arange(1 << 21, dtype=np.float32)  # 8 MiB: still in the DEALER's queue when it closes
+
+    def run(kv):
+        link = _link(kv)
+        try:
+            if kv.rank == 1:
+                link.send(0, Op.PIPE_GRAD, {"step": 0, "mb": 0}, [big])
+                return None
+            return link.receive(Op.PIPE_GRAD, 0, 0)[0]
+        finally:
+            link.close()
+
+    got, _ = cluster.run(run)
+    np.testing.assert_array_equal(got, big)
