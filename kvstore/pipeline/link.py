@@ -25,6 +25,7 @@ from kvstore.net.router import DropLog
 log = logging.getLogger("kvstore.pipeline")
 TICK = 0.05  # seconds between checks of the heartbeat's verdict while waiting for a neighbour
 KINDS = {Op.PIPE_ACT: "activation", Op.PIPE_GRAD: "gradient"}
+DRAIN_LIMIT = 1000  # messages read per wake-up before the deadline and the heartbeat are checked again
 MAX_CHUNKS = 1 << 16  # micro-batches of a step when the caller does not say (the most a stage may announce)
 
 
@@ -127,8 +128,9 @@ class StageLink:
 
     def _drain(self, step: int) -> None:
         """File every waiting message in the inbox; drop and count what is not for us (anyone may
-        connect, so nothing read here may raise but a neighbour's PIPE_ABORT)."""
-        while True:
+        connect, so nothing read here may raise but a neighbour's PIPE_ABORT).  Reads at most
+        DRAIN_LIMIT messages, so a flood cannot keep the caller from its deadline."""
+        for _ in range(DRAIN_LIMIT):
             try:
                 frames = transport.recv_nowait(self.sock)
             except ProtocolError as exc:  # too many frames: read and dropped by the transport

@@ -131,3 +131,48 @@ def test_a_stage_that_closes_right_after_sending_still_delivers(make_cluster) ->
 
     got, _ = cluster.run(run)
     np.testing.assert_array_equal(got, big)
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_does_not_hold_a_stage_past_its_deadline(make_cluster) -> None:
+    """While a stranger floods a stage's socket without pause, its wait still ends at its deadline
+    with DeadlineExceededError naming the stage it waited for."""
+    import threading
+    import time
+
+    from kvstore.errors import DeadlineExceededError
+
+    cluster = make_cluster(num_workers=2, connect=False)
+    cluster.connect(request_timeout=1.0)
+
+    def run(kv):
+        link = _link(kv)
+        try:
+            if kv.rank == 0:
+                return None  # sends nothing
+            stop = threading.Event()
+            stranger = transport.connect_dealer(transport.address(*kv.scheduler_request(
+                Op.PIPE_LOOKUP, {"rank": 1}, "own address").body["address"]))
+
+            def flood() -> None:
+                while not stop.is_set():
+                    for _ in range(1000):
+                        transport.send(stranger, [b"not a mac", b"not a header"])
+
+            thread = threading.Thread(target=flood, daemon=True)
+            thread.start()
+            start = time.monotonic()
+            try:
+                with pytest.raises(DeadlineExceededError) as caught:
+                    link.receive(Op.PIPE_ACT, 0, 0)
+            finally:
+                stop.set()
+                thread.join(10)
+                transport.close(stranger)
+            return time.monotonic() - start, str(caught.value)
+        finally:
+            link.close()
+
+    _, (took, text) = cluster.run(run)
+    assert "from stage 0 (worker 0)" in text
+    assert took < 15, took
