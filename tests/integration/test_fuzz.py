@@ -24,9 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvstore
+from kvstore.client.mux import SCHEDULER
 from kvstore.core.dtypes import BY_NAME
 from kvstore.net.auth import Channel
 from kvstore.net.protocol import MAX_DIMS, PROTOCOL_VERSION, Message, Op, decode
+from kvstore.pipeline.link import StageLink
 
 from .conftest import Cluster, insider
 
@@ -446,8 +448,6 @@ def _fuzz_stage(kv: Any, link: Any) -> np.ndarray:
 def test_malformed_pipe_messages_leave_a_stage_receiving(make_cluster) -> None:
     """Garbage, mutated activations and well-sealed PIPE_* messages with one bad field, array, sender or
     op, sent to a pipeline stage, are dropped without a raise; it then receives its neighbour's activation."""
-    from kvstore.pipeline.link import StageLink
-
     cluster: Cluster = make_cluster("dist_sync", 2, 1, connect=False)
     cluster.connect(request_timeout=60.0)
 
@@ -469,10 +469,11 @@ def test_malformed_pipe_messages_leave_a_stage_receiving(make_cluster) -> None:
     assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()
 
 
-BAD_PIPE_REQUESTS = [(Op.PIPE_PUBLISH, b) for b in (
+BAD_PIPE_REQUESTS = [(Op.PIPE_PUBLISH, {"host": "h", "port": 8}, [ACT]), (Op.PIPE_LOOKUP, {"rank": 0}, [ACT])]
+BAD_PIPE_REQUESTS += [(Op.PIPE_PUBLISH, b, []) for b in (
     {}, {"host": 5, "port": 80}, {"host": "h", "port": True}, {"host": "h", "port": 70000},
     {"host": "h", "port": -1}, {"host": "h" * 300, "port": 1}, {"host": ["h"], "port": 1})]
-BAD_PIPE_REQUESTS += [(Op.PIPE_LOOKUP, {"rank": r}) for r in (True, -1, 2, 2**64 - 1, "0", None, 0.0)]
+BAD_PIPE_REQUESTS += [(Op.PIPE_LOOKUP, {"rank": r}, []) for r in (True, -1, 2, 2**64 - 1, "0", None, 0.0)]
 
 
 @pytest.mark.timeout(120)
@@ -490,9 +491,9 @@ def test_malformed_pipe_requests_get_errors_and_record_nothing(make_cluster) -> 
                                                  "utf8")
     finally:
         target.close()
-    for op, body in BAD_PIPE_REQUESTS:
+    for op, body, arrays in BAD_PIPE_REQUESTS:
         with pytest.raises(KVStoreError):
-            kv.scheduler_request(op, body, "a malformed pipeline request")
+            kv._request_all([kv._io.submit(SCHEDULER, Message(op, body, arrays), "a malformed request")])
     assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()
     assert [w.scheduler_request(Op.PIPE_LOOKUP, {"rank": r}, "lookup").body["address"]
             for r, w in enumerate(cluster.workers)] == [None, None]
