@@ -46,11 +46,20 @@ def handlers(scheduler: Any) -> dict[Op, Any]:
     book = PipeBook(scheduler.cfg.num_workers)
 
     def on_publish(identity: bytes, msg: Message) -> None:
-        book.publish(scheduler._worker_rank(identity), msg.body)
+        rank = scheduler._worker_rank(identity)
+        _no_arrays(msg)
+        book.publish(rank, msg.body)
         scheduler.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def on_lookup(identity: bytes, msg: Message) -> None:
         scheduler._worker_rank(identity)
+        _no_arrays(msg)
         scheduler.service.reply(identity, Message(Op.OK, {"address": book.lookup(msg.body)}, seq=msg.seq))
 
     return {Op.PIPE_PUBLISH: on_publish, Op.PIPE_LOOKUP: on_lookup}
+
+
+def _no_arrays(msg: Message) -> None:
+    """Raise :class:`ProtocolError` when a PIPE_PUBLISH or PIPE_LOOKUP carries arrays (neither has any)."""
+    if msg.arrays:
+        raise ProtocolError(f"{msg.op.name} carries no arrays, not {len(msg.arrays)}")

@@ -20,10 +20,13 @@ from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, P
 from kvstore.net import address, transport
 from kvstore.net.auth import Channel, derive_key
 from kvstore.net.protocol import Message, Op
+from kvstore.net.router import DropLog
 
 log = logging.getLogger("kvstore.pipeline")
 TICK = 0.05  # seconds between checks of the heartbeat's verdict while waiting for a neighbour
 KINDS = {Op.PIPE_ACT: "activation", Op.PIPE_GRAD: "gradient"}
+DRAIN_LIMIT = 1000  # messages read per wake-up before the deadline and the heartbeat are checked again
+MAX_CHUNKS = 1 << 16  # micro-batches of a step when the caller does not say (the most a stage may announce)
 
 
 def label(rank: int) -> str:
@@ -33,11 +36,15 @@ def label(rank: int) -> str:
 
 class StageLink:
     """Worker ``rank``'s pipeline socket and its connections to the ranks ``prev`` and ``next``
-    (None at the ends).  ``names`` maps a rank to the words naming it in errors ("stage 0 (worker 2)")."""
+    (None at the ends).  ``names`` maps a rank to the words naming it in errors ("stage 0 (worker 2)").
+    A step has at most ``chunks`` micro-batches: what waits in the inbox is at most one message per
+    (kind, step, micro-batch) of this step and the next, so at most ``4 * chunks`` messages."""
 
-    def __init__(self, kv: Any, prev: int | None, nxt: int | None, names: dict[int, str]) -> None:
+    def __init__(self, kv: Any, prev: int | None, nxt: int | None, names: dict[int, str],
+                 chunks: int = MAX_CHUNKS) -> None:
         cfg = kv._cfg
         self.kv, self.rank, self.prev, self.next, self.names = kv, kv.rank, prev, nxt, names
+        self.chunks = chunks
         self.timeout = cfg.request_timeout
         host = address.node_host(cfg)
         address.check_bind(cfg, host, "a pipeline stage")
@@ -47,6 +54,8 @@ class StageLink:
         self.sock, port = transport.bind_router(host, 0, max_frame_bytes=cfg.max_message_bytes, curve=curve)
         self.peers: dict[int, Any] = {}
         self.inbox: dict[tuple[int, int, int], tuple[np.ndarray, dict]] = {}  # (op, step, mb) -> array, body
+        self.taken: set[tuple[int, int, int]] = set()  # keys received already (a repeat is dropped)
+        self.drops = DropLog(log)  # what the socket refused, counted by reason and logged now and then
         try:
             self.poller = transport.Poller()
             self.poller.add(self.sock)
@@ -87,6 +96,7 @@ class StageLink:
         :class:`RemoteError` when a neighbour aborted the step.
         """
         peer = self.prev if op == Op.PIPE_ACT else self.next
+        self._forget_before(step)
         deadline = time.monotonic() + self.timeout
         while (op, step, mb) not in self.inbox:
             self._check_alive()
@@ -97,7 +107,14 @@ class StageLink:
                     f"{mb} from {self.names[peer]} (KVSTORE_REQUEST_TIMEOUT)")
             if self.poller.wait(min(left, TICK)):
                 self._drain(step)
+        self.taken.add((op, step, mb))
         return self.inbox.pop((op, step, mb))
+
+    def _forget_before(self, step: int) -> None:
+        """Drop what an earlier step left waiting (a failed step's late messages) and its receipts."""
+        for key in [k for k in self.inbox if k[1] < step]:
+            del self.inbox[key]
+        self.taken = {k for k in self.taken if k[1] >= step}
 
     def _check_alive(self) -> None:
         """Raise the heartbeat's NodeLostError, naming the stage when the lost node is a pipeline worker."""
@@ -110,36 +127,59 @@ class StageLink:
                                 role=exc.role, rank=exc.rank, host=exc.host) from None
 
     def _drain(self, step: int) -> None:
-        """File every waiting message in the inbox; drop (and log) what is not for us."""
-        while (frames := transport.recv_nowait(self.sock)) is not None:
+        """File every waiting message in the inbox; drop and count what is not for us (anyone may
+        connect, so nothing read here may raise but a neighbour's PIPE_ABORT).  Reads at most
+        DRAIN_LIMIT messages, so a flood cannot keep the caller from its deadline."""
+        for _ in range(DRAIN_LIMIT):
+            try:
+                frames = transport.recv_nowait(self.sock)
+            except ProtocolError as exc:  # too many frames: read and dropped by the transport
+                self.drops.count("frames", str(exc))
+                continue
+            if frames is None:
+                break
             try:
                 msg = self.channel.open(frames[1:])
+            except Exception as exc:  # made-up frames may break anything in the decoder
+                self.drops.count("unreadable", f"{type(exc).__name__}: {exc}")
+                continue
+            try:
                 self._file(msg, step)
-            except (ProtocolError, PermissionError) as exc:
-                log.warning("%s dropped a message: %s", self.names[self.rank], exc)
+            except ProtocolError as exc:
+                self.drops.count("unexpected", str(exc))
+        self.drops.flush()
 
     def _file(self, msg: Message, step: int) -> None:
         if msg.sender not in (self.prev, self.next):
             raise ProtocolError(f"a pipeline message from worker {msg.sender}, not a neighbour")
         if msg.op == Op.PIPE_ABORT:
-            if msg.body.get("step") != step:
+            got_step, text = msg.body.get("step"), msg.body.get("message")
+            if type(got_step) is not int or not isinstance(text, str) or len(msg.arrays) > 0:
+                raise ProtocolError(f"a PIPE_ABORT from worker {msg.sender} needs an int step, a str message "
+                                    "and no arrays")
+            if got_step != step:
                 return  # an earlier step's failure, already raised here
-            raise RemoteError(f"{self.names[msg.sender]} failed the step: {msg.body.get('message')}")
+            raise RemoteError(f"{self.names[msg.sender]} failed the step: {text[:2000]}")
         expected = {Op.PIPE_ACT: self.prev, Op.PIPE_GRAD: self.next}.get(msg.op)
         got_step, mb = msg.body.get("step"), msg.body.get("mb")
         if expected is None or msg.sender != expected or len(msg.arrays) != 1:
             raise ProtocolError(f"unexpected {msg.op.name} from worker {msg.sender}")
-        if type(got_step) is not int or type(mb) is not int or not step <= got_step <= step + 1 or mb < 0:
+        if (type(got_step) is not int or type(mb) is not int or not step <= got_step <= step + 1
+                or not 0 <= mb < self.chunks):
             raise ProtocolError(f"{msg.op.name} from worker {msg.sender} for step {got_step!r} micro-batch "
-                                f"{mb!r} (this step is {step})")
-        if len(self.inbox) > 4096:
-            raise ProtocolError("too many pipeline messages waiting; dropping")
-        self.inbox[(msg.op, got_step, mb)] = (msg.arrays[0], msg.body)
+                                f"{mb!r} (this step is {step}, of at most {self.chunks} micro-batches)")
+        key = (msg.op, got_step, mb)
+        if key in self.inbox or key in self.taken:
+            raise ProtocolError(f"a repeated {msg.op.name} from worker {msg.sender} for step {got_step} "
+                                f"micro-batch {mb}")
+        self.inbox[key] = (msg.arrays[0], msg.body)
 
     def close(self) -> None:
-        """Close every socket (idempotent)."""
+        """Close every socket (idempotent).  What the connections to the neighbours have not sent yet
+        (a last stage's final gradients) keeps up to KVSTORE_REQUEST_TIMEOUT to leave, in zmq's
+        background thread: the wait a neighbour would otherwise spend on it, then fail."""
         for sock in self.peers.values():
-            transport.close(sock)
+            transport.close(sock, linger=self.timeout)
         self.peers = {}
         if self.sock is not None:
             transport.close(self.sock)

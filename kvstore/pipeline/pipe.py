@@ -84,7 +84,7 @@ class Pipeline:
         self.names = {r: f"stage {r % stages} (worker {r})" for r in range(self.kv.num_workers)}
         self.prev = rank - 1 if self.stage > 0 else None
         self.next = rank + 1 if self.stage < stages - 1 else None
-        self.link = StageLink(self.kv, self.prev, self.next, self.names)
+        self.link = StageLink(self.kv, self.prev, self.next, self.names, chunks=self.chunks)
         self.steps = 0
         self.max_held = 0  # the most micro-batches whose activations this stage held at once (last step)
 

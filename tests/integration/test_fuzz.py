@@ -24,9 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvstore
+from kvstore.client.mux import SCHEDULER
 from kvstore.core.dtypes import BY_NAME
 from kvstore.net.auth import Channel
 from kvstore.net.protocol import MAX_DIMS, PROTOCOL_VERSION, Message, Op, decode
+from kvstore.pipeline.link import StageLink
 
 from .conftest import Cluster, insider
 
@@ -391,3 +393,107 @@ def test_malformed_sparse_messages_get_errors_and_change_nothing(make_cluster) -
             Op.SPARSE_PULL, {"key": "fz-new", "after": 0}, [IDS], sender=0)).body), "utf8")
     finally:
         target.close()
+
+
+# -- pipeline ops (kvstore/pipeline/link.py, scheduler/pipes.py) ------------------------------------
+PIPE_NAMES = {0: "stage 0 (worker 0)", 1: "stage 1 (worker 1)"}
+ACT = np.arange(4, dtype=np.float32)
+
+
+def _bad_pipe_messages() -> list[tuple[Op, dict, list[np.ndarray], Any]]:
+    """Well-sealed PIPE_*/other messages to stage 1 of 2 (2 micro-batches, step 0), one bad thing each."""
+    one = [ACT]
+    cases = [(Op.PIPE_ACT, {"step": s, "mb": 0}, one, 0) for s in ("0", None, True, -1, 2, 2**64 - 1, 0.0)]
+    cases += [(Op.PIPE_ACT, {"step": 0, "mb": m}, one, 0) for m in ("0", None, True, -1, 2, 2**63 - 1)]
+    cases += [(Op.PIPE_ACT, {"step": 0, "mb": 0}, arrays, 0) for arrays in ([], one * 2)]
+    cases += [(Op.PIPE_ACT, {"step": 0, "mb": 0}, one, s) for s in (1, 5)]  # itself, a stranger
+    cases += [(Op.PIPE_GRAD, {"step": 0, "mb": 0}, one, 0), (Op.PUSH, {"step": 0, "mb": 0}, one, 0)]
+    cases += [(Op.PIPE_ABORT, body, arrays, sender) for body, arrays, sender in (
+        ({}, [], 0), ({"step": True, "message": "x"}, [], 0), ({"step": 0, "message": 5}, [], 0),
+        ({"step": 0, "message": "x"}, one, 0), ({"step": 0, "message": "x"}, [], 7))]
+    return cases
+
+
+def _fuzz_stage(kv: Any, link: Any) -> np.ndarray:
+    """Send stage 1's socket every bad message and hypothesis' cases, then a sealed sentinel on the same
+    connection: once the sentinel is received, everything before it was read without a raise."""
+    sealer = insider(kv, "fuzzer")
+    found = kv.scheduler_request(Op.PIPE_LOOKUP, {"rank": 1}, "stage 1").body["address"]
+    target = Target(f"tcp://{found[0]}:{found[1]}", None, sealer, "pipe-1", None)
+    genuine = sealer.seal(Message(Op.PIPE_ACT, {"step": 0, "mb": 1}, [ACT], sender=0), "pipe-1")
+    try:
+        for op, body, arrays, sender in _bad_pipe_messages():
+            target.sock.send_multipart(sealer.seal(Message(op, body, list(arrays), sender=sender), "pipe-1"))
+
+        @EXAMPLES
+        @given(st.one_of(raw_frames, mutations, insider_payloads))
+        def attack(case) -> None:
+            frames = case if isinstance(case, list) else (
+                _mutate(genuine, *case) if isinstance(case[0], str) else _insider_frames(target, case))
+            target.sock.send_multipart(frames)
+
+        attack()
+        sentinel = Message(Op.PIPE_ACT, {"step": 0, "mb": 1}, [ACT + 1], sender=0)
+        target.sock.send_multipart(sealer.seal(sentinel, "pipe-1"))
+        link.receive(Op.PIPE_ACT, 0, 1)
+    finally:
+        target.close()
+    kv.barrier()  # stage 0 sends its activation now
+    array, _ = link.receive(Op.PIPE_ACT, 0, 0)
+    assert link.inbox == {} and link.drops.totals["unexpected"] >= len(_bad_pipe_messages()) - 1
+    return array
+
+
+@pytest.mark.timeout(180)
+def test_malformed_pipe_messages_leave_a_stage_receiving(make_cluster) -> None:
+    """Garbage, mutated activations and well-sealed PIPE_* messages with one bad field, array, sender or
+    op, sent to a pipeline stage, are dropped without a raise; it then receives its neighbour's activation."""
+    cluster: Cluster = make_cluster("dist_sync", 2, 1, connect=False)
+    cluster.connect(request_timeout=60.0)
+
+    def run(kv):
+        link = StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, PIPE_NAMES, chunks=2)
+        try:
+            if kv.rank == 1:
+                array = _fuzz_stage(kv, link)
+            else:
+                kv.barrier()
+                link.send(1, Op.PIPE_ACT, {"step": 0, "mb": 0}, [ACT])
+                array = None
+            kv.barrier()  # a closed DEALER drops what it has not sent yet
+            return array
+        finally:
+            link.close()
+
+    np.testing.assert_array_equal(cluster.run(run)[1], ACT)
+    assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()
+
+
+BAD_PIPE_REQUESTS = [(Op.PIPE_PUBLISH, {"host": "h", "port": 8}, [ACT]), (Op.PIPE_LOOKUP, {"rank": 0}, [ACT])]
+BAD_PIPE_REQUESTS += [(Op.PIPE_PUBLISH, b, []) for b in (
+    {}, {"host": 5, "port": 80}, {"host": "h", "port": True}, {"host": "h", "port": 70000},
+    {"host": "h", "port": -1}, {"host": "h" * 300, "port": 1}, {"host": ["h"], "port": 1})]
+BAD_PIPE_REQUESTS += [(Op.PIPE_LOOKUP, {"rank": r}, []) for r in (True, -1, 2, 2**64 - 1, "0", None, 0.0)]
+
+
+@pytest.mark.timeout(120)
+def test_malformed_pipe_requests_get_errors_and_record_nothing(make_cluster) -> None:
+    """A PIPE_PUBLISH/PIPE_LOOKUP from a peer that is no registered worker, or with a bad field from one
+    that is, gets an ERROR; the scheduler lives and its address book stays empty."""
+    from kvstore.errors import KVStoreError
+
+    cluster: Cluster = make_cluster("dist_sync", 2, 1)
+    kv = cluster.workers[0]
+    target = Target.scheduler(cluster, insider(kv, "fuzzer"))
+    try:
+        for op, body in ((Op.PIPE_PUBLISH, {"host": "127.0.0.1", "port": 80}), (Op.PIPE_LOOKUP, {"rank": 0})):
+            assert b"registered worker" in bytes(str(_error_for(target, Message(op, body, sender=0)).body),
+                                                 "utf8")
+    finally:
+        target.close()
+    for op, body, arrays in BAD_PIPE_REQUESTS:
+        with pytest.raises(KVStoreError):
+            kv._request_all([kv._io.submit(SCHEDULER, Message(op, body, arrays), "a malformed request")])
+    assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()
+    assert [w.scheduler_request(Op.PIPE_LOOKUP, {"rank": r}, "lookup").body["address"]
+            for r, w in enumerate(cluster.workers)] == [None, None]
