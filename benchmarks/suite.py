@@ -150,12 +150,26 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
     return {"p50_us": pick(0.50), "p99_us": pick(0.99)}
 
 
+def memcpy_gbps(nbytes: int = MODEL_BYTES, repeats: int = 10) -> float:
+    """GB/s of one ``nbytes`` copy between two warm buffers in this process (the best of ``repeats``)."""
+    import numpy as np
+
+    source, target = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9
+
+
 def baseline(quick: bool) -> dict[str, Any]:
-    """The raw pyzmq figures every cluster figure is divided by."""
+    """The raw pyzmq figures every cluster figure is divided by, and a 64 MB memcpy's rate."""
     link = RawLink()
     try:
         seconds = 0.5 if quick else 1.5
-        return {"model": link.rate(MODEL_BYTES, seconds), "big": link.rate(BIG_BYTES, seconds),
+        return {"memcpy_gbps": memcpy_gbps(),
+                "model": link.rate(MODEL_BYTES, seconds), "big": link.rate(BIG_BYTES, seconds),
                 "many": link.rate(MANY_KEYS * MANY_FLOATS * 4, seconds),
                 "latency": link.latency(500 if quick else 3000)}
     finally:
@@ -204,7 +218,9 @@ def run_throughput(kv: Any, iters: int) -> None:
 
     seconds = timed(kv, step, iters)
     assert outs[0][0] == kv.num_workers, outs[0][:2]
-    report("throughput", gbps=2 * MODEL_BYTES * iters / seconds / 1e9, iters=iters)
+    lanes = kv._io.lanes  # same-host shared memory (kvstore.client.shmlanes), None when every byte is TCP
+    report("throughput", gbps=2 * MODEL_BYTES * iters / seconds / 1e9, iters=iters,
+           shm_bytes=0 if lanes is None else lanes.sent + lanes.received)
 
 
 def run_bigkey(kv: Any, iters: int) -> None:
@@ -371,6 +387,9 @@ def main() -> None:
         out["bigkey_rank_order_4w2s"] = launch(4, 2, ["bigkey"], args.quick,
                                                {"KVSTORE_SUM_ORDER": "rank"})["servers"]
     if "1w1s" in out["configs"] and "throughput" in tests:
+        progress("1w1s: throughput over TCP only (KVSTORE_SHM=0)")
+        tcp = launch(1, 1, ["throughput"], args.quick, {"KVSTORE_SHM": "0"})
+        out["shm_off_throughput_gbps"] = mean(tcp["results"]["throughput"], "gbps")
         progress("1w1s: throughput with KVSTORE_AUTH=full")
         full = launch(1, 1, ["throughput"], args.quick, {"KVSTORE_AUTH": "full"})
         out["auth_full_throughput_gbps"] = mean(full["results"]["throughput"], "gbps")
@@ -407,6 +426,7 @@ def run_config(w: int, s: int, tests: list[str], quick: bool) -> dict[str, Any]:
             "manykeys_per_s": get("manykeys", "keys_per_s"),
             "manykeys_unbatched_per_s": get("manykeys_unbatched", "keys_per_s"),
             "train_local_ms": get("train", "local_ms"), "train_dist_ms": get("train", "dist_ms"),
+            "throughput_shm_bytes": get("throughput", "shm_bytes"),
             "train_params": r["train"][0]["params"] if "train" in r else 0, "bigkey_servers": servers}
 
 
@@ -457,6 +477,12 @@ def print_table(out: dict[str, Any]) -> None:
     for s in out.get("bigkey_rank_order_4w2s", []):
         print(f"4w2s 256 MB test, KVSTORE_SUM_ORDER=rank: server {s['rank']} holds {s['held_mb']:.0f} MB, "
               f"peak RSS {s['peak_rss_mb']:.0f} MB ({s['peak_rss_mb'] / max(s['held_mb'], 1e-9):.2f}x)")
+    if "shm_off_throughput_gbps" in out:
+        shm, tcp = configs["1w1s"]["throughput_gbps"], out["shm_off_throughput_gbps"]
+        used = "shared memory" if configs["1w1s"]["throughput_shm_bytes"] > 0 else "NO shared memory (TCP)"
+        print(f"1w1s model throughput, {used}: {shm:.3f} GB/s = {shm / base['model']['gbps']:.2f}x raw TCP, "
+              f"{shm / base['memcpy_gbps']:.2f}x a 64 MB memcpy ({base['memcpy_gbps']:.2f} GB/s); "
+              f"KVSTORE_SHM=0: {tcp:.3f} GB/s ({tcp / base['model']['gbps']:.2f}x raw TCP)")
     if "auth_full_throughput_gbps" in out:
         print(f"1w1s model throughput with KVSTORE_AUTH=full: {out['auth_full_throughput_gbps']:.3f} GB/s "
               f"({out['auth_full_throughput_gbps'] / configs['1w1s']['throughput_gbps']:.2f}x the default)")

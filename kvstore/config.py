@@ -46,6 +46,9 @@ MIN_MESSAGE_BYTES = 1 << 20  # = kvstore.net.protocol.MAX_HEADER_BYTES: every he
 # size) whatever the skew between workers (docs/architecture.md, "Flow control and memory").
 DEFAULT_PUSH_WINDOW = 2
 DEFAULT_STALL_WARN = 60.0  # a sync round or barrier waiting this long is logged once, naming the late
+# Same-host shared memory (kvstore.net.shm): each worker maps one segment of this size per server on its
+# host, so at most workers x servers x 256 MiB of shared memory (pages are taken as they are first used).
+DEFAULT_SHM_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ class Config:
     snapshot_rounds: int = 0  # KVSTORE_SNAPSHOT_EVERY=N: a server writes its shard every N rounds (0: off)
     snapshot_seconds: float = 0.0  # KVSTORE_SNAPSHOT_EVERY=Ns: ... every N seconds instead (0: off)
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
+    shm: bool = True  # KVSTORE_SHM: big arrays between a worker and a server on its host go by shared memory
+    shm_bytes: int = DEFAULT_SHM_BYTES  # KVSTORE_SHM_BYTES: the size of each worker's segment per server
 
     def missing_cluster_vars(self) -> list[str]:
         """Return the names of the ``DMLC_*`` variables a distributed node needs but lacks."""
@@ -214,6 +219,13 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
     )
 
 
+def _shm(env: Mapping[str, str]) -> dict[str, Any]:
+    """Same-host shared memory: on or off, and each segment's size (at least 1 MiB)."""
+    return {"shm": bool(env_int(env, "KVSTORE_SHM", minimum=0, maximum=1, default=1)),
+            "shm_bytes": env_int(env, "KVSTORE_SHM_BYTES", minimum=1 << 20, maximum=1 << 40,
+                                 default=DEFAULT_SHM_BYTES)}
+
+
 def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
     """Worker restarts (docs/failures.md): the job's budget, this process's incarnation, the test hook."""
     return {"max_restarts": env_int(env, "KVSTORE_MAX_RESTARTS", minimum=0, default=0),
@@ -265,7 +277,7 @@ def _watch_and_wire(env: Mapping[str, str]) -> dict[str, Any]:
 
 def _data_path(env: Mapping[str, str]) -> dict[str, Any]:
     """The data path's knobs: message sizes, the sum order, the push window, the sync quorum (in
-    ``[1, DMLC_NUM_WORKER]``) and the staleness bound."""
+    ``[1, DMLC_NUM_WORKER]``), the staleness bound and same-host shared memory."""
     return {"batch_bytes": env_int(env, "KVSTORE_BATCH_BYTES", minimum=0, default=DEFAULT_BATCH_BYTES),
             "chunk_bytes": env_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
             "max_message_bytes": _max_message_bytes(env), "sum_order": _sum_order(env),
@@ -273,7 +285,7 @@ def _data_path(env: Mapping[str, str]) -> dict[str, Any]:
                                    default=DEFAULT_PUSH_WINDOW),
             "sync_quorum": env_int(env, "KVSTORE_SYNC_QUORUM", minimum=1,  # at most DMLC_NUM_WORKER
                                    maximum=env_int(env, "DMLC_NUM_WORKER", minimum=1)),
-            "staleness": env_int(env, "KVSTORE_STALENESS", minimum=0)}
+            "staleness": env_int(env, "KVSTORE_STALENESS", minimum=0), **_shm(env)}
 
 
 def _max_message_bytes(env: Mapping[str, str]) -> int:

@@ -80,17 +80,28 @@ class Wire:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self.lanes: Any = None  # kvstore.client.shmlanes.Lanes: same-host shared memory (set_lanes)
+        self._resolvers: dict[Any, Callable] = {}  # socket -> its shared-memory resolver
         self._poller = transport.Poller()
         self._poller.add(self._wake_r.fileno())
         for sock in self.sockets.values():
             self._poller.add(sock)
 
+    def set_lanes(self, lanes: Any) -> None:
+        """Move big arrays to and from the servers of ``lanes`` (kvstore.client.shmlanes) in shared memory;
+        None: no more (the segments go once no received array views them)."""
+        self.lanes = lanes
+        segments = {} if lanes is None else lanes.segments
+        self._resolvers = {self.sockets[t]: lanes.resolver(t) for t in segments}
+
     # -- sending ----------------------------------------------------------------------------------
-    def submit(self, target: int, msg: Message, what: str, after_failure: bool = False) -> Request:
+    def submit(self, target: int, msg: Message, what: str, after_failure: bool = False,
+               reply_bytes: int = 0) -> Request:
         """Send ``msg`` to ``target`` (a server index or SCHEDULER); return its request.
 
         After :meth:`fail`, the request is failed at once with that error, unless
-        ``after_failure`` (a LEAVE still goes out, so the scheduler can finish).
+        ``after_failure`` (a LEAVE still goes out, so the scheduler can finish).  ``reply_bytes``: the
+        size of the reply's array, which a same-host server may write into shared memory.
         Raises :class:`StoreClosedError` after :meth:`stop`, :class:`ProtocolError` (nothing sent)
         for an array bigger than the cluster's frame limit, which the receiver would disconnect.
         """
@@ -100,6 +111,9 @@ class Wire:
             raise ProtocolError(f"{what}: an array of {big} bytes exceeds the cluster's "
                                 f"KVSTORE_MAX_MESSAGE_BYTES={limit}; it was not sent")
         request = Request(what)
+        release = None if self.lanes is None else self.lanes.place(target, msg, reply_bytes)
+        if release is not None:  # the ranges stay reserved until the request is answered
+            request.future.add_done_callback(release)
         msg.sender = self.rank
         with self._lock:  # sealed in queue order: each receiver must see the channel's numbers rise
             if self._closed:
@@ -202,7 +216,7 @@ class Wire:
                 frames = transport.recv_nowait(sock)
                 if frames is None:
                     return
-                msg = self.channel.open(frames)
+                msg = self.channel.open(frames, self._resolvers.get(sock))
             except IntegrityError as exc:  # an authentic header: its request can be failed at once
                 self._fail_damaged(frames, exc)
                 continue
@@ -267,6 +281,7 @@ class Wire:
             log.warning("closing the store: a thread still held its sockets after %g s", timeout)
         for request in left:
             _resolve(request, exc=StoreClosedError(f"{request.what}: the store was closed"))
+        self.set_lanes(None)  # shared-memory segments: freed once no received array views them
 
 
 def _resolve(request: Request, result: Any = None, exc: BaseException | None = None) -> None:

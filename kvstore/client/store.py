@@ -20,6 +20,7 @@ import numpy as np
 from kvstore import config as kvconfig
 from kvstore import logs
 from kvstore.base import Group, KVStore, public
+from kvstore.client import shmlanes
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
@@ -77,6 +78,7 @@ class DistKVStore(FastCalls, KVStore):
         logs.set_identity("worker", self._rank)
         servers = [transport.connect_dealer(a, curve=transport.curve_keys(cfg)) for a in self._servers]
         self._io = Wire(scheduler, servers, self._rank, channel, body.get("max_message_bytes", 0))
+        self._io.set_lanes(shmlanes.attach(cfg, self._io, len(servers), cfg.connect_timeout))  # same host
         self._placements: dict[Key, list[Piece]] = {}  # each initialised key's pieces, computed once
         self._plans: dict[tuple, tuple[list[Send], frozenset]] = {}  # see _plan (under _lock)
         self._send_lock = threading.Lock()  # one call's push-like messages leave as one run
@@ -177,7 +179,8 @@ class DistKVStore(FastCalls, KVStore):
             body = {**body, "rounds": [self._pushes[part.key] - 1 for part in send.parts]}
         if array is not None:
             self._meter.sent(array.nbytes)
-        return self._io.submit(send.server, Message(op, body, [] if array is None else [array]), what)
+        return self._io.submit(send.server, Message(op, body, [] if array is None else [array]), what,
+                               reply_bytes=shmlanes.reply_bytes(op, send.parts, self._meta))
 
     def _wait(self, requests: list[Request], timeout: float, knob: str) -> list[Message]:
         deadline = time.monotonic() + timeout

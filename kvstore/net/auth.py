@@ -133,13 +133,14 @@ class Channel:
         mac = self._mac(frames)
         return [mac + self._tag(mac, frames[1:]) if self.full else mac, *frames]
 
-    def open(self, frames: list[Any]) -> Message:
+    def open(self, frames: list[Any], resolve: Any = None) -> Message:
         """Verify and decode ``frames``; raise AuthenticationError or ProtocolError without side effects.
 
-        The same as :meth:`verify`, ``protocol.decode`` of the rest, then :meth:`admit` of its auth.
+        The same as :meth:`verify`, ``protocol.decode`` of the rest (``resolve``: its shared-memory
+        resolver), then :meth:`admit` of its auth.
         """
         self.verify(frames)
-        msg = protocol.decode(frames[1:])
+        msg = protocol.decode(frames[1:], resolve)
         self.admit(msg.auth)
         return msg
 

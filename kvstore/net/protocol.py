@@ -6,13 +6,17 @@ does) and is the only one that imports msgpack.
 Header (a msgpack map)::
 
     {"v": PROTOCOL_VERSION, "op": int(Op), "seq": int, "sender": int | None,
-     "auth": [label, n, to], "body": {...}, "arrays": [[dtype, [dim, ...]], ...]}
+     "auth": [label, n, to], "body": {...}, "arrays": [[dtype, [dim, ...]], ...],
+     "shm": [offset | nil, ...] (optional), "reply_at": [offset, bytes] (optional)}
 
 ``sender`` (the node's rank), ``seq`` (the request number, echoed by the reply)
 and ``auth`` (``[label, n, to]``, checked by ``kvstore.net.auth``, whose MAC frame
 precedes these frames on the wire) are in every header.  Array
 frames follow the header in order and hold C-ordered raw bytes; decoding wraps
-them without copying.  See docs/protocol.md.
+them without copying.  An array whose ``shm`` entry is an offset travels in the
+worker's shared-memory segment (``kvstore.net.shm``): its frame is empty and
+``decode``'s ``resolve`` turns the offset into its bytes; ``reply_at`` is the range
+a worker reserved there for the reply.  See docs/protocol.md.
 
 ``decode`` checks every field before it uses it (types, each array description's
 dims and byte count, computed in Python ints before numpy sees them) and raises
@@ -35,7 +39,7 @@ import numpy as np
 from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_HEADER_BYTES = 1 << 20
 # An array description has at most MAX_DIMS dims: numpy 1.x builds arrays of up to 32 dims, 2.x of
 # up to 64, and a wire rule must not depend on which one a node has installed (setup.py allows both).
@@ -67,6 +71,7 @@ class Op(enum.IntEnum):
     PIPE_ACT = 30      # stage -> next stage: {"step", "mb"} + [activation]
     PIPE_GRAD = 31     # stage -> previous stage: {"step", "mb"} + [gradient of its output]
     PIPE_ABORT = 32    # stage -> neighbours: {"message"}: this stage failed the step; stop waiting
+    SHM_ATTACH = 33  # worker -> server: {"pid", "fd", "nonce", "bytes"}; reply OK {"attached": bool, "why"}
     # Data ops carry {"keys": [...], "sizes": [...]} (+ "lo" for a chunk of one key, kvstore.core.plan) and
     # one flat array holding every key's elements in order (none for PULL); replies to PULL and
     # PUSHPULL carry the values the same way, once every key of the request is answered.
@@ -99,6 +104,8 @@ class Message:
     seq: int = 0
     sender: int | None = None
     auth: Any = None  # [label, n, to], set by kvstore.net.auth.Channel.seal
+    shm: list[int | None] | None = None  # per array: its offset in the worker's segment, or None (inline)
+    reply_at: list[int] | None = None  # [offset, bytes]: where in its segment the worker wants the reply
 
 
 def _array_meta(array: np.ndarray) -> list[Any]:
@@ -119,11 +126,17 @@ def encode(msg: Message) -> list[Any]:
     arrays = [np.ascontiguousarray(a).reshape(a.shape) for a in msg.arrays]
     header = {"v": PROTOCOL_VERSION, "op": int(msg.op), "seq": msg.seq, "sender": msg.sender,
               "auth": msg.auth, "body": msg.body, "arrays": [_array_meta(a) for a in arrays]}
+    shm = msg.shm
+    if shm is not None:
+        header["shm"] = shm
+    if msg.reply_at is not None:
+        header["reply_at"] = msg.reply_at
     frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
     if len(frames[0]) > MAX_HEADER_BYTES:
         raise ProtocolError(f"{msg.op.name} header of {len(frames[0])} bytes exceeds the "
                             f"{MAX_HEADER_BYTES}-byte limit (is a key or a body field huge?)")
-    frames.extend(memoryview(a.reshape(-1)).cast("B") if a.size else b"" for a in arrays)
+    frames.extend(memoryview(a.reshape(-1)).cast("B") if a.size and (shm is None or shm[i] is None) else b""
+                  for i, a in enumerate(arrays))
     return frames
 
 
@@ -198,12 +211,24 @@ def _shape(meta: list, itemsize: int) -> tuple[tuple[int, ...], int]:
     return tuple(dims), count * itemsize
 
 
-def _decode_array(meta: Any, frame: Any) -> np.ndarray:
+def _described(meta: Any) -> tuple[np.dtype, tuple[int, ...], int]:
+    """The dtype, shape and byte count an array description declares; raises ProtocolError."""
     dtype = BY_NAME.get(meta[0]) if type(meta) is list and len(meta) == 2 and type(meta[0]) is str else None
     if dtype is None:
         raise ProtocolError(f"bad array description {_brief(meta)}: not [dtype, [dim, ...]] with a "
                             f"dtype of {', '.join(sorted(DTYPES))}")
-    shape, expected = _shape(meta, dtype.itemsize)
+    return (dtype, *_shape(meta, dtype.itemsize))
+
+
+def _decode_array(meta: Any, frame: Any, resolve: Any = None, off: Any = None) -> np.ndarray:
+    dtype, shape, expected = _described(meta)
+    if off is not None:  # in shared memory: the frame must be empty
+        if type(off) is not int or off < 0 or _bytes_of(frame).nbytes:
+            raise ProtocolError(f"bad shared-memory entry {_brief(off)}: an offset >= 0 with an empty frame")
+        if resolve is None:
+            raise ProtocolError("an array in shared memory reached a node that shares no segment with "
+                                "its sender")
+        frame = resolve(off, expected)
     buf = _bytes_of(frame)
     if buf.nbytes != expected:
         raise ProtocolError(f"array frame has {buf.nbytes} bytes, its header declares {expected} "
@@ -214,20 +239,41 @@ def _decode_array(meta: Any, frame: Any) -> np.ndarray:
         raise ProtocolError(f"bad array description {_brief(meta)}: {str(exc)[:200]}") from None
 
 
-def decode(frames: Sequence[Any]) -> Message:
+def decode(frames: Sequence[Any], resolve: Any = None) -> Message:
     """Decode frames (bytes-like) into a :class:`Message` whose arrays view the frames' memory.
 
-    Raises :class:`ProtocolError`, and no other exception, for any input that is not such a
-    message (garbage, a version mismatch, an unknown op, a mistyped field, a bad array description).
+    ``resolve(offset, nbytes)``, when given, returns the bytes of an array sent in shared memory
+    (``kvstore.net.shm``); without it such an array is refused.  Raises :class:`ProtocolError`, and
+    no other exception, for any input that is not such a message (garbage, a version mismatch, an
+    unknown op, a mistyped field, a bad array description, a shared-memory range ``resolve`` refuses).
     """
     if type(frames) not in (list, tuple) or not frames:
         raise ProtocolError("empty message" if type(frames) in (list, tuple) else
                             f"frames must be a list, not {type(frames).__name__}")
-    op, seq, sender, auth, body, metas = _header_fields(_decode_header(frames[0]))
+    header = _decode_header(frames[0])
+    op, seq, sender, auth, body, metas = _header_fields(header)
     if len(metas) != len(frames) - 1:
         raise ProtocolError(f"header declares {len(metas)} arrays but {len(frames) - 1} frames follow")
-    arrays = [_decode_array(meta, frame) for meta, frame in zip(metas, frames[1:])]
-    return Message(op=op, body=body, arrays=arrays, seq=seq, sender=sender, auth=auth)
+    shm, reply_at = _shm_fields(header, len(metas))
+    if shm is None:
+        arrays = [_decode_array(meta, frame) for meta, frame in zip(metas, frames[1:])]
+    else:
+        arrays = [_decode_array(meta, frame, resolve, off)
+                  for meta, frame, off in zip(metas, frames[1:], shm)]
+    return Message(op=op, body=body, arrays=arrays, seq=seq, sender=sender, auth=auth, shm=shm,
+                   reply_at=reply_at)
+
+
+def _shm_fields(header: dict[str, Any], count: int) -> tuple[list | None, list | None]:
+    """The header's optional ``shm`` (one entry per array) and ``reply_at`` ([offset >= 0, bytes > 0])."""
+    shm, reply_at = header.get("shm"), header.get("reply_at")
+    if shm is not None and not (type(shm) is list and len(shm) == count):
+        raise ProtocolError(f"the header's shm field must hold one entry per array, not {_brief(shm)}")
+    if reply_at is not None and not (type(reply_at) is list and len(reply_at) == 2
+                                     and all(type(n) is int for n in reply_at)
+                                     and reply_at[0] >= 0 and reply_at[1] > 0):
+        raise ProtocolError(f"the header's reply_at field must be [offset, bytes], not {_brief(reply_at)}")
+    return shm, reply_at
 
 
 def error_reply(request_seq: int, code: str, message: str, sender: int | None = None,

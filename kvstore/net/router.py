@@ -176,11 +176,14 @@ class RouterService:
         # ``(identity, message)`` and returns the reply, sealed with ``late``.
         self.late_handlers: dict[Op, Callable[[bytes, Message], Message]] = {}
         self._untrimmed = 0  # events logged since the heap was last trimmed
+        self.shm: Any = None  # a server's kvstore.net.shm.ServerPeers when same-host shared memory is on
 
     def reply(self, identity: bytes, msg: Message) -> None:
         """Seal ``msg`` for peer ``identity`` and send it; a peer that has gone, or whose queue is full,
         is counted and logged, not raised."""
         msg.sender = self.rank
+        if self.shm is not None:
+            self.shm.place_reply(identity, msg)  # a reply its request reserved shared memory for
         self._send(identity, self.channel.seal(msg, self.peers.get(identity, "")), msg.op)
 
     def _send(self, identity: bytes, frames: list[Any], op: Op) -> None:
@@ -232,7 +235,7 @@ class RouterService:
                 self._refuse(identity, exc)
             return None
         try:
-            msg = protocol.decode(payload[1:])
+            msg = protocol.decode(payload[1:], None if self.shm is None else self.shm.resolver(identity))
         except Exception as exc:
             self._malformed(identity, payload[1], exc)
             return None
@@ -246,6 +249,8 @@ class RouterService:
             return None
         self.gate.forget(identity)
         self.peers[identity] = label
+        if msg.reply_at is not None and self.shm is not None:
+            self.shm.expect_reply(identity, msg.seq, msg.reply_at)
         return msg
 
     def _answer_late(self, identity: bytes, payload: list[Any]) -> bool:

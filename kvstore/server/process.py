@@ -32,7 +32,7 @@ from kvstore.errors import (
     ProtocolError,
     StallError,
 )
-from kvstore.net import address, transport
+from kvstore.net import address, shm, transport
 from kvstore.net.auth import channel_for, new_label
 from kvstore.net.handshake import register
 from kvstore.net.heartbeat import Heartbeat
@@ -98,6 +98,7 @@ class Server:
                                                 max_frame_bytes=cfg.max_message_bytes,
                                                 curve=transport.curve_keys(cfg))
         self.service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} at join
+        self.service.shm = None if shm.unusable(cfg) else shm.ServerPeers()  # same-host shared memory
         self.scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
         self.to_scheduler = channel_for(cfg, new_label("server"))
         self.state: ShardState | None = None
@@ -110,7 +111,8 @@ class Server:
                     Op.PUSHPULL: self._on_pushpull, Op.OPTIMIZER_SET: self._on_optimizer_set,
                     Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
                     Op.OPTIMIZER_INFO: self._on_optimizer_info, Op.STATE_GET: self._on_state_get,
-                    Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave, Op.REJOIN: self._on_rejoin}
+                    Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave, Op.REJOIN: self._on_rejoin,
+                    Op.SHM_ATTACH: self._on_shm_attach}
         self.sparse = SparseServer(self.service, lambda: self.optimizer)  # row-sparse keys (server/sparse.py)
         handlers.update(self.sparse.handlers())
         self.meter.extra_held = self.sparse.nbytes
@@ -289,6 +291,12 @@ class Server:
         else:
             self.bf16_keys.difference_update(keys)
 
+    def _on_shm_attach(self, identity: bytes, msg: Message) -> None:
+        """Map the worker's offered segment (``kvstore.net.shm``); reply whether that worked, and why not."""
+        peers = self.service.shm
+        attached, why = (False, shm.unusable(self.cfg)) if peers is None else peers.attach(identity, msg.body)
+        self.service.reply(identity, Message(Op.OK, {"attached": attached, "why": why}, seq=msg.seq))
+
     def _on_push(self, identity: bytes, msg: Message) -> None:
         self._with_rounds(identity, msg, pull=False)
 
@@ -328,6 +336,8 @@ class Server:
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
         self._reply_all(done)
         self.sparse.leave(msg.sender)
+        if self.service.shm is not None:
+            self.service.shm.forget(identity)  # its shared-memory segment, if it had one
         log.info("worker %d left; sync rounds no longer wait for it", msg.sender)
 
     def _on_rejoin(self, identity: bytes, msg: Message) -> None:

@@ -346,7 +346,8 @@ def test_op_values_are_stable():
         "OPTIMIZER_SET": 14, "OPTIMIZER_PARAMS": 15, "OPTIMIZER_INFO": 16, "STATE_GET": 17, "STATE_SET": 18,
         "HELLO": 20, "CHALLENGE": 21,
         "SPARSE_INIT": 22, "SPARSE_SET": 23, "SPARSE_PUSH": 24, "SPARSE_PULL": 25, "AWAY": 26, "REJOIN": 27,
-        "PIPE_PUBLISH": 28, "PIPE_LOOKUP": 29, "PIPE_ACT": 30, "PIPE_GRAD": 31, "PIPE_ABORT": 32}
+        "PIPE_PUBLISH": 28, "PIPE_LOOKUP": 29, "PIPE_ACT": 30, "PIPE_GRAD": 31, "PIPE_ABORT": 32,
+        "SHM_ATTACH": 33}
 
 
 # -- hostile array descriptions and headers: ProtocolError and nothing else ---------------------------

@@ -1,0 +1,303 @@
+"""Same-host shared memory: big arrays between a worker and a server move through a segment, not TCP.
+
+Each worker makes one segment per server (``memfd_create``: anonymous shared memory with no name, so
+nothing is ever left in ``/dev/shm``, whatever kills whom: the kernel frees the pages once the last
+process that maps them is gone).  It tells the server, over the authenticated channel
+(``Op.SHM_ATTACH``), its pid, the segment's descriptor number and a random nonce written at the
+segment's start; the server opens ``/proc/<pid>/fd/<fd>``, compares the nonce and maps it.  Only a
+server on the same host, in the same pid namespace and allowed to read that process's descriptors
+finds that nonce there: any other answer (no such file, another file, another nonce) leaves the pair
+on TCP.  docs/shm.md says why this and not named segments.
+
+The worker owns the whole segment (:class:`Segment`): it copies a pushed array into a free range and
+sends the range's offset in the header (``protocol``: the header's ``shm`` field; the array frame is
+empty); for a pull it reserves a range for the reply (``reply_at``), which the server fills
+(:class:`ServerPeers`).  A pushed range is free again once the server's reply to that request is in
+(the server copies what it reads before it replies); a reply's range once the last array viewing it
+is gone.  A server never keeps a view of the segment.
+
+Raises nothing a peer can provoke past these APIs other than :class:`ProtocolError` (a range outside
+the segment, or one the worker did not reserve).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import mmap
+import os
+import secrets
+import stat
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import ProtocolError
+
+MIN_BYTES = 64 * 1024  # arrays smaller than this stay inline (the header round trip dominates)
+ALIGN = 4096  # ranges start on page boundaries
+HEAD = ALIGN  # the segment's first page holds the nonce
+NONCE_BYTES = 16
+MAX_PEERS = 4096  # a server maps at most this many workers' segments
+MAX_PENDING = 65536  # replies a server remembers a reserved range for (more: they go inline)
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Segment:
+    """A worker's segment for one server: an allocator of page-aligned ranges over a memfd mapping.
+
+    Raises :class:`OSError` when the segment cannot be made (no ``memfd_create``, no memory).
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        if not hasattr(os, "memfd_create"):
+            raise OSError("this system has no memfd_create")
+        self.size = _round_up(max(nbytes, 2 * HEAD))
+        self.fd: int | None = os.memfd_create("kvstore-shm", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            self.close_fd()
+            raise
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.map[:NONCE_BYTES] = self.nonce
+        self._view = memoryview(self.map)
+        self._free: list[tuple[int, int]] = [(HEAD, self.size - HEAD)]  # sorted (offset, length)
+        self._taken: dict[int, int] = {}  # offset -> length
+        self._replies: dict[int, int] = {}  # offset -> length: ranges reserved for a reply, not yet lent
+        self._lent: set[int] = set()  # reply ranges viewed by a received array
+        self._returned: collections.deque[int] = collections.deque()  # freed by finalizers (any thread)
+        self._lock = threading.Lock()
+
+    def attach_body(self) -> dict[str, Any]:
+        """The SHM_ATTACH body that lets a server on this host map the segment."""
+        return {"pid": os.getpid(), "fd": self.fd, "nonce": self.nonce, "bytes": self.size}
+
+    def close_fd(self) -> None:
+        """Close the descriptor (after the server mapped the segment or refused it); the mapping stays."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def take(self, nbytes: int, reply: bool = False) -> int | None:
+        """Reserve a range of ``nbytes``; its offset, or None when no free range is big enough.
+        ``reply``: a range the server will fill, lent to the reply's array by :meth:`lend`."""
+        length = _round_up(nbytes)
+        with self._lock:
+            self._drain()
+            for i, (off, size) in enumerate(self._free):
+                if size >= length:
+                    if size == length:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + length, size - length)
+                    self._taken[off] = length
+                    if reply:
+                        self._replies[off] = nbytes
+                    return off
+        return None
+
+    def give(self, off: int) -> None:
+        """Free the range at ``off`` unless it was lent to a reply's array (that array's end frees it)."""
+        with self._lock:
+            self._replies.pop(off, None)
+            if off in self._lent or off not in self._taken:
+                return
+            self._release(off)
+
+    def _release(self, off: int) -> None:
+        """Put the range at ``off`` back in the free list, merged with its neighbours (lock held)."""
+        length = self._taken.pop(off)
+        i = bisect.bisect(self._free, (off, 0))
+        if i < len(self._free) and self._free[i][0] == off + length:
+            length += self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
+            off, length = self._free[i - 1][0], self._free[i - 1][1] + length
+            del self._free[i - 1]
+            i -= 1
+        self._free.insert(i, (off, length))
+
+    def _drain(self) -> None:
+        while self._returned:
+            off = self._returned.popleft()
+            self._lent.discard(off)
+            if off in self._taken:
+                self._release(off)
+
+    def write(self, off: int, array: np.ndarray) -> None:
+        """Copy ``array`` (C-contiguous) into the range at ``off``."""
+        flat = array.reshape(-1).view(np.uint8)
+        np.copyto(np.frombuffer(self._view[off:off + flat.nbytes], np.uint8), flat)
+
+    def lend(self, off: int, nbytes: int) -> np.ndarray:
+        """The reply bytes at ``off``, which the server filled, as a uint8 array; the range is freed
+        when that array and the last array viewing it are gone (numpy's views keep their base array
+        alive; a plain memoryview would not be: numpy re-exports from the mmap itself).  Raises
+        :class:`ProtocolError` for a range not reserved for a reply or too small."""
+        with self._lock:
+            reserved = self._replies.pop(off, None)
+            if reserved is None or nbytes > reserved:
+                if reserved is not None:
+                    self._replies[off] = reserved
+                raise ProtocolError(f"a reply names shared-memory bytes [{off}, +{nbytes}) this worker did "
+                                    "not reserve for it")
+            self._lent.add(off)
+        lent = np.frombuffer(self._view[off:off + nbytes], np.uint8)
+        weakref.finalize(lent, self._returned.append, off)
+        return lent
+
+    def free_bytes(self) -> int:
+        """Bytes in free ranges (tests and logs)."""
+        with self._lock:
+            self._drain()
+            return sum(size for _, size in self._free)
+
+
+class Mapping:
+    """A server's mapping of one worker's segment (see :func:`open_mapping`).
+
+    Mapped rather than read and written with ``preadv`` / ``pwrite``: those held 1w1s 64 MB push+pull
+    to 1.8-2.5 GB/s against 3.4-4.0 through the mapping (docs/shm.md).  The pages the server touches
+    count in its RSS as shared memory (``RssShmem``): they are the worker's segment, not more memory.
+    """
+
+    def __init__(self, mapped: mmap.mmap) -> None:
+        self.map, self.size = mapped, len(mapped)
+        self._bytes = np.frombuffer(mapped, np.uint8)
+
+    def _range(self, off: Any, nbytes: int) -> np.ndarray:
+        if not (type(off) is int and HEAD <= off and nbytes >= 0 and off + nbytes <= self.size):
+            raise ProtocolError(f"shared-memory bytes [{off!r}, +{nbytes}) lie outside the worker's "
+                                f"segment of {self.size} bytes")
+        return self._bytes[off:off + nbytes]
+
+    def copy_out(self, off: int, nbytes: int) -> memoryview:
+        """A private copy of ``nbytes`` at ``off`` (what the server keeps never aliases the worker's
+        memory).  Raises :class:`ProtocolError` for a range outside the segment."""
+        source = self._range(off, nbytes)
+        out = np.empty(nbytes, np.uint8)
+        np.copyto(out, source)
+        return memoryview(out)
+
+    def write(self, off: int, nbytes: int, array: np.ndarray) -> None:
+        """Copy ``array`` into ``nbytes`` at ``off``; raises :class:`ProtocolError` outside the segment or
+        when it does not fit."""
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        if flat.nbytes > nbytes:
+            raise ProtocolError(f"a reply of {flat.nbytes} bytes does not fit the {nbytes} reserved")
+        np.copyto(self._range(off, flat.nbytes), flat)
+
+    def close(self) -> None:
+        """Drop the mapping (the worker's pages go once it has dropped its own too)."""
+        self._bytes = np.empty(0, np.uint8)
+        try:
+            self.map.close()
+        except BufferError:  # a view is still out (not expected: copies are made): the GC unmaps it
+            pass
+
+
+def open_mapping(body: Any) -> tuple[Mapping | None, str]:
+    """Map the segment an SHM_ATTACH ``body`` describes: (mapping, "") or (None, why not); raises nothing."""
+    if not (isinstance(body, dict) and type(body.get("pid")) is int and body["pid"] > 0
+            and type(body.get("fd")) is int and body["fd"] >= 0 and type(body.get("bytes")) is int
+            and 2 * HEAD <= body["bytes"] <= 1 << 40 and type(body.get("nonce")) is bytes
+            and len(body["nonce"]) == NONCE_BYTES):
+        return None, "a malformed SHM_ATTACH body"
+    try:
+        fd = os.open(f"/proc/{body['pid']}/fd/{body['fd']}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return None, f"the worker's segment cannot be opened here ({exc.strerror}): another host?"
+    try:
+        info = os.fstat(fd)
+        same = stat.S_ISREG(info.st_mode) and info.st_size == body["bytes"]
+        same = same and os.pread(fd, NONCE_BYTES, 0) == body["nonce"]
+    except OSError:
+        same = False
+    try:
+        protection = mmap.PROT_READ | mmap.PROT_WRITE
+        mapped = mmap.mmap(fd, body["bytes"], mmap.MAP_SHARED, protection) if same else None
+    except (OSError, ValueError):
+        mapped = None
+    finally:
+        os.close(fd)  # the mapping keeps the segment
+    if mapped is None:
+        return None, "the descriptor is not the worker's segment (no nonce): another host"
+    return Mapping(mapped), ""
+
+
+class ServerPeers:
+    """A server's side: its workers' mapped segments, by connection identity, and the ranges their
+    pending requests reserved for replies."""
+
+    def __init__(self) -> None:
+        self._maps: dict[bytes, Mapping] = {}
+        self._pending: dict[tuple[bytes, int], list[int]] = {}  # (identity, seq) -> [offset, bytes]
+        self.placed = 0  # reply bytes written into workers' segments (tests, logs)
+
+    def attach(self, identity: bytes, body: Any) -> tuple[bool, str]:
+        """Map the segment ``body`` describes for the worker at ``identity`` (replacing its earlier one);
+        (True, "") or (False, why not).  Raises nothing."""
+        if identity not in self._maps and len(self._maps) >= MAX_PEERS:
+            return False, f"this server maps {MAX_PEERS} segments already"
+        mapping, why = open_mapping(body)
+        if mapping is None:
+            return False, why
+        if identity in self._maps:
+            self._maps[identity].close()
+        self._maps[identity] = mapping
+        return True, ""
+
+    def forget(self, identity: bytes) -> None:
+        """Close the segment of the worker at ``identity`` (it left); its pending reply ranges go too."""
+        mapping = self._maps.pop(identity, None)
+        if mapping is not None:
+            mapping.close()
+            self._pending = {k: v for k, v in self._pending.items() if k[0] != identity}
+
+    def resolver(self, identity: bytes) -> Any:
+        """``protocol.decode``'s resolver for arrays from ``identity`` (copies them out), or None."""
+        mapping = self._maps.get(identity)
+        return None if mapping is None else mapping.copy_out
+
+    def expect_reply(self, identity: bytes, seq: int, reply_at: list[int] | None) -> None:
+        """Remember the range request ``seq`` of ``identity`` reserved for its reply (bounded)."""
+        if reply_at is not None and identity in self._maps and len(self._pending) < MAX_PENDING:
+            self._pending[(identity, seq)] = reply_at
+
+    def place_reply(self, identity: bytes, msg: Any) -> None:
+        """Before ``msg`` (a reply) is sealed: when its request reserved a range and ``msg`` carries one
+        array that fits it, copy the array there and mark it (``msg.shm``).  Raises nothing."""
+        if not self._pending:
+            return
+        reply_at = self._pending.pop((identity, msg.seq), None)
+        if reply_at is None or len(msg.arrays) != 1:
+            return
+        array = msg.arrays[0]
+        if not MIN_BYTES <= array.nbytes <= reply_at[1]:
+            return
+        try:
+            self._maps[identity].write(reply_at[0], array.nbytes, array)
+        except (KeyError, ProtocolError):
+            return  # gone, or a range outside the segment: the reply goes inline
+        msg.shm = [reply_at[0]]
+        self.placed += array.nbytes
+
+
+def unusable(cfg: Any) -> str | None:
+    """Why a node with ``cfg`` keeps every pair on TCP (KVSTORE_SHM=0, KVSTORE_AUTH=full,
+    KVSTORE_ENCRYPT, no memfd), or None when shared memory may be used."""
+    if not cfg.shm:
+        return "KVSTORE_SHM=0"
+    if cfg.auth_full:
+        return "KVSTORE_AUTH=full tags array bytes in transit, and shared memory has no transit (docs/shm.md)"
+    if cfg.encrypt:
+        return f"KVSTORE_ENCRYPT={cfg.encrypt} keeps every byte on the encrypted sockets"
+    if not hasattr(os, "memfd_create"):
+        return "this system has no memfd_create"
+    return None
