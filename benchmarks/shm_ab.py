@@ -1,6 +1,6 @@
 """Same-host shared memory against TCP, alternated: 1w1s launches of a 64 MB push+pull loop.
 
-Each round launches one cluster with shared memory (the default) and one with ``KVSTORE_SHM=0``, back
+Each round launches one cluster with shared memory (``KVSTORE_SHM=1``) and one with ``KVSTORE_SHM=0``, back
 to back, so both see the same load; the raw pyzmq baseline and a 64 MB memcpy (``suite.py``'s) are
 measured in the same run.  Per launch: 16 keys of 4 MB, pushed then pulled into outs, the best of five
 blocks of four steps; GB/s = 2 x 64 MB x steps / seconds, as the suite's model test.

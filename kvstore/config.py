@@ -95,7 +95,7 @@ class Config:
     snapshot_rounds: int = 0  # KVSTORE_SNAPSHOT_EVERY=N: a server writes its shard every N rounds (0: off)
     snapshot_seconds: float = 0.0  # KVSTORE_SNAPSHOT_EVERY=Ns: ... every N seconds instead (0: off)
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
-    shm: bool = True  # KVSTORE_SHM: big arrays between a worker and a server on its host go by shared memory
+    shm: bool = False  # KVSTORE_SHM: big arrays between a worker and a server on its host go by shared memory
     shm_bytes: int = DEFAULT_SHM_BYTES  # KVSTORE_SHM_BYTES: the size of each worker's segment per server
 
     def missing_cluster_vars(self) -> list[str]:
@@ -221,7 +221,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
 
 def _shm(env: Mapping[str, str]) -> dict[str, Any]:
     """Same-host shared memory: on or off, and each segment's size (at least 1 MiB)."""
-    return {"shm": bool(env_int(env, "KVSTORE_SHM", minimum=0, maximum=1, default=1)),
+    return {"shm": bool(env_int(env, "KVSTORE_SHM", minimum=0, maximum=1, default=0)),
             "shm_bytes": env_int(env, "KVSTORE_SHM_BYTES", minimum=1 << 20, maximum=1 << 40,
                                  default=DEFAULT_SHM_BYTES)}
 

@@ -45,7 +45,7 @@ def _ours() -> set[str]:
 def test_same_host_values_go_through_shared_memory_exactly(make_cluster) -> None:
     """1w1s on one host: 4 MB pushes and pulls go through the segment (both counters grow), come back
     exact, and every range of the segment is free again once the replies are consumed."""
-    cluster: Cluster = make_cluster("dist_sync", 1, 1)
+    cluster: Cluster = make_cluster("dist_sync", 1, 1, KVSTORE_SHM="1")
     kv = cluster.workers[0]
     lanes = kv._io.lanes
     assert lanes is not None and list(lanes.segments) == [0]
@@ -62,7 +62,7 @@ def test_same_host_values_go_through_shared_memory_exactly(make_cluster) -> None
 def test_too_small_or_off_falls_back_to_tcp(make_cluster, caplog) -> None:
     """A segment too small for 4 MB values sends them over TCP, with one warning; KVSTORE_SHM=0 makes
     no segment at all; values are exact either way."""
-    cluster: Cluster = make_cluster("dist_sync", 1, 1, connect=False)
+    cluster: Cluster = make_cluster("dist_sync", 1, 1, connect=False, KVSTORE_SHM="1")
     with caplog.at_level(logging.WARNING, logger="kvstore.dist"):
         kv = cluster.connect(shm_bytes=1 << 20)[0]
         _exact_rounds(kv, steps=2)
@@ -70,8 +70,8 @@ def test_too_small_or_off_falls_back_to_tcp(make_cluster, caplog) -> None:
     fits = [r for r in caplog.records if "does not fit the free shared memory" in r.getMessage()]
     assert len(fits) == 1, [r.getMessage() for r in caplog.records]
     cluster.close()
-    off: Cluster = make_cluster("dist_sync", 1, 1, connect=False)
-    kv = off.connect(shm=False)[0]
+    off: Cluster = make_cluster("dist_sync", 1, 1, connect=False)  # the default: off
+    kv = off.connect()[0]
     assert kv._io.lanes is None
     _exact_rounds(kv, steps=1)
 
@@ -96,7 +96,7 @@ def test_no_segment_outlives_a_sigkill_of_every_role(make_cluster, tmp_path: Pat
     """A worker process and its server both map the segment; after SIGKILL of the worker, the server
     and the scheduler, nothing of it is left in /dev/shm (a memfd has no name there)."""
     before = _ours()
-    cluster: Cluster = make_cluster("dist_sync", 1, 1, connect=False)
+    cluster: Cluster = make_cluster("dist_sync", 1, 1, connect=False, KVSTORE_SHM="1")
     ready = tmp_path / "ready"
     cluster.procs.start("worker 0", [python(), "-c", WORKER.format(n=N, ready=str(ready))],
                         {**cluster.env, "DMLC_ROLE": "worker"})
