@@ -454,7 +454,7 @@ class ShardState:
             state.base += 1
             total = rnd.total(size)  # scaled by quorum, or as a quorum of the rest while a worker is away
             scale = self.num_workers if self.quorum is not None else len(self.active) + len(self.away)
-            self._apply(state, key, total if self.quorum is None and not self.away
+            self._apply(state, key, total if self.quorum is None and not self.away and not self.joins
                         else rnd.scaled(total, scale), rnd.covered)
             if self.on_close is not None:
                 self.on_close(key, self.clock() - rnd.opened, rnd.last)

@@ -57,6 +57,7 @@ def test_join_at_a_later_round_releases_the_rounds_before_it() -> None:
     push(shard, 0, 1.0, "a")  # round 0 waits for worker 1 (begun at round 0)
     assert shard.open_rounds() == 1
     assert [c.token for c in rejoins.join_at(1, 1, first + 1)] == ["a"]
+    np.testing.assert_array_equal(shard.value("w"), [2.0, 2.0])  # scaled as a quorum of the rest: 1 * 2 / 1
 
 
 def test_begin_without_away_makes_the_old_incarnation_away_first() -> None:
