@@ -1,4 +1,4 @@
-"""Synchronous pipeline parallelism (GPipe, 1F1B) across the workers of a cluster: docs/pipeline.md."""
+"""Pipeline parallelism (GPipe, 1F1B, PipeDream) across the workers of a cluster: docs/pipeline.md."""
 
 from kvstore.pipeline.pipe import Pipeline
 

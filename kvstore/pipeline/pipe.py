@@ -19,6 +19,7 @@ from kvstore.net.protocol import Op
 from kvstore.pipeline import batchnorm
 from kvstore.pipeline import schedule as plan_
 from kvstore.pipeline.link import StageLink
+from kvstore.pipeline.stash import WeightStash
 
 
 def _layers(module: Any) -> list[Any]:
@@ -54,7 +55,8 @@ class Pipeline:
 
     def __init__(self, module: Any, stages: int, balance: Sequence[int] | None = None, chunks: int = 1,
                  schedule: str = "gpipe", checkpoint: str = "except_last", kv: Any = None,
-                 deferred_batch_norm: bool = False) -> None:
+                 deferred_batch_norm: bool = False,
+                 optimizer: Callable[[Iterable[Any]], Any] | None = None) -> None:
         import torch
 
         layers = _layers(module)
@@ -80,6 +82,7 @@ class Pipeline:
         self.module = torch.nn.Sequential(*layers[lo:lo + self.balance[self.stage]])
         self.full = layers
         self.deferred = batchnorm.deferred_in(self.module)  # their running stats move once per step
+        self.stash = self._stash(optimizer)  # before the link opens: a ConfigError leaves no socket
         rank = self.kv.rank
         self.names = {r: f"stage {r % stages} (worker {r})" for r in range(self.kv.num_workers)}
         self.prev = rank - 1 if self.stage > 0 else None
@@ -87,6 +90,16 @@ class Pipeline:
         self.link = StageLink(self.kv, self.prev, self.next, self.names, chunks=self.chunks)
         self.steps = 0
         self.max_held = 0  # the most micro-batches whose activations this stage held at once (last step)
+
+    def _stash(self, optimizer: Callable[[Iterable[Any]], Any] | None) -> WeightStash | None:
+        """The weight stash of schedule 'pipedream' (None for the synchronous schedules); ConfigError
+        for stage replicas (not yet supported under 'pipedream') or a missing optimizer."""
+        if self.schedule != "pipedream":
+            return None
+        if self.replicas > 1:
+            raise ConfigError(f"schedule 'pipedream' runs one replica per stage, not {self.replicas}: "
+                              f"use {self.stages} workers")
+        return WeightStash(self.module, optimizer)
 
     @property
     def is_first(self) -> bool:
@@ -170,6 +183,8 @@ class _Run:
         self.peak = 0
 
     def go(self) -> float | None:
+        if self.pipe.stash is not None:
+            self.pipe.stash.begin_step()
         first = self._input(0)  # every schedule begins with micro-batch 0's forward
         self.inputs[0] = first
         if self.pipe.is_last and len(self.y) != sum(self.sizes):
@@ -212,11 +227,17 @@ class _Run:
                                      f"micro-batch {mb}; it expects {expected}")
 
     def _run(self, inp: Any, mb: int) -> Any:
-        if plan_.checkpointed(self.pipe.checkpoint, mb, len(self.sizes)):
-            from torch.utils.checkpoint import checkpoint
+        """The stage's output for micro-batch ``mb`` (on its stashed weights under 'pipedream')."""
+        def run(fn: Callable[[Any], Any], x: Any) -> Any:
+            if plan_.checkpointed(self.pipe.checkpoint, mb, len(self.sizes)):
+                from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(self.pipe.module, inp, use_reentrant=False)
-        return self.pipe.module(inp)
+                return checkpoint(fn, x, use_reentrant=False)
+            return fn(x)
+
+        if self.pipe.stash is not None:
+            return self.pipe.stash.forward(mb, inp, run)
+        return run(self.pipe.module, inp)
 
     def _forward(self, mb: int) -> None:
         inp = self.inputs.pop(mb) if mb in self.inputs else self._input(mb)
@@ -224,8 +245,11 @@ class _Run:
         if self.pipe.is_last:
             start = sum(self.sizes[:mb])
             target = self.y[start:start + self.sizes[mb]]
-            out = self.loss_fn(out, target) * (self.sizes[mb] / sum(self.sizes))
-            self.loss += float(out.detach())
+            share = self.sizes[mb] / sum(self.sizes)
+            out = self.loss_fn(out, target)
+            if self.pipe.stash is None:  # one update per batch: the batch's loss; else one per micro-batch
+                out = out * share
+            self.loss += float(out.detach()) * (1 if self.pipe.stash is None else share)
         else:
             body = {"step": self.step, "mb": mb}
             if mb == 0:
@@ -239,7 +263,7 @@ class _Run:
 
         inp, out = self.held.pop(mb)
         if self.pipe.is_last:
-            out.backward()
+            grad = self._apply(mb, inp, out, None)
         else:
             array, _ = self.link.receive(Op.PIPE_GRAD, self.step, mb)
             frm = self.pipe.names[self.pipe.next]
@@ -249,11 +273,20 @@ class _Run:
                                          f"{out.dtype} {tuple(out.shape)}")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                out.backward(torch.from_numpy(array))
+                grad = self._apply(mb, inp, out, torch.from_numpy(array))
         if not self.pipe.is_first:
-            grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            grad = grad if grad is not None else torch.zeros_like(inp)
             self.link.send(self.pipe.prev, Op.PIPE_GRAD, {"step": self.step, "mb": mb},
                            [grad.contiguous().numpy()])
+
+
+    def _apply(self, mb: int, inp: Any, out: Any, grad: Any) -> Any:
+        """Backward ``out`` (with ``grad`` unless it is the loss); the gradient of ``inp`` or None.
+        Under 'pipedream' the stash computes it on the forward's weights and updates the stage."""
+        if self.pipe.stash is not None:
+            return self.pipe.stash.backward(mb, out, grad, inp)
+        out.backward(grad)
+        return inp.grad
 
 
 def _sizes(value: Any, me: str, frm: str) -> list[int]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from kvstore.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "pipedream")
 CHECKPOINTS = ("always", "except_last", "never")
 Op = tuple[str, int]  # ("F" | "B", micro-batch index)
 
@@ -87,11 +87,11 @@ def one_f_one_b(stages: int, chunks: int, stage: int) -> list[Op]:
 
 
 def plan(schedule: str, stages: int, chunks: int, stage: int) -> list[Op]:
-    """The ops of ``stage`` under ``schedule`` ('gpipe' or '1f1b'); raises :class:`ConfigError` for
-    another name."""
+    """The ops of ``stage`` under ``schedule`` ('gpipe', '1f1b', or 'pipedream': 1F1B's order, each
+    backward followed by an update); raises :class:`ConfigError` for another name."""
     if schedule == "gpipe":
         return gpipe(stages, chunks, stage)
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "pipedream"):
         return one_f_one_b(stages, chunks, stage)
     raise ConfigError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
 

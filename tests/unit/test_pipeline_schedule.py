@@ -74,3 +74,10 @@ def test_checkpoint_modes_and_split_sizes() -> None:
         S.checkpointed("sometimes", 0, 1)
     assert S.split_sizes(10, 4) == [3, 3, 3, 1]
     assert S.split_sizes(3, 4) == [1, 1, 1]
+
+
+def test_pipedream_runs_1f1b_order() -> None:
+    """pipedream: 1F1B's order at every stage (its updates and stashing live in the stage, not the plan)."""
+    for stage in range(4):
+        assert S.plan("pipedream", 4, 8, stage) == S.one_f_one_b(4, 8, stage)
+        assert S.max_held(S.plan("pipedream", 4, 8, stage)) == 4 - stage

@@ -1,0 +1,236 @@
+"""Pipeline benchmark (issue 29): K = 2 stages, M micro-batches, per schedule, against one process and
+against torch.distributed.pipelining (gloo, CPU) on the same model, stages and micro-batches.
+
+    python benchmarks/pipeline.py [--chunks 1,2,4,8] [--iters 6] [--width 512] [--batch 64]
+
+Every process runs ``torch.set_num_threads(1)`` (and ``OMP_NUM_THREADS=1``): 2 stage processes
+against 1 process on this 2-core machine.  The model: 8 Linear(width, width) layers with Tanh,
+4 per stage.  Reported per (schedule, M): the mean step ms (best of the timed steps, after 2
+warm-up steps), the bubble fraction measured as 1 - busy / step time per stage (busy: the
+step's time outside waits for a neighbour) against (K-1)/(M+K-1), the peak activation memory
+per stage (micro-batches held x the bytes of one micro-batch's saved activations), and
+``x1proc`` (one process's step ms / ours: > 1 is a speed-up) and ``/torch`` (ours / torch's
+step ms: <= 1 meets the target).  'pipedream' has no torch counterpart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEDULES = ("gpipe", "1f1b", "pipedream")
+
+
+def model(width: int) -> Any:
+    """8 Linear layers with Tanh, seeded."""
+    import torch
+
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def data(width: int, batch: int) -> tuple[Any, Any]:
+    """A fixed random batch."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
+
+
+def one_process(width: int, batch: int, iters: int) -> float:
+    """Best step ms of the whole model in this process (forward, backward, SGD)."""
+    import torch
+
+    torch.set_num_threads(1)
+    net, (x, y) = model(width), data(width, batch)
+    opt = torch.optim.SGD(net.parameters(), lr=0.001)
+    best = float("inf")
+    for i in range(iters + 2):
+        start = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        if i >= 2:
+            best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Under launch.py -n 2: time each schedule and M on this stage; print RESULT lines."""
+    import torch
+
+    import kvstore
+    from kvstore.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    x, y = data(args.width, args.batch)
+    with kvstore.create("dist_sync") as kv:
+        for schedule in SCHEDULES:
+            for m in [int(c) for c in args.chunks.split(",")]:
+                net = model(args.width)
+                sgd = (lambda ps: torch.optim.SGD(ps, lr=0.001)) if schedule == "pipedream" else None
+                pipe = Pipeline(net, stages=2, chunks=m, schedule=schedule, checkpoint="never", kv=kv,
+                                optimizer=sgd, balance=[8, 8])
+                opt = torch.optim.SGD(pipe.parameters(), lr=0.001)
+                waited = [0.0]
+                receive = pipe.link.receive
+
+                def timed_receive(*a: Any, receive: Any = receive, waited: list = waited) -> Any:
+                    start = time.perf_counter()
+                    try:
+                        return receive(*a)
+                    finally:
+                        waited[0] += time.perf_counter() - start
+
+                pipe.link.receive = timed_receive
+                best = (float("inf"), 0.0)
+                try:
+                    for i in range(args.iters + 2):
+                        kv.barrier()
+                        waited[0], start = 0.0, time.perf_counter()
+                        opt.zero_grad()
+                        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None,
+                                  torch.nn.functional.mse_loss)
+                        if schedule != "pipedream":
+                            opt.step()
+                        took = time.perf_counter() - start
+                        if i >= 2 and took < best[0]:
+                            best = (took, waited[0])
+                finally:
+                    pipe.close()
+                act = -(-args.batch // m) * args.width * 4 * 8  # a float32 tensor saved per module
+                print("RESULT " + json.dumps({"schedule": schedule, "m": m, "stage": pipe.stage,
+                                              "ms": best[0] * 1e3, "bubble": best[1] / best[0],
+                                              "held": pipe.max_held, "act_mb": pipe.max_held * act / 2**20}),
+                      flush=True)
+
+
+def ours(args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
+    """Launch 2 workers and a server; their RESULT lines by (schedule, M)."""
+    argv = [sys.executable, "launch.py", "-n", "2", "-s", "1", __file__, "--worker", "--chunks", args.chunks,
+            "--iters", str(args.iters), "--width", str(args.width), "--batch", str(args.batch)]
+    env = {**os.environ, "KVSTORE_REQUEST_TIMEOUT": "600", "OMP_NUM_THREADS": "1"}
+    env.pop("KVSTORE_SECRET", None)
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    found: dict[tuple[str, int], list[dict]] = {}
+    for line in done.stdout.splitlines():
+        if "RESULT " in line:
+            item = json.loads(line.split("RESULT ", 1)[1])
+            found.setdefault((item["schedule"], item["m"]), []).append(item)
+    return found
+
+
+def _torch_rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
+    """One stage of torch.distributed.pipelining over gloo: each schedule's best step ms per M."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = {}
+    try:
+        x, y = data(args.width, args.batch)
+        for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+            for m in [int(c) for c in args.chunks.split(",")]:
+                try:
+                    results[f"{name}/{m}"] = _torch_time(rank, cls, m, x, y, args)
+                except Exception as exc:  # noqa: BLE001 - reported as the figure
+                    results[f"{name}/{m}"] = f"{type(exc).__name__}: {exc}"[:200]
+                dist.barrier()
+    finally:
+        Path(f"{out}.{rank}").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def _torch_time(rank: int, cls: Any, m: int, x: Any, y: Any, args: argparse.Namespace) -> float:
+    """Best step ms of torch's schedule ``cls`` with ``m`` micro-batches on this rank's stage."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    layers = list(model(args.width))
+    sub = torch.nn.Sequential(*layers[:8] if rank == 0 else layers[8:])
+    stage = PipelineStage(sub, rank, 2, torch.device("cpu"))
+    sched = cls(stage, n_microbatches=m, loss_fn=torch.nn.functional.mse_loss)
+    opt = torch.optim.SGD(sub.parameters(), lr=0.001)
+    best = float("inf")
+    for i in range(args.iters + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        sched.step(x) if rank == 0 else sched.step(target=y)
+        opt.step()
+        if i >= 2:
+            best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def theirs(args: argparse.Namespace) -> dict[str, Any]:
+    """torch.distributed.pipelining's results by 'schedule/M' (the mean of the 2 ranks' ms)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="pp-") as tmp:
+        out = os.path.join(tmp, "rank")
+        ctx = mp.spawn(_torch_rank, args=(port, args, out), nprocs=2, join=False)
+        deadline = time.monotonic() + args.torch_timeout
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                    proc.join()
+                return {"error": f"no result within {args.torch_timeout} s (hung)"}
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    return {k: (sum(r[k] for r in ranks) / 2 if all(isinstance(r[k], float) for r in ranks) else ranks[0][k])
+            for k in ranks[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", default="1,2,4,8")
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--torch-timeout", type=float, default=120)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    base = one_process(args.width, args.batch, args.iters)
+    mine, torch_ = ours(args), theirs(args)
+    print(f"one process: {base:.1f} ms/step (K = 2, width {args.width}, batch {args.batch})")
+    print(f"{'schedule':10} {'M':>2} {'ms':>7} {'bubble':>13} {'(K-1)/(M+K-1)':>13} {'act MB/stage':>13} "
+          f"{'x1proc':>6} {'torch ms':>9} {'/torch':>6}")
+    for (schedule, m), items in sorted(mine.items()):
+        ms = sum(i["ms"] for i in items) / len(items)
+        bubbles = "/".join(f"{i['bubble']:.2f}" for i in sorted(items, key=lambda i: i["stage"]))
+        acts = "/".join(f"{i['act_mb']:.1f}" for i in sorted(items, key=lambda i: i["stage"]))
+        other = torch_.get(f"{schedule}/{m}")
+        tms = f"{other:9.1f} {ms / other:6.2f}" if isinstance(other, float) else f"{'n/a':>9} {'':>6}"
+        print(f"{schedule:10} {m:2d} {ms:7.1f} {bubbles:>13} {1 / (m + 1):13.2f} {acts:>13} "
+              f"{base / ms:6.2f} {tms}")
+    for key, value in torch_.items():
+        if not isinstance(value, float):
+            print(f"torch {key}: {value}")
+
+
+if __name__ == "__main__":
+    main()
