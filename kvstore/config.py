@@ -92,6 +92,7 @@ class Config:
     max_restarts: int = 0  # KVSTORE_MAX_RESTARTS: worker restarts the job absorbs (launch.py --max-restarts)
     incarnation: int = 0  # KVSTORE_INCARNATION: this worker's restarts so far (set by the launcher)
     test_die_at_round: tuple[int | None, int] | None = None  # KVSTORE_TEST_DIE_AT_ROUND: (rank, round)
+    test_server_die_at: tuple[int | None, int] | None = None  # KVSTORE_TEST_SERVER_DIE_AT_ROUND
     snapshot_rounds: int = 0  # KVSTORE_SNAPSHOT_EVERY=N: a server writes its shard every N rounds (0: off)
     snapshot_seconds: float = 0.0  # KVSTORE_SNAPSHOT_EVERY=Ns: ... every N seconds instead (0: off)
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
@@ -230,7 +231,8 @@ def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
     """Worker restarts (docs/failures.md): the job's budget, this process's incarnation, the test hook."""
     return {"max_restarts": env_int(env, "KVSTORE_MAX_RESTARTS", minimum=0, default=0),
             "incarnation": env_int(env, "KVSTORE_INCARNATION", minimum=0, default=0),
-            "test_die_at_round": _die_at(env)}
+            "test_die_at_round": _die_at(env, "KVSTORE_TEST_DIE_AT_ROUND"),
+            "test_server_die_at": _die_at(env, "KVSTORE_TEST_SERVER_DIE_AT_ROUND")}
 
 
 def _shards(env: Mapping[str, str]) -> dict[str, Any]:
@@ -253,18 +255,18 @@ def _shards(env: Mapping[str, str]) -> dict[str, Any]:
     return {"snapshot_rounds": int(number), "snapshot_dir": folder}
 
 
-def _die_at(env: Mapping[str, str]) -> tuple[int | None, int] | None:
-    """``KVSTORE_TEST_DIE_AT_ROUND``: ``N`` (any worker) or ``RANK:N`` as ``(rank or None, N)``."""
-    raw = env_text(env, "KVSTORE_TEST_DIE_AT_ROUND")
+def _die_at(env: Mapping[str, str], name: str) -> tuple[int | None, int] | None:
+    """A test hook's ``N`` (any worker or server) or ``RANK:N`` as ``(rank or None, N)``."""
+    raw = env_text(env, name)
     if raw is None:
         return None
     rank, _, number = raw.rpartition(":")
     try:
         parsed = (int(rank) if rank else None, int(number))
     except ValueError:
-        raise ConfigError(f"KVSTORE_TEST_DIE_AT_ROUND={raw!r} is not N or RANK:N") from None
+        raise ConfigError(f"{name}={raw!r} is not N or RANK:N") from None
     if parsed[1] < 1 or (parsed[0] is not None and parsed[0] < 0):
-        raise ConfigError(f"KVSTORE_TEST_DIE_AT_ROUND={raw!r}: N must be >= 1 and RANK >= 0")
+        raise ConfigError(f"{name}={raw!r}: N must be >= 1 and RANK >= 0")
     return parsed
 
 

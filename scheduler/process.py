@@ -247,6 +247,8 @@ class Scheduler:
         if role == "worker":  # so a worker learns within a beat who has left, not at its next barrier
             body["left"] = sorted(self.left)
             body["away"] = sorted(self.restarts.away)  # lost, being restarted (--max-restarts)
+            if self.restarts.moved:  # servers restarted from their shards: where they are now
+                body["restarted"] = list(self.restarts.moved.values())
         self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
 
     def _on_status(self, identity: bytes, msg: Message) -> None:
@@ -340,6 +342,10 @@ class Scheduler:
             why = (f"its restart did not rejoin within {self.cfg.connect_timeout:g} s "
                    "(KVSTORE_CONNECT_TIMEOUT)")
             self._declare_lost("worker", rank, why, absorb=False)
+        for rank in self.restarts.overdue_servers(now, self.cfg.connect_timeout):
+            why = (f"its restart did not register within {self.cfg.connect_timeout:g} s "
+                   "(KVSTORE_CONNECT_TIMEOUT)")
+            self._declare_lost("server", rank, why, absorb=False)
 
     def _is_lost(self, role: str, rank: int) -> bool:
         return any(r == role and k == rank for r, k, _, _ in self.lost)
@@ -349,6 +355,9 @@ class Scheduler:
         A worker within the restart budget is only away (scheduler/restarts.py)."""
         if absorb and role == "worker" and self.restarts.absorbs(rank) and not self._is_lost(role, rank):
             restarts.worker_away(self, rank, why)
+            return
+        if absorb and role == "server" and self.restarts.server_absorbs(rank, restarts.shards_on(self)):
+            restarts.server_away(self, rank, why)
             return
         host = self.hosts.get((role, rank), "?")
         self.liveness.forget(role, rank)

@@ -34,6 +34,9 @@ class Restarts:
         self.budget, self.used, self.num_workers = budget, 0, num_workers
         self.incarnation: dict[int, int] = {}  # rank -> incarnation counted (absent: 0)
         self.away: dict[int, float] = {}  # rank -> when it went away (the caller's clock)
+        self.servers_away: dict[int, float] = {}  # server rank -> when it went away
+        self.server_incarnation: dict[int, int] = {}  # server rank -> incarnation counted (absent: 0)
+        self.moved: dict[int, list] = {}  # server rank -> [rank, incarnation, host, port] of its restart
 
     def absorbs(self, rank: int) -> bool:
         """Whether losing worker ``rank`` now makes it away (budget left) rather than lost."""
@@ -66,6 +69,17 @@ class Restarts:
         """Worker ``rank`` is back as ``incarnation``."""
         self.away.pop(rank, None)
         self.incarnation[rank] = incarnation
+
+    def server_absorbs(self, rank: int, shards: bool) -> bool:
+        """Whether losing server ``rank`` now makes it away: servers write shards, budget is left."""
+        return shards and rank not in self.servers_away and self.used < self.budget
+
+    def overdue_servers(self, now: float, timeout: float) -> list[int]:
+        """Servers away for longer than ``timeout``; no longer away (the caller loses them)."""
+        late = sorted(rank for rank, since in self.servers_away.items() if now - since > timeout)
+        for rank in late:
+            del self.servers_away[rank]
+        return late
 
     def overdue(self, now: float, timeout: float) -> list[int]:
         """Workers away for longer than ``timeout``; they are no longer away (the caller loses them)."""
@@ -112,8 +126,10 @@ def late_register(sched: Scheduler, identity: bytes, msg: Message) -> Message:
     issued = sched.challenges.get(identity)
     if issued is None or body.get("challenge") != issued[1]:
         raise AuthenticationError("REGISTER must answer the challenge this connection was given")
+    if body.get("role") == "server":
+        return late_server(sched, identity, body)
     if body.get("role") != "worker":
-        raise ProtocolError("the cluster is already complete; only a restarted worker may register late")
+        raise ProtocolError("the cluster is already complete; only a restarted node may register late")
     rank, incarnation = sched.restarts.check(body.get("rank"), body.get("incarnation"))
     if body.get("mode") != sched.mode:
         raise ProtocolError(f"worker {rank}'s restart asks for {body.get('mode')!r}; the cluster runs "
@@ -132,3 +148,52 @@ def late_register(sched: Scheduler, identity: bytes, msg: Message) -> Message:
                 sched.hosts[("worker", rank)])
     return Message(Op.MAP, dict(sched.map_body, rank=rank, role="worker", nonce=nonce,
                                 incarnation=incarnation, rejoin=True))
+
+
+def shards_on(sched: Scheduler) -> bool:
+    """Whether servers write shards (so a lost one can be restarted from its own)."""
+    cfg = sched.cfg
+    return bool(cfg.snapshot_dir and (cfg.snapshot_rounds or cfg.snapshot_seconds))
+
+
+def server_away(sched: Scheduler, rank: int, why: str) -> None:
+    """Declare server ``rank`` away: its restart from its shard is awaited (one restart of the budget)."""
+    restarts = sched.restarts
+    restarts.servers_away[rank] = time.monotonic()
+    restarts.used += 1
+    sched.liveness.forget("server", rank)
+    log.warning("server %d on %s is lost: %s; waiting up to %g s (KVSTORE_CONNECT_TIMEOUT) for its restart "
+                "from its shard (%d of %d restarts used, KVSTORE_MAX_RESTARTS)", rank,
+                sched.hosts.get(("server", rank)), why, sched.cfg.connect_timeout, restarts.used,
+                restarts.budget)
+
+
+def late_server(sched: Scheduler, identity: bytes, body: dict) -> Message:
+    """A restarted server's REGISTER: its rank and a higher incarnation, budget left; its new address
+    replaces the old one in the map and is named in workers' heartbeat replies from now on."""
+    restarts, rank, incarnation = sched.restarts, body.get("rank"), body.get("incarnation")
+    port = body.get("port")
+    if not (type(rank) is int and 0 <= rank < len(sched.servers) and type(incarnation) is int
+            and type(port) is int and 0 < port < 65536):
+        raise ProtocolError("a restarted server's REGISTER must name its rank (KVSTORE_SERVER_ID), "
+                            "incarnation (KVSTORE_INCARNATION) and port")
+    if incarnation <= restarts.server_incarnation.get(rank, 0):
+        raise ProtocolError(f"server {rank} incarnation {incarnation} is not above the one counted; refused")
+    if rank not in restarts.servers_away:
+        if not restarts.server_absorbs(rank, shards_on(sched)):
+            raise ProtocolError(f"server {rank}'s restart is refused: no restarts left, or no shards "
+                                "(KVSTORE_SNAPSHOT_EVERY)")
+        server_away(sched, rank, f"replaced by its restart (incarnation {incarnation})")
+    nonce = sched.challenges.pop(identity)[0]
+    del restarts.servers_away[rank]
+    restarts.server_incarnation[rank] = incarnation
+    host = str(body.get("host"))[:256]
+    sched.servers[rank] = type(sched.servers[rank])(identity=identity, role="server", host=host, port=port,
+                                                   wanted_rank=rank)
+    sched.map_body["servers"][rank] = [host, port]  # a worker restarted later connects to it
+    sched.hosts[("server", rank)] = host
+    restarts.moved[rank] = [rank, incarnation, host, port]
+    sched.liveness.watch("server", rank, time.monotonic())
+    log.warning("server %d restarted as incarnation %d on %s:%d", rank, incarnation, host, port)
+    return Message(Op.MAP, dict(sched.map_body, rank=rank, role="server", nonce=nonce,
+                                incarnation=incarnation, left=sorted(sched.left), away=sorted(restarts.away)))

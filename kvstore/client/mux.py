@@ -54,10 +54,13 @@ _READ_AHEAD = 256  # with this many requests in flight, a sender also reads the 
 
 @dataclass
 class Request:
-    """One message in flight and the future its reply resolves."""
+    """One message in flight, the future its reply resolves, and (until then) where it went and what it
+    was, so it can be sent again to a restarted server (:meth:`Wire.hold`)."""
 
     what: str
     future: Future = field(default_factory=Future)
+    target: int = SCHEDULER
+    msg: Message | None = None
 
 
 class Wire:
@@ -82,6 +85,10 @@ class Wire:
         self._wake_w.setblocking(False)
         self.lanes: Any = None  # kvstore.client.shmlanes.Lanes: same-host shared memory (set_lanes)
         self._resolvers: dict[Any, Callable] = {}  # socket -> its shared-memory resolver
+        self.names: dict[int, str] = {}  # a restarted server's name (net.auth.server_name) by index
+        self._held: dict[int, list[Request]] = {}  # restarted servers' requests, until they align
+        self._swaps: list[tuple[int, Any]] = []  # (index, new socket) for the holder of _io to put in
+        self._retired: set[Any] = set()  # sockets swapped out: a poll result naming one is skipped
         self._poller = transport.Poller()
         self._poller.add(self._wake_r.fileno())
         for sock in self.sockets.values():
@@ -96,12 +103,13 @@ class Wire:
 
     # -- sending ----------------------------------------------------------------------------------
     def submit(self, target: int, msg: Message, what: str, after_failure: bool = False,
-               reply_bytes: int = 0) -> Request:
+               reply_bytes: int = 0, bypass: bool = False) -> Request:
         """Send ``msg`` to ``target`` (a server index or SCHEDULER); return its request.
 
         After :meth:`fail`, the request is failed at once with that error, unless
         ``after_failure`` (a LEAVE still goes out, so the scheduler can finish).  ``reply_bytes``: the
-        size of the reply's array, which a same-host server may write into shared memory.
+        size of the reply's array, which a same-host server may write into shared memory.  A request
+        to a server on hold (:meth:`hold`) waits, unsealed, for :meth:`release`, unless ``bypass``.
         Raises :class:`StoreClosedError` after :meth:`stop`, :class:`ProtocolError` (nothing sent)
         for an array bigger than the cluster's frame limit, which the receiver would disconnect.
         """
@@ -110,7 +118,7 @@ class Wire:
             big = max(a.nbytes for a in msg.arrays)
             raise ProtocolError(f"{what}: an array of {big} bytes exceeds the cluster's "
                                 f"KVSTORE_MAX_MESSAGE_BYTES={limit}; it was not sent")
-        request = Request(what)
+        request = Request(what, target=target, msg=msg)
         release = None if self.lanes is None else self.lanes.place(target, msg, reply_bytes)
         if release is not None:  # the ranges stay reserved until the request is answered
             request.future.add_done_callback(release)
@@ -121,12 +129,77 @@ class Wire:
             if self._failure is not None and not after_failure:
                 _resolve(request, exc=self._failure)
                 return request
-            msg.seq = next(self._seq)
-            frames = self.channel.seal(msg, "scheduler" if target == SCHEDULER else f"server{target}")
-            self._inflight[msg.seq] = request
-            self._outbox.append((target, frames, msg.seq))
+            if target in self._held and not bypass:
+                self._held[target].append(request)
+                return request
+            self._enqueue(target, request)
         self._pump()
         return request
+
+    def _enqueue(self, target: int, request: Request) -> None:
+        """Seal ``request``'s message with the next number and queue it (the caller holds ``_lock``)."""
+        msg = request.msg
+        msg.seq = next(self._seq)
+        name = "scheduler" if target == SCHEDULER else self.names.get(target) or f"server{target}"
+        self._inflight[msg.seq] = request
+        self._outbox.append((target, self.channel.seal(msg, name), msg.seq))
+
+    # -- a restarted server (kvstore.client.realign) ------------------------------------------------
+    def hold(self, target: int) -> None:
+        """Keep every unanswered request to server ``target``, and every later one, for :meth:`release`:
+        their replies from the lost server never come; what they went out as is ignored from now on."""
+        with self._lock:
+            if target in self._held:
+                return
+            mine = sorted((seq, r) for seq, r in self._inflight.items() if r.target == target)
+            for seq, _ in mine:
+                del self._inflight[seq]
+            self._held[target] = [request for _, request in mine]
+
+    def held(self, target: int) -> list[Message]:
+        """The messages of the requests held for ``target``, oldest first."""
+        with self._lock:
+            return [r.msg for r in self._held.get(target, []) if r.msg is not None]
+
+    def swap(self, target: int, sock: Any, name: str) -> None:
+        """Talk to server ``target`` through ``sock``, as ``name``, from now on; the old socket (and what
+        it still queues) is closed by whoever drives the sockets next, and its shared memory given up."""
+        with self._lock:
+            self._swaps.append((target, sock))
+            self.names[target] = name
+            if self.lanes is not None:
+                self.lanes.segments.pop(target, None)
+        if self._io.acquire(blocking=False):
+            try:
+                self._flush()
+            finally:
+                self._io.release()
+        else:
+            self._wake()
+
+    def _apply_swaps(self) -> None:
+        """Put in the swapped sockets (the caller holds ``_io``)."""
+        with self._lock:
+            swaps, self._swaps = self._swaps, []
+        for target, sock in swaps:
+            old = self.sockets[target]
+            self._poller.remove(old)
+            self._resolvers.pop(old, None)
+            transport.close(old)
+            self._retired.add(old)
+            self.sockets[target] = sock
+            self._poller.add(sock)
+
+    def release(self, target: int) -> int:
+        """Send the requests held for ``target`` again, in order, sealed anew; return how many."""
+        with self._lock:
+            held = self._held.pop(target, [])
+            held = [r for r in held if r.msg is not None and not r.future.done()]
+            for request in held:
+                request.msg.shm = request.msg.reply_at = None  # inline: the new server has no segment
+                self._enqueue(target, request)
+        self._pump()
+        return len(held)
 
     def _pump(self) -> None:
         """Send the outbox now if the sockets are free, else make their holder send it."""
@@ -145,6 +218,8 @@ class Wire:
 
     def _flush(self) -> None:
         """Send every queued message, in order (the caller holds ``_io``)."""
+        if self._swaps:
+            self._apply_swaps()
         while True:
             try:
                 target, frames, seq = self._outbox.popleft()
@@ -206,7 +281,7 @@ class Wire:
                     except BlockingIOError:
                         pass
                     self._flush()
-                else:
+                elif ready not in self._retired:
                     self._receive(ready)
 
     def _receive(self, sock: Any) -> None:
@@ -256,6 +331,8 @@ class Wire:
                 return
             self._failure = error
             failed, self._inflight = list(self._inflight.values()), {}
+            failed += [r for held in self._held.values() for r in held]
+            self._held.clear()
         for request in failed:
             _resolve(request, exc=error)
         self._wake()
@@ -267,11 +344,13 @@ class Wire:
                 return
             self._closed = True
             left, self._inflight = list(self._inflight.values()), {}
+            left += [r for held in self._held.values() for r in held]
+            self._held.clear()
             self._outbox.clear()
         self._wake()
         if self._io.acquire(timeout=timeout):  # a leader lets go within one poll slice
             try:
-                for sock in self.sockets.values():
+                for sock in [*self.sockets.values(), *(new for _, new in self._swaps)]:
                     transport.close(sock)
                 self._wake_r.close()
                 self._wake_w.close()
@@ -285,6 +364,7 @@ class Wire:
 
 
 def _resolve(request: Request, result: Any = None, exc: BaseException | None = None) -> None:
+    request.msg = None  # answered: never sent again
     if request.future.done():
         return
     if exc is not None:

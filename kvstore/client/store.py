@@ -20,7 +20,7 @@ import numpy as np
 from kvstore import config as kvconfig
 from kvstore import logs
 from kvstore.base import Group, KVStore, public
-from kvstore.client import shmlanes
+from kvstore.client import realign, shmlanes
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
@@ -104,8 +104,9 @@ class DistKVStore(FastCalls, KVStore):
         self._rows_init, self._rows_push, self._rows_pull = self._rows.init, self._rows.push, self._rows.pull
         self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
         self._fast = FastPath(self)  # push/pull/pushpull of known lists of small keys (FastCalls)
-        self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,
-                                    stats=self._snapshot, on_left=self._barriers.warn_left)
+        self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,  # restarted
+                                    stats=self._snapshot, on_left=self._barriers.warn_left,  # servers:
+                                    on_restarted=realign.Realigner(self).on_restarted)  # client/realign.py
         self._heartbeat.start()
         log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
         # a restarted worker (launch.py --max-restarts): counted again by every server from this round

@@ -53,6 +53,7 @@ class ShardImage:
     optimizer: dict[str, Any] | None             # the optimizer's spec (None: values are assigned)
     num_update: int
     keys: dict[Key, KeyImage]
+    session: str = ""  # the cluster's session id (hex): a restart refuses a shard of another job
 
     def step(self) -> int:
         """The furthest key's progress: rounds closed, or (async) one worker's most contributions."""
@@ -118,7 +119,8 @@ def to_file(image: ShardImage) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                         "count": held.count, "states": states})
     manifest = {"kind": KIND, "rank": image.rank, "number": image.number, "mode": image.mode,
                 "num_workers": image.num_workers, "optimizer": image.optimizer,
-                "num_update": image.num_update, "step": image.step(), "keys": entries}
+                "num_update": image.num_update, "step": image.step(), "keys": entries,
+                "session": image.session}
     return manifest, arrays
 
 
@@ -171,5 +173,8 @@ def from_file(manifest: dict[str, Any], arrays: dict[str, np.ndarray], where: st
         raise FormatError(f"{where}: a key is stored twice")
     rank = _count(manifest.get("rank"), "'rank'", where)
     number = _count(manifest.get("number"), "'number'", where)
+    session = manifest.get("session", "")
+    if not isinstance(session, str):
+        raise FormatError(f"{where}: 'session' must be a str")
     return ShardImage(rank, number, mode, _count(manifest.get("num_workers"), "'num_workers'", where), spec,
-                      _count(manifest.get("num_update"), "'num_update'", where), keys)
+                      _count(manifest.get("num_update"), "'num_update'", where), keys, session)

@@ -6,7 +6,8 @@ Fail fast: the first role that fails is what the launcher reports, and every rol
 against one shared deadline.  The one exception is the restart policy (``--max-restarts K``): a
 worker that fails while restarts are left is reaped, what it left in its process group killed, and
 started again from its spec (:meth:`RoleProcess.restart`) with the next ``KVSTORE_INCARNATION``;
-a scheduler or server that fails still fails the launch.
+so is a server that has written a shard (``KVSTORE_SNAPSHOT_EVERY``: the caller's ``restartable``),
+which starts from it (kvstore/server/restore.py).  A scheduler that fails still fails the launch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import logging
 import queue
 import time
+from collections.abc import Callable
 
 from kvstore.launch.roleprocess import Killed, RoleProcess, RoleState
 
@@ -38,20 +40,25 @@ class RoleGroup:
         """The first role (in start order) that has FAILED, if any."""
         return next((role for role in self.roles if role.state is RoleState.FAILED), None)
 
-    def supervise(self, workers: int, grace: float, restarts: int = 0) -> RoleProcess | None:
+    def supervise(self, workers: int, grace: float, restarts: int = 0,
+                  restartable: Callable[[RoleProcess], bool] | None = None) -> RoleProcess | None:
         """Wait until ``workers`` workers have SUCCEEDED (return None) or any role has FAILED (return
         the first one to fail: fail fast, the caller then stops the rest), but a worker that fails
-        while any of ``restarts`` are left is restarted (:meth:`restart`).  After the last worker,
+        while any of ``restarts`` are left is restarted (:meth:`restart`), and so is a server for which
+        ``restartable`` says yes (it has a shard to start from).  After the last worker,
         the other roles get ``grace`` seconds, one deadline for all, to exit by themselves (a
         scheduler and servers do once every worker has left); each still running is logged."""
         left, used = workers, 0
         while left:
             role = self._exits.get()
             if role.state is RoleState.FAILED:
-                if role.spec.role != "worker" or used >= restarts:
-                    if restarts and role.spec.role == "worker":
-                        log.error("%s failed again: all %d restarts (--max-restarts) are used",
-                                  role.name, restarts)
+                kind = role.spec.role
+                if used >= restarts or not (kind == "worker" or (kind == "server" and restartable is not None
+                                                                  and restartable(role))):
+                    if restarts and kind in ("worker", "server"):
+                        log.error("%s failed: %s", role.name, f"all {restarts} restarts (--max-restarts) "
+                                  "are used" if used >= restarts else "it has no shard to restart from "
+                                  "(KVSTORE_SNAPSHOT_EVERY, KVSTORE_SNAPSHOT_DIR)")
                     return role
                 used += 1
                 if not self.restart(role, f"{used} of {restarts} restarts used"):

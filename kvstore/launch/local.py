@@ -49,6 +49,7 @@ from kvstore.launch.ssh import (
 )
 from kvstore.net import address, transport
 from kvstore.net import timeline as kvtimeline
+from kvstore.server.shards import shard_files
 
 log = logging.getLogger("kvstore.launcher")
 
@@ -217,6 +218,18 @@ class Cluster:
                 self._start("worker", rank, list(worker_argv), {"DMLC_WORKER_ID": str(rank), **gpu},
                             defaults={"OMP_NUM_THREADS": "1"}, host=host)
 
+    def _has_shard(self, role: RoleProcess) -> bool:
+        """Whether server ``role`` has written a shard it can be restarted from (here, not over ssh)."""
+        if self.cfg.launcher != "local":
+            return False
+        env = kvconfig.child_environ({**self.base_env, **role.spec.env}, environ=self.inherited)
+        try:
+            settings = kvconfig.load(env)
+        except ConfigError:
+            return False
+        folder, rank = settings.snapshot_dir, settings.server_id
+        return bool(folder and rank is not None and shard_files(folder, rank))
+
     def _wait_port(self, path: str, scheduler: RoleProcess) -> int:
         """Return the port the scheduler wrote to ``path``.  Raises ChildFailed when it exits first
         (with any code: exit 0 is a failed launch too), TimeoutError after ``KVSTORE_CONNECT_TIMEOUT``."""
@@ -231,7 +244,7 @@ class Cluster:
     def supervise(self) -> int:
         """Wait until every worker exits 0 (return 0) or any process fails (raise ChildFailed)."""
         failed = self.group.supervise(self.cfg.num_workers, self.settings.shutdown_timeout,
-                                      restarts=self.cfg.max_restarts)
+                                      restarts=self.cfg.max_restarts, restartable=self._has_shard)
         if failed is not None:
             raise failure(failed)
         return 0

@@ -73,6 +73,12 @@ def unsigned(msg: Message) -> list[Any]:
     return [b"", *protocol.encode(msg)]
 
 
+def server_name(rank: int, incarnation: int = 0) -> str:
+    """The name workers address server ``rank`` by: ``server1``, or ``server1.2`` once restarted twice
+    (a new name: nothing sealed for an earlier incarnation is accepted by a later one)."""
+    return f"server{rank}" if incarnation == 0 else f"server{rank}.{incarnation}"
+
+
 def new_label(role: str) -> str:
     """A fresh random channel label, e.g. ``worker-3fa9c1d2``."""
     return f"{role}-{secrets.token_hex(4)}"

@@ -43,10 +43,12 @@ class Heartbeat(threading.Thread):
     def __init__(self, cfg: kvconfig.Config, role: str, rank: int, session: bytes,
                  on_lost: Callable[[NodeLostError], None], report_peers: bool = True,
                  stats: Callable[[], dict] | None = None,
-                 on_left: Callable[[list[int]], None] | None = None) -> None:
+                 on_left: Callable[[list[int]], None] | None = None,
+                 on_restarted: Callable[[list], None] | None = None) -> None:
         super().__init__(name=f"kvstore-heartbeat-{role}{rank}", daemon=True)
         self.cfg, self.role, self.rank, self.on_lost = cfg, role, rank, on_lost
         self.report_peers, self.stats, self.on_left = report_peers, stats, on_left
+        self.on_restarted = on_restarted  # servers restarted from their shards (kvstore.client.realign)
         self._stats_failed = False  # a failing snapshot is logged once
         self.channel = channel_for(cfg, new_label(f"{role}{rank}-heartbeat"))
         self.channel.set_session(session)
@@ -136,6 +138,9 @@ class Heartbeat(threading.Thread):
         left = reply.body.get("left") if reply.op is Op.OK else None
         if self.on_left is not None and isinstance(left, list) and all(type(r) is int for r in left):
             self.on_left(left)  # the workers that have left (a worker's beats only)
+        restarted = reply.body.get("restarted") if reply.op is Op.OK else None
+        if self.on_restarted is not None and isinstance(restarted, list):
+            self.on_restarted(restarted)
         away = reply.body.get("away") if reply.op is Op.OK else None
         if isinstance(away, list) and all(type(r) is int for r in away):
             self._told_away(set(away))

@@ -39,7 +39,7 @@ import numpy as np
 from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 MAX_HEADER_BYTES = 1 << 20
 # An array description has at most MAX_DIMS dims: numpy 1.x builds arrays of up to 32 dims, 2.x of
 # up to 64, and a wire rule must not depend on which one a node has installed (setup.py allows both).
@@ -72,6 +72,7 @@ class Op(enum.IntEnum):
     PIPE_GRAD = 31     # stage -> previous stage: {"step", "mb"} + [gradient of its output]
     PIPE_ABORT = 32    # stage -> neighbours: {"message"}: this stage failed the step; stop waiting
     SHM_ATTACH = 33  # worker -> server: {"pid", "fd", "nonce", "bytes"}; reply OK {"attached": bool, "why"}
+    ALIGN = 34  # worker -> restarted server: {"incarnation", "origin", "keys", "rounds"}; OK when all have
     # Data ops carry {"keys": [...], "sizes": [...]} (+ "lo" for a chunk of one key, kvstore.core.plan) and
     # one flat array holding every key's elements in order (none for PULL); replies to PULL and
     # PUSHPULL carry the values the same way, once every key of the request is answered.

@@ -283,6 +283,8 @@ class RouterService:
             if not isinstance(exc, KVStoreError):
                 log.exception("late handler for %s failed", msg.op.name)
             reply = protocol.error_reply(0, error_code(exc), _text(exc))
+        if reply.op is Op.MAP:  # admitted late (a restart): later messages to it are addressed to it
+            self.peers[identity] = label
         reply.seq, reply.sender = msg.seq, self.rank
         self._send(identity, self.late.seal(reply, label), reply.op)
 

@@ -33,13 +33,13 @@ from kvstore.errors import (
     StallError,
 )
 from kvstore.net import address, shm, transport
-from kvstore.net.auth import channel_for, new_label
+from kvstore.net.auth import channel_for, new_label, server_name
 from kvstore.net.handshake import register
 from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
 from kvstore.net.router import Handler, RouterService
-from kvstore.server import decompress, fastpath
+from kvstore.server import decompress, fastpath, restore
 from kvstore.server.meter import ServerMeter
 from kvstore.server.shards import ShardWriter, shard_writer
 from kvstore.server.sparse import SparseServer
@@ -106,6 +106,7 @@ class Server:
         self.optimizer: Optimizer | None = None
         self.heartbeat: Heartbeat | None = None
         self.shards: ShardWriter | None = None  # KVSTORE_SNAPSHOT_EVERY (server/shards.py)
+        self.restored: restore.Restored | None = None  # a restart from its shard (server/restore.py)
         self.meter = ServerMeter(self.host, cfg.stall_warn, cfg.stall_abort)
         handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push, Op.PULL: self._on_pull,
                     Op.PUSHPULL: self._on_pushpull, Op.OPTIMIZER_SET: self._on_optimizer_set,
@@ -120,13 +121,14 @@ class Server:
 
     def join(self) -> None:
         """Register with the scheduler and set up state from the cluster map."""
+        image = restore.read_image(self.cfg)  # a restarted server's shard, read before it registers
         cmap = register(self.scheduler, self.to_scheduler, self.cfg,
-                        {"role": "server", "host": self.host, "port": self.port,
-                         "rank": self.cfg.server_id}, "server")
+                        {"role": "server", "host": self.host, "port": self.port, "rank": self.cfg.server_id,
+                         "incarnation": self.cfg.incarnation}, "server")
         kvconfig.check_node_limit(self.cfg.max_message_bytes, cmap.body.get("max_message_bytes", 0))
         rank = cmap.body["rank"]
         self.service.rank = rank
-        self.service.channel.rename(f"server{rank}")  # workers address their requests to it
+        self.service.channel.rename(server_name(rank, self.cfg.incarnation))  # workers' addressee
         self.service.channel.set_session(cmap.body["session"])
         self.meter.rank = rank
         self.heartbeat = Heartbeat(self.cfg, "server", rank, cmap.body["session"], lambda error: None,
@@ -142,7 +144,10 @@ class Server:
         self.state.on_close = self.meter.round_closed
         self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self.rejoins = Rejoins(self.state)  # restarted workers (launch.py --max-restarts)
-        self.shards = shard_writer(self.cfg, rank)
+        self.shards = shard_writer(self.cfg, rank, bytes(cmap.body["session"]).hex())
+        if image is not None:
+            self.restored = restore.Restored(self, image, cmap.body)
+            self.service.handlers = self.restored.guard(self.service.handlers)
         logs.set_identity("server", rank)
         log.info("serving on %s:%d in %s mode", self.host, self.port, cmap.body["mode"])
 
@@ -229,15 +234,18 @@ class Server:
         """Push (and with ``pull`` answer with the new values) every key of a PUSH or PUSHPULL."""
         msg = decompress.expand(msg)  # a compressed push: its values, dequantised (server/decompress.py)
         msg, bf16 = _widened(msg)
-        if fastpath.push(self, identity, msg, pull, bf16):  # a batch of a key group
+        dropped = self.restored.screen(msg) if self.restored is not None else None  # retried pushes
+        if not dropped and fastpath.push(self, identity, msg, pull, bf16):  # a batch of a key group
             return
-        keys, values, _, lo = self._entries(msg, True)
+        keys, values, sizes, lo = self._entries(msg, True)
         self._check_precision(keys, bf16, msg.op.name)
         if self.optimizer is not None and values[0].dtype.kind != "f":  # one array: one dtype
             raise DTypeMismatchError(f"key {keys[0]!r} holds {values[0].dtype}; the {self.optimizer.name} "
                                      "optimizer updates floating-point keys only")
         batch = _Batch(identity, msg.seq, len(keys), bf16)
         entries = [((batch, i), key, value, lo or 0) for i, (key, value) in enumerate(zip(keys, values))]
+        if dropped:  # answered, not applied: in the restored shard already, or of a lost round
+            entries = self.restored.drop(batch, dropped, entries, sizes, pull, msg.sender)
         self._reply_all(self.state.push_many(msg.sender, entries, pull))
 
     def _check_precision(self, keys: list[object], bf16: bool, op: str) -> None:
@@ -336,6 +344,8 @@ class Server:
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
         self._reply_all(done)
         self.sparse.leave(msg.sender)
+        if self.restored is not None:
+            self.restored.forget(msg.sender)
         if self.service.shm is not None:
             self.service.shm.forget(identity)  # its shared-memory segment, if it had one
         log.info("worker %d left; sync rounds no longer wait for it", msg.sender)
@@ -360,6 +370,8 @@ class Server:
         if not (type(worker) is int and 0 <= worker < self.state.num_workers):
             raise ProtocolError(f"AWAY names no worker rank (got {str(worker)[:20]!r})")
         self._reply_all(self.rejoins.away(worker, body.get("incarnation")))
+        if self.restored is not None:
+            self.restored.forget(worker)
         log.warning("worker %d is away (to be restarted): sync rounds close without it, scaled as a "
                     "quorum of the rest, until it rejoins", worker)
 
@@ -432,6 +444,7 @@ class Server:
                 self.meter.tick(self.state, self._abort_pulls, self.service.drops.totals)
                 if self.shards is not None:
                     self.shards.tick(self.state, self.optimizer, self.bf16_keys)
+                    restore.die_if_asked(self.cfg, self.service.rank, self.state, self.shards.written)
         finally:
             if self.shards is not None:
                 self.shards.close(self.cfg.shutdown_timeout)

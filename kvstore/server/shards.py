@@ -73,12 +73,13 @@ class ShardWriter:
     """When a server's shard is due, its capture, and its write on a thread of its own."""
 
     def __init__(self, directory: str, rank: int, rounds: int = 0, seconds: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, session: str = "") -> None:
         if not (rounds > 0 or seconds > 0):
             raise ValueError("a ShardWriter needs a period in rounds or seconds")
         self.folder = server_dir(directory, rank)
         os.makedirs(self.folder, exist_ok=True)
         self.rank, self.rounds, self.seconds, self.clock = rank, rounds, seconds, clock
+        self.session = session  # recorded in each shard: a restart refuses another job's
         files = shard_files(directory, rank)
         self.number = files[-1][0] if files else 0  # a restart goes on numbering
         self.last_step = 0
@@ -105,6 +106,7 @@ class ShardWriter:
         spare = self.last_written.keys if self.last_written is not None else None
         self.last_written = None  # its state arrays become this image's copies
         image = capture(state, optimizer, bf16_keys, self.rank, self.number, spare)
+        image.session = self.session
         self.last_step, self.last_time = image.step(), now
         self.thread = threading.Thread(target=self._write, args=(image,), name="kvstore-shard", daemon=True)
         self.thread.start()
@@ -137,13 +139,13 @@ class ShardWriter:
                             timeout)
 
 
-def shard_writer(cfg: Any, rank: int) -> ShardWriter | None:
+def shard_writer(cfg: Any, rank: int, session: str = "") -> ShardWriter | None:
     """Server ``rank``'s writer as ``cfg`` (a :class:`kvstore.config.Config`) asks, or None (no
     ``KVSTORE_SNAPSHOT_EVERY``).  Raises :class:`ConfigError` naming the folder when it cannot be made."""
     if not (cfg.snapshot_rounds or cfg.snapshot_seconds):
         return None
     try:
-        return ShardWriter(cfg.snapshot_dir, rank, cfg.snapshot_rounds, cfg.snapshot_seconds)
+        return ShardWriter(cfg.snapshot_dir, rank, cfg.snapshot_rounds, cfg.snapshot_seconds, session=session)
     except OSError as exc:
         raise ConfigError(f"KVSTORE_SNAPSHOT_DIR={cfg.snapshot_dir!r}: cannot make server {rank}'s shard "
                           f"folder ({exc})") from None

@@ -110,3 +110,15 @@ def test_a_shard_folder_that_cannot_be_made_is_a_config_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="KVSTORE_SNAPSHOT_DIR"):
         shard_writer(cfg, 0)
     assert shard_writer(config.load({}), 0) is None
+
+
+def test_a_shard_records_its_cluster_session(tmp_path) -> None:
+    """The writer's session is in every shard it writes and read back (a restart checks it)."""
+    clock, shard = Clock(), ShardState(1, sync=True)
+    shard.init("w", np.zeros(2))
+    writer = ShardWriter(str(tmp_path), 0, rounds=1, clock=clock, session="ab12")
+    closed(shard, 1)
+    clock.now += 1
+    assert writer.tick(shard, None, set())
+    written(writer)
+    assert read_latest(str(tmp_path), 0).session == "ab12"

@@ -53,3 +53,21 @@ def test_a_worker_away_too_long_is_overdue_once() -> None:
     assert restarts.overdue(8.0, 6.0) == [0]
     assert restarts.overdue(8.0, 6.0) == []
     assert list(restarts.away) == [2]
+
+
+def test_a_server_loss_is_absorbed_only_with_shards_and_budget() -> None:
+    """A lost server is away only when servers write shards and budget is left; it shares the budget."""
+    restarts = Restarts(1, 2)
+    assert not restarts.server_absorbs(0, shards=False)
+    assert restarts.server_absorbs(0, shards=True)
+    restarts.depart(1, 0.0)  # a worker used the one restart
+    assert not restarts.server_absorbs(0, shards=True)
+
+
+def test_a_server_away_too_long_is_overdue_once() -> None:
+    """overdue_servers() returns a server away longer than the timeout, and forgets it."""
+    restarts = Restarts(2, 2)
+    restarts.servers_away[1] = 10.0
+    assert restarts.overdue_servers(15.0, 10.0) == []
+    assert restarts.overdue_servers(21.0, 10.0) == [1]
+    assert restarts.servers_away == {} and restarts.overdue_servers(40.0, 10.0) == []

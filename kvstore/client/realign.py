@@ -1,0 +1,93 @@
+"""A worker's side of a server restarted from its shard (kvstore/server/restore.py, docs/failures.md).
+
+The scheduler names a restarted server in every heartbeat reply (``restarted``: rank, incarnation,
+host, port).  For each new one, a thread of its own (the heartbeat must go on beating):
+
+1. holds every request to that server: those the lost server never answered and every later one
+   (:meth:`Wire.hold`), taking a copy of the worker's push counts at the same instant;
+2. connects to the new address and swaps the socket in (what the old one still queued is dropped);
+3. sends ALIGN: for each key the worker has pushed, the round of its oldest unanswered push to that
+   server (or of its next push), and its ``origin`` (the round it rejoined at, 0 if it never
+   restarted); the reply comes once every worker has aligned;
+4. sends the held requests again, in order, sealed anew for the new incarnation's name.
+
+A failure (no reply within ``KVSTORE_REQUEST_TIMEOUT``) fails the store with a
+:class:`NodeLostError` naming the server, as a lost server always did.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from kvstore.errors import KVStoreError, NodeLostError
+from kvstore.net import transport
+from kvstore.net.auth import server_name
+from kvstore.net.protocol import Message, Op
+
+log = logging.getLogger("kvstore.dist")
+
+
+def lowest_rounds(held: list[Message], pushes: dict[Any, int]) -> tuple[list[Any], list[int]]:
+    """ALIGN's keys and rounds: each key's oldest round among the ``held`` PUSH / PUSHPULL messages,
+    else its next round (``pushes``: the worker's pushes of each key so far)."""
+    low: dict[Any, int] = {}
+    for msg in held:
+        if msg.op is Op.PUSH or msg.op is Op.PUSHPULL:
+            for key, rnd in zip(msg.body.get("keys", []), msg.body.get("rounds", [])):
+                low[key] = min(low.get(key, rnd), rnd)
+    for key, count in pushes.items():
+        low.setdefault(key, count)
+    return list(low), [low[key] for key in low]
+
+
+class Realigner:
+    """Starts one alignment per restarted server incarnation the scheduler names (module docstring)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.known: dict[int, int] = {}  # server index -> the incarnation aligned with (or being)
+        self.threads: list[threading.Thread] = []
+
+    def on_restarted(self, entries: Any) -> None:
+        """The heartbeat's report: ``[[rank, incarnation, host, port], ...]``; malformed ones are skipped."""
+        for entry in entries if isinstance(entries, list) else []:
+            if not (isinstance(entry, list) and len(entry) == 4 and all(type(v) is int for v in entry[:2])
+                    and isinstance(entry[2], str) and type(entry[3]) is int):
+                log.warning("ignored a malformed server restart in a heartbeat reply: %r", entry)
+                continue
+            rank, incarnation, host, port = entry
+            if not 0 <= rank < self.store.num_servers or incarnation <= self.known.get(rank, 0):
+                continue
+            self.known[rank] = incarnation
+            thread = threading.Thread(target=self.align, args=(rank, incarnation, host, port),
+                                      name=f"kvstore-realign-{rank}", daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def align(self, rank: int, incarnation: int, host: str, port: int) -> None:
+        """Steps 1-4 of the module docstring for server ``rank``; a failure fails the store."""
+        store = self.store
+        io, cfg = store._io, store._cfg  # noqa: SLF001 -- the store's own parts, as fastpath takes them
+        where = transport.address(host, port)
+        try:
+            sock = transport.connect_dealer(where, curve=transport.curve_keys(cfg))
+            with store._send_lock:  # noqa: SLF001 -- no push is counted but not yet held meanwhile
+                io.hold(rank)
+                pushes = dict(store._pushes)  # noqa: SLF001
+            io.swap(rank, sock, server_name(rank, incarnation))
+            keys, rounds = lowest_rounds(io.held(rank), pushes)
+            body = {"incarnation": cfg.incarnation, "origin": store.rejoined_at or 0, "keys": keys,
+                    "rounds": rounds}
+            request = io.submit(rank, Message(Op.ALIGN, body), f"align with restarted server {rank} "
+                                f"({where})", bypass=True)
+            reply = store._request_all([request])[0]  # noqa: SLF001
+            sent = io.release(rank)
+        except (KVStoreError, OSError) as exc:
+            error = NodeLostError(f"server {rank} was restarted at {where} but worker {store.rank} could not "
+                                  f"align with it: {exc}", role="server", rank=rank, host=host)
+            store._on_lost(error)  # noqa: SLF001
+            return
+        log.warning("server %d restarted (incarnation %d) at %s: aligned, %d requests sent again; it lost "
+                    "%s rounds of updates", rank, incarnation, where, sent, reply.body.get("lost"))

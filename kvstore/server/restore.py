@@ -1,0 +1,248 @@
+"""A server restarted from its own latest shard (``--max-restarts`` with ``KVSTORE_SNAPSHOT_EVERY``).
+
+The launcher starts a dead server again with the same ``KVSTORE_SERVER_ID`` and the next
+``KVSTORE_INCARNATION``.  The new process reads its newest shard (:func:`read_image`) before it
+registers, registers late with the scheduler (which tells every worker the new address in its
+heartbeat replies), installs the shard's values, counts and optimizer state (:func:`install`), and
+answers only ALIGN, LEAVE and SHM_ATTACH until every worker still in the job has aligned
+(:class:`Restored`):
+
+* Each worker, told of the restart, holds its requests to this server, connects to the new address
+  and sends ALIGN: for each key it has pushed, the round of its oldest push this server has not
+  answered (or of its next push when none is unanswered), counted from its ``origin`` (0, or the
+  round a restarted worker rejoined at).  The reply comes once every worker has aligned; then each
+  worker sends its unanswered requests again, in order, sealed anew.
+* ``dist_sync``: each key goes on from round ``max(shard's round, every worker's oldest unanswered
+  round)``.  Rounds from the shard's up to that one were closed by the dead server and acknowledged:
+  their updates are lost, and the log says how many.  A retried push of a round below it is dropped
+  and acknowledged (a pushpull gets the current value): it is in the shard, or it is lost with its
+  round, never applied twice.
+* ``dist_async``: a retried push is dropped when the shard already counts it (the shard records
+  each worker's pushes applied per key); the others are applied once.  Pushes the dead server applied
+  after its shard and acknowledged are lost.
+
+Not covered (docs/failures.md): row-sparse keys, compression residuals, a quorum's late rounds
+and staleness bookkeeping start afresh from the shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+from kvstore.core.optimizer import from_spec
+from kvstore.core.partition import Key, check_key
+from kvstore.core.replies import Completion
+from kvstore.core.shard_image import ShardImage, progress
+from kvstore.errors import ConfigError, KeyTypeError, ProtocolError
+from kvstore.net.protocol import Message, Op
+from kvstore.net.router import Handler
+from kvstore.server.shards import read_latest
+
+log = logging.getLogger("kvstore.server")
+_OPEN = (Op.ALIGN, Op.LEAVE, Op.SHM_ATTACH)  # answered while the workers align; others are refused
+
+
+def read_image(cfg: Any) -> ShardImage | None:
+    """The shard a restarted server (``cfg.incarnation`` > 0) starts from; None for a first start.
+    Raises :class:`ConfigError` when a restarted server has no rank, no folder or no shard to read."""
+    if not cfg.incarnation:
+        return None
+    if cfg.server_id is None or not cfg.snapshot_dir:
+        raise ConfigError("a restarted server (KVSTORE_INCARNATION > 0) needs KVSTORE_SERVER_ID and "
+                          "KVSTORE_SNAPSHOT_DIR to find its shard")
+    image = read_latest(cfg.snapshot_dir, cfg.server_id)
+    if image is None:
+        raise ConfigError(f"server {cfg.server_id} was restarted but has no shard under "
+                          f"{cfg.snapshot_dir!r} to start from")
+    return image
+
+
+def install(server: Any, image: ShardImage) -> None:
+    """Put ``image``'s keys, counts, precision and optimizer (with its state) into ``server``'s fresh
+    state.  Raises :class:`ConfigError` when the shard was written for another mode."""
+    state = server.state
+    if image.session != server.shards.session:
+        raise ConfigError(f"server {image.rank}'s newest shard ({image.number}) under KVSTORE_SNAPSHOT_DIR "
+                          "is of another job (another cluster session): give each job a folder of its own")
+    if image.mode != ("dist_sync" if state.sync else "dist_async") or image.num_workers != state.num_workers:
+        raise ConfigError(f"server {image.rank}'s shard {image.number} is of a {image.mode} job of "
+                          f"{image.num_workers} workers; this cluster differs")
+    if image.optimizer is not None:
+        server.optimizer = from_spec(image.optimizer)
+        server.optimizer.num_update = image.num_update
+        state.updater = server._update  # noqa: SLF001 -- the server's own update hook
+    for key, held in image.keys.items():
+        state.init(key, held.value)
+        kept = state._keys[key]  # noqa: SLF001 -- restoring what capture() read
+        kept.base = held.round
+        kept.applied, kept.submitted = dict(held.applied), dict(held.applied)
+        if held.bf16:
+            server.bf16_keys.add(key)
+        if held.count is not None and server.optimizer is not None:
+            server.optimizer.set_state(key, held.value, held.count, held.states)
+
+
+def _align_body(body: Any) -> tuple[int, int, list[Key], list[int]]:
+    """An ALIGN's ``(incarnation, origin, keys, rounds)``, checked; raises ProtocolError otherwise."""
+    fields = [body.get(name) for name in ("incarnation", "origin", "keys", "rounds")]
+    inc, origin, keys, rounds = fields
+    if not (type(inc) is int and inc >= 0 and type(origin) is int and origin >= 0
+            and isinstance(keys, list) and isinstance(rounds, list) and len(keys) == len(rounds)
+            and all(type(r) is int and r >= 0 for r in rounds)):
+        raise ProtocolError("ALIGN needs an incarnation and an origin (ints >= 0) and one round >= 0 "
+                            "per key")
+    try:
+        return inc, origin, [check_key(k) for k in keys], rounds
+    except KeyTypeError as exc:
+        raise ProtocolError(f"ALIGN: {exc}") from None
+
+
+class Restored:
+    """A restarted server's side of the workers' alignment, then of their retried pushes."""
+
+    def __init__(self, server: Any, image: ShardImage, cmap: dict) -> None:
+        self.server, self.image = server, image
+        state = server.state
+        install(server, image)
+        for worker in cmap.get("left") or []:
+            if type(worker) is int and 0 <= worker < state.num_workers:
+                state.leave(worker)
+        for worker in cmap.get("away") or []:
+            if type(worker) is int and 0 <= worker < state.num_workers:
+                server.rejoins.away(worker, 0)
+        self.expected = set(state.active)  # the workers that must align
+        self.aligned: dict[int, dict[Key, int]] = {}  # worker -> key -> its oldest unanswered round
+        self.origins: dict[int, int] = {}
+        self.waiting: list[tuple[bytes, int]] = []  # ALIGN requests answered once all are in
+        self.floors: dict[Key, int] = {}  # dist_sync: the round each key goes on from
+        self.done = False
+        self.lost = 0
+        self.dropped = 0  # retried pushes dropped: in the shard, or of a lost round
+        log.warning("restarted from shard %d (step %d, %d keys); waiting for workers %s to align",
+                    image.number, image.step(), len(image.keys), sorted(self.expected))
+
+    def guard(self, handlers: dict[Op, Handler]) -> dict[Op, Handler]:
+        """``handlers`` with ALIGN added and every other data op refused until the workers have aligned."""
+        guarded: dict[Op, Handler] = {op: self._guarded(op, h) for op, h in handlers.items()}
+        guarded[Op.ALIGN] = self.on_align
+        return guarded
+
+    def _guarded(self, op: Op, handler: Handler) -> Handler:
+        if op in _OPEN:
+            return handler
+
+        def refuse_until_aligned(identity: bytes, msg: Message) -> None:
+            if not self.done:
+                raise ProtocolError(f"{op.name} refused: server {self.image.rank} restarted from its shard "
+                                    f"and waits for workers {sorted(self.expected - set(self.aligned))} "
+                                    "to send ALIGN")
+            handler(identity, msg)
+        return refuse_until_aligned
+
+    def on_align(self, identity: bytes, msg: Message) -> None:
+        """A worker's ALIGN: recorded; every ALIGN is answered once all expected workers have sent one."""
+        worker = self.server._sender(msg)  # noqa: SLF001
+        incarnation, origin, keys, rounds = _align_body(msg.body)
+        state = self.server.state
+        if incarnation > self.server.rejoins.current.get(worker, 0):
+            self.server.rejoins.current[worker] = incarnation
+        self.origins[worker] = origin
+        if self.done:  # a worker that aligns again (nothing changes): answered at once
+            self.server.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=msg.seq))
+            return
+        self.aligned[worker] = {k: r + origin for k, r in zip(keys, rounds) if k in state}
+        self.waiting.append((identity, msg.seq))
+        if worker in state.active:
+            self.expected.add(worker)
+        self.settle()
+
+    def forget(self, worker: int) -> None:
+        """``worker`` left or went away: the alignment no longer waits for it."""
+        self.expected.discard(worker)
+        if not self.done and self.waiting:
+            self.settle()
+
+    def settle(self) -> None:
+        """Once every expected worker has aligned: set each key's round, answer every ALIGN, log the loss."""
+        if self.done or not self.expected <= set(self.aligned):
+            return
+        state = self.server.state
+        getattr(state, "settle", lambda: None)()  # per-key state current (kvstore.core.groups)
+        lost_keys = 0
+        for key, held in self.image.keys.items():
+            kept = state._keys[key]  # noqa: SLF001
+            for worker, origin in self.origins.items():
+                kept.offset[worker] = origin  # a quorum PUSH's rounds count from the worker's origin
+            if not state.sync:
+                continue
+            floor = max([held.round] + [lows[key] for lows in self.aligned.values() if key in lows])
+            kept.base = self.floors[key] = floor
+            kept.next_round = {w: floor for w in state.active}
+            self.lost = max(self.lost, floor - held.round)
+            lost_keys += floor > held.round
+        self.done = True
+        for identity, seq in self.waiting:
+            self.server.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=seq))
+        self.waiting = []
+        self._log_loss(lost_keys)
+
+    def _log_loss(self, lost_keys: int) -> None:
+        image = self.image
+        if not self.server.state.sync:
+            log.warning("workers aligned after the restart from shard %d: pushes this server applied "
+                        "after that shard are lost (dist_async)", image.number)
+        elif self.lost:
+            log.warning("workers aligned after the restart from shard %d (step %d): lost %d rounds of "
+                        "updates (of %d keys): their values are as of the shard", image.number,
+                        image.step(), self.lost, lost_keys)
+        else:
+            log.warning("workers aligned after the restart from shard %d (step %d): lost 0 rounds of "
+                        "updates", image.number, image.step())
+
+    def screen(self, msg: Message) -> set[int]:
+        """The entries of a PUSH or PUSHPULL that are retries of pushes already counted (see the module
+        docstring): the caller answers them without applying them."""
+        rounds, keys = msg.body.get("rounds"), msg.body.get("keys")
+        if rounds is None or not isinstance(keys, list):
+            return set()
+        origin = self.origins.get(msg.sender, 0)
+        if self.server.state.sync:
+            floors = self.floors
+            found = {i for i, (k, r) in enumerate(zip(keys, rounds))
+                     if isinstance(k, (int, str)) and r + origin < floors.get(k, 0)}
+        else:
+            held = self.image.keys
+            found = {i for i, (k, r) in enumerate(zip(keys, rounds)) if isinstance(k, (int, str))
+                     and k in held and r + origin < held[k].applied.get(msg.sender, 0)}
+        self.dropped += len(found)
+        return found
+
+    def drop(self, batch: Any, dropped: set[int], entries: list[tuple], sizes: list[int], pull: bool,
+             worker: int) -> list[tuple]:
+        """Answer the ``dropped`` entries of ``batch`` (acks, or for a pushpull the current values) and
+        return the others, the shard's incoming rounds cut to them."""
+        spans = {i: (entries[i][1], entries[i][3], entries[i][3] + sizes[i]) for i in dropped}
+        state = self.server.state
+        if pull:
+            done = state.pull_many(worker, [((batch, i), *spans[i]) for i in sorted(dropped)])
+        else:
+            done = [Completion((batch, i), None) for i in sorted(dropped)]
+        self.server._reply_all(done)  # noqa: SLF001
+        if state.incoming_rounds is not None:
+            state.incoming_rounds = [r for i, r in enumerate(state.incoming_rounds) if i not in dropped]
+        return [entry for i, entry in enumerate(entries) if i not in dropped]
+
+
+def die_if_asked(cfg: Any, rank: int, state: Any, written: int) -> None:
+    """The test hook ``KVSTORE_TEST_SERVER_DIE_AT_ROUND=N`` (or ``RANK:N``): a first incarnation SIGKILLs
+    itself once some key has closed N rounds and at least one shard has been written."""
+    hook = cfg.test_server_die_at
+    if hook is None or cfg.incarnation or written < 1 or hook[0] not in (None, rank) or state is None:
+        return
+    if progress(state) >= hook[1]:
+        log.warning("KVSTORE_TEST_SERVER_DIE_AT_ROUND: killing server %d at step %d (SIGKILL)", rank,
+                    progress(state))
+        os.kill(os.getpid(), signal.SIGKILL)
