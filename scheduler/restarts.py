@@ -190,7 +190,8 @@ def late_server(sched: Scheduler, identity: bytes, body: dict) -> Message:
     host = str(body.get("host"))[:256]
     sched.servers[rank] = type(sched.servers[rank])(identity=identity, role="server", host=host, port=port,
                                                    wanted_rank=rank)
-    sched.map_body["servers"][rank] = [host, port]  # a worker restarted later connects to it
+    sched.map_body["servers"][rank] = [host, port]  # a worker restarted later connects to it, by name
+    sched.map_body.setdefault("server_incarnations", [0] * len(sched.servers))[rank] = incarnation
     sched.hosts[("server", rank)] = host
     restarts.moved[rank] = [rank, incarnation, host, port]
     sched.liveness.watch("server", rank, time.monotonic())

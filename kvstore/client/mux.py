@@ -67,7 +67,7 @@ class Wire:
     """The scheduler socket and one socket per server of a worker; see the module docstring."""
 
     def __init__(self, scheduler: Any, servers: list[Any], rank: int, channel: Channel,
-                 max_frame_bytes: int = 0) -> None:
+                 max_frame_bytes: int = 0, names: dict[int, str] | None = None) -> None:
         self.sockets = {SCHEDULER: scheduler, **dict(enumerate(servers))}
         self.rank = rank
         self.max_frame_bytes = max_frame_bytes  # the cluster's KVSTORE_MAX_MESSAGE_BYTES (0: none)
@@ -85,7 +85,7 @@ class Wire:
         self._wake_w.setblocking(False)
         self.lanes: Any = None  # kvstore.client.shmlanes.Lanes: same-host shared memory (set_lanes)
         self._resolvers: dict[Any, Callable] = {}  # socket -> its shared-memory resolver
-        self.names: dict[int, str] = {}  # a restarted server's name (net.auth.server_name) by index
+        self.names = dict(names or {})  # a restarted server's name (net.auth.server_name) by index
         self._held: dict[int, list[Request]] = {}  # restarted servers' requests, until they align
         self._swaps: list[tuple[int, Any]] = []  # (index, new socket) for the holder of _io to put in
         self._retired: set[Any] = set()  # sockets swapped out: a poll result naming one is skipped

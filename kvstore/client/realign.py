@@ -42,12 +42,27 @@ def lowest_rounds(held: list[Message], pushes: dict[Any, int]) -> tuple[list[Any
     return list(low), [low[key] for key in low]
 
 
+def incarnations(cmap: dict) -> list[int]:
+    """Each server's incarnation in a cluster map (``server_incarnations``; 0s when absent or malformed)."""
+    found = cmap.get("server_incarnations")
+    count = len(cmap.get("servers") or [])
+    if isinstance(found, list) and len(found) == count and all(type(i) is int and i >= 0 for i in found):
+        return found
+    return [0] * count
+
+
+def server_names(cmap: dict) -> dict[int, str]:
+    """The names of the servers a cluster map says were restarted before this worker joined."""
+    return {rank: server_name(rank, inc) for rank, inc in enumerate(incarnations(cmap)) if inc}
+
+
 class Realigner:
     """Starts one alignment per restarted server incarnation the scheduler names (module docstring)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, cmap: dict) -> None:
         self.store = store
-        self.known: dict[int, int] = {}  # server index -> the incarnation aligned with (or being)
+        # server index -> the incarnation aligned with (or being); the map's are connected already
+        self.known: dict[int, int] = dict(enumerate(incarnations(cmap)))
         self.threads: list[threading.Thread] = []
 
     def on_restarted(self, entries: Any) -> None:

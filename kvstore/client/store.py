@@ -57,9 +57,8 @@ def mode_of(name: str) -> str:
 class DistKVStore(FastCalls, KVStore):
     """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster.
 
-    In ``dist_*_device`` modes, CUDA values are summed on a GPU and the sum is copied
-    once into pinned memory before it is sent; pulls into CUDA outs are staged
-    in pinned memory and copied to each device on a side stream (``kvstore.device``).
+    In ``dist_*_device`` modes, CUDA values are summed on a GPU and copied once into pinned memory to be
+    sent; pulls into CUDA outs are staged there and copied to each device on a side stream (``device``).
     """
 
     def __init__(self, name: str, cfg: kvconfig.Config) -> None:
@@ -77,7 +76,8 @@ class DistKVStore(FastCalls, KVStore):
         self._servers = [transport.address(h, p) for h, p in body["servers"]]
         logs.set_identity("worker", self._rank)
         servers = [transport.connect_dealer(a, curve=transport.curve_keys(cfg)) for a in self._servers]
-        self._io = Wire(scheduler, servers, self._rank, channel, body.get("max_message_bytes", 0))
+        self._io = Wire(scheduler, servers, self._rank, channel, body.get("max_message_bytes", 0),
+                        names=realign.server_names(body))  # servers restarted before this worker joined
         self._io.set_lanes(shmlanes.attach(cfg, self._io, len(servers), cfg.connect_timeout))  # same host
         self._placements: dict[Key, list[Piece]] = {}  # each initialised key's pieces, computed once
         self._plans: dict[tuple, tuple[list[Send], frozenset]] = {}  # see _plan (under _lock)
@@ -105,8 +105,8 @@ class DistKVStore(FastCalls, KVStore):
         self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
         self._fast = FastPath(self)  # push/pull/pushpull of known lists of small keys (FastCalls)
         self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,  # restarted
-                                    stats=self._snapshot, on_left=self._barriers.warn_left,  # servers:
-                                    on_restarted=realign.Realigner(self).on_restarted)  # client/realign.py
+                                    stats=self._snapshot, on_left=self._barriers.warn_left,  # servers
+                                    on_restarted=realign.Realigner(self, body).on_restarted)  # realign
         self._heartbeat.start()
         log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
         # a restarted worker (launch.py --max-restarts): counted again by every server from this round

@@ -359,6 +359,8 @@ class Server:
             self.service.reply(identity, Message(Op.OK, {"round": first}, seq=msg.seq))
         else:
             done = self.rejoins.join_at(worker, body.get("incarnation"), body.get("at"))
+            if self.restored is not None:  # its pushes count from round ``at`` now
+                self.restored.origins[worker] = body["at"]
             self.service.reply(identity, Message(Op.OK, seq=msg.seq))
             log.warning("worker %d rejoined (incarnation %s) at round %d", worker, body["incarnation"],
                         body["at"])

@@ -171,7 +171,7 @@ class Restored:
             return
         state = self.server.state
         getattr(state, "settle", lambda: None)()  # per-key state current (kvstore.core.groups)
-        lost_keys = 0
+        losses: list[int] = []  # dist_sync: each key's rounds lost
         for key, held in self.image.keys.items():
             kept = state._keys[key]  # noqa: SLF001
             for worker, origin in self.origins.items():
@@ -181,26 +181,26 @@ class Restored:
             floor = max([held.round] + [lows[key] for lows in self.aligned.values() if key in lows])
             kept.base = self.floors[key] = floor
             kept.next_round = {w: floor for w in state.active}
-            self.lost = max(self.lost, floor - held.round)
-            lost_keys += floor > held.round
+            losses.append(floor - held.round)
         self.done = True
+        self.lost = max(losses, default=0)
         for identity, seq in self.waiting:
             self.server.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=seq))
         self.waiting = []
-        self._log_loss(lost_keys)
+        self._log_loss(losses)
 
-    def _log_loss(self, lost_keys: int) -> None:
+    def _log_loss(self, losses: list[int]) -> None:
+        """One line: what the restart lost (dist_sync: the fewest and most rounds a key lost)."""
         image = self.image
         if not self.server.state.sync:
             log.warning("workers aligned after the restart from shard %d: pushes this server applied "
                         "after that shard are lost (dist_async)", image.number)
-        elif self.lost:
-            log.warning("workers aligned after the restart from shard %d (step %d): lost %d rounds of "
-                        "updates (of %d keys): their values are as of the shard", image.number,
-                        image.step(), self.lost, lost_keys)
-        else:
-            log.warning("workers aligned after the restart from shard %d (step %d): lost 0 rounds of "
-                        "updates", image.number, image.step())
+            return
+        fewest = min(losses, default=0)
+        span = f"{fewest} to {self.lost}" if fewest != self.lost else str(self.lost)
+        log.warning("workers aligned after the restart from shard %d (step %d): lost %s rounds of updates "
+                    "(per key, %d keys, %d of them losing any): their values are as of the shard",
+                    image.number, image.step(), span, len(losses), sum(1 for n in losses if n))
 
     def screen(self, msg: Message) -> set[int]:
         """The entries of a PUSH or PUSHPULL that are retries of pushes already counted (see the module

@@ -21,7 +21,7 @@ kv.init(list(shapes), [np.zeros(s, np.float32) for s in shapes.values()])
 kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=1.0))
 outs = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
 print(f"training as rank {kv.rank}", flush=True)
-for _ in range(steps):
+for _ in range(kv.rejoined_at or 0, steps):  # a restarted worker goes on from the job's step
     kv.push(["a", "b"], [np.ones(shapes["a"], np.float32), np.ones(shapes["b"], np.float32)])
     kv.pushpull("c", np.ones(shapes["c"], np.float32), out=outs["c"])
     kv.pull(["a", "b"], out=[outs["a"], outs["b"]])
