@@ -5,6 +5,11 @@ A worker's values for a key are summed first, then each push message's elements 
 (one flat float32 array per whole key).  The message's body names the compression
 (``{"compression": [type, threshold]}``); its ``sizes`` still count original elements
 (docs/protocol.md).  Servers decompress before they sum (``kvstore.server.decompress``).
+
+With ``KVSTORE_SNAPSHOT_EVERY`` a worker also writes its residuals at the points servers write their
+shards (every N of its rounds, or N seconds): ``KVSTORE_SNAPSHOT_DIR/worker-RANK/residuals.values``,
+atomically, from a copy, on a thread of its own; a restarted worker (``--max-restarts``) starts from
+them instead of zeros (docs/failures.md).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import os
 import re
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -21,6 +27,7 @@ from kvstore.core import compression as C
 from kvstore.core import snapshot
 from kvstore.core.partition import Key
 from kvstore.core.plan import Send, pack
+from kvstore.errors import FormatError
 
 log = logging.getLogger("kvstore.dist")
 _RESIDUALS = re.compile(r"residuals-worker(\d+)-of-(\d+)\.values")
@@ -33,6 +40,7 @@ class WorkerCompression:
     def __init__(self) -> None:
         self.spec: C.Spec | None = None
         self.residuals: dict[Key, np.ndarray] = {}
+        self.shards = ResidualShards(self)  # written with the servers' shards (KVSTORE_SNAPSHOT_EVERY)
         self._lock = threading.Lock()  # two threads may push one key
 
     def tags(self, keys: Any, metas: dict[Key, Any]) -> dict[Key, bool] | None:
@@ -93,6 +101,13 @@ class WorkerCompression:
         snapshot.write_values(os.path.join(generation, f"residuals-worker{rank}-of-{num_workers}.values"),
                               residuals)
 
+    def restore(self, cfg: Any, rank: int, num_workers: int, rejoined: bool) -> None:
+        """Saved residuals, if any: a restarted worker's own last ones, else ``KVSTORE_RESUME``'s."""
+        if rejoined:
+            self.shards.read(cfg, rank)
+        elif cfg.resume is not None:
+            self.load(cfg.resume, rank, num_workers)
+
     def load(self, directory: str, rank: int, num_workers: int) -> None:
         """Restore this worker's residuals from the ``KVSTORE_RESUME`` snapshot when it was saved by
         as many workers; drop them with a warning when by another count."""
@@ -113,6 +128,65 @@ class WorkerCompression:
             with self._lock:
                 self.residuals.update({k: np.array(r, np.float32).reshape(-1)
                                        for k, r in snapshot.read_values(path).items()})
+
+
+def residual_path(directory: str, rank: int) -> str:
+    """Where worker ``rank`` writes its residuals under ``KVSTORE_SNAPSHOT_DIR``."""
+    return os.path.join(directory, f"worker-{rank}", "residuals.values")
+
+
+class ResidualShards:
+    """A worker's residuals written at the servers' shard points, and read back by its restart."""
+
+    def __init__(self, compression: WorkerCompression) -> None:
+        self.compression = compression
+        self.step, self.at = 0, time.monotonic()  # the last write's round and time
+        self.thread: threading.Thread | None = None
+        self.written = 0
+
+    def due(self, cfg: Any, pushes: dict[Key, int]) -> bool:
+        """Whether a write is due: residuals exist and N rounds (the worker's most pushes of a key) or N
+        seconds have passed since the last one, and none is in flight."""
+        if not (self.compression.residuals and cfg.snapshot_dir) or (self.thread and self.thread.is_alive()):
+            return False
+        if cfg.snapshot_rounds:
+            return max(pushes.values(), default=0) >= self.step + cfg.snapshot_rounds
+        return bool(cfg.snapshot_seconds) and time.monotonic() - self.at >= cfg.snapshot_seconds
+
+    def write_if_due(self, cfg: Any, rank: int, pushes: dict[Key, int]) -> bool:
+        """Copy the residuals and write them on a thread when :meth:`due`; return whether it was."""
+        if not self.due(cfg, pushes):
+            return False
+        self.step, self.at = max(pushes.values(), default=0), time.monotonic()
+        path = residual_path(cfg.snapshot_dir, rank)
+        self.thread = threading.Thread(target=self._write, args=(path, self.compression.state()),
+                                       name="kvstore-residuals", daemon=True)
+        self.thread.start()
+        return True
+
+    def _write(self, path: str, residuals: dict[Key, np.ndarray]) -> None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            snapshot.write_values(path, residuals)
+            self.written += 1
+        except (OSError, ValueError) as exc:  # never fatal: the previous file stays in effect
+            log.error("could not write the compression residuals to %s: %s", path, exc)
+
+    def read(self, cfg: Any, rank: int) -> bool:
+        """A restarted worker's residuals from its last write (True), or none written (False)."""
+        path = residual_path(cfg.snapshot_dir, rank) if cfg.snapshot_dir else None
+        if path is None or not os.path.exists(path):
+            return False
+        try:
+            found = snapshot.read_values(path)
+        except FormatError as exc:
+            log.warning("compression residuals start at zero: %s", exc)
+            return False
+        with self.compression._lock:  # noqa: SLF001 -- its own partner
+            self.compression.residuals.update({k: np.array(r, np.float32).reshape(-1)
+                                               for k, r in found.items()})
+        log.warning("restarted with the compression residuals its last incarnation wrote to %s", path)
+        return True
 
 
 def _latest(directory: str) -> str:

@@ -1,6 +1,7 @@
 """A worker's way into the cluster: registration with the scheduler (:func:`join`), a restarted
 worker's rejoin with every server (:func:`rejoin`, ``launch.py --max-restarts``), and the test hook
-that kills a worker at a round boundary (:func:`die_if_asked`, ``KVSTORE_TEST_DIE_AT_ROUND``).
+that kills a worker at a round boundary (:func:`die_if_asked`, ``KVSTORE_TEST_DIE_AT_ROUND``), run
+after each round with the write of the worker's compression residuals (:func:`after_round`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ def rejoin(io: Wire, servers: int, cmap: dict, request_all: Callable[[list[Reque
                  for i in range(servers)])
     log.warning("rejoined the cluster as incarnation %s at round %d", incarnation, at)
     return at
+
+
+def after_round(cfg: kvconfig.Config, rank: int, pushes: dict[Any, int], compression: Any) -> None:
+    """After a pull or pushpull: this worker's compression residuals written when due (with the
+    servers' shards, ``KVSTORE_SNAPSHOT_EVERY``), then the test hook :func:`die_if_asked`."""
+    compression.shards.write_if_due(cfg, rank, pushes)
+    die_if_asked(cfg, rank, pushes)
 
 
 def die_if_asked(cfg: kvconfig.Config, rank: int, pushes: dict[Any, int]) -> None:

@@ -25,7 +25,7 @@ from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
 from kvstore.client.fastpath import FastCalls, FastPath
-from kvstore.client.joining import die_if_asked, join, rejoin
+from kvstore.client.joining import after_round, join, rejoin
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
 from kvstore.client.sparse import DistRows, RowsLink
@@ -273,8 +273,8 @@ class DistKVStore(FastCalls, KVStore):
             self._compression = self._compress.spec = checked[0]
             self._plans.clear()  # push plans group compressed keys apart
             self._fast.forget()
-        if self._cfg.resume is not None and self._rejoined_at is None:  # KVSTORE_RESUME: its saved residuals
-            self._compress.load(self._cfg.resume, self._rank, self._num_workers)
+        # saved residuals: a restarted worker's own (KVSTORE_SNAPSHOT_DIR), else KVSTORE_RESUME's
+        self._compress.restore(self._cfg, self._rank, self._num_workers, self._rejoined_at is not None)
 
     # -- the data path ------------------------------------------------------------------------------
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
@@ -394,7 +394,7 @@ class DistKVStore(FastCalls, KVStore):
             return self._pull_keys(keys, outs)
         finally:
             self._meter.end("pull", started)
-            die_if_asked(self._cfg, self._rank, self._pushes)  # KVSTORE_TEST_DIE_AT_ROUND
+            after_round(self._cfg, self._rank, self._pushes, self._compress)  # residuals, test hook
 
     def _pull_keys(self, keys: list[Key], outs: list[list[Any]] | None = None) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
@@ -411,7 +411,7 @@ class DistKVStore(FastCalls, KVStore):
             return self._collect(*self._send_groups(Op.PUSHPULL, groups), outs)
         finally:
             self._meter.end("pushpull", started)
-            die_if_asked(self._cfg, self._rank, self._pushes)  # KVSTORE_TEST_DIE_AT_ROUND
+            after_round(self._cfg, self._rank, self._pushes, self._compress)  # residuals, test hook
 
     def _flush(self, timeout: float, knob: str) -> None:
         requests = self._window.outstanding()
