@@ -43,7 +43,7 @@ class PipeBook:
 
 def handlers(scheduler: Any) -> dict[Op, Any]:
     """The scheduler's PIPE_PUBLISH and PIPE_LOOKUP handlers (only registered workers may call them)."""
-    book = PipeBook(scheduler.cfg.num_workers)
+    book = scheduler.pipe_book = PipeBook(scheduler.cfg.num_workers)  # its stages are never restarted
 
     def on_publish(identity: bytes, msg: Message) -> None:
         rank = scheduler._worker_rank(identity)

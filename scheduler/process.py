@@ -80,6 +80,7 @@ class Scheduler:
                                  Op.BARRIER: self._on_barrier,
                                  Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
                                  Op.HEARTBEAT: self._on_heartbeat, Op.STATUS: self._on_status}
+        self.pipe_book: pipes.PipeBook | None = None  # set by pipes.handlers
         self.service.handlers.update(pipes.handlers(self))  # pipeline sockets (docs/pipeline.md)
         # kvstore.status holds the secret, not the session: its STATUS is answered after the map too
         self.service.late_handlers = {Op.STATUS: lambda _, msg: Message(Op.OK, self._status_asked())}
@@ -353,7 +354,11 @@ class Scheduler:
     def _declare_lost(self, role: str, rank: int, why: str, absorb: bool = True) -> None:
         """Record the loss (every heartbeat reply names it from now on); fail the waiting barrier.
         A worker within the restart budget is only away (scheduler/restarts.py)."""
-        if absorb and role == "worker" and self.restarts.absorbs(rank) and not self._is_lost(role, rank):
+        stage = role == "worker" and rank in self.pipe_book.addresses  # its loss stays fatal
+        if stage and self.restarts.budget and absorb:
+            why += "; it was a pipeline stage, and lost stages are not restarted (docs/pipeline.md)"
+        if absorb and role == "worker" and self.restarts.absorbs(rank) and not self._is_lost(role, rank) \
+                and not stage:
             restarts.worker_away(self, rank, why)
             return
         if absorb and role == "server" and self.restarts.server_absorbs(rank, restarts.shards_on(self)):

@@ -126,11 +126,18 @@ def late_register(sched: Scheduler, identity: bytes, msg: Message) -> Message:
     issued = sched.challenges.get(identity)
     if issued is None or body.get("challenge") != issued[1]:
         raise AuthenticationError("REGISTER must answer the challenge this connection was given")
+    if sched.lost:  # e.g. a pipeline stage: the job fails, nothing rejoins it
+        role, rank, host, _ = sched.lost[0]
+        raise ProtocolError(f"the job has lost {role} {rank} on {host} for good; restarts are refused")
     if body.get("role") == "server":
         return late_server(sched, identity, body)
     if body.get("role") != "worker":
         raise ProtocolError("the cluster is already complete; only a restarted node may register late")
     rank, incarnation = sched.restarts.check(body.get("rank"), body.get("incarnation"))
+    if rank in sched.pipe_book.addresses:  # a stage's restart proves it died: the pipeline fails now
+        why = "it was a pipeline stage, and lost stages are not restarted (docs/pipeline.md)"
+        sched._declare_lost("worker", rank, why, absorb=False)
+        raise ProtocolError(f"worker {rank}'s restart is refused: {why}")
     if body.get("mode") != sched.mode:
         raise ProtocolError(f"worker {rank}'s restart asks for {body.get('mode')!r}; the cluster runs "
                             f"{sched.mode}")

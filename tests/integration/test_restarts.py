@@ -219,3 +219,22 @@ def test_the_scheduler_or_a_server_lost_under_max_restarts_fails_fast_and_named(
     assert time.monotonic() - started < 30, run.output  # the shutdown timeout (5 s) and the stops, not a hang
     assert f"{victim} exited with code 137; stopping the other processes" in run.output, run.output
     assert "restarting" not in run.output, run.output
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_pipeline_stage_fails_the_job_even_under_max_restarts(launches) -> None:
+    """SIGKILL of a pipeline stage's worker under --max-restarts 1: its restart is refused, the other
+    stage raises NodeLostError naming it, and the launcher exits non-zero within seconds."""
+    script = str(REPO / "examples" / "pipeline_digits.py")
+    run = launches(["-n", "2", "-s", "1", "--max-restarts", "1", script, "--epochs", "1000"], {})
+    poll_for(lambda: "stages x" in run.output or run.proc.poll() is not None, 90, "the pipeline training")
+    assert run.proc.poll() is None, run.output
+    pids = worker_pids(run.tag, 1)
+    assert pids, run.output
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    assert run.finish(90) != 0, run.output
+    assert time.monotonic() - started < 60, run.output
+    assert "lost stages are not restarted" in run.output, run.output
+    assert re.search(r"\[worker 0\].*worker 1 on \S+ is lost", run.output), run.output
