@@ -53,6 +53,8 @@ def fits(msg: Message) -> bool:
                 or dtype_name(array.dtype) is None:
             return False
     op, body = msg.op, msg.body
+    if type(body) is not dict:
+        return False
     if op is Op.OK:
         return not body
     if op not in _REQUESTS or body.keys() not in _SHAPES:
