@@ -65,8 +65,7 @@ def test_everything_else_keeps_the_general_layout(msg: Message):
 
 
 def test_full_mode_and_unsigned_clusters_never_send_compact():
-    """KVSTORE_AUTH=full keeps its payload tag and a cluster without a secret its empty MAC frame; a
-    compact frame reaching a full-mode node is a mode mismatch, and one reaching an unsigned node refused."""
+    """Full mode and unsigned clusters never send compact frames, and refuse one (mode, no secret)."""
     push = SHAPES[0]
     assert len(pair(full=True)[0].seal(push, "server0")) == 3
     assert Channel(None, "w").seal(push, "server0")[0] == b""
@@ -79,8 +78,7 @@ def test_full_mode_and_unsigned_clusters_never_send_compact():
 
 
 def test_every_damaged_byte_and_truncation_is_refused():
-    """Flipping any byte (MAC, fields, strings, array) or cutting the frame anywhere is refused as
-    unauthenticated or short, never decoded."""
+    """Any flipped byte (MAC, fields, strings, array) or truncation is refused, never decoded."""
     sender, receiver = pair()
     frame = bytes(sender.seal(SHAPES[0], "server0")[0])
     for at in range(len(frame)):
@@ -118,8 +116,7 @@ fields = st.tuples(
           suppress_health_check=list(HealthCheck))
 @given(fields, st.binary(max_size=40))
 def test_any_authentic_compact_body_decodes_or_raises_protocol_error(values, rest):
-    """Under a valid MAC, any fixed fields and bytes decode to a well-typed message or raise
-    ProtocolError, nothing else."""
+    """Under a valid MAC, any fields and bytes decode to a well-typed message or raise ProtocolError only."""
     sender, _ = pair()
     body = compact.FIELDS.pack(*values) + rest
     frames = [sender._mac([body]) + body]
