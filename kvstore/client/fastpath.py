@@ -8,11 +8,11 @@ then checks its values (or outs) with a few C-level list comparisons, gathers ea
 with one ``np.concatenate`` (the copy ``push`` owes its caller), and copies each reply slice into
 its out; there is no per-key Python left but that copy and the push-window bookkeeping.
 
-Eligible: numpy keys (not tensors, not bfloat16) of one list of distinct int or str keys, no
-gradient compression, each value one numpy array of the key's shape and dtype (each out one
-writable numpy array).  Anything else, or a list not seen yet and not eligible, takes the
-generic path of ``kvstore.client.store`` (which raises the usual errors).  The plans are
-forgotten when keys are initialised or compression is set.
+Eligible: numpy keys (not tensors, not bfloat16) of one list of distinct int or str keys (or one
+such key with one array: its one-key list), no gradient compression, each value one numpy array of
+the key's shape and dtype (each out one writable numpy array).  Anything else, or a list not seen
+yet and not eligible, takes the generic path of ``kvstore.client.store`` (which raises the usual
+errors).  The plans are forgotten when keys are initialised or compression is set.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.base import public
+from kvstore.client.joining import die_if_asked
 from kvstore.core.dtypes import BF16
 from kvstore.core.plan import SMALL_BYTES, Send
 from kvstore.errors import ProtocolError
@@ -124,9 +125,11 @@ class FastPath:
         return KeyList(keys, metas, push, pull)
 
     def _match(self, keys: Any, arrays: Any, writable: bool = False) -> tuple[KeyList | None, list]:
-        """The plan of the list ``keys`` if ``arrays`` (one per key) fit it."""
-        if type(keys) is not list or len(keys) < 2 or type(arrays) is not list or len(arrays) != len(keys):
-            return None, arrays  # one key: the generic path measured as fast (docs/benchmarks.md)
+        """The plan of the list ``keys`` (or of one key with one array) if ``arrays`` (one per key) fit."""
+        if type(keys) in _KEY_TYPES and type(arrays) is np.ndarray:
+            keys, arrays = [keys], [arrays]  # one key: its one-key list's plan
+        elif type(keys) is not list or not keys or type(arrays) is not list or len(arrays) != len(keys):
+            return None, arrays
         plan = self._find(keys)
         return (plan if plan is not None and plan.takes(arrays, writable) else None), arrays
 
@@ -154,6 +157,8 @@ class FastPath:
                 self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs)
         finally:
             store._meter.end(name, started)
+            if outs is not None:
+                die_if_asked(store._cfg, store._rank, store._pushes)  # KVSTORE_TEST_DIE_AT_ROUND
         return True
 
     def _send(self, op: Op, plan: KeyList, arrays: list[np.ndarray]) -> list[Any]:
@@ -187,6 +192,7 @@ class FastPath:
             self._receive(plan, plan.pull_sends, plan.pull_dtypes, plan.slots, requests, outs)
         finally:
             store._meter.end("pull", started)
+            die_if_asked(store._cfg, store._rank, store._pushes)  # KVSTORE_TEST_DIE_AT_ROUND
         return True
 
     def _receive(self, plan: KeyList, sends: list[Send], dtypes: list[np.dtype], slots: list[Any],

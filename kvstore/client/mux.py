@@ -41,8 +41,8 @@ from kvstore.errors import (
     StoreClosedError,
     error_from_code,
 )
-from kvstore.net import protocol, transport
-from kvstore.net.auth import Channel
+from kvstore.net import transport
+from kvstore.net.auth import Channel, decode
 from kvstore.net.protocol import Message, Op
 
 log = logging.getLogger("kvstore.dist")
@@ -312,7 +312,7 @@ class Wire:
         """Fail the request whose reply's array bytes were damaged in transit (KVSTORE_AUTH=full);
         a reply whose header does not decode, or replays, is dropped as any bad reply."""
         try:
-            msg = protocol.decode(frames[1:])
+            msg = decode(frames)
             self.channel.admit(msg.auth)
         except (AuthenticationError, ProtocolError) as bad:
             log.warning("dropped a reply that failed to open: %s", bad)

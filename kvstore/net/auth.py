@@ -40,7 +40,7 @@ import threading
 from typing import Any
 
 from kvstore.errors import AuthenticationError, ConfigError, IntegrityError, ProtocolError
-from kvstore.net import protocol
+from kvstore.net import compact, protocol
 from kvstore.net.protocol import Message
 
 MAC_BYTES = 16  # the header MAC (HMAC-SHA256, truncated)
@@ -133,6 +133,10 @@ class Channel:
     def seal(self, msg: Message, to: str) -> list[Any]:
         """The frames of ``msg`` addressed to ``to``, with this channel's next number and the MAC."""
         msg.auth = [self.label, next(self._counter), to]
+        if self._session_key is not None and not self.full and compact.fits(msg):
+            frame = compact.pack(msg, MAC_BYTES)  # one frame: [MAC | compact body]
+            frame[:MAC_BYTES] = self._mac([memoryview(frame)[MAC_BYTES:]])
+            return [frame]
         frames = protocol.encode(msg)
         if self._session_key is None:
             return [b"", *frames]
@@ -146,7 +150,7 @@ class Channel:
         resolver), then :meth:`admit` of its auth.
         """
         self.verify(frames)
-        msg = protocol.decode(frames[1:], resolve)
+        msg = decode(frames, resolve)
         self.admit(msg.auth)
         return msg
 
@@ -159,6 +163,9 @@ class Channel:
         unexpected MAC, or one of the other ``KVSTORE_AUTH`` mode; :class:`IntegrityError`
         (``REASON_PAYLOAD``) when the header MAC holds but the payload tag does not.
         """
+        if len(frames) == 1 and _is_compact(frames[0]):
+            self._verify_compact(memoryview(frames[0]))
+            return
         if len(frames) < 2:
             raise _refusal(ProtocolError("a message needs a MAC frame and a header"), REASON_FRAMES)
         size = memoryview(frames[1]).nbytes
@@ -184,6 +191,21 @@ class Channel:
                                           "(KVSTORE_AUTH=full): they were damaged in transit"),
                            REASON_PAYLOAD)
 
+    def _verify_compact(self, frame: memoryview) -> None:
+        """:meth:`verify` of a one-frame compact message: its MAC covers the whole body (arrays too)."""
+        if frame.nbytes > MAC_BYTES + compact.MAX_BYTES:  # no compact message is this big
+            raise _refusal(ProtocolError(f"a compact message of {frame.nbytes} bytes exceeds "
+                                         f"{MAC_BYTES + compact.MAX_BYTES}"), REASON_UNDECODABLE)
+        if self._session_key is None:
+            raise _refusal(AuthenticationError("a signed message reached a node without KVSTORE_SECRET "
+                                               "(set the same secret on every node)"), REASON_MAC)
+        if not hmac.compare_digest(bytes(frame[:MAC_BYTES]), self._mac([frame[MAC_BYTES:]])):
+            raise _refusal(AuthenticationError("message authentication failed (a peer without the "
+                                               "cluster's KVSTORE_SECRET, or a damaged or stale message)"),
+                           REASON_MAC)
+        if self.full:  # only KVSTORE_AUTH=header sends compact messages
+            raise _refusal(AuthenticationError(_mode_mismatch(True)), REASON_MAC)
+
     def admit(self, auth: Any) -> str:
         """Accept a verified header's ``auth`` field (``[label, n, to]``); return the sender's label.
 
@@ -202,6 +224,25 @@ class Channel:
                                REASON_REPLAY)
             self._last[label] = n
         return label
+
+
+def _is_compact(frame: Any) -> bool:
+    """Whether a lone frame is a compact message: a MAC, then the compact marker (never raises)."""
+    try:
+        view = memoryview(frame)
+        return view.ndim == 1 and view.itemsize == 1 and view.nbytes > MAC_BYTES \
+            and view[MAC_BYTES] == compact.MARKER
+    except (TypeError, ValueError):
+        return False
+
+
+def decode(frames: list[Any], resolve: Any = None) -> Message:
+    """The message in ``frames`` (MAC frame, header, arrays; or one compact frame) once
+    :meth:`Channel.verify` passed; ``resolve``: the shared-memory resolver (``protocol.decode``).
+    Raises ProtocolError, and nothing else, for frames that are no such message."""
+    if len(frames) == 1 and _is_compact(frames[0]):
+        return compact.unpack(memoryview(frames[0])[MAC_BYTES:])
+    return protocol.decode(frames[1:], resolve)
 
 
 def _mode_mismatch(full: bool) -> str:

@@ -39,7 +39,7 @@ import numpy as np
 from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 MAX_HEADER_BYTES = 1 << 20
 # An array description has at most MAX_DIMS dims: numpy 1.x builds arrays of up to 32 dims, 2.x of
 # up to 64, and a wire rule must not depend on which one a node has installed (setup.py allows both).

@@ -49,6 +49,7 @@ from kvstore.net.auth import (
     REASON_PAYLOAD,
     REASON_UNDECODABLE,
     Channel,
+    decode,
     refusal_reason,
     unsigned,
 )
@@ -235,9 +236,9 @@ class RouterService:
                 self._refuse(identity, exc)
             return None
         try:
-            msg = protocol.decode(payload[1:], None if self.shm is None else self.shm.resolver(identity))
+            msg = decode(payload, None if self.shm is None else self.shm.resolver(identity))
         except Exception as exc:
-            self._malformed(identity, payload[1], exc)
+            self._malformed(identity, payload[1] if len(payload) > 1 else None, exc)  # None: compact
             return None
         try:
             label = self.channel.admit(msg.auth)
@@ -260,7 +261,7 @@ class RouterService:
             return False
         try:
             self.late.verify(payload)
-            msg = protocol.decode(payload[1:])
+            msg = decode(payload)
             label = self.late.admit(msg.auth)
         except Exception:  # not a late registration: refused as any other message
             return False

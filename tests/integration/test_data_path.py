@@ -144,8 +144,9 @@ def test_a_bad_entry_refuses_the_whole_message(make_cluster) -> None:
     np.testing.assert_array_equal(kv.pull(big), np.zeros(10_000, np.float32))
     kv.push([good, big], [np.ones(3, np.float32), np.ones(10_000, np.float32)])
     np.testing.assert_array_equal(kv.pull(big), np.ones(10_000, np.float32))
-    assert protocol.PROTOCOL_VERSION == 11  # 6: STATUS, stats, push_window; 7: SPARSE_*; 8: AWAY, REJOIN;
-    # 9: PIPE_* (pipelines); 10: SHM_ATTACH and the shm / reply_at header fields; 11: ALIGN (server restarts)
+    assert protocol.PROTOCOL_VERSION == 12  # 6: STATUS, stats, push_window; 7: SPARSE_*; 8: AWAY, REJOIN;
+    # 9: PIPE_* (pipelines); 10: SHM_ATTACH and the shm / reply_at header fields; 11: the compact layout;
+    # 12: ALIGN (server restarts)
 
 
 def test_pushed_arrays_may_change_at_once_and_buffers_are_reused_only_when_acknowledged(make_cluster) -> None:

@@ -26,8 +26,10 @@ from hypothesis import strategies as st
 import kvstore
 from kvstore.client.mux import SCHEDULER
 from kvstore.core.dtypes import BY_NAME
-from kvstore.net.auth import Channel
-from kvstore.net.protocol import MAX_DIMS, PROTOCOL_VERSION, Message, Op, decode
+from kvstore.net import compact
+from kvstore.net.auth import MAC_BYTES, Channel
+from kvstore.net.auth import decode as open_frames
+from kvstore.net.protocol import MAX_DIMS, PROTOCOL_VERSION, Message, Op
 from kvstore.pipeline.link import StageLink
 
 from .conftest import Cluster, insider
@@ -108,6 +110,24 @@ insider_payloads = st.tuples(
     headers, st.one_of(st.none(), st.lists(st.binary(max_size=40), max_size=4)), bad_meta, st.integers(0, 3),
     st.sampled_from(["sealed", "sealed-auth", "sealed-auth", "unsigned", "forged"]))
 
+# compact one-frame bodies (kvstore/net/compact.py): fixed fields of any value, then any bytes
+compact_fields = st.tuples(
+    st.just(compact.MARKER), st.one_of(st.just(PROTOCOL_VERSION), st.integers(0, 255)),
+    st.one_of(st.sampled_from([int(op) for op in (Op.PUSH, Op.PULL, Op.PUSHPULL, Op.OK)]),
+              st.integers(0, 255)),
+    st.integers(0, 3), st.one_of(st.integers(0, len(compact.DTYPE_NAMES)), st.just(255), st.integers(0, 255)),
+    st.integers(0, 12), st.integers(0, 12), st.one_of(st.integers(0, 12), st.integers(0, 2**16 - 1)),
+    st.integers(0, 2**64 - 1), st.integers(-2**63, 2**63 - 1), st.integers(0, 2**64 - 1),
+    st.integers(-2**63, 2**63 - 1), st.integers(-2**63, 2**63 - 1))
+compact_bodies = st.tuples(compact_fields, st.binary(max_size=64), st.booleans())
+
+
+def sealed_compact(sealer: Channel, fields: tuple, rest: bytes, signed: bool) -> list[Any]:
+    """One compact frame of ``fields`` and ``rest``, MAC'd by ``sealer`` (authentic whatever it holds)
+    or with a forged MAC."""
+    body = compact.FIELDS.pack(*fields) + rest
+    return [(sealer._mac([body]) if signed else bytes(MAC_BYTES)) + body]
+
 
 def sealed_raw(sealer: Channel, header: dict, frames: list[Any]) -> list[Any]:
     """``header`` (the version added unless given) and ``frames``, MAC'd by ``sealer``: authentic
@@ -157,7 +177,7 @@ class Target:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"{self.to} exited with status {self.proc.returncode}"
             if self.sock.poll(50):
-                reply = decode(self.sock.recv_multipart()[1:])
+                reply = open_frames(self.sock.recv_multipart())
                 if reply.op is Op.OK and reply.seq == seq:
                     return reply
                 if reply.op is Op.OK and PROBE_SEQS <= reply.seq < seq:
@@ -212,7 +232,9 @@ def _insider_frames(target: Target, case: tuple) -> list[Any]:
 
 
 def _attack(target: Target, genuine: list[Any], case: Any) -> None:
-    if isinstance(case, list):
+    if isinstance(case[-1], bool):  # a compact body
+        target.refuses(sealed_compact(target.sealer, *case))
+    elif isinstance(case, list):
         target.refuses(case)
     elif isinstance(case[0], str):
         target.refuses(_mutate(genuine, *case))
@@ -249,7 +271,7 @@ def _fuzz(target: Target, genuine: list[Any]) -> None:
     _every_op_with_fatal_arrays(target)
 
     @EXAMPLES
-    @given(st.one_of(raw_frames, mutations, insider_payloads))
+    @given(st.one_of(raw_frames, mutations, insider_payloads, compact_bodies))
     def attack(case) -> None:
         _attack(target, genuine, case)
 
@@ -360,7 +382,7 @@ def _error_for(target: Target, msg: Message) -> Message:
     while time.monotonic() < deadline:
         assert target.proc.poll() is None, f"{target.to} exited with status {target.proc.returncode}"
         if target.sock.poll(50):
-            reply = decode(target.sock.recv_multipart()[1:])
+            reply = open_frames(target.sock.recv_multipart())
             if reply.seq == target.probe.seq and reply.op is Op.OK:
                 assert [(r.op, r.seq) for r in replies] == [(Op.ERROR, msg.seq)], (msg, replies)
                 return replies[0]
@@ -426,10 +448,13 @@ def _fuzz_stage(kv: Any, link: Any) -> np.ndarray:
             target.sock.send_multipart(sealer.seal(Message(op, body, list(arrays), sender=sender), "pipe-1"))
 
         @EXAMPLES
-        @given(st.one_of(raw_frames, mutations, insider_payloads))
+        @given(st.one_of(raw_frames, mutations, insider_payloads, compact_bodies))
         def attack(case) -> None:
-            frames = case if isinstance(case, list) else (
-                _mutate(genuine, *case) if isinstance(case[0], str) else _insider_frames(target, case))
+            if isinstance(case[-1], bool):  # a compact body
+                frames = sealed_compact(sealer, *case)
+            else:
+                frames = case if isinstance(case, list) else (
+                    _mutate(genuine, *case) if isinstance(case[0], str) else _insider_frames(target, case))
             target.sock.send_multipart(frames)
 
         attack()

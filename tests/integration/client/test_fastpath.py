@@ -53,3 +53,21 @@ def test_a_bad_call_of_a_known_list_raises_as_the_generic_path(make_cluster) -> 
     outs = [np.empty(4, np.float32) for _ in keys]
     kv.pull(keys, out=outs)
     assert all(np.all(o == 1) for o in outs)
+
+
+def test_one_key_takes_the_fast_path_and_its_errors_stay(make_cluster) -> None:
+    """A lone small key goes through its one-key plan with the generic results and errors."""
+    cluster: Cluster = make_cluster("dist_sync", num_workers=1, num_servers=1)
+    kv = cluster.workers[0]
+    kv.init("one", np.zeros(3, np.float32))
+    out = np.empty(3, np.float32)
+    for step in range(1, 4):
+        kv.push("one", np.full(3, step, np.float32))
+        kv.pull("one", out=out)
+        assert np.all(out == step)
+        value = np.full(3, 10 * step, np.float32)
+        assert kv.pushpull("one", value) is value and np.all(value == 10 * step)
+    assert kv._fast._lists[("one",)] is not None  # the one-key plan was used
+    with pytest.raises(ShapeMismatchError):
+        kv.push("one", np.ones(4, np.float32))
+    assert np.all(kv.pull("one") == 30)

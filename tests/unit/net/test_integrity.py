@@ -113,9 +113,11 @@ def test_a_mode_mismatch_is_refused_with_a_clear_message(sender_full: bool, thei
 @pytest.mark.parametrize("full", [True, False])
 @pytest.mark.parametrize("size", [0, 1, 15, 17, 31, 33, 64, 4096])
 def test_odd_mac_frames_are_refused_not_crashed(full: bool, size: int):
-    """A MAC frame of any other length, or a truncation of a genuine one, is an AuthenticationError."""
+    """A MAC frame of any other length, or a truncation of a genuine one, is an AuthenticationError
+    (a push of two keys: the general layout, whose MAC has a frame of its own)."""
     sender, receiver = pair(full, full)
-    frames = sender.seal(push(), "server0")
+    frames = sender.seal(Message(Op.PUSH, {"keys": ["w", "v"], "sizes": [2, 2]}, [np.ones(4, np.float32)],
+                                 seq=7, sender=2), "server0")
     genuine = bytes(frames[0])
     for mac in (genuine[:size], (genuine * 200)[:size]):
         if mac == genuine:
