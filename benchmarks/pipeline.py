@@ -8,7 +8,8 @@ against 1 process on this 2-core machine.  The model: 8 Linear(width, width) lay
 4 per stage.  Reported per (schedule, M): the mean step ms (best of the timed steps, after 2
 warm-up steps), the bubble fraction measured as 1 - busy / step time per stage (busy: the
 step's time outside waits for a neighbour) against (K-1)/(M+K-1), the peak activation memory
-per stage (micro-batches held x the bytes of one micro-batch's saved activations), and
+per stage measured in the last timed step (``Pipeline.peak_saved_bytes``: the most bytes autograd
+held for the stage's backwards at once, counted by saved-tensor hooks, weights not counted), and
 ``x1proc`` (one process's step ms / ours: > 1 is a speed-up) and ``/torch`` (ours / torch's
 step ms: <= 1 meets the target).  'pipedream' has no torch counterpart.
 """
@@ -71,49 +72,53 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import kvstore
-    from kvstore.pipeline import Pipeline
 
     torch.set_num_threads(1)
-    x, y = data(args.width, args.batch)
     with kvstore.create("dist_sync") as kv:
         for schedule in SCHEDULES:
             for m in [int(c) for c in args.chunks.split(",")]:
-                net = model(args.width)
-                sgd = (lambda ps: torch.optim.SGD(ps, lr=0.001)) if schedule == "pipedream" else None
-                pipe = Pipeline(net, stages=2, chunks=m, schedule=schedule, checkpoint="never", kv=kv,
-                                optimizer=sgd, balance=[8, 8])
-                opt = torch.optim.SGD(pipe.parameters(), lr=0.001)
-                waited = [0.0]
-                receive = pipe.link.receive
+                print("RESULT " + json.dumps(time_stage(kv, args, schedule, m)), flush=True)
 
-                def timed_receive(*a: Any, receive: Any = receive, waited: list = waited) -> Any:
-                    start = time.perf_counter()
-                    try:
-                        return receive(*a)
-                    finally:
-                        waited[0] += time.perf_counter() - start
 
-                pipe.link.receive = timed_receive
-                best = (float("inf"), 0.0)
-                try:
-                    for i in range(args.iters + 2):
-                        kv.barrier()
-                        waited[0], start = 0.0, time.perf_counter()
-                        opt.zero_grad()
-                        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None,
-                                  torch.nn.functional.mse_loss)
-                        if schedule != "pipedream":
-                            opt.step()
-                        took = time.perf_counter() - start
-                        if i >= 2 and took < best[0]:
-                            best = (took, waited[0])
-                finally:
-                    pipe.close()
-                act = -(-args.batch // m) * args.width * 4 * 8  # a float32 tensor saved per module
-                print("RESULT " + json.dumps({"schedule": schedule, "m": m, "stage": pipe.stage,
-                                              "ms": best[0] * 1e3, "bubble": best[1] / best[0],
-                                              "held": pipe.max_held, "act_mb": pipe.max_held * act / 2**20}),
-                      flush=True)
+def time_stage(kv: Any, args: argparse.Namespace, schedule: str, m: int) -> dict[str, Any]:
+    """This stage's best step of ``schedule`` with ``m`` micro-batches: its ms, the share of it spent
+    waiting for a neighbour, the micro-batches held, and the measured peak of saved activations."""
+    import torch
+
+    from kvstore.pipeline import Pipeline
+
+    x, y = data(args.width, args.batch)
+    sgd = (lambda ps: torch.optim.SGD(ps, lr=0.001)) if schedule == "pipedream" else None
+    pipe = Pipeline(model(args.width), stages=2, chunks=m, schedule=schedule, checkpoint="never", kv=kv,
+                    optimizer=sgd, balance=[8, 8])
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.001)
+    waited = [0.0]
+    receive = pipe.link.receive
+
+    def timed_receive(*a: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return receive(*a)
+        finally:
+            waited[0] += time.perf_counter() - start
+
+    pipe.link.receive = timed_receive
+    best = (float("inf"), 0.0)
+    try:
+        for i in range(args.iters + 2):
+            kv.barrier()
+            waited[0], start = 0.0, time.perf_counter()
+            opt.zero_grad()
+            pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, torch.nn.functional.mse_loss)
+            if schedule != "pipedream":
+                opt.step()
+            took = time.perf_counter() - start
+            if i >= 2 and took < best[0]:
+                best = (took, waited[0])
+    finally:
+        pipe.close()
+    return {"schedule": schedule, "m": m, "stage": pipe.stage, "ms": best[0] * 1e3,
+            "bubble": best[1] / best[0], "held": pipe.max_held, "act_kib": pipe.peak_saved_bytes / 2**10}
 
 
 def ours(args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
@@ -217,15 +222,15 @@ def main() -> None:
     base = one_process(args.width, args.batch, args.iters)
     mine, torch_ = ours(args), theirs(args)
     print(f"one process: {base:.1f} ms/step (K = 2, width {args.width}, batch {args.batch})")
-    print(f"{'schedule':10} {'M':>2} {'ms':>7} {'bubble':>13} {'(K-1)/(M+K-1)':>13} {'act MB/stage':>13} "
+    print(f"{'schedule':10} {'M':>2} {'ms':>7} {'bubble':>13} {'(K-1)/(M+K-1)':>13} {'act KiB/stage':>14} "
           f"{'x1proc':>6} {'torch ms':>9} {'/torch':>6}")
     for (schedule, m), items in sorted(mine.items()):
         ms = sum(i["ms"] for i in items) / len(items)
         bubbles = "/".join(f"{i['bubble']:.2f}" for i in sorted(items, key=lambda i: i["stage"]))
-        acts = "/".join(f"{i['act_mb']:.1f}" for i in sorted(items, key=lambda i: i["stage"]))
+        acts = "/".join(f"{i['act_kib']:.0f}" for i in sorted(items, key=lambda i: i["stage"]))
         other = torch_.get(f"{schedule}/{m}")
         tms = f"{other:9.1f} {ms / other:6.2f}" if isinstance(other, float) else f"{'n/a':>9} {'':>6}"
-        print(f"{schedule:10} {m:2d} {ms:7.1f} {bubbles:>13} {1 / (m + 1):13.2f} {acts:>13} "
+        print(f"{schedule:10} {m:2d} {ms:7.1f} {bubbles:>13} {1 / (m + 1):13.2f} {acts:>14} "
               f"{base / ms:6.2f} {tms}")
     for key, value in torch_.items():
         if not isinstance(value, float):
