@@ -91,6 +91,7 @@ class Pipeline:
         self.link = StageLink(self.kv, self.prev, self.next, self.names, chunks=self.chunks)
         self.steps = 0
         self.max_held = 0  # the most micro-batches whose activations this stage held at once (last step)
+        self._gathered = False  # whether gather_weights has made its keys
         self.saved = SavedBytes(self._weights)  # measured bytes saved for backward (peak_saved_bytes)
 
     def _weights(self) -> Iterable[Any]:
@@ -151,6 +152,24 @@ class Pipeline:
         for _, p in self.named_parameters():
             if id(p) not in mine and p.requires_grad:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+
+    def gather_weights(self) -> None:
+        """Collective (every rank calls it): give every rank's whole model each stage's current weights,
+        the mean over that stage's replicas, through the store (keys ``pipeline.<name>``, made at the
+        first call).  For 'pipedream', where no Trainer keeps the model whole, before evaluating it on
+        one rank.  The store must have no optimizer (a push stores the sum of the workers' pushes);
+        raises the store's errors."""
+        import torch
+
+        named = list(self.named_parameters())
+        keys = [f"pipeline.{name}" for name, _ in named]
+        if not self._gathered:
+            self.kv.init(keys, [p.detach() for _, p in named])
+            self._gathered = True
+        mine = self.stage_parameters()
+        self.kv.push(keys, [p.detach() / self.replicas if id(p) in mine else torch.zeros_like(p)
+                            for _, p in named])
+        self.kv.pull(keys, out=[p.data for _, p in named])
 
     def close(self) -> None:
         """Close this stage's sockets."""
