@@ -14,6 +14,9 @@ held for the stage's backwards at once, counted by saved-tensor hooks, weights n
 speed-up), ``x1proc/M`` (the same against one process running the batch as the row's M
 micro-batches in turn: what micro-batches of this size cost without a pipeline) and ``/torch``
 (ours / torch's step ms: <= 1 meets the target).  'pipedream' has no torch counterpart.
+``cpu ms/stage`` is each stage process's CPU time in its least costly step (every thread: zmq's
+I/O thread too) against ``1proc cpu``, one process's: unlike wall time it hardly changes with
+the other engineers' load, so it shows what the pipeline costs in work.
 ``--rounds`` runs ours then torch's that many times and keeps each row's fastest round (the
 shared machine's load comes and goes).
 """
@@ -53,24 +56,26 @@ def data(width: int, batch: int) -> tuple[Any, Any]:
     return torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
 
 
-def one_process(width: int, batch: int, iters: int, chunks: int = 1) -> float:
+def one_process(width: int, batch: int, iters: int, chunks: int = 1) -> tuple[float, float]:
     """Best step ms of the whole model in this process (forward, backward, SGD), the batch run as
-    ``chunks`` micro-batches one after the other (gradients accumulated) when chunks > 1."""
+    ``chunks`` micro-batches one after the other (gradients accumulated) when chunks > 1; and the
+    least CPU ms (this process's, every thread) a step took."""
     import torch
 
     torch.set_num_threads(1)
     net, (x, y) = model(width), data(width, batch)
     opt = torch.optim.SGD(net.parameters(), lr=0.001)
-    best = float("inf")
+    best = cpu = float("inf")
     for i in range(iters + 2):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         opt.zero_grad()
         for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
             torch.nn.functional.mse_loss(net(xs), ys).backward()
         opt.step()
         if i >= 2:
             best = min(best, time.perf_counter() - start)
-    return best * 1e3
+            cpu = min(cpu, time.process_time() - cpu_start)
+    return best * 1e3, cpu * 1e3
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -83,11 +88,16 @@ def worker(args: argparse.Namespace) -> None:
     with kvstore.create("dist_sync") as kv:
         for schedule in SCHEDULES:
             for m in [int(c) for c in args.chunks.split(",")]:
-                # the baseline just before each row, on the same machine state (stage 1 waits meanwhile)
-                base = one_process(args.width, args.batch, args.iters) if kv.rank == 0 else None
-                same = one_process(args.width, args.batch, args.iters, m) if kv.rank == 0 else None
-                found = {**time_stage(kv, args, schedule, m), "base": base, "same": same}
-                print("RESULT " + json.dumps(found), flush=True)
+                # the baselines just before each row, on the same machine state (stage 1 waits meanwhile)
+                base = baselines(args, m) if kv.rank == 0 else dict.fromkeys(("base", "base_cpu", "same"))
+                print("RESULT " + json.dumps({**time_stage(kv, args, schedule, m), **base}), flush=True)
+
+
+def baselines(args: argparse.Namespace, m: int) -> dict[str, float]:
+    """One process's best step ms and CPU ms on the whole batch, and its step ms on m micro-batches."""
+    base, base_cpu = one_process(args.width, args.batch, args.iters)
+    same = one_process(args.width, args.batch, args.iters, m)[0]
+    return {"base": base, "base_cpu": base_cpu, "same": same}
 
 
 def time_stage(kv: Any, args: argparse.Namespace, schedule: str, m: int) -> dict[str, Any]:
@@ -113,22 +123,24 @@ def time_stage(kv: Any, args: argparse.Namespace, schedule: str, m: int) -> dict
             waited[0] += time.perf_counter() - start
 
     pipe.link.receive = timed_receive
-    best = (float("inf"), 0.0)
+    best, cpu = (float("inf"), 0.0), float("inf")
     try:
         for i in range(args.iters + 2):
             kv.barrier()
-            waited[0], start = 0.0, time.perf_counter()
+            waited[0], start, cpu_start = 0.0, time.perf_counter(), time.process_time()
             opt.zero_grad()
             pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, torch.nn.functional.mse_loss)
             if schedule != "pipedream":
                 opt.step()
             took = time.perf_counter() - start
-            if i >= 2 and took < best[0]:
-                best = (took, waited[0])
+            if i >= 2:
+                best = min(best, (took, waited[0]))
+                cpu = min(cpu, time.process_time() - cpu_start)
     finally:
         pipe.close()
     return {"schedule": schedule, "m": m, "stage": pipe.stage, "ms": best[0] * 1e3,
-            "bubble": best[1] / best[0], "held": pipe.max_held, "act_kib": pipe.peak_saved_bytes / 2**10}
+            "bubble": best[1] / best[0], "held": pipe.max_held, "act_kib": pipe.peak_saved_bytes / 2**10,
+            "cpu": cpu * 1e3}
 
 
 def ours(args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
@@ -224,11 +236,10 @@ def best_rounds(rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
     mine: dict[tuple[str, int], list[dict]] = {}
     for ours_, _ in rounds:
         for key, items in ours_.items():
-            base = min(i["base"] for i in items + mine.get(key, []) if i["base"])
-            same = min(i["same"] for i in items + mine.get(key, []) if i["same"])
+            first = {name: min(i[name] for i in items + mine.get(key, []) if i[name])
+                     for name in ("base", "base_cpu", "same")}
             if key not in mine or _mean_ms(items) < _mean_ms(mine[key]):
                 mine[key] = items
-            first = {"base": base, "same": same}
             mine[key] = [{**i, **(first if i["stage"] == 0 else dict.fromkeys(first))} for i in mine[key]]
     theirs_: dict[str, Any] = {}
     for _, torch_ in rounds:
@@ -251,17 +262,18 @@ def report(args: argparse.Namespace, mine: dict, torch_: dict) -> None:
           f"width {args.width}, batch {args.batch}, best of {args.rounds} rounds; load average {load})")
     print(f"{'schedule':10} {'M':>2} {'ms':>7} {'1proc ms':>8} {'1proc/M':>7} {'bubble':>11} "
           f"{'(K-1)/(M+K-1)':>13} {'act KiB/stage':>14} {'x1proc':>6} {'x1proc/M':>8} {'torch ms':>9} "
-          f"{'/torch':>6}")
+          f"{'/torch':>6} {'cpu ms/stage':>12} {'1proc cpu':>9}")
     for (schedule, m), items in sorted(mine.items()):
         ms, base = _mean_ms(items), next(i["base"] for i in items if i["base"])
-        same = next(i["same"] for i in items if i["same"])
+        same, base_cpu = next((i["same"], i["base_cpu"]) for i in items if i["same"])
+        cpus = "/".join(f"{i['cpu']:.1f}" for i in sorted(items, key=lambda i: i["stage"]))
         by_stage = sorted(items, key=lambda i: i["stage"])
         bubbles = "/".join(f"{i['bubble']:.2f}" for i in by_stage)
         acts = "/".join(f"{i['act_kib']:.0f}" for i in by_stage)
         other = torch_.get(f"{schedule}/{m}")
         tms = f"{other:9.1f} {ms / other:6.2f}" if isinstance(other, float) else f"{'n/a':>9} {'':>6}"
         print(f"{schedule:10} {m:2d} {ms:7.1f} {base:8.1f} {same:7.1f} {bubbles:>11} {1 / (m + 1):13.2f} "
-              f"{acts:>14} {base / ms:6.2f} {same / ms:8.2f} {tms}")
+              f"{acts:>14} {base / ms:6.2f} {same / ms:8.2f} {tms} {cpus:>12} {base_cpu:9.1f}")
     for key, value in torch_.items():
         if not isinstance(value, float):
             print(f"torch {key}: {value}")
