@@ -1,7 +1,7 @@
 """Pipeline benchmark (issue 29): K = 2 stages, M micro-batches, per schedule, against one process and
 against torch.distributed.pipelining (gloo, CPU) on the same model, stages and micro-batches.
 
-    python benchmarks/pipeline.py [--chunks 1,2,4,8] [--iters 6] [--width 1024] [--batch 64]
+    python benchmarks/pipeline.py [--chunks 1,2,4,8] [--iters 6] [--width 1024] [--batch 64] [--rounds 2]
 
 Every process runs ``torch.set_num_threads(1)`` (and ``OMP_NUM_THREADS=1``): 2 stage processes
 against 1 process on this 2-core machine.  The model: 8 Linear(width, width) layers with Tanh,
