@@ -5,6 +5,7 @@ Run a cluster of 4 workers (2 stages x 2 replicas) and 1 server on this machine:
     python launch.py -n 4 -s 1 examples/pipeline_digits.py
     python launch.py -n 4 -s 1 examples/pipeline_digits.py --schedule gpipe --checkpoint never
     python launch.py -n 2 -s 1 examples/pipeline_digits.py --stages 2      # 1 replica per stage
+    python launch.py -n 2 -s 1 examples/pipeline_digits.py --schedule pipedream   # 1 replica per stage
 
 Worker r runs stage r % 2 of replica r // 2 (docs/pipeline.md).  Replica p trains on its
 shard of the training set (``kvstore.data.split``): stage 0 of the replica reads the
@@ -12,7 +13,10 @@ images, stage 1 the labels.  Each step, ``pipe.step`` streams ``--chunks`` micro
 through the two stages under ``--schedule``, and ``trainer.step`` sums each stage's
 gradients over its replicas through the store (``dist_sync``) and applies the optimizer.
 Every worker holds the whole model, updated, so rank 0 measures the test accuracy by
-itself.  The exit code is 1 when the final test accuracy is below ``--min-accuracy``.
+itself.  Under ``--schedule pipedream`` (one replica per stage) each stage updates itself after
+every micro-batch (SGD at ``--lr / --chunks``, momentum 0.9) and no Trainer runs: before each
+evaluation ``pipe.gather_weights()`` gives every worker the other stages' weights through the
+store.  The exit code is 1 when the final test accuracy is below ``--min-accuracy``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
-    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "pipedream"))
     parser.add_argument("--checkpoint", default="except_last", choices=("always", "except_last", "never"))
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per-replica batch size")
@@ -65,9 +69,11 @@ def train(args: argparse.Namespace, kv: kvstore.KVStore) -> float:
     """Train this worker's stage of its replica; return the test accuracy of the whole model."""
     x_train, x_test, y_train, y_test = load()
     net = model()
+    pipedream = args.schedule == "pipedream"  # an update per micro-batch: the rate per micro-batch
+    sgd = (lambda ps: torch.optim.SGD(ps, lr=args.lr / args.chunks, momentum=0.9)) if pipedream else None
     pipe = Pipeline(net, stages=args.stages, chunks=args.chunks, schedule=args.schedule,
-                    checkpoint=args.checkpoint, kv=kv)
-    trainer = Trainer(pipe, "sgd", {"learning_rate": args.lr, "momentum": 0.9})
+                    checkpoint=args.checkpoint, kv=kv, optimizer=sgd)
+    trainer = None if pipedream else Trainer(pipe, "sgd", {"learning_rate": args.lr, "momentum": 0.9})
     x_train = kvstore.data.split(x_train, pipe.replicas, pipe.replica)
     y_train = kvstore.data.split(y_train, pipe.replicas, pipe.replica)
     order = torch.Generator().manual_seed(SEED + pipe.replica)
@@ -80,7 +86,10 @@ def train(args: argparse.Namespace, kv: kvstore.KVStore) -> float:
                 net.zero_grad()
                 pipe.step(x_train[batch] if pipe.is_first else None, y_train[batch] if pipe.is_last else None,
                           nn.functional.cross_entropy)
-                trainer.step(pipe.replicas)  # each replica's gradient is its batch's mean: average them
+                if trainer is not None:
+                    trainer.step(pipe.replicas)  # each replica's gradient is its batch's mean: average them
+            if trainer is None:
+                pipe.gather_weights()  # the other stages' weights, to evaluate the whole model here
             with torch.no_grad():
                 accuracy = float((net(x_test).argmax(1) == y_test).float().mean())
             if kv.rank == 0 and (epoch % 5 == 4 or epoch == args.epochs - 1):

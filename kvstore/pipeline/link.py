@@ -16,7 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, ProtocolError, RemoteError
+from kvstore.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    KVStoreError,
+    NodeLostError,
+    ProtocolError,
+    RemoteError,
+)
 from kvstore.net import address, transport
 from kvstore.net.auth import Channel, derive_key
 from kvstore.net.protocol import Message, Op
@@ -46,6 +53,7 @@ class StageLink:
         self.kv, self.rank, self.prev, self.next, self.names = kv, kv.rank, prev, nxt, names
         self.chunks = chunks
         self.timeout = cfg.request_timeout
+        self.max_bytes = cfg.max_message_bytes  # every node's frame limit (the cluster map checks they agree)
         host = address.node_host(cfg)
         address.check_bind(cfg, host, "a pipeline stage")
         curve = transport.curve_keys(cfg)
@@ -76,7 +84,15 @@ class StageLink:
                                         identity=label(self.rank).encode(), curve=curve)
 
     def send(self, peer: int, op: Op, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        """Seal and send one message to neighbour ``peer``; raises NodeLostError when that fails."""
+        """Seal and send one message to neighbour ``peer``; raises NodeLostError when that fails, and
+        ConfigError for an array bigger than KVSTORE_MAX_MESSAGE_BYTES: the receiving socket would
+        drop it (zmq's frame limit) and its stage wait out its deadline for it."""
+        big = max((a.nbytes for a in arrays), default=0)
+        if self.max_bytes and big > self.max_bytes:
+            raise ConfigError(f"{self.names[self.rank]} cannot send {self.names[peer]} the {KINDS[op]} of "
+                              f"micro-batch {body.get('mb')}: {big} bytes, over KVSTORE_MAX_MESSAGE_BYTES="
+                              f"{self.max_bytes} (a frame its socket refuses); use more micro-batches "
+                              f"(chunks) or raise KVSTORE_MAX_MESSAGE_BYTES")
         transport.send(self.peers[peer], self.channel.seal(Message(op, body, arrays, sender=self.rank),
                                                            label(peer)))
 

@@ -19,6 +19,7 @@ from kvstore.net.protocol import Op
 from kvstore.pipeline import batchnorm
 from kvstore.pipeline import schedule as plan_
 from kvstore.pipeline.link import StageLink
+from kvstore.pipeline.memory import SavedBytes
 from kvstore.pipeline.stash import WeightStash
 
 
@@ -90,6 +91,20 @@ class Pipeline:
         self.link = StageLink(self.kv, self.prev, self.next, self.names, chunks=self.chunks)
         self.steps = 0
         self.max_held = 0  # the most micro-batches whose activations this stage held at once (last step)
+        self._gathered = False  # whether gather_weights has made its keys
+        self.saved = SavedBytes(self._weights)  # measured bytes saved for backward (peak_saved_bytes)
+
+    def _weights(self) -> Iterable[Any]:
+        """This stage's weights, and under 'pipedream' the snapshots of them its forwards run on."""
+        yield from self.module.parameters()
+        if self.stash is not None:
+            yield from self.stash.weights()
+
+    @property
+    def peak_saved_bytes(self) -> int:
+        """The most bytes of tensors autograd held for this stage's backwards at once during the last
+        step (measured with saved-tensor hooks; weights not counted)."""
+        return self.saved.peak
 
     def _stash(self, optimizer: Callable[[Iterable[Any]], Any] | None) -> WeightStash | None:
         """The weight stash of schedule 'pipedream' (None for the synchronous schedules); ConfigError
@@ -138,6 +153,24 @@ class Pipeline:
             if id(p) not in mine and p.requires_grad:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
 
+    def gather_weights(self) -> None:
+        """Collective (every rank calls it): give every rank's whole model each stage's current weights,
+        the mean over that stage's replicas, through the store (keys ``pipeline.<name>``, made at the
+        first call).  For 'pipedream', where no Trainer keeps the model whole, before evaluating it on
+        one rank.  The store must have no optimizer (a push stores the sum of the workers' pushes);
+        raises the store's errors."""
+        import torch
+
+        named = list(self.named_parameters())
+        keys = [f"pipeline.{name}" for name, _ in named]
+        if not self._gathered:
+            self.kv.init(keys, [p.detach() for _, p in named])
+            self._gathered = True
+        mine = self.stage_parameters()
+        self.kv.push(keys, [p.detach() / self.replicas if id(p) in mine else torch.zeros_like(p)
+                            for _, p in named])
+        self.kv.pull(keys, out=[p.data for _, p in named])
+
     def close(self) -> None:
         """Close this stage's sockets."""
         self.link.close()
@@ -185,6 +218,7 @@ class _Run:
     def go(self) -> float | None:
         if self.pipe.stash is not None:
             self.pipe.stash.begin_step()
+        self.pipe.saved.begin_step()
         first = self._input(0)  # every schedule begins with micro-batch 0's forward
         self.inputs[0] = first
         if self.pipe.is_last and len(self.y) != sum(self.sizes):
@@ -241,14 +275,16 @@ class _Run:
 
     def _forward(self, mb: int) -> None:
         inp = self.inputs.pop(mb) if mb in self.inputs else self._input(mb)
-        out = self._run(inp, mb)
+        with self.pipe.saved.forward(mb):
+            out = self._run(inp, mb)
+            if self.pipe.is_last:
+                start = sum(self.sizes[:mb])
+                target = self.y[start:start + self.sizes[mb]]
+                share = self.sizes[mb] / sum(self.sizes)
+                out = self.loss_fn(out, target)
+                if self.pipe.stash is None:  # one update per batch: the batch's loss; else per micro-batch
+                    out = out * share
         if self.pipe.is_last:
-            start = sum(self.sizes[:mb])
-            target = self.y[start:start + self.sizes[mb]]
-            share = self.sizes[mb] / sum(self.sizes)
-            out = self.loss_fn(out, target)
-            if self.pipe.stash is None:  # one update per batch: the batch's loss; else one per micro-batch
-                out = out * share
             self.loss += float(out.detach()) * (1 if self.pipe.stash is None else share)
         else:
             body = {"step": self.step, "mb": mb}
@@ -274,6 +310,7 @@ class _Run:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 grad = self._apply(mb, inp, out, torch.from_numpy(array))
+        self.pipe.saved.release(mb)
         if not self.pipe.is_first:
             grad = grad if grad is not None else torch.zeros_like(inp)
             self.link.send(self.pipe.prev, Op.PIPE_GRAD, {"step": self.step, "mb": mb},

@@ -12,7 +12,7 @@ live weights through the stage's optimizer and the version counter moves on.  At
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvstore.errors import ConfigError
@@ -76,6 +76,11 @@ class WeightStash:
         else:
             self.snapshots[version] = (weights, users - 1)
         return grads[len(names)] if inp.requires_grad else None
+
+    def weights(self) -> Iterator[Any]:
+        """Every snapshot tensor held now."""
+        for weights, _ in self.snapshots.values():
+            yield from weights.values()
 
     def begin_step(self) -> None:
         """Forget the previous step's log (it stays bounded by one step's micro-batches)."""

@@ -114,3 +114,15 @@ def test_pipeline_example_two_stages_two_replicas_through_launcher() -> None:
     output = _launch(["-n", "4", "-s", "1", "examples/pipeline_digits.py"], timeout=130)
     assert "4 workers: 2 stages x 2 replicas" in output, output
     assert _final_accuracy(output) >= 0.90
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_example_pipedream_through_launcher() -> None:
+    """launch.py -n 2 -s 1 --schedule pipedream: an update per micro-batch on each stage, the whole model
+    gathered through the store for rank 0's evaluation, reaches >= 0.90 in 5 epochs."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    output = _launch(["-n", "2", "-s", "1", "examples/pipeline_digits.py", "--schedule", "pipedream",
+                      "--epochs", "5"], timeout=100)
+    assert "2 stages x 1 replicas, balance [1, 6], pipedream" in output, output
+    assert _final_accuracy(output) >= 0.90

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.errors import DeadlineExceededError, RemoteError
+from kvstore.errors import ConfigError, DeadlineExceededError, RemoteError
 from kvstore.net import transport
 from kvstore.net.protocol import Op
 from kvstore.pipeline.link import StageLink
@@ -22,10 +22,10 @@ ACT = np.arange(4, dtype=np.float32)
 Side = Callable[[Any, StageLink], Any]
 
 
-def _pair(make_cluster, timeout: float, first: Side, second: Side) -> list[Any]:
+def _pair(make_cluster, timeout: float, first: Side, second: Side, **settings: str) -> list[Any]:
     """Run ``first(kv, link)`` on worker 0 (stage 0) and ``second(kv, link)`` on worker 1 (stage 1);
-    return what each returns.  Each link is closed after its side."""
-    cluster = make_cluster(num_workers=2, connect=False)
+    return what each returns.  Each link is closed after its side; ``settings`` are the cluster's env."""
+    cluster = make_cluster(num_workers=2, connect=False, **settings)
     cluster.connect(request_timeout=timeout)
 
     def run(kv):
@@ -158,3 +158,29 @@ def test_a_flood_does_not_hold_a_stage_past_its_deadline(make_cluster) -> None:
     took, text = _pair(make_cluster, 1.0, lambda kv, link: None, second)[1]  # stage 0 sends nothing
     assert "from stage 0 (worker 0)" in text
     assert took < 15, took
+
+
+@pytest.mark.timeout(60)
+def test_an_array_over_the_frame_limit_is_refused_by_its_sender(make_cluster) -> None:
+    """An activation bigger than KVSTORE_MAX_MESSAGE_BYTES (the receiving socket's frame limit, past
+    which zmq drops the connection and the receiver would wait out its deadline) raises ConfigError
+    at the sender, naming the limit; the link still carries the next message."""
+    def first(kv, link: StageLink) -> str | None:
+        try:
+            link.send(1, Op.PIPE_ACT, {"step": 0, "mb": 0}, [np.zeros(300_000, np.float32)])  # 1.2 MB
+            refused = None
+        except ConfigError as exc:
+            refused = str(exc)
+        _send_then_wait((Op.PIPE_ACT, {"step": 0, "mb": 1}, [ACT]))(kv, link)
+        return refused
+
+    def second(kv, link: StageLink) -> np.ndarray:
+        array, _ = link.receive(Op.PIPE_ACT, 0, 1)
+        kv.barrier()
+        return array
+
+    refused, array = _pair(make_cluster, 5.0, first, second, KVSTORE_MAX_MESSAGE_BYTES=str(1 << 20),
+                            KVSTORE_CHUNK_BYTES=str(1 << 18))
+    assert refused is not None and "KVSTORE_MAX_MESSAGE_BYTES=1048576" in refused, refused
+    assert "micro-batch 0" in refused and "stage 1 (worker 1)" in refused, refused
+    np.testing.assert_array_equal(array, ACT)
