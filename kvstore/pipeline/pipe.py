@@ -108,12 +108,9 @@ class Pipeline:
 
     def _stash(self, optimizer: Callable[[Iterable[Any]], Any] | None) -> WeightStash | None:
         """The weight stash of schedule 'pipedream' (None for the synchronous schedules); ConfigError
-        for stage replicas (not yet supported under 'pipedream') or a missing optimizer."""
+        for a missing optimizer."""
         if self.schedule != "pipedream":
             return None
-        if self.replicas > 1:
-            raise ConfigError(f"schedule 'pipedream' runs one replica per stage, not {self.replicas}: "
-                              f"use {self.stages} workers")
         return WeightStash(self.module, optimizer)
 
     @property
@@ -178,7 +175,9 @@ class Pipeline:
     def step(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], Any]) -> float | None:
         """Forward and backward one mini-batch through the pipeline; gradients accumulate in this
         stage's ``.grad``.  The first stage passes ``x``, the last ``y`` (others may pass None).
-        Returns the mini-batch's loss on the last stage, None elsewhere.
+        Returns the mini-batch's loss on the last stage, None elsewhere.  Under 'pipedream' with stage
+        replicas, each stage's weights are then averaged over its replicas through the store
+        (:meth:`gather_weights`: every rank takes part; the store must have no optimizer).
 
         Raises ConfigError (a missing x or y), ShapeMismatchError / DTypeMismatchError naming both
         stages, DeadlineExceededError naming the stage waited for, NodeLostError, and RemoteError
@@ -190,6 +189,8 @@ class Pipeline:
             for norm in self.deferred:
                 norm.commit()
             self.zero_foreign_grads()
+            if self.stash is not None and self.replicas > 1:  # 'pipedream' replicas: averaged weights
+                self.gather_weights()
             return loss
         except BaseException as exc:
             for norm in self.deferred:
