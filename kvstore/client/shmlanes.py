@@ -91,19 +91,18 @@ class Lanes:
         return lend
 
 
-def hints(op: Op, send: Any, metas: Any) -> dict[str, Any]:
-    """``mux.submit``'s shared-memory arguments for a data message of ``send`` (``plan.Send``):
-    ``reply_bytes`` (:func:`reply_bytes`) and ``chunk`` (:func:`chunk_of`)."""
-    return {"reply_bytes": reply_bytes(op, send.parts, metas), "chunk": chunk_of(send, metas)}
+def hints(op: Op, send: Any, metas: Any, array: Any) -> dict[str, Any]:
+    """``mux.submit``'s shared-memory arguments for a data message of ``send`` (``plan.Send``) carrying
+    ``array`` (or None): ``reply_bytes`` (:func:`reply_bytes`) and ``chunk`` (:func:`chunk_of`)."""
+    return {"reply_bytes": reply_bytes(op, send.parts, metas), "chunk": chunk_of(send, array)}
 
 
-def chunk_of(send: Any, metas: Any) -> tuple[int, int] | None:
-    """For a chunk of a big piece (``plan.Send`` with ``lo``): its byte offset in the piece and the
-    piece's bytes; None for a whole message."""
-    if send.lo is None or send.total is None:
+def chunk_of(send: Any, array: Any) -> tuple[int, int] | None:
+    """For a chunk of a big piece (``plan.Send`` with ``lo``) carrying ``array``: its byte offset in
+    the piece and the piece's bytes; None for a whole message or one with no array."""
+    if send.lo is None or send.total is None or array is None:
         return None
-    itemsize = metas[send.parts[0].key].dtype.itemsize
-    return send.lo * itemsize, send.total * itemsize
+    return send.lo * array.dtype.itemsize, send.total * array.dtype.itemsize
 
 
 def reply_bytes(op: Op, parts: list[Any], metas: Any) -> int:

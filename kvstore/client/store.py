@@ -180,7 +180,7 @@ class DistKVStore(FastCalls, KVStore):
         if array is not None:
             self._meter.sent(array.nbytes)
         return self._io.submit(send.server, Message(op, body, [] if array is None else [array]), what,
-                               **shmlanes.hints(op, send, self._meta))  # for a same-host server
+                               **shmlanes.hints(op, send, self._meta, array))  # same-host server
 
     def _wait(self, requests: list[Request], timeout: float, knob: str) -> list[Message]:
         deadline = time.monotonic() + timeout
