@@ -15,6 +15,9 @@ launcher's own secret, so authentication is on as shipped) and measures, per wor
   with batching on and off (``KVSTORE_BATCH_BYTES=0``: one request per key);
 * ``train``: the Trainer's step (forward, backward, ``step`` through the servers) for
   a real torch model, against the same model trained in one process with torch's SGD;
+* same-host shared memory is on by default, so every cluster here uses it; the 1w1s ``throughput``
+  and ``bigkey`` tests run again with ``KVSTORE_SHM=0`` (``shm_figures.py``), and a server's memory
+  is reported as its peak RSS and its own peak, without the workers' segment pages it maps;
 * with ``--ddp``: ``benchmarks/trainer_step.py``'s comparison (issue 24): the Trainer's step (plain and
   overlapped) against one process and against torch DDP over gloo, for the 670k-parameter MLP and a
   20M-parameter one, at each worker count of ``--configs``.
