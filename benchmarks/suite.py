@@ -15,6 +15,9 @@ launcher's own secret, so authentication is on as shipped) and measures, per wor
   with batching on and off (``KVSTORE_BATCH_BYTES=0``: one request per key);
 * ``train``: the Trainer's step (forward, backward, ``step`` through the servers) for
   a real torch model, against the same model trained in one process with torch's SGD;
+* same-host shared memory is on by default, so every cluster here uses it; the 1w1s ``throughput``
+  and ``bigkey`` tests run again with ``KVSTORE_SHM=0`` (``shm_figures.py``), and a server's memory
+  is reported as its peak RSS and its own peak, without the workers' segment pages it maps;
 * with ``--ddp``: ``benchmarks/trainer_step.py``'s comparison (issue 24): the Trainer's step (plain and
   overlapped) against one process and against torch DDP over gloo, for the 670k-parameter MLP and a
   20M-parameter one, at each worker count of ``--configs``.
@@ -42,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import trainer_step  # noqa: E402  (benchmarks/ is not a package)
+import shm_figures  # noqa: E402  (benchmarks/ is not a package)
+import trainer_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MB = 1 << 20
@@ -342,10 +346,7 @@ def launch(workers: int, servers: int, tests: list[str], quick: bool, env: dict[
         if "RESULT " in line:
             item = json.loads(line.split("RESULT ", 1)[1])
             results.setdefault(item.pop("test"), []).append(item)
-    memory = [{"rank": int(m.group(1)), "held_mb": float(m.group(2)), "peak_rss_mb": float(m.group(3))}
-              for m in re.finditer(r"server (\d+) INFO .*?([\d.]+) MB held, peak RSS ([\d.]+) MB",
-                                   done.stdout)]
-    return {"results": results, "servers": sorted(memory, key=lambda m: m["rank"])}
+    return {"results": results, "servers": shm_figures.servers(done.stdout)}
 
 
 def mean(items: list[dict[str, Any]], name: str) -> float:
@@ -386,11 +387,10 @@ def main() -> None:
         progress("4w2s: one 256 MB key, summed in rank order (KVSTORE_SUM_ORDER=rank)")
         out["bigkey_rank_order_4w2s"] = launch(4, 2, ["bigkey"], args.quick,
                                                {"KVSTORE_SUM_ORDER": "rank"})["servers"]
+    if "1w1s" in out["configs"] and {"throughput", "bigkey"} & set(tests):
+        progress("1w1s: the model and 256 MB tests without shared memory (KVSTORE_SHM=0)")
+        out["shm_off_1w1s"] = shm_figures.run(launch, mean, tests, args.quick)
     if "1w1s" in out["configs"] and "throughput" in tests:
-        progress("1w1s: throughput through same-host shared memory (KVSTORE_SHM=1)")
-        shm = launch(1, 1, ["throughput"], args.quick, {"KVSTORE_SHM": "1"})
-        out["shm_on_throughput_gbps"] = mean(shm["results"]["throughput"], "gbps")
-        out["shm_on_bytes"] = mean(shm["results"]["throughput"], "shm_bytes")
         progress("1w1s: throughput with KVSTORE_AUTH=full")
         full = launch(1, 1, ["throughput"], args.quick, {"KVSTORE_AUTH": "full"})
         out["auth_full_throughput_gbps"] = mean(full["results"]["throughput"], "gbps")
@@ -469,22 +469,15 @@ def print_table(out: dict[str, Any]) -> None:
               f"{c['train_dist_ms'] / c['train_local_ms']:5.1f}")
     for name, c in out["configs"].items():
         for s in c["bigkey_servers"]:
-            print(f"{name} 256 MB test: server {s['rank']} holds {s['held_mb']:.0f} MB, peak RSS "
-                  f"{s['peak_rss_mb']:.0f} MB ({s['peak_rss_mb'] / max(s['held_mb'], 1e-9):.2f}x)")
+            print(f"{name} 256 MB test: {shm_figures.memory_line(s)}")
     configs = out["configs"]
     if "4w1s" in configs and "4w2s" in configs:
         print(f"4w2s / 4w1s model throughput: "
               f"{configs['4w2s']['throughput_gbps'] / configs['4w1s']['throughput_gbps']:.2f}")
     for s in out.get("bigkey_rank_order_4w2s", []):
-        print(f"4w2s 256 MB test, KVSTORE_SUM_ORDER=rank: server {s['rank']} holds {s['held_mb']:.0f} MB, "
-              f"peak RSS {s['peak_rss_mb']:.0f} MB ({s['peak_rss_mb'] / max(s['held_mb'], 1e-9):.2f}x)")
-    if "shm_on_throughput_gbps" in out:
-        tcp, shm = configs["1w1s"]["throughput_gbps"], out["shm_on_throughput_gbps"]
-        used = "shared memory" if out["shm_on_bytes"] > 0 else "NO shared memory (TCP)"
-        print(f"1w1s model throughput, KVSTORE_SHM=1, {used}: {shm:.3f} GB/s = "
-              f"{shm / base['model']['gbps']:.2f}x raw TCP, {shm / base['memcpy_gbps']:.2f}x a 64 MB memcpy "
-              f"({base['memcpy_gbps']:.2f} GB/s); TCP (the default): {tcp:.3f} GB/s "
-              f"({tcp / base['model']['gbps']:.2f}x raw TCP)")
+        print(f"4w2s 256 MB test, KVSTORE_SUM_ORDER=rank: {shm_figures.memory_line(s)}")
+    if "shm_off_1w1s" in out:
+        shm_figures.report(configs["1w1s"], out["shm_off_1w1s"], base)
     if "auth_full_throughput_gbps" in out:
         print(f"1w1s model throughput with KVSTORE_AUTH=full: {out['auth_full_throughput_gbps']:.3f} GB/s "
               f"({out['auth_full_throughput_gbps'] / configs['1w1s']['throughput_gbps']:.2f}x the default)")

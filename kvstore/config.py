@@ -47,8 +47,10 @@ MIN_MESSAGE_BYTES = 1 << 20  # = kvstore.net.protocol.MAX_HEADER_BYTES: every he
 DEFAULT_PUSH_WINDOW = 2
 DEFAULT_STALL_WARN = 60.0  # a sync round or barrier waiting this long is logged once, naming the late
 # Same-host shared memory (kvstore.net.shm): each worker maps one segment of this size per server on its
-# host, so at most workers x servers x 256 MiB of shared memory (pages are taken as they are first used).
-DEFAULT_SHM_BYTES = 256 << 20
+# host, so at most workers x servers x 1 GiB of shared memory.  Pages are taken as they are first used and
+# ranges are reused lowest first, so a segment holds the most bytes that were in flight at once: a push
+# and the pull after it need twice the value, and 1 GiB carries a 256 MB value both ways (docs/shm.md).
+DEFAULT_SHM_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class Config:
     snapshot_rounds: int = 0  # KVSTORE_SNAPSHOT_EVERY=N: a server writes its shard every N rounds (0: off)
     snapshot_seconds: float = 0.0  # KVSTORE_SNAPSHOT_EVERY=Ns: ... every N seconds instead (0: off)
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
-    shm: bool = False  # KVSTORE_SHM: big arrays between a worker and a server on its host go by shared memory
+    shm: bool = True  # KVSTORE_SHM: big arrays between a worker and a server on its host go by shared memory
     shm_bytes: int = DEFAULT_SHM_BYTES  # KVSTORE_SHM_BYTES: the size of each worker's segment per server
 
     def missing_cluster_vars(self) -> list[str]:
@@ -222,7 +224,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
 
 def _shm(env: Mapping[str, str]) -> dict[str, Any]:
     """Same-host shared memory: on or off, and each segment's size (at least 1 MiB)."""
-    return {"shm": bool(env_int(env, "KVSTORE_SHM", minimum=0, maximum=1, default=0)),
+    return {"shm": bool(env_int(env, "KVSTORE_SHM", minimum=0, maximum=1, default=1)),
             "shm_bytes": env_int(env, "KVSTORE_SHM_BYTES", minimum=1 << 20, maximum=1 << 40,
                                  default=DEFAULT_SHM_BYTES)}
 

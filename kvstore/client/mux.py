@@ -103,13 +103,14 @@ class Wire:
 
     # -- sending ----------------------------------------------------------------------------------
     def submit(self, target: int, msg: Message, what: str, after_failure: bool = False,
-               reply_bytes: int = 0, bypass: bool = False) -> Request:
+               reply_bytes: int = 0, chunk: tuple[int, int] | None = None, bypass: bool = False) -> Request:
         """Send ``msg`` to ``target`` (a server index or SCHEDULER); return its request.
 
         After :meth:`fail`, the request is failed at once with that error, unless
         ``after_failure`` (a LEAVE still goes out, so the scheduler can finish).  ``reply_bytes``: the
-        size of the reply's array, which a same-host server may write into shared memory.  A request
-        to a server on hold (:meth:`hold`) waits, unsealed, for :meth:`release`, unless ``bypass``.
+        size of the reply's array, which a same-host server may write into shared memory; ``chunk``: a
+        chunk's place in its piece (``kvstore.client.shmlanes.chunk_of``).  A request to a server on
+        hold (:meth:`hold`) waits, unsealed, for :meth:`release`, unless ``bypass``.
         Raises :class:`StoreClosedError` after :meth:`stop`, :class:`ProtocolError` (nothing sent)
         for an array bigger than the cluster's frame limit, which the receiver would disconnect.
         """
@@ -119,7 +120,7 @@ class Wire:
             raise ProtocolError(f"{what}: an array of {big} bytes exceeds the cluster's "
                                 f"KVSTORE_MAX_MESSAGE_BYTES={limit}; it was not sent")
         request = Request(what, target=target, msg=msg)
-        release = None if self.lanes is None else self.lanes.place(target, msg, reply_bytes)
+        release = None if self.lanes is None else self.lanes.place(target, msg, reply_bytes, chunk)
         if release is not None:  # the ranges stay reserved until the request is answered
             request.future.add_done_callback(release)
         msg.sender = self.rank

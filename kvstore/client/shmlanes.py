@@ -26,13 +26,29 @@ class Lanes:
         self.sent = 0  # array bytes this worker wrote into segments
         self.received = 0  # reply bytes servers wrote there
         self._full_logged: set[int] = set()
+        self._piece_fits: dict[int, bool] = {}  # server -> whether the piece being chunked to it fits
 
-    def place(self, target: int, msg: Message, reply_bytes: int = 0) -> Callable[[Any], None] | None:
+    def _fits(self, target: int, segment: shm.Segment, chunk: tuple[int, int] | None) -> bool:
+        """Whether a message may use the segment: always for a whole message; for a chunk of a big
+        piece (``chunk``: its byte offset in the piece, the piece's bytes), whether the whole piece fit
+        the free part when its first chunk left (a piece's chunks leave as one run), so a piece goes
+        through the segment whole or over TCP whole, never split between them (logged once)."""
+        if chunk is None:
+            return True
+        if chunk[0] == 0:
+            self._piece_fits[target] = fits = chunk[1] <= segment.free_bytes()
+            if not fits:
+                self._log_full(target, chunk[1])
+        return self._piece_fits.get(target, False)
+
+    def place(self, target: int, msg: Message, reply_bytes: int = 0,
+              chunk: tuple[int, int] | None = None) -> Callable[[Any], None] | None:
         """Copy ``msg``'s big arrays into ``target``'s segment and reserve ``reply_bytes`` there for the
         reply; return the callback that frees those ranges once the request is answered (None: nothing
-        placed).  An array that does not fit goes inline (logged once per server).  Raises nothing."""
+        placed).  An array that does not fit goes inline (logged once per server), and so does every
+        chunk of a piece that did not fit whole (``chunk``, :meth:`_fits`).  Raises nothing."""
         segment = self.segments.get(target)
-        if segment is None:
+        if segment is None or not self._fits(target, segment, chunk):
             return None
         taken: list[int] = []
         for i, array in enumerate(msg.arrays):
@@ -73,6 +89,20 @@ class Lanes:
             self.received += nbytes
             return view
         return lend
+
+
+def hints(op: Op, send: Any, metas: Any, array: Any) -> dict[str, Any]:
+    """``mux.submit``'s shared-memory arguments for a data message of ``send`` (``plan.Send``) carrying
+    ``array`` (or None): ``reply_bytes`` (:func:`reply_bytes`) and ``chunk`` (:func:`chunk_of`)."""
+    return {"reply_bytes": reply_bytes(op, send.parts, metas), "chunk": chunk_of(send, array)}
+
+
+def chunk_of(send: Any, array: Any) -> tuple[int, int] | None:
+    """For a chunk of a big piece (``plan.Send`` with ``lo``) carrying ``array``: its byte offset in
+    the piece and the piece's bytes; None for a whole message or one with no array."""
+    if send.lo is None or send.total is None or array is None:
+        return None
+    return send.lo * array.dtype.itemsize, send.total * array.dtype.itemsize
 
 
 def reply_bytes(op: Op, parts: list[Any], metas: Any) -> int:

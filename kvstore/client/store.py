@@ -181,7 +181,7 @@ class DistKVStore(FastCalls, KVStore):
         if array is not None:
             self._meter.sent(array.nbytes)
         return self._io.submit(send.server, Message(op, body, [] if array is None else [array]), what,
-                               reply_bytes=shmlanes.reply_bytes(op, send.parts, self._meta))
+                               **shmlanes.hints(op, send, self._meta, array))  # same-host server
 
     def _wait(self, requests: list[Request], timeout: float, knob: str) -> list[Message]:
         deadline = time.monotonic() + timeout

@@ -30,6 +30,7 @@ import secrets
 import stat
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ HEAD = ALIGN  # the segment's first page holds the nonce
 NONCE_BYTES = 16
 MAX_PEERS = 4096  # a server maps at most this many workers' segments
 MAX_PENDING = 65536  # replies a server remembers a reserved range for (more: they go inline)
+GROW_STEP = 16 << 20  # a server first touches a segment's pages in steps of this (kvstore.server.peakmem)
 
 
 def _round_up(n: int) -> int:
@@ -167,9 +169,25 @@ class Mapping:
     count in its RSS as shared memory (``RssShmem``): they are the worker's segment, not more memory.
     """
 
-    def __init__(self, mapped: mmap.mmap) -> None:
+    def __init__(self, mapped: mmap.mmap, grown: Callable[[], None] | None = None) -> None:
         self.map, self.size = mapped, len(mapped)
         self._bytes = np.frombuffer(mapped, np.uint8)
+        self.reach = HEAD  # the server has touched no page at or past this offset
+        self._grown = grown  # called before and after the server first touches pages (peakmem)
+
+    def _each(self, lo: int, hi: int, copy: Callable[[int, int], Any]) -> None:
+        """``copy(a, b)`` over ``[lo, hi)``: at once below :attr:`reach`, else in steps of GROW_STEP with
+        ``grown`` called before each step that reaches past it and once after the last."""
+        if hi <= self.reach or self._grown is None:
+            copy(lo, hi)
+            return
+        for a in range(lo, hi, GROW_STEP):
+            b = min(hi, a + GROW_STEP)
+            if b > self.reach:
+                self._grown()
+                self.reach = b
+            copy(a, b)
+        self._grown()
 
     def _range(self, off: Any, nbytes: int) -> np.ndarray:
         if not (type(off) is int and HEAD <= off and nbytes >= 0 and off + nbytes <= self.size):
@@ -182,7 +200,7 @@ class Mapping:
         memory).  Raises :class:`ProtocolError` for a range outside the segment."""
         source = self._range(off, nbytes)
         out = np.empty(nbytes, np.uint8)
-        np.copyto(out, source)
+        self._each(off, off + nbytes, lambda a, b: np.copyto(out[a - off:b - off], source[a - off:b - off]))
         return memoryview(out)
 
     def write(self, off: int, nbytes: int, array: np.ndarray) -> None:
@@ -191,7 +209,8 @@ class Mapping:
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         if flat.nbytes > nbytes:
             raise ProtocolError(f"a reply of {flat.nbytes} bytes does not fit the {nbytes} reserved")
-        np.copyto(self._range(off, flat.nbytes), flat)
+        target, end = self._range(off, flat.nbytes), off + flat.nbytes
+        self._each(off, end, lambda a, b: np.copyto(target[a - off:b - off], flat[a - off:b - off]))
 
     def close(self) -> None:
         """Drop the mapping (the worker's pages go once it has dropped its own too)."""
@@ -202,8 +221,9 @@ class Mapping:
             pass
 
 
-def open_mapping(body: Any) -> tuple[Mapping | None, str]:
-    """Map the segment an SHM_ATTACH ``body`` describes: (mapping, "") or (None, why not); raises nothing."""
+def open_mapping(body: Any, grown: Callable[[], None] | None = None) -> tuple[Mapping | None, str]:
+    """Map the segment an SHM_ATTACH ``body`` describes: (mapping, "") or (None, why not); ``grown`` as
+    :class:`Mapping`'s.  Raises nothing."""
     if not (isinstance(body, dict) and type(body.get("pid")) is int and body["pid"] > 0
             and type(body.get("fd")) is int and body["fd"] >= 0 and type(body.get("bytes")) is int
             and 2 * HEAD <= body["bytes"] <= 1 << 40 and type(body.get("nonce")) is bytes
@@ -228,14 +248,16 @@ def open_mapping(body: Any) -> tuple[Mapping | None, str]:
         os.close(fd)  # the mapping keeps the segment
     if mapped is None:
         return None, "the descriptor is not the worker's segment (no nonce): another host"
-    return Mapping(mapped), ""
+    return Mapping(mapped, grown), ""
 
 
 class ServerPeers:
     """A server's side: its workers' mapped segments, by connection identity, and the ranges their
-    pending requests reserved for replies."""
+    pending requests reserved for replies.  ``grown`` (``kvstore.server.peakmem``'s checkpoint) is
+    called around each first touch of a segment's pages and each unmapping."""
 
-    def __init__(self) -> None:
+    def __init__(self, grown: Callable[[], None] | None = None) -> None:
+        self._grown = grown
         self._maps: dict[bytes, Mapping] = {}
         self._pending: dict[tuple[bytes, int], list[int]] = {}  # (identity, seq) -> [offset, bytes]
         self.placed = 0  # reply bytes written into workers' segments (tests, logs)
@@ -245,11 +267,11 @@ class ServerPeers:
         (True, "") or (False, why not).  Raises nothing."""
         if identity not in self._maps and len(self._maps) >= MAX_PEERS:
             return False, f"this server maps {MAX_PEERS} segments already"
-        mapping, why = open_mapping(body)
+        mapping, why = open_mapping(body, self._grown)
         if mapping is None:
             return False, why
         if identity in self._maps:
-            self._maps[identity].close()
+            self._close(self._maps[identity])
         self._maps[identity] = mapping
         return True, ""
 
@@ -257,8 +279,16 @@ class ServerPeers:
         """Close the segment of the worker at ``identity`` (it left); its pending reply ranges go too."""
         mapping = self._maps.pop(identity, None)
         if mapping is not None:
-            mapping.close()
+            self._close(mapping)
             self._pending = {k: v for k, v in self._pending.items() if k[0] != identity}
+
+    def _close(self, mapping: Mapping) -> None:
+        """Unmap ``mapping`` between two checkpoints (its pages leave this process's RSS)."""
+        if self._grown is not None:
+            self._grown()
+        mapping.close()
+        if self._grown is not None:
+            self._grown()
 
     def resolver(self, identity: bytes) -> Any:
         """``protocol.decode``'s resolver for arrays from ``identity`` (copies them out), or None."""

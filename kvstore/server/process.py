@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import resource
-import sys
 
 import numpy as np
 
@@ -41,6 +39,7 @@ from kvstore.net.role import run_role
 from kvstore.net.router import Handler, RouterService
 from kvstore.server import decompress, fastpath, restore
 from kvstore.server.meter import ServerMeter
+from kvstore.server.peakmem import PeakMemory
 from kvstore.server.shards import ShardWriter, shard_writer
 from kvstore.server.sparse import SparseServer
 
@@ -58,12 +57,6 @@ def _widened(msg: Message) -> tuple[Message, bool]:
     if len(msg.arrays) != 1 or msg.arrays[0].dtype != BF16:
         return msg, False
     return dataclasses.replace(msg, arrays=[precision.widen(msg.arrays[0])]), True
-
-
-def peak_rss() -> int:
-    """This process's peak resident set size in bytes (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class _Batch:
@@ -98,7 +91,8 @@ class Server:
                                                 max_frame_bytes=cfg.max_message_bytes,
                                                 curve=transport.curve_keys(cfg))
         self.service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} at join
-        self.service.shm = None if shm.unusable(cfg) else shm.ServerPeers()  # same-host shared memory
+        self.memory = PeakMemory()  # peak RSS, and the server's own: without its workers' segments
+        self.service.shm = None if shm.unusable(cfg) else shm.ServerPeers(self.memory.checkpoint)  # same host
         self.scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
         self.to_scheduler = channel_for(cfg, new_label("server"))
         self.state: ShardState | None = None
@@ -464,9 +458,10 @@ class Server:
             return False
         if msg.op is Op.SHUTDOWN:
             transport.send(self.scheduler, self.to_scheduler.seal(Message(Op.OK, seq=msg.seq), "scheduler"))
-            log.info("shut down by the scheduler: %d keys, %.1f MB held, peak RSS %.1f MB",
+            total, own = self.memory.report()
+            log.info("shut down by the scheduler: %d keys, %.1f MB held, peak RSS %.1f MB, own %.1f MB",
                      len(self.state) + len(self.sparse.tables),
-                     (self.state.nbytes() + self.sparse.nbytes()) / MB, peak_rss() / MB)
+                     (self.state.nbytes() + self.sparse.nbytes()) / MB, total / MB, own / MB)
             return True
         if msg.op is Op.AWAY:
             try:

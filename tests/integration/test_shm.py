@@ -43,9 +43,10 @@ def _ours() -> set[str]:
 
 @pytest.mark.timeout(60)
 def test_same_host_values_go_through_shared_memory_exactly(make_cluster) -> None:
-    """1w1s on one host: 4 MB pushes and pulls go through the segment (both counters grow), come back
-    exact, and every range of the segment is free again once the replies are consumed."""
-    cluster: Cluster = make_cluster("dist_sync", 1, 1, KVSTORE_SHM="1")
+    """1w1s on one host, shared memory on by default: 4 MB pushes and pulls go through the segment (both
+    counters grow), come back exact, and every range of the segment is free again once the replies are
+    consumed."""
+    cluster: Cluster = make_cluster("dist_sync", 1, 1)
     kv = cluster.workers[0]
     lanes = kv._io.lanes
     assert lanes is not None and list(lanes.segments) == [0]
@@ -70,10 +71,33 @@ def test_too_small_or_off_falls_back_to_tcp(make_cluster, caplog) -> None:
     fits = [r for r in caplog.records if "does not fit the free shared memory" in r.getMessage()]
     assert len(fits) == 1, [r.getMessage() for r in caplog.records]
     cluster.close()
-    off: Cluster = make_cluster("dist_sync", 1, 1, connect=False)  # the default: off
+    off: Cluster = make_cluster("dist_sync", 1, 1, connect=False, KVSTORE_SHM="0")
     kv = off.connect()[0]
     assert kv._io.lanes is None
     _exact_rounds(kv, steps=1)
+
+
+def _chunked_round(kv, n: int) -> tuple[int, int]:
+    """Init, push and pull one ``n``-float value, checked exactly; the bytes the lanes sent and received."""
+    key, out = unique_key("chunked"), np.empty(n, np.float32)
+    kv.init(key, np.zeros(n, np.float32))
+    kv.push(key, np.arange(n, dtype=np.float32))
+    kv.pull(key, out=out)
+    np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32))
+    return kv._io.lanes.sent, kv._io.lanes.received
+
+
+@pytest.mark.timeout(60)
+def test_a_chunked_value_goes_through_the_segment_whole_or_over_tcp_whole(make_cluster) -> None:
+    """A 12 MB value (2 MiB chunks: its init, its push; its pull is one reply) goes through a 64 MiB
+    segment whole, and over TCP whole with an 8 MiB one; exact either way."""
+    n = (12 << 20) // 4
+    roomy: Cluster = make_cluster("dist_sync", 1, 1, connect=False, KVSTORE_SHM="1")
+    assert _chunked_round(roomy.connect(shm_bytes=64 << 20)[0], n) == (2 * n * 4, n * 4)
+    roomy.close()
+    tight: Cluster = make_cluster("dist_sync", 1, 1, connect=False, KVSTORE_SHM="1")
+    assert _chunked_round(tight.connect(shm_bytes=8 << 20)[0], n) == (0, 0)
+    tight.close()
 
 
 WORKER = """

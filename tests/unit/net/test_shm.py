@@ -10,6 +10,7 @@ import pytest
 from kvstore.errors import ProtocolError
 from kvstore.net import protocol, shm
 from kvstore.net.protocol import Message, Op
+from kvstore.server.peakmem import PeakMemory
 
 
 @pytest.fixture
@@ -81,3 +82,36 @@ def test_arrays_in_shared_memory_decode_only_through_a_resolver() -> None:
     bad = protocol.encode(Message(Op.PULL, {}, reply_at=[8192, 0]))
     with pytest.raises(ProtocolError, match="reply_at"):
         protocol.decode(bad)
+
+
+def _own_now() -> int:
+    """This process's resident bytes without shared-memory pages (VmRSS - RssShmem)."""
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status", encoding="ascii"))
+    return (int(fields["VmRSS"].split()[0]) - int(fields["RssShmem"].split()[0])) * 1024
+
+
+@pytest.mark.timeout(30)
+def test_a_servers_own_peak_counts_its_copy_and_not_the_segment_pages() -> None:
+    """Copying 64 MB out of a worker's segment checkpoints PeakMemory before each 16 MiB step past
+    what the mapping touched and once after; its own peak counts the 64 MB copy, not the 64 MB of
+    segment pages the mapping brought into this process's RSS, which the total counts."""
+    try:
+        open("/proc/self/clear_refs", "w").close()
+    except OSError:
+        pytest.skip("/proc/self/clear_refs cannot be written here")
+    nbytes = 64 << 20
+    seg = shm.Segment(nbytes + shm.HEAD)
+    seg.write(shm.HEAD, np.ones(nbytes, np.uint8))  # the worker's pages exist before the server maps them
+    memory, calls = PeakMemory(), []
+    memory.checkpoint()
+    memory.total = memory.own = 0  # this test's interval only, not the process's earlier peak
+    before = _own_now()
+    mapping, _ = shm.open_mapping(seg.attach_body(), lambda: (calls.append(1), memory.checkpoint()))
+    seg.close_fd()
+    assert bytes(mapping.copy_out(shm.HEAD, nbytes)[-2:]) == b"\x01\x01"  # the copy is gone after this
+    mapping.copy_out(shm.HEAD, nbytes // 2)  # below what the mapping touched: no checkpoint
+    total, own = memory.report()
+    assert len(calls) == nbytes // shm.GROW_STEP + 1
+    assert before + 0.9 * nbytes <= own <= before + nbytes + shm.GROW_STEP + (8 << 20), (before, own)
+    assert total - own >= 1.5 * nbytes  # the segment pages, mapped twice in this one process, are in total
+    mapping.close()

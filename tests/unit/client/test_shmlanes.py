@@ -1,0 +1,36 @@
+"""kvstore.client.shmlanes' choice of what goes through a segment, on real memfd segments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.client.shmlanes import Lanes
+from kvstore.net import shm
+from kvstore.net.protocol import Message, Op
+
+CHUNK = 256 << 10
+
+
+def _chunk(lanes: Lanes, lo: int, piece: int) -> bool:
+    """Place one CHUNK-byte chunk at byte ``lo`` of a ``piece``-byte piece; whether it used the segment."""
+    msg = Message(Op.PUSH, {}, [np.ones(CHUNK, np.uint8)])
+    release = lanes.place(0, msg, chunk=(lo, piece))
+    if release is not None:
+        release(None)
+    return msg.shm is not None
+
+
+@pytest.mark.timeout(10)
+def test_a_piece_goes_through_the_segment_whole_or_over_tcp_whole() -> None:
+    """Every chunk of a piece that fits the segment's free part when its first chunk leaves goes
+    through it; no chunk of one that does not fit does, even once ranges are free again."""
+    segment = shm.Segment(1 << 20)
+    try:
+        lanes = Lanes({0: segment})
+        fits, big = 3 * CHUNK, 5 * CHUNK  # the free part: 1 MiB less the nonce's page
+        assert all(_chunk(lanes, lo, fits) for lo in range(0, fits, CHUNK))
+        assert not any(_chunk(lanes, lo, big) for lo in range(0, big, CHUNK))
+        assert _chunk(lanes, 0, CHUNK) and lanes.sent == 4 * CHUNK
+    finally:
+        segment.close_fd()
