@@ -253,7 +253,9 @@ class Scheduler:
         self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
 
     def _on_status(self, identity: bytes, msg: Message) -> None:
-        self.service.reply(identity, Message(Op.OK, self._status_asked(), seq=msg.seq))
+        # a worker's stats(cluster=True) is not a poller to linger for: it has left by the time we exit
+        body = self.status_body() if identity in self.worker_ranks else self._status_asked()
+        self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
 
     def _status_asked(self) -> dict:
         """The STATUS reply, counting the request (see :meth:`_linger_for_status`)."""

@@ -485,6 +485,9 @@ class DistKVStore(FastCalls, KVStore):
         timeout = self._cfg.shutdown_timeout
         if failure is None:
             error = self._leave_servers(timeout)
+        # the last beat before LEAVE: after the last worker's LEAVE no scheduler is left to answer it
+        self._heartbeat.stop()
+        self._heartbeat.join(timeout)
         if self._lost is None or self._lost.role != "scheduler":
             body = {} if failure is None else {"failure": failure}
             try:  # after a lost peer too: the scheduler counts this worker out and can finish
@@ -493,8 +496,6 @@ class DistKVStore(FastCalls, KVStore):
                 self._wait([leave], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
             except KVStoreError as exc:
                 log.warning("%s", exc)
-        self._heartbeat.stop()
-        self._heartbeat.join(timeout)
         self._io.stop(timeout)
         if error is not None:
             raise error

@@ -5,7 +5,8 @@ A page's python blocks run in order, in one fresh interpreter; when one of them 
 they run as the worker script of ``launch.py -n 1 -s 1``, one cluster per page.  A block that cannot
 run here (Slurm, Kubernetes, ssh, Spark, Ray, GPUs, a user's own files, a fragment) carries a
 ``<!-- no-run: reason -->`` comment on the line before its fence; a block with neither a successful
-run nor that comment fails its page's test.
+run nor that comment fails its page's test.  A command another test runs as typed (RUN_ELSEWHERE: the
+README's quick start, test_example.py) is checked to be run there instead of twice.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ LAUNCH = re.compile(r"(?:^|&&|;)\s*((?:python3? (?:\S*/)?launch\.py|kvstore-laun
 # Pages whose blocks are known to fail, each with why; they run, and xfail while they fail.
 PENDING: dict[str, str] = {}  # page -> why its failure is expected for now (none today)
 PAGE_TIMEOUT = 45.0  # seconds for one page's run; the whole file stays under a minute on 2 cores
+# Commands another test runs exactly as typed, asserting more than their exit code: not run twice.
+RUN_ELSEWHERE = {"python launch.py -n 4 -s 2 examples/train_digits.py":  # the README's quick start
+                 ("tests/integration/test_example.py", "test_example_reaches_accuracy_through_launcher")}
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,13 @@ def unmarked(blocks: list[Block]) -> list[str]:
             for c in launch_commands(b) if runnable_command(c) is None]
 
 
+def runs_elsewhere(command: str, args: list[str]) -> bool:
+    """Whether the test RUN_ELSEWHERE names for ``command`` exists and launches exactly ``args``."""
+    path, name = RUN_ELSEWHERE[command]
+    source = (REPO / path).read_text()
+    return f"def {name}(" in source and "[" + ", ".join(f'"{a}"' for a in args) + "]" in source
+
+
 def test_the_parser_sees_markers_commands_and_dist_pages():
     """blocks_of reads fences and their no-run comments; commands and dist stores are told apart."""
     readme = blocks_of(REPO / "README.md")
@@ -135,6 +146,8 @@ def test_the_parser_sees_markers_commands_and_dist_pages():
     assert runnable_command("python launch.py -n 2 --launcher ray train.py") is None
     assert runnable_command("python launch.py -n 2 no_such_script.py") is None
     assert DIST.search(readme[1].code) and not DIST.search("kvstore.create('local')")
+    assert runs_elsewhere(quick[0], runnable_command(quick[0]))
+    assert not runs_elsewhere(quick[0], ["-n", "2", "-s", "2", "examples/train_digits.py"])
 
 
 @pytest.mark.timeout(120)
@@ -159,5 +172,8 @@ def test_page_runs(page: Path, tmp_path: Path) -> None:
     for block in blocks:
         for command in launch_commands(block) if block.no_run is None else ():
             args = runnable_command(command)
+            if command in RUN_ELSEWHERE:
+                assert runs_elsewhere(command, args), f"{block.where}: {command!r} is run by no test"
+                continue
             code, out = run([sys.executable, "launch.py", *args], REPO)
             assert code == 0, f"{block.where}: {command!r} exited {code}:\n{out}"

@@ -46,7 +46,9 @@ def test_env_server_and_env_worker_reach_only_their_roles(tmp_path: Path) -> Non
     release = tmp_path / "release"
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "KV_ENVTEST_ALL": tag}
+    # the workers never join, so the scheduler and server wait for them until the launcher stops them
+    # KVSTORE_SHUTDOWN_TIMEOUT after the last worker (default 10 s): 1 s is enough for that
+    env = {**os.environ, "KV_ENVTEST_ALL": tag, "KVSTORE_SHUTDOWN_TIMEOUT": "1"}
     flags = ["--env", "KV_ENVTEST_ALL", "--env-server", f"KV_ENVTEST_SERVER={tag}",
              "--env-worker", f"KV_ENVTEST_WORKER=w-{tag}"]
     proc = launch(["-n", "2", "-s", "1", *flags, sys.executable, str(script), str(release)], env)

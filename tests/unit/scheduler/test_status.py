@@ -122,6 +122,23 @@ def test_status_with_the_wrong_secret_is_refused_unsigned(sched, secret):
     assert "cluster" not in reply.body and "nodes" not in reply.body
 
 
+
+def test_only_an_outsiders_status_holds_the_scheduler_at_exit(sched, monkeypatch):
+    """A worker's own STATUS (stats(cluster=True)) does not make the exiting scheduler linger; an
+    outsider's (a poller: kvstore.status, the TensorBoard writer) does, for STATUS_LINGER."""
+    import kvstore.scheduler.process as scheduler_process
+
+    monkeypatch.setattr(scheduler_process, "STATUS_LINGER", 0.5)
+    peers = complete(sched)
+    assert peers["w0"].send(Op.STATUS, sender=0).op is Op.OK
+    started = time.monotonic()
+    sched._linger_for_status()
+    assert time.monotonic() - started < 0.5
+    assert Peer(sched, "tool").send(Op.STATUS).op is Op.OK
+    started = time.monotonic()
+    sched._linger_for_status()
+    assert time.monotonic() - started >= 0.5
+
 def beat(peer: Peer, role: str, rank: int, stats: Any = None) -> Message:
     body = {"role": role, "rank": rank}
     if stats is not None:
