@@ -86,29 +86,25 @@ def pipedream(kv, stages: int, chunks: int, steps: int | None = None) -> dict:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("stages", [2, 4])
-def test_each_backward_uses_its_forwards_weight_version(make_cluster, stages: int) -> None:
-    """K = 2 and 4 stages, 8 micro-batches: every backward ran on the version its forward ran on, stage i
-    held K - i versions at most (and at peak), micro-batch m's forward was min(m, K - 1 - i) updates stale."""
-    cluster = make_cluster(num_workers=stages, **FAST)
-    parts = cluster.run(lambda kv: pipedream(kv, stages, 8, steps=2))
+def test_each_backward_uses_its_forwards_weight_version(make_cluster) -> None:
+    """4 stages, 8 micro-batches: every backward ran on the version its forward ran on, stage i held
+    K - i versions at most (and at peak), micro-batch m's forward was min(m, K - 1 - i) updates stale."""
+    cluster = make_cluster(num_workers=4, **FAST)
+    parts = cluster.run(lambda kv: pipedream(kv, 4, 8, steps=2))
     for part in parts:
         stage = part["stage"]
         assert part["version"] == 2 * 8, stage  # an update per micro-batch
-        assert part["peak"] == stages - stage, (stage, part["peak"])
+        assert part["peak"] == 4 - stage, (stage, part["peak"])
         for log in part["logs"]:
             assert [mb for mb, *_ in log] == list(range(8)), (stage, log)
             assert all(forward == backward for _, forward, backward, _ in log), (stage, log)
-            assert [live - forward for _, forward, _, live in log] == [min(m, stages - 1 - stage)
-                                                                        for m in range(8)]
+            assert [live - forward for _, forward, _, live in log] == [min(m, 3 - stage) for m in range(8)]
 
 
-# 4 stages only: 10 epochs of the digits are CPU-bound in this process (30-75 s a run on 2 cores), and
-# 2 stages train the same way with less staleness; their weight versions are pinned exactly above.
 @pytest.mark.timeout(90)
-def test_digits_train_as_well_as_one_process(make_cluster) -> None:
-    """The digits MLP under 'pipedream' in 4 stages reaches one process's test accuracy - 0.01."""
-    stages = 4
+@pytest.mark.parametrize("stages", [2, 4])
+def test_digits_train_as_well_as_one_process(make_cluster, stages: int) -> None:
+    """The digits MLP under 'pipedream' in 2 and 4 stages reaches one process's test accuracy - 0.01."""
     cluster = make_cluster(num_workers=stages, **FAST)
     parts = cluster.run(lambda kv: pipedream(kv, stages, CHUNKS))
     trained = {name: p for part in parts for name, p in part["net"].named_parameters()
