@@ -123,6 +123,7 @@ class Restored:
         self.dropped = 0  # retried pushes dropped: in the shard, or of a lost round
         log.warning("restarted from shard %d (step %d, %d keys); waiting for workers %s to align",
                     image.number, image.step(), len(image.keys), sorted(self.expected))
+        self.settle()  # every worker left or away: none will align (a REJOIN must not wait for one)
 
     def guard(self, handlers: dict[Op, Handler]) -> dict[Op, Handler]:
         """``handlers`` with ALIGN added and every other data op refused until the workers have aligned."""
@@ -162,7 +163,7 @@ class Restored:
     def forget(self, worker: int) -> None:
         """``worker`` left or went away: the alignment no longer waits for it."""
         self.expected.discard(worker)
-        if not self.done and self.waiting:
+        if not self.done:  # the last one it waited for: aligned now, even if no ALIGN came
             self.settle()
 
     def settle(self) -> None:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import types
+
+import numpy as np
 import pytest
 
 from kvstore import config
+from kvstore.core.groups import GroupedShardState
+from kvstore.core.rejoin import Rejoins
+from kvstore.core.shard_image import KeyImage, ShardImage
 from kvstore.errors import ConfigError, ProtocolError
-from kvstore.server.restore import _align_body, read_image
+from kvstore.net.protocol import Message
+from kvstore.server.restore import Restored, _align_body, read_image
 
 
 def test_a_well_formed_align_is_read() -> None:
@@ -38,3 +45,39 @@ def test_a_first_start_reads_no_shard_and_a_restart_needs_one(tmp_path) -> None:
         read_image(config.load({**base, "KVSTORE_INCARNATION": "1"}))
     with pytest.raises(ConfigError, match="KVSTORE_SERVER_ID"):
         read_image(config.load({"DMLC_ROLE": "server", "KVSTORE_INCARNATION": "1"}))
+
+
+class _Service:
+    """Records the replies a Restored sends."""
+
+    def __init__(self) -> None:
+        self.replies: list[Message] = []
+
+    def reply(self, identity: bytes, msg: Message) -> None:
+        self.replies.append(msg)
+
+
+def _restored(cmap: dict) -> Restored:
+    """A dist_sync server of 2 workers restarted from a shard holding key 'k' at round 3."""
+    state = GroupedShardState(2, sync=True)
+    server = types.SimpleNamespace(state=state, rejoins=Rejoins(state), optimizer=None, bf16_keys=set(),
+                                   shards=types.SimpleNamespace(session="s"), service=_Service())
+    image = ShardImage(rank=0, number=1, mode="dist_sync", num_workers=2, optimizer=None, num_update=0,
+                       keys={"k": KeyImage(np.zeros(2, np.float32), 3, {0: 3, 1: 3})}, session="s")
+    return Restored(server, image, cmap)
+
+
+@pytest.mark.parametrize("cmap", [{"left": [0], "away": [1]}, {"away": [0, 1]}])
+def test_a_restart_no_worker_must_align_with_is_aligned_at_once(cmap: dict) -> None:
+    """With every worker left or away when the server restarts, nobody will send ALIGN: it is aligned
+    at once (from the shard's rounds), so a restarted worker's REJOIN is not refused forever."""
+    restored = _restored(cmap)
+    assert restored.done and restored.floors == {"k": 3}
+
+
+def test_a_restart_is_aligned_once_the_last_worker_it_waits_for_goes() -> None:
+    """The one worker it waited for goes away before sending ALIGN: the restart is aligned then."""
+    restored = _restored({"left": [0]})
+    assert not restored.done
+    restored.forget(1)
+    assert restored.done and restored.floors == {"k": 3}
