@@ -32,6 +32,8 @@ import os
 import signal
 from typing import Any
 
+import numpy as np
+
 from kvstore.core.optimizer import from_spec
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
@@ -107,6 +109,8 @@ class Restored:
         self.server, self.image = server, image
         state = server.state
         install(server, image)
+        for held in image.keys.values():  # copied into the state: only the rounds and counts stay here
+            held.value, held.states = np.empty(0, held.value.dtype), {}
         for worker in cmap.get("left") or []:
             if type(worker) is int and 0 <= worker < state.num_workers:
                 state.leave(worker)

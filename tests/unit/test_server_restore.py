@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -81,3 +83,20 @@ def test_a_restart_is_aligned_once_the_last_worker_it_waits_for_goes() -> None:
     assert not restored.done
     restored.forget(1)
     assert restored.done and restored.floors == {"k": 3}
+
+
+def test_a_restart_keeps_no_second_copy_of_the_shards_values() -> None:
+    """The shard's arrays are copied into the server's state: the restart then lets them go (its memory
+    stays one copy of its keys), keeping only the rounds and counts it screens retried pushes with."""
+    value = np.zeros(1 << 16, np.float32)
+    gone = weakref.ref(value)
+    state = GroupedShardState(2, sync=False)
+    server = types.SimpleNamespace(state=state, rejoins=Rejoins(state), optimizer=None, bf16_keys=set(),
+                                   shards=types.SimpleNamespace(session="s"), service=_Service())
+    image = ShardImage(rank=0, number=1, mode="dist_async", num_workers=2, optimizer=None, num_update=0,
+                       keys={"k": KeyImage(value, 0, {0: 3})}, session="s")
+    del value
+    restored = Restored(server, image, {})
+    gc.collect()
+    assert gone() is None
+    assert restored.image.keys["k"].applied == {0: 3} and state._keys["k"].value.size == 1 << 16
