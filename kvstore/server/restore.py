@@ -152,12 +152,12 @@ class Restored:
         worker = self.server._sender(msg)  # noqa: SLF001
         incarnation, origin, keys, rounds = _align_body(msg.body)
         state = self.server.state
-        if incarnation > self.server.rejoins.current.get(worker, 0):
-            self.server.rejoins.current[worker] = incarnation
-        self.origins[worker] = origin
         if self.done:  # a worker that aligns again (nothing changes): answered at once
             self.server.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=msg.seq))
             return
+        if incarnation > self.server.rejoins.current.get(worker, 0):
+            self.server.rejoins.current[worker] = incarnation
+        self.origins[worker] = origin
         self.aligned[worker] = {k: r + origin for k, r in zip(keys, rounds) if k in state}
         self.waiting.append((identity, msg.seq))
         if worker in state.active:

@@ -14,7 +14,7 @@ from kvstore.core.groups import GroupedShardState
 from kvstore.core.rejoin import Rejoins
 from kvstore.core.shard_image import KeyImage, ShardImage
 from kvstore.errors import ConfigError, ProtocolError
-from kvstore.net.protocol import Message
+from kvstore.net.protocol import Message, Op
 from kvstore.server.restore import Restored, _align_body, read_image
 
 
@@ -100,3 +100,19 @@ def test_a_restart_keeps_no_second_copy_of_the_shards_values() -> None:
     gc.collect()
     assert gone() is None
     assert restored.image.keys["k"].applied == {0: 3} and state._keys["k"].value.size == 1 << 16
+
+
+def test_an_align_after_the_alignment_is_answered_and_changes_nothing() -> None:
+    """Once aligned, another ALIGN (a duplicate, or another origin) is answered with what was lost and
+    leaves the worker's origin (which screens its pushes) and counted incarnation as they were."""
+    restored = _restored({"left": [0]})
+    restored.server._sender = lambda msg: msg.sender
+    align = Message(Op.ALIGN, {"incarnation": 0, "origin": 0, "keys": ["k"], "rounds": [3]}, seq=1)
+    align.sender = 1
+    restored.on_align(b"w1", align)
+    assert restored.done and restored.origins == {1: 0}
+    again = Message(Op.ALIGN, {"incarnation": 5, "origin": 9, "keys": ["k"], "rounds": [0]}, seq=2)
+    again.sender = 1
+    restored.on_align(b"w1", again)
+    assert restored.origins == {1: 0} and restored.server.rejoins.current.get(1, 0) == 0
+    assert [m.body["lost"] for m in restored.server.service.replies] == [0, 0]
