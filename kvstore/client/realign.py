@@ -98,8 +98,14 @@ class Realigner:
             request = io.submit(rank, Message(Op.ALIGN, body), f"align with restarted server {rank} "
                                 f"({where})", bypass=True)
             reply = store._request_all([request])[0]  # noqa: SLF001
+            if self.known.get(rank) != incarnation:  # restarted again meanwhile: the newer thread releases
+                return
             sent = io.release(rank)
         except (KVStoreError, OSError) as exc:
+            if self.known.get(rank) != incarnation:  # its socket was swapped out by a newer restart's
+                log.warning("server %d incarnation %d was restarted again before worker %d aligned with "
+                            "it: %s", rank, incarnation, store.rank, exc)
+                return
             error = NodeLostError(f"server {rank} was restarted at {where} but worker {store.rank} could not "
                                   f"align with it: {exc}", role="server", rank=rank, host=host)
             store._on_lost(error)  # noqa: SLF001

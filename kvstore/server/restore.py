@@ -32,6 +32,8 @@ import os
 import signal
 from typing import Any
 
+import numpy as np
+
 from kvstore.core.optimizer import from_spec
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
@@ -107,6 +109,8 @@ class Restored:
         self.server, self.image = server, image
         state = server.state
         install(server, image)
+        for held in image.keys.values():  # copied into the state: only the rounds and counts stay here
+            held.value, held.states = np.empty(0, held.value.dtype), {}
         for worker in cmap.get("left") or []:
             if type(worker) is int and 0 <= worker < state.num_workers:
                 state.leave(worker)
@@ -123,6 +127,7 @@ class Restored:
         self.dropped = 0  # retried pushes dropped: in the shard, or of a lost round
         log.warning("restarted from shard %d (step %d, %d keys); waiting for workers %s to align",
                     image.number, image.step(), len(image.keys), sorted(self.expected))
+        self.settle()  # every worker left or away: none will align (a REJOIN must not wait for one)
 
     def guard(self, handlers: dict[Op, Handler]) -> dict[Op, Handler]:
         """``handlers`` with ALIGN added and every other data op refused until the workers have aligned."""
@@ -147,12 +152,12 @@ class Restored:
         worker = self.server._sender(msg)  # noqa: SLF001
         incarnation, origin, keys, rounds = _align_body(msg.body)
         state = self.server.state
-        if incarnation > self.server.rejoins.current.get(worker, 0):
-            self.server.rejoins.current[worker] = incarnation
-        self.origins[worker] = origin
         if self.done:  # a worker that aligns again (nothing changes): answered at once
             self.server.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=msg.seq))
             return
+        if incarnation > self.server.rejoins.current.get(worker, 0):
+            self.server.rejoins.current[worker] = incarnation
+        self.origins[worker] = origin
         self.aligned[worker] = {k: r + origin for k, r in zip(keys, rounds) if k in state}
         self.waiting.append((identity, msg.seq))
         if worker in state.active:
@@ -162,7 +167,7 @@ class Restored:
     def forget(self, worker: int) -> None:
         """``worker`` left or went away: the alignment no longer waits for it."""
         self.expected.discard(worker)
-        if not self.done and self.waiting:
+        if not self.done:  # the last one it waited for: aligned now, even if no ALIGN came
             self.settle()
 
     def settle(self) -> None:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import gc
+import types
+import weakref
+
+import numpy as np
 import pytest
 
 from kvstore import config
+from kvstore.core.groups import GroupedShardState
+from kvstore.core.rejoin import Rejoins
+from kvstore.core.shard_image import KeyImage, ShardImage
 from kvstore.errors import ConfigError, ProtocolError
-from kvstore.server.restore import _align_body, read_image
+from kvstore.net.protocol import Message, Op
+from kvstore.server.restore import Restored, _align_body, read_image
 
 
 def test_a_well_formed_align_is_read() -> None:
@@ -38,3 +47,72 @@ def test_a_first_start_reads_no_shard_and_a_restart_needs_one(tmp_path) -> None:
         read_image(config.load({**base, "KVSTORE_INCARNATION": "1"}))
     with pytest.raises(ConfigError, match="KVSTORE_SERVER_ID"):
         read_image(config.load({"DMLC_ROLE": "server", "KVSTORE_INCARNATION": "1"}))
+
+
+class _Service:
+    """Records the replies a Restored sends."""
+
+    def __init__(self) -> None:
+        self.replies: list[Message] = []
+
+    def reply(self, identity: bytes, msg: Message) -> None:
+        self.replies.append(msg)
+
+
+def _restored(cmap: dict) -> Restored:
+    """A dist_sync server of 2 workers restarted from a shard holding key 'k' at round 3."""
+    state = GroupedShardState(2, sync=True)
+    server = types.SimpleNamespace(state=state, rejoins=Rejoins(state), optimizer=None, bf16_keys=set(),
+                                   shards=types.SimpleNamespace(session="s"), service=_Service())
+    image = ShardImage(rank=0, number=1, mode="dist_sync", num_workers=2, optimizer=None, num_update=0,
+                       keys={"k": KeyImage(np.zeros(2, np.float32), 3, {0: 3, 1: 3})}, session="s")
+    return Restored(server, image, cmap)
+
+
+@pytest.mark.parametrize("cmap", [{"left": [0], "away": [1]}, {"away": [0, 1]}])
+def test_a_restart_no_worker_must_align_with_is_aligned_at_once(cmap: dict) -> None:
+    """With every worker left or away when the server restarts, nobody will send ALIGN: it is aligned
+    at once (from the shard's rounds), so a restarted worker's REJOIN is not refused forever."""
+    restored = _restored(cmap)
+    assert restored.done and restored.floors == {"k": 3}
+
+
+def test_a_restart_is_aligned_once_the_last_worker_it_waits_for_goes() -> None:
+    """The one worker it waited for goes away before sending ALIGN: the restart is aligned then."""
+    restored = _restored({"left": [0]})
+    assert not restored.done
+    restored.forget(1)
+    assert restored.done and restored.floors == {"k": 3}
+
+
+def test_a_restart_keeps_no_second_copy_of_the_shards_values() -> None:
+    """The shard's arrays are copied into the server's state: the restart then lets them go (its memory
+    stays one copy of its keys), keeping only the rounds and counts it screens retried pushes with."""
+    value = np.zeros(1 << 16, np.float32)
+    gone = weakref.ref(value)
+    state = GroupedShardState(2, sync=False)
+    server = types.SimpleNamespace(state=state, rejoins=Rejoins(state), optimizer=None, bf16_keys=set(),
+                                   shards=types.SimpleNamespace(session="s"), service=_Service())
+    image = ShardImage(rank=0, number=1, mode="dist_async", num_workers=2, optimizer=None, num_update=0,
+                       keys={"k": KeyImage(value, 0, {0: 3})}, session="s")
+    del value
+    restored = Restored(server, image, {})
+    gc.collect()
+    assert gone() is None
+    assert restored.image.keys["k"].applied == {0: 3} and state._keys["k"].value.size == 1 << 16
+
+
+def test_an_align_after_the_alignment_is_answered_and_changes_nothing() -> None:
+    """Once aligned, another ALIGN (a duplicate, or another origin) is answered with what was lost and
+    leaves the worker's origin (which screens its pushes) and counted incarnation as they were."""
+    restored = _restored({"left": [0]})
+    restored.server._sender = lambda msg: msg.sender
+    align = Message(Op.ALIGN, {"incarnation": 0, "origin": 0, "keys": ["k"], "rounds": [3]}, seq=1)
+    align.sender = 1
+    restored.on_align(b"w1", align)
+    assert restored.done and restored.origins == {1: 0}
+    again = Message(Op.ALIGN, {"incarnation": 5, "origin": 9, "keys": ["k"], "rounds": [0]}, seq=2)
+    again.sender = 1
+    restored.on_align(b"w1", again)
+    assert restored.origins == {1: 0} and restored.server.rejoins.current.get(1, 0) == 0
+    assert [m.body["lost"] for m in restored.server.service.replies] == [0, 0]

@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import threading
+import types
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 
 from kvstore.client.mux import Wire
-from kvstore.client.realign import lowest_rounds
-from kvstore.errors import StoreClosedError
+from kvstore.client.realign import Realigner, lowest_rounds
+from kvstore.errors import DeadlineExceededError, StoreClosedError
 from kvstore.net import transport
 from kvstore.net.auth import Channel, derive_key, server_name
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import RouterService
+from tests.helpers import poll_for
 
 KEY = derive_key("realign-test-secret")
 SESSION = b"realign-test-session"
@@ -106,3 +109,67 @@ def test_held_requests_fail_when_the_wire_stops(servers) -> None:
     transport.close(unused)
     with pytest.raises(StoreClosedError):
         held.future.result(1)
+
+
+class _AligningServer(Server):
+    """A Server that also answers ALIGN, unless ``silent``, and records each ALIGN's body."""
+
+    def __init__(self, name: str, silent: bool) -> None:
+        super().__init__(name, silent)
+        self.aligns: list[dict] = []
+        self.service.handlers[Op.ALIGN] = self._align
+
+    def _align(self, identity: bytes, msg: Message) -> None:
+        self.aligns.append(msg.body)
+        if not self.silent:
+            self.service.reply(identity, Message(Op.OK, {"lost": 0}, seq=msg.seq))
+
+
+class _Store:
+    """The parts of a KVStore a Realigner uses, over a real Wire; a request waits ``timeout`` s."""
+
+    def __init__(self, wire: Wire, timeout: float) -> None:
+        self._io, self._cfg = wire, types.SimpleNamespace(incarnation=0)
+        self._send_lock, self._pushes, self.rejoined_at = threading.Lock(), {"k": 1}, None
+        self.rank, self.num_servers, self.lost, self.timeout = 0, 1, [], timeout
+
+    def _request_all(self, requests: list) -> list:
+        try:
+            return [self._io.wait(r, self.timeout) for r in requests]
+        except FutureTimeout:
+            raise DeadlineExceededError(f"{requests[0].what}: no reply") from None
+
+    def _on_lost(self, error: Exception) -> None:
+        self.lost.append(error)
+        self._io.fail(error)
+
+
+@pytest.mark.timeout(30)
+def test_an_alignment_superseded_by_a_newer_restart_does_not_fail_the_store() -> None:
+    """A server restarted twice before its first restart aligned: the first alignment, never answered
+    on its swapped-out socket, gives way to the second instead of failing the store when it times out."""
+    old, first = Server("server0", silent=True), _AligningServer(server_name(0, 1), silent=True)
+    second = _AligningServer(server_name(0, 2), silent=False)
+    for server in (old, first, second):
+        server.start()
+    unused, unused_port = transport.bind_router("127.0.0.1")
+    wire = Wire(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
+                [transport.connect_dealer(transport.address("127.0.0.1", old.port))], 0,
+                Channel(KEY, "worker-test", session=SESSION))
+    store = _Store(wire, timeout=1.5)
+    try:
+        push = _push(wire, 0)  # the lost server never answers it
+        realigner = Realigner(store, {"servers": [["127.0.0.1", old.port]]})
+        realigner.on_restarted([[0, 1, "127.0.0.1", first.port]])
+        poll_for(lambda: first.aligns, 10, "the first restart's ALIGN")
+        realigner.on_restarted([[0, 2, "127.0.0.1", second.port]])
+        assert wire.wait(push, 10).op is Op.OK  # sent again to the second restart, answered
+        for thread in realigner.threads:
+            thread.join(10)
+        assert store.lost == []
+        assert wire.wait(_push(wire, 1), 10).op is Op.OK
+    finally:
+        wire.stop(5)
+        transport.close(unused)
+        for server in (old, first, second):
+            server.stop()
