@@ -485,8 +485,7 @@ class DistKVStore(FastCalls, KVStore):
         timeout = self._cfg.shutdown_timeout
         if failure is None:
             error = self._leave_servers(timeout)
-        # the last beat before LEAVE: after the last worker's LEAVE no scheduler is left to answer it
-        self._heartbeat.stop()
+        self._heartbeat.stop()  # the last beat before LEAVE: after the last LEAVE no scheduler answers it
         self._heartbeat.join(timeout)
         if self._lost is None or self._lost.role != "scheduler":
             body = {} if failure is None else {"failure": failure}
