@@ -47,9 +47,10 @@ class ServerMeter:
         self.timeline = timeline.recorder("server", lambda: self.rank)  # KVSTORE_TIMELINE, else None
 
     def request(self, worker: int | None, op: str, nbytes: int) -> None:
-        """Count one request of ``worker`` carrying ``nbytes`` of arrays."""
+        """Count one request of ``worker`` carrying ``nbytes`` of arrays; a worker's last op is a request
+        of the job's (its same-host shared-memory offer at connection is not)."""
         self.counters.add("bytes_in", nbytes)
-        if worker is not None:
+        if worker is not None and op != "shm_attach":
             with self._lock:
                 self.last_by_worker[worker] = (op, time.time())
 
