@@ -124,7 +124,6 @@ class Restored:
         self.floors: dict[Key, int] = {}  # dist_sync: the round each key goes on from
         self.done = False
         self.lost = 0
-        self.dropped = 0  # retried pushes dropped: in the shard, or of a lost round
         log.warning("restarted from shard %d (step %d, %d keys); waiting for workers %s to align",
                     image.number, image.step(), len(image.keys), sorted(self.expected))
         self.settle()  # every worker left or away: none will align (a REJOIN must not wait for one)
@@ -222,7 +221,6 @@ class Restored:
             held = self.image.keys
             found = {i for i, (k, r) in enumerate(zip(keys, rounds)) if isinstance(k, (int, str))
                      and k in held and r + origin < held[k].applied.get(msg.sender, 0)}
-        self.dropped += len(found)
         return found
 
     def drop(self, batch: Any, dropped: set[int], entries: list[tuple], sizes: list[int], pull: bool,
