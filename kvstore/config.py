@@ -100,6 +100,7 @@ class Config:
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
     shm: bool = True  # KVSTORE_SHM: big arrays between a worker and a server on its host go by shared memory
     shm_bytes: int = DEFAULT_SHM_BYTES  # KVSTORE_SHM_BYTES: the size of each worker's segment per server
+    malloc_tune: bool = True  # KVSTORE_MALLOC_TUNE: fixed glibc heap thresholds in servers and workers
 
     def missing_cluster_vars(self) -> list[str]:
         """Return the names of the ``DMLC_*`` variables a distributed node needs but lacks."""
@@ -226,7 +227,8 @@ def _shm(env: Mapping[str, str]) -> dict[str, Any]:
     """Same-host shared memory: on or off, and each segment's size (at least 1 MiB)."""
     return {"shm": bool(env_int(env, "KVSTORE_SHM", minimum=0, maximum=1, default=1)),
             "shm_bytes": env_int(env, "KVSTORE_SHM_BYTES", minimum=1 << 20, maximum=1 << 40,
-                                 default=DEFAULT_SHM_BYTES)}
+                                 default=DEFAULT_SHM_BYTES),
+            "malloc_tune": bool(env_int(env, "KVSTORE_MALLOC_TUNE", minimum=0, maximum=1, default=1))}
 
 
 def _restarts(env: Mapping[str, str]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import sys
 import threading
 
 from kvstore import config as kvconfig
+from kvstore import heap
 from kvstore.base import DEVICE_TYPES
 from kvstore.client.store import DistKVStore, mode_of
 from kvstore.errors import ConfigError, KVStoreError, NodeLostError, StoreClosedError
@@ -90,7 +91,9 @@ def create_dist(name: str) -> DistKVStore:
             if name in DEVICE_TYPES:  # asking for a device name turns GPU sums on for the shared store
                 _instance._device_mode = True
             return _instance
-        store = DistKVStore(name, kvconfig.load())
+        cfg = kvconfig.load()
+        heap.tune(cfg.malloc_tune)
+        store = DistKVStore(name, cfg)
         _instance = store
     atexit.register(_close_at_exit, store)
     return store

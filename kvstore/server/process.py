@@ -14,7 +14,7 @@ import logging
 import numpy as np
 
 from kvstore import config as kvconfig
-from kvstore import logs
+from kvstore import heap, logs
 from kvstore.core import precision
 from kvstore.core.dtypes import BF16
 from kvstore.core.groups import GroupedShardState
@@ -474,6 +474,7 @@ class Server:
 
 
 def _serve(cfg: kvconfig.Config) -> int:
+    heap.tune(cfg.malloc_tune)
     server = Server(cfg)
     server.join()
     return server.run()

@@ -125,7 +125,7 @@ def test_layer_of_classifies_by_longest_prefix():
 # may import a unit on a lower layer, or its own unit; never one beside it or above it.
 LAYERS: list[tuple[str, ...]] = [
     ("kvstore.errors",),
-    ("kvstore.config", "kvstore.logs"),
+    ("kvstore.config", "kvstore.logs", "kvstore.heap"),
     ("kvstore.core",),                                            # pure logic, no I/O
     ("kvstore.net", "kvstore.device", "kvstore.data",              # sockets; GPU sums; sharding
      "kvstore.optimizer", "kvstore.lr_scheduler", "kvstore.checkpoint",  # public faces of core

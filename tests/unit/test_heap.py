@@ -1,0 +1,59 @@
+"""``kvstore.heap.tune``: fixed glibc thresholds keep a freed array's pages for the next one.
+
+Each case runs in a fresh interpreter (the thresholds are process-wide) and counts the page faults
+(``ru_minflt``) of a step's pattern repeated 40 times: three 4 MiB arrays allocated and filled, then all
+freed (with glibc's defaults the heap's free top then passes the trim threshold, twice the largest
+block freed, and goes back to the kernel).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from kvstore import heap
+
+pytestmark = pytest.mark.timeout(60)
+
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+
+SCRIPT = """
+import json, resource, sys
+import numpy as np
+from kvstore import heap
+said = heap.tune(sys.argv[1] == "1")
+np.ones(1 << 20, np.float32)  # one array freed first: glibc's adaptive thresholds take its size
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(40):
+    arrays = [np.ones(1 << 20, np.float32) for _ in range(3)]  # 4 MiB each, written
+    del arrays
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"said": said, "faults": faults}))
+"""
+
+
+def _faults(enabled: bool) -> dict:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, "1" if enabled else "0"], capture_output=True,
+                          text=True, timeout=50, check=True)
+    return json.loads(done.stdout)
+
+
+@glibc_only
+def test_tuned_heap_reuses_a_freed_arrays_pages() -> None:
+    tuned, plain = _faults(True), _faults(False)
+    assert tuned["said"].startswith("mmap threshold 32 MiB")
+    assert plain["said"].startswith("off")
+    pages = 40 * 3 * (4 << 20) // 4096  # every array faulting every page in anew
+    assert tuned["faults"] < pages // 50, tuned  # its pages stay mapped from one array to the next
+    assert plain["faults"] > pages // 5, plain  # glibc's defaults: the freed top goes back
+
+
+def test_tune_answers_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(heap, "_done", None)
+    first = heap.tune(False)
+    assert first == "off (KVSTORE_MALLOC_TUNE=0)"
+    assert heap.tune(True) == first  # a process's thresholds are set once, by its first call
