@@ -23,7 +23,7 @@ log = logging.getLogger("kvstore.heap")
 M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (glibc's malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's own upper bound for its adaptive threshold on 64-bit systems
-TRIM_THRESHOLD = 64 << 20
+TRIM_THRESHOLD = 16 << 20
 
 _done: str | None = None
 
