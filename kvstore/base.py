@@ -164,6 +164,15 @@ class KVStore(abc.ABC):
         self._push(groups, priority)
         return self._pull([k for k, _, _ in groups], priority, outs)
 
+    def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any]) -> Callable[[bool], None]:
+        """Start a pushpull of ``keys`` (one value and one out each); return ``finish(write=True)``, which
+        completes it (``write=False``: its result is not wanted).  Here all of it runs in ``finish``;
+        a dist store sends at once (``kvstore.client.pending``).  Used by the Trainer's overlap."""
+        def finish(write: bool = True) -> None:
+            if write:
+                self.pushpull(keys, values, out=outs)
+        return finish
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Block until every worker has called ``barrier``."""

@@ -6,10 +6,12 @@ Parameters are grouped into *buckets* in reverse order (the order backward produ
 first bucket = last layers); as in DDP, a bucket is closed once it holds ``bucket_bytes`` or more, so
 small parameters ride with the next large one instead of travelling alone; ``bucket_bytes=0`` gives
 one bucket per parameter.  When every parameter of a
-bucket has its gradient, the hook pushes the bucket (one ``kv.push`` of its keys: the store batches the
-small keys per server into one message).  ``step`` then pushes the buckets still waiting (a parameter
-that got no gradient pushes zeros, with the warning of today's path), and pulls every key in forward
-order (first layers first): into the parameters with update_on_kvstore, into the ``.grad`` otherwise,
+bucket has its gradient, the hook pushes the bucket as one pushpull of its keys, sent now and collected
+by ``step`` (``kv._pushpull_begin``; the store batches the small keys per server into one message, and
+the server answers as soon as the round is applied: one request and one reply where a push then a pull
+took two of each).  ``step`` then sends the buckets still waiting (a parameter that got no gradient
+pushes zeros, with the warning of today's path), and collects every bucket's result in forward order
+(first layers first): into the parameters with update_on_kvstore, into the ``.grad`` otherwise,
 before the local update.  It waits only for what is still in flight.
 
 The first step of a Trainer takes the plain path (it initialises the keys); hooks push from the second
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB (DDP: 25 MB, its first bucket 1 MB); see docs/trainer.md
@@ -95,6 +97,7 @@ class Overlap:
         self._fired = [0] * len(self._params)
         self._left = [len(b) for b in self.buckets]
         self._pushed = [False] * len(self.buckets)
+        self._pending: dict[int, Callable[[bool], None]] = {}  # bucket -> its pushpull's finish
         self._refired = False
 
     def close(self) -> None:
@@ -126,13 +129,17 @@ class Overlap:
         bucket = self._bucket_of[index]
         self._left[bucket] -= 1
         if self._left[bucket] == 0 and not self._refired:
-            self._push(bucket, {i: self._params[i].grad for i in self.buckets[bucket]})
+            grads = {i: self._params[i].grad for i in self.buckets[bucket]}
+            self._push(bucket, grads, self._params if self._uok else grads)
             self.early += 1
 
-    def _push(self, bucket: int, grads: dict[int, Any]) -> None:
+    def _push(self, bucket: int, grads: Any, outs: Any) -> None:
+        """Send bucket ``bucket``'s pushpull: ``grads[i]`` of each parameter index ``i`` in it, its
+        result to go into ``outs[i]`` (the parameter with update_on_kvstore, else the gradient)."""
         self._pushed[bucket] = True
         indexes = self.buckets[bucket]
-        self._kv.push([self._keys[i] for i in indexes], [grads[i] for i in indexes])
+        self._pending[bucket] = self._kv._pushpull_begin(
+            [self._keys[i] for i in indexes], [grads[i] for i in indexes], [outs[i] for i in indexes])
 
     def reduce(self, grads: Any, scale: float) -> bool:
         """Finish the step's communication: push the buckets not pushed yet, pull every key in
@@ -143,7 +150,7 @@ class Overlap:
         the rescale_grad of this step.  Raises RuntimeError (update_on_kvstore) when a gradient was
         accumulated after its push, ValueError when pushes left with another rescale_grad.
         """
-        pushed, refired, pushed_scale = self._pushed, self._refired, self._scale
+        pushed, refired, pushed_scale, pending = self._pushed, self._refired, self._scale, self._pending
         pushed_any = any(pushed)
         armed, self._armed, self._scale = self._armed, True, scale
         self._reset()
@@ -160,22 +167,27 @@ class Overlap:
                              "with update_on_kvstore and overlap every step needs the same batch size; "
                              "create the Trainer with overlap=False (or update_on_kvstore=False) to vary it")
         if refired:
+            for finish in pending.values():
+                finish(False)  # answered, not written: the plain path pushes every key again
             return False
-        self._finish(grads(), pushed)
+        self._finish(grads(), pushed, pending)
         return True
 
-    def _finish(self, values: list[Any], pushed: list[bool]) -> None:
-        """Push the buckets ``pushed`` marks False (last layers first), then pull every key in forward
-        order; a step whose hooks pushed nothing (no parameter got a gradient) is one pushpull."""
+    def _finish(self, values: list[Any], pushed: list[bool], pending: dict[int, Any]) -> None:
+        """Send the buckets ``pushed`` marks False (last layers first), then collect every bucket's
+        result in forward order (first layers first); a step whose hooks pushed nothing (no parameter
+        got a gradient) is one pushpull."""
         outs = self._params if self._uok else values
         if not any(pushed):
             self._kv.pushpull(self._keys, [[v] for v in values], out=[[o] for o in outs])
         else:
             for bucket, done in enumerate(pushed):
                 if not done:
-                    self._push(bucket, values)
-            self._pushed = [False] * len(self.buckets)  # _push marked them: this step's are over
-            self._kv.pull(self._keys, out=[[o] for o in outs])  # forward order: first layers first
+                    self._push(bucket, values, outs)
+            pending.update(self._pending)
+            self._reset()  # _push marked them: this step's are over
+            for bucket in reversed(range(len(self.buckets))):
+                pending[bucket]()
         if not self._uok:
             for p, g in zip(self._params, values):
                 if p.grad is None:

@@ -28,19 +28,14 @@ from kvstore.client.fastpath import FastCalls, FastPath
 from kvstore.client.joining import after_round, join, rejoin
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Request, Wire
+from kvstore.client.pending import PendingCalls
 from kvstore.client.sparse import DistRows, RowsLink
 from kvstore.client.window import PushWindow
 from kvstore.core import values as V
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, Piece, placement
 from kvstore.core.plan import Send, collect, init_body, pack, plan
-from kvstore.errors import (
-    DeadlineExceededError,
-    KVStoreError,
-    NodeLostError,
-    StoreClosedError,
-    from_cluster,
-)
+from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, StoreClosedError, from_cluster
 from kvstore.net import address, transport
 from kvstore.net.auth import channel_for, new_label
 from kvstore.net.heartbeat import Heartbeat
@@ -54,7 +49,7 @@ def mode_of(name: str) -> str:
     return "dist_async" if "async" in name else "dist_sync"
 
 
-class DistKVStore(FastCalls, KVStore):
+class DistKVStore(FastCalls, PendingCalls, KVStore):
     """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster.
 
     In ``dist_*_device`` modes, CUDA values are summed on a GPU and copied once into pinned memory to be
