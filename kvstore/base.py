@@ -55,6 +55,12 @@ def public(method: F) -> F:
     return call  # type: ignore[return-value]
 
 
+def once_each(keys: list[Any]) -> None:
+    """Raise ValueError when a pushpull's list of keys names a key twice (TypeError for a bad key)."""
+    if len(set(map(check_key, keys))) != len(keys):
+        raise ValueError("pushpull takes each key once; sum repeated values into one list entry")
+
+
 def _as_list(obj: Any) -> list[Any]:
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
@@ -168,6 +174,8 @@ class KVStore(abc.ABC):
         """Start a pushpull of ``keys`` (one value and one out each); return ``finish(write=True)``, which
         completes it (``write=False``: its result is not wanted).  Here all of it runs in ``finish``;
         a dist store sends at once (``kvstore.client.pending``).  Used by the Trainer's overlap."""
+        once_each(keys)
+
         def finish(write: bool = True) -> None:
             if write:
                 self.pushpull(keys, values, out=outs)
@@ -378,8 +386,8 @@ class KVStore(abc.ABC):
         Without ``out`` the result is written back into ``value`` in place.
         """
         single = not isinstance(key, (list, tuple))
-        if not single and len(set(map(check_key, key))) != len(key):
-            raise ValueError("pushpull takes each key once; sum repeated values into one list entry")
+        if not single:
+            once_each(key)
         groups = self._groups(key, value)
         keys = [k for k, _, _ in groups]
         target = value if out is None else out

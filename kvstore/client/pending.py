@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvstore.base import once_each
 from kvstore.client.joining import after_round
-from kvstore.core.partition import Key, check_key
+from kvstore.core.partition import Key
 from kvstore.net.protocol import Op
 
 
@@ -26,8 +27,7 @@ class PendingCalls:
         which waits for the replies and writes each key's result into its out (with ``write=False``
         only waits, raising what failed).  Raises what ``pushpull`` raises for bad arguments,
         before anything is sent."""
-        if len(set(map(check_key, keys))) != len(keys):
-            raise ValueError("pushpull takes each key once; sum repeated values into one list entry")
+        once_each(keys)
         store: Any = self
         groups = store._groups(keys, values)
         targets = store._outs(keys, outs, False)

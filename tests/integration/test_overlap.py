@@ -146,3 +146,28 @@ def test_hooks_are_removed_by_close_and_by_garbage_collection() -> None:
     gc.collect()
     assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
     net(torch.randn(2, 64)).sum().backward()  # no hook left to call
+
+
+@pytest.mark.parametrize("store", ["dist_sync", "local"])
+def test_a_begun_pushpull_writes_its_outs_only_when_finished(make_cluster, store: str) -> None:
+    """``_pushpull_begin`` (what the hooks send): the outs are written by ``finish()``, not before;
+    ``finish(False)`` waits without writing; a repeated key is refused before anything is sent."""
+    import numpy as np
+
+    import kvstore
+
+    kv = make_cluster("dist_sync", 1, 1).workers[0] if store == "dist_sync" else kvstore.create("local")
+    key = f"begun{next(_prefixes)}"
+    kv.init(key, np.zeros(4, np.float32))
+    out = np.full(4, -1.0, np.float32)
+    finish = kv._pushpull_begin([key], [np.ones(4, np.float32)], [out])
+    assert (out == -1).all()
+    finish()
+    assert (out == 1).all()  # one worker, no optimizer: the stored value is the pushed sum
+    other = np.full(4, -1.0, np.float32)
+    kv._pushpull_begin([key], [np.full(4, 2, np.float32)], [other])(False)
+    assert (other == -1).all()
+    if store == "dist_sync":
+        assert (kv.pull(key) == 2).all()  # the push was applied all the same
+    with pytest.raises(ValueError, match="each key once"):
+        kv._pushpull_begin([key, key], [np.ones(4, np.float32)] * 2, [out, out])
