@@ -81,6 +81,17 @@ def test_overlapped_steps_give_the_plain_paths_weights(make_cluster, workers: in
                 assert_same(a, b)
 
 
+def test_overlap_with_gradient_compression_gives_the_plain_paths_weights(make_cluster) -> None:
+    """The hooks' pushpulls are compressed as the plain path's pushes are (2bit, residuals per key)."""
+    cluster = make_cluster("dist_sync", 2, 1)
+    cluster.run(lambda kv: kv.set_gradient_compression({"type": "2bit", "threshold": 0.05}))
+    for uok in (False, True):
+        plain = run(cluster, train, uok, overlap=False)
+        overlapped = run(cluster, train, uok, overlap=True, bucket_bytes=700)
+        for a, b in zip(plain, overlapped):
+            assert_same(a, b)
+
+
 def test_missing_gradient_and_accumulation_keep_todays_behaviour(make_cluster) -> None:
     """A parameter without a gradient gets zeros; accumulated backward passes (with and without
     no_sync) sum as on the plain path; both store modes."""
