@@ -182,3 +182,26 @@ def test_a_begun_pushpull_writes_its_outs_only_when_finished(make_cluster, store
         assert (kv.pull(key) == 2).all()  # the push was applied all the same
     with pytest.raises(ValueError, match="each key once"):
         kv._pushpull_begin([key, key], [np.ones(4, np.float32)] * 2, [out, out])
+
+
+def test_a_gradient_replaced_before_step_still_gets_the_sum(make_cluster) -> None:
+    """update_on_kvstore=False: a .grad replaced by a new tensor after backward still receives the
+    summed gradient at step, so the workers keep the same weights (the hooks pushed the old one)."""
+    cluster = make_cluster("dist_sync", 2, 1)
+
+    def replaced(kv, prefix: str) -> list:
+        net = model()
+        trainer = Trainer(net.named_parameters(), "sgd", dict(SGD), kvstore=kv, update_on_kvstore=False,
+                          key_prefix=prefix, overlap=True)
+        gen = torch.Generator().manual_seed(11 + kv.rank)
+        for _ in range(3):
+            net.zero_grad()
+            net(torch.randn(4, 64, generator=gen)).sum().backward()
+            for p in net.parameters():
+                p.grad = p.grad * 0.5  # a new tensor, as a user's scaling may make
+            trainer.step(8)
+        assert trainer._overlap.early > 0
+        return [p.detach().clone() for p in net.parameters()]
+
+    first, second = run(cluster, replaced)
+    assert_same(first, second)
