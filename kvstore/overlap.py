@@ -97,7 +97,7 @@ class Overlap:
         self._fired = [0] * len(self._params)
         self._left = [len(b) for b in self.buckets]
         self._pushed = [False] * len(self.buckets)
-        self._pending: dict[int, Callable[[bool], None]] = {}  # bucket -> its pushpull's finish
+        self._pending: dict[int, tuple[Callable[[bool], None], list[Any]]] = {}  # bucket -> finish, outs
         self._refired = False
 
     def close(self) -> None:
@@ -138,8 +138,9 @@ class Overlap:
         result to go into ``outs[i]`` (the parameter with update_on_kvstore, else the gradient)."""
         self._pushed[bucket] = True
         indexes = self.buckets[bucket]
-        self._pending[bucket] = self._kv._pushpull_begin(
-            [self._keys[i] for i in indexes], [grads[i] for i in indexes], [outs[i] for i in indexes])
+        targets = [outs[i] for i in indexes]
+        self._pending[bucket] = (self._kv._pushpull_begin(
+            [self._keys[i] for i in indexes], [grads[i] for i in indexes], targets), targets)
 
     def reduce(self, grads: Any, scale: float) -> bool:
         """Finish the step's communication: push the buckets not pushed yet, pull every key in
@@ -167,7 +168,7 @@ class Overlap:
                              "with update_on_kvstore and overlap every step needs the same batch size; "
                              "create the Trainer with overlap=False (or update_on_kvstore=False) to vary it")
         if refired:
-            for finish in pending.values():
+            for finish, _ in pending.values():
                 finish(False)  # answered, not written: the plain path pushes every key again
             return False
         self._finish(grads(), pushed, pending)
@@ -187,7 +188,11 @@ class Overlap:
             pending.update(self._pending)
             self._reset()  # _push marked them: this step's are over
             for bucket in reversed(range(len(self.buckets))):
-                pending[bucket]()
+                finish, targets = pending[bucket]
+                finish()
+                for i, target in zip(self.buckets[bucket], targets):
+                    if outs[i] is not target:  # a .grad replaced since its hook: it gets the sum too
+                        outs[i].copy_(target)
         if not self._uok:
             for p, g in zip(self._params, values):
                 if p.grad is None:
