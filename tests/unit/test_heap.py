@@ -57,3 +57,16 @@ def test_tune_answers_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     first = heap.tune(False)
     assert first == "off (KVSTORE_MALLOC_TUNE=0)"
     assert heap.tune(True) == first  # a process's thresholds are set once, by its first call
+
+
+def test_tune_raises_nothing_where_the_libc_cannot_be_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CS_GNU_LIBC_VERSION (musl, macOS) and an unreadable interpreter path: tune leaves the heap alone."""
+    import os
+
+    def no_confstr(name: str) -> str:
+        raise ValueError("unrecognized configuration name")
+
+    monkeypatch.setattr(heap, "_done", None)
+    monkeypatch.setattr(os, "confstr", no_confstr)
+    monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python3")
+    assert "glibc" in heap.tune(True)
