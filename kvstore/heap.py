@@ -39,12 +39,21 @@ def tune(enabled: bool = True) -> str:
         return _done
     if not enabled:
         _done = "off (KVSTORE_MALLOC_TUNE=0)"
-    elif platform.libc_ver()[0] != "glibc":
+    elif not _glibc():
         _done = "not glibc: the allocator is left as it is"
     else:
         _done = _mallopt()
     log.debug("malloc thresholds: %s", _done)
     return _done
+
+
+def _glibc() -> bool:
+    """Whether this process runs on glibc; False when that cannot be told (``platform.libc_ver``
+    reads ``sys.executable`` where ``CS_GNU_LIBC_VERSION`` is missing, and that file may be gone)."""
+    try:
+        return platform.libc_ver()[0] == "glibc"
+    except OSError:
+        return False
 
 
 def _mallopt() -> str:
