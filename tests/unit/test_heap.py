@@ -44,6 +44,7 @@ def _faults(enabled: bool) -> dict:
 
 @glibc_only
 def test_tuned_heap_reuses_a_freed_arrays_pages() -> None:
+    """With tune, a step's freed 4 MiB arrays keep their pages for the next step; without, they fault anew."""
     tuned, plain = _faults(True), _faults(False)
     assert tuned["said"].startswith("mmap threshold 32 MiB")
     assert plain["said"].startswith("off")
@@ -53,6 +54,7 @@ def test_tuned_heap_reuses_a_freed_arrays_pages() -> None:
 
 
 def test_tune_answers_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call of tune decides for the process; later calls repeat its answer."""
     monkeypatch.setattr(heap, "_done", None)
     first = heap.tune(False)
     assert first == "off (KVSTORE_MALLOC_TUNE=0)"
