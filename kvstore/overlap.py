@@ -101,8 +101,25 @@ class Overlap:
         self._refired = False
 
     def close(self) -> None:
-        """Remove every hook (idempotent)."""
+        """Remove every hook (idempotent), then collect what the hooks sent since the last step (its
+        results are not wanted); raises the first failure among those."""
+        pending, self._pending = self._pending, {}
         self._finalizer()
+        self._drain(pending)
+
+    @staticmethod
+    def _drain(pending: dict[int, Any], quiet: bool = False) -> None:
+        """Wait for every pushpull of ``pending`` without writing its result, so that none is left
+        uncollected (its failure would be lost); raise the first failure unless ``quiet``."""
+        first = None
+        for finish, _ in pending.values():
+            try:
+                finish(False)
+            except Exception as exc:  # every one is collected; the first failure is raised
+                first = first or exc
+        pending.clear()
+        if first is not None and not quiet:
+            raise first
 
     @property
     def hooks(self) -> int:
@@ -157,22 +174,29 @@ class Overlap:
         self._reset()
         if not armed:
             return False
-        if self._uok and pushed_any and refired:
-            raise RuntimeError("a gradient was accumulated after the hooks pushed it, and the servers have "
-                               "applied that push: with update_on_kvstore and overlap, run the backward "
-                               "passes that only accumulate inside trainer.no_sync()")
-        if self._uok and pushed_any and scale != pushed_scale:
-            raise ValueError(f"this step's gradients were pushed during backward with rescale_grad "
-                             f"{pushed_scale!r} (the previous step's batch size), and step asked for "
-                             f"{scale!r}: "
-                             "with update_on_kvstore and overlap every step needs the same batch size; "
-                             "create the Trainer with overlap=False (or update_on_kvstore=False) to vary it")
-        if refired:
-            for finish, _ in pending.values():
-                finish(False)  # answered, not written: the plain path pushes every key again
+        refusal = self._refusal(pushed_any and self._uok, refired, scale, pushed_scale)
+        if refusal is not None or refired:
+            self._drain(pending)  # answered, not written: the plain path pushes every key again
+            if refusal is not None:
+                raise refusal
             return False
         self._finish(grads(), pushed, pending)
         return True
+
+    @staticmethod
+    def _refusal(applied: bool, refired: bool, scale: float, pushed_scale: float | None) -> Exception | None:
+        """Why a step whose hooks pushed with update_on_kvstore (``applied``) cannot go on, or None."""
+        if applied and refired:
+            return RuntimeError("a gradient was accumulated after the hooks pushed it, and the servers have "
+                                "applied that push: with update_on_kvstore and overlap, run the backward "
+                                "passes that only accumulate inside trainer.no_sync()")
+        if applied and scale != pushed_scale:
+            return ValueError(f"this step's gradients were pushed during backward with rescale_grad "
+                              f"{pushed_scale!r} (the previous step's batch size), and step asked for "
+                              f"{scale!r}: "
+                              "with update_on_kvstore and overlap every step needs the same batch size; "
+                              "create the Trainer with overlap=False (or update_on_kvstore=False) to vary it")
+        return None
 
     def _finish(self, values: list[Any], pushed: list[bool], pending: dict[int, Any]) -> None:
         """Send the buckets ``pushed`` marks False (last layers first), then collect every bucket's
@@ -187,12 +211,15 @@ class Overlap:
                     self._push(bucket, values, outs)
             pending.update(self._pending)
             self._reset()  # _push marked them: this step's are over
-            for bucket in reversed(range(len(self.buckets))):
-                finish, targets = pending[bucket]
-                finish()
-                for i, target in zip(self.buckets[bucket], targets):
-                    if outs[i] is not target:  # a .grad replaced since its hook: it gets the sum too
-                        outs[i].copy_(target)
+            try:
+                for bucket in reversed(range(len(self.buckets))):
+                    finish, targets = pending.pop(bucket)
+                    finish()
+                    for i, target in zip(self.buckets[bucket], targets):
+                        if outs[i] is not target:  # a .grad replaced since its hook: it gets the sum too
+                            outs[i].copy_(target)
+            finally:
+                self._drain(pending, quiet=True)  # after a failure: the others are still collected
         if not self._uok:
             for p, g in zip(self._params, values):
                 if p.grad is None:

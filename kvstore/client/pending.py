@@ -25,8 +25,9 @@ class PendingCalls:
     def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any]) -> Callable[[bool], None]:
         """Send a PUSHPULL of ``keys`` (one value and one out each) now; return ``finish(write=True)``,
         which waits for the replies and writes each key's result into its out (with ``write=False``
-        only waits, raising what failed).  Raises what ``pushpull`` raises for bad arguments,
-        before anything is sent."""
+        only waits, raising what failed).  The caller must make that call: a failure of the pushpull
+        is raised there and nowhere else.  Raises what ``pushpull`` raises for bad arguments, before
+        anything is sent."""
         once_each(keys)
         store: Any = self
         groups = store._groups(keys, values)

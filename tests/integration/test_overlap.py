@@ -205,3 +205,36 @@ def test_a_gradient_replaced_before_step_still_gets_the_sum(make_cluster) -> Non
 
     first, second = run(cluster, replaced)
     assert_same(first, second)
+
+
+def test_every_pushpull_the_hooks_send_is_collected_even_when_step_refuses(make_cluster) -> None:
+    """A step that raises (a new batch size) and a close() between backward and step still collect the
+    hooks' pushpulls, so no failure of theirs can be lost (each ``finish`` is counted)."""
+    cluster = make_cluster("dist_sync", 1, 1)
+    kv = cluster.workers[0]
+    begun: list[list] = []
+    finished: list[list] = []
+    original = kv._pushpull_begin
+
+    def counted(keys, values, outs):
+        finish = original(keys, values, outs)
+        begun.append(keys)
+        return lambda write=True: (finished.append(keys), finish(write))[1]
+
+    kv._pushpull_begin = counted
+    net = model()
+    trainer = Trainer(net.named_parameters(), "sgd", dict(SGD), kvstore=kv, update_on_kvstore=True,
+                      key_prefix=f"ov{next(_prefixes)}", overlap=True, bucket_bytes=0)
+    for batch in (8, 8, 4):
+        net.zero_grad()
+        net(torch.randn(batch, 64)).sum().backward()
+        if batch == 4:
+            with pytest.raises(ValueError, match="same batch size"):
+                trainer.step(batch)
+        else:
+            trainer.step(batch)
+    assert len(begun) == 4 * 2 and len(finished) == len(begun)  # 4 buckets from the hooks in steps 2, 3
+    net.zero_grad()
+    net(torch.randn(4, 64)).sum().backward()
+    trainer.close()  # no step after this backward: close collects its pushpulls
+    assert len(begun) == 4 * 3 and len(finished) == len(begun)
