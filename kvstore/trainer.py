@@ -190,7 +190,8 @@ class Trainer:
                                 bucket_bytes) if overlap and len(replicas) == 1 else None
 
     def close(self) -> None:
-        """Remove the overlap's autograd hooks (the store stays open); garbage collection does it too."""
+        """Remove the overlap's autograd hooks (the store stays open) and collect what they sent since the
+        last step, raising a failure of theirs; garbage collection removes the hooks too."""
         if self._overlap is not None:
             self._overlap.close()
 
