@@ -190,8 +190,7 @@ class Trainer:
                                 bucket_bytes) if overlap and len(replicas) == 1 else None
 
     def close(self) -> None:
-        """Remove the overlap's autograd hooks (the store stays open) and collect what they sent since the
-        last step, raising a failure of theirs; garbage collection removes the hooks too."""
+        """Remove the overlap's hooks (the store stays open), collecting what they sent since a step."""
         if self._overlap is not None:
             self._overlap.close()
 
