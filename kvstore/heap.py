@@ -9,7 +9,8 @@ gradients) and frees them again, so with those defaults every step faults their 
 ``/proc/<pid>/stat`` (docs/benchmarks.md).  :func:`tune` fixes the thresholds instead: blocks under
 :data:`MMAP_THRESHOLD` come from the heap, and up to :data:`TRIM_THRESHOLD` bytes of free heap stay
 mapped for the next step.  Larger values (a 64 MB or 256 MB key) are still mapped on their own and
-returned when freed, so what a process keeps beyond its live arrays is bounded by the trim threshold.
+returned when freed.  The free space kept at the top of the heap is bounded by the trim threshold;
+free blocks inside the heap are reused but never returned, with glibc's defaults as with these.
 """
 
 from __future__ import annotations
