@@ -12,6 +12,7 @@ dtype; with ``multi_precision`` a float16 weight is updated through a float32 ma
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -258,6 +259,10 @@ class Optimizer:
             raise ShapeMismatchError(f"key {key!r}: its optimizer state fits no {dtype}{tuple(weight.shape)} "
                                      f"({xp.place(weight)})")
         if state is None:
+            if dtype == np.float16 and not mixed:
+                warnings.warn(f"key {key!r}: {self.name} updates a float16 weight in float16, where small "
+                              "steps and small state values round to zero (Adam's update becomes NaN); pass "
+                              "multi_precision=True to update it through a float32 master copy", stacklevel=2)
             state = self.states[key] = self.create_state(key, weight)
         count = self.counts[key] = self.counts.get(key, self.begin_num_update) + 1
         self.num_update = max(self.num_update, count)

@@ -20,6 +20,9 @@ from kvstore.errors import (
     ShapeMismatchError,
 )
 
+# float16 weights without multi_precision on purpose: their optimizer warning is expected
+pytestmark = pytest.mark.filterwarnings("ignore:key .* updates a float16 weight in float16")
+
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import msgpack
 import numpy as np
@@ -268,6 +269,7 @@ def test_multi_precision_float16_follows_a_float32_master_copy(name, ref, own):
     assert opt.state_names(np.float32) == twin.state_names(np.float32)  # only float16 goes through a copy
 
 
+@pytest.mark.filterwarnings("ignore:key .* updates a float16 weight in float16")  # asked for
 @pytest.mark.parametrize("name,ref,own", RULES, ids=RULE_IDS)
 def test_float16_without_multi_precision_works_in_float16(name, ref, own):
     """Without multi_precision a float16 weight is updated in float16 with float16 state."""
@@ -772,3 +774,18 @@ def test_update_of_a_parameter_that_requires_grad_runs_on_its_data() -> None:
     opt.update("p", weight, grad)
     assert weight.requires_grad and torch.equal(weight.detach(), torch.zeros(3))
     assert torch.equal(grad, torch.full((3,), 2.0)) and opt.counts["p"] == 1
+
+
+def test_float16_without_multi_precision_warns_as_mxnet_does():
+    """A float16 weight updated in float16 gets MXNet's warning (Adam's state underflows to NaN there);
+    with multi_precision the float32 master copy keeps the update finite and nothing is said."""
+    grad = np.full(4, 1e-4, np.float16)
+    plain, mixed = np.ones(4, np.float16), np.ones(4, np.float16)
+    with pytest.warns(UserWarning, match="multi_precision=True"), np.errstate(invalid="ignore"):
+        kvopt.create("adam").update(0, plain, grad)  # its variance and eps are 0 in float16: 0 / 0
+    opt = kvopt.create("adam", multi_precision=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            opt.update(0, mixed, grad)
+    assert np.isfinite(mixed).all() and (mixed < 1).all()
