@@ -2,9 +2,10 @@
 
 The server loop calls :meth:`ShardWriter.tick` between requests.  When a shard is due (the
 server's furthest key has closed ``N`` rounds more than at the last shard, or ``N`` seconds have
-passed), it takes an image of its state at once (:func:`kvstore.core.shard_image.capture`: no
-barrier, no copy of the values, a copy of the optimizer state) and a thread of its own writes it,
-so training stops only for the capture.  While one write is in flight no other image is taken
+passed, or keys were initialised since the last shard: a restart from it would lack them), it
+takes an image of its state at once (:func:`kvstore.core.shard_image.capture`: no barrier, no
+copy of the values, a copy of the optimizer state) and a thread of its own writes it, so training
+stops only for the capture.  While one write is in flight no other image is taken
 (memory stays one image).  Files live in ``KVSTORE_SNAPSHOT_DIR/server-RANK/shard-NUMBER.kvs``, in
 the one file format (atomic: a crash mid-write leaves the previous shard in effect); the latest two
 are kept and older ones removed.  A failed write is logged and counted, never fatal: training goes
@@ -87,13 +88,18 @@ class ShardWriter:
         self.thread: threading.Thread | None = None
         self.written = self.failed = 0
         self.last_written: ShardImage | None = None  # the last image written (its buffers are reused)
+        self.keys_seen: int | None = None  # keys in the last image (None: none taken by this process)
 
     def tick(self, state: ShardState | None, optimizer: Any, bf16_keys: set[Key]) -> bool:
         """Capture a shard and start writing it when one is due; return whether one was."""
         now = self.clock()
         if state is None or (self.thread is not None and self.thread.is_alive()):
             return False
-        if self.seconds > 0:
+        if self.keys_seen is None and self.number > 0:
+            self.keys_seen = len(state)  # a restarted server: the keys of the shard it started from
+        if self.keys_seen is not None and len(state) > self.keys_seen:
+            pass  # keys initialised since the last shard: a restart from it would lack them
+        elif self.seconds > 0:
             if now - self.last_time < self.seconds:
                 return False
         else:
@@ -107,7 +113,7 @@ class ShardWriter:
         self.last_written = None  # its state arrays become this image's copies
         image = capture(state, optimizer, bf16_keys, self.rank, self.number, spare)
         image.session = self.session
-        self.last_step, self.last_time = image.step(), now
+        self.last_step, self.last_time, self.keys_seen = image.step(), now, len(image.keys)
         self.thread = threading.Thread(target=self._write, args=(image,), name="kvstore-shard", daemon=True)
         self.thread.start()
         return True

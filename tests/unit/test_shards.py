@@ -122,3 +122,26 @@ def test_a_shard_records_its_cluster_session(tmp_path) -> None:
     assert writer.tick(shard, None, set())
     written(writer)
     assert read_latest(str(tmp_path), 0).session == "ab12"
+
+
+def test_keys_initialised_after_a_shard_make_the_next_one_due(tmp_path) -> None:
+    """After shard 1, a new key makes a shard due at once (no more rounds), and it holds the key;
+    before any shard, keys alone do not (the first one waits for its rounds)."""
+    clock, shard = Clock(), ShardState(1, sync=True)
+    shard.init("w", np.zeros(2))
+    writer = ShardWriter(str(tmp_path), 0, rounds=3, clock=clock)
+    clock.now += 1
+    assert not writer.tick(shard, None, set())
+    closed(shard, 3)
+    clock.now += 1
+    assert writer.tick(shard, None, set())
+    written(writer)
+    shard.init("late", np.full(3, 7.0))
+    clock.now += 1
+    assert writer.tick(shard, None, set())
+    written(writer)
+    image = read_latest(str(tmp_path), 0)
+    assert image.number == 2 and set(image.keys) == {"w", "late"}
+    np.testing.assert_array_equal(image.keys["late"].value, [7, 7, 7])
+    clock.now += 1
+    assert not writer.tick(shard, None, set())  # nothing new since: the rounds decide again
