@@ -95,19 +95,8 @@ class ShardWriter:
         now = self.clock()
         if state is None or (self.thread is not None and self.thread.is_alive()):
             return False
-        if self.keys_seen is None and self.number > 0:
-            self.keys_seen = len(state)  # a restarted server: the keys of the shard it started from
-        if self.keys_seen is not None and len(state) > self.keys_seen:
-            pass  # keys initialised since the last shard: a restart from it would lack them
-        elif self.seconds > 0:
-            if now - self.last_time < self.seconds:
-                return False
-        else:
-            if now - self.last_check < CHECK_EVERY:
-                return False
-            self.last_check = now
-            if progress(state) < self.last_step + self.rounds:
-                return False
+        if not self._due(state, now):
+            return False
         self.number += 1
         spare = self.last_written.keys if self.last_written is not None else None
         self.last_written = None  # its state arrays become this image's copies
@@ -117,6 +106,20 @@ class ShardWriter:
         self.thread = threading.Thread(target=self._write, args=(image,), name="kvstore-shard", daemon=True)
         self.thread.start()
         return True
+
+    def _due(self, state: ShardState, now: float) -> bool:
+        """Whether a shard is due: keys initialised since the last one (a restart from it would lack
+        them), else ``seconds`` passed or ``rounds`` more closed (looked at every CHECK_EVERY at most)."""
+        if self.keys_seen is None and self.number > 0:
+            self.keys_seen = len(state)  # a restarted server: the keys of the shard it started from
+        if self.keys_seen is not None and len(state) > self.keys_seen:
+            return True
+        if self.seconds > 0:
+            return now - self.last_time >= self.seconds
+        if now - self.last_check < CHECK_EVERY:
+            return False
+        self.last_check = now
+        return progress(state) >= self.last_step + self.rounds
 
     def _write(self, image: ShardImage) -> None:
         """Write ``image`` atomically, then remove all but the latest :data:`KEEP` shards."""
