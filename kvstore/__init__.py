@@ -62,7 +62,8 @@ from kvstore.trainer_sparse import SparseEmbedding, SparseTrainer
 # kvstore.scheduler.  A source checkout used without that install (PYTHONPATH=., or a checkout that
 # shadows an installed copy) finds it under the same name through this one extra search path.
 _checkout = _Path(__file__).resolve().parent.parent
-if not (_Path(__file__).parent / "scheduler").is_dir() and (_checkout / "scheduler" / "process.py").is_file():
+_source = _checkout / "scheduler" / "scheduler.py"
+if not (_Path(__file__).parent / "scheduler").is_dir() and _source.is_file():
     __path__.append(str(_checkout))  # noqa: F821 -- a package's own search path
 
 __version__ = "0.1.0"

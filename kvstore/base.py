@@ -32,7 +32,7 @@ from kvstore.errors import (
 )
 from kvstore.sparse import SparseCalls
 
-Group = tuple[Key, V.Meta, list[Any]]  # a key, its meta and its pushed values, checked
+Pushed = tuple[Key, V.Meta, list[Any]]  # a key, its meta and its pushed values, checked
 DEVICE_TYPES = frozenset({"device", "local_allreduce_device", "dist_sync_device", "dist_async_device",
                           "dist_device_sync", "dist_device_async"})  # the types that sum CUDA values on a GPU
 
@@ -157,7 +157,7 @@ class KVStore(abc.ABC):
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None: ...
 
     @abc.abstractmethod
-    def _push(self, groups: list[Group], priority: int) -> None:
+    def _push(self, groups: list[Pushed], priority: int) -> None:
         """Sum (:meth:`_sum`) and push each checked ``(key, meta, values)`` group."""
 
     @abc.abstractmethod
@@ -165,7 +165,7 @@ class KVStore(abc.ABC):
         """The values of ``keys``; a store may write a key's value straight into its ``outs`` entry
         (checked, one per key) and give None for that key."""
 
-    def _pushpull(self, groups: list[Group], priority: int,
+    def _pushpull(self, groups: list[Pushed], priority: int,
                   outs: list[list[Any]] | None = None) -> list[Any]:
         self._push(groups, priority)
         return self._pull([k for k, _, _ in groups], priority, outs)
@@ -280,7 +280,7 @@ class KVStore(abc.ABC):
                 self._comm = DeviceComm()
             return self._comm
 
-    def _groups(self, key: Any, value: Any) -> list[Group]:
+    def _groups(self, key: Any, value: Any) -> list[Pushed]:
         """Each key with its meta and values, every value checked (nothing summed yet)."""
         self._check_open()
         out = []

@@ -16,15 +16,15 @@ import numpy as np
 from kvstore.core.values import is_tensor
 
 
-class Part(Sequence):
+class Window(Sequence):
     """A read-only window ``dataset[start:stop]`` over an indexable dataset, without copying it.
 
     Supports ``len``, int indexes (negative ones count from the end; IndexError outside the
-    part), slices (a smaller Part), iteration and the other Sequence methods.
+    part), slices (a smaller Window), iteration and the other Sequence methods.
     """
 
     def __init__(self, dataset: Any, start: int, stop: int) -> None:
-        if isinstance(dataset, Part):  # a part of a part indexes the original directly
+        if isinstance(dataset, Window):  # a part of a part indexes the original directly
             base = dataset._indices[start:stop]
             dataset, start, stop = dataset._dataset, base.start, base.stop
         self._dataset = dataset
@@ -37,8 +37,8 @@ class Part(Sequence):
         if isinstance(index, slice):
             indices = self._indices[index]
             if indices.step != 1:
-                raise ValueError("a Part can only be sliced with step 1")
-            return Part(self._dataset, indices.start, indices.stop)
+                raise ValueError("a Window can only be sliced with step 1")
+            return Window(self._dataset, indices.start, indices.stop)
         try:
             position = self._indices[operator.index(index)]
         except IndexError:
@@ -50,7 +50,7 @@ class Part(Sequence):
             yield self._dataset[position]
 
     def __repr__(self) -> str:
-        return (f"Part({type(self._dataset).__name__}, items {self._indices.start} to "
+        return (f"Window({type(self._dataset).__name__}, items {self._indices.start} to "
                 f"{self._indices.stop - 1}, {len(self)} in all)")
 
 
@@ -77,8 +77,8 @@ def split(dataset: Any, num_parts: int, part_index: int, even: bool = True) -> A
     one: the first ``len(dataset) % num_parts`` parts have one more item.
 
     numpy arrays and torch tensors give views (along the first axis); lists, tuples, ranges
-    and Parts give slices of their own type; anything else with ``len`` and ``[i]`` (a torch
-    Dataset, say) gives a :class:`Part` over it.  Raises TypeError when ``dataset`` has no
+    and Windows give slices of their own type; anything else with ``len`` and ``[i]`` (a torch
+    Dataset, say) gives a :class:`Window` over it.  Raises TypeError when ``dataset`` has no
     ``len`` or no ``[i]`` (or is a mapping) or the counts are not ints; ValueError when
     ``num_parts < 1``, ``part_index`` is outside ``[0, num_parts)``, or with ``even=True`` there
     are fewer items than parts.
@@ -91,9 +91,9 @@ def split(dataset: Any, num_parts: int, part_index: int, even: bool = True) -> A
     if isinstance(dataset, Mapping) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TypeError(f"split needs a sequence with len() and [i], not {type(dataset).__name__}")
     start, stop = _bounds(len(dataset), num_parts, part_index, even)
-    if isinstance(dataset, (np.ndarray, list, tuple, range, Part)) or is_tensor(dataset):
+    if isinstance(dataset, (np.ndarray, list, tuple, range, Window)) or is_tensor(dataset):
         return dataset[start:stop]
-    return Part(dataset, start, stop)
+    return Window(dataset, start, stop)
 
 
 def split_and_load(batch: Any, devices: Sequence[Any], batch_axis: int = 0,

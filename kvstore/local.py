@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.base import Group, KVStore
+from kvstore.base import KVStore, Pushed
 from kvstore.core import checkpoint, precision, snapshot, xp
 from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
@@ -110,7 +110,7 @@ class LocalKVStore(KVStore):
             for key, array in items:
                 self._store[key] = precision.master(array)  # bfloat16: a float32 master copy
 
-    def _push(self, groups: list[Group], priority: int) -> None:
+    def _push(self, groups: list[Pushed], priority: int) -> None:
         items = [(key, self._compressed_sum(key, meta, values) if self._compression is not None
                   else self._sum(key, meta, values)) for key, meta, values in groups]
         items = [(key, precision.master(total) if xp.is_numpy(total) else total) for key, total in items]

@@ -17,7 +17,7 @@ KNOWN_TYPES: Sequence[str] = ("local", "device", "local_allreduce_cpu", "local_a
 def _registry() -> dict[str, Callable[[str], KVStore]]:
     """Each known type name -> what makes its store (imported on first use: ``import kvstore`` stays
     free of sockets)."""
-    from kvstore.client.process import create_dist
+    from kvstore.client.instance import create_dist
     from kvstore.local import LocalKVStore
 
     return {"local": LocalKVStore, "device": LocalKVStore, "local_allreduce_cpu": LocalKVStore,

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvstore import config as kvconfig
 from kvstore.base import KVStore
-from kvstore.client.process import process_store
+from kvstore.client.instance import process_store
 from kvstore.errors import ConfigError
 from kvstore.stores import create
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from .process import main
+from .scheduler import main
 
 sys.exit(main())

@@ -23,7 +23,7 @@ from typing import Any
 from kvstore.errors import AuthenticationError, ProtocolError
 from kvstore.net.protocol import Message, Op
 
-Scheduler = Any  # scheduler.process.Scheduler (not imported: that module imports this one)
+Scheduler = Any  # scheduler.scheduler.Scheduler (not imported: that module imports this one)
 log = logging.getLogger("scheduler")
 
 

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.client.mux import SCHEDULER, Wire
+from kvstore.client.mux import SCHEDULER, Mux
 from kvstore.config import Config
 from kvstore.errors import DeadlineExceededError, error_code, error_from_code, from_cluster
 from kvstore.net.protocol import Message, Op
@@ -24,7 +24,7 @@ class Barriers:
     """Joins barriers for one worker (``rank`` of ``num_workers``) over ``io``; ``wait`` is the store's
     deadline-bounded wait for replies."""
 
-    def __init__(self, io: Wire, cfg: Config, mode: str, rank: int, num_workers: int,
+    def __init__(self, io: Mux, cfg: Config, mode: str, rank: int, num_workers: int,
                  wait: Callable[[list, float, str], list]) -> None:
         self._io, self._cfg, self._mode, self._rank, self._num_workers = io, cfg, mode, rank, num_workers
         self._wait = wait

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import config as kvconfig
-from kvstore.client.mux import Request, Wire
+from kvstore.client.mux import Mux, Request
 from kvstore.errors import ConfigError, ProtocolError
 from kvstore.net import address, transport
 from kvstore.net.handshake import register
@@ -51,7 +51,7 @@ def join(scheduler: Any, channel: Any, cfg: kvconfig.Config, mode: str) -> dict:
     return body
 
 
-def rejoin(io: Wire, servers: int, cmap: dict, request_all: Callable[[list[Request]], list[Message]]
+def rejoin(io: Mux, servers: int, cmap: dict, request_all: Callable[[list[Request]], list[Message]]
            ) -> int | None:
     """A restarted worker's rejoin (the map's ``rejoin``; None for any other map): REJOIN to every
     server, which counts it again from the first round no key has opened there and replies that

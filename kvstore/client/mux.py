@@ -12,10 +12,10 @@ saves two thread switches per request, which on a busy machine is most of a smal
 request's round trip (docs/benchmarks.md).
 
 Replies nobody waits for yet (a push's ack) stay in zmq's queue until the next call
-that sends or waits reads them.  :meth:`Wire.fail` (a lost peer, from the heartbeat
+that sends or waits reads them.  :meth:`Mux.fail` (a lost peer, from the heartbeat
 thread) fails every request in flight at once, without the socket lock.
 
-Tests only: ``Wire._tamper``, when set, is applied to each message's frames after they are sealed
+Tests only: ``Mux._tamper``, when set, is applied to each message's frames after they are sealed
 and just before they are sent (``frames = wire._tamper(frames)``), so a test can damage a message in
 flight, e.g. flip one array byte of a push to exercise ``KVSTORE_AUTH=full``.  It is None otherwise.
 """
@@ -55,7 +55,7 @@ _READ_AHEAD = 256  # with this many requests in flight, a sender also reads the 
 @dataclass
 class Request:
     """One message in flight, the future its reply resolves, and (until then) where it went and what it
-    was, so it can be sent again to a restarted server (:meth:`Wire.hold`)."""
+    was, so it can be sent again to a restarted server (:meth:`Mux.hold`)."""
 
     what: str
     future: Future = field(default_factory=Future)
@@ -63,7 +63,7 @@ class Request:
     msg: Message | None = None
 
 
-class Wire:
+class Mux:
     """The scheduler socket and one socket per server of a worker; see the module docstring."""
 
     def __init__(self, scheduler: Any, servers: list[Any], rank: int, channel: Channel,

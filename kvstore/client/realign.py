@@ -4,7 +4,7 @@ The scheduler names a restarted server in every heartbeat reply (``restarted``: 
 host, port).  For each new one, a thread of its own (the heartbeat must go on beating):
 
 1. holds every request to that server: those the lost server never answered and every later one
-   (:meth:`Wire.hold`), taking a copy of the worker's push counts at the same instant;
+   (:meth:`Mux.hold`), taking a copy of the worker's push counts at the same instant;
 2. connects to the new address and swaps the socket in (what the old one still queued is dropped);
 3. sends ALIGN: for each key the worker has pushed, the round of its oldest unanswered push to that
    server (or of its next push), and its ``origin`` (the round it rejoined at, 0 if it never

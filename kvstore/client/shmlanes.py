@@ -106,7 +106,7 @@ def chunk_of(send: Any, array: Any) -> tuple[int, int] | None:
 
 
 def reply_bytes(op: Op, parts: list[Any], metas: Any) -> int:
-    """The size of the reply's array to a data request of ``parts`` (``plan.Part``; one dtype), given
+    """The size of the reply's array to a data request of ``parts`` (``plan.Span``; one dtype), given
     each key's meta: what a same-host server may write into shared memory (0: no reply array)."""
     if op is not Op.PULL and op is not Op.PUSHPULL:
         return 0

@@ -35,7 +35,7 @@ class RowsLink:
 
     submit: Callable[[int, Message, str], Request]
     wait: Callable[[list[Request]], list[Message]]  # under the request deadline; raises the errors
-    wait_one: Callable[[Any, float], Any]  # Wire.wait, for the push window
+    wait_one: Callable[[Any, float], Any]  # Mux.wait, for the push window
     window: PushWindow
     collective: Callable[[str, Callable[[], None]], None]
     num_servers: int

@@ -3,7 +3,7 @@
 The API threads validate, sum, encode and drive the sockets themselves
 (``kvstore.client.mux``: whoever waits receives).  Each reply resolves a future;
 every wait has a deadline.  The optimizer, state and snapshot calls are
-``kvstore.client.collective``'s; the one store per process is ``kvstore.client.process``'s.
+``kvstore.client.collective``'s; the one store per process is ``kvstore.client.instance``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from kvstore import config as kvconfig
 from kvstore import logs
-from kvstore.base import Group, KVStore, public
+from kvstore.base import KVStore, Pushed, public
 from kvstore.client import realign, shmlanes
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
@@ -27,7 +27,7 @@ from kvstore.client.compress import WorkerCompression
 from kvstore.client.fastpath import FastCalls, FastPath
 from kvstore.client.joining import after_round, join, rejoin
 from kvstore.client.meter import WorkerMeter
-from kvstore.client.mux import SCHEDULER, Request, Wire
+from kvstore.client.mux import SCHEDULER, Mux, Request
 from kvstore.client.pending import PendingCalls
 from kvstore.client.sparse import DistRows, RowsLink
 from kvstore.client.window import PushWindow
@@ -71,7 +71,7 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
         self._servers = [transport.address(h, p) for h, p in body["servers"]]
         logs.set_identity("worker", self._rank)
         servers = [transport.connect_dealer(a, curve=transport.curve_keys(cfg)) for a in self._servers]
-        self._io = Wire(scheduler, servers, self._rank, channel, body.get("max_message_bytes", 0),
+        self._io = Mux(scheduler, servers, self._rank, channel, body.get("max_message_bytes", 0),
                         names=realign.server_names(body))  # servers restarted before this worker joined
         self._io.set_lanes(shmlanes.attach(cfg, self._io, len(servers), cfg.connect_timeout))  # same host
         self._placements: dict[Key, list[Piece]] = {}  # each initialised key's pieces, computed once
@@ -317,14 +317,14 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
             self._plans[(keys, chunked)] = found  # (re)inserted last: the most recently used
         return found
 
-    def _push(self, groups: list[Group], priority: int) -> None:
+    def _push(self, groups: list[Pushed], priority: int) -> None:
         started = self._meter.begin("push")  # priority is accepted for MXNet scripts; sends keep call order
         try:
             self._send_groups(Op.PUSH, groups)
         finally:
             self._meter.end("push", started)
 
-    def _send_groups(self, op: Op, groups: list[Group]) -> tuple[list[Key], list[Send], list[Request]]:
+    def _send_groups(self, op: Op, groups: list[Pushed]) -> tuple[list[Key], list[Send], list[Request]]:
         """Sum every group (all before anything is sent), then send the call's PUSH or PUSHPULL
         messages as one run: another thread's messages cannot come between them, so a key's chunks
         reach its server in order.  Returns the keys, the messages and their requests."""
@@ -399,7 +399,7 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
         sends, _ = self._plan(keys, chunked=False)
         return self._collect(keys, sends, [self._submit(Op.PULL, s, None) for s in sends], outs)
 
-    def _pushpull(self, groups: list[Group], priority: int,
+    def _pushpull(self, groups: list[Pushed], priority: int,
                   outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pushpull")
         try:

@@ -24,7 +24,7 @@ from typing import Any
 from kvstore.core.partition import Key
 from kvstore.errors import DeadlineExceededError, KVStoreError
 
-Wait = Callable[[Any, float], Any]  # Wire.wait: (request, timeout) -> reply, raising its error
+Wait = Callable[[Any, float], Any]  # Mux.wait: (request, timeout) -> reply, raising its error
 
 
 class PushWindow:

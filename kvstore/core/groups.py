@@ -34,7 +34,7 @@ import numpy as np
 
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import _SILENT, Completion
-from kvstore.core.rounds import Part, Round
+from kvstore.core.rounds import ChunkRange, Round
 from kvstore.core.shard import ShardState, _KeyState
 from kvstore.errors import KVStoreError, ProtocolError
 
@@ -55,7 +55,7 @@ class _GroupRound:
         self.ranks, self.opened, self.last = ranks, opened, -1
 
 
-class Group:
+class KeyGroup:
     """Keys held as one flat array; counts are relative to the keys' own at the group's creation."""
 
     __slots__ = ("keys", "sizes", "offsets", "dtype", "value", "base", "rounds", "next_round", "submitted",
@@ -101,11 +101,11 @@ class GroupedShardState(ShardState):
         super().__init__(*args, **kwargs)
         self.split = split
         self.grouping = self.quorum is None and self.gate is None and not self.ordered
-        self._groups: dict[tuple, Group] = {}
-        self._grouped: dict[Key, Group] = {}
+        self._groups: dict[tuple, KeyGroup] = {}
+        self._grouped: dict[Key, KeyGroup] = {}
 
     # -- the group path ---------------------------------------------------------------------------
-    def group_of(self, keys: Any, sizes: Any, array: np.ndarray | None, create: bool) -> Group | None:
+    def group_of(self, keys: Any, sizes: Any, array: np.ndarray | None, create: bool) -> KeyGroup | None:
         """The group of exactly ``keys`` (with these ``sizes``, and ``array``'s dtype and length when
         given), made now when ``create`` and the keys are at rest; None when the per-key path must
         serve the request (including any malformed one: it raises the per-key errors)."""
@@ -125,7 +125,7 @@ class GroupedShardState(ShardState):
             return None
         return found
 
-    def _create(self, keys: list, sizes: list, array: np.ndarray) -> Group | None:
+    def _create(self, keys: list, sizes: list, array: np.ndarray) -> KeyGroup | None:
         """A new group of ``keys`` if each is a valid, distinct, stored key at rest, else None."""
         if len(sizes) != len(keys) or len(set(keys)) != len(keys):
             return None
@@ -140,7 +140,7 @@ class GroupedShardState(ShardState):
             other = self._grouped.get(key)
             if other is not None:
                 self._dissolve(other)  # an overlapping list: the keys are at rest, so this is cheap
-        group = Group(tuple(keys), list(sizes), np.concatenate([s.value for s in states]), first)
+        group = KeyGroup(tuple(keys), list(sizes), np.concatenate([s.value for s in states]), first)
         offsets = group.offsets
         for i, (key, state) in enumerate(zip(keys, states)):
             state.value = group.value[offsets[i]:offsets[i + 1]]  # the old arrays are freed
@@ -148,7 +148,7 @@ class GroupedShardState(ShardState):
         self._groups[group.keys] = group
         return group
 
-    def push_group(self, group: Group, worker: int, token: Any, array: np.ndarray,
+    def push_group(self, group: KeyGroup, worker: int, token: Any, array: np.ndarray,
                    pull: bool = False) -> list[Completion]:
         """Push ``array`` (every key of ``group``, flat) from ``worker``, as ``push_many`` of each key
         (``pushpull`` with ``pull``: ``token`` is then answered with the group's new value).
@@ -170,7 +170,7 @@ class GroupedShardState(ShardState):
             done += self.pull_group(group, worker, token)
         return done
 
-    def _contribute(self, group: Group, worker: int, token: Any, array: np.ndarray) -> list[Completion]:
+    def _contribute(self, group: KeyGroup, worker: int, token: Any, array: np.ndarray) -> list[Completion]:
         number = max(group.next_round.get(worker, group.base), group.base)
         i = number - group.base
         if i == len(group.rounds):
@@ -188,7 +188,7 @@ class GroupedShardState(ShardState):
         group.next_round[worker] = number + 1
         return self._close_group_rounds(group) if i == 0 else []
 
-    def _close_group_rounds(self, group: Group) -> list[Completion]:
+    def _close_group_rounds(self, group: KeyGroup) -> list[Completion]:
         """Close the group's oldest rounds while every active worker has pushed them; return the acks
         and the pulls this releases."""
         done: list[Completion] = []
@@ -204,7 +204,7 @@ class GroupedShardState(ShardState):
             done += [Completion(t) for tokens in rnd.tokens.values() for t in tokens if t is not _SILENT]
         return done + self._release_group_pulls(group) if group.waiting else done
 
-    def _apply_group(self, group: Group, total: np.ndarray, workers: Any) -> None:
+    def _apply_group(self, group: KeyGroup, total: np.ndarray, workers: Any) -> None:
         if self.updater is not None and len(group.keys) == 1:
             total = self.updater(group.keys[0], total, group.value)
         elif self.updater is not None:  # the optimizer updates each key (its state is per key)
@@ -217,7 +217,7 @@ class GroupedShardState(ShardState):
         for worker in workers:
             group.applied[worker] = group.applied.get(worker, 0) + 1
 
-    def pull_group(self, group: Group, worker: int, token: Any) -> list[Completion]:
+    def pull_group(self, group: KeyGroup, worker: int, token: Any) -> list[Completion]:
         """Answer ``token`` with the group's whole value once ``worker``'s pushes of it are applied.
         Raises ``ValueError`` if ``worker`` is not a rank."""
         self._check_worker(worker)
@@ -227,7 +227,7 @@ class GroupedShardState(ShardState):
         group.waiting.append((token, worker, target))
         return []
 
-    def _release_group_pulls(self, group: Group) -> list[Completion]:
+    def _release_group_pulls(self, group: KeyGroup) -> list[Completion]:
         ready, waiting, applied = [], [], group.applied
         for entry in group.waiting:
             (ready if applied.get(entry[1], 0) >= entry[2] else waiting).append(entry)
@@ -235,7 +235,7 @@ class GroupedShardState(ShardState):
         return [Completion(token, group.value) for token, _, _ in ready]
 
     # -- back to per-key state ----------------------------------------------------------------------
-    def _dissolve(self, group: Group) -> None:
+    def _dissolve(self, group: KeyGroup) -> None:
         """Give every key of ``group`` its own state back (see the module docstring)."""
         base0, sub0, app0, next0 = group.start
         offsets, split = group.offsets, self.split
@@ -305,7 +305,7 @@ def _split_round(group_round: _GroupRound, a: int, b: int, i: int, split: Callab
     rnd = Round(list(group_round.ranks), group_round.opened)
     if group_round.acc is not None:
         rnd.acc, rnd.owned = group_round.acc[a:b], group_round.owned
-        part = rnd.parts[0] = Part(b - a)
+        part = rnd.parts[0] = ChunkRange(b - a)
         part.last = group_round.last
     rnd.tokens = {w: [t if t is _SILENT else split(t, i) for t in tokens]
                   for w, tokens in group_round.tokens.items()}

@@ -10,7 +10,7 @@ server, or one slice per server).  Then, per server:
 * **big pieces** go alone, whole up to :data:`WHOLE_CHUNKS` chunks, and beyond that
   (pushes, INIT and STATE_SET: ``chunked``) cut into chunks of ``chunk_bytes`` (one
   message each), so a server adds one chunk while the next is on the wire, what a
-  server has received but not yet read stays small (``kvstore.server.process.INBOUND_MESSAGES``),
+  server has received but not yet read stays small (``kvstore.server.server.INBOUND_MESSAGES``),
   and no frame exceeds ``KVSTORE_MAX_MESSAGE_BYTES`` (at least ``WHOLE_CHUNKS *
   chunk_bytes``, ``kvstore.config.check_message_limits``).  Pulls ask for whole pieces.
   A whole piece lets a lone worker's push become the stored value with no copy.
@@ -45,7 +45,7 @@ class Layout(Protocol):
     size: int
 
 
-class Part(NamedTuple):
+class Span(NamedTuple):
     """Elements ``[start, stop)`` of ``key``'s flat value, carried by one message."""
 
     key: Key
@@ -63,7 +63,7 @@ class Send:
     """
 
     server: int
-    parts: list[Part]
+    parts: list[Span]
     lo: int | None = None
     total: int | None = None
     tag: Any = None  # the plan's tag of its keys (a push's compression: keys of one tag share batches)
@@ -125,17 +125,17 @@ def plan(entries: list[tuple[Key, np.dtype, list[Piece]]], batch_bytes: int, chu
                 if batch is None or batch[1] + nbytes > batch_bytes or batch[2] + extra > BATCH_HEADER_BYTES:
                     batch = open_batches[(piece.server, dtype, tag)] = [Send(piece.server, [], tag=tag), 0, 0]
                     sends.append(batch[0])
-                batch[0].parts.append(Part(key, piece.start, piece.stop))
+                batch[0].parts.append(Span(key, piece.start, piece.stop))
                 batch[1] += nbytes
                 batch[2] += extra
                 continue
             step = chunk_elements(chunk_bytes, dtype) if chunked and chunk_bytes > 0 else 0
             if not step or piece.stop - piece.start <= WHOLE_CHUNKS * step:
-                sends.append(Send(piece.server, [Part(key, piece.start, piece.stop)], tag=tag))
+                sends.append(Send(piece.server, [Span(key, piece.start, piece.stop)], tag=tag))
                 continue
             for start in range(piece.start, piece.stop, step):
                 stop = min(start + step, piece.stop)
-                sends.append(Send(piece.server, [Part(key, start, stop)], lo=start - piece.start,
+                sends.append(Send(piece.server, [Span(key, start, stop)], lo=start - piece.start,
                                   total=piece.stop - piece.start, tag=tag))
     return sends
 
@@ -164,12 +164,12 @@ def unpack(send: Send, array: np.ndarray) -> list[np.ndarray]:
     return [array[a:b] for a, b in zip(offsets, offsets[1:])]
 
 
-def gather(sends: list[Send], frames: list[list[np.ndarray]]) -> dict[Key, list[tuple[Part, np.ndarray]]]:
+def gather(sends: list[Send], frames: list[list[np.ndarray]]) -> dict[Key, list[tuple[Span, np.ndarray]]]:
     """Each key's parts, with a view of its elements, from the array frames of the replies to ``sends``.
 
     Raises :class:`ProtocolError` for a reply without exactly one frame or of the wrong length.
     """
-    got: dict[Key, list[tuple[Part, np.ndarray]]] = {}
+    got: dict[Key, list[tuple[Span, np.ndarray]]] = {}
     for send, arrays in zip(sends, frames):
         if len(arrays) != 1:
             raise ProtocolError(f"server {send.server} answered a pull with {len(arrays)} arrays")
@@ -186,7 +186,7 @@ def gather(sends: list[Send], frames: list[list[np.ndarray]]) -> dict[Key, list[
     return got
 
 
-def assemble(layout: Layout, parts: list[tuple[Part, np.ndarray]], out: Any = None) -> np.ndarray | None:
+def assemble(layout: Layout, parts: list[tuple[Span, np.ndarray]], out: Any = None) -> np.ndarray | None:
     """One key's value from its parts: written into ``out`` when that is a C-contiguous numpy array
     (then None is returned), else a view of a lone whole part or a new array."""
     if type(out) is np.ndarray and out.flags.c_contiguous:

@@ -3,7 +3,7 @@
 Pure numpy, no I/O; :class:`kvstore.core.shard.ShardState` keeps a queue of these per key.
 
 A round sums one contribution per worker.  Each chunk ``[lo, hi)`` of a contribution lands on the
-round's :class:`Part` starting at ``lo`` (every worker splits a key at the same offsets within a
+round's :class:`ChunkRange` starting at ``lo`` (every worker splits a key at the same offsets within a
 round).  In arrival order (``ordered=False``) a chunk is added into the accumulator at once; in rank
 order (``ordered=True``) it is added once every lower rank the round expects has been added over
 its range, and held until then, so the sum is ``((v0 + v1) + v2) + ...`` whatever the arrival order.
@@ -24,7 +24,7 @@ from kvstore.core.partition import Key
 from kvstore.errors import ProtocolError
 
 
-class Part:
+class ChunkRange:
     """One chunk range ``[lo, hi)`` of a sync round (``lo`` is its key in ``Round.parts``)."""
 
     __slots__ = ("hi", "last", "held")
@@ -44,7 +44,7 @@ class Round:
     def __init__(self, ranks: list[int], opened: float = 0.0) -> None:
         self.acc: np.ndarray | None = None  # the running sum (over the parts added so far)
         self.owned = False                  # False: acc is a pushed array itself, never written to
-        self.parts: dict[int, Part] = {}    # lo -> part
+        self.parts: dict[int, ChunkRange] = {}    # lo -> part
         self.tokens: dict[int, list] = {}   # worker -> tokens of its chunks (acked at close)
         self.covered: dict[int, int] = {}   # contributor -> end of its chunks so far
         self.complete: set[int] = set()     # contributors whose contribution covers [0, size)
@@ -90,7 +90,7 @@ class Round:
             self.last = worker
         part = self.parts.get(lo)
         if part is None:
-            part = self.parts[lo] = Part(hi)
+            part = self.parts[lo] = ChunkRange(hi)
         if not ordered or self.next_rank(part, active) == worker:
             self.add(part, worker, lo, value, size)
             if part.held:
@@ -111,7 +111,7 @@ class Round:
                 if part.held:
                     self.drain(part, lo, size, active)
 
-    def next_rank(self, part: Part, active: set[int]) -> int:
+    def next_rank(self, part: ChunkRange, active: set[int]) -> int:
         """The rank to add next over ``part``: the lowest expected rank above ``part.last`` (-1: none).
 
         Expected: active workers, and contributors whose chunks cover the part (a worker that
@@ -125,7 +125,7 @@ class Round:
                 return rank
         return -1
 
-    def add(self, part: Part, rank: int, lo: int, value: np.ndarray, size: int) -> None:
+    def add(self, part: ChunkRange, rank: int, lo: int, value: np.ndarray, size: int) -> None:
         """Add ``rank``'s chunk into the accumulator over ``part`` (the chunk is then dropped)."""
         hi = part.hi
         whole = hi - lo == size
@@ -144,7 +144,7 @@ class Round:
             self.acc[lo:hi] += value
         part.last = rank
 
-    def drain(self, part: Part, lo: int, size: int, active: set[int]) -> None:
+    def drain(self, part: ChunkRange, lo: int, size: int, active: set[int]) -> None:
         """Add the held chunks of ``part`` whose turn has come, in rank order."""
         held = part.held
         while held:

@@ -270,7 +270,7 @@ def _start_keeper(spec: RoleSpec, keeper: list[str], keeper_env: dict[str, str],
 def _leave_cluster(failure: str | None) -> None:
     """Close this process's dist store, if the function made one: the worker leaves the cluster (or,
     with ``failure``, is reported failed), as the exit hook of a worker process would."""
-    from kvstore.client.process import release_process_store
+    from kvstore.client.instance import release_process_store
 
     release_process_store(failure)
 

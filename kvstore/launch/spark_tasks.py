@@ -29,7 +29,7 @@ from typing import Any
 from pyspark import BarrierTaskContext
 
 from kvstore import config as kvconfig
-from kvstore.client.process import release_process_store
+from kvstore.client.instance import release_process_store
 from kvstore.errors import ConfigError, KVStoreError, TaskFailed
 from kvstore.launch import gpus, tether
 from kvstore.launch.roleprocess import RoleProcess, RoleSpec

@@ -42,7 +42,7 @@ def trainer_args(params: Any, kvstore: Any, overlap: bool | None) -> tuple[Any, 
 
 
 def _default_store() -> Any:
-    from kvstore.client.process import process_store
+    from kvstore.client.instance import process_store
 
     kv = process_store()
     if kv is None:

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvstore.server.process import main
+from kvstore.server.server import main
 
 sys.exit(main())

@@ -141,7 +141,7 @@ class _Scaled:
 
 def test_create_with_a_device_name_turns_gpu_sums_on_for_the_shared_store(make_cluster, monkeypatch) -> None:
     """The process's dist store, made as dist_sync, becomes a device store when dist_sync_device is asked."""
-    from kvstore.client import process as dist
+    from kvstore.client import instance as dist
 
     cluster: Cluster = make_cluster("dist_sync", 1, 1)
     store = cluster.workers[0]

@@ -72,9 +72,9 @@ def test_builtin_sequences_keep_their_type(dataset):
 
 
 def test_other_datasets_get_a_part_wrapper():
-    """Any other object with len and [i] gives a Part: len, indexes (negative too), iteration."""
+    """Any other object with len and [i] gives a Window: len, indexes (negative too), iteration."""
     part = D.split(Dataset(10), 3, 1, even=False)  # items 4..6
-    assert isinstance(part, D.Part) and len(part) == 3
+    assert isinstance(part, D.Window) and len(part) == 3
     assert part[0] == (4, 16) and part[-1] == (6, 36) and part[np.int64(1)] == (5, 25)
     assert list(part) == [(4, 16), (5, 25), (6, 36)]
     assert (5, 25) in part
@@ -84,11 +84,11 @@ def test_other_datasets_get_a_part_wrapper():
 
 
 def test_part_slices_and_splits_again():
-    """A Part's slices and its own splits are Parts over the original items."""
+    """A Window's slices and its own splits are Windows over the original items."""
     part = D.split(Dataset(20), 2, 1)  # items 10..19
-    assert list(part[2:4]) == [(12, 144), (13, 169)] and isinstance(part[2:4], D.Part)
+    assert list(part[2:4]) == [(12, 144), (13, 169)] and isinstance(part[2:4], D.Window)
     sub = D.split(part, 5, 4)
-    assert isinstance(sub, D.Part) and list(sub) == [(18, 324), (19, 361)]
+    assert isinstance(sub, D.Window) and list(sub) == [(18, 324), (19, 361)]
     with pytest.raises(ValueError):
         part[::2]
 

@@ -116,7 +116,7 @@ def test_layer_of_classifies_by_longest_prefix():
     """kvstore.core.shard is in core, kvstore.config is its own unit, the scheduler sits on top."""
     assert layer_of("kvstore.core.shard") == (LAYER_INDEX["kvstore.core"], "kvstore.core")
     assert layer_of("kvstore.config") == (LAYER_INDEX["kvstore.config"], "kvstore.config")
-    assert layer_of("kvstore.scheduler.process")[0] == len(LAYERS) - 1
+    assert layer_of("kvstore.scheduler.scheduler")[0] == len(LAYERS) - 1
 
 
 # -- the layers -------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 
-from kvstore.client.mux import Wire
+from kvstore.client.mux import Mux
 from kvstore.errors import NodeLostError, StoreClosedError
 from kvstore.net import transport
 from kvstore.net.auth import Channel, derive_key
@@ -67,7 +67,7 @@ def wire_and_server():
     server = FakeServer()
     server.start()
     unused, unused_port = transport.bind_router("127.0.0.1")  # the scheduler's socket, never used
-    wire = Wire(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
+    wire = Mux(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
                 [transport.connect_dealer(transport.address("127.0.0.1", server.port))], 0,
                 Channel(KEY, "worker-test", session=SESSION))
     yield wire, server
@@ -76,7 +76,7 @@ def wire_and_server():
     transport.close(unused)
 
 
-def _pull(wire: Wire, n: int):
+def _pull(wire: Mux, n: int):
     return wire.submit(0, Message(Op.PULL, {"n": n}), f"pull {n}")
 
 

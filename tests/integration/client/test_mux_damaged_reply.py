@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.client.mux import Wire
+from kvstore.client.mux import Mux
 from kvstore.errors import IntegrityError
 from kvstore.net import transport
 from kvstore.net.auth import Channel, derive_key
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(30)
 def test_a_damaged_reply_fails_its_request_at_once():
     server, port = transport.bind_router("127.0.0.1")
     unused, unused_port = transport.bind_router("127.0.0.1")
-    wire = Wire(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
+    wire = Mux(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
                 [transport.connect_dealer(transport.address("127.0.0.1", port))], 0,
                 Channel(KEY, "worker-test", full=True, session=SESSION))
     channel = Channel(KEY, "server0", full=True, session=SESSION)

@@ -1,4 +1,4 @@
-"""A worker's Wire across a server restart, on real sockets: requests the lost server never answered
+"""A worker's Mux across a server restart, on real sockets: requests the lost server never answered
 (and later ones) are held, sent again after the socket is swapped, sealed for the new name, in order."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 
-from kvstore.client.mux import Wire
+from kvstore.client.mux import Mux
 from kvstore.client.realign import Realigner, lowest_rounds
 from kvstore.errors import DeadlineExceededError, StoreClosedError
 from kvstore.net import transport
@@ -62,7 +62,7 @@ def servers():
         server.stop()
 
 
-def _push(wire: Wire, n: int):
+def _push(wire: Mux, n: int):
     return wire.submit(0, Message(Op.PUSH, {"keys": ["k"], "rounds": [n]}), f"push {n}")
 
 
@@ -72,7 +72,7 @@ def test_held_requests_go_again_in_order_to_the_swapped_server(servers) -> None:
     sealed for its new name, and their futures resolve from its replies."""
     old, new = servers("server0", silent=True), servers(server_name(0, 1), silent=False)
     unused, unused_port = transport.bind_router("127.0.0.1")
-    wire = Wire(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
+    wire = Mux(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
                 [transport.connect_dealer(transport.address("127.0.0.1", old.port))], 0,
                 Channel(KEY, "worker-test", session=SESSION))
     try:
@@ -100,7 +100,7 @@ def test_held_requests_fail_when_the_wire_stops(servers) -> None:
     """A request held for a restarting server fails with StoreClosedError when the store closes."""
     old = servers("server0", silent=True)
     unused, unused_port = transport.bind_router("127.0.0.1")
-    wire = Wire(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
+    wire = Mux(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
                 [transport.connect_dealer(transport.address("127.0.0.1", old.port))], 0,
                 Channel(KEY, "worker-test", session=SESSION))
     wire.hold(0)
@@ -126,9 +126,9 @@ class _AligningServer(Server):
 
 
 class _Store:
-    """The parts of a KVStore a Realigner uses, over a real Wire; a request waits ``timeout`` s."""
+    """The parts of a KVStore a Realigner uses, over a real Mux; a request waits ``timeout`` s."""
 
-    def __init__(self, wire: Wire, timeout: float) -> None:
+    def __init__(self, wire: Mux, timeout: float) -> None:
         self._io, self._cfg = wire, types.SimpleNamespace(incarnation=0)
         self._send_lock, self._pushes, self.rejoined_at = threading.Lock(), {"k": 1}, None
         self.rank, self.num_servers, self.lost, self.timeout = 0, 1, [], timeout
@@ -153,7 +153,7 @@ def test_an_alignment_superseded_by_a_newer_restart_does_not_fail_the_store() ->
     for server in (old, first, second):
         server.start()
     unused, unused_port = transport.bind_router("127.0.0.1")
-    wire = Wire(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
+    wire = Mux(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
                 [transport.connect_dealer(transport.address("127.0.0.1", old.port))], 0,
                 Channel(KEY, "worker-test", session=SESSION))
     store = _Store(wire, timeout=1.5)

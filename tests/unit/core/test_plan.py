@@ -14,8 +14,8 @@ from kvstore.core.plan import (
     BATCH_HEADER_BYTES,
     SMALL_BYTES,
     WHOLE_CHUNKS,
-    Part,
     Send,
+    Span,
     chunk_elements,
     collect,
     init_body,
@@ -101,7 +101,7 @@ def test_chunking_off_and_pulls_send_big_pieces_whole():
     """chunk_bytes=0, or chunked=False (pulls), sends each big piece in one message."""
     pieces = [Piece(0, 0, 1 << 20)]
     for sends in (plan([("w", F32, pieces)], 1 << 20, 0), plan([("w", F32, pieces)], 1 << 20, 4096, False)):
-        assert [(s.lo, s.parts) for s in sends] == [(None, [Part("w", 0, 1 << 20)])]
+        assert [(s.lo, s.parts) for s in sends] == [(None, [Span("w", 0, 1 << 20)])]
 
 
 def test_init_chunks_carry_their_pieces_total():
@@ -203,21 +203,21 @@ def test_a_piece_just_over_small_goes_alone_unchunked():
 def test_pack_and_unpack_round_trip():
     """pack concatenates the parts' elements; unpack gives one view per part; one part is not copied."""
     flats = {"a": np.arange(5, dtype=np.float32), "b": np.arange(10, 13, dtype=np.float32)}
-    send = Send(0, [Part("a", 1, 4), Part("b", 0, 3)])
+    send = Send(0, [Span("a", 1, 4), Span("b", 0, 3)])
     packed = pack(send, flats)
     np.testing.assert_array_equal(packed, [1, 2, 3, 10, 11, 12])
     views = unpack(send, packed)
     np.testing.assert_array_equal(views[0], [1, 2, 3])
     np.testing.assert_array_equal(views[1], [10, 11, 12])
-    single = Send(0, [Part("a", 2, 5)])
+    single = Send(0, [Span("a", 2, 5)])
     assert np.shares_memory(pack(single, flats), flats["a"])
     assert send.body() == {"keys": ["a", "b"], "sizes": [3, 3]}
-    assert Send(1, [Part("w", 8, 12)], lo=8).body() == {"keys": ["w"], "sizes": [4], "lo": 8}
+    assert Send(1, [Span("w", 8, 12)], lo=8).body() == {"keys": ["w"], "sizes": [4], "lo": 8}
 
 
 def test_unpack_refuses_a_reply_of_the_wrong_size():
     """A reply that does not hold exactly the asked elements is a ValueError."""
-    send = Send(0, [Part("a", 0, 3), Part("b", 0, 2)])
+    send = Send(0, [Span("a", 0, 3), Span("b", 0, 2)])
     with pytest.raises(ValueError, match="4 elements where 5"):
         unpack(send, np.zeros(4, np.float32))
 

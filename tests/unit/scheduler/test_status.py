@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from kvstore.scheduler.observe import SchedulerStats, node_rows
-from kvstore.scheduler.process import Scheduler
+from kvstore.scheduler.scheduler import Scheduler
 
 from kvstore import config as kvconfig
 from kvstore.core.stats import SCHEMA_VERSION, node_snapshot
@@ -126,7 +126,7 @@ def test_status_with_the_wrong_secret_is_refused_unsigned(sched, secret):
 def test_only_an_outsiders_status_holds_the_scheduler_at_exit(sched, monkeypatch):
     """A worker's own STATUS (stats(cluster=True)) does not make the exiting scheduler linger; an
     outsider's (a poller: kvstore.status, the TensorBoard writer) does, for STATUS_LINGER."""
-    import kvstore.scheduler.process as scheduler_process
+    import kvstore.scheduler.scheduler as scheduler_process
 
     monkeypatch.setattr(scheduler_process, "STATUS_LINGER", 0.5)
     peers = complete(sched)
