@@ -13,16 +13,17 @@ Submodules: ``kvstore.optimizer`` (server-side update rules), ``kvstore.lr_sched
 Importing kvstore never imports torch.
 """
 
+import sys as _sys
 from pathlib import Path as _Path
 
-from kvstore import checkpoint as checkpoint
 from kvstore import data as data
-from kvstore import lr_scheduler as lr_scheduler
-from kvstore import optimizer as optimizer
-from kvstore import snapshot as snapshot
 from kvstore import sparse as sparse
 from kvstore.base import KVStore
 from kvstore.client.meter import log_scalar
+from kvstore.core import checkpoint as checkpoint
+from kvstore.core import lr_scheduler as lr_scheduler
+from kvstore.core import optimizer as optimizer
+from kvstore.core import snapshot as snapshot
 from kvstore.errors import (
     AuthenticationError,
     ChildFailed,
@@ -61,6 +62,12 @@ from kvstore.trainer_sparse import SparseEmbedding, SparseTrainer
 # The scheduler's code is the repository's top-level scheduler/ folder, which setup.py installs as
 # kvstore.scheduler.  A source checkout used without that install (PYTHONPATH=., or a checkout that
 # shadows an installed copy) finds it under the same name through this one extra search path.
+# MXNet's module names (``import kvstore.optimizer``, ``from kvstore.lr_scheduler import ...``) are the
+# pure-logic modules of kvstore.core themselves, bound under the public name as ``os.path`` is bound to
+# ``posixpath``: one module, two names, no re-export file to keep in step.
+for _module in (checkpoint, lr_scheduler, optimizer, snapshot):
+    _sys.modules[f"kvstore.{_module.__name__.rpartition('.')[2]}"] = _module
+
 _checkout = _Path(__file__).resolve().parent.parent
 _source = _checkout / "scheduler" / "scheduler.py"
 if not (_Path(__file__).parent / "scheduler").is_dir() and _source.is_file():

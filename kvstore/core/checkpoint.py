@@ -1,5 +1,7 @@
 """The one file format for everything kvstore persists (docs/formats.md); no pickle anywhere.
 
+Users import it as ``kvstore.checkpoint`` (``kvstore/__init__.py`` binds that name to this module).
+
 A file is an uncompressed zip holding ``manifest.json`` and one ``.npy`` member
 per array.  Member names are generated (``arrays/000000.npy``...), never taken
 from user strings; the manifest maps each array's name to its member.  Files
@@ -36,6 +38,9 @@ from kvstore.errors import (
     OptimizerError,
     ShapeMismatchError,
 )
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "StateEntry", "StatesFile", "load_arrays", "read",
+           "read_states", "save_arrays", "write", "write_states"]
 
 FORMAT_VERSION = 1
 FORMAT_NAME = "kvstore"

@@ -1,5 +1,7 @@
 """MXNet 1.x learning-rate schedulers as pure functions of the update count.
 
+Users import it as ``kvstore.lr_scheduler`` (``kvstore/__init__.py`` binds that name to this module).
+
 MXNet's schedulers keep hidden counters and decay ``base_lr`` in place as they
 are called with growing ``num_update``.  Ours compute the same value from
 ``num_update`` and the constructor parameters alone, so a scheduler rebuilt from
@@ -22,6 +24,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvstore.errors import OptimizerError
+
+__all__ = ["LRScheduler", "FactorScheduler", "MultiFactorScheduler", "CosineScheduler", "SCHEDULERS",
+           "WARMUP_MODES", "from_spec"]
 
 WARMUP_MODES = ("linear", "constant")
 

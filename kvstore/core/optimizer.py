@@ -2,7 +2,10 @@
 
 The base class lives in :mod:`kvstore.core.optimizer_base` and MXNet 1.x's rules (``sgd``, ``nag``,
 ``adam``, ``adagrad``, ``rmsprop``) and torch's ``adamw`` in :mod:`kvstore.core.update_rules`; both are
-re-exported here, so this module is the one to import (``kvstore.optimizer`` is its public face).
+re-exported here, so this module is the one to import.  Users import it as ``kvstore.optimizer``
+(MXNet's name: ``kvstore/__init__.py`` binds that name to this module): ``kvstore.optimizer.create('sgd',
+learning_rate=0.1, momentum=0.9)`` builds one for ``set_optimizer`` or the ``Trainer``; subclass
+:class:`Optimizer` and :func:`register` it to add a rule.
 """
 
 from __future__ import annotations

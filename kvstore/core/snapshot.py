@@ -1,5 +1,7 @@
 """Server snapshots on disk: every key's value (and the optimizer's state) as one generation.
 
+Users import it as ``kvstore.snapshot`` (``kvstore/__init__.py`` binds that name to this module).
+
 A snapshot directory holds numbered generations and a pointer to the newest
 complete one::
 
@@ -29,6 +31,8 @@ from kvstore.core import checkpoint
 from kvstore.core.checkpoint import StatesFile
 from kvstore.core.partition import Key, check_key
 from kvstore.errors import FormatError, KeyTypeError
+
+__all__ = ["POINTER", "read", "write"]
 
 POINTER = "LATEST"
 VALUES = "values.arrays"
