@@ -1,4 +1,6 @@
-"""Run a kvstore cluster on Ray: ``launch.py --launcher ray`` and :func:`run`.
+"""``kvstore.ray``: run a kvstore cluster on Ray: ``launch.py --launcher ray``, :func:`run` and :func:`start`.
+
+Importing this module imports ``ray`` (the ``[ray]`` extra); ``import kvstore`` never does.
 
 One placement group (strategy ``SPREAD``) holds a bundle per role: the
 scheduler, S servers and W workers, each asking for a fraction of a CPU by
@@ -132,3 +134,6 @@ def launch(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     if failed is not None:  # the last line, as every launcher ends a failed run
         print(failed, file=sys.stderr, flush=True)
     return code
+
+
+__all__ = ["run", "start", "RayJob", "PlacementError", "RoleFailed"]

@@ -38,7 +38,7 @@ from typing import Any
 from pyspark import RDD, SparkContext
 
 from kvstore import config as kvconfig
-from kvstore.errors import ConfigError, SparkJobFailed
+from kvstore.errors import ConfigError, NotEnoughSlotsError, SparkJobFailed
 from kvstore.launch import tensorboard as kvtensorboard
 from kvstore.launch.gpus import GPU_NAMES
 from kvstore.launch.spark_plan import (
@@ -267,4 +267,4 @@ def _job_failure(sc: SparkContext, group: str, exc: Exception, shutdown_timeout:
     return SparkJobFailed(message, detail)
 
 
-__all__ = ["run", "available_slots"]
+__all__ = ["run", "available_slots", "SparkJobFailed", "NotEnoughSlotsError"]

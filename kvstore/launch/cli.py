@@ -3,7 +3,7 @@
 parse (:mod:`kvstore.launch.options`) -> the ``KVSTORE_*`` settings -> dispatch: ``local`` and
 ``ssh`` to :mod:`kvstore.launch.local` (which rsyncs to the hosts first when asked, see
 :mod:`kvstore.launch.ssh`), ``mpi`` to :mod:`kvstore.launch.mpirun`, ``ray`` to
-:mod:`kvstore.launch.ray`, imported only then (it imports
+:mod:`kvstore.ray`, imported only then (it imports
 ``ray``).  The launcher exits with the code the chosen launcher returns.
 """
 
@@ -28,7 +28,7 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config | None = None) -> int:
     settings = settings or kvconfig.load()
     if cfg.launcher == "ray":
         try:
-            from kvstore.launch.ray import launch as launch_on_ray  # imports ray: only for this launcher
+            from kvstore.ray import launch as launch_on_ray  # imports ray: only for this launcher
         except ImportError as exc:
             log.error("--launcher ray needs the [ray] extra: pip install 'kvstore-ps[ray]' (%s)", exc)
             return 2

@@ -28,7 +28,7 @@ from kvstore.errors import DeadlineExceededError
 from tests.helpers import finish, launch, poll_for, tagged_pids
 
 ray = pytest.importorskip("ray", reason="needs the [ray] extra (pip install -e .[ray]): `import ray` failed")
-kvray = pytest.importorskip("kvstore.launch.ray")
+kvray = pytest.importorskip("kvstore.ray")
 from kvstore.errors import PlacementError, RoleFailed  # noqa: E402
 from kvstore.launch import ray_actor, ray_job  # noqa: E402 -- after the skip: ray_job imports ray
 

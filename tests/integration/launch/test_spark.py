@@ -27,7 +27,7 @@ from pyspark import SparkContext  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 import kvstore  # noqa: E402
-import kvstore.launch.spark as kvspark  # noqa: E402
+import kvstore.spark as kvspark  # noqa: E402
 from kvstore.errors import NotEnoughSlotsError, SparkJobFailed  # noqa: E402
 from tests.helpers import REPO, poll_for, tagged_pids  # noqa: E402
 

@@ -17,7 +17,7 @@ from kvstore.launch.options import LaunchConfig
 def test_launcher_ray_without_ray_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     """--launcher ray where kvstore.ray cannot be imported (no [ray] extra): exit 2 saying what to install."""
-    monkeypatch.setitem(sys.modules, "kvstore.launch.ray", None)  # its import then raises ImportError
+    monkeypatch.setitem(sys.modules, "kvstore.ray", None)  # its import then raises ImportError
     cfg = LaunchConfig(1, 1, ["x.py"], launcher="ray")
     with caplog.at_level(logging.ERROR, logger="kvstore.launcher"):
         assert launcher.run(cfg, kvconfig.Config()) == 2

@@ -20,7 +20,7 @@ from kvstore.launch.options import LaunchConfig
 from kvstore.net import address
 from tests.helpers import REPO
 
-kvray = pytest.importorskip("kvstore.launch.ray", reason="needs the [ray] extra: `import ray` failed")
+kvray = pytest.importorskip("kvstore.ray", reason="needs the [ray] extra: `import ray` failed")
 from kvstore.launch import ray_actor, ray_cluster, ray_job, ray_plan  # noqa: E402 -- after the skip: ray_job imports ray
 
 
@@ -212,6 +212,6 @@ def test_launch_exit_codes(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCa
 def test_importing_kvstore_does_not_import_ray() -> None:
     """`import kvstore` leaves ray (and kvstore.ray) unimported."""
     out = subprocess.run([sys.executable, "-c", "import sys, kvstore, kvstore.launch.cli; "
-                          "print('ray' in sys.modules, 'kvstore.launch.ray' in sys.modules)"],
+                          "print('ray' in sys.modules, 'kvstore.ray' in sys.modules)"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr

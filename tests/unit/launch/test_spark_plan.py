@@ -164,6 +164,6 @@ def test_spark_job_failed_is_a_kvstore_error():
 
 
 def test_import_kvstore_does_not_import_pyspark():
-    code = "import sys, kvstore; print('pyspark' in sys.modules, 'kvstore.launch.spark' in sys.modules)"
+    code = "import sys, kvstore; print('pyspark' in sys.modules, 'kvstore.spark' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
