@@ -20,8 +20,7 @@ setup(
     long_description=(here / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["kvstore", "kvstore.*"]) + ["kvstore.scheduler"],
-    package_dir={"kvstore.scheduler": "scheduler"},
+    packages=find_packages(include=["kvstore", "kvstore.*"]),  # kvstore/scheduler links to scheduler/
     install_requires=["numpy>=1.24", "pyzmq>=26", "msgpack>=1.0"],
     extras_require={
         "torch": ["torch>=2.1"],

@@ -14,7 +14,6 @@ Importing kvstore never imports torch.
 """
 
 import sys as _sys
-from pathlib import Path as _Path
 
 from kvstore import data as data
 from kvstore import sparse as sparse
@@ -59,19 +58,12 @@ from kvstore.torch_optim import DistributedOptimizer, broadcast_optimizer_state,
 from kvstore.trainer import Trainer
 from kvstore.trainer_sparse import SparseEmbedding, SparseTrainer
 
-# The scheduler's code is the repository's top-level scheduler/ folder, which setup.py installs as
-# kvstore.scheduler.  A source checkout used without that install (PYTHONPATH=., or a checkout that
-# shadows an installed copy) finds it under the same name through this one extra search path.
 # MXNet's module names (``import kvstore.optimizer``, ``from kvstore.lr_scheduler import ...``) are the
 # pure-logic modules of kvstore.core themselves, bound under the public name as ``os.path`` is bound to
-# ``posixpath``: one module, two names, no re-export file to keep in step.
+# ``posixpath``: one module, two names, no re-export file to keep in step.  (``kvstore.scheduler`` is the
+# repository's top-level scheduler/ folder through the link kvstore/scheduler, see docs/architecture.md.)
 for _module in (checkpoint, lr_scheduler, optimizer, snapshot):
     _sys.modules[f"kvstore.{_module.__name__.rpartition('.')[2]}"] = _module
-
-_checkout = _Path(__file__).resolve().parent.parent
-_source = _checkout / "scheduler" / "scheduler.py"
-if not (_Path(__file__).parent / "scheduler").is_dir() and _source.is_file():
-    __path__.append(str(_checkout))  # noqa: F821 -- a package's own search path
 
 __version__ = "0.1.0"
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import kvstore
 from tests.helpers import REPO
 
 # A child that drops setuptools' editable-install finder, so only the checkout on sys.path is seen,
@@ -26,23 +28,28 @@ def test_a_bare_checkout_finds_the_scheduler_as_kvstore_scheduler(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     origin, package = out.stdout.split()
-    assert origin == str(REPO / "scheduler" / "__init__.py")
+    assert origin == str(REPO / "kvstore" / "scheduler" / "__init__.py")  # the link to scheduler/
+    assert Path(origin).resolve() == REPO / "scheduler" / "__init__.py"
     assert package == str(REPO / "kvstore" / "__init__.py")
 
 
 @pytest.mark.parametrize("name", ["kvstore.optimizer", "kvstore.lr_scheduler", "kvstore.checkpoint",
                                   "kvstore.snapshot", "kvstore.data", "kvstore.node"])
 def test_public_modules_import_by_their_documented_names(name):
-    """Each public module is a real module (``import kvstore.x`` and ``from kvstore.x import ...`` work)."""
+    """A public module imports by its documented name (``import kvstore.x``, ``from kvstore.x import *``)."""
     module = importlib.import_module(name)
-    assert module.__name__ == name
-    assert all(hasattr(module, n) for n in getattr(module, "__all__", []))
+    assert sys.modules[name] is module and getattr(kvstore, name.rpartition(".")[2]) is module
+    namespace: dict = {}
+    exec(f"from {name} import *", namespace)
+    names = getattr(module, "__all__", [])
+    assert set(names) <= set(namespace) and all(hasattr(module, n) for n in names)
 
 
 def test_the_public_faces_are_the_core_objects():
     """kvstore.optimizer.register registers into the same registry create() reads."""
-    import kvstore.core.optimizer as core
     import kvstore.optimizer as public
+
+    import kvstore.core.optimizer as core
 
     assert public.create is core.create and public.OPTIMIZERS is core.OPTIMIZERS
     assert public.Optimizer is core.Optimizer
