@@ -22,6 +22,9 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["kvstore", "kvstore.*"]) + ["kvstore.scheduler"],
     package_dir={"kvstore.scheduler": "scheduler"},
+    package_data={"kvstore": ["py.typed"]},  # PEP 561: the package's type hints are for its users too
+    license="Apache-2.0",
+    license_files=["LICENSE"],  # the Apache License 2.0 text, in the sdist and the wheel's metadata
     install_requires=["numpy>=1.24", "pyzmq>=26", "msgpack>=1.0"],
     extras_require={
         "torch": ["torch>=2.1"],
