@@ -36,5 +36,5 @@ setup(
     entry_points={"console_scripts": ["kvstore-launch=kvstore.launch.cli:main",
                                       "kvstore-node=kvstore.node:main",
                                       "kvstore-status=kvstore.status:main"]},
-    classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
+    classifiers=["Programming Language :: Python :: 3"],  # the license: license= above
 )
