@@ -21,6 +21,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["kvstore", "kvstore.*"]),  # kvstore/scheduler links to scheduler/
+    package_data={"kvstore": ["py.typed"]},  # PEP 561: the package's type hints are for its users too
+    license="Apache-2.0",
+    license_files=["LICENSE"],  # the Apache License 2.0 text, in the sdist and the wheel's metadata
     install_requires=["numpy>=1.24", "pyzmq>=26", "msgpack>=1.0"],
     extras_require={
         "torch": ["torch>=2.1"],
@@ -32,5 +35,5 @@ setup(
     entry_points={"console_scripts": ["kvstore-launch=kvstore.launch.cli:main",
                                       "kvstore-node=kvstore.node:main",
                                       "kvstore-status=kvstore.status:main"]},
-    classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
+    classifiers=["Programming Language :: Python :: 3"],  # the license: license= above
 )

@@ -177,3 +177,14 @@ def test_page_runs(page: Path, tmp_path: Path) -> None:
                 continue
             code, out = run([sys.executable, "launch.py", *args], REPO)
             assert code == 0, f"{block.where}: {command!r} exited {code}:\n{out}"
+
+
+def test_the_readme_second_tier_runs_every_marker_addopts_deselects():
+    """README's second-tier command selects exactly the markers pyproject.toml's addopts deselects."""
+    addopts = re.search(r"^addopts = .*-m '([^']*)'", (REPO / "pyproject.toml").read_text(), re.M)
+    deselected = set(re.findall(r"\bnot (\w+)", addopts.group(1)))
+    command = next(line.split("#")[0] for b in blocks_of(REPO / "README.md") for line in b.code.splitlines()
+                   if line.endswith("# the second tier"))
+    words = shlex.split(command)
+    expression = words[len(words) - words[::-1].index("-m")]  # after the last -m (python -m pytest -m ...)
+    assert deselected and set(expression.split()) - {"or"} == deselected

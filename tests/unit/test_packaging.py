@@ -4,8 +4,12 @@ modules importable by the dotted names the docs use."""
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -53,3 +57,42 @@ def test_the_public_faces_are_the_core_objects():
 
     assert public.create is core.create and public.OPTIMIZERS is core.OPTIMIZERS
     assert public.Optimizer is core.Optimizer
+
+
+# PEP 517's hooks, called in a child whose working directory is the copy: what `python -m build` runs.
+# setuptools logs to stdout too: the names built are the last line.
+BUILD = ("import sys; from setuptools import build_meta as b; out = sys.argv[1]; "
+         "names = b.build_sdist(out), b.build_wheel(out); print(*names)")
+
+
+def test_the_sdist_and_wheel_hold_the_package_license_and_py_typed_only(tmp_path):
+    """A build of the checkout holds kvstore (py.typed too), its scheduler, LICENSE and metadata, no more."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, check=True, timeout=60).stdout.decode().split("\0")
+    src = tmp_path / "src"
+    for name in filter(None, files):  # the files a clean clone has (scratch the tests leave is git-ignored)
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        if (REPO / name).is_symlink():  # kvstore/scheduler -> ../scheduler stays a link, as in a clone
+            os.symlink(os.readlink(REPO / name), src / name)
+        elif (REPO / name).is_file():
+            shutil.copyfile(REPO / name, src / name)
+    out = subprocess.run([sys.executable, "-c", BUILD, str(tmp_path / "dist")], cwd=src,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    sdist_name, wheel_name = out.stdout.splitlines()[-1].split()
+    with tarfile.open(tmp_path / "dist" / sdist_name) as sdist:
+        top = sdist_name.removesuffix(".tar.gz")
+        in_sdist = {m.name.removeprefix(top + "/") for m in sdist.getmembers() if m.isfile()}
+    with zipfile.ZipFile(tmp_path / "dist" / wheel_name) as wheel:
+        in_wheel = set(wheel.namelist())
+    tracked = {f for f in files if f.startswith(("kvstore/", "scheduler/")) and f != "kvstore/scheduler"}
+    # the package as installed: scheduler/ through its link kvstore/scheduler, as real files
+    installed = {"kvstore/" + f if f.startswith("scheduler/") else f for f in tracked}
+    egg_info = {f for f in in_sdist if f.startswith("kvstore_ps.egg-info/")}
+    assert in_sdist - egg_info == installed | {"LICENSE", "README.md", "PKG-INFO", "pyproject.toml",
+                                               "setup.py", "setup.cfg"}
+    dist_info = {f for f in in_wheel if ".dist-info/" in f}
+    assert in_wheel - dist_info == installed
+    assert "kvstore/py.typed" in in_wheel
+    assert any(f.endswith(".dist-info/licenses/LICENSE") for f in dist_info)
+    assert (REPO / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
