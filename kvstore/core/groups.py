@@ -255,17 +255,18 @@ class GroupedShardState(ShardState):
         del self._groups[group.keys]
 
     def settle(self) -> None:
-        """Dissolve every group: each key's own state is then current (before reading ``_keys``)."""
+        """Dissolve every group: each key's own state is then current."""
         for group in list(self._groups.values()):
             self._dissolve(group)
 
-    def group_progress(self) -> int:
-        """The furthest progress of any key group, as ``core/shard_image.progress`` reads each key's:
-        rounds closed (dist_sync), or one worker's most applied pushes (dist_async)."""
+    def progress(self) -> int:
+        """As :meth:`ShardState.progress`, reading each key group's own counts (none is dissolved)."""
+        groups = self._groups.values()
         if self.sync:
-            return max((g.start[0] + g.base for g in self._groups.values()), default=0)
-        return max((max(_added(g.start[2], g.applied).values(), default=0) for g in self._groups.values()),
-                   default=0)
+            grouped = max((g.start[0] + g.base for g in groups), default=0)
+        else:
+            grouped = max((max(_added(g.start[2], g.applied).values(), default=0) for g in groups), default=0)
+        return max(grouped, super().progress())
 
     # -- ShardState's per-key entry points, made group-aware ------------------------------------------
     def _get(self, key: Key) -> _KeyState:
