@@ -118,3 +118,22 @@ def test_an_align_after_the_alignment_is_answered_and_changes_nothing() -> None:
     restored.on_align(b"w1", again)
     assert restored.origins == {1: 0} and restored.rejoins.current.get(1, 0) == 0
     assert [m.body["lost"] for m in service.replies] == [0, 0]
+
+
+def test_the_server_die_hook_is_installed_only_when_its_variable_is_set(tmp_path) -> None:
+    """KVSTORE_TEST_SERVER_DIE_AT_ROUND: no hook at all unless set for this rank's first incarnation
+    with shards; an installed hook does nothing before a shard is written and its round is reached."""
+    from kvstore.server.restore import die_hook
+    from kvstore.server.shards import ShardWriter
+
+    state = GroupedShardState(1, sync=True)
+    shards = ShardWriter(str(tmp_path), 0, rounds=1)
+    base = {"DMLC_ROLE": "server"}
+    assert die_hook(config.load(base), 0, state, shards) is None
+    armed = {**base, "KVSTORE_TEST_SERVER_DIE_AT_ROUND": "0:3"}
+    assert die_hook(config.load({**armed, "KVSTORE_INCARNATION": "1"}), 0, state, shards) is None
+    assert die_hook(config.load(armed), 1, state, shards) is None  # another server's rank
+    assert die_hook(config.load(armed), 0, state, None) is None    # no shards: nothing to restart from
+    hook = die_hook(config.load(armed), 0, state, shards)
+    assert hook is not None
+    hook()  # no shard written, no round closed: it returns
