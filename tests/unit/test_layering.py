@@ -246,11 +246,12 @@ def test_core_does_no_io():
 
 @pytest.mark.parametrize("limit_kind", ["module", "function"])
 def test_size_limits(limit_kind):
-    """No module of kvstore/ or scheduler/ over 500 lines, no function over 50."""
+    """No module of kvstore/ or scheduler/ over 800 lines (issue 36: a smell, not a cap that cuts a
+    class), no function over 50."""
     over = []
     for p in SOURCES:
         source = p.read_text()
-        if limit_kind == "module" and source.count("\n") > 500:
+        if limit_kind == "module" and source.count("\n") > 800:
             over.append(f"{p.relative_to(ROOT)}: {source.count(chr(10))} lines")
         for node in ast.walk(ast.parse(source)) if limit_kind == "function" else ():
             is_function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
