@@ -27,7 +27,7 @@ the per-key rounds would: no ``quorum``, no staleness gate, and arrival order (`
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -204,7 +204,7 @@ class GroupedShardState(ShardState):
             done += [Completion(t) for tokens in rnd.tokens.values() for t in tokens if t is not _SILENT]
         return done + self._release_group_pulls(group) if group.waiting else done
 
-    def _apply_group(self, group: KeyGroup, total: np.ndarray, workers: Any) -> None:
+    def _apply_group(self, group: KeyGroup, total: np.ndarray, workers: Iterable[int]) -> None:
         if self.updater is not None and len(group.keys) == 1:
             total = self.updater(group.keys[0], total, group.value)
         elif self.updater is not None:  # the optimizer updates each key (its state is per key)
