@@ -27,7 +27,7 @@ the per-key rounds would: no ``quorum``, no staleness gate, and arrival order (`
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -204,7 +204,7 @@ class GroupedShardState(ShardState):
             done += [Completion(t) for tokens in rnd.tokens.values() for t in tokens if t is not _SILENT]
         return done + self._release_group_pulls(group) if group.waiting else done
 
-    def _apply_group(self, group: KeyGroup, total: np.ndarray, workers: Any) -> None:
+    def _apply_group(self, group: KeyGroup, total: np.ndarray, workers: Iterable[int]) -> None:
         if self.updater is not None and len(group.keys) == 1:
             total = self.updater(group.keys[0], total, group.value)
         elif self.updater is not None:  # the optimizer updates each key (its state is per key)
@@ -255,17 +255,18 @@ class GroupedShardState(ShardState):
         del self._groups[group.keys]
 
     def settle(self) -> None:
-        """Dissolve every group: each key's own state is then current (before reading ``_keys``)."""
+        """Dissolve every group: each key's own state is then current."""
         for group in list(self._groups.values()):
             self._dissolve(group)
 
-    def group_progress(self) -> int:
-        """The furthest progress of any key group, as ``core/shard_image.progress`` reads each key's:
-        rounds closed (dist_sync), or one worker's most applied pushes (dist_async)."""
+    def progress(self) -> int:
+        """As :meth:`ShardState.progress`, reading each key group's own counts (none is dissolved)."""
+        groups = self._groups.values()
         if self.sync:
-            return max((g.start[0] + g.base for g in self._groups.values()), default=0)
-        return max((max(_added(g.start[2], g.applied).values(), default=0) for g in self._groups.values()),
-                   default=0)
+            grouped = max((g.start[0] + g.base for g in groups), default=0)
+        else:
+            grouped = max((max(_added(g.start[2], g.applied).values(), default=0) for g in groups), default=0)
+        return max(grouped, super().progress())
 
     # -- ShardState's per-key entry points, made group-aware ------------------------------------------
     def _get(self, key: Key) -> _KeyState:

@@ -277,6 +277,31 @@ class Optimizer:
         if mixed:
             xp.assign(w, state["weight32"])
 
+    def update_rows(self, key: Key, weight: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+        """One lazy step of ``key`` on the rows ``ids`` only (a row-sparse push, MXNet's
+        ``lazy_update=True``): ``weight`` (a numpy ``(rows, width)`` table, updated in place) and the
+        state's rows ``ids`` (sorted, distinct) are gathered, stepped with gradient rows ``rows`` and the
+        key's learning rate, weight decay and count, and written back.  No rows: the step is counted."""
+        state = self.states.get(key)
+        if ids.size and (state is None or any(a.shape != weight.shape for a in state.values())):
+            state = self.states[key] = self.create_state(key, weight)
+        count = self.counts[key] = self.counts.get(key, self.begin_num_update) + 1
+        self.num_update = max(self.num_update, count)
+        if state is None or not ids.size:
+            return
+        lr = float(self.learning_rate) * float(self.lr_mult.get(key, 1.0))
+        wd = float(self.wd) * float(self.wd_mult.get(key, 1.0))
+        mixed = self._mixed(weight.dtype)
+        sub: dict[str, Any] = {name: array[ids] for name, array in state.items()}
+        w = weight[ids]
+        g = np.multiply(rows, self.rescale_grad, dtype=np.float32 if mixed else weight.dtype)
+        self._step(sub["weight32"] if mixed else w, g, sub, lr, wd, count)
+        if mixed:
+            w[...] = sub["weight32"]
+        weight[ids] = w
+        for name, array in state.items():
+            array[ids] = sub[name]
+
     def _clip(self, g: Any) -> Any:
         if self.clip_gradient is not None:
             xp.clip_(g, float(self.clip_gradient))

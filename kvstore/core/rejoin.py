@@ -35,15 +35,6 @@ def _incarnation(value: object, what: str) -> int:
     return value
 
 
-def _settled(shard: ShardState) -> ShardState:
-    """``shard`` with each key's own state current: a :class:`~kvstore.core.groups.GroupedShardState`
-    dissolves its key groups first (this module reads and changes per-key state)."""
-    settle = getattr(shard, "settle", None)
-    if settle is not None:
-        settle()
-    return shard
-
-
 class Rejoins:
     """Which incarnation of each worker a server counts, over its ``shard`` (see the module docstring)."""
 
@@ -59,38 +50,21 @@ class Rejoins:
         away already.  Raises ValueError for a worker that is not a rank, ProtocolError for a bad
         incarnation, changing nothing."""
         incarnation = _incarnation(incarnation, "AWAY")
-        _settled(self.shard)._check_worker(worker)
         if incarnation < self.current.get(worker, 0) or worker in self.shard.away:
             return []
-        self.shard.away[worker] = incarnation  # first: the rounds leave() closes are scaled
-        self.shard.joins.pop(worker, None)
-        return self.shard.leave(worker)
+        return self.shard.mark_away(worker, incarnation)
 
     def begin(self, worker: int, incarnation: object) -> tuple[int, list[Completion]]:
         """A restarted ``worker`` (a new ``incarnation``) counts again from the first round no key has
         opened here; return that round and what making the old incarnation away answered.  Raises,
-        changing nothing: ValueError for a worker that is not a rank, ProtocolError for an
-        incarnation not above the one counted now."""
+        changing nothing: ProtocolError for an incarnation not above the one counted now, ValueError
+        for a worker that is not a rank."""
         incarnation = _incarnation(incarnation, "REJOIN")
-        _settled(self.shard)._check_worker(worker)
         if incarnation <= self.current.get(worker, 0):
             raise ProtocolError(f"worker {worker} rejoins as incarnation {incarnation}, but incarnation "
                                 f"{self.current.get(worker, 0)} is counted already")
         done = self.away(worker, incarnation - 1) if worker in self.shard.active else []
-        shard = self.shard
-        shard.away.pop(worker, None)
-        shard.active.add(worker)
-        shard._ranks = sorted(shard.active)
-        first = 0
-        for state in shard._keys.values():
-            # sync: the first round nobody opened; async: the worker's own pushes applied
-            first = max(first, state.base + len(state.rounds) if shard.sync else state.applied.get(worker, 0))
-            # the lost incarnation's contributions still in open rounds are applied when they close
-            pending = sum(1 for rnd in state.rounds if worker in rnd.covered)
-            state.submitted[worker] = state.applied.get(worker, 0) + pending
-            state.next_round.pop(worker, None)
-        if shard.sync:
-            shard.joins[worker] = first
+        first = self.shard.readmit(worker)
         self.current[worker] = incarnation
         self.begun[worker] = first
         return first, done
@@ -100,7 +74,6 @@ class Rejoins:
         rounds before it close without it; return what closing them answers.  Raises ProtocolError,
         changing nothing, for another incarnation or an ``at`` below the round :meth:`begin` gave."""
         incarnation = _incarnation(incarnation, "REJOIN")
-        shard = _settled(self.shard)
         first = self.begun.get(worker)
         if first is None or self.current.get(worker, 0) != incarnation:
             raise ProtocolError(f"worker {worker} incarnation {incarnation} has not begun to rejoin")
@@ -108,12 +81,4 @@ class Rejoins:
             raise ProtocolError(f"REJOIN of worker {worker} at round {str(at)[:20]!r}: must be an int "
                                 f">= {first}, the round this server answered")
         del self.begun[worker]
-        if not shard.sync:
-            return []
-        shard.joins[worker] = at
-        done: list[Completion] = []
-        for key, state in shard._keys.items():
-            state.next_round[worker] = at
-            state.offset[worker] = at  # a quorum PUSH's rounds count from 0 in the new incarnation
-            done += shard._close_rounds(state, key)
-        return done
+        return self.shard.rejoin_at(worker, at)

@@ -106,7 +106,6 @@ class ShardState:
         self.gate = StalenessGate(staleness, window) if not sync and staleness is not None else None
         self.late: dict[int, int] = {}  # worker -> late pushes dropped (quorum)
         self.on_late: Callable[[Key, int, int], None] | None = None  # (key, worker, its round)
-        self.incoming_rounds: list[int] | None = None  # the next push_many's rounds (the server's)
         self.window = window  # unapplied contributions per worker and key (0: no limit)
         self.clock = clock    # stamps a round's opening (its wait is reported when it closes)
         self.on_close: Callable[[Key, float, int], None] | None = None  # (key, waited s, last worker)
@@ -227,12 +226,11 @@ class ShardState:
                   pull: bool = False, rounds: list[int] | None = None) -> list[Completion]:
         """Push every ``(token, key, value, lo)`` of ``entries`` (distinct keys) from ``worker``, as
         :meth:`push` does (as :meth:`pushpull` with ``pull``); return the requests this answers.
-        ``rounds`` (default: :attr:`incoming_rounds`, then cleared) is the worker's round of each key.
+        ``rounds`` (a quorum's pushes carry them) is the worker's round of each entry's key.
 
         All entries are checked first: any error is raised (as :meth:`push` raises it) before any
         entry changes anything.  A round beyond the next one (after a refused push) is taken as the next.
         """
-        rounds, self.incoming_rounds = (self.incoming_rounds if rounds is None else rounds), None
         self._check_active(worker)
         checked = [self._checked_push(key, worker, value, lo, None if rounds is None else rounds[i])
                    for i, (_, key, value, lo) in enumerate(entries)]
@@ -326,6 +324,91 @@ class ShardState:
             done += self._close_rounds(state, key)
             if self.gate is not None:  # it no longer counts as the slowest
                 done += self.gate.release(key, state.applied, self.active)
+        return done
+
+    # -- restarts: what a shard image records, and workers that come back --------------------
+
+    def settle(self) -> None:
+        """Make each key's own state current: nothing to do here (a GroupedShardState dissolves its
+        key groups)."""
+
+    def progress(self) -> int:
+        """The furthest key's progress: rounds closed (dist_sync), or one worker's most contributions
+        applied (dist_async); what a shard image taken now records as its step."""
+        keys = self._keys.values()
+        if self.sync:
+            return max((k.base for k in keys), default=0)
+        return max((max(k.applied.values(), default=0) for k in keys), default=0)
+
+    def applied_state(self) -> list[tuple[Key, np.ndarray, int, dict[int, int]]]:
+        """``(key, value, rounds closed, {worker: contributions applied})`` of every key as of now (a
+        copy of the counts; the values are never written to): open rounds and partial contributions
+        are not in it (:mod:`kvstore.core.shard_image`)."""
+        self.settle()
+        return [(key, s.value, s.base, dict(s.applied)) for key, s in self._keys.items()]
+
+    def restore(self, key: Key, value: np.ndarray, rounds: int, applied: dict[int, int]) -> None:
+        """Store ``key`` as a shard image recorded it: a copy of ``value``, ``rounds`` closed and each
+        worker's contributions ``applied`` (none pending).  Raises :class:`DuplicateInitError` if it
+        is stored already."""
+        self.init(key, value)
+        state = self._keys[key]
+        state.base = rounds
+        state.applied, state.submitted = dict(applied), dict(applied)
+
+    def realign(self, key: Key, origins: dict[int, int], floor: int | None = None) -> None:
+        """A restored ``key`` once the workers have aligned (:mod:`kvstore.server.restore`): worker
+        ``w``'s quorum rounds count from ``origins[w]``, and with ``floor`` (dist_sync) the key goes
+        on from round ``floor`` for every active worker.  Raises :class:`KeyNotInitializedError`."""
+        state = self._get(key)
+        state.offset.update(origins)
+        if floor is not None:
+            state.base = floor
+            state.next_round = dict.fromkeys(self.active, floor)
+
+    def mark_away(self, worker: int, incarnation: int) -> list[Completion]:
+        """Incarnation ``incarnation`` of ``worker`` is lost and will be restarted: rounds close without
+        it, each sum scaled as a quorum of the rest (as :meth:`leave`, :mod:`kvstore.core.rejoin`);
+        return what closing them answers.  Raises ``ValueError`` for a worker that is not a rank."""
+        self._check_worker(worker)
+        self.away[worker] = incarnation  # first: the rounds leave() closes are scaled
+        self.joins.pop(worker, None)
+        return self.leave(worker)
+
+    def readmit(self, worker: int) -> int:
+        """A restarted ``worker`` counts again, from the first round no key has opened yet (dist_sync:
+        rounds open before do not wait for it, its pulls wait for them); return that round, or in
+        dist_async the most contributions of one key its earlier incarnations had applied.  Its lost
+        incarnation's contributions in open rounds are applied when they close.  Raises
+        ``ValueError`` for a worker that is not a rank."""
+        self._check_worker(worker)
+        self.settle()
+        self.away.pop(worker, None)
+        self.active.add(worker)
+        self._ranks = sorted(self.active)
+        first = 0
+        for state in self._keys.values():
+            first = max(first, state.base + len(state.rounds) if self.sync else state.applied.get(worker, 0))
+            pending = sum(1 for rnd in state.rounds if worker in rnd.covered)
+            state.submitted[worker] = state.applied.get(worker, 0) + pending
+            state.next_round.pop(worker, None)
+        if self.sync:
+            self.joins[worker] = first
+        return first
+
+    def rejoin_at(self, worker: int, at: int) -> list[Completion]:
+        """A readmitted ``worker`` counts from round ``at`` of every key (dist_sync; nothing changes in
+        dist_async): its next push of each joins round ``at``, its quorum rounds count from there,
+        rounds before it close without it; return what closing them answers."""
+        if not self.sync:
+            return []
+        self.settle()
+        self.joins[worker] = at
+        done: list[Completion] = []
+        for key, state in self._keys.items():
+            state.next_round[worker] = at
+            state.offset[worker] = at  # a quorum PUSH's rounds count from 0 in the new incarnation
+            done += self._close_rounds(state, key)
         return done
 
     # -- internals ---------------------------------------------------------------------------

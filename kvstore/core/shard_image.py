@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.core.groups import GroupedShardState
+from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
 from kvstore.core.shard import ShardState
 from kvstore.errors import FormatError, KeyTypeError
@@ -61,15 +61,6 @@ class ShardImage:
                     for k in self.keys.values()), default=0)
 
 
-def progress(state: ShardState) -> int:
-    """The progress :meth:`ShardImage.step` would record for ``state`` now (a scan of its keys)."""
-    keys = state._keys.values()  # noqa: SLF001 -- a read-only view, as core/rejoin.py takes
-    grouped = state.group_progress() if isinstance(state, GroupedShardState) else 0  # not dissolved
-    if state.sync:
-        return max(grouped, max((k.base for k in keys), default=0))
-    return max(grouped, max((max(k.applied.values(), default=0) for k in keys), default=0))
-
-
 def _copied(array: np.ndarray, spare: np.ndarray | None) -> np.ndarray:
     """A copy of ``array``, into ``spare`` when that has its shape and dtype (no new allocation)."""
     if spare is not None and spare.shape == array.shape and spare.dtype == array.dtype:
@@ -78,7 +69,7 @@ def _copied(array: np.ndarray, spare: np.ndarray | None) -> np.ndarray:
     return np.array(array, copy=True)
 
 
-def capture(state: ShardState, optimizer: Any, bf16_keys: set[Key], rank: int, number: int,
+def capture(state: ShardState, optimizer: Optimizer | None, bf16_keys: set[Key], rank: int, number: int,
             spare: dict[Key, KeyImage] | None = None) -> ShardImage:
     """An image of ``state`` (and ``optimizer``'s state of its keys, copied) as of now.
 
@@ -88,10 +79,8 @@ def capture(state: ShardState, optimizer: Any, bf16_keys: set[Key], rank: int, n
     """
     keys: dict[Key, KeyImage] = {}
     spare = spare or {}
-    if isinstance(state, GroupedShardState):
-        state.settle()  # each key's own value and counts are then current (its groups form again)
-    for key, held in state._keys.items():  # noqa: SLF001
-        image = KeyImage(held.value, held.base if state.sync else 0, dict(held.applied), key in bf16_keys)
+    for key, value, rounds, applied in state.applied_state():  # key groups form again afterwards
+        image = KeyImage(value, rounds if state.sync else 0, applied, key in bf16_keys)
         found = optimizer.get_state(key) if optimizer is not None else None
         if found is not None:
             old = spare.get(key)

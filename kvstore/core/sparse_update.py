@@ -9,8 +9,6 @@ gradient rows.  The optimizer keeps a state as large as ``weight`` (its rows sha
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from kvstore.core.optimizer import Optimizer
@@ -34,36 +32,5 @@ def apply_rows(optimizer: Optimizer | None, key: Key, weight: np.ndarray, ids: n
         grad = np.zeros_like(weight)
         grad[ids] = rows
         optimizer.update(key, weight, grad)
-    elif ids.size:
-        lazy_update(optimizer, key, weight, ids, rows)
     else:
-        _count(optimizer, key)  # a step with no rows: counted, nothing to update
-
-
-def _count(optimizer: Optimizer, key: Key) -> int:
-    count = optimizer.counts[key] = optimizer.counts.get(key, optimizer.begin_num_update) + 1
-    optimizer.num_update = max(optimizer.num_update, count)
-    return count
-
-
-def lazy_update(optimizer: Optimizer, key: Key, weight: np.ndarray, ids: np.ndarray,
-                rows: np.ndarray) -> None:
-    """The optimizer's rule on the rows ``ids`` only: their weights and state rows are gathered, stepped
-    with the key's learning rate, weight decay and update count, and written back (weight decay and
-    adam's moments touch those rows only)."""
-    state = optimizer.states.get(key)
-    if state is None or any(a.shape != weight.shape for a in state.values()):
-        state = optimizer.states[key] = optimizer.create_state(key, weight)
-    count = _count(optimizer, key)
-    lr = float(optimizer.learning_rate) * float(optimizer.lr_mult.get(key, 1.0))
-    wd = float(optimizer.wd) * float(optimizer.wd_mult.get(key, 1.0))
-    mixed = optimizer._mixed(weight.dtype)
-    sub: dict[str, Any] = {name: array[ids] for name, array in state.items()}
-    w = weight[ids]
-    g = np.multiply(rows, optimizer.rescale_grad, dtype=np.float32 if mixed else weight.dtype)
-    optimizer._step(sub["weight32"] if mixed else w, g, sub, lr, wd, count)
-    if mixed:
-        w[...] = sub["weight32"]
-    weight[ids] = w
-    for name, array in state.items():
-        array[ids] = sub[name]
+        optimizer.update_rows(key, weight, ids, rows)  # a step with no rows: counted, nothing updated

@@ -5,47 +5,44 @@ with one vectorised operation on the group's flat array, without the per-key che
 the generic handlers (``Server._entries``): the keys were checked when the group was made, and the
 message's one array is checked as a whole here.  Any other message, or one that does not match its
 group in every field, returns False and takes the generic path, which raises the usual errors.
+Both functions take the server's :class:`~kvstore.server.requests.Requests`, not the server.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvstore.errors import DTypeMismatchError
 from kvstore.net.protocol import Message
+from kvstore.server.requests import Batch, Requests
 
 
-def push(server: Any, identity: bytes, msg: Message, pull: bool, bf16: bool) -> bool:
+def push(requests: Requests, identity: bytes, msg: Message, pull: bool, bf16: bool) -> bool:
     """Serve a batch PUSH (PUSHPULL with ``pull``) of a group; False when the generic path must.
 
     Raises what the generic path raises for the same request (nothing is changed then)."""
-    body, state = msg.body, server.state
-    if body.get("lo") is not None or len(msg.arrays) != 1 or not getattr(state, "grouping", False):
+    body, state = msg.body, requests.state
+    if body.get("lo") is not None or len(msg.arrays) != 1 or not state.grouping:
         return False
     keys = body.get("keys")
     group = state.group_of(keys, body.get("sizes"), msg.arrays[0], create=True)
     if group is None:
         return False
-    server._sender(msg)
-    server._check_precision(keys, bf16, msg.op.name)
-    if server.optimizer is not None and group.dtype.kind != "f":
-        raise DTypeMismatchError(f"key {keys[0]!r} holds {group.dtype}; the {server.optimizer.name} "
-                                 "optimizer updates floating-point keys only")
-    batch = server.batch(identity, msg.seq, len(keys), bf16)
-    server._reply_all(state.push_group(group, msg.sender, (batch, -1), msg.arrays[0], pull))
+    requests.sender(msg)
+    requests.check_precision(keys, bf16, msg.op.name)
+    requests.check_updatable(keys[0], group.dtype)
+    batch = Batch(identity, msg.seq, len(keys), bf16)
+    requests.reply_all(state.push_group(group, msg.sender, (batch, -1), msg.arrays[0], pull))
     return True
 
 
-def pull(server: Any, identity: bytes, msg: Message) -> bool:
+def pull(requests: Requests, identity: bytes, msg: Message) -> bool:
     """Serve a batch PULL of a group; False when the generic path must (it raises what is wrong)."""
-    body, state = msg.body, server.state
-    if body.get("lo") is not None or msg.arrays or not getattr(state, "grouping", False):
+    body, state = msg.body, requests.state
+    if body.get("lo") is not None or msg.arrays or not state.grouping:
         return False
     keys = body.get("keys")
     group = state.group_of(keys, body.get("sizes"), None, create=False)
     if group is None:
         return False
-    server._sender(msg)
-    batch = server.batch(identity, msg.seq, len(keys), keys[0] in server.bf16_keys)
-    server._reply_all(state.pull_group(group, msg.sender, (batch, -1)))
+    requests.sender(msg)
+    batch = Batch(identity, msg.seq, len(keys), keys[0] in requests.bf16_keys)
+    requests.reply_all(state.pull_group(group, msg.sender, (batch, -1)))
     return True

@@ -39,7 +39,7 @@ class ServerMeter:
         self.started = time.time()
         self.last_round: dict[str, Any] | None = None
         self.last_by_worker: dict[int, tuple[str, float]] = {}  # worker -> (op, unix time)
-        self._warned: dict[Any, float] = {}  # stalled key -> how long its round had waited last tick
+        self._warned: dict[Key, float] = {}  # stalled key -> how long its round had waited last tick
         self.extra_held: Callable[[], int] = lambda: 0  # bytes held outside the shard (row-sparse tables)
         self._next_tick = 0.0
         self.dropped: dict[str, int] = {}  # refusals of the request loop (authentication, ...)

@@ -30,24 +30,29 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from kvstore.config import Config
 from kvstore.core.optimizer import from_spec
 from kvstore.core.partition import Key, check_key
+from kvstore.core.rejoin import Rejoins
 from kvstore.core.replies import Completion
-from kvstore.core.shard_image import ShardImage, progress
+from kvstore.core.shard import ShardState
+from kvstore.core.shard_image import ShardImage
 from kvstore.errors import ConfigError, KeyTypeError, ProtocolError
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import Handler
-from kvstore.server.shards import read_latest
+from kvstore.server.requests import Batch, Requests
+from kvstore.server.shards import ShardWriter, read_latest
 
 log = logging.getLogger("kvstore.server")
 _OPEN = (Op.ALIGN, Op.LEAVE, Op.SHM_ATTACH)  # answered while the workers align; others are refused
 
 
-def read_image(cfg: Any) -> ShardImage | None:
+def read_image(cfg: Config) -> ShardImage | None:
     """The shard a restarted server (``cfg.incarnation`` > 0) starts from; None for a first start.
     Raises :class:`ConfigError` when a restarted server has no rank, no folder or no shard to read."""
     if not cfg.incarnation:
@@ -62,29 +67,28 @@ def read_image(cfg: Any) -> ShardImage | None:
     return image
 
 
-def install(server: Any, image: ShardImage) -> None:
-    """Put ``image``'s keys, counts, precision and optimizer (with its state) into ``server``'s fresh
-    state.  Raises :class:`ConfigError` when the shard was written for another mode."""
-    state = server.state
-    if image.session != server.shards.session:
+def install(requests: Requests, image: ShardImage, session: str) -> None:
+    """Put ``image``'s keys, counts, precision and optimizer (with its state) into a fresh server's
+    shard.  Raises :class:`ConfigError` when the shard was written for another job (its cluster
+    ``session``, hex) or another mode."""
+    state = requests.state
+    if image.session != session:
         raise ConfigError(f"server {image.rank}'s newest shard ({image.number}) under KVSTORE_SNAPSHOT_DIR "
                           "is of another job (another cluster session): give each job a folder of its own")
     if image.mode != ("dist_sync" if state.sync else "dist_async") or image.num_workers != state.num_workers:
         raise ConfigError(f"server {image.rank}'s shard {image.number} is of a {image.mode} job of "
                           f"{image.num_workers} workers; this cluster differs")
+    optimizer = None
     if image.optimizer is not None:
-        server.optimizer = from_spec(image.optimizer)
-        server.optimizer.num_update = image.num_update
-        state.updater = server._update  # noqa: SLF001 -- the server's own update hook
+        optimizer = from_spec(image.optimizer)
+        optimizer.num_update = image.num_update
+        requests.set_optimizer(optimizer)
     for key, held in image.keys.items():
-        state.init(key, held.value)
-        kept = state._keys[key]  # noqa: SLF001 -- restoring what capture() read
-        kept.base = held.round
-        kept.applied, kept.submitted = dict(held.applied), dict(held.applied)
+        state.restore(key, held.value, held.round, held.applied)
         if held.bf16:
-            server.bf16_keys.add(key)
-        if held.count is not None and server.optimizer is not None:
-            server.optimizer.set_state(key, held.value, held.count, held.states)
+            requests.mark_precision([key], True)
+        if held.count is not None and optimizer is not None:
+            optimizer.set_state(key, held.value, held.count, held.states)
 
 
 def _align_body(body: Any) -> tuple[int, int, list[Key], list[int]]:
@@ -105,18 +109,21 @@ def _align_body(body: Any) -> tuple[int, int, list[Key], list[int]]:
 class Restored:
     """A restarted server's side of the workers' alignment, then of their retried pushes."""
 
-    def __init__(self, server: Any, image: ShardImage, cmap: dict) -> None:
-        self.server, self.image = server, image
-        state = server.state
-        install(server, image)
+    def __init__(self, requests: Requests, rejoins: Rejoins, image: ShardImage, cluster: dict[str, Any],
+                 session: str) -> None:
+        """Install ``image`` (:func:`install`) and wait for the workers of the cluster map ``cluster``
+        that have neither left nor gone away to align."""
+        self.requests, self.rejoins, self.image = requests, rejoins, image
+        state = requests.state
+        install(requests, image, session)
         for held in image.keys.values():  # copied into the state: only the rounds and counts stay here
             held.value, held.states = np.empty(0, held.value.dtype), {}
-        for worker in cmap.get("left") or []:
+        for worker in cluster.get("left") or []:
             if type(worker) is int and 0 <= worker < state.num_workers:
                 state.leave(worker)
-        for worker in cmap.get("away") or []:
+        for worker in cluster.get("away") or []:
             if type(worker) is int and 0 <= worker < state.num_workers:
-                server.rejoins.away(worker, 0)
+                rejoins.away(worker, 0)
         self.expected = set(state.active)  # the workers that must align
         self.aligned: dict[int, dict[Key, int]] = {}  # worker -> key -> its oldest unanswered round
         self.origins: dict[int, int] = {}
@@ -148,14 +155,14 @@ class Restored:
 
     def on_align(self, identity: bytes, msg: Message) -> None:
         """A worker's ALIGN: recorded; every ALIGN is answered once all expected workers have sent one."""
-        worker = self.server._sender(msg)  # noqa: SLF001
+        worker = self.requests.sender(msg)
         incarnation, origin, keys, rounds = _align_body(msg.body)
-        state = self.server.state
+        state = self.requests.state
         if self.done:  # a worker that aligns again (nothing changes): answered at once
-            self.server.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=msg.seq))
+            self.requests.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=msg.seq))
             return
-        if incarnation > self.server.rejoins.current.get(worker, 0):
-            self.server.rejoins.current[worker] = incarnation
+        if incarnation > self.rejoins.current.get(worker, 0):
+            self.rejoins.current[worker] = incarnation
         self.origins[worker] = origin
         self.aligned[worker] = {k: r + origin for k, r in zip(keys, rounds) if k in state}
         self.waiting.append((identity, msg.seq))
@@ -173,30 +180,27 @@ class Restored:
         """Once every expected worker has aligned: set each key's round, answer every ALIGN, log the loss."""
         if self.done or not self.expected <= set(self.aligned):
             return
-        state = self.server.state
-        getattr(state, "settle", lambda: None)()  # per-key state current (kvstore.core.groups)
+        state = self.requests.state
         losses: list[int] = []  # dist_sync: each key's rounds lost
         for key, held in self.image.keys.items():
-            kept = state._keys[key]  # noqa: SLF001
-            for worker, origin in self.origins.items():
-                kept.offset[worker] = origin  # a quorum PUSH's rounds count from the worker's origin
-            if not state.sync:
+            if not state.sync:  # a quorum PUSH's rounds count from the worker's origin
+                state.realign(key, self.origins)
                 continue
             floor = max([held.round] + [lows[key] for lows in self.aligned.values() if key in lows])
-            kept.base = self.floors[key] = floor
-            kept.next_round = {w: floor for w in state.active}
+            state.realign(key, self.origins, floor)
+            self.floors[key] = floor
             losses.append(floor - held.round)
         self.done = True
         self.lost = max(losses, default=0)
         for identity, seq in self.waiting:
-            self.server.service.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=seq))
+            self.requests.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=seq))
         self.waiting = []
         self._log_loss(losses)
 
     def _log_loss(self, losses: list[int]) -> None:
         """One line: what the restart lost (dist_sync: the fewest and most rounds a key lost)."""
         image = self.image
-        if not self.server.state.sync:
+        if not self.requests.state.sync:
             log.warning("workers aligned after the restart from shard %d: pushes this server applied "
                         "after that shard are lost (dist_async)", image.number)
             return
@@ -213,7 +217,7 @@ class Restored:
         if rounds is None or not isinstance(keys, list):
             return set()
         origin = self.origins.get(msg.sender, 0)
-        if self.server.state.sync:
+        if self.requests.state.sync:
             floors = self.floors
             found = {i for i, (k, r) in enumerate(zip(keys, rounds))
                      if isinstance(k, (int, str)) and r + origin < floors.get(k, 0)}
@@ -223,29 +227,35 @@ class Restored:
                      and k in held and r + origin < held[k].applied.get(msg.sender, 0)}
         return found
 
-    def drop(self, batch: Any, dropped: set[int], entries: list[tuple], sizes: list[int], pull: bool,
-             worker: int) -> list[tuple]:
-        """Answer the ``dropped`` entries of ``batch`` (acks, or for a pushpull the current values) and
-        return the others, the shard's incoming rounds cut to them."""
+    def drop(self, batch: Batch, dropped: set[int], entries: list[tuple], sizes: list[int],
+             rounds: list[int] | None, pull: bool, worker: int) -> tuple[list[tuple], list[int] | None]:
+        """Answer the ``dropped`` entries of ``batch`` (acks, or for a pushpull the current values);
+        return the other entries and their ``rounds`` (None stays None)."""
         spans = {i: (entries[i][1], entries[i][3], entries[i][3] + sizes[i]) for i in dropped}
-        state = self.server.state
         if pull:
-            done = state.pull_many(worker, [((batch, i), *spans[i]) for i in sorted(dropped)])
+            done = self.requests.state.pull_many(worker, [((batch, i), *spans[i]) for i in sorted(dropped)])
         else:
             done = [Completion((batch, i), None) for i in sorted(dropped)]
-        self.server._reply_all(done)  # noqa: SLF001
-        if state.incoming_rounds is not None:
-            state.incoming_rounds = [r for i, r in enumerate(state.incoming_rounds) if i not in dropped]
-        return [entry for i, entry in enumerate(entries) if i not in dropped]
+        self.requests.reply_all(done)
+        if rounds is not None:
+            rounds = [r for i, r in enumerate(rounds) if i not in dropped]
+        return [entry for i, entry in enumerate(entries) if i not in dropped], rounds
 
 
-def die_if_asked(cfg: Any, rank: int, state: Any, written: int) -> None:
-    """The test hook ``KVSTORE_TEST_SERVER_DIE_AT_ROUND=N`` (or ``RANK:N``): a first incarnation SIGKILLs
-    itself once some key has closed N rounds and at least one shard has been written."""
+def die_hook(cfg: Config, rank: int, state: ShardState,
+             shards: ShardWriter | None) -> Callable[[], None] | None:
+    """The test hook ``KVSTORE_TEST_SERVER_DIE_AT_ROUND=N`` (or ``RANK:N``) for server ``rank``, or None
+    when it is not set for this server's first incarnation with shards: a check, for the request
+    loop to run after each shard tick, that SIGKILLs the server once some key has closed N rounds
+    and at least one shard has been written.  Installed at start; nothing runs without it."""
     hook = cfg.test_server_die_at
-    if hook is None or cfg.incarnation or written < 1 or hook[0] not in (None, rank) or state is None:
-        return
-    if progress(state) >= hook[1]:
-        log.warning("KVSTORE_TEST_SERVER_DIE_AT_ROUND: killing server %d at step %d (SIGKILL)", rank,
-                    progress(state))
-        os.kill(os.getpid(), signal.SIGKILL)
+    if hook is None or cfg.incarnation or hook[0] not in (None, rank) or shards is None:
+        return None
+    at = hook[1]
+
+    def die_if_due() -> None:
+        if shards.written >= 1 and state.progress() >= at:
+            log.warning("KVSTORE_TEST_SERVER_DIE_AT_ROUND: killing server %d at step %d (SIGKILL)", rank,
+                        state.progress())
+            os.kill(os.getpid(), signal.SIGKILL)
+    return die_if_due

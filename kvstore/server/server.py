@@ -3,13 +3,20 @@
 Run it with ``python -m kvstore.server`` (``DMLC_ROLE=server`` and the other
 ``DMLC_*`` variables set).  It binds a port of its own (any free one), registers
 with the scheduler, receives the cluster map, then serves workers until the
-scheduler tells it to stop.
+scheduler tells it to stop (:func:`main`).
+
+A :class:`Server` opens nothing itself: it is built over a bound ROUTER's
+:class:`~kvstore.net.router.RouterService` and the cluster map, so a unit test builds it over a
+fake transport (a socket object that records what is sent) and drives its handler table.  Its
+handlers hand :class:`~kvstore.server.requests.Requests`, never the server, to the key-group path,
+a restart's alignment and the row-sparse handlers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import numpy as np
 
@@ -19,19 +26,18 @@ from kvstore.core import precision
 from kvstore.core.dtypes import BF16
 from kvstore.core.groups import GroupedShardState
 from kvstore.core.optimizer import Optimizer, from_spec
-from kvstore.core.partition import check_key
+from kvstore.core.partition import Key, check_key
 from kvstore.core.rejoin import Rejoins
-from kvstore.core.shard import Completion, ShardState
+from kvstore.core.shard_image import ShardImage
 from kvstore.errors import (
     AuthenticationError,
-    DTypeMismatchError,
     DuplicateInitError,
     OptimizerError,
     ProtocolError,
     StallError,
 )
 from kvstore.net import address, shm, transport
-from kvstore.net.auth import channel_for, new_label, server_name
+from kvstore.net.auth import Channel, channel_for, new_label, server_name
 from kvstore.net.handshake import register
 from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
@@ -40,7 +46,8 @@ from kvstore.net.router import Handler, RouterService
 from kvstore.server import decompress, fastpath, restore
 from kvstore.server.meter import ServerMeter
 from kvstore.server.peakmem import PeakMemory
-from kvstore.server.shards import ShardWriter, shard_writer
+from kvstore.server.requests import Batch, Requests
+from kvstore.server.shards import shard_writer
 from kvstore.server.sparse import SparseServer
 
 log = logging.getLogger("kvstore.server")
@@ -59,91 +66,66 @@ def _widened(msg: Message) -> tuple[Message, bool]:
     return dataclasses.replace(msg, arrays=[precision.widen(msg.arrays[0])]), True
 
 
-class _Batch:
-    """One data request being answered: its reply goes out once every entry is done."""
+@dataclasses.dataclass
+class SchedulerLink:
+    """A server's line to the scheduler: its DEALER socket, the channel that seals for it, and the
+    heartbeat thread (started)."""
 
-    __slots__ = ("identity", "seq", "values", "left", "bf16")
-
-    def __init__(self, identity: bytes, seq: int, entries: int, bf16: bool = False) -> None:
-        self.identity, self.seq, self.left, self.bf16 = identity, seq, entries, bf16
-        self.values: list[np.ndarray | None] = [None] * entries
-
-    def arrays(self) -> list[np.ndarray]:
-        """The reply's arrays: none for acks, else the entries' values in one flat array."""
-        if self.values[0] is None:
-            return []
-        if len(self.values) == 1:
-            flat = self.values[0].reshape(-1)
-        else:
-            flat = np.concatenate([v.reshape(-1) for v in self.values])
-        return [precision.narrow(flat) if self.bf16 else flat]  # bfloat16 keys: fp32 masters rounded
+    sock: Any  # a zmq DEALER (kvstore.net.transport)
+    channel: Channel
+    heartbeat: Heartbeat
 
 
 class Server:
-    """One server: a ROUTER for workers, a DEALER to the scheduler, and a :class:`ShardState`."""
+    """One server: the handler table over its :class:`GroupedShardState`, its optimizer and its
+    row-sparse tables, served on a ROUTER's :class:`RouterService`."""
 
-    def __init__(self, cfg: kvconfig.Config) -> None:
-        cfg.require_cluster("a server")
-        self.cfg = cfg
-        self.host = address.node_host(cfg)
-        address.check_bind(cfg, self.host, "a server")
-        sock, self.port = transport.bind_router(self.host, cfg.node_port, inbound=INBOUND_MESSAGES,
-                                                max_frame_bytes=cfg.max_message_bytes,
-                                                curve=transport.curve_keys(cfg))
-        self.service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} at join
+    def __init__(self, cfg: kvconfig.Config, service: RouterService, cluster: dict[str, Any],
+                 image: ShardImage | None = None, meter: ServerMeter | None = None) -> None:
+        """A server answering on ``service`` (over a bound ROUTER, or a fake transport's socket) in the
+        cluster the scheduler's map ``cluster`` describes (its body: rank, session, mode, workers),
+        restarted from ``image`` when given.  Opens nothing and starts nothing: :meth:`run` serves.
+        Raises :class:`ConfigError` for an image of another job or mode."""
+        rank, session = cluster["rank"], bytes(cluster["session"])
+        self.cfg, self.service = cfg, service
+        service.rank = rank
+        service.channel.rename(server_name(rank, cfg.incarnation))  # workers' addressee
+        service.channel.set_session(session)
         self.memory = PeakMemory()  # peak RSS, and the server's own: without its workers' segments
-        self.service.shm = None if shm.unusable(cfg) else shm.ServerPeers(self.memory.checkpoint)  # same host
-        self.scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
-        self.to_scheduler = channel_for(cfg, new_label("server"))
-        self.state: ShardState | None = None
-        self.bf16_keys: set[object] = set()  # keys held as float32 master copies of bfloat16 values
-        self.optimizer: Optimizer | None = None
-        self.heartbeat: Heartbeat | None = None
-        self.shards: ShardWriter | None = None  # KVSTORE_SNAPSHOT_EVERY (server/shards.py)
-        self.restored: restore.Restored | None = None  # a restart from its shard (server/restore.py)
-        self.meter = ServerMeter(self.host, cfg.stall_warn, cfg.stall_abort)
+        self.meter = meter if meter is not None else ServerMeter("", cfg.stall_warn, cfg.stall_abort)
+        self.meter.rank = rank
+        self.state = GroupedShardState(cluster["num_workers"], sync=cluster["mode"] == "dist_sync",
+                                       ordered=cfg.sum_order == "rank",
+                                       window=cluster.get("push_window", cfg.push_window),
+                                       quorum=cluster.get("sync_quorum"),
+                                       staleness=cluster.get("staleness"), split=lambda t, i: (t[0], i))
+        self.state.on_close = self.meter.round_closed
+        self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
+        self._requests = Requests(service, self.state, self.meter)
+        self.rejoins = Rejoins(self.state)  # restarted workers (launch.py --max-restarts)
+        self.sparse = SparseServer(self._requests)  # row-sparse keys (server/sparse.py)
+        self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
+                              cluster.get("max_message_bytes", 0))
+        self.meter.extra_held = self.sparse.nbytes
+        self.shards = shard_writer(cfg, rank, session.hex())  # KVSTORE_SNAPSHOT_EVERY
         handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push, Op.PULL: self._on_pull,
                     Op.PUSHPULL: self._on_pushpull, Op.OPTIMIZER_SET: self._on_optimizer_set,
                     Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
                     Op.OPTIMIZER_INFO: self._on_optimizer_info, Op.STATE_GET: self._on_state_get,
                     Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave, Op.REJOIN: self._on_rejoin,
-                    Op.SHM_ATTACH: self._on_shm_attach}
-        self.sparse = SparseServer(self.service, lambda: self.optimizer)  # row-sparse keys (server/sparse.py)
-        handlers.update(self.sparse.handlers())
-        self.meter.extra_held = self.sparse.nbytes
-        self.service.handlers = {op: self._metered(op, h) for op, h in handlers.items()}
-
-    def join(self) -> None:
-        """Register with the scheduler and set up state from the cluster map."""
-        image = restore.read_image(self.cfg)  # a restarted server's shard, read before it registers
-        cmap = register(self.scheduler, self.to_scheduler, self.cfg,
-                        {"role": "server", "host": self.host, "port": self.port, "rank": self.cfg.server_id,
-                         "incarnation": self.cfg.incarnation}, "server")
-        kvconfig.check_node_limit(self.cfg.max_message_bytes, cmap.body.get("max_message_bytes", 0))
-        rank = cmap.body["rank"]
-        self.service.rank = rank
-        self.service.channel.rename(server_name(rank, self.cfg.incarnation))  # workers' addressee
-        self.service.channel.set_session(cmap.body["session"])
-        self.meter.rank = rank
-        self.heartbeat = Heartbeat(self.cfg, "server", rank, cmap.body["session"], lambda error: None,
-                                   report_peers=False, stats=self.meter.snapshot)
-        self.heartbeat.start()
-        self.state = GroupedShardState(cmap.body["num_workers"], sync=cmap.body["mode"] == "dist_sync",
-                                       ordered=self.cfg.sum_order == "rank",
-                                       window=cmap.body.get("push_window", self.cfg.push_window),
-                                       quorum=cmap.body.get("sync_quorum"),
-                                       staleness=cmap.body.get("staleness"), split=lambda t, i: (t[0], i))
-        self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
-                              cmap.body.get("max_message_bytes", 0))
-        self.state.on_close = self.meter.round_closed
-        self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
-        self.rejoins = Rejoins(self.state)  # restarted workers (launch.py --max-restarts)
-        self.shards = shard_writer(self.cfg, rank, bytes(cmap.body["session"]).hex())
+                    Op.SHM_ATTACH: self._on_shm_attach, **self.sparse.handlers()}
+        service.handlers = {op: self._metered(op, h) for op, h in handlers.items()}
+        self.restored: restore.Restored | None = None  # a restart from its shard (server/restore.py)
         if image is not None:
-            self.restored = restore.Restored(self, image, cmap.body)
-            self.service.handlers = self.restored.guard(self.service.handlers)
-        logs.set_identity("server", rank)
-        log.info("serving on %s:%d in %s mode", self.host, self.port, cmap.body["mode"])
+            self.restored = restore.Restored(self._requests, self.rejoins, image, cluster, session.hex())
+            service.handlers = self.restored.guard(service.handlers)
+        self._between = self._housekeeping  # what the loop does between messages
+        die = restore.die_hook(cfg, rank, self.state, self.shards)  # KVSTORE_TEST_SERVER_DIE_AT_ROUND
+        if die is not None:
+            def housekeeping_then_die() -> None:
+                self._housekeeping()
+                die()
+            self._between = housekeeping_then_die
 
     def _metered(self, op: Op, handler: Handler) -> Handler:
         """``handler``, counting each request (bytes, its worker's last op) and each refusal."""
@@ -159,40 +141,16 @@ class Server:
                 raise
         return counted
 
-    @staticmethod
-    def batch(identity: bytes, seq: int, entries: int, bf16: bool = False) -> _Batch:
-        """A new request being answered (``kvstore.server.fastpath``)."""
-        return _Batch(identity, seq, entries, bf16)
-
-    def _reply_all(self, done: list[Completion]) -> None:
-        for c in done:
-            batch, index = c.token
-            if index < 0:  # a key group's whole answer (kvstore.core.groups): every entry at once
-                batch.values, batch.left = [c.value], 1
-            else:
-                batch.values[index] = c.value
-            batch.left -= 1
-            if batch.left == 0:
-                arrays = batch.arrays()
-                if arrays:
-                    self.meter.replied(arrays[0].nbytes)
-                self.service.reply(batch.identity, Message(Op.OK, seq=batch.seq, arrays=arrays))
-
-    def _abort_pulls(self, key: object, error: StallError) -> None:
+    def _abort_pulls(self, key: Key, error: StallError) -> None:
         """Answer the requests waiting on ``key``'s stalled round with ``error`` (KVSTORE_STALL_ABORT)."""
         batches = {id(batch): batch for batch, _ in self.state.drop_waiting_pulls(key)}
         for batch in batches.values():
             batch.left = -1  # its other entries may complete: it is answered already
             self.service.reply_error(batch.identity, batch.seq, error)
 
-    def _sender(self, msg: Message) -> int:
-        if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
-            raise ProtocolError(f"{msg.op.name} carries no valid worker rank (got {msg.sender!r})")
-        return msg.sender
-
     def _key_and_value(self, msg: Message, with_value: bool) -> tuple:
         key = check_key(msg.body.get("key"))
-        self._sender(msg)
+        self._requests.sender(msg)
         if with_value and len(msg.arrays) != 1:
             raise ProtocolError(f"{msg.op.name} of key {key!r} needs exactly one array")
         return key, (msg.arrays[0] if with_value else None)
@@ -210,7 +168,7 @@ class Server:
         keys = [check_key(k) for k in keys]
         if len(keys) > 1 and len(set(keys)) != len(keys):
             raise ProtocolError(f"{msg.op.name} names a key twice")
-        self._sender(msg)
+        self._requests.sender(msg)
         if not with_values:
             if msg.arrays:
                 raise ProtocolError(f"{msg.op.name} carries no arrays")
@@ -225,43 +183,29 @@ class Server:
         return keys, values, sizes, lo
 
     def _gradients(self, identity: bytes, msg: Message, pull: bool) -> None:
-        """Push (and with ``pull`` answer with the new values) every key of a PUSH or PUSHPULL."""
+        """Push (and with ``pull`` answer with the new values) every key of a PUSH or PUSHPULL: a key
+        group's batch on the group path, any other on the per-key path; a restarted server answers
+        the retries of pushes its shard counts without applying them (server/restore.py)."""
+        rounds = _rounds(msg)
         msg = decompress.expand(msg)  # a compressed push: its values, dequantised (server/decompress.py)
         msg, bf16 = _widened(msg)
         dropped = self.restored.screen(msg) if self.restored is not None else None  # retried pushes
-        if not dropped and fastpath.push(self, identity, msg, pull, bf16):  # a batch of a key group
+        if not dropped and fastpath.push(self._requests, identity, msg, pull, bf16):  # a key group's batch
             return
         keys, values, sizes, lo = self._entries(msg, True)
-        self._check_precision(keys, bf16, msg.op.name)
-        if self.optimizer is not None and values[0].dtype.kind != "f":  # one array: one dtype
-            raise DTypeMismatchError(f"key {keys[0]!r} holds {values[0].dtype}; the {self.optimizer.name} "
-                                     "optimizer updates floating-point keys only")
-        batch = _Batch(identity, msg.seq, len(keys), bf16)
+        self._requests.check_precision(keys, bf16, msg.op.name)
+        self._requests.check_updatable(keys[0], values[0].dtype)  # one array: one dtype
+        batch = Batch(identity, msg.seq, len(keys), bf16)
         entries = [((batch, i), key, value, lo or 0) for i, (key, value) in enumerate(zip(keys, values))]
         if dropped:  # answered, not applied: in the restored shard already, or of a lost round
-            entries = self.restored.drop(batch, dropped, entries, sizes, pull, msg.sender)
-        self._reply_all(self.state.push_many(msg.sender, entries, pull))
-
-    def _check_precision(self, keys: list[object], bf16: bool, op: str) -> None:
-        """Refuse (DTypeMismatchError, nothing changed) a push whose values are bfloat16 for a key
-        that is not, or not bfloat16 for one that is: both are float32 once widened."""
-        if not bf16 and not self.bf16_keys:
-            return  # the common case: no bfloat16 key at all
-        odd = [k for k in keys if (k in self.bf16_keys) != bf16]
-        if odd:
-            held = "bfloat16" if odd[0] in self.bf16_keys else "not bfloat16"
-            sent = "bfloat16" if bf16 else "non-bfloat16"
-            raise DTypeMismatchError(f"{op} of {sent} values to key {odd[0]!r}, which is {held}")
-
-    def _update(self, key: object, total: np.ndarray, stored: np.ndarray) -> np.ndarray:
-        weight = stored.copy()  # a stored array may still be on its way out in a reply
-        self.optimizer.update(key, weight, total)
-        return weight
+            entries, rounds = self.restored.drop(batch, dropped, entries, sizes, rounds, pull, msg.sender)
+        self._requests.reply_all(self.state.push_many(msg.sender, entries, pull, rounds))
 
     def _need_optimizer(self, what: str) -> Optimizer:
-        if self.optimizer is None:
+        optimizer = self._requests.optimizer
+        if optimizer is None:
             raise OptimizerError(f"{what}: no optimizer is set on this server (call set_optimizer)")
-        return self.optimizer
+        return optimizer
 
     def _on_init(self, identity: bytes, msg: Message) -> None:
         msg, bf16 = _widened(msg)  # a bfloat16 key is held as a float32 master copy
@@ -272,7 +216,7 @@ class Server:
                 raise ProtocolError("an INIT chunk ('lo') needs the slice's element count 'total' > 0")
             stored = self.state.init_chunk(msg.sender, keys[0], values[0], lo, total)
             if stored:
-                self._mark_precision(keys, bf16)
+                self._requests.mark_precision(keys, bf16)
                 log.debug("key %r initialised from its chunks", keys[0])
             self.service.reply(identity, Message(Op.OK, seq=msg.seq))
             return
@@ -283,15 +227,8 @@ class Server:
                 raise DuplicateInitError(f"key {key!r} is already initialised on this server")
         for key, value in zip(keys, values):
             self.state.init(key, value)
-        self._mark_precision(keys, bf16)
+        self._requests.mark_precision(keys, bf16)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
-
-    def _mark_precision(self, keys: list[object], bf16: bool) -> None:
-        """Record whether newly stored ``keys`` hold bfloat16 values (as float32 master copies)."""
-        if bf16:
-            self.bf16_keys.update(keys)
-        else:
-            self.bf16_keys.difference_update(keys)
 
     def _on_shm_attach(self, identity: bytes, msg: Message) -> None:
         """Map the worker's offered segment (``kvstore.net.shm``); reply whether that worked, and why not."""
@@ -300,34 +237,20 @@ class Server:
         self.service.reply(identity, Message(Op.OK, {"attached": attached, "why": why}, seq=msg.seq))
 
     def _on_push(self, identity: bytes, msg: Message) -> None:
-        self._with_rounds(identity, msg, pull=False)
-
-    def _with_rounds(self, identity: bytes, msg: Message, pull: bool) -> None:
-        """:meth:`_gradients`, handing the PUSH's ``rounds`` (the worker's round of each key) to the
-        shard's next push.  Raises :class:`ProtocolError` for rounds that are not one int >= 0 per key."""
-        rounds, keys = msg.body.get("rounds"), msg.body.get("keys")
-        if rounds is not None and not (isinstance(rounds, list) and isinstance(keys, list)
-                                       and len(rounds) == len(keys)
-                                       and all(type(r) is int and r >= 0 for r in rounds)):
-            raise ProtocolError(f"{msg.op.name}: 'rounds' must hold one round >= 0 per key")
-        self.state.incoming_rounds = rounds
-        try:
-            self._gradients(identity, msg, pull)
-        finally:
-            self.state.incoming_rounds = None
+        self._gradients(identity, msg, pull=False)
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
-        if fastpath.pull(self, identity, msg):  # a batch of a key group
+        if fastpath.pull(self._requests, identity, msg):  # a batch of a key group
             return
         keys, _, sizes, lo = self._entries(msg, False)
-        batch = _Batch(identity, msg.seq, len(keys), keys[0] in self.bf16_keys)  # one dtype per batch
+        batch = Batch(identity, msg.seq, len(keys), keys[0] in self._requests.bf16_keys)  # one dtype
         start = lo or 0
         entries = [((batch, i), key, start, start + size) for i, (key, size) in enumerate(zip(keys, sizes))]
         # without a chunk offset each size must be the key's whole slice: the reply is cut by them
-        self._reply_all(self.state.pull_many(msg.sender, entries, whole=lo is None))
+        self._requests.reply_all(self.state.pull_many(msg.sender, entries, whole=lo is None))
 
     def _on_pushpull(self, identity: bytes, msg: Message) -> None:
-        self._with_rounds(identity, msg, pull=True)
+        self._gradients(identity, msg, pull=True)
 
     def _on_leave(self, identity: bytes, msg: Message) -> None:
         """A worker is done.  It sends this after its pushes, on the same connection, so every one of
@@ -336,7 +259,7 @@ class Server:
             raise ProtocolError(f"LEAVE carries no valid worker rank (got {msg.sender!r})")
         done = self.state.leave(msg.sender)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
-        self._reply_all(done)
+        self._requests.reply_all(done)
         self.sparse.leave(msg.sender)
         if self.restored is not None:
             self.restored.forget(msg.sender)
@@ -347,7 +270,7 @@ class Server:
     def _on_rejoin(self, identity: bytes, msg: Message) -> None:
         """A restarted worker (a new incarnation of its rank) counts again: first from the round no key
         has opened here (replied as ``round``), then, with ``at``, from that round of every key."""
-        worker, body = self._sender(msg), msg.body
+        worker, body = self._requests.sender(msg), msg.body
         if "at" not in body:
             first, done = self.rejoins.begin(worker, body.get("incarnation"))
             self.service.reply(identity, Message(Op.OK, {"round": first}, seq=msg.seq))
@@ -358,14 +281,14 @@ class Server:
             self.service.reply(identity, Message(Op.OK, seq=msg.seq))
             log.warning("worker %d rejoined (incarnation %s) at round %d", worker, body["incarnation"],
                         body["at"])
-        self._reply_all(done)
+        self._requests.reply_all(done)
 
     def _on_away(self, body: dict) -> None:
         """The scheduler's AWAY: a lost worker will be restarted; rounds close without it meanwhile."""
         worker = body.get("worker")
         if not (type(worker) is int and 0 <= worker < self.state.num_workers):
             raise ProtocolError(f"AWAY names no worker rank (got {str(worker)[:20]!r})")
-        self._reply_all(self.rejoins.away(worker, body.get("incarnation")))
+        self._requests.reply_all(self.rejoins.away(worker, body.get("incarnation")))
         if self.restored is not None:
             self.restored.forget(worker)
         log.warning("worker %d is away (to be restarted): sync rounds close without it, scaled as a "
@@ -377,10 +300,9 @@ class Server:
             raise ProtocolError("OPTIMIZER_SET's num_update must be an int >= 0")
         optimizer = from_spec(msg.body.get("spec"))  # raises before anything changes
         optimizer.num_update = max(optimizer.num_update, num_update)
-        self.optimizer = optimizer
-        self.state.updater = self._update
+        self._requests.set_optimizer(optimizer)
         self.state.drop_staged_states()  # chunks of states of the optimizer it replaces
-        log.info("optimizer set: %s", self.optimizer.spec()["name"])
+        log.info("optimizer set: %s", optimizer.spec()["name"])
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def _on_optimizer_params(self, identity: bytes, msg: Message) -> None:
@@ -391,7 +313,7 @@ class Server:
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def _on_optimizer_info(self, identity: bytes, msg: Message) -> None:
-        opt = self.optimizer
+        opt = self._requests.optimizer
         body = {"spec": None, "num_update": 0} if opt is None else {"spec": opt.spec(),
                                                                     "num_update": opt.num_update}
         self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
@@ -421,43 +343,46 @@ class Server:
             opt.set_state(key, self.state.value(key), count, dict(zip(names, arrays)))
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
-    def run(self) -> int:
-        """Serve until the scheduler says SHUTDOWN (0) or is lost (1); return the exit code."""
+    def run(self, scheduler: SchedulerLink) -> int:
+        """Serve until the scheduler says SHUTDOWN (0) or is lost (1); return the exit code.  Closes
+        the ROUTER and ``scheduler``'s socket, and stops its heartbeat, on the way out."""
         poller = transport.Poller()
         poller.add(self.service.sock)
-        poller.add(self.scheduler)
+        poller.add(scheduler.sock)
         try:
             while True:
-                lost = self.heartbeat.lost if self.heartbeat is not None else None
+                lost = scheduler.heartbeat.lost
                 if lost is not None:
                     log.error("exiting: %s", lost)
                     return 1
                 ready = poller.wait(self.cfg.heartbeat_interval)
                 if self.service.sock in ready:
                     self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
-                if self.scheduler in ready and self._from_scheduler():
+                if scheduler.sock in ready and self._from_scheduler(scheduler):
                     return 0
-                self.meter.tick(self.state, self._abort_pulls, self.service.drops.totals)
-                if self.shards is not None:
-                    self.shards.tick(self.state, self.optimizer, self.bf16_keys)
-                    restore.die_if_asked(self.cfg, self.service.rank, self.state, self.shards.written)
+                self._between()
         finally:
             if self.shards is not None:
                 self.shards.close(self.cfg.shutdown_timeout)
-            if self.heartbeat is not None:
-                self.heartbeat.stop()
+            scheduler.heartbeat.stop()
             transport.close(self.service.sock)
-            transport.close(self.scheduler, linger=1.0)
+            transport.close(scheduler.sock, linger=1.0)
 
-    def _from_scheduler(self) -> bool:
+    def _housekeeping(self) -> None:
+        """Between messages: the rounds' stall inspector, and a shard when one is due."""
+        self.meter.tick(self.state, self._abort_pulls, self.service.drops.totals)
+        if self.shards is not None:
+            self.shards.tick(self.state, self._requests.optimizer, self._requests.bf16_keys)
+
+    def _from_scheduler(self, scheduler: SchedulerLink) -> bool:
         """Handle one message from the scheduler; True when it is SHUTDOWN (after confirming it)."""
         try:
-            msg = self.to_scheduler.open(transport.recv(self.scheduler))
+            msg = scheduler.channel.open(transport.recv(scheduler.sock))
         except (AuthenticationError, ProtocolError) as exc:
             log.warning("dropped a bad message from the scheduler: %s", exc)
             return False
         if msg.op is Op.SHUTDOWN:
-            transport.send(self.scheduler, self.to_scheduler.seal(Message(Op.OK, seq=msg.seq), "scheduler"))
+            transport.send(scheduler.sock, scheduler.channel.seal(Message(Op.OK, seq=msg.seq), "scheduler"))
             total, own = self.memory.report()
             log.info("shut down by the scheduler: %d keys, %.1f MB held, peak RSS %.1f MB, own %.1f MB",
                      len(self.state) + len(self.sparse.tables),
@@ -473,11 +398,44 @@ class Server:
         return False
 
 
+def _rounds(msg: Message) -> list[int] | None:
+    """A PUSH's or PUSHPULL's ``rounds`` (the worker's round of each key; a quorum's pushes carry
+    them), or None.  Raises :class:`ProtocolError` for rounds that are not one int >= 0 per key."""
+    rounds, keys = msg.body.get("rounds"), msg.body.get("keys")
+    if rounds is not None and not (isinstance(rounds, list) and isinstance(keys, list)
+                                   and len(rounds) == len(keys)
+                                   and all(type(r) is int and r >= 0 for r in rounds)):
+        raise ProtocolError(f"{msg.op.name}: 'rounds' must hold one round >= 0 per key")
+    return rounds
+
+
 def _serve(cfg: kvconfig.Config) -> int:
+    """Bind, register with the scheduler, then serve as :class:`Server` until told to stop."""
     heap.tune(cfg.malloc_tune)
-    server = Server(cfg)
-    server.join()
-    return server.run()
+    cfg.require_cluster("a server")
+    host = address.node_host(cfg)
+    address.check_bind(cfg, host, "a server")
+    sock, port = transport.bind_router(host, cfg.node_port, inbound=INBOUND_MESSAGES,
+                                       max_frame_bytes=cfg.max_message_bytes, curve=transport.curve_keys(cfg))
+    service = RouterService(sock, channel_for(cfg, "server"))  # renamed server{rank} by the Server
+    to_scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
+    channel = channel_for(cfg, new_label("server"))
+    image = restore.read_image(cfg)  # a restarted server's shard, read before it registers
+    cmap = register(to_scheduler, channel, cfg, {"role": "server", "host": host, "port": port,
+                                                 "rank": cfg.server_id, "incarnation": cfg.incarnation},
+                    "server")
+    kvconfig.check_node_limit(cfg.max_message_bytes, cmap.body.get("max_message_bytes", 0))
+    rank = cmap.body["rank"]
+    meter = ServerMeter(host, cfg.stall_warn, cfg.stall_abort)
+    meter.rank = rank
+    heartbeat = Heartbeat(cfg, "server", rank, cmap.body["session"], lambda error: None,
+                          report_peers=False, stats=meter.snapshot)
+    heartbeat.start()  # beating while a restarted server installs its shard
+    server = Server(cfg, service, cmap.body, image, meter)
+    service.shm = None if shm.unusable(cfg) else shm.ServerPeers(server.memory.checkpoint)  # same host
+    logs.set_identity("server", rank)
+    log.info("serving on %s:%d in %s mode", host, port, cmap.body["mode"])
+    return server.run(SchedulerLink(to_scheduler, channel, heartbeat))
 
 
 def main() -> int:

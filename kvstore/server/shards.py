@@ -20,12 +20,13 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
+from kvstore.config import Config
 from kvstore.core import checkpoint
+from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.shard import ShardState
-from kvstore.core.shard_image import ShardImage, capture, from_file, progress, to_file
+from kvstore.core.shard_image import ShardImage, capture, from_file, to_file
 from kvstore.errors import ConfigError, FormatError
 
 log = logging.getLogger("kvstore.server")
@@ -90,7 +91,7 @@ class ShardWriter:
         self.last_written: ShardImage | None = None  # the last image written (its buffers are reused)
         self.keys_seen: int | None = None  # keys in the last image (None: none taken by this process)
 
-    def tick(self, state: ShardState | None, optimizer: Any, bf16_keys: set[Key]) -> bool:
+    def tick(self, state: ShardState | None, optimizer: Optimizer | None, bf16_keys: set[Key]) -> bool:
         """Capture a shard and start writing it when one is due; return whether one was."""
         now = self.clock()
         if state is None or (self.thread is not None and self.thread.is_alive()):
@@ -119,7 +120,7 @@ class ShardWriter:
         if now - self.last_check < CHECK_EVERY:
             return False
         self.last_check = now
-        return progress(state) >= self.last_step + self.rounds
+        return state.progress() >= self.last_step + self.rounds
 
     def _write(self, image: ShardImage) -> None:
         """Write ``image`` atomically, then remove all but the latest :data:`KEEP` shards."""
@@ -148,8 +149,8 @@ class ShardWriter:
                             timeout)
 
 
-def shard_writer(cfg: Any, rank: int, session: str = "") -> ShardWriter | None:
-    """Server ``rank``'s writer as ``cfg`` (a :class:`kvstore.config.Config`) asks, or None (no
+def shard_writer(cfg: Config, rank: int, session: str = "") -> ShardWriter | None:
+    """Server ``rank``'s writer as ``cfg`` asks, or None (no
     ``KVSTORE_SNAPSHOT_EVERY``).  Raises :class:`ConfigError` naming the folder when it cannot be made."""
     if not (cfg.snapshot_rounds or cfg.snapshot_seconds):
         return None

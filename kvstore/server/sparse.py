@@ -9,13 +9,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from kvstore.core import rowsparse as R
-from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
@@ -23,6 +20,7 @@ from kvstore.core.sparse_update import apply_rows
 from kvstore.errors import ConfigError, DTypeMismatchError, OptimizerError, ProtocolError
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import Handler
+from kvstore.server.requests import Requests
 
 log = logging.getLogger("kvstore.server")
 
@@ -46,9 +44,8 @@ def _int(body: dict, name: str, low: int = 0) -> int:
 class SparseServer:
     """The row-sparse part of one server: its tables and the four handlers."""
 
-    def __init__(self, service: Any, optimizer: Callable[[], Optimizer | None]) -> None:
-        self.service = service
-        self.optimizer = optimizer
+    def __init__(self, requests: Requests) -> None:
+        self.requests = requests  # its replies, and the server's optimizer
         self.tables = RowTables()
         self.tables.updater = self._update
         self.max_bytes = 0
@@ -70,13 +67,13 @@ class SparseServer:
 
     def nbytes(self) -> int:
         """Bytes of the row ranges held and of their optimizer state."""
-        opt = self.optimizer()
+        opt = self.requests.optimizer
         states = {} if opt is None else opt.states
         held = (a.nbytes for k in self.tables.tables for a in states.get(k, {}).values())
         return self.tables.nbytes() + sum(held)
 
     def _update(self, key: Key, weight: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
-        apply_rows(self.optimizer(), key, weight, ids, rows)
+        apply_rows(self.requests.optimizer, key, weight, ids, rows)
 
     def _sender(self, msg: Message) -> int:
         if not (type(msg.sender) is int and 0 <= msg.sender < self.tables.num_workers):
@@ -95,7 +92,7 @@ class SparseServer:
         for c in done:
             identity, seq = c.token
             arrays = [] if c.value is None else [c.value]
-            self.service.reply(identity, Message(Op.OK, seq=seq, arrays=arrays))
+            self.requests.reply(identity, Message(Op.OK, seq=seq, arrays=arrays))
 
     def _on_init(self, identity: bytes, msg: Message) -> None:
         key = check_key(msg.body.get("key"))
@@ -114,11 +111,11 @@ class SparseServer:
             raise ConfigError(f"row_sparse key {key!r}: rows [{lo}, {hi}) take {need} bytes, more than this "
                               f"server's memory ({_physical_memory()} bytes) less the {held} bytes of its "
                               "row_sparse tables; start more servers")
-        if self.optimizer() is not None and dtype.kind != "f":
+        if self.requests.optimizer is not None and dtype.kind != "f":
             raise DTypeMismatchError(f"key {key!r}: the optimizer updates floating-point keys only")
         self.tables.init(key, shape, dtype, lo, hi, spec)
         log.debug("row_sparse key %r: rows [%d, %d) of %s", key, lo, hi, shape)
-        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        self.requests.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def _on_set(self, identity: bytes, msg: Message) -> None:
         key, ids, rows = self._rows(msg, True)
@@ -130,12 +127,12 @@ class SparseServer:
                 raise ProtocolError(f"SPARSE_SET of key {key!r}: 'state' must be a state's name, "
                                     f"not {name!r}")
             self._set_state(key, name, _int(msg.body, "count"), ids, rows)
-        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        self.requests.reply(identity, Message(Op.OK, seq=msg.seq))
 
-    def _set_state(self, key: Key, name: Any, count: int, ids: np.ndarray, rows: np.ndarray) -> None:
+    def _set_state(self, key: Key, name: str, count: int, ids: np.ndarray, rows: np.ndarray) -> None:
         """Overwrite rows ``ids`` of state array ``name`` of ``key`` (a load_optimizer_states), making
         the key's state first if it has none; OptimizerError for a name the optimizer does not keep."""
-        opt = self.optimizer()
+        opt = self.requests.optimizer
         if opt is None:
             raise OptimizerError(f"setting the optimizer state of key {key!r}: no optimizer is set")
         table, local = self.tables.local_ids(key, ids)
@@ -168,7 +165,7 @@ class SparseServer:
             raise ProtocolError(f"SPARSE_PULL of {ids.size} rows of key {key!r}: the reply could exceed "
                                 f"KVSTORE_MAX_MESSAGE_BYTES={self.max_bytes}; ask in smaller messages")
         if msg.body.get("state") is True:  # the optimizer's state rows (save_optimizer_states)
-            self.service.reply(identity, self._state_rows(key, ids, msg.seq))
+            self.requests.reply(identity, self._state_rows(key, ids, msg.seq))
             return
         self._reply_all(self.tables.pull(msg.sender, key, after, ids, (identity, msg.seq)))
 
@@ -178,7 +175,7 @@ class SparseServer:
         updates) answers the fresh state its first update would make, as the other ranges' servers
         answer their state."""
         table, local = self.tables.local_ids(key, ids)
-        opt = self.optimizer()
+        opt = self.requests.optimizer
         state = None if opt is None else opt.states.get(key)
         if state is not None:
             rows = {name: a[local] for name, a in state.items()}

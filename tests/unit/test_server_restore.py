@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import types
 import weakref
 
 import numpy as np
@@ -15,6 +14,8 @@ from kvstore.core.rejoin import Rejoins
 from kvstore.core.shard_image import KeyImage, ShardImage
 from kvstore.errors import ConfigError, ProtocolError
 from kvstore.net.protocol import Message, Op
+from kvstore.server.meter import ServerMeter
+from kvstore.server.requests import Requests
 from kvstore.server.restore import Restored, _align_body, read_image
 
 
@@ -59,14 +60,17 @@ class _Service:
         self.replies.append(msg)
 
 
-def _restored(cmap: dict) -> Restored:
+def _requests(state: GroupedShardState, service: _Service | None = None) -> Requests:
+    """The requests object of a server over ``state`` whose replies ``service`` records."""
+    return Requests(service or _Service(), state, ServerMeter("", 10.0, None))
+
+
+def _restored(cmap: dict, service: _Service | None = None) -> Restored:
     """A dist_sync server of 2 workers restarted from a shard holding key 'k' at round 3."""
     state = GroupedShardState(2, sync=True)
-    server = types.SimpleNamespace(state=state, rejoins=Rejoins(state), optimizer=None, bf16_keys=set(),
-                                   shards=types.SimpleNamespace(session="s"), service=_Service())
     image = ShardImage(rank=0, number=1, mode="dist_sync", num_workers=2, optimizer=None, num_update=0,
                        keys={"k": KeyImage(np.zeros(2, np.float32), 3, {0: 3, 1: 3})}, session="s")
-    return Restored(server, image, cmap)
+    return Restored(_requests(state, service), Rejoins(state), image, cmap, "s")
 
 
 @pytest.mark.parametrize("cmap", [{"left": [0], "away": [1]}, {"away": [0, 1]}])
@@ -91,22 +95,20 @@ def test_a_restart_keeps_no_second_copy_of_the_shards_values() -> None:
     value = np.zeros(1 << 16, np.float32)
     gone = weakref.ref(value)
     state = GroupedShardState(2, sync=False)
-    server = types.SimpleNamespace(state=state, rejoins=Rejoins(state), optimizer=None, bf16_keys=set(),
-                                   shards=types.SimpleNamespace(session="s"), service=_Service())
     image = ShardImage(rank=0, number=1, mode="dist_async", num_workers=2, optimizer=None, num_update=0,
                        keys={"k": KeyImage(value, 0, {0: 3})}, session="s")
     del value
-    restored = Restored(server, image, {})
+    restored = Restored(_requests(state), Rejoins(state), image, {}, "s")
     gc.collect()
     assert gone() is None
-    assert restored.image.keys["k"].applied == {0: 3} and state._keys["k"].value.size == 1 << 16
+    assert restored.image.keys["k"].applied == {0: 3} and state.value("k").size == 1 << 16
 
 
 def test_an_align_after_the_alignment_is_answered_and_changes_nothing() -> None:
     """Once aligned, another ALIGN (a duplicate, or another origin) is answered with what was lost and
     leaves the worker's origin (which screens its pushes) and counted incarnation as they were."""
-    restored = _restored({"left": [0]})
-    restored.server._sender = lambda msg: msg.sender
+    service = _Service()
+    restored = _restored({"left": [0]}, service)
     align = Message(Op.ALIGN, {"incarnation": 0, "origin": 0, "keys": ["k"], "rounds": [3]}, seq=1)
     align.sender = 1
     restored.on_align(b"w1", align)
@@ -114,5 +116,24 @@ def test_an_align_after_the_alignment_is_answered_and_changes_nothing() -> None:
     again = Message(Op.ALIGN, {"incarnation": 5, "origin": 9, "keys": ["k"], "rounds": [0]}, seq=2)
     again.sender = 1
     restored.on_align(b"w1", again)
-    assert restored.origins == {1: 0} and restored.server.rejoins.current.get(1, 0) == 0
-    assert [m.body["lost"] for m in restored.server.service.replies] == [0, 0]
+    assert restored.origins == {1: 0} and restored.rejoins.current.get(1, 0) == 0
+    assert [m.body["lost"] for m in service.replies] == [0, 0]
+
+
+def test_the_server_die_hook_is_installed_only_when_its_variable_is_set(tmp_path) -> None:
+    """KVSTORE_TEST_SERVER_DIE_AT_ROUND: no hook at all unless set for this rank's first incarnation
+    with shards; an installed hook does nothing before a shard is written and its round is reached."""
+    from kvstore.server.restore import die_hook
+    from kvstore.server.shards import ShardWriter
+
+    state = GroupedShardState(1, sync=True)
+    shards = ShardWriter(str(tmp_path), 0, rounds=1)
+    base = {"DMLC_ROLE": "server"}
+    assert die_hook(config.load(base), 0, state, shards) is None
+    armed = {**base, "KVSTORE_TEST_SERVER_DIE_AT_ROUND": "0:3"}
+    assert die_hook(config.load({**armed, "KVSTORE_INCARNATION": "1"}), 0, state, shards) is None
+    assert die_hook(config.load(armed), 1, state, shards) is None  # another server's rank
+    assert die_hook(config.load(armed), 0, state, None) is None    # no shards: nothing to restart from
+    hook = die_hook(config.load(armed), 0, state, shards)
+    assert hook is not None
+    hook()  # no shard written, no round closed: it returns

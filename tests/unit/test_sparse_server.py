@@ -1,4 +1,4 @@
-"""Unit tests of kvstore.server.sparse.SparseServer's handlers, over a service that records replies."""
+"""Unit tests of kvstore.server.sparse.SparseServer's handlers, over requests whose replies are recorded."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import numpy as np
 import pytest
 
 import kvstore
+from kvstore.core.groups import GroupedShardState
+from kvstore.core.optimizer import Optimizer
 from kvstore.errors import ConfigError, ProtocolError
 from kvstore.net.protocol import Message, Op
 from kvstore.server import sparse as S
+from kvstore.server.meter import ServerMeter
+from kvstore.server.requests import Requests
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,6 +29,15 @@ class _Replies:
         self.sent.append(msg)
 
 
+def _sparse(optimizer: Optimizer | None = None) -> tuple[S.SparseServer, _Replies]:
+    """A SparseServer of a 1-worker dist_sync server with ``optimizer`` set, and its recorded replies."""
+    replies = _Replies()
+    requests = Requests(replies, GroupedShardState(1, sync=True), ServerMeter("", 10.0, None))
+    if optimizer is not None:
+        requests.set_optimizer(optimizer)
+    return S.SparseServer(requests), replies
+
+
 def _init(key: str, rows: int) -> Message:
     return Message(Op.SPARSE_INIT, {"key": key, "shape": [rows, 1], "dtype": "float32", "lo": 0, "hi": rows,
                                     "init": "zeros"}, seq=1, sender=0)
@@ -34,13 +47,13 @@ def test_a_table_range_is_refused_when_it_and_the_tables_held_pass_the_memory(mo
     """SPARSE_INIT counts the row ranges a server already holds: two ranges that each fit its memory
     but not together are refused at the second (nothing allocated), not taken until the node dies."""
     monkeypatch.setattr(S, "_physical_memory", lambda: 1000)
-    server = S.SparseServer(_Replies(), lambda: None)
+    server, replies = _sparse()
     server.configure(1, True, 2)
     server._on_init(b"w", _init("a", 200))  # 800 bytes
     with pytest.raises(ConfigError, match="less the 800 bytes"):
         server._on_init(b"w", _init("b", 200))
     assert "b" not in server and server.nbytes() == 800
-    assert [m.op for m in server.service.sent] == [Op.OK]
+    assert [m.op for m in replies.sent] == [Op.OK]
     np.testing.assert_array_equal(server.tables.table("a").weight, 0.0)
 
 
@@ -48,13 +61,13 @@ def test_a_table_range_is_refused_when_it_and_the_tables_held_pass_the_memory(mo
 def test_a_bad_int_field_is_named_with_its_value(lo, shown) -> None:
     """A SPARSE_INIT whose 'lo' is negative, a bool or missing is refused with an error that shows
     the value sent (a negative int used to read 'must be an int >= 0, not int')."""
-    server = S.SparseServer(_Replies(), lambda: None)
+    server, replies = _sparse()
     server.configure(1, True, 2)
     msg = _init("a", 4)
     msg.body["lo"] = lo
     with pytest.raises(ProtocolError, match=re.escape(f"field 'lo' must be an int in [0, 2**63), {shown}")):
         server._on_init(b"w", msg)
-    assert "a" not in server and server.service.sent == []
+    assert "a" not in server and replies.sent == []
 
 
 @pytest.mark.parametrize("state, count", [(["mean"], 1), ({"n": 1}, 1), ("mean", 2**64 - 1), ("mean", 2**63)])
@@ -63,7 +76,7 @@ def test_a_state_set_with_a_bad_name_or_count_is_refused_and_changes_nothing(sta
     become num_update and break every later reply that carries it), is a ProtocolError; the
     optimizer keeps no state, count or num_update from it."""
     opt = kvstore.optimizer.create("adam", learning_rate=0.1)
-    server = S.SparseServer(_Replies(), lambda: opt)
+    server, _ = _sparse(opt)
     server.configure(1, True, 2)
     server._on_init(b"w", _init("a", 4))
     ids, rows = np.array([1, 2], np.int64), np.ones((2, 1), np.float32)

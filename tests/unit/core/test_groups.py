@@ -166,16 +166,16 @@ def test_a_lone_key_group_answers_as_the_per_key_state_does(workers, sync, monke
 
 
 def test_a_shard_image_and_its_progress_see_the_groups_rounds():
-    """core/shard_image: progress counts a group's closed rounds, and an image holds the values the
-    group's rounds made (its keys' own state is made current first)."""
-    from kvstore.core.shard_image import capture, progress
+    """ShardState.progress counts a group's closed rounds, and an image (core/shard_image) holds the
+    values the group's rounds made (its keys' own state is made current first)."""
+    from kvstore.core.shard_image import capture
 
     state = make(GroupedShardState, 2, True)
     for _ in range(3):
         for w in (0, 1):
             group = state.group_of(list(KEYS), list(SIZES), np.ones(12), create=True)
             state.push_group(group, w, (w, -1), np.ones(12))
-    assert state._groups and progress(state) == 3
+    assert state._groups and state.progress() == 3
     image = capture(state, None, set(), rank=0, number=1)
     for key in KEYS:
         assert image.keys[key].round == 3

@@ -7,7 +7,7 @@ import pytest
 
 from kvstore.core.optimizer import create
 from kvstore.core.shard import ShardState
-from kvstore.core.shard_image import capture, from_file, progress, to_file
+from kvstore.core.shard_image import capture, from_file, to_file
 from kvstore.errors import FormatError
 
 
@@ -37,7 +37,7 @@ def test_an_image_holds_each_keys_closed_rounds_and_not_the_open_one() -> None:
     """The image's value and round agree: an open round's push is not in it; momentum is copied."""
     shard, opt = trained(3)
     image = capture(shard, opt, set(), rank=1, number=4)
-    assert image.keys["w"].round == 3 and image.keys[7].round == 3 and image.step() == 3 == progress(shard)
+    assert image.keys["w"].round == 3 and image.keys[7].round == 3 and image.step() == 3 == shard.progress()
     expected = shard.value("w").copy()
     np.testing.assert_array_equal(image.keys["w"].value, expected)
     before = image.keys["w"].states["mom"].copy()

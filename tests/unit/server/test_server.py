@@ -1,0 +1,158 @@
+"""Unit tests of the Server's request handling over a fake transport (tests/unit/server/fake.py):
+real authentication, handler table and shard, no processes and no sockets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore.net.protocol import Message, Op
+
+from .fake import FakeCluster
+
+pytestmark = pytest.mark.timeout(30)
+
+# arrival: batches of keys at rest take the key-group path (server/fastpath.py); rank: the per-key path
+SUM_ORDERS = ["arrival", "rank"]
+
+
+def _push(cluster: FakeCluster, worker: int, key: str, value: np.ndarray, op: Op = Op.PUSH) -> int:
+    return cluster.send(worker, op, {"keys": [key], "sizes": [value.size]}, [value])
+
+
+def _pull(cluster: FakeCluster, worker: int, key: str, size: int) -> int:
+    return cluster.send(worker, Op.PULL, {"keys": [key], "sizes": [size]})
+
+
+def _only(replies: list[Message], seq: int) -> Message:
+    """The one reply, checked to answer request ``seq``."""
+    assert len(replies) == 1 and replies[0].seq == seq, replies
+    return replies[0]
+
+
+def test_an_init_is_stored_and_acknowledged() -> None:
+    """INIT stores the key's value (a copy) and answers OK with the request's seq."""
+    cluster = FakeCluster()
+    value = np.arange(4, dtype=np.float32)
+    reply = cluster.init("w", value)
+    assert reply.op is Op.OK and reply.seq == 1 and reply.sender == 0
+    value[:] = -1  # the server keeps its own copy
+    np.testing.assert_array_equal(cluster.server.state.value("w"), np.arange(4, dtype=np.float32))
+
+
+@pytest.mark.parametrize("order", SUM_ORDERS)
+def test_dist_sync_a_pull_waits_for_the_round_of_both_workers(order: str) -> None:
+    """dist_sync, 2 workers: a worker's pull after its push is answered only once the other worker's
+    push closes the round, with the sum; both pushes are acked then, not before."""
+    cluster = FakeCluster("dist_sync", 2, KVSTORE_SUM_ORDER=order)
+    cluster.init("w", np.zeros(4, np.float32))
+    first = _push(cluster, 0, "w", np.ones(4, np.float32))
+    pull = _pull(cluster, 0, "w", 4)
+    assert cluster.replies(0) == []  # the round waits for worker 1: no ack, no value yet
+    second = _push(cluster, 1, "w", np.full(4, 2.0, np.float32))
+    acks = cluster.replies(0)
+    assert [(m.op, m.seq) for m in acks] == [(Op.OK, first), (Op.OK, pull)]
+    assert acks[0].arrays == []
+    np.testing.assert_array_equal(acks[1].arrays[0], np.full(4, 3.0, np.float32))
+    assert _only(cluster.replies(1), second).op is Op.OK
+
+
+@pytest.mark.parametrize("order", SUM_ORDERS)
+def test_a_pushpull_is_answered_with_the_rounds_sum(order: str) -> None:
+    """PUSHPULL of both workers: each gets the round's sum as its only reply once the round closes."""
+    cluster = FakeCluster("dist_sync", 2, KVSTORE_SUM_ORDER=order)
+    cluster.init("w", np.zeros(3, np.float32))
+    seq0 = _push(cluster, 0, "w", np.ones(3, np.float32), Op.PUSHPULL)
+    assert cluster.replies(0) == []
+    seq1 = _push(cluster, 1, "w", np.ones(3, np.float32), Op.PUSHPULL)
+    for worker, seq in ((0, seq0), (1, seq1)):
+        reply = _only(cluster.replies(worker), seq)
+        np.testing.assert_array_equal(reply.arrays[0], np.full(3, 2.0, np.float32))
+
+
+@pytest.mark.parametrize("body, arrays", [
+    ({"keys": ["w"], "sizes": [4]}, [np.ones(3, np.float32)]),   # the array is not the sizes' sum
+    ({"keys": ["w"], "sizes": [4]}, []),                          # no array
+    ({"keys": ["w", "w"], "sizes": [2, 2]}, [np.ones(4, np.float32)]),  # a key twice
+    ({"keys": ["w"], "sizes": [4], "rounds": [-1]}, [np.ones(4, np.float32)]),  # a bad round
+    ({"keys": ["w"], "sizes": [4]}, [np.ones(4, np.int32)]),     # another dtype
+])
+def test_a_malformed_push_gets_an_error_reply_and_changes_nothing(body: dict, arrays: list) -> None:
+    """A malformed PUSH is answered with one ERROR carrying its seq; the server keeps serving and its
+    shard is as before: no round opened, the value unchanged, a later round sums as if it never came."""
+    cluster = FakeCluster("dist_sync", 2)
+    cluster.init("w", np.zeros(4, np.float32))
+    seq = cluster.send(0, Op.PUSH, body, arrays)
+    error = _only(cluster.replies(0), seq)
+    assert error.op is Op.ERROR and error.body["code"] in ("ProtocolError", "DTypeMismatchError")
+    assert cluster.server.state.open_rounds() == 0
+    np.testing.assert_array_equal(cluster.server.state.value("w"), np.zeros(4, np.float32))
+    _push(cluster, 0, "w", np.ones(4, np.float32))
+    _push(cluster, 1, "w", np.ones(4, np.float32))
+    np.testing.assert_array_equal(cluster.server.state.value("w"), np.full(4, 2.0, np.float32))
+
+
+def test_a_request_without_a_worker_rank_is_refused() -> None:
+    """A PULL whose sender is no worker rank of the cluster gets a ProtocolError reply."""
+    cluster = FakeCluster("dist_sync", 2)
+    cluster.init("w", np.zeros(2, np.float32))
+    seq = cluster.send(0, Op.PULL, {"keys": ["w"], "sizes": [2]}, rank=7)
+    error = _only(cluster.replies(0), seq)
+    assert error.op is Op.ERROR and "worker rank" in error.body["message"]
+    seq = cluster.send(0, Op.PULL, {"keys": ["w"], "sizes": [2]})  # and the server keeps serving
+    assert _only(cluster.replies(0), seq).op is Op.OK
+
+
+@pytest.mark.parametrize("order", SUM_ORDERS)
+def test_an_optimizer_set_is_applied_to_the_next_rounds_sum(order: str) -> None:
+    """OPTIMIZER_SET installs the optimizer (OPTIMIZER_INFO reports it); the next round's sum is its
+    gradient: sgd with learning rate 0.1 steps the weight by -0.1 x the sum."""
+    cluster = FakeCluster("dist_sync", 2, KVSTORE_SUM_ORDER=order)
+    cluster.init("w", np.ones(4, np.float32))
+    spec = kvstore.optimizer.create("sgd", learning_rate=0.1).spec()
+    seq = cluster.send(0, Op.OPTIMIZER_SET, {"spec": spec, "num_update": 0})
+    assert _only(cluster.replies(0), seq).op is Op.OK
+    seq = cluster.send(1, Op.OPTIMIZER_INFO, {})
+    assert _only(cluster.replies(1), seq).body["spec"]["name"] == "sgd"
+    _push(cluster, 0, "w", np.ones(4, np.float32))
+    _push(cluster, 1, "w", np.ones(4, np.float32))
+    cluster.replies(0), cluster.replies(1)
+    seq = _pull(cluster, 1, "w", 4)
+    weight = _only(cluster.replies(1), seq).arrays[0]
+    np.testing.assert_allclose(weight, np.full(4, 0.8, np.float32), rtol=1e-6)
+
+
+def test_an_integer_key_is_refused_a_push_once_an_optimizer_is_set() -> None:
+    """With an optimizer set, a push to an integer key is a DTypeMismatchError reply; nothing changes."""
+    cluster = FakeCluster("dist_async", 1)
+    cluster.init("n", np.zeros(2, np.int32))
+    spec = kvstore.optimizer.create("sgd", learning_rate=0.1).spec()
+    cluster.send(0, Op.OPTIMIZER_SET, {"spec": spec})
+    cluster.replies(0)
+    seq = _push(cluster, 0, "n", np.ones(2, np.int32))
+    error = _only(cluster.replies(0), seq)
+    assert error.op is Op.ERROR and error.body["code"] == "DTypeMismatchError"
+    np.testing.assert_array_equal(cluster.server.state.value("n"), np.zeros(2, np.int32))
+
+
+def test_dist_async_applies_each_push_at_once() -> None:
+    """dist_async: each push is applied and acked on arrival; a pull reads every push applied so far."""
+    cluster = FakeCluster("dist_async", 2)
+    cluster.init("w", np.zeros(2, np.float32))
+    seq = _push(cluster, 1, "w", np.ones(2, np.float32))
+    assert _only(cluster.replies(1), seq).op is Op.OK
+    seq = _pull(cluster, 0, "w", 2)
+    np.testing.assert_array_equal(_only(cluster.replies(0), seq).arrays[0], np.ones(2, np.float32))
+
+
+def test_a_leave_closes_the_rounds_that_waited_for_the_worker() -> None:
+    """LEAVE of worker 1 is acked, and the round that waited for it closes: worker 0's push is acked."""
+    cluster = FakeCluster("dist_sync", 2)
+    cluster.init("w", np.zeros(2, np.float32))
+    pushed = _push(cluster, 0, "w", np.ones(2, np.float32))
+    assert cluster.replies(0) == []
+    seq = cluster.send(1, Op.LEAVE, {})
+    assert _only(cluster.replies(1), seq).op is Op.OK
+    assert _only(cluster.replies(0), pushed).op is Op.OK
+    np.testing.assert_array_equal(cluster.server.state.value("w"), np.ones(2, np.float32))
