@@ -51,9 +51,8 @@ def test_public_modules_import_by_their_documented_names(name):
 
 def test_the_public_faces_are_the_core_objects():
     """kvstore.optimizer.register registers into the same registry create() reads."""
-    import kvstore.optimizer as public
-
     import kvstore.core.optimizer as core
+    import kvstore.optimizer as public
 
     assert public.create is core.create and public.OPTIMIZERS is core.OPTIMIZERS
     assert public.Optimizer is core.Optimizer

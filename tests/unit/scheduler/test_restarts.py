@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvstore.scheduler.restarts import Restarts
 
 from kvstore.errors import ProtocolError
+from kvstore.scheduler.restarts import Restarts
 
 
 def test_losses_are_absorbed_until_the_budget_is_used() -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvstore.scheduler.state import Barrier, Liveness, Node, Rendezvous, assign_ranks
 
 from kvstore.errors import ConfigError, ProtocolError
+from kvstore.scheduler.state import Barrier, Liveness, Node, Rendezvous, assign_ranks
 
 
 def worker(i: int, wanted: int | None = None, mode: str | None = "dist_sync") -> Node:

@@ -8,8 +8,6 @@ import time
 from typing import Any
 
 import pytest
-from kvstore.scheduler.observe import SchedulerStats, node_rows
-from kvstore.scheduler.scheduler import Scheduler
 
 from kvstore import config as kvconfig
 from kvstore.core.stats import SCHEMA_VERSION, node_snapshot
@@ -17,6 +15,8 @@ from kvstore.errors import StallError, error_from_code
 from kvstore.net import protocol, transport
 from kvstore.net.auth import Channel, derive_key, new_label
 from kvstore.net.protocol import Message, Op
+from kvstore.scheduler.observe import SchedulerStats, node_rows
+from kvstore.scheduler.scheduler import Scheduler
 
 SECRET = "unit-secret"
 
