@@ -50,7 +50,7 @@ class Restarts:
         self.away[rank] = now
         self.used += 1
 
-    def check(self, rank: Any, incarnation: Any) -> tuple[int, int]:
+    def check(self, rank: object, incarnation: object) -> tuple[int, int]:
         """A late REGISTER's ``(rank, incarnation)``, checked; raises ProtocolError (nothing changes)
         unless it names a worker rank, an incarnation above the one counted, and the worker is away
         or budget is left to make it so."""
