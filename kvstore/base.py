@@ -29,6 +29,7 @@ from kvstore.errors import (
     KVStoreError,
     StoreClosedError,
     UnsupportedError,
+    is_from_cluster,
 )
 from kvstore.sparse import SparseCalls
 
@@ -41,15 +42,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def public(method: F) -> F:
-    """Mark a public store call: an error from the cluster (``errors.from_cluster``) raised inside it
-    is re-raised from the user's call without kvstore's internal frames or chain (the dist store logs
-    those at DEBUG on ``kvstore.dist``).  Other exceptions pass through unchanged."""
+    """Mark a public store call: an error from the cluster (``errors.is_from_cluster``) raised inside it is
+    re-raised without kvstore's frames or chain (logged at DEBUG on ``kvstore.dist``); others unchanged."""
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return method(*args, **kwargs)
         except KVStoreError as exc:
-            if not getattr(exc, "_from_cluster", False):
+            if not is_from_cluster(exc):
                 raise
             raise exc.with_traceback(None) from None
     return call  # type: ignore[return-value]

@@ -23,10 +23,14 @@ class Window(Sequence):
     part), slices (a smaller Window), iteration and the other Sequence methods.
     """
 
+    def __new__(cls, dataset: Any, start: int, stop: int) -> Window:
+        if isinstance(dataset, Window):  # a part of a part is the part's slice: it indexes the original
+            return dataset[start:stop]
+        return super().__new__(cls)
+
     def __init__(self, dataset: Any, start: int, stop: int) -> None:
-        if isinstance(dataset, Window):  # a part of a part indexes the original directly
-            base = dataset._indices[start:stop]
-            dataset, start, stop = dataset._dataset, base.start, base.stop
+        if isinstance(dataset, Window):
+            return  # made by __new__: the slice of ``dataset``, set up already
         self._dataset = dataset
         self._indices = range(start, stop)
 

@@ -50,6 +50,7 @@ Errors cross the wire as ``(code, message)`` pairs; :func:`error_code` and
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 
@@ -251,13 +252,22 @@ def error_node(exc: BaseException) -> list | None:
     return None
 
 
+_FROM_CLUSTER: weakref.WeakSet[BaseException] = weakref.WeakSet()  # what from_cluster made
+
+
 def from_cluster(exc: KVStoreError) -> KVStoreError:
     """A fresh copy of a cluster's ``exc`` (same type, message and attributes; no traceback, cause
-    or context), marked so that the public store call raising it drops kvstore's internal frames.
+    or context), marked so that the public store call raising it drops kvstore's internal frames
+    (:func:`is_from_cluster`).
     """
     try:
         fresh = copy.copy(exc)
     except Exception:  # an error class whose constructor does not take its own args
         fresh = exc.with_traceback(None)
-    fresh._from_cluster = True  # type: ignore[attr-defined]
+    _FROM_CLUSTER.add(fresh)
     return fresh
+
+
+def is_from_cluster(exc: BaseException) -> bool:
+    """Whether ``exc`` was made by :func:`from_cluster` (a public store call re-raises it bare)."""
+    return exc in _FROM_CLUSTER

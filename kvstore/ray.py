@@ -108,7 +108,7 @@ def launch(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     try:
         job = RayJob(cfg.command, cfg.num_workers, cfg.num_servers, address=cfg.ray_address, env=cfg.env,
                      settings=settings, max_restarts=cfg.max_restarts, **cfg.ray_options)
-        job._connect()
+        job.connect()
         signal.signal(signal.SIGTERM, roles.raise_interrupt)  # after ray.init, which sets its own
         job.start()
         job.supervise()

@@ -66,14 +66,27 @@ def _spark_context(sc_or_spark: Any) -> SparkContext:
                     f"{type(sc_or_spark).__name__} (Spark Connect sessions cannot run barrier RDD jobs)")
 
 
+def _jvm_context(sc: SparkContext) -> Any:
+    """The JVM SparkContext behind ``sc`` (through pyspark's py4j handle), or None where there is none.
+
+    pyspark has no public count of the tasks a barrier stage can run at once: Spark's own
+    (``maxNumConcurrentTasks``) is reachable only through its private ``SparkContext._jsc``.  This is
+    the one place kvstore touches it, read with a default since a pyspark may lack it.
+    """
+    jsc = getattr(sc, "_jsc", None)
+    return None if jsc is None else jsc.sc()
+
+
 def available_slots(sc: SparkContext) -> int:
     """How many tasks ``sc`` can run at once now (Spark's own count for barrier stages, which
     accounts for spark.task.cpus; ``defaultParallelism`` where that cannot be read)."""
     try:
-        jsc = sc._jsc.sc()
-        return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+        jvm = _jvm_context(sc)
+        if jvm is not None:
+            return int(jvm.maxNumConcurrentTasks(jvm.resourceProfileManager().defaultResourceProfile()))
     except Exception:  # noqa: BLE001 - a private JVM method: any failure means "use the public count"
-        return sc.defaultParallelism
+        pass
+    return sc.defaultParallelism
 
 
 def _wait_for_slots(sc: SparkContext, layout: Layout, timeout: float) -> None:

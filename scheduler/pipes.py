@@ -11,6 +11,8 @@ from typing import Any
 from kvstore.errors import ProtocolError
 from kvstore.net.protocol import Message, Op
 
+from .extension import SchedulerAPI
+
 MAX_HOST = 255  # characters of a published host name
 
 
@@ -41,22 +43,32 @@ class PipeBook:
         return None if found is None else list(found)
 
 
-def handlers(scheduler: Any) -> dict[Op, Any]:
-    """The scheduler's PIPE_PUBLISH and PIPE_LOOKUP handlers (only registered workers may call them)."""
-    book = scheduler.pipe_book = PipeBook(scheduler.cfg.num_workers)  # its stages are never restarted
+class PipesExtension:
+    """The scheduler's PIPE_PUBLISH and PIPE_LOOKUP (only registered workers may call them), over a
+    :class:`PipeBook`; the restarts extension asks it which workers are stages (never restarted)."""
 
-    def on_publish(identity: bytes, msg: Message) -> None:
-        rank = scheduler._worker_rank(identity)
+    def __init__(self, api: SchedulerAPI) -> None:
+        self.api = api
+        self.book = PipeBook(api.cfg.num_workers)
+        api.handle(Op.PIPE_PUBLISH, self.on_publish)
+        api.handle(Op.PIPE_LOOKUP, self.on_lookup)
+
+    def is_stage(self, rank: int) -> bool:
+        """Whether worker ``rank`` has published a pipeline socket (it is a stage)."""
+        return rank in self.book.addresses
+
+    def on_publish(self, identity: bytes, msg: Message) -> None:
+        """Record the publishing worker's address; answer OK."""
+        rank = self.api.worker_rank(identity)
         _no_arrays(msg)
-        book.publish(rank, msg.body)
-        scheduler.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        self.book.publish(rank, msg.body)
+        self.api.reply(identity, Message(Op.OK, seq=msg.seq))
 
-    def on_lookup(identity: bytes, msg: Message) -> None:
-        scheduler._worker_rank(identity)
+    def on_lookup(self, identity: bytes, msg: Message) -> None:
+        """Answer the address the named worker published ({"address": [host, port] or None})."""
+        self.api.worker_rank(identity)
         _no_arrays(msg)
-        scheduler.service.reply(identity, Message(Op.OK, {"address": book.lookup(msg.body)}, seq=msg.seq))
-
-    return {Op.PIPE_PUBLISH: on_publish, Op.PIPE_LOOKUP: on_lookup}
+        self.api.reply(identity, Message(Op.OK, {"address": self.book.lookup(msg.body)}, seq=msg.seq))
 
 
 def _no_arrays(msg: Message) -> None:

@@ -16,15 +16,18 @@ fails, named), and so is every loss past the budget, and every server's.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from typing import Any
 
-from kvstore.errors import AuthenticationError, ProtocolError
+from kvstore.errors import ProtocolError
 from kvstore.net.protocol import Message, Op
 
-Scheduler = Any  # scheduler.scheduler.Scheduler (not imported: that module imports this one)
+from .extension import SchedulerAPI
+from .pipes import PipesExtension
+from .state import Node, hello_nonce
+
 log = logging.getLogger("scheduler")
+STAGE = "it was a pipeline stage, and lost stages are not restarted (docs/pipeline.md)"
 
 
 class Restarts:
@@ -89,119 +92,141 @@ class Restarts:
         return late
 
 
-def worker_away(sched: Scheduler, rank: int, why: str) -> None:
-    """Declare worker ``rank`` away (see the module docstring): barriers release without it, every
-    live server gets AWAY."""
-    restarts = sched.restarts
-    restarts.depart(rank, time.monotonic())
-    sched.liveness.forget("worker", rank)
-    incarnation, host = restarts.incarnation.get(rank, 0), sched.hosts.get(("worker", rank))
-    log.warning("worker %d (incarnation %d) on %s is lost: %s; waiting up to %g s "
-                "(KVSTORE_CONNECT_TIMEOUT) for its restart (%d of %d restarts used, KVSTORE_MAX_RESTARTS); "
-                "sync rounds close without it meanwhile", rank, incarnation, host, why,
-                sched.cfg.connect_timeout, restarts.used, restarts.budget)
-    sched._release(sched.barrier.leave(rank))
-    for node in sched._live_servers():
-        sched.service.reply(node.identity, Message(Op.AWAY, {"worker": rank, "incarnation": incarnation}))
+class RestartsExtension:
+    """Restarts on the scheduler's side (see the module docstring), over its :class:`SchedulerAPI`:
+    a lost node within the budget is made away (:meth:`absorb`), and with KVSTORE_MAX_RESTARTS > 0
+    the late HELLO and REGISTER of its restart are served here."""
 
+    def __init__(self, api: SchedulerAPI, pipes: PipesExtension) -> None:
+        self.api, self.pipes = api, pipes  # pipeline stages are never restarted
+        self.book = Restarts(api.cfg.max_restarts, api.cfg.num_workers)
+        if api.cfg.max_restarts:  # a restarted node registers after the map
+            api.handle_late(Op.HELLO, self.late_hello)
+            api.handle_late(Op.REGISTER, self.late_register)
 
-def late_hello(sched: Scheduler, identity: bytes, msg: Message) -> Message:
-    """A HELLO after the map: challenged only when restarts are on (else refused as late)."""
-    if sched.restarts.budget == 0:
-        raise ProtocolError("the cluster is already complete; late registrations are refused")
-    nonce = msg.body.get("nonce")
-    if not (isinstance(nonce, str) and 0 < len(nonce) <= 128):
-        raise ProtocolError("HELLO needs a nonce (a str of at most 128 characters)")
-    if len(sched.challenges) >= 4 * sched.cfg.num_workers:  # bounded: a restart needs one
-        sched.challenges.pop(next(iter(sched.challenges)))
-    challenge = secrets.token_hex(16)
-    sched.challenges[identity] = (nonce, challenge)
-    return Message(Op.CHALLENGE, {"nonce": nonce, "challenge": challenge})
+    def shards_on(self) -> bool:
+        """Whether servers write shards (so a lost one can be restarted from its own)."""
+        cfg = self.api.cfg
+        return bool(cfg.snapshot_dir and (cfg.snapshot_rounds or cfg.snapshot_seconds))
 
+    def absorb(self, role: str, rank: int, why: str) -> str | None:
+        """Make lost ``role rank`` away when the budget covers it (a worker that is no pipeline stage
+        and not lost already; a server, while servers write shards) and return None; else return the
+        ``why`` to declare it lost with (a stage's names why it is not restarted)."""
+        stage = role == "worker" and self.pipes.is_stage(rank)  # its loss stays fatal
+        if stage and self.book.budget:
+            why += f"; {STAGE}"
+        if role == "worker" and self.book.absorbs(rank) and not stage \
+                and not any(r == role and k == rank for r, k, _, _ in self.api.lost()):
+            self.worker_away(rank, why)
+            return None
+        if role == "server" and self.book.server_absorbs(rank, self.shards_on()):
+            self.server_away(rank, why)
+            return None
+        return why
 
-def late_register(sched: Scheduler, identity: bytes, msg: Message) -> Message:
-    """A restarted worker's REGISTER: checked (:meth:`Restarts.check`), its old incarnation made away
-    if it was not yet, then admitted; returns its cluster map."""
-    body = msg.body
-    issued = sched.challenges.get(identity)
-    if issued is None or body.get("challenge") != issued[1]:
-        raise AuthenticationError("REGISTER must answer the challenge this connection was given")
-    if sched.lost:  # e.g. a pipeline stage: the job fails, nothing rejoins it
-        role, rank, host, _ = sched.lost[0]
-        raise ProtocolError(f"the job has lost {role} {rank} on {host} for good; restarts are refused")
-    if body.get("role") == "server":
-        return late_server(sched, identity, body)
-    if body.get("role") != "worker":
-        raise ProtocolError("the cluster is already complete; only a restarted node may register late")
-    rank, incarnation = sched.restarts.check(body.get("rank"), body.get("incarnation"))
-    if rank in sched.pipe_book.addresses:  # a stage's restart proves it died: the pipeline fails now
-        why = "it was a pipeline stage, and lost stages are not restarted (docs/pipeline.md)"
-        sched._declare_lost("worker", rank, why, absorb=False)
-        raise ProtocolError(f"worker {rank}'s restart is refused: {why}")
-    if body.get("mode") != sched.mode:
-        raise ProtocolError(f"worker {rank}'s restart asks for {body.get('mode')!r}; the cluster runs "
-                            f"{sched.mode}")
-    if rank not in sched.restarts.away:
-        worker_away(sched, rank, f"replaced by its restart (incarnation {incarnation})")
-    nonce = sched.challenges.pop(identity)[0]
-    sched.restarts.admit(rank, incarnation)
-    for old in [ident for ident, r in sched.worker_ranks.items() if r == rank]:
-        del sched.worker_ranks[old]
-    sched.worker_ranks[identity] = rank
-    sched.hosts[("worker", rank)] = str(body.get("host"))[:256]
-    sched.liveness.watch("worker", rank, time.monotonic())
-    sched.barrier.num_workers += 1
-    log.warning("worker %d rejoined as incarnation %d from %s", rank, incarnation,
-                sched.hosts[("worker", rank)])
-    return Message(Op.MAP, dict(sched.map_body, rank=rank, role="worker", nonce=nonce,
-                                incarnation=incarnation, rejoin=True))
+    def overdue(self, now: float) -> list[tuple[str, int, str]]:
+        """``(role, rank, why)`` of every node away for longer than KVSTORE_CONNECT_TIMEOUT (its restart
+        did not come back): workers, then servers; they are no longer away (the caller loses them)."""
+        timeout = self.api.cfg.connect_timeout
+        late = [("worker", rank, f"its restart did not rejoin within {timeout:g} s (KVSTORE_CONNECT_TIMEOUT)")
+                for rank in self.book.overdue(now, timeout)]
+        return late + [("server", rank, f"its restart did not register within {timeout:g} s "
+                                         "(KVSTORE_CONNECT_TIMEOUT)")
+                       for rank in self.book.overdue_servers(now, timeout)]
 
+    def heartbeat_fields(self) -> dict[str, Any]:
+        """What a worker's heartbeat reply says of restarts: the workers away, and where the servers
+        restarted from their shards are now."""
+        fields: dict[str, Any] = {"away": sorted(self.book.away)}
+        if self.book.moved:
+            fields["restarted"] = list(self.book.moved.values())
+        return fields
 
-def shards_on(sched: Scheduler) -> bool:
-    """Whether servers write shards (so a lost one can be restarted from its own)."""
-    cfg = sched.cfg
-    return bool(cfg.snapshot_dir and (cfg.snapshot_rounds or cfg.snapshot_seconds))
+    def worker_away(self, rank: int, why: str) -> None:
+        """Declare worker ``rank`` away (see the module docstring): barriers release without it, every
+        live server gets AWAY."""
+        book = self.book
+        book.depart(rank, time.monotonic())
+        incarnation, host = book.incarnation.get(rank, 0), self.api.away("worker", rank)
+        log.warning("worker %d (incarnation %d) on %s is lost: %s; waiting up to %g s "
+                    "(KVSTORE_CONNECT_TIMEOUT) for its restart (%d of %d restarts used, "
+                    "KVSTORE_MAX_RESTARTS); sync rounds close without it meanwhile", rank, incarnation, host,
+                    why, self.api.cfg.connect_timeout, book.used, book.budget)
+        for node in self.api.live_servers():
+            self.api.reply(node.identity, Message(Op.AWAY, {"worker": rank, "incarnation": incarnation}))
 
+    def server_away(self, rank: int, why: str) -> None:
+        """Declare server ``rank`` away: its restart from its shard is awaited (one restart of the budget)."""
+        book = self.book
+        book.servers_away[rank] = time.monotonic()
+        book.used += 1
+        host = self.api.away("server", rank)
+        log.warning("server %d on %s is lost: %s; waiting up to %g s (KVSTORE_CONNECT_TIMEOUT) for its "
+                    "restart from its shard (%d of %d restarts used, KVSTORE_MAX_RESTARTS)", rank, host, why,
+                    self.api.cfg.connect_timeout, book.used, book.budget)
 
-def server_away(sched: Scheduler, rank: int, why: str) -> None:
-    """Declare server ``rank`` away: its restart from its shard is awaited (one restart of the budget)."""
-    restarts = sched.restarts
-    restarts.servers_away[rank] = time.monotonic()
-    restarts.used += 1
-    sched.liveness.forget("server", rank)
-    log.warning("server %d on %s is lost: %s; waiting up to %g s (KVSTORE_CONNECT_TIMEOUT) for its restart "
-                "from its shard (%d of %d restarts used, KVSTORE_MAX_RESTARTS)", rank,
-                sched.hosts.get(("server", rank)), why, sched.cfg.connect_timeout, restarts.used,
-                restarts.budget)
+    def late_hello(self, identity: bytes, msg: Message) -> Message:
+        """A HELLO after the map: challenged only when restarts are on (else refused as late)."""
+        if self.book.budget == 0:
+            raise ProtocolError("the cluster is already complete; late registrations are refused")
+        nonce = hello_nonce(msg.body)
+        challenge = self.api.challenges.issue(identity, nonce, bound=4 * self.api.cfg.num_workers)
+        return Message(Op.CHALLENGE, {"nonce": nonce, "challenge": challenge})
 
+    def late_register(self, identity: bytes, msg: Message) -> Message:
+        """A restarted node's REGISTER: checked (:meth:`Restarts.check`), its old incarnation made away
+        if it was not yet, then admitted; returns its cluster map."""
+        body = msg.body
+        self.api.challenges.check(identity, body.get("challenge"))
+        lost = self.api.lost()
+        if lost:  # e.g. a pipeline stage: the job fails, nothing rejoins it
+            role, rank, host, _ = lost[0]
+            raise ProtocolError(f"the job has lost {role} {rank} on {host} for good; restarts are refused")
+        if body.get("role") == "server":
+            return self.late_server(identity, body)
+        if body.get("role") != "worker":
+            raise ProtocolError("the cluster is already complete; only a restarted node may register late")
+        rank, incarnation = self.book.check(body.get("rank"), body.get("incarnation"))
+        if self.pipes.is_stage(rank):  # a stage's restart proves it died: the pipeline fails now
+            self.api.declare_lost("worker", rank, STAGE)
+            raise ProtocolError(f"worker {rank}'s restart is refused: {STAGE}")
+        mode = self.api.mode()
+        if body.get("mode") != mode:
+            raise ProtocolError(f"worker {rank}'s restart asks for {body.get('mode')!r}; the cluster runs "
+                                f"{mode}")
+        if rank not in self.book.away:
+            self.worker_away(rank, f"replaced by its restart (incarnation {incarnation})")
+        nonce = self.api.challenges.take(identity)
+        self.book.admit(rank, incarnation)
+        node = Node(identity=identity, role="worker", host=str(body.get("host"))[:256], wanted_rank=rank)
+        cmap = self.api.rejoin(node, rank, incarnation)
+        log.warning("worker %d rejoined as incarnation %d from %s", rank, incarnation, node.host)
+        return Message(Op.MAP, dict(cmap, nonce=nonce))
 
-def late_server(sched: Scheduler, identity: bytes, body: dict) -> Message:
-    """A restarted server's REGISTER: its rank and a higher incarnation, budget left; its new address
-    replaces the old one in the map and is named in workers' heartbeat replies from now on."""
-    restarts, rank, incarnation = sched.restarts, body.get("rank"), body.get("incarnation")
-    port = body.get("port")
-    if not (type(rank) is int and 0 <= rank < len(sched.servers) and type(incarnation) is int
-            and type(port) is int and 0 < port < 65536):
-        raise ProtocolError("a restarted server's REGISTER must name its rank (KVSTORE_SERVER_ID), "
-                            "incarnation (KVSTORE_INCARNATION) and port")
-    if incarnation <= restarts.server_incarnation.get(rank, 0):
-        raise ProtocolError(f"server {rank} incarnation {incarnation} is not above the one counted; refused")
-    if rank not in restarts.servers_away:
-        if not restarts.server_absorbs(rank, shards_on(sched)):
-            raise ProtocolError(f"server {rank}'s restart is refused: no restarts left, or no shards "
-                                "(KVSTORE_SNAPSHOT_EVERY)")
-        server_away(sched, rank, f"replaced by its restart (incarnation {incarnation})")
-    nonce = sched.challenges.pop(identity)[0]
-    del restarts.servers_away[rank]
-    restarts.server_incarnation[rank] = incarnation
-    host = str(body.get("host"))[:256]
-    sched.servers[rank] = type(sched.servers[rank])(identity=identity, role="server", host=host, port=port,
-                                                   wanted_rank=rank)
-    sched.map_body["servers"][rank] = [host, port]  # a worker restarted later connects to it, by name
-    sched.map_body.setdefault("server_incarnations", [0] * len(sched.servers))[rank] = incarnation
-    sched.hosts[("server", rank)] = host
-    restarts.moved[rank] = [rank, incarnation, host, port]
-    sched.liveness.watch("server", rank, time.monotonic())
-    log.warning("server %d restarted as incarnation %d on %s:%d", rank, incarnation, host, port)
-    return Message(Op.MAP, dict(sched.map_body, rank=rank, role="server", nonce=nonce,
-                                incarnation=incarnation, left=sorted(sched.left), away=sorted(restarts.away)))
+    def late_server(self, identity: bytes, body: dict[str, Any]) -> Message:
+        """A restarted server's REGISTER: its rank and a higher incarnation, budget left; its new address
+        replaces the old one in the map and is named in workers' heartbeat replies from now on."""
+        book, rank, incarnation = self.book, body.get("rank"), body.get("incarnation")
+        port = body.get("port")
+        if not (type(rank) is int and 0 <= rank < self.api.cfg.num_servers and type(incarnation) is int
+                and type(port) is int and 0 < port < 65536):
+            raise ProtocolError("a restarted server's REGISTER must name its rank (KVSTORE_SERVER_ID), "
+                                "incarnation (KVSTORE_INCARNATION) and port")
+        if incarnation <= book.server_incarnation.get(rank, 0):
+            raise ProtocolError(f"server {rank} incarnation {incarnation} is not above the one counted; "
+                                "refused")
+        if rank not in book.servers_away:
+            if not book.server_absorbs(rank, self.shards_on()):
+                raise ProtocolError(f"server {rank}'s restart is refused: no restarts left, or no shards "
+                                    "(KVSTORE_SNAPSHOT_EVERY)")
+            self.server_away(rank, f"replaced by its restart (incarnation {incarnation})")
+        nonce = self.api.challenges.take(identity)
+        del book.servers_away[rank]
+        book.server_incarnation[rank] = incarnation
+        host = str(body.get("host"))[:256]
+        book.moved[rank] = [rank, incarnation, host, port]
+        node = Node(identity=identity, role="server", host=host, port=port, wanted_rank=rank)
+        cmap = self.api.rejoin(node, rank, incarnation)
+        log.warning("server %d restarted as incarnation %d on %s:%d", rank, incarnation, host, port)
+        return Message(Op.MAP, dict(cmap, nonce=nonce, away=sorted(book.away)))

@@ -19,7 +19,6 @@ import time
 from kvstore import config as kvconfig
 from kvstore.core import stats as kvstats
 from kvstore.errors import (
-    AuthenticationError,
     DeadlineExceededError,
     KVStoreError,
     NodeLostError,
@@ -32,11 +31,13 @@ from kvstore.net.auth import channel_for
 from kvstore.net.heartbeat import lost_error
 from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
-from kvstore.net.router import RouterService
+from kvstore.net.router import Handler, LateHandler, RouterService, RouterSocket
 
-from . import pipes, restarts
+from .extension import SchedulerAPI
 from .observe import SchedulerStats, node_rows, scheduler_snapshot
-from .state import Barrier, Liveness, Node, Rendezvous
+from .pipes import PipesExtension
+from .restarts import RestartsExtension
+from .state import Barrier, Challenges, Liveness, Node, Rendezvous, hello_nonce
 
 log = logging.getLogger("scheduler")
 # zmq queues at most this many unread messages from each peer, then stops reading its connection and
@@ -56,21 +57,28 @@ STATUS_LINGER = 2.5  # seconds the scheduler waits at exit for a STATUS poller's
 
 
 class Scheduler:
-    """Rendezvous of every node, worker barriers, and shutdown once every worker has left."""
+    """Rendezvous of every node, worker barriers, and shutdown once every worker has left.
 
-    def __init__(self, cfg: kvconfig.Config) -> None:
+    Its features (:mod:`.restarts`, :mod:`.pipes`) are extensions: each is built with a
+    :class:`SchedulerAPI` and registers its own handlers.  ``endpoint`` replaces the bound zmq ROUTER
+    (a unit test's :class:`kvstore.net.inproc.InProcRouter`: no socket; ``port`` is then 0).
+    """
+
+    def __init__(self, cfg: kvconfig.Config, endpoint: RouterSocket | None = None) -> None:
         cfg.require_cluster("the scheduler")
         self.cfg = cfg
-        host = address.bind_host(cfg.root_uri)
-        address.check_bind(cfg, host, "the scheduler")
         # every worker cuts its messages by this map's chunk size, under this map's limit
         kvconfig.check_message_limits(cfg.max_message_bytes, cfg.chunk_bytes, cfg.batch_bytes)
-        sock, self.port = transport.bind_router(host, cfg.root_port, inbound=INBOUND_MESSAGES,
-                                                max_frame_bytes=cfg.max_message_bytes,
-                                                curve=transport.curve_keys(cfg))
-        self.service = RouterService(sock, channel_for(cfg, "scheduler"))
+        sock, self.port = None, 0
+        if endpoint is None:
+            host = address.bind_host(cfg.root_uri)
+            address.check_bind(cfg, host, "the scheduler")
+            sock, self.port = transport.bind_router(host, cfg.root_port, inbound=INBOUND_MESSAGES,
+                                                    max_frame_bytes=cfg.max_message_bytes,
+                                                    curve=transport.curve_keys(cfg))
+        self.service = RouterService(sock, channel_for(cfg, "scheduler"), endpoint=endpoint)
         self.session = secrets.token_bytes(16)  # keys every message once the map is out
-        self.challenges: dict[bytes, tuple[str, str]] = {}  # identity -> (its nonce, our challenge)
+        self.challenges = Challenges()  # HELLO's nonce and challenge per connection, until it registers
         self.rendezvous = Rendezvous(cfg.num_workers, cfg.num_servers)
         self.barrier = Barrier(cfg.num_workers)
         self.worker_ranks: dict[bytes, int] = {}
@@ -80,14 +88,16 @@ class Scheduler:
                                  Op.BARRIER: self._on_barrier,
                                  Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
                                  Op.HEARTBEAT: self._on_heartbeat, Op.STATUS: self._on_status}
-        self.pipe_book: pipes.PipeBook | None = None  # set by pipes.handlers
-        self.service.handlers.update(pipes.handlers(self))  # pipeline sockets (docs/pipeline.md)
         # kvstore.status holds the secret, not the session: its STATUS is answered after the map too
         self.service.late_handlers = {Op.STATUS: lambda _, msg: Message(Op.OK, self._status_asked())}
-        self.restarts = restarts.Restarts(cfg.max_restarts, cfg.num_workers)  # KVSTORE_MAX_RESTARTS
-        if cfg.max_restarts:  # a restarted worker registers after the map (scheduler/restarts.py)
-            self.service.late_handlers[Op.HELLO] = lambda i, m: restarts.late_hello(self, i, m)
-            self.service.late_handlers[Op.REGISTER] = lambda i, m: restarts.late_register(self, i, m)
+        api = SchedulerAPI(
+            cfg=cfg, challenges=self.challenges, handle=self._serve, handle_late=self._serve_late,
+            reply=self.service.reply, worker_rank=self._worker_rank, mode=lambda: self.mode,
+            lost=lambda: list(self.lost), live_servers=self._live_servers,
+            declare_lost=lambda role, rank, why: self._declare_lost(role, rank, why, absorb=False),
+            away=self._away, rejoin=self._rejoin)
+        self._pipes = PipesExtension(api)  # pipeline sockets (docs/pipeline.md)
+        self.restarts = RestartsExtension(api, self._pipes)  # KVSTORE_MAX_RESTARTS (scheduler/restarts.py)
         self.map_body: dict = {}  # the map every node got, but its own fields (a restart gets it too)
         self.status_asks = 0  # STATUS requests answered, and when the last came (monotonic)
         self.status_at = -math.inf
@@ -104,22 +114,25 @@ class Scheduler:
         self.failed: str | None = None
         self.timeline = timeline.recorder("scheduler", lambda: 0)  # KVSTORE_TIMELINE, else None
 
+    def _serve(self, op: Op, handler: Handler) -> None:
+        """Serve ``op`` from registered nodes with ``handler`` (an extension's)."""
+        self.service.handlers[op] = handler
+
+    def _serve_late(self, op: Op, handler: LateHandler) -> None:
+        """Serve ``op`` to a holder of the secret without the session (an extension's)."""
+        self.service.late_handlers[op] = handler
+
     def _on_hello(self, identity: bytes, msg: Message) -> None:
-        nonce = msg.body.get("nonce")
-        if not (isinstance(nonce, str) and 0 < len(nonce) <= 128):
-            raise ProtocolError("HELLO needs a nonce (a str of at most 128 characters)")
+        nonce = hello_nonce(msg.body)
         if self.map_sent:
             raise ProtocolError("the cluster is already complete; late registrations are refused")
-        challenge = secrets.token_hex(16)
-        self.challenges[identity] = (nonce, challenge)
+        challenge = self.challenges.issue(identity, nonce)
         self.service.reply(identity, Message(Op.CHALLENGE, {"nonce": nonce, "challenge": challenge},
                                              seq=msg.seq))
 
     def _on_register(self, identity: bytes, msg: Message) -> None:
         body = msg.body
-        issued = self.challenges.get(identity)
-        if issued is None or body.get("challenge") != issued[1]:
-            raise AuthenticationError("REGISTER must answer the challenge this connection was given")
+        self.challenges.check(identity, body.get("challenge"))
         node = Node(identity=identity, role=str(body.get("role")), host=str(body.get("host")),
                     port=body.get("port"), wanted_rank=body.get("rank"), mode=body.get("mode"),
                     quorum=_quorum(body.get("quorum")))
@@ -158,7 +171,7 @@ class Scheduler:
                     self.worker_ranks[node.identity] = rank
                 self.hosts[(role, rank)] = node.host
                 self.liveness.watch(role, rank, now)
-                nonce = self.challenges.pop(node.identity)[0]
+                nonce = self.challenges.take(node.identity)
                 self.service.reply(node.identity, Message(Op.MAP, dict(body, rank=rank, role=role,
                                                                        nonce=nonce)))
         self.service.late = channel_for(self.cfg, "scheduler")  # still keyed without the session
@@ -247,9 +260,7 @@ class Scheduler:
         body = {"lost": self.lost}
         if role == "worker":  # so a worker learns within a beat who has left, not at its next barrier
             body["left"] = sorted(self.left)
-            body["away"] = sorted(self.restarts.away)  # lost, being restarted (--max-restarts)
-            if self.restarts.moved:  # servers restarted from their shards: where they are now
-                body["restarted"] = list(self.restarts.moved.values())
+            body.update(self.restarts.heartbeat_fields())  # away, being restarted; servers restarted
         self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
 
     def _on_status(self, identity: bytes, msg: Message) -> None:
@@ -341,31 +352,20 @@ class Scheduler:
         for role, rank in self.liveness.expired(now):
             self._declare_lost(role, rank, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s "
                                            "(KVSTORE_HEARTBEAT_TIMEOUT)")
-        for rank in self.restarts.overdue(now, self.cfg.connect_timeout):
-            why = (f"its restart did not rejoin within {self.cfg.connect_timeout:g} s "
-                   "(KVSTORE_CONNECT_TIMEOUT)")
-            self._declare_lost("worker", rank, why, absorb=False)
-        for rank in self.restarts.overdue_servers(now, self.cfg.connect_timeout):
-            why = (f"its restart did not register within {self.cfg.connect_timeout:g} s "
-                   "(KVSTORE_CONNECT_TIMEOUT)")
-            self._declare_lost("server", rank, why, absorb=False)
+        for role, rank, why in self.restarts.overdue(now):
+            self._declare_lost(role, rank, why, absorb=False)
 
     def _is_lost(self, role: str, rank: int) -> bool:
         return any(r == role and k == rank for r, k, _, _ in self.lost)
 
     def _declare_lost(self, role: str, rank: int, why: str, absorb: bool = True) -> None:
         """Record the loss (every heartbeat reply names it from now on); fail the waiting barrier.
-        A worker within the restart budget is only away (scheduler/restarts.py)."""
-        stage = role == "worker" and rank in self.pipe_book.addresses  # its loss stays fatal
-        if stage and self.restarts.budget and absorb:
-            why += "; it was a pipeline stage, and lost stages are not restarted (docs/pipeline.md)"
-        if absorb and role == "worker" and self.restarts.absorbs(rank) and not self._is_lost(role, rank) \
-                and not stage:
-            restarts.worker_away(self, rank, why)
-            return
-        if absorb and role == "server" and self.restarts.server_absorbs(rank, restarts.shards_on(self)):
-            restarts.server_away(self, rank, why)
-            return
+        With ``absorb``, a node within the restart budget is only away (scheduler/restarts.py)."""
+        if absorb:
+            kept = self.restarts.absorb(role, rank, why)
+            if kept is None:
+                return
+            why = kept
         host = self.hosts.get((role, rank), "?")
         self.liveness.forget(role, rank)
         self.lost.append([role, rank, host, why])
@@ -374,6 +374,35 @@ class Scheduler:
         for ident, seq in self.barrier.drain():
             self.service.reply_error(ident, seq, self._lost_error())
         self.stats.depart(None, time.monotonic())
+
+    def _away(self, role: str, rank: int) -> str | None:
+        """Stop counting ``role rank`` while its restart is awaited: its heartbeats are no longer
+        watched, and a worker no longer counts toward barriers (whoever waited only for it goes
+        through).  Returns its host."""
+        self.liveness.forget(role, rank)
+        if role == "worker":
+            self._release(self.barrier.leave(rank))
+        return self.hosts.get((role, rank))
+
+    def _rejoin(self, node: Node, rank: int, incarnation: int) -> dict:
+        """Admit ``node``, the restart of ``role rank`` at ``incarnation``: a worker's connection takes
+        its rank and counts toward barriers again; a server's new address replaces its old one in the
+        map.  Both are watched from now.  Returns the MAP body it gets (but its nonce)."""
+        now = time.monotonic()
+        if node.role == "worker":
+            for old in [ident for ident, r in self.worker_ranks.items() if r == rank]:
+                del self.worker_ranks[old]
+            self.worker_ranks[node.identity] = rank
+            self.hosts[("worker", rank)] = node.host
+            self.liveness.watch("worker", rank, now)
+            self.barrier.num_workers += 1
+            return dict(self.map_body, rank=rank, role="worker", incarnation=incarnation, rejoin=True)
+        self.servers[rank] = node
+        self.map_body["servers"][rank] = [node.host, node.port]  # a worker restarted later connects to it
+        self.map_body.setdefault("server_incarnations", [0] * len(self.servers))[rank] = incarnation
+        self.hosts[("server", rank)] = node.host
+        self.liveness.watch("server", rank, now)
+        return dict(self.map_body, rank=rank, role="server", incarnation=incarnation, left=sorted(self.left))
 
     def _workers_gone(self) -> int:
         return len(self.left | {rank for role, rank, _, _ in self.lost if role == "worker"})
@@ -425,7 +454,7 @@ class Scheduler:
                         self.cfg.shutdown_timeout)
         log.info("all workers left; shut down")
         self._linger_for_status()
-        transport.close(self.service.sock)
+        self.service.close()
         return 0
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import ConfigError, ProtocolError
+from kvstore.errors import AuthenticationError, ConfigError, ProtocolError
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,48 @@ class Node:
     wanted_rank: int | None = None
     mode: str | None = None
     quorum: int | None = None  # a worker's create(..., quorum=N) or KVSTORE_SYNC_QUORUM
+
+
+def hello_nonce(body: dict[str, Any]) -> str:
+    """A HELLO's nonce; raise :class:`ProtocolError` unless it is a str of 1 to 128 characters."""
+    nonce = body.get("nonce")
+    if not (isinstance(nonce, str) and 0 < len(nonce) <= 128):
+        raise ProtocolError("HELLO needs a nonce (a str of at most 128 characters)")
+    return nonce
+
+
+class Challenges:
+    """The nonce each connection sent in its HELLO and the challenge it was given, until it registers."""
+
+    def __init__(self) -> None:
+        self._issued: dict[bytes, tuple[str, str]] = {}  # identity -> (its nonce, our challenge)
+
+    def __len__(self) -> int:
+        return len(self._issued)
+
+    def issue(self, identity: bytes, nonce: str, bound: int | None = None) -> str:
+        """Give ``identity`` a fresh challenge for ``nonce`` (replacing one it was given before) and
+        return it; with ``bound``, the oldest outstanding one is forgotten first when there are that many."""
+        if bound is not None and len(self._issued) >= bound:
+            self._issued.pop(next(iter(self._issued)))
+        challenge = secrets.token_hex(16)
+        self._issued[identity] = (nonce, challenge)
+        return challenge
+
+    def check(self, identity: bytes, answer: Any) -> None:
+        """Raise :class:`AuthenticationError` unless ``answer`` is the challenge ``identity`` was given."""
+        issued = self._issued.get(identity)
+        if issued is None or answer != issued[1]:
+            raise AuthenticationError("REGISTER must answer the challenge this connection was given")
+
+    def take(self, identity: bytes) -> str:
+        """Forget ``identity``'s challenge; return the nonce it sent (its MAP echoes it).  KeyError
+        when it was given none."""
+        return self._issued.pop(identity)[0]
+
+    def clear(self) -> None:
+        """Forget every outstanding challenge."""
+        self._issued.clear()
 
 
 def assign_ranks(nodes: list[Node]) -> list[Node]:

@@ -37,7 +37,7 @@ from kvstore.core.partition import Key, Piece, placement
 from kvstore.core.plan import Send, collect, init_body, pack, plan
 from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, StoreClosedError, from_cluster
 from kvstore.net import address, transport
-from kvstore.net.auth import channel_for, new_label
+from kvstore.net.auth import Channel, channel_for, derive_key, new_label
 from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
 
@@ -145,6 +145,11 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
         raises what a request raises (DeadlineExceededError after KVSTORE_REQUEST_TIMEOUT, NodeLostError)."""
         self._check_open()
         return self._request_all([self._io.submit(SCHEDULER, Message(op, body), what)])[0]
+
+    def stage_channel(self, label: str) -> tuple[kvconfig.Config, Channel]:
+        """This worker's settings, and a channel ``label`` sealed with its cluster's session (pipelines')."""
+        cfg = self._cfg
+        return cfg, Channel(derive_key(cfg.secret), label, full=cfg.auth_full, session=self._session)
 
     def check_alive(self) -> None:
         """Raise the NodeLostError the heartbeat reported (or StoreClosedError); else return."""

@@ -122,7 +122,7 @@ class RayJob:
         started is torn down.
         """
         try:
-            self._connect()
+            self.connect()
             node_ips = self._place()
             root_uri = node_ips[0]
             for index, spec in enumerate(self.roles):
@@ -203,9 +203,10 @@ class RayJob:
                 raise RoleFailed(f"{handle.spec.name} could not be started: {exc}", handle.spec.role,
                                  handle.spec.rank, None) from None
 
-    def _connect(self) -> None:
-        """Connect to Ray (see :func:`kvstore.launch.ray_cluster.connect`): the job's own Ray instance
-        is shut down by :meth:`stop`.  Raises what ``ray.init`` raises."""
+    def connect(self) -> None:
+        """Connect to Ray (see :func:`kvstore.launch.ray_cluster.connect`), before :meth:`start` (which
+        connects too) where the caller must act once Ray is up; the job's own Ray instance is shut
+        down by :meth:`stop`.  Raises what ``ray.init`` raises."""
         self._started_ray = ray_cluster.connect(self.address) or self._started_ray
 
     def _place(self) -> list[str]:

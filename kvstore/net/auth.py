@@ -39,6 +39,7 @@ import secrets
 import threading
 from typing import Any
 
+from kvstore.config import Config
 from kvstore.errors import AuthenticationError, ConfigError, IntegrityError, ProtocolError
 from kvstore.net import compact, protocol
 from kvstore.net.protocol import Message
@@ -62,7 +63,7 @@ def derive_key(secret: str | None) -> bytes | None:
     return hashlib.sha256(b"kvstore-auth-v1\0" + secret.encode()).digest()
 
 
-def channel_for(cfg: Any, label: str) -> Channel:
+def channel_for(cfg: Config, label: str) -> Channel:
     """A channel keyed by ``cfg``'s ``KVSTORE_SECRET`` (and ``KVSTORE_AUTH``) sending as ``label``."""
     return Channel(derive_key(cfg.secret), label, full=cfg.auth_full)
 

@@ -21,11 +21,11 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import zmq
 from zmq.utils import z85
 
+from kvstore.config import Config
 from kvstore.errors import ConfigError
 
 PUBLIC_FILE = "server.key"
@@ -99,7 +99,7 @@ def _cached(encrypt: str | None, secret: str | None, folder: str | None,
     return derive_keys(secret or "")
 
 
-def keys_for(cfg: Any) -> CurveKeys | None:
+def keys_for(cfg: Config) -> CurveKeys | None:
     """The CURVE keys ``cfg`` calls for (``KVSTORE_ENCRYPT``, ``KVSTORE_CURVE_KEYS``, ``KVSTORE_SECRET``),
     or None with encryption off.  Raises :class:`ConfigError` when they cannot be had."""
     get = functools.partial(getattr, cfg)

@@ -173,6 +173,32 @@ def _decode_header(raw: Any) -> dict[str, Any]:
     return header
 
 
+def peek(raw: Any) -> dict[str, Any]:
+    """The map of header frame ``raw`` without checking its op or arrays (what a message that fails
+    to decode as a whole still says, e.g. its ``seq``); {} when even the map cannot be read.
+    Raises nothing."""
+    try:
+        return _decode_header(raw)
+    except Exception:
+        return {}
+
+
+def describe(fields: dict[str, Any]) -> str:
+    """What a header's fields (:func:`peek`) say the message is, for an error message: "push of
+    keys 'w', 'b' and 2 more", "pull of key 3", "leave", or "message" for an unknown op."""
+    try:
+        op = Op(fields.get("op")).name.lower()
+    except (ValueError, TypeError):
+        op = "message"
+    body = fields.get("body")
+    keys = body.get("keys") if isinstance(body, dict) else None
+    if not isinstance(keys, list):
+        keys = [body["key"]] if isinstance(body, dict) and "key" in body else []
+    named = ", ".join(_brief(k) for k in keys[:3])
+    named += f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    return f"{op} of key{'s' if len(keys) > 1 else ''} {named}" if keys else op
+
+
 def _header_fields(header: dict[str, Any]) -> tuple[Op, int, int | None, Any, dict[str, Any], list]:
     """The header's op, seq, sender, auth, body and array descriptions, each of its wire type."""
     op = header.get("op")

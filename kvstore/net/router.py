@@ -33,7 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.errors import (
     AuthenticationError,
@@ -54,10 +54,31 @@ from kvstore.net.auth import (
     unsigned,
 )
 from kvstore.net.protocol import Message, Op
+from kvstore.net.shm import ServerPeers
 
 log = logging.getLogger("kvstore.router")
 
 Handler = Callable[[bytes, Message], None]
+LateHandler = Callable[[bytes, Message], Message]  # answers a holder of the secret without the session
+
+
+class RouterSocket(Protocol):
+    """The bound ROUTER a :class:`RouterService` serves: :class:`kvstore.net.transport.Router` over zmq,
+    or the in-memory :class:`kvstore.net.inproc.InProcRouter` of a unit test (no socket, no process)."""
+
+    def send(self, identity: bytes, frames: list[Any]) -> bool:
+        """Send ``frames`` to peer ``identity`` without waiting; False when its queue is full.
+        Raises NodeLostError when the peer is gone."""
+        ...
+
+    def recv(self, timeout: float | None) -> list[Any] | None:
+        """One message, identity first, waiting up to ``timeout`` seconds (None: only one already
+        waiting); None when there is none.  Raises ProtocolError for one of too many frames."""
+        ...
+
+    def close(self) -> None:
+        """Close the socket."""
+        ...
 
 ANSWERED_PEERS = 4096  # identities remembered as answered (unsigned) already
 REANSWER_AFTER = 60.0  # a remembered identity silent this long may be forgotten to make room
@@ -160,8 +181,12 @@ def _counts(counter: collections.Counter[str]) -> str:
 class RouterService:
     """Receives requests on a bound ROUTER and dispatches them by op."""
 
-    def __init__(self, sock: Any, channel: Channel, rank: int | None = None) -> None:
+    def __init__(self, sock: Any, channel: Channel, rank: int | None = None,
+                 endpoint: RouterSocket | None = None) -> None:
+        """Serve zmq ROUTER ``sock`` (a caller's poller may watch it), or ``endpoint`` (then ``sock``
+        is None: a fake transport of a unit test)."""
         self.sock = sock
+        self.endpoint: RouterSocket = endpoint if endpoint is not None else transport.Router(sock)
         self.channel = channel
         self.rank = rank
         self.handlers: dict[Op, Handler] = {}
@@ -175,9 +200,9 @@ class RouterService:
         # Ops answered to a holder of the secret without the session, over ``late`` (the scheduler's
         # STATUS for kvstore.status, a restarted worker's HELLO and REGISTER): the handler gets
         # ``(identity, message)`` and returns the reply, sealed with ``late``.
-        self.late_handlers: dict[Op, Callable[[bytes, Message], Message]] = {}
+        self.late_handlers: dict[Op, LateHandler] = {}
         self._untrimmed = 0  # events logged since the heap was last trimmed
-        self.shm: Any = None  # a server's kvstore.net.shm.ServerPeers when same-host shared memory is on
+        self.shm: ServerPeers | None = None  # a server's peers when same-host shared memory is on
 
     def reply(self, identity: bytes, msg: Message) -> None:
         """Seal ``msg`` for peer ``identity`` and send it; a peer that has gone, or whose queue is full,
@@ -189,7 +214,7 @@ class RouterService:
 
     def _send(self, identity: bytes, frames: list[Any], op: Op) -> None:
         try:
-            if not transport.send(self.sock, frames, identity=identity):
+            if not self.endpoint.send(identity, frames):
                 self.drops.count(QUEUE_FULL, f"{op.name} to {identity!r}: its queue is full")
         except KVStoreError as exc:
             self.drops.count(PEER_GONE, f"{op.name} to {identity!r}: {exc}")
@@ -320,7 +345,7 @@ class RouterService:
         """A message whose header MAC verified but whose array bytes did not (KVSTORE_AUTH=full): its
         auth is checked (a replay is refused as such), nothing is applied, the sender gets a sealed
         IntegrityError with its ``seq`` that names the op and the keys."""
-        fields = _fields(header)
+        fields = protocol.peek(header)
         seq = fields.get("seq")
         seq = seq if type(seq) is int else 0
         label = self.peers.get(identity, "")
@@ -342,20 +367,22 @@ class RouterService:
         self._send(identity, self.channel.seal(reply, label), reply.op)
 
     def poll_once(self, timeout: float) -> bool:
-        """Handle at most one waiting message; return whether one was handled."""
-        ready = bool(self.sock.poll(int(timeout * 1000)))
-        if ready:
-            self._handle_next(transport.recv)
+        """Handle at most one message, waiting up to ``timeout`` seconds; return whether one came."""
+        ready = self._handle_next(timeout)
         self._flush_drops()  # also logs the counts left once the bad traffic stops
         return ready
 
     def drain(self, limit: int = 1000) -> int:
         """Handle the messages already waiting (at most ``limit``); return how many."""
         handled = 0
-        while handled < limit and self._handle_next(transport.recv_nowait):
+        while handled < limit and self._handle_next(None):
             handled += 1
         self._flush_drops()
         return handled
+
+    def close(self) -> None:
+        """Close the socket served."""
+        self.endpoint.close()
 
     def _flush_drops(self) -> None:
         """Log the drop counts when due; after a flood, give the memory zmq queued it in back to the
@@ -365,10 +392,11 @@ class RouterService:
             self._untrimmed = 0
             transport.trim_heap()
 
-    def _handle_next(self, receive: Callable[[Any], list[Any] | None]) -> bool:
-        """Receive one message with ``receive`` and handle it; False when none was waiting."""
+    def _handle_next(self, timeout: float | None) -> bool:
+        """Receive one message within ``timeout`` (None: one already waiting) and handle it; False
+        when none came."""
         try:
-            frames = receive(self.sock)
+            frames = self.endpoint.recv(timeout)
         except ProtocolError as exc:  # too many frames: read, dropped, not answered
             self.drops.count(TOO_MANY_FRAMES, str(exc))
             return True
@@ -378,37 +406,18 @@ class RouterService:
         return True
 
 
-def _fields(header: Any) -> dict[str, Any]:
-    """The map of a header, without checking op and arrays; {} when even the map cannot be read."""
-    try:
-        return protocol._decode_header(header)
-    except Exception:
-        return {}
-
-
 def _peek(header: Any) -> tuple[int, Any]:
     """The ``seq`` (0 when absent) and ``auth`` field (None when absent) of a header that failed to
     decode as a whole; (0, None) when even its map cannot be read."""
-    fields = _fields(header)
+    fields = protocol.peek(header)
     seq = fields.get("seq")
     return (seq if type(seq) is int else 0), fields.get("auth")
 
 
 def _damage_text(fields: dict[str, Any]) -> str:
     """What a damaged message was: "push of key 'w' refused: ...", from its (authenticated) header."""
-    try:
-        op = Op(fields.get("op")).name.lower()
-    except (ValueError, TypeError):
-        op = "message"
-    body = fields.get("body")
-    keys = body.get("keys") if isinstance(body, dict) else None
-    if not isinstance(keys, list):
-        keys = [body["key"]] if isinstance(body, dict) and "key" in body else []
-    named = ", ".join(protocol._brief(k) for k in keys[:3])
-    named += f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-    what = f"{op} of key{'s' if len(keys) > 1 else ''} {named}" if keys else op
-    return (f"{what} refused: its array bytes failed the integrity check (KVSTORE_AUTH=full); "
-            "nothing was applied")
+    return (f"{protocol.describe(fields)} refused: its array bytes failed the integrity check "
+            "(KVSTORE_AUTH=full); nothing was applied")
 
 
 def _text(exc: BaseException) -> str:

@@ -35,7 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.config import Config
 from kvstore.errors import ProtocolError
+from kvstore.net.protocol import Message
 
 MIN_BYTES = 64 * 1024  # arrays smaller than this stay inline (the header round trip dominates)
 ALIGN = 4096  # ranges start on page boundaries
@@ -290,7 +292,7 @@ class ServerPeers:
         if self._grown is not None:
             self._grown()
 
-    def resolver(self, identity: bytes) -> Any:
+    def resolver(self, identity: bytes) -> Callable[[int, int], memoryview] | None:
         """``protocol.decode``'s resolver for arrays from ``identity`` (copies them out), or None."""
         mapping = self._maps.get(identity)
         return None if mapping is None else mapping.copy_out
@@ -300,7 +302,7 @@ class ServerPeers:
         if reply_at is not None and identity in self._maps and len(self._pending) < MAX_PENDING:
             self._pending[(identity, seq)] = reply_at
 
-    def place_reply(self, identity: bytes, msg: Any) -> None:
+    def place_reply(self, identity: bytes, msg: Message) -> None:
         """Before ``msg`` (a reply) is sealed: when its request reserved a range and ``msg`` carries one
         array that fits it, copy the array there and mark it (``msg.shm``).  Raises nothing."""
         if not self._pending:
@@ -319,7 +321,7 @@ class ServerPeers:
         self.placed += array.nbytes
 
 
-def unusable(cfg: Any) -> str | None:
+def unusable(cfg: Config) -> str | None:
     """Why a node with ``cfg`` keeps every pair on TCP (KVSTORE_SHM=0, KVSTORE_AUTH=full,
     KVSTORE_ENCRYPT, no memfd), or None when shared memory may be used."""
     if not cfg.shm:

@@ -247,6 +247,29 @@ def recv_within(sock: zmq.Socket, timeout: float, what: str) -> list[memoryview]
     return recv(sock)
 
 
+class Router:
+    """A bound ROUTER as a request loop uses it (:class:`kvstore.net.router.RouterSocket`)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+
+    def send(self, identity: bytes, frames: Sequence[Any]) -> bool:
+        """:func:`send` to peer ``identity``."""
+        return send(self.sock, frames, identity=identity)
+
+    def recv(self, timeout: float | None) -> list[memoryview] | None:
+        """One message within ``timeout`` seconds (None: one already waiting), else None; see :func:`recv`."""
+        if timeout is None:
+            return recv_nowait(self.sock)
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        return recv(self.sock)
+
+    def close(self) -> None:
+        """:func:`close` the socket."""
+        close(self.sock)
+
+
 def close(sock: zmq.Socket, linger: float = 0.0) -> None:
     """Close ``sock``, giving unsent messages up to ``linger`` seconds to leave."""
     sock.close(linger=int(linger * 1000))

@@ -14,10 +14,13 @@ from typing import Any
 from kvstore.errors import ConfigError
 
 
-def _base() -> Any:
+def _batch_norms() -> tuple[type, ...]:
+    """torch's public batch norm classes: what :func:`convert` replaces."""
     import torch
 
-    return torch.nn.modules.batchnorm._BatchNorm
+    nn = torch.nn
+    return (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+            nn.LazyBatchNorm3d, nn.SyncBatchNorm)
 
 
 def deferred_class() -> Any:
@@ -35,8 +38,11 @@ def _make_class() -> Any:
     import torch
     import torch.nn.functional as F
 
-    class DeferredBatchNorm(_base()):
-        """Batch norm whose running statistics are updated once per pipeline step (:meth:`commit`)."""
+    class DeferredBatchNorm(torch.nn.BatchNorm1d):
+        """Batch norm whose running statistics are updated once per pipeline step (:meth:`commit`).
+
+        Of any number of dims (batch, channels, ...): its input check replaces BatchNorm1d's, the only
+        thing BatchNorm1d adds to torch's batch norm base (which is private)."""
 
         def _check_input_dim(self, x: Any) -> None:
             if x.dim() < 2:
@@ -83,8 +89,8 @@ def _make_class() -> Any:
 def convert(module: Any) -> Any:
     """``module`` with every batch norm (itself or inside it) replaced by a DeferredBatchNorm holding
     the same parameters and buffers; raises ConfigError for a batch norm without running statistics."""
-    base, deferred = _base(), deferred_class()
-    if isinstance(module, base) and not isinstance(module, deferred):
+    deferred = deferred_class()
+    if isinstance(module, _batch_norms()) and not isinstance(module, deferred):
         if not module.track_running_stats:
             raise ConfigError("deferred batch norm needs track_running_stats=True")
         new = deferred(module.num_features, module.eps, module.momentum, module.affine, True)

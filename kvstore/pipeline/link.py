@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.client.store import DistKVStore
 from kvstore.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -25,7 +26,7 @@ from kvstore.errors import (
     RemoteError,
 )
 from kvstore.net import address, transport
-from kvstore.net.auth import Channel, derive_key
+from kvstore.net.curve import CurveKeys
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import DropLog
 
@@ -47,9 +48,9 @@ class StageLink:
     A step has at most ``chunks`` micro-batches: what waits in the inbox is at most one message per
     (kind, step, micro-batch) of this step and the next, so at most ``4 * chunks`` messages."""
 
-    def __init__(self, kv: Any, prev: int | None, nxt: int | None, names: dict[int, str],
+    def __init__(self, kv: DistKVStore, prev: int | None, nxt: int | None, names: dict[int, str],
                  chunks: int = MAX_CHUNKS) -> None:
-        cfg = kv._cfg
+        cfg, self.channel = kv.stage_channel(label(kv.rank))  # sealed with the cluster's session
         self.kv, self.rank, self.prev, self.next, self.names = kv, kv.rank, prev, nxt, names
         self.chunks = chunks
         self.timeout = cfg.request_timeout
@@ -57,8 +58,6 @@ class StageLink:
         host = address.node_host(cfg)
         address.check_bind(cfg, host, "a pipeline stage")
         curve = transport.curve_keys(cfg)
-        self.channel = Channel(derive_key(cfg.secret), label(self.rank), full=cfg.auth_full,
-                               session=kv._session)
         self.sock, port = transport.bind_router(host, 0, max_frame_bytes=cfg.max_message_bytes, curve=curve)
         self.peers: dict[int, Any] = {}
         self.inbox: dict[tuple[int, int, int], tuple[np.ndarray, dict]] = {}  # (op, step, mb) -> array, body
@@ -75,7 +74,7 @@ class StageLink:
             self.close()
             raise
 
-    def _connect(self, peer: int, curve: Any) -> Any:
+    def _connect(self, peer: int, curve: CurveKeys | None) -> Any:
         reply = self.kv.scheduler_request(Op.PIPE_LOOKUP, {"rank": peer}, f"address of {self.names[peer]}")
         found = reply.body.get("address")
         if not (isinstance(found, list) and len(found) == 2):

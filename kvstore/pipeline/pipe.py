@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kvstore.base import KVStore
+from kvstore.client.store import DistKVStore
 from kvstore.errors import ConfigError, DTypeMismatchError, ShapeMismatchError
 from kvstore.net.protocol import Op
 from kvstore.pipeline import batchnorm
@@ -33,7 +35,8 @@ def _layers(module: Any) -> list[Any]:
     raise ConfigError(f"a Pipeline needs an nn.Sequential or a list of modules, not {type(module).__name__}")
 
 
-def trainer_args(params: Any, kvstore: Any, overlap: bool | None) -> tuple[Any, Any, bool | None]:
+def trainer_args(params: Any, kvstore: KVStore | str | None,
+                 overlap: bool | None) -> tuple[Any, KVStore | str | None, bool | None]:
     """A Trainer's (params, kvstore, overlap) with a Pipeline as params: every stage's parameters (the
     store's keys are the same on every rank), the Pipeline's store, no overlap; else unchanged."""
     if not isinstance(params, Pipeline):
@@ -41,7 +44,7 @@ def trainer_args(params: Any, kvstore: Any, overlap: bool | None) -> tuple[Any, 
     return list(params.named_parameters()), params.kv if kvstore is None else kvstore, False
 
 
-def _default_store() -> Any:
+def _default_store() -> DistKVStore:
     from kvstore.client.instance import process_store
 
     kv = process_store()
@@ -55,7 +58,7 @@ class Pipeline:
     every stage (call it on every rank).  Raises :class:`ConfigError` for a bad argument."""
 
     def __init__(self, module: Any, stages: int, balance: Sequence[int] | None = None, chunks: int = 1,
-                 schedule: str = "gpipe", checkpoint: str = "except_last", kv: Any = None,
+                 schedule: str = "gpipe", checkpoint: str = "except_last", kv: KVStore | None = None,
                  deferred_batch_norm: bool = False,
                  optimizer: Callable[[Iterable[Any]], Any] | None = None) -> None:
         import torch
@@ -70,9 +73,10 @@ class Pipeline:
         plan_.checkpointed(checkpoint, 0, 1)
         if type(chunks) is not int or chunks < 1:
             raise ConfigError(f"chunks must be an int >= 1, not {chunks!r}")
-        self.kv = kv if kv is not None else _default_store()
-        if not callable(getattr(self.kv, "scheduler_request", None)):
-            raise ConfigError(f"a Pipeline needs a dist store (dist_sync), not {self.kv.type!r}")
+        store = kv if kv is not None else _default_store()
+        if not isinstance(store, DistKVStore):
+            raise ConfigError(f"a Pipeline needs a dist store (dist_sync), not {store.type!r}")
+        self.kv = store
         self.stages, self.chunks, self.schedule, self.checkpoint = stages, chunks, schedule, checkpoint
         self.replicas = plan_.check_workers(self.kv.num_workers, stages)
         self.stage, self.replica = plan_.stage_of(self.kv.rank, stages)

@@ -32,6 +32,7 @@ class WeightStash:
         self.optimizer = optimizer(list(self.live.values())) if self.live else None  # a stage of ReLUs
         self.version = 0  # how many updates the live weights have had
         self.snapshots: dict[int, tuple[dict[str, Any], int]] = {}  # version -> (weights, users)
+        self.stamps: dict[int, int] = {}  # id() of each snapshot tensor held -> the version it copies
         self.forward_version: dict[int, int] = {}  # in-flight micro-batch -> version of its forward
         self.log: list[tuple[int, int, int, int]] = []  # (mb, forward, backward, live) versions, one step
         self.peak = 0  # the most versions held at once
@@ -44,7 +45,7 @@ class WeightStash:
         if self.version not in self.snapshots:
             weights = {k: p.detach().clone().requires_grad_(p.requires_grad) for k, p in self.live.items()}
             for w in weights.values():
-                w._stash_version = self.version  # read back by the backward that uses it
+                self.stamps[id(w)] = self.version  # read back by the backward that uses it
             self.snapshots[self.version] = (weights, 0)
         weights, users = self.snapshots[self.version]
         self.snapshots[self.version] = (weights, users + 1)
@@ -62,7 +63,7 @@ class WeightStash:
         names = [k for k, w in weights.items() if w.requires_grad]
         wrt = [weights[k] for k in names] + ([inp] if inp.requires_grad else [])
         grads = torch.autograd.grad(out, wrt, grad_outputs=grad, allow_unused=True)
-        used = weights[names[0]]._stash_version if names else version
+        used = self.stamps[id(weights[names[0]])] if names else version
         self.log.append((mb, version, used, self.version))
         for name, g in zip(names, grads):
             p = self.live[name]
@@ -73,6 +74,8 @@ class WeightStash:
         self.version += 1
         if users == 1:
             del self.snapshots[version]
+            for w in weights.values():
+                del self.stamps[id(w)]
         else:
             self.snapshots[version] = (weights, users - 1)
         return grads[len(names)] if inp.requires_grad else None

@@ -127,8 +127,8 @@ def test_without_an_address_a_new_local_ray_is_started(monkeypatch: pytest.Monke
     monkeypatch.setattr(kvray.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(kvray.ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(ray_cluster, "_disable_usage_stats", lambda: None)
-    kvray.RayJob(["train.py"], 1, 1)._connect()
-    kvray.RayJob(["train.py"], 1, 1, address="10.0.0.5:6379")._connect()
+    kvray.RayJob(["train.py"], 1, 1).connect()
+    kvray.RayJob(["train.py"], 1, 1, address="10.0.0.5:6379").connect()
     assert [call["address"] for call in calls] == ["local", "10.0.0.5:6379"]
 
 
@@ -164,7 +164,7 @@ class _FakeJob:
     def __init__(self, *args: object, **kwargs: object) -> None:
         self.exceptions: dict = {}  # no role printed a traceback
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
         pass
 
     def start(self) -> _FakeJob:
