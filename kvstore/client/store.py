@@ -24,7 +24,7 @@ from kvstore.client import realign, shmlanes
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
-from kvstore.client.fastpath import FastCalls, FastPath
+from kvstore.client.datapath import FastCalls, FastPath
 from kvstore.client.joining import after_round, join, rejoin
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Mux, Request
