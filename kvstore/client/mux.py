@@ -15,9 +15,10 @@ Replies nobody waits for yet (a push's ack) stay in zmq's queue until the next c
 that sends or waits reads them.  :meth:`Mux.fail` (a lost peer, from the heartbeat
 thread) fails every request in flight at once, without the socket lock.
 
-Tests only: ``Mux._tamper``, when set, is applied to each message's frames after they are sealed
-and just before they are sent (``frames = wire._tamper(frames)``), so a test can damage a message in
-flight, e.g. flip one array byte of a push to exercise ``KVSTORE_AUTH=full``.  It is None otherwise.
+Tests only: a Mux made with ``tamper`` (``kvstore.client.store.connect(..., tamper=...)``) applies it
+to each message's frames after they are sealed and just before they are sent, so a test can damage a
+message in flight, e.g. flip one array byte of a push to exercise ``KVSTORE_AUTH=full``.  The send is
+chosen once, when the Mux is made: without ``tamper`` it is ``transport.send`` itself, at no cost.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.errors import (
     AuthenticationError,
@@ -50,6 +51,27 @@ SCHEDULER = -1  # target index of the scheduler socket; servers are 0..S-1
 _SLICE = 0.05  # a leader re-checks closing and its deadline at least this often (seconds)
 _FOLLOW = 0.002  # a waiting non-leader checks whether it may lead this often (seconds)
 _READ_AHEAD = 256  # with this many requests in flight, a sender also reads the replies that are in
+Tamper = Callable[[list], list]  # tests only: a message's sealed frames -> the frames sent instead
+
+
+class SharedLanes(Protocol):
+    """What a Mux asks of same-host shared memory (``kvstore.client.shmlanes.Lanes``)."""
+
+    segments: dict[int, Any]  # by server index
+
+    def place(self, target: int, msg: Message, reply_bytes: int = 0,
+              chunk: tuple[int, int] | None = None) -> Callable[[Any], None] | None:
+        """Move ``msg``'s big arrays into ``target``'s segment; the callback that frees them, or None."""
+
+    def resolver(self, target: int) -> Callable[[int, int], Any]:
+        """The resolver of replies ``target`` wrote into its segment."""
+
+
+def _tampered(tamper: Tamper) -> Callable[[Any, list], bool]:
+    """``transport.send`` of the frames ``tamper`` makes of each message's (tests only)."""
+    def send(sock: Any, frames: list) -> bool:
+        return transport.send(sock, tamper(frames))
+    return send
 
 
 @dataclass
@@ -67,12 +89,13 @@ class Mux:
     """The scheduler socket and one socket per server of a worker; see the module docstring."""
 
     def __init__(self, scheduler: Any, servers: list[Any], rank: int, channel: Channel,
-                 max_frame_bytes: int = 0, names: dict[int, str] | None = None) -> None:
+                 max_frame_bytes: int = 0, names: dict[int, str] | None = None,
+                 tamper: Tamper | None = None) -> None:
         self.sockets = {SCHEDULER: scheduler, **dict(enumerate(servers))}
         self.rank = rank
         self.max_frame_bytes = max_frame_bytes  # the cluster's KVSTORE_MAX_MESSAGE_BYTES (0: none)
         self.channel = channel  # seals every request, opens every reply
-        self._tamper: Callable[[list], list] | None = None  # tests only: see the module docstring
+        self._send = transport.send if tamper is None else _tampered(tamper)  # tests only: the docstring
         self._io = threading.Lock()  # the sockets (and the outbox's order on the wire)
         self._lock = threading.Lock()  # seq, sealing order, the in-flight table, failure, closing
         self._outbox: collections.deque = collections.deque()  # (target, frames), sealed, in order
@@ -83,7 +106,7 @@ class Mux:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self.lanes: Any = None  # kvstore.client.shmlanes.Lanes: same-host shared memory (set_lanes)
+        self.lanes: SharedLanes | None = None  # same-host shared memory (set_lanes)
         self._resolvers: dict[Any, Callable] = {}  # socket -> its shared-memory resolver
         self.names = dict(names or {})  # a restarted server's name (net.auth.server_name) by index
         self._held: dict[int, list[Request]] = {}  # restarted servers' requests, until they align
@@ -94,7 +117,7 @@ class Mux:
         for sock in self.sockets.values():
             self._poller.add(sock)
 
-    def set_lanes(self, lanes: Any) -> None:
+    def set_lanes(self, lanes: SharedLanes | None) -> None:
         """Move big arrays to and from the servers of ``lanes`` (kvstore.client.shmlanes) in shared memory;
         None: no more (the segments go once no received array views them)."""
         self.lanes = lanes
@@ -226,10 +249,8 @@ class Mux:
                 target, frames, seq = self._outbox.popleft()
             except IndexError:  # empty (stop() may have cleared it meanwhile)
                 return
-            if self._tamper is not None:
-                frames = self._tamper(frames)
             try:
-                transport.send(self.sockets[target], frames)
+                self._send(self.sockets[target], frames)
             except Exception as exc:  # surface to the waiting caller
                 with self._lock:
                     request = self._inflight.pop(seq, None)
@@ -325,6 +346,11 @@ class Mux:
                                                  f"integrity check (KVSTORE_AUTH=full): {exc}"))
 
     # -- failure and closing ----------------------------------------------------------------------
+    @property
+    def failure(self) -> BaseException | None:
+        """The error :meth:`fail` was given (a lost peer), or None."""
+        return self._failure
+
     def fail(self, error: BaseException) -> None:
         """Fail every request in flight, and every later one, with ``error`` (a lost peer)."""
         with self._lock:
