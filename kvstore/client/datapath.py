@@ -343,12 +343,13 @@ def _whole_batches(sends: list[Send], sizes: dict[Any, int]) -> bool:
 class FastPath:
     """The fast push and pull of known key lists over one :class:`DataPath`.
 
-    ``metas`` and ``lock`` are the store's; ``plain()`` says whether the store may take the fast path
-    at all now (no compression, no device mode); ``meter`` counts the calls."""
+    ``metas`` and ``lock`` are the store's, ``compression`` its setting (no fast path while one is set),
+    ``meter`` counts the calls; ``device_mode`` (no fast path) is the store's to set."""
 
     def __init__(self, path: DataPath, metas: dict[Key, Meta], lock: threading.RLock, meter: WorkerMeter,
-                 plain: Callable[[], bool]) -> None:
-        self.path, self.metas, self.lock, self.meter, self.plain = path, metas, lock, meter, plain
+                 compression: WorkerCompression, device_mode: bool) -> None:
+        self.path, self.metas, self.lock, self.meter = path, metas, lock, meter
+        self.compression, self.device_mode = compression, device_mode
         self._lists: dict[tuple, KeyList | None] = {}  # None: seen, not eligible
 
     def forget(self) -> None:
@@ -369,7 +370,7 @@ class FastPath:
         return found
 
     def _learn(self, keys: tuple) -> KeyList | None:
-        if len(set(keys)) != len(keys) or not self.plain():
+        if len(set(keys)) != len(keys) or self.compression.spec is not None or self.device_mode:
             return None
         with self.lock:
             metas = [self.metas.get(k) for k in keys]

@@ -101,7 +101,7 @@ class Mux:
         self._outbox: collections.deque = collections.deque()  # (target, frames), sealed, in order
         self._inflight: dict[int, Request] = {}
         self._seq = itertools.count(1)
-        self._failure: BaseException | None = None  # set by fail(): the cluster is broken
+        self.failure: BaseException | None = None  # set by fail(): the cluster is broken (read it only)
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -150,8 +150,8 @@ class Mux:
         with self._lock:  # sealed in queue order: each receiver must see the channel's numbers rise
             if self._closed:
                 raise StoreClosedError(f"{what}: the store is closed")
-            if self._failure is not None and not after_failure:
-                _resolve(request, exc=self._failure)
+            if self.failure is not None and not after_failure:
+                _resolve(request, exc=self.failure)
                 return request
             if target in self._held and not bypass:
                 self._held[target].append(request)
@@ -346,17 +346,12 @@ class Mux:
                                                  f"integrity check (KVSTORE_AUTH=full): {exc}"))
 
     # -- failure and closing ----------------------------------------------------------------------
-    @property
-    def failure(self) -> BaseException | None:
-        """The error :meth:`fail` was given (a lost peer), or None."""
-        return self._failure
-
     def fail(self, error: BaseException) -> None:
         """Fail every request in flight, and every later one, with ``error`` (a lost peer)."""
         with self._lock:
-            if self._closed or self._failure is not None:
+            if self._closed or self.failure is not None:
                 return
-            self._failure = error
+            self.failure = error
             failed, self._inflight = list(self._inflight.values()), {}
             failed += [r for held in self._held.values() for r in held]
             self._held.clear()

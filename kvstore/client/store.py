@@ -116,7 +116,7 @@ class DistKVStore(KVStore):
         self._path = DataPath(cfg, cluster, self._io, self._window, self._meter, self._meta, self._lock,
                               self._compress, self._sum)
         self._fast = FastPath(self._path, self._meta, self._lock, self._meter,  # known lists of small keys
-                              lambda: self._compression is None and not self._device_mode)
+                              self._compress, self._device_mode)
         self._barriers = Barriers(self._io, cfg, self._mode, cluster.rank, cluster.num_workers,
                                   self._path.wait)
         self._rows = DistRows(RowsLink(  # row_sparse keys (client/sparse.py)
@@ -180,7 +180,7 @@ class DistKVStore(KVStore):
 
     def _device_on(self) -> None:
         """GPU sums from now on (``Owner.device_on``); known key lists leave the fast path."""
-        self._device_mode = True
+        self._device_mode = self._fast.device_mode = True
         self._fast.forget()
 
     def scheduler_request(self, op: Op, body: dict[str, Any], what: str) -> Message:

@@ -272,7 +272,8 @@ def test_get_optimizer_counts_updates_on_any_server(make_cluster) -> None:
 
     cluster: Cluster = make_cluster("dist_sync", 1, 3, bound=BOUND)
     (kv,) = cluster.workers
-    key = next(f"k{i}" for i in range(100) if placement(f"k{i}", 3, 3, kv._cluster.seed, BOUND)[0].server != 0)
+    seed = kv._cluster.seed
+    key = next(f"k{i}" for i in range(100) if placement(f"k{i}", 3, 3, seed, BOUND)[0].server != 0)
     kv.init(key, np.zeros(3, np.float32))
     kv.set_optimizer(kvopt.create("sgd"))
     for _ in range(4):
