@@ -31,7 +31,7 @@ from kvstore.errors import (
     StoreClosedError,
     UnsupportedError,
 )
-from kvstore.sparse import SparseCalls
+from kvstore.sparse import SparseCalls, SparseMeta
 
 if TYPE_CHECKING:
     from kvstore.device import DeviceComm
@@ -246,7 +246,7 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def _save_checkpoint(self, directory: str) -> None: ...
 
-    def _collective(self, what: str, action: Any) -> None:
+    def _collective(self, what: str, action: Callable[[], Any]) -> None:
         """Run ``action()`` once for all workers (on rank 0) and raise its failure on every worker.
 
         In one process that is just ``action()``; the dist store adds the barrier.  Part of the store's
@@ -429,7 +429,7 @@ class KVStore(abc.ABC):
     def _rows_push(self, items: list[tuple]) -> None:
         raise UnsupportedError(f"row_sparse keys are not supported by a {self._type} store")
 
-    def _rows_pull(self, key: Key, meta: Any, ids: np.ndarray) -> np.ndarray:
+    def _rows_pull(self, key: Key, meta: SparseMeta, ids: np.ndarray) -> np.ndarray:
         raise UnsupportedError(f"row_sparse keys are not supported by a {self._type} store")
 
     @public

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.base import Pushed
 from kvstore.client import shmlanes
 from kvstore.client.compress import WorkerCompression
 from kvstore.client.joining import after_round
@@ -52,7 +53,6 @@ MAX_LISTS = 64  # the key lists remembered by the fast path (the least recently 
 MAX_PLANS = 64  # the generic plans remembered
 _KEY_TYPES = {int, str}
 REQUEST_KNOB = "KVSTORE_REQUEST_TIMEOUT"
-Pushed = tuple[Key, Meta, list[Any]]  # a key, its meta and its pushed values, checked (kvstore.base)
 Summer = Callable[..., Any]  # the store's sum of one key's values: (key, meta, values, out=, host=) -> array
 
 
@@ -295,7 +295,7 @@ class KeyList:
     __slots__ = ("keys", "shapes", "dtypes", "push_sends", "push_index", "send_keys", "pull_sends",
                  "pull_dtypes", "slots", "push_dtypes", "push_slots", "flat")
 
-    def __init__(self, keys: tuple, metas: list[Any], push: list[Send], pull: list[Send]) -> None:
+    def __init__(self, keys: tuple, metas: list[Meta], push: list[Send], pull: list[Send]) -> None:
         self.keys = keys
         self.shapes = [m.shape for m in metas]
         self.dtypes = [m.dtype for m in metas]

@@ -45,6 +45,7 @@ from kvstore.errors import (
 from kvstore.net import transport
 from kvstore.net.auth import Channel, decode
 from kvstore.net.protocol import Message, Op
+from kvstore.net.shm import Segment
 
 log = logging.getLogger("kvstore.dist")
 SCHEDULER = -1  # target index of the scheduler socket; servers are 0..S-1
@@ -57,7 +58,7 @@ Tamper = Callable[[list], list]  # tests only: a message's sealed frames -> the 
 class SharedLanes(Protocol):
     """What a Mux asks of same-host shared memory (``kvstore.client.shmlanes.Lanes``)."""
 
-    segments: dict[int, Any]  # by server index
+    segments: dict[int, Segment]  # by server index
 
     def place(self, target: int, msg: Message, reply_bytes: int = 0,
               chunk: tuple[int, int] | None = None) -> Callable[[Any], None] | None:
@@ -264,7 +265,7 @@ class Mux:
             pass  # the pipe is full (the holder is due to wake anyway) or closed
 
     # -- waiting ----------------------------------------------------------------------------------
-    def wait(self, request: Request, timeout: float) -> Any:
+    def wait(self, request: Request, timeout: float) -> Message:
         """The reply to ``request`` (a :class:`Message`), driving the sockets while it is not in.
 
         Raises the request's error, or ``concurrent.futures.TimeoutError`` after ``timeout``
@@ -385,7 +386,7 @@ class Mux:
         self.set_lanes(None)  # shared-memory segments: freed once no received array views them
 
 
-def _resolve(request: Request, result: Any = None, exc: BaseException | None = None) -> None:
+def _resolve(request: Request, result: Message | None = None, exc: BaseException | None = None) -> None:
     request.msg = None  # answered: never sent again
     if request.future.done():
         return

@@ -218,7 +218,7 @@ class DistKVStore(KVStore):
         with self._lock:
             return dict(self._meta)
 
-    def _collective(self, what: str, action: Any) -> None:
+    def _collective(self, what: str, action: Callable[[], Any]) -> None:
         self._barriers.collective(what, action)
 
     def _barrier_only(self, failure: dict[str, str] | None = None) -> list:

@@ -151,7 +151,8 @@ def new_value(meta: Meta, array: Any) -> Any:
     Keys initialised with a tensor get a tensor on the device the key was initialised on.
     """
     if not meta.tensor:
-        fresh = (array if type(array) is np.ndarray else xp.to_numpy(array)).reshape(meta.shape)
+        fresh = (np.array(array, copy=True, order="C") if type(array) is np.ndarray  # as xp.to_numpy
+                 else xp.to_numpy(array)).reshape(meta.shape)
         return precision.for_user(fresh) if fresh.dtype == BF16 else fresh
     if isinstance(array, np.ndarray):
         fresh = xp.from_numpy(np.array(array, copy=True, order="C").reshape(meta.shape))
