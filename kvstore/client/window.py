@@ -119,7 +119,7 @@ class PushWindow:
 
     def add_sends(self, send_keys: list[list[Key]], requests: list[Request], failures: bool = True) -> None:
         """:meth:`add` of a push whose ``requests[i]`` carries the whole values of ``send_keys[i]``
-        (``kvstore.client.fastpath``), each key in one request."""
+        (``kvstore.client.datapath``), each key in one request."""
         with self._lock:
             pending, deque = self._pending, collections.deque
             for keys, request in zip(send_keys, requests):
