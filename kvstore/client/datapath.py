@@ -193,16 +193,20 @@ class DataPath:
 
     def receive(self, keys: list[Key], requests: list[Request]) -> list[Message]:
         """The replies to a pull's or pushpull's ``requests`` (the time waited counted as blocked);
-        then the round's hooks run, and the failure of an earlier push of ``keys`` is raised."""
+        raises the failure of an earlier push of ``keys`` (after the replies are in)."""
         waiting = time.perf_counter()
         try:
             replies = self.wait(requests)
         finally:
             self._meter.blocked_for("pull", time.perf_counter() - waiting)
-            if self._round_hooks:  # residuals, test hook
-                after_round(self._cfg, self.cluster.rank, self._pushes, self._compression)
         self._raise_failure(keys)
         return replies
+
+    def after_round(self) -> None:
+        """Once a pull or pushpull is done: the compression residuals written when due with the servers'
+        shards, and the ``KVSTORE_TEST_DIE_AT_ROUND`` hook; nothing unless either was set at start."""
+        if self._round_hooks:
+            after_round(self._cfg, self.cluster.rank, self._pushes, self._compression)
 
     def _raise_failure(self, keys: Iterable[Key] | None = None) -> None:
         """Raise (once) the failure of an earlier push to one of ``keys`` (None: any key)."""
@@ -408,6 +412,8 @@ class FastPath:
                 self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs)
         finally:
             self.meter.end(name, started)
+            if outs is not None:
+                self.path.after_round()  # KVSTORE_TEST_DIE_AT_ROUND
 
     def pull(self, plan: KeyList, outs: list[np.ndarray]) -> None:
         """Pull a matched plan into ``outs``.  Raises what the generic pull raises (a failed earlier push,
@@ -418,6 +424,7 @@ class FastPath:
             self._receive(plan, plan.pull_sends, plan.pull_dtypes, plan.slots, requests, outs)
         finally:
             self.meter.end("pull", started)
+            self.path.after_round()  # KVSTORE_TEST_DIE_AT_ROUND
 
     def _receive(self, plan: KeyList, sends: list[Send], dtypes: list[np.dtype], slots: list[Any],
                  requests: list[Request], outs: list[np.ndarray]) -> None:

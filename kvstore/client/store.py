@@ -337,6 +337,7 @@ class DistKVStore(KVStore):
             return self._pull_keys(keys, outs)
         finally:
             self._meter.end("pull", started)
+            self._path.after_round()  # residuals, test hook
 
     def _pull_keys(self, keys: list[Key], outs: list[list[Any]] | None = None) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
@@ -377,6 +378,7 @@ class DistKVStore(KVStore):
             return self._collect(*self._path.send(Op.PUSHPULL, groups), outs)
         finally:
             self._meter.end("pushpull", started)
+            self._path.after_round()  # residuals, test hook
 
     def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any]) -> Callable[[bool], None]:
         """Send a PUSHPULL of ``keys`` (one value and one out each) now; return ``finish(write=True)``,
@@ -397,9 +399,12 @@ class DistKVStore(KVStore):
             self._meter.end("pushpull", started)
 
         def finish(write: bool = True) -> None:
-            arrays = self._collect(*sent, targets if write else None)
-            if write:
-                self._deliver(sent[0], arrays, targets, False)
+            try:
+                arrays = self._collect(*sent, targets if write else None)
+                if write:
+                    self._deliver(sent[0], arrays, targets, False)
+            finally:
+                self._path.after_round()  # residuals, test hook
         return finish
 
     def _flush(self, timeout: float, knob: str) -> None:
