@@ -12,8 +12,9 @@ from __future__ import annotations
 import abc
 import functools
 import threading
+import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -31,7 +32,10 @@ from kvstore.errors import (
     UnsupportedError,
     is_from_cluster,
 )
-from kvstore.sparse import SparseCalls
+from kvstore.sparse import SparseCalls, SparseMeta
+
+if TYPE_CHECKING:
+    from kvstore.device import DeviceComm
 
 Pushed = tuple[Key, V.Meta, list[Any]]  # a key, its meta and its pushed values, checked
 DEVICE_TYPES = frozenset({"device", "local_allreduce_device", "dist_sync_device", "dist_async_device",
@@ -93,6 +97,40 @@ def group(key: Any, value: Any) -> list[tuple[Key, list[Any]]]:
     return list(merged.items())
 
 
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a numpy array or a list of them: never a row-sparse value."""
+    return type(value) is np.ndarray or (type(value) is list and all(type(v) is np.ndarray for v in value))
+
+
+class LayerCalls:
+    """The two calls the library's own layers make on a store beyond its public API: ``collective``
+    (the Trainer's states file: an action run once for all workers, its failure raised on every
+    worker) and ``pushpull_begin`` (the Trainer's overlap: a pushpull sent now, collected later).
+    :func:`layer_calls` gives a store's; it holds the store weakly."""
+
+    def __init__(self, collective: Callable[[str, Callable[[], Any]], None],
+                 pushpull_begin: Callable[[list, list, list], Callable[[bool], None]]) -> None:
+        self._collective = weakref.WeakMethod(collective)  # type: ignore[arg-type]
+        self._begin = weakref.WeakMethod(pushpull_begin)  # type: ignore[arg-type]
+
+    def collective(self, what: str, action: Callable[[], Any]) -> None:
+        """Run ``action()`` once for all workers (on the leader) and raise its failure on every worker."""
+        self._collective()(what, action)  # type: ignore[misc]
+
+    def pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any]) -> Callable[[bool], None]:
+        """Start a pushpull of ``keys`` (one value and one out each); return ``finish(write=True)``, which
+        completes it (see :meth:`KVStore._pushpull_begin`)."""
+        return self._begin()(keys, values, outs)  # type: ignore[misc]
+
+
+_LAYERS: weakref.WeakKeyDictionary[KVStore, LayerCalls] = weakref.WeakKeyDictionary()
+
+
+def layer_calls(store: KVStore) -> LayerCalls:
+    """``store``'s :class:`LayerCalls` (kvstore.trainer, kvstore.overlap)."""
+    return _LAYERS[store]
+
+
 class KVStore(abc.ABC):
     """A key-value store of arrays, with MXNet's KVStore semantics (see docs/api.md)."""
 
@@ -102,10 +140,12 @@ class KVStore(abc.ABC):
         self._lock = threading.RLock()
         self._closed = False
         self._device_mode = name in DEVICE_TYPES
-        self._comm: Any = None  # a kvstore.device.DeviceComm, made when a device mode meets CUDA
+        self._comm: DeviceComm | None = None  # made when a device mode meets CUDA
         self._compression: C.Spec | None = None  # set_gradient_compression's setting
         self._pushed = False  # a push or pushpull has been made (compression can no longer be set)
-        self._sparse = SparseCalls(self)  # row-sparse keys (kvstore/sparse.py, docs/sparse.md)
+        # row-sparse keys (kvstore/sparse.py, docs/sparse.md)
+        self._sparse = SparseCalls(self._meta, self._rows_init, self._rows_push, self._rows_pull)
+        _LAYERS[self] = LayerCalls(self._collective, self._pushpull_begin)
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -173,7 +213,8 @@ class KVStore(abc.ABC):
     def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any]) -> Callable[[bool], None]:
         """Start a pushpull of ``keys`` (one value and one out each); return ``finish(write=True)``, which
         completes it (``write=False``: its result is not wanted).  Here all of it runs in ``finish``;
-        a dist store sends at once (``kvstore.client.pending``).  Used by the Trainer's overlap."""
+        a dist store sends at once.  Part of the store's API for the library's own layers: the
+        Trainer's overlap calls it through :func:`layer_calls`."""
         once_each(keys)
 
         def finish(write: bool = True) -> None:
@@ -205,10 +246,11 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def _save_checkpoint(self, directory: str) -> None: ...
 
-    def _collective(self, what: str, action: Any) -> None:
+    def _collective(self, what: str, action: Callable[[], Any]) -> None:
         """Run ``action()`` once for all workers (on rank 0) and raise its failure on every worker.
 
-        In one process that is just ``action()``; the dist store adds the barrier.
+        In one process that is just ``action()``; the dist store adds the barrier.  Part of the store's
+        API for the library's own layers: the Trainer calls it through :func:`layer_calls`.
         """
         action()
 
@@ -271,7 +313,7 @@ class KVStore(abc.ABC):
         """Called after ``keys`` were initialised (a dist store restores their snapshot state)."""
         return None
 
-    def _device(self) -> Any:
+    def _device(self) -> DeviceComm:
         """This store's :class:`kvstore.device.DeviceComm`, made on first use (device modes only)."""
         with self._lock:
             if self._comm is None:
@@ -281,8 +323,8 @@ class KVStore(abc.ABC):
             return self._comm
 
     def _groups(self, key: Any, value: Any) -> list[Pushed]:
-        """Each key with its meta and values, every value checked (nothing summed yet)."""
-        self._check_open()
+        """Each key with its meta and values, every value checked (nothing summed yet); the caller has
+        checked that the store is open."""
         out = []
         for k, vs in group(key, value):
             meta = self._meta_of(k)
@@ -308,13 +350,20 @@ class KVStore(abc.ABC):
         The pushed values are never written to.  Raises on a user error before
         anything is sent; a failure on the server is raised by a later call.
         """
-        if self._sparse.handles_push(key, value):
-            self._check_open()
+        self._check_open()
+        groups = self._push_args(key, value)
+        if groups is not None:
+            self._push(groups, priority)
+
+    def _push_args(self, key: Any, value: Any) -> list[Pushed] | None:
+        """A push's checked groups (the store marked as pushed); None when it was a row-sparse push,
+        which is sent already.  The caller has checked that the store is open."""
+        if not (not self._sparse.metas and _plain(value)) and self._sparse.handles_push(key, value):
             self._sparse.push(key, value)
-            return
+            return None
         groups = self._groups(key, value)
         self._pushed = True
-        self._push(groups, priority)
+        return groups
 
     def _outs(self, keys: list[Key], out: Any, single: bool) -> list[list[Any]]:
         outs = ([_as_list(out)] if single else
@@ -355,11 +404,15 @@ class KVStore(abc.ABC):
         keys = [check_key(k) for k in _as_list(key)]
         if self._sparse.owns(keys):
             return self._sparse.pull_whole(key, out)
-        for k in keys:
-            self._meta_of(k)
-        outs = None if out is None else self._outs(keys, out, single)
+        outs = self._pull_outs(keys, out, single)
         result = self._deliver(keys, self._pull(keys, priority, outs), outs, single)
         return result if out is None else out
+
+    def _pull_outs(self, keys: list[Key], out: Any, single: bool) -> list[list[Any]] | None:
+        """A pull's checked outs (None without ``out``); raises for a key not initialised, or a bad out."""
+        for k in keys:
+            self._meta_of(k)
+        return None if out is None else self._outs(keys, out, single)
 
     @public
     def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None) -> Any:
@@ -376,7 +429,7 @@ class KVStore(abc.ABC):
     def _rows_push(self, items: list[tuple]) -> None:
         raise UnsupportedError(f"row_sparse keys are not supported by a {self._type} store")
 
-    def _rows_pull(self, key: Key, meta: Any, ids: np.ndarray) -> np.ndarray:
+    def _rows_pull(self, key: Key, meta: SparseMeta, ids: np.ndarray) -> np.ndarray:
         raise UnsupportedError(f"row_sparse keys are not supported by a {self._type} store")
 
     @public
@@ -388,6 +441,7 @@ class KVStore(abc.ABC):
         single = not isinstance(key, (list, tuple))
         if not single:
             once_each(key)
+        self._check_open()
         groups = self._groups(key, value)
         keys = [k for k, _, _ in groups]
         target = value if out is None else out

@@ -24,6 +24,7 @@ from kvstore.core.dtypes import BF16
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.sparse_update import apply_rows
+from kvstore.core.values import Meta
 from kvstore.device import settle
 from kvstore.errors import DTypeMismatchError, OptimizerError, UnsupportedError
 
@@ -136,7 +137,7 @@ class LocalKVStore(KVStore):
                 touched.append(self._store[key])
             settle(touched)  # no GPU work on the store is left pending once the lock is released
 
-    def _compressed_sum(self, key: Key, meta: Any, values: list[Any]) -> Any:
+    def _compressed_sum(self, key: Key, meta: Meta, values: list[Any]) -> Any:
         """MXNet's CommDevice: each value quantised with its own residual (on its device), the
         dequantised values summed."""
         spec = self._compression
@@ -172,7 +173,7 @@ class LocalKVStore(KVStore):
             for key, _, ids, rows in items:
                 apply_rows(self._optimizer, key, self._store[key], ids, rows)
 
-    def _rows_pull(self, key: Key, meta: Any, ids: np.ndarray) -> np.ndarray:
+    def _rows_pull(self, key: Key, meta: R.SparseMeta, ids: np.ndarray) -> np.ndarray:
         with self._lock:
             return self._store[key][ids]
 

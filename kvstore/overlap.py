@@ -7,11 +7,11 @@ first bucket = last layers); as in DDP, a bucket is closed once it holds ``bucke
 small parameters ride with the next large one instead of travelling alone; ``bucket_bytes=0`` gives
 one bucket per parameter.  When every parameter of a
 bucket has its gradient, the hook pushes the bucket as one pushpull of its keys, sent now and collected
-by ``step`` (``kv._pushpull_begin``; the store batches the small keys per server into one message, and
-the server answers as soon as the round is applied: one request and one reply where a push then a pull
-took two of each).  ``step`` then sends the buckets still waiting (a parameter that got no gradient
-pushes zeros, with the warning of today's path), and collects every bucket's result in forward order
-(first layers first): into the parameters with update_on_kvstore, into the ``.grad`` otherwise,
+by ``step`` (``layer_calls(kv).pushpull_begin``; the store batches the small keys per server into one
+message, and the server answers as soon as the round is applied: one request and one reply where a
+push then a pull took two of each).  ``step`` then sends the buckets still waiting (a parameter that
+got no gradient pushes zeros, with the warning of today's path), and collects every bucket's result in
+forward order (first layers first): into the parameters with update_on_kvstore, into the ``.grad`` otherwise,
 before the local update.  It waits only for what is still in flight.
 
 The first step of a Trainer takes the plain path (it initialises the keys); hooks push from the second
@@ -34,6 +34,8 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from kvstore.base import KVStore, layer_calls
 
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB (DDP: 25 MB, its first bucket 1 MB); see docs/trainer.md
 
@@ -77,9 +79,10 @@ def _remove(handles: list[Any]) -> None:
 class Overlap:
     """Pushes a Trainer's gradients bucket by bucket during backward (see the module's docstring)."""
 
-    def __init__(self, kv: Any, keys: list[str], params: list[Any], update_on_kvstore: bool,
+    def __init__(self, kv: KVStore, keys: list[str], params: list[Any], update_on_kvstore: bool,
                  bucket_bytes: int) -> None:
         self._kv, self._keys, self._params = kv, keys, params
+        self._calls = layer_calls(kv)  # pushpull_begin: a bucket sent now, collected by step
         self._uok = update_on_kvstore
         self.buckets = make_buckets([p.numel() * p.element_size() for p in params], bucket_bytes)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
@@ -156,7 +159,7 @@ class Overlap:
         self._pushed[bucket] = True
         indexes = self.buckets[bucket]
         targets = [outs[i] for i in indexes]
-        self._pending[bucket] = (self._kv._pushpull_begin(
+        self._pending[bucket] = (self._calls.pushpull_begin(
             [self._keys[i] for i in indexes], [grads[i] for i in indexes], targets), targets)
 
     def reduce(self, grads: Any, scale: float) -> bool:

@@ -1,13 +1,15 @@
 """Row-sparse keys for every store (docs/sparse.md): :class:`RowSparse` and the argument handling of
 ``init(..., stype='row_sparse')``, a row-sparse ``push``, ``row_sparse_pull`` and a whole ``pull``.
 
-A store hands :class:`SparseCalls` three primitives (``_rows_init``, ``_rows_push``, ``_rows_pull``);
-this module checks the user's arguments, merges pushed rows and writes pulled rows into outs, so the
+A store hands :class:`SparseCalls` its dense keys' metas and three primitives (a table's init, a push of
+merged rows, a pull of sorted distinct rows); this module checks the user's arguments, merges pushed
+rows and writes pulled rows into outs, so the
 local and dist stores share every rule.  Nothing is sent before every argument is checked.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ from kvstore.core import rowsparse as R
 from kvstore.core import xp
 from kvstore.core.partition import Key, check_key
 from kvstore.core.rowsparse import RowSparse, SparseMeta
+from kvstore.core.values import Meta
 from kvstore.errors import DuplicateInitError, KeyNotInitializedError, ShapeMismatchError
 
 __all__ = ["RowSparse", "SparseCalls", "WHOLE_PULL_BYTES"]
@@ -29,11 +32,21 @@ def _as_list(obj: Any) -> list[Any]:
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 
-class SparseCalls:
-    """The row-sparse calls of one store: its row-sparse keys' metas and the argument rules."""
+InitRows = Callable[[list[tuple[Key, SparseMeta, dict, np.ndarray | None]]], None]
+PushRows = Callable[[list[tuple[Key, SparseMeta, np.ndarray, np.ndarray]]], None]
+PullRows = Callable[[Key, SparseMeta, np.ndarray], np.ndarray]
 
-    def __init__(self, store: Any) -> None:
-        self.store = store
+
+class SparseCalls:
+    """The row-sparse calls of one store: its row-sparse keys' metas and the argument rules.
+
+    ``dense`` is the store's dense keys' metas (a key is one or the other); ``init_rows(items)``
+    creates tables (each item ``(key, meta, init spec, value or None)``), ``push_rows(items)`` sends
+    merged rows (``(key, meta, ids, rows)``), ``pull_rows(key, meta, ids)`` returns sorted distinct rows."""
+
+    def __init__(self, dense: Mapping[Key, Meta], init_rows: InitRows, push_rows: PushRows,
+                 pull_rows: PullRows) -> None:
+        self.dense, self.init_rows, self.push_rows, self.pull_rows = dense, init_rows, push_rows, pull_rows
         self.metas: dict[Key, SparseMeta] = {}
 
     # -- which calls are ours -------------------------------------------------------------------------
@@ -53,7 +66,7 @@ class SparseCalls:
         try:
             return self.metas[key]
         except KeyError:
-            if key in self.store._meta:
+            if key in self.dense:
                 raise TypeError(f"key {key!r} is dense (stype 'default'); row-sparse values and "
                                 "row_sparse_pull need a key initialised with stype='row_sparse'") from None
             raise KeyNotInitializedError(f"key {key!r} has not been initialised; call kv.init(key, "
@@ -81,12 +94,12 @@ class SparseCalls:
             raise ValueError(f"{len(keys)} distinct keys need as many values, got {len(values)}")
         items = []
         for k, v in zip(keys, values):
-            if k in self.metas or k in self.store._meta:
+            if k in self.metas or k in self.dense:
                 raise DuplicateInitError(f"key {k!r} is already initialised")
             items.append(self._init_item(k, v, shape, dtype, init))
         self.metas.update((k, meta) for k, meta, _, _ in items)  # known during the init (its resume)
         try:
-            self.store._rows_init(items)
+            self.init_rows(items)
         except BaseException:
             for k, _, _, _ in items:
                 self.metas.pop(k, None)
@@ -118,7 +131,7 @@ class SparseCalls:
             meta = self.meta(k)
             ids, rows = R.rows_of(k, meta, vs)
             items.append((k, meta, ids, rows))
-        self.store._rows_push(items)
+        self.push_rows(items)
 
     # -- pulls ------------------------------------------------------------------------------------
     def row_sparse_pull(self, key: Any, out: Any, row_ids: Any) -> Any:
@@ -148,7 +161,7 @@ class SparseCalls:
                                          f"{tuple(target.shape)}; the table is {meta.shape}")
         ids = R.pull_ids(key, meta, row_ids, len(targets))
         wanted = np.unique(np.concatenate(ids)) if len(ids) > 1 else np.unique(ids[0])
-        rows = self.store._rows_pull(key, meta, wanted)
+        rows = self.pull_rows(key, meta, wanted)
         results = []
         for target, asked in zip(targets, ids):
             mine = wanted if len(ids) == 1 else np.unique(asked)
@@ -168,7 +181,7 @@ class SparseCalls:
                 raise ValueError(f"pull of row_sparse key {k!r}: its table of {meta.nbytes} bytes is over "
                                  f"the {WHOLE_PULL_BYTES}-byte limit of a whole pull; use "
                                  "kv.row_sparse_pull(key, row_ids=...) for the rows you need")
-            rows = self.store._rows_pull(k, meta, np.arange(meta.num_rows, dtype=np.int64))
+            rows = self.pull_rows(k, meta, np.arange(meta.num_rows, dtype=np.int64))
             dense = rows.reshape(meta.shape)
             if meta.tensor and o is None:
                 dense = xp.from_numpy(np.ascontiguousarray(dense))

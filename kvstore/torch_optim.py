@@ -248,6 +248,17 @@ class _Distributed:
     _kv_params: list[Tensor]
     _kv_ready: bool
 
+    def __init__(self, optimizer: Any, kv: KVStore, op: str, prefix: str,
+                 ordered: list[tuple[str, Tensor]]) -> None:
+        """Share ``optimizer``'s state (its ``__init__`` is not run again) and reduce over ``kv``: keys
+        ``f"{prefix}/grad/{name}"`` of the ``ordered`` named parameters."""
+        self.__dict__.update(optimizer.__dict__)
+        self._kv, self._kv_op = kv, op
+        self._kv_keys = [f"{prefix}/grad/{name}" for name, _ in ordered]
+        self._kv_present = f"{prefix}/present"
+        self._kv_params = [p for _, p in ordered]
+        self._kv_ready = False
+
     @property
     def kvstore(self) -> KVStore:
         """The store the gradients go through."""
@@ -359,13 +370,6 @@ def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, T
     if isinstance(optimizer, _Distributed):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     cls = type(f"Distributed{base.__name__}", (_Distributed, base), {"__module__": __name__})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._kv = _store(kv)
-    prefix = f"distopt{_next(wrapped._kv, 'optimizer')}" if key_prefix is None else key_prefix
-    wrapped._kv_op = op
-    wrapped._kv_keys = [f"{prefix}/grad/{name}" for name, _ in ordered]
-    wrapped._kv_present = f"{prefix}/present"
-    wrapped._kv_params = [p for _, p in ordered]
-    wrapped._kv_ready = False
-    return wrapped
+    store = _store(kv)
+    prefix = f"distopt{_next(store, 'optimizer')}" if key_prefix is None else key_prefix
+    return cls(optimizer, store, op, prefix, ordered)

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvstore import config as kvconfig
-from kvstore.base import KVStore
+from kvstore.base import KVStore, layer_calls
 from kvstore.client.meter import trainer_step
 from kvstore.core import checkpoint, xp
 from kvstore.core import optimizer as kvoptimizer
@@ -399,7 +399,7 @@ class Trainer:
         if self._update_on_kvstore:
             self._kv.save_optimizer_states(str(fname), dump_optimizer=True)
             return
-        self._kv._collective("Trainer.save_states", lambda: checkpoint.write_states(
+        layer_calls(self._kv).collective("Trainer.save_states", lambda: checkpoint.write_states(
             str(fname), checkpoint.optimizer_states(self._optimizer, self._weights(), True)))
 
     def load_states(self, fname: str) -> None:

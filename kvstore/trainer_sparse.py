@@ -25,6 +25,8 @@ from kvstore.base import KVStore
 from kvstore.core.rowsparse import RowSparse
 from kvstore.trainer import Trainer
 
+TorchEmbedding = Any  # a torch.nn.Embedding; torch is not imported when this module loads
+
 _tables = itertools.count()
 
 
@@ -124,7 +126,7 @@ class SparseTrainer:
                 kv.init(key, e.weight.detach(), stype="row_sparse")  # rank 0's table
         self._created = True
 
-    def prefetch(self, embedding: Any, row_ids: Any) -> None:
+    def prefetch(self, embedding: SparseEmbedding | TorchEmbedding, row_ids: Any) -> None:
         """Pull the rows ``row_ids`` of ``embedding`` (one of this trainer's) for the next batch."""
         self._create()
         i = self.embeddings.index(embedding)

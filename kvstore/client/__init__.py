@@ -1,4 +1,5 @@
-"""The worker's side of a distributed store: DistKVStore's data path (``store``), its collective calls
+"""The worker's side of a distributed store: DistKVStore (``store``) over its one data path (``datapath``:
+the sockets, push window, plans, buffers and push counts, and the fast path), its collective calls
 (``collective``), the socket multiplexer driven by the calling threads (``mux``), and the one store per
-process (``process``: ``create_dist``, ``process_store``, ``release_process_store``).
+process (``instance``: ``create_dist``, ``process_store``, ``release_process_store``).
 """

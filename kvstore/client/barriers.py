@@ -31,7 +31,7 @@ class Barriers:
         self._lock = threading.Lock()
         self._left: set[int] = {rank}  # workers known to have left (warned about once), and us
 
-    def collective(self, what: str, action: Any) -> None:
+    def collective(self, what: str, action: Callable[[], Any]) -> None:
         """Run ``action()`` on the leader, then a barrier that tells every worker whether it worked.
 
         A first barrier tells who is still in the cluster: the leader is the lowest rank that

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvstore.client import sparse_states
 from kvstore.client.mux import Request
+from kvstore.client.sparse import DistRows
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import optimizer as kvoptimizer
 from kvstore.core.dtypes import BF16
@@ -57,7 +58,7 @@ class StoreLink:
     resume: str | None  # the KVSTORE_RESUME snapshot directory, if any
     chunk_bytes: int = 0  # the cluster's chunk size (from the map): big state slices go in chunks
     save_residuals: Callable[[str], None] | None = None  # this worker's compression residuals, per rank
-    rows: Any = None  # the store's client.sparse.DistRows: row-sparse keys' states (client/sparse_states.py)
+    rows: DistRows | None = None  # the store's row-sparse keys: their states (client/sparse_states.py)
     sparse_metas: Callable[[], dict] = dict  # a copy of the row-sparse keys' metas
 
 

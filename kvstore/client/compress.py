@@ -19,14 +19,16 @@ import os
 import re
 import threading
 import time
-from typing import Any
+from collections.abc import Iterable
 
 import numpy as np
 
+from kvstore.config import Config
 from kvstore.core import compression as C
 from kvstore.core import snapshot
 from kvstore.core.partition import Key
 from kvstore.core.plan import Send, pack
+from kvstore.core.values import Meta
 from kvstore.errors import FormatError
 
 log = logging.getLogger("kvstore.dist")
@@ -43,7 +45,7 @@ class WorkerCompression:
         self.shards = ResidualShards(self)  # written with the servers' shards (KVSTORE_SNAPSHOT_EVERY)
         self._lock = threading.Lock()  # two threads may push one key
 
-    def tags(self, keys: Any, metas: dict[Key, Any]) -> dict[Key, bool] | None:
+    def tags(self, keys: Iterable[Key], metas: dict[Key, Meta]) -> dict[Key, bool] | None:
         """Which of ``keys`` travel compressed (a push plan's tags), or None without compression.
 
         Raises DTypeMismatchError for a compressed key that is not float32."""
@@ -101,7 +103,7 @@ class WorkerCompression:
         snapshot.write_values(os.path.join(generation, f"residuals-worker{rank}-of-{num_workers}.values"),
                               residuals)
 
-    def restore(self, cfg: Any, rank: int, num_workers: int, rejoined: bool) -> None:
+    def restore(self, cfg: Config, rank: int, num_workers: int, rejoined: bool) -> None:
         """Saved residuals, if any: a restarted worker's own last ones, else ``KVSTORE_RESUME``'s."""
         if rejoined:
             self.shards.read(cfg, rank)
@@ -125,9 +127,12 @@ class WorkerCompression:
             return
         path = os.path.join(generation, f"residuals-worker{rank}-of-{num_workers}.values")
         if os.path.exists(path):
-            with self._lock:
-                self.residuals.update({k: np.array(r, np.float32).reshape(-1)
-                                       for k, r in snapshot.read_values(path).items()})
+            self.take(snapshot.read_values(path))
+
+    def take(self, residuals: dict[Key, np.ndarray]) -> None:
+        """Start from saved ``residuals`` (each key's, as flat float32 arrays)."""
+        with self._lock:
+            self.residuals.update({k: np.array(r, np.float32).reshape(-1) for k, r in residuals.items()})
 
 
 def residual_path(directory: str, rank: int) -> str:
@@ -144,7 +149,7 @@ class ResidualShards:
         self.thread: threading.Thread | None = None
         self.written = 0
 
-    def due(self, cfg: Any, pushes: dict[Key, int]) -> bool:
+    def due(self, cfg: Config, pushes: dict[Key, int]) -> bool:
         """Whether a write is due: residuals exist and N rounds (the worker's most pushes of a key) or N
         seconds have passed since the last one, and none is in flight."""
         if not (self.compression.residuals and cfg.snapshot_dir) or (self.thread and self.thread.is_alive()):
@@ -153,7 +158,7 @@ class ResidualShards:
             return max(pushes.values(), default=0) >= self.step + cfg.snapshot_rounds
         return bool(cfg.snapshot_seconds) and time.monotonic() - self.at >= cfg.snapshot_seconds
 
-    def write_if_due(self, cfg: Any, rank: int, pushes: dict[Key, int]) -> bool:
+    def write_if_due(self, cfg: Config, rank: int, pushes: dict[Key, int]) -> bool:
         """Copy the residuals and write them on a thread when :meth:`due`; return whether it was."""
         if not self.due(cfg, pushes):
             return False
@@ -172,7 +177,7 @@ class ResidualShards:
         except (OSError, ValueError) as exc:  # never fatal: the previous file stays in effect
             log.error("could not write the compression residuals to %s: %s", path, exc)
 
-    def read(self, cfg: Any, rank: int) -> bool:
+    def read(self, cfg: Config, rank: int) -> bool:
         """A restarted worker's residuals from its last write (True), or none written (False)."""
         path = residual_path(cfg.snapshot_dir, rank) if cfg.snapshot_dir else None
         if path is None or not os.path.exists(path):
@@ -182,9 +187,7 @@ class ResidualShards:
         except FormatError as exc:
             log.warning("compression residuals start at zero: %s", exc)
             return False
-        with self.compression._lock:  # noqa: SLF001 -- its own partner
-            self.compression.residuals.update({k: np.array(r, np.float32).reshape(-1)
-                                               for k, r in found.items()})
+        self.compression.take(found)
         log.warning("restarted with the compression residuals its last incarnation wrote to %s", path)
         return True
 

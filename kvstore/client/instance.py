@@ -14,33 +14,45 @@ import threading
 from kvstore import config as kvconfig
 from kvstore import heap
 from kvstore.base import DEVICE_TYPES
-from kvstore.client.store import DistKVStore, mode_of
+from kvstore.client.store import DistKVStore, Owner, mode_of
 from kvstore.errors import ConfigError, KVStoreError, NodeLostError, StoreClosedError
 
 log = logging.getLogger("kvstore.dist")
 
-_instance: DistKVStore | None = None
+
+class _Held:
+    """This process's store, the :class:`Owner` it is bound to, and the process that made it."""
+
+    def __init__(self, store: DistKVStore, owner: Owner) -> None:
+        self.store, self.owner, self.pid = store, owner, os.getpid()
+
+    def mine(self) -> bool:
+        """Whether this process made the store (a forked child never touches its parent's)."""
+        return self.pid == os.getpid()
+
+
+_held: _Held | None = None
 _instance_lock = threading.Lock()
 
 
-def _close_at_exit(store: DistKVStore) -> None:
+def _close_at_exit(held: _Held) -> None:
     """At interpreter exit: leave the cluster, or report this worker failed if an exception killed it."""
-    if os.getpid() != store._pid:
+    if not held.mine():
         return  # a forked child never touches its parent's sockets
     died_of = getattr(sys, "last_value", None)  # set when an unhandled exception ends the program
     failure = None if died_of is None else f"its process died of {type(died_of).__name__}: {died_of}"
     if isinstance(died_of, NodeLostError):
         failure = None  # it died of another node's loss, which is already reported: it just leaves
     try:
-        store._close(failure)
+        held.owner.close(failure)
     except KVStoreError as exc:
         log.error("closing the store at exit: %s", exc)
 
 
 def process_store() -> DistKVStore | None:
     """This process's dist store (made by ``kvstore.create('dist_*')``), or None."""
-    store = _instance
-    return store if store is not None and store._pid == os.getpid() else None
+    held = _held
+    return held.store if held is not None and held.mine() else None
 
 
 def release_process_store(failure: str | None = None) -> bool:
@@ -51,21 +63,16 @@ def release_process_store(failure: str | None = None) -> bool:
     which fails the other workers' waits.  Returns whether there was a store;
     raises what :meth:`DistKVStore.close` raises (the store is forgotten anyway).
     """
-    global _instance
-    store = process_store()
-    if store is None:
+    global _held
+    held = _held
+    if held is None or not held.mine():
         return False
     try:
-        if store._closed:
-            pass
-        elif failure is None:
-            store.close()
-        else:
-            store._close(failure)
+        held.owner.close(failure)  # nothing when the store is closed already
     finally:
         with _instance_lock:
-            if _instance is store:
-                _instance = None
+            if _held is held:
+                _held = None
         atexit.unregister(_close_at_exit)
     return True
 
@@ -79,21 +86,26 @@ def create_dist(name: str) -> DistKVStore:
     environment; :class:`StoreClosedError` when its store was closed (a process
     joins its cluster once).
     """
-    global _instance
+    global _held
     with _instance_lock:
-        if _instance is not None and os.getpid() == _instance._pid:
-            if _instance._closed:
+        held = _held
+        if held is not None and held.mine():
+            try:
+                held.store.check_alive()
+            except StoreClosedError:
                 raise StoreClosedError("this process's dist store was closed; a process joins its "
-                                       "cluster once")
-            if mode_of(_instance.type) != mode_of(name):
-                raise ConfigError(f"this process already has a {_instance.type} store; one "
+                                       "cluster once") from None
+            except KVStoreError:
+                pass  # a lost peer: the store is returned, and its calls raise the loss
+            if mode_of(held.store.type) != mode_of(name):
+                raise ConfigError(f"this process already has a {held.store.type} store; one "
                                   f"process joins one cluster, so {name!r} cannot be created")
             if name in DEVICE_TYPES:  # asking for a device name turns GPU sums on for the shared store
-                _instance._device_mode = True
-            return _instance
+                held.owner.device_on()
+            return held.store
         cfg = kvconfig.load()
         heap.tune(cfg.malloc_tune)
-        store = DistKVStore(name, cfg)
-        _instance = store
-    atexit.register(_close_at_exit, store)
-    return store
+        owner = Owner()
+        held = _held = _Held(DistKVStore(name, cfg, owner=owner), owner)
+    atexit.register(_close_at_exit, held)
+    return held.store

@@ -13,16 +13,19 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import config as kvconfig
+from kvstore.client.compress import WorkerCompression
 from kvstore.client.mux import Mux, Request
+from kvstore.core.partition import Key
 from kvstore.errors import ConfigError, ProtocolError
 from kvstore.net import address, transport
+from kvstore.net.auth import Channel
 from kvstore.net.handshake import register
 from kvstore.net.protocol import Message, Op
 
 log = logging.getLogger("kvstore.dist")
 
 
-def join(scheduler: Any, channel: Any, cfg: kvconfig.Config, mode: str) -> dict:
+def join(scheduler: Any, channel: Channel, cfg: kvconfig.Config, mode: str) -> dict:
     """Register with the scheduler and return the cluster map's body; the socket is closed on failure.
 
     Raises what registration raises, or :class:`ConfigError` when this worker's batches, or the map's
@@ -74,14 +77,15 @@ def rejoin(io: Mux, servers: int, cmap: dict, request_all: Callable[[list[Reques
     return at
 
 
-def after_round(cfg: kvconfig.Config, rank: int, pushes: dict[Any, int], compression: Any) -> None:
+def after_round(cfg: kvconfig.Config, rank: int, pushes: dict[Key, int],
+                compression: WorkerCompression) -> None:
     """After a pull or pushpull: this worker's compression residuals written when due (with the
     servers' shards, ``KVSTORE_SNAPSHOT_EVERY``), then the test hook :func:`die_if_asked`."""
     compression.shards.write_if_due(cfg, rank, pushes)
     die_if_asked(cfg, rank, pushes)
 
 
-def die_if_asked(cfg: kvconfig.Config, rank: int, pushes: dict[Any, int]) -> None:
+def die_if_asked(cfg: kvconfig.Config, rank: int, pushes: dict[Key, int]) -> None:
     """The test hook ``KVSTORE_TEST_DIE_AT_ROUND=N`` (or ``RANK:N``, that worker only): a first
     incarnation SIGKILLs its own process once it has pushed some key N times and the call that
     waited for that round is done."""

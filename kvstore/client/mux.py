@@ -15,9 +15,10 @@ Replies nobody waits for yet (a push's ack) stay in zmq's queue until the next c
 that sends or waits reads them.  :meth:`Mux.fail` (a lost peer, from the heartbeat
 thread) fails every request in flight at once, without the socket lock.
 
-Tests only: ``Mux._tamper``, when set, is applied to each message's frames after they are sealed
-and just before they are sent (``frames = wire._tamper(frames)``), so a test can damage a message in
-flight, e.g. flip one array byte of a push to exercise ``KVSTORE_AUTH=full``.  It is None otherwise.
+Tests only: a Mux made with ``tamper`` (``kvstore.client.store.connect(..., tamper=...)``) applies it
+to each message's frames after they are sealed and just before they are sent, so a test can damage a
+message in flight, e.g. flip one array byte of a push to exercise ``KVSTORE_AUTH=full``.  The send is
+chosen once, when the Mux is made: without ``tamper`` it is ``transport.send`` itself, at no cost.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.errors import (
     AuthenticationError,
@@ -44,12 +45,34 @@ from kvstore.errors import (
 from kvstore.net import transport
 from kvstore.net.auth import Channel, decode
 from kvstore.net.protocol import Message, Op
+from kvstore.net.shm import Segment
 
 log = logging.getLogger("kvstore.dist")
 SCHEDULER = -1  # target index of the scheduler socket; servers are 0..S-1
 _SLICE = 0.05  # a leader re-checks closing and its deadline at least this often (seconds)
 _FOLLOW = 0.002  # a waiting non-leader checks whether it may lead this often (seconds)
 _READ_AHEAD = 256  # with this many requests in flight, a sender also reads the replies that are in
+Tamper = Callable[[list], list]  # tests only: a message's sealed frames -> the frames sent instead
+
+
+class SharedLanes(Protocol):
+    """What a Mux asks of same-host shared memory (``kvstore.client.shmlanes.Lanes``)."""
+
+    segments: dict[int, Segment]  # by server index
+
+    def place(self, target: int, msg: Message, reply_bytes: int = 0,
+              chunk: tuple[int, int] | None = None) -> Callable[[Any], None] | None:
+        """Move ``msg``'s big arrays into ``target``'s segment; the callback that frees them, or None."""
+
+    def resolver(self, target: int) -> Callable[[int, int], Any]:
+        """The resolver of replies ``target`` wrote into its segment."""
+
+
+def _tampered(tamper: Tamper) -> Callable[[Any, list], bool]:
+    """``transport.send`` of the frames ``tamper`` makes of each message's (tests only)."""
+    def send(sock: Any, frames: list) -> bool:
+        return transport.send(sock, tamper(frames))
+    return send
 
 
 @dataclass
@@ -67,23 +90,24 @@ class Mux:
     """The scheduler socket and one socket per server of a worker; see the module docstring."""
 
     def __init__(self, scheduler: Any, servers: list[Any], rank: int, channel: Channel,
-                 max_frame_bytes: int = 0, names: dict[int, str] | None = None) -> None:
+                 max_frame_bytes: int = 0, names: dict[int, str] | None = None,
+                 tamper: Tamper | None = None) -> None:
         self.sockets = {SCHEDULER: scheduler, **dict(enumerate(servers))}
         self.rank = rank
         self.max_frame_bytes = max_frame_bytes  # the cluster's KVSTORE_MAX_MESSAGE_BYTES (0: none)
         self.channel = channel  # seals every request, opens every reply
-        self._tamper: Callable[[list], list] | None = None  # tests only: see the module docstring
+        self._send = transport.send if tamper is None else _tampered(tamper)  # tests only: the docstring
         self._io = threading.Lock()  # the sockets (and the outbox's order on the wire)
         self._lock = threading.Lock()  # seq, sealing order, the in-flight table, failure, closing
         self._outbox: collections.deque = collections.deque()  # (target, frames), sealed, in order
         self._inflight: dict[int, Request] = {}
         self._seq = itertools.count(1)
-        self._failure: BaseException | None = None  # set by fail(): the cluster is broken
+        self.failure: BaseException | None = None  # set by fail(): the cluster is broken (read it only)
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self.lanes: Any = None  # kvstore.client.shmlanes.Lanes: same-host shared memory (set_lanes)
+        self.lanes: SharedLanes | None = None  # same-host shared memory (set_lanes)
         self._resolvers: dict[Any, Callable] = {}  # socket -> its shared-memory resolver
         self.names = dict(names or {})  # a restarted server's name (net.auth.server_name) by index
         self._held: dict[int, list[Request]] = {}  # restarted servers' requests, until they align
@@ -94,7 +118,7 @@ class Mux:
         for sock in self.sockets.values():
             self._poller.add(sock)
 
-    def set_lanes(self, lanes: Any) -> None:
+    def set_lanes(self, lanes: SharedLanes | None) -> None:
         """Move big arrays to and from the servers of ``lanes`` (kvstore.client.shmlanes) in shared memory;
         None: no more (the segments go once no received array views them)."""
         self.lanes = lanes
@@ -127,8 +151,8 @@ class Mux:
         with self._lock:  # sealed in queue order: each receiver must see the channel's numbers rise
             if self._closed:
                 raise StoreClosedError(f"{what}: the store is closed")
-            if self._failure is not None and not after_failure:
-                _resolve(request, exc=self._failure)
+            if self.failure is not None and not after_failure:
+                _resolve(request, exc=self.failure)
                 return request
             if target in self._held and not bypass:
                 self._held[target].append(request)
@@ -226,10 +250,8 @@ class Mux:
                 target, frames, seq = self._outbox.popleft()
             except IndexError:  # empty (stop() may have cleared it meanwhile)
                 return
-            if self._tamper is not None:
-                frames = self._tamper(frames)
             try:
-                transport.send(self.sockets[target], frames)
+                self._send(self.sockets[target], frames)
             except Exception as exc:  # surface to the waiting caller
                 with self._lock:
                     request = self._inflight.pop(seq, None)
@@ -243,7 +265,7 @@ class Mux:
             pass  # the pipe is full (the holder is due to wake anyway) or closed
 
     # -- waiting ----------------------------------------------------------------------------------
-    def wait(self, request: Request, timeout: float) -> Any:
+    def wait(self, request: Request, timeout: float) -> Message:
         """The reply to ``request`` (a :class:`Message`), driving the sockets while it is not in.
 
         Raises the request's error, or ``concurrent.futures.TimeoutError`` after ``timeout``
@@ -328,9 +350,9 @@ class Mux:
     def fail(self, error: BaseException) -> None:
         """Fail every request in flight, and every later one, with ``error`` (a lost peer)."""
         with self._lock:
-            if self._closed or self._failure is not None:
+            if self._closed or self.failure is not None:
                 return
-            self._failure = error
+            self.failure = error
             failed, self._inflight = list(self._inflight.values()), {}
             failed += [r for held in self._held.values() for r in held]
             self._held.clear()
@@ -364,7 +386,7 @@ class Mux:
         self.set_lanes(None)  # shared-memory segments: freed once no received array views them
 
 
-def _resolve(request: Request, result: Any = None, exc: BaseException | None = None) -> None:
+def _resolve(request: Request, result: Message | None = None, exc: BaseException | None = None) -> None:
     request.msg = None  # answered: never sent again
     if request.future.done():
         return

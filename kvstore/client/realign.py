@@ -11,16 +11,21 @@ host, port).  For each new one, a thread of its own (the heartbeat must go on be
    restarted); the reply comes once every worker has aligned;
 4. sends the held requests again, in order, sealed anew for the new incarnation's name.
 
-A failure (no reply within ``KVSTORE_REQUEST_TIMEOUT``) fails the store with a
-:class:`NodeLostError` naming the server, as a lost server always did.
+A failure (no reply within ``KVSTORE_REQUEST_TIMEOUT``) fails the store's requests (``Mux.fail``) with a
+:class:`NodeLostError` naming the server, as a lost server always did.  A :class:`Realigner` works on
+the store's :class:`~kvstore.client.datapath.DataPath`, never on the store.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from kvstore.client.datapath import DataPath
+from kvstore.config import Config
+from kvstore.core.partition import Key
 from kvstore.errors import KVStoreError, NodeLostError
 from kvstore.net import transport
 from kvstore.net.auth import server_name
@@ -29,10 +34,10 @@ from kvstore.net.protocol import Message, Op
 log = logging.getLogger("kvstore.dist")
 
 
-def lowest_rounds(held: list[Message], pushes: dict[Any, int]) -> tuple[list[Any], list[int]]:
+def lowest_rounds(held: list[Message], pushes: dict[Key, int]) -> tuple[list[Key], list[int]]:
     """ALIGN's keys and rounds: each key's oldest round among the ``held`` PUSH / PUSHPULL messages,
     else its next round (``pushes``: the worker's pushes of each key so far)."""
-    low: dict[Any, int] = {}
+    low: dict[Key, int] = {}
     for msg in held:
         if msg.op is Op.PUSH or msg.op is Op.PUSHPULL:
             for key, rnd in zip(msg.body.get("keys", []), msg.body.get("rounds", [])):
@@ -57,10 +62,12 @@ def server_names(cmap: dict) -> dict[int, str]:
 
 
 class Realigner:
-    """Starts one alignment per restarted server incarnation the scheduler names (module docstring)."""
+    """Starts one alignment per restarted server incarnation the scheduler names (module docstring):
+    over ``path`` (the store's data path), with ``cfg`` (this worker's settings), the cluster map ``cmap``
+    it joined with, and ``origin()``, the round this worker rejoined at (0 if it never restarted)."""
 
-    def __init__(self, store: Any, cmap: dict) -> None:
-        self.store = store
+    def __init__(self, path: DataPath, cfg: Config, cmap: dict, origin: Callable[[], int]) -> None:
+        self.path, self.cfg, self.origin = path, cfg, origin
         # server index -> the incarnation aligned with (or being); the map's are connected already
         self.known: dict[int, int] = dict(enumerate(incarnations(cmap)))
         self.threads: list[threading.Thread] = []
@@ -73,7 +80,7 @@ class Realigner:
                 log.warning("ignored a malformed server restart in a heartbeat reply: %r", entry)
                 continue
             rank, incarnation, host, port = entry
-            if not 0 <= rank < self.store.num_servers or incarnation <= self.known.get(rank, 0):
+            if not 0 <= rank < self.path.cluster.num_servers or incarnation <= self.known.get(rank, 0):
                 continue
             self.known[rank] = incarnation
             thread = threading.Thread(target=self.align, args=(rank, incarnation, host, port),
@@ -83,32 +90,28 @@ class Realigner:
 
     def align(self, rank: int, incarnation: int, host: str, port: int) -> None:
         """Steps 1-4 of the module docstring for server ``rank``; a failure fails the store."""
-        store = self.store
-        io, cfg = store._io, store._cfg  # noqa: SLF001 -- the store's own parts, as fastpath takes them
+        path, io, cfg = self.path, self.path.mux, self.cfg
         where = transport.address(host, port)
         try:
             sock = transport.connect_dealer(where, curve=transport.curve_keys(cfg))
-            with store._send_lock:  # noqa: SLF001 -- no push is counted but not yet held meanwhile
-                io.hold(rank)
-                pushes = dict(store._pushes)  # noqa: SLF001
+            pushes = path.hold(rank)  # no push is counted but not yet held meanwhile
             io.swap(rank, sock, server_name(rank, incarnation))
             keys, rounds = lowest_rounds(io.held(rank), pushes)
-            body = {"incarnation": cfg.incarnation, "origin": store.rejoined_at or 0, "keys": keys,
-                    "rounds": rounds}
+            body = {"incarnation": cfg.incarnation, "origin": self.origin(), "keys": keys, "rounds": rounds}
             request = io.submit(rank, Message(Op.ALIGN, body), f"align with restarted server {rank} "
                                 f"({where})", bypass=True)
-            reply = store._request_all([request])[0]  # noqa: SLF001
+            reply = path.wait([request])[0]
             if self.known.get(rank) != incarnation:  # restarted again meanwhile: the newer thread releases
                 return
             sent = io.release(rank)
         except (KVStoreError, OSError) as exc:
             if self.known.get(rank) != incarnation:  # its socket was swapped out by a newer restart's
                 log.warning("server %d incarnation %d was restarted again before worker %d aligned with "
-                            "it: %s", rank, incarnation, store.rank, exc)
+                            "it: %s", rank, incarnation, path.cluster.rank, exc)
                 return
-            error = NodeLostError(f"server {rank} was restarted at {where} but worker {store.rank} could not "
-                                  f"align with it: {exc}", role="server", rank=rank, host=host)
-            store._on_lost(error)  # noqa: SLF001
+            error = NodeLostError(f"server {rank} was restarted at {where} but worker {path.cluster.rank} "
+                                  f"could not align with it: {exc}", role="server", rank=rank, host=host)
+            io.fail(error)
             return
         log.warning("server %d restarted (incarnation %d) at %s: aligned, %d requests sent again; it lost "
                     "%s rounds of updates", rank, incarnation, where, sent, reply.body.get("lost"))

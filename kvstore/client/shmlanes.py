@@ -9,9 +9,14 @@ to move its big arrays into the segment (:meth:`Lanes.place`) and to read replie
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvstore.client.mux import Mux
+from kvstore.config import Config
+from kvstore.core.partition import Key
+from kvstore.core.plan import Send, Span
+from kvstore.core.values import Meta
 from kvstore.net import shm
 from kvstore.net.protocol import Message, Op
 
@@ -91,13 +96,13 @@ class Lanes:
         return lend
 
 
-def hints(op: Op, send: Any, metas: Any, array: Any) -> dict[str, Any]:
+def hints(op: Op, send: Send, metas: Mapping[Key, Meta], array: Any) -> dict[str, Any]:
     """``mux.submit``'s shared-memory arguments for a data message of ``send`` (``plan.Send``) carrying
     ``array`` (or None): ``reply_bytes`` (:func:`reply_bytes`) and ``chunk`` (:func:`chunk_of`)."""
     return {"reply_bytes": reply_bytes(op, send.parts, metas), "chunk": chunk_of(send, array)}
 
 
-def chunk_of(send: Any, array: Any) -> tuple[int, int] | None:
+def chunk_of(send: Send, array: Any) -> tuple[int, int] | None:
     """For a chunk of a big piece (``plan.Send`` with ``lo``) carrying ``array``: its byte offset in
     the piece and the piece's bytes; None for a whole message or one with no array."""
     if send.lo is None or send.total is None or array is None:
@@ -105,7 +110,7 @@ def chunk_of(send: Any, array: Any) -> tuple[int, int] | None:
     return send.lo * array.dtype.itemsize, send.total * array.dtype.itemsize
 
 
-def reply_bytes(op: Op, parts: list[Any], metas: Any) -> int:
+def reply_bytes(op: Op, parts: list[Span], metas: Mapping[Key, Meta]) -> int:
     """The size of the reply's array to a data request of ``parts`` (``plan.Span``; one dtype), given
     each key's meta: what a same-host server may write into shared memory (0: no reply array)."""
     if op is not Op.PULL and op is not Op.PUSHPULL:
@@ -113,7 +118,7 @@ def reply_bytes(op: Op, parts: list[Any], metas: Any) -> int:
     return sum(part.stop - part.start for part in parts) * metas[parts[0].key].dtype.itemsize
 
 
-def attach(cfg: Any, wire: Any, servers: int, timeout: float) -> Lanes | None:
+def attach(cfg: Config, wire: Mux, servers: int, timeout: float) -> Lanes | None:
     """Offer each of ``servers`` a segment through ``wire`` and return the lanes of those that mapped it
     (None: none did, or shared memory is off; one log line says why).  Raises nothing."""
     why = shm.unusable(cfg)

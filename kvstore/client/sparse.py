@@ -14,12 +14,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from kvstore.client.datapath import DataPath
 from kvstore.client.mux import Request
-from kvstore.client.window import PushWindow
 from kvstore.core import rowsparse as R
 from kvstore.core.dtypes import dtype_name
 from kvstore.core.partition import Key
@@ -31,15 +30,11 @@ DEFAULT_CHUNK_BYTES = 4 << 20  # rows per message when the cluster sets no chunk
 
 @dataclass
 class RowsLink:
-    """What the dist store hands its row-sparse side: sending, waiting, the push window, the cluster."""
+    """What the dist store hands its row-sparse side: its data path (sockets, waits, the push window,
+    the cluster), its collective calls, and the ``KVSTORE_RESUME`` hooks."""
 
-    submit: Callable[[int, Message, str], Request]
-    wait: Callable[[list[Request]], list[Message]]  # under the request deadline; raises the errors
-    wait_one: Callable[[Any, float], Any]  # Mux.wait, for the push window
-    window: PushWindow
+    path: DataPath
     collective: Callable[[str, Callable[[], None]], None]
-    num_servers: int
-    chunk_bytes: int
     request_timeout: float
     resumed: Callable[[Key, tuple, np.dtype], np.ndarray | None] = lambda key, shape, dtype: None
     initialised: Callable[[list[Key]], None] = lambda keys: None  # KVSTORE_RESUME: restore their states
@@ -55,11 +50,11 @@ class DistRows:
 
     def ranges(self, meta: R.SparseMeta) -> list[tuple[int, int, int]]:
         """``(server, lo, hi)`` of each server holding rows of a table (empty ranges left out)."""
-        bounds = R.row_bounds(meta.num_rows, self.link.num_servers)
+        bounds = R.row_bounds(meta.num_rows, self.link.path.cluster.num_servers)
         return [(s, lo, hi) for s, (lo, hi) in enumerate(bounds) if hi > lo]
 
     def rows_per_message(self, meta: R.SparseMeta) -> int:
-        chunk = self.link.chunk_bytes or DEFAULT_CHUNK_BYTES
+        chunk = self.link.path.cluster.chunk_bytes or DEFAULT_CHUNK_BYTES
         return max(1, chunk // (meta.width * meta.dtype.itemsize + 8))
 
     def init(self, items: list[tuple[Key, R.SparseMeta, dict, np.ndarray | None]]) -> None:
@@ -70,9 +65,9 @@ class DistRows:
                 for server, lo, hi in self.ranges(meta):
                     body = {"key": key, "shape": list(meta.shape), "dtype": dtype_name(meta.dtype),
                             "lo": lo, "hi": hi, "init": spec}
-                    requests.append(self.link.submit(server, Message(Op.SPARSE_INIT, body),
+                    requests.append(self.link.path.mux.submit(server, Message(Op.SPARSE_INIT, body),
                                                      f"row_sparse init of key {key!r} to server {server}"))
-            self.link.wait(requests)
+            self.link.path.wait(requests)
             for key, meta, _, array in items:
                 saved = self.link.resumed(key, meta.shape, meta.dtype)  # KVSTORE_RESUME's table
                 array = array if saved is None else saved
@@ -89,12 +84,12 @@ class DistRows:
                 stop = min(hi, start + step)
                 ids = np.arange(start, stop, dtype=np.int64)
                 msg = Message(Op.SPARSE_SET, {"key": key}, [ids, np.ascontiguousarray(table[start:stop])])
-                requests.append(self.link.submit(server, msg, f"row_sparse init of key {key!r} rows "
+                requests.append(self.link.path.mux.submit(server, msg, f"row_sparse init of key {key!r} rows "
                                                               f"[{start}, {stop}) to server {server}"))
                 if len(requests) >= 8:  # a few in flight: what the value's rows take on the wire stays small
-                    self.link.wait(requests)
+                    self.link.path.wait(requests)
                     requests = []
-        self.link.wait(requests)
+        self.link.path.wait(requests)
 
     def push(self, items: list[tuple[Key, R.SparseMeta, np.ndarray, np.ndarray]]) -> None:
         """Send one round of each key's merged rows to the servers; returns without waiting for acks.
@@ -102,8 +97,8 @@ class DistRows:
         keys = [key for key, _, _, _ in items]
         deadline = time.monotonic() + self.link.request_timeout
         with self._lock:
-            self.link.window.wait_room(keys, deadline, self.link.wait_one)
-            error = self.link.window.take_failure(keys)
+            self.link.path.window.wait_room(keys, deadline, self.link.path.mux.wait)
+            error = self.link.path.window.take_failure(keys)
             if error is not None:
                 raise from_cluster(error)
             held = {}
@@ -111,7 +106,7 @@ class DistRows:
                 rnd = self._pushes.get(key, 0)
                 self._pushes[key] = rnd + 1
                 held[key] = self._send(key, meta, rnd, ids, rows)
-            self.link.window.add(held, failures=True)
+            self.link.path.window.add(held, failures=True)
 
     def _send(self, key: Key, meta: R.SparseMeta, rnd: int, ids: np.ndarray,
               rows: np.ndarray) -> list[Request]:
@@ -124,14 +119,14 @@ class DistRows:
                 end = min(stop, first + step)
                 body = {"key": key, "round": rnd, "last": i == len(pieces) - 1}
                 msg = Message(Op.SPARSE_PUSH, body, [ids[first:end], rows[first:end]])
-                requests.append(self.link.submit(server, msg, f"row_sparse push of key {key!r} "
+                requests.append(self.link.path.mux.submit(server, msg, f"row_sparse push of key {key!r} "
                                                               f"({end - first} rows) to server {server}"))
         return requests
 
     def pull(self, key: Key, meta: R.SparseMeta, ids: np.ndarray) -> np.ndarray:
         """The current rows ``ids`` (sorted, distinct) of ``key`` as ``(n, width)``, after this worker's
         earlier pushes of it are applied (read-your-writes).  Raises what the servers raise."""
-        error = self.link.window.take_failure([key])
+        error = self.link.path.window.take_failure([key])
         if error is not None:
             raise from_cluster(error)
         ranges = self.ranges(meta)
@@ -142,11 +137,11 @@ class DistRows:
             for first in range(start, stop, step):
                 end = min(stop, first + step)
                 msg = Message(Op.SPARSE_PULL, {"key": key, "after": after}, [ids[first:end]])
-                requests.append(self.link.submit(server, msg, f"row_sparse_pull of key {key!r} "
+                requests.append(self.link.path.mux.submit(server, msg, f"row_sparse_pull of key {key!r} "
                                                               f"({end - first} rows) from server {server}"))
                 spans.append((first, end))
         out = np.empty((ids.size, meta.width), meta.dtype)
-        for (first, end), reply in zip(spans, self.link.wait(requests)):
+        for (first, end), reply in zip(spans, self.link.path.wait(requests)):
             got = reply.arrays[0] if reply.arrays else None
             if got is None or got.shape != (end - first, meta.width) or got.dtype != meta.dtype:
                 raise from_cluster(ProtocolError(f"row_sparse_pull of key {key!r}: a server answered "

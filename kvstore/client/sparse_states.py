@@ -29,11 +29,12 @@ def gather(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> list[checkpoint.St
     entries = []
     for key, meta in metas.items():
         cuts = _cuts(rows, meta, 4)  # adam keeps two arrays, mixed precision three: a reply stays small
-        requests = [rows.link.submit(server, Message(Op.SPARSE_PULL, {"key": key, "after": 0, "state": True},
+        submit = rows.link.path.mux.submit
+        requests = [submit(server, Message(Op.SPARSE_PULL, {"key": key, "after": 0, "state": True},
                                                      [np.arange(start, stop, dtype=np.int64)]),
                                      f"state rows [{start}, {stop}) of key {key!r} from server {server}")
                     for server, start, stop in cuts]
-        replies = rows.link.wait(requests)
+        replies = rows.link.path.wait(requests)
         names = {tuple(r.body.get("names", ())) for r in replies}
         if len(names) != 1:
             raise OptimizerError(f"the servers disagree on the optimizer state of key {key!r}: {names}")
@@ -59,7 +60,8 @@ def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], 
     DTypeMismatchError for another dtype (of the table, or of a state array)."""
     for entry in entries:
         meta = metas[entry.key]
-        dtype = np.dtype(np.float32) if optimizer._mixed(meta.dtype) else meta.dtype  # as create_state
+        mixed = "weight32" in optimizer.state_names(meta.dtype)  # a float32 master copy
+        dtype = np.dtype(np.float32) if mixed else meta.dtype  # as create_state
         bad = [f"{n} {a.dtype}" for n, a in entry.arrays.items() if a.dtype != dtype]
         if np.dtype(entry.dtype) != meta.dtype or bad:
             raise DTypeMismatchError(f"key {entry.key!r}: saved state is for a {np.dtype(entry.dtype)} table "
@@ -86,9 +88,9 @@ def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Ke
                 body = {"key": entry.key, "state": name, "count": entry.count}
                 ids = np.arange(start, stop, dtype=np.int64)
                 msg = Message(Op.SPARSE_SET, body, [ids, table[start:stop]])
-                requests.append(rows.link.submit(server, msg, f"state {name!r} of key {entry.key!r} rows "
-                                                              f"[{start}, {stop}) to server {server}"))
+                what = f"state {name!r} of key {entry.key!r} rows [{start}, {stop}) to server {server}"
+                requests.append(rows.link.path.mux.submit(server, msg, what))
                 if len(requests) >= 8:
-                    rows.link.wait(requests)
+                    rows.link.path.wait(requests)
                     requests = []
-    rows.link.wait(requests)
+    rows.link.path.wait(requests)

@@ -1,45 +1,48 @@
-"""The worker side of the ``dist_*`` modes: :class:`DistKVStore`'s data path.
+"""The worker side of the ``dist_*`` modes: :class:`DistKVStore`.
 
-The API threads validate, sum, encode and drive the sockets themselves
-(``kvstore.client.mux``: whoever waits receives).  Each reply resolves a future;
-every wait has a deadline.  The optimizer, state and snapshot calls are
+The API threads validate, sum, encode and drive the sockets themselves, through the store's one
+:class:`~kvstore.client.datapath.DataPath` (``kvstore.client.mux``: whoever waits receives).  Each reply
+resolves a future; every wait has a deadline.  The optimizer, state and snapshot calls are
 ``kvstore.client.collective``'s; the one store per process is ``kvstore.client.instance``'s.
+
+A store joins its cluster over real sockets (:func:`connect`); :class:`Joined` is the seam a unit test
+uses to build one over a fake transport instead (no processes, no sockets).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from concurrent.futures import TimeoutError as FutureTimeout  # the built-in from 3.11 on
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvstore import config as kvconfig
 from kvstore import logs
-from kvstore.base import KVStore, Pushed, public
+from kvstore.base import KVStore, Pushed, once_each, public
 from kvstore.client import realign, shmlanes
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
-from kvstore.client.fastpath import FastCalls, FastPath
-from kvstore.client.joining import after_round, join, rejoin
+from kvstore.client.datapath import ClusterView, DataPath, FastPath
+from kvstore.client.joining import join, rejoin
 from kvstore.client.meter import WorkerMeter
-from kvstore.client.mux import SCHEDULER, Mux, Request
-from kvstore.client.pending import PendingCalls
+from kvstore.client.mux import SCHEDULER, Mux, Request, Tamper
 from kvstore.client.sparse import DistRows, RowsLink
 from kvstore.client.window import PushWindow
 from kvstore.core import values as V
 from kvstore.core.optimizer import Optimizer
-from kvstore.core.partition import Key, Piece, placement
-from kvstore.core.plan import Send, collect, init_body, pack, plan
+from kvstore.core.partition import Key, check_key
+from kvstore.core.plan import Send, collect, pack, plan
 from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, StoreClosedError, from_cluster
 from kvstore.net import address, transport
 from kvstore.net.auth import Channel, channel_for, derive_key, new_label
 from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
+from kvstore.sparse import SparseCalls
 
 log = logging.getLogger("kvstore.dist")
 
@@ -49,63 +52,98 @@ def mode_of(name: str) -> str:
     return "dist_async" if "async" in name else "dist_sync"
 
 
-class DistKVStore(FastCalls, PendingCalls, KVStore):
+@dataclass
+class Joined:
+    """A worker already in its cluster: the cluster map's body, the servers' addresses (by index) and the
+    :class:`Mux` over its sockets.  :func:`connect` makes one over real sockets; a unit test makes one
+    over a fake transport (a ``Mux`` of its own), with ``heartbeat`` False (no heartbeat thread)."""
+
+    body: dict[str, Any]
+    servers: list[str]
+    mux: Mux
+    heartbeat: bool = True
+
+
+def connect(cfg: kvconfig.Config, mode: str, tamper: Tamper | None = None) -> Joined:
+    """Register with the scheduler as a worker of ``mode`` and connect to every server (and to each
+    same-host server's shared memory).  ``tamper``: tests only, see ``kvstore.client.mux``.
+    Raises what registration raises (ConfigError, AuthenticationError, DeadlineExceededError...)."""
+    scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
+    channel = channel_for(cfg, new_label("worker"))
+    body = join(scheduler, channel, cfg, mode)
+    addresses = [transport.address(h, p) for h, p in body["servers"]]
+    logs.set_identity("worker", body["rank"])
+    servers = [transport.connect_dealer(a, curve=transport.curve_keys(cfg)) for a in addresses]
+    mux = Mux(scheduler, servers, body["rank"], channel, body.get("max_message_bytes", 0),
+              names=realign.server_names(body), tamper=tamper)  # servers restarted before this worker joined
+    mux.set_lanes(shmlanes.attach(cfg, mux, len(servers), cfg.connect_timeout))  # same host
+    return Joined(body, addresses, mux)
+
+
+class Owner:
+    """The hold ``kvstore.client.instance`` keeps on the process's one store: what it may do beyond the
+    public API, bound by the store it is given to: ``close(failure)`` (the process is dying of
+    ``failure``: nothing is drained, the scheduler is told this worker failed) and ``device_on()``
+    (a ``*_device`` name asked for: GPU sums from now on)."""
+
+    close: Callable[[str | None], None]
+    device_on: Callable[[], None]
+
+
+class DistKVStore(KVStore):
     """A worker's handle on the servers of a ``dist_sync`` / ``dist_async`` cluster.
 
     In ``dist_*_device`` modes, CUDA values are summed on a GPU and copied once into pinned memory to be
     sent; pulls into CUDA outs are staged there and copied to each device on a side stream (``device``).
+    ``joined``: a cluster already joined (the fake-transport seam of unit tests); by default the store
+    joins over real sockets.  ``owner``: bound for ``kvstore.client.instance``.
     """
 
-    def __init__(self, name: str, cfg: kvconfig.Config) -> None:
+    def __init__(self, name: str, cfg: kvconfig.Config, joined: Joined | None = None,
+                 owner: Owner | None = None) -> None:
         super().__init__(name)
         cfg.require_cluster(f"kvstore.create({name!r})")
         self._cfg = cfg
         self._pid = os.getpid()
         self._mode = mode_of(name)
-        scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
-        channel = channel_for(cfg, new_label("worker"))
-        body = join(scheduler, channel, cfg, self._mode)
-        self._rank, self._num_workers = body["rank"], body["num_workers"]
-        self._seed = body["seed"]
-        self._session = body["session"]  # keys a pipeline's stage-to-stage channel (kvstore.pipeline)
-        self._servers = [transport.address(h, p) for h, p in body["servers"]]
-        logs.set_identity("worker", self._rank)
-        servers = [transport.connect_dealer(a, curve=transport.curve_keys(cfg)) for a in self._servers]
-        self._io = Mux(scheduler, servers, self._rank, channel, body.get("max_message_bytes", 0),
-                        names=realign.server_names(body))  # servers restarted before this worker joined
-        self._io.set_lanes(shmlanes.attach(cfg, self._io, len(servers), cfg.connect_timeout))  # same host
-        self._placements: dict[Key, list[Piece]] = {}  # each initialised key's pieces, computed once
-        self._plans: dict[tuple, tuple[list[Send], frozenset]] = {}  # see _plan (under _lock)
-        self._send_lock = threading.Lock()  # one call's push-like messages leave as one run
-        self._buffers: dict[Key, tuple[np.ndarray, list[Request]]] = {}  # see _flat
-        self._window = PushWindow(body.get("push_window", cfg.push_window))
-        self._pushes: dict[Key, int] = {}  # key -> pushes sent: a PUSH's "rounds" (under _send_lock)
-        self._chunk_bytes = body.get("chunk_bytes", 0)  # the cluster's chunk size, from the scheduler
-        self._lost: NodeLostError | None = None  # set by the heartbeat thread when a peer is lost
+        joined = connect(cfg, self._mode) if joined is None else joined
+        body, self._io = joined.body, joined.mux
+        self._cluster = cluster = ClusterView.of(body, self._mode, joined.servers)
+        self._session = cluster.session  # keys a pipeline's stage-to-stage channel (kvstore.pipeline)
         self._compress = WorkerCompression()  # set_gradient_compression's residuals (client/compress.py)
-        self._barriers = Barriers(self._io, cfg, self._mode, self._rank, self._num_workers, self._wait)
+        self._meter = WorkerMeter(cluster.rank, address.advertised_host(cfg))
+        self._window = PushWindow(body.get("push_window", cfg.push_window))
+        self._path = DataPath(cfg, cluster, self._io, self._window, self._meter, self._meta, self._lock,
+                              self._compress, self._sum)
+        self._fast = FastPath(self._path, self._meta, self._lock, self._meter,  # known lists of small keys
+                              self._compress, self._device_mode)
+        self._barriers = Barriers(self._io, cfg, self._mode, cluster.rank, cluster.num_workers,
+                                  self._path.wait)
         self._rows = DistRows(RowsLink(  # row_sparse keys (client/sparse.py)
-            self._io.submit, self._request_all, self._io.wait, self._window, self._collective,
-            len(self._servers), self._chunk_bytes, cfg.request_timeout,
+            self._path, self._collective, cfg.request_timeout,
             lambda *a: self._collective_calls.resumed_table(*a),
             lambda keys: self._collective_calls.initialised(keys)))
+        self._sparse = SparseCalls(self._meta, self._rows.init, self._rows.push, self._rows.pull)
         self._collective_calls = CollectiveCalls(StoreLink(
             run_collective=self._collective, barrier=self.barrier, submit=self._io.submit,
-            request_all=self._request_all, pieces=self._pieces, metas=self._metas,
-            pull=lambda keys: self._pull(keys, 0), servers=self._servers, resume=cfg.resume,
-            chunk_bytes=self._chunk_bytes,
-            save_residuals=lambda d: self._compress.save(d, self._rank, self._num_workers),
+            request_all=self._path.wait, pieces=self._path.pieces, metas=self._metas,
+            pull=lambda keys: self._pull(keys, 0), servers=cluster.servers, resume=cfg.resume,
+            chunk_bytes=cluster.chunk_bytes,
+            save_residuals=lambda d: self._compress.save(d, cluster.rank, cluster.num_workers),
             rows=self._rows, sparse_metas=lambda: dict(self._sparse.metas)))
-        self._rows_init, self._rows_push, self._rows_pull = self._rows.init, self._rows.push, self._rows.pull
-        self._meter = WorkerMeter(self._rank, address.advertised_host(cfg))
-        self._fast = FastPath(self)  # push/pull/pushpull of known lists of small keys (FastCalls)
-        self._heartbeat = Heartbeat(cfg, "worker", self._rank, body["session"], self._on_lost,  # restarted
-                                    stats=self._snapshot, on_left=self._barriers.warn_left,  # servers
-                                    on_restarted=realign.Realigner(self, body).on_restarted)  # realign
-        self._heartbeat.start()
-        log.info("joined %s cluster as worker %d of %d", self._mode, self._rank, self._num_workers)
+        self._heartbeat: Heartbeat | None = None
+        if joined.heartbeat:  # restarted servers: realign
+            aligner = realign.Realigner(self._path, cfg, body, lambda: self._rejoined_at or 0)
+            self._heartbeat = Heartbeat(cfg, "worker", cluster.rank, cluster.session, self._io.fail,
+                                        stats=self._snapshot, on_left=self._barriers.warn_left,
+                                        on_restarted=aligner.on_restarted)
+            self._heartbeat.start()
+        if owner is not None:
+            owner.close, owner.device_on = self._close, self._device_on
+        log.info("joined %s cluster as worker %d of %d", self._mode, cluster.rank, cluster.num_workers)
         # a restarted worker (launch.py --max-restarts): counted again by every server from this round
-        self._rejoined_at = rejoin(self._io, len(self._servers), body, self._request_all)
+        self._rejoined_at: int | None = None
+        self._rejoined_at = rejoin(self._io, cluster.num_servers, body, self._path.wait)
 
     @property
     def rejoined_at(self) -> int | None:
@@ -118,17 +156,17 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
     @property
     def rank(self) -> int:
         """This worker's rank in ``[0, num_workers)``."""
-        return self._rank
+        return self._cluster.rank
 
     @property
     def num_workers(self) -> int:
         """Number of workers in the cluster."""
-        return self._num_workers
+        return self._cluster.num_workers
 
     @property
     def num_servers(self) -> int:
         """Number of servers in the cluster."""
-        return len(self._servers)
+        return self._cluster.num_servers
 
     # -- plumbing -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -136,15 +174,20 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
             raise StoreClosedError(f"this store belongs to process {self._pid}; a forked child must "
                                    "not use its parent's store")
         super()._check_open()
-        lost = self._lost
-        if lost is not None:
+        lost = self._io.failure
+        if isinstance(lost, NodeLostError):
             raise from_cluster(NodeLostError(str(lost), role=lost.role, rank=lost.rank, host=lost.host))
+
+    def _device_on(self) -> None:
+        """GPU sums from now on (``Owner.device_on``); known key lists leave the fast path."""
+        self._device_mode = self._fast.device_mode = True
+        self._fast.forget()
 
     def scheduler_request(self, op: Op, body: dict[str, Any], what: str) -> Message:
         """Send one control request to the scheduler and return its reply (kvstore.pipeline's hook);
         raises what a request raises (DeadlineExceededError after KVSTORE_REQUEST_TIMEOUT, NodeLostError)."""
         self._check_open()
-        return self._request_all([self._io.submit(SCHEDULER, Message(op, body), what)])[0]
+        return self._path.wait([self._io.submit(SCHEDULER, Message(op, body), what)])[0]
 
     def stage_channel(self, label: str) -> tuple[kvconfig.Config, Channel]:
         """This worker's settings, and a channel ``label`` sealed with its cluster's session (pipelines')."""
@@ -155,58 +198,9 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
         """Raise the NodeLostError the heartbeat reported (or StoreClosedError); else return."""
         self._check_open()
 
-    def _on_lost(self, error: NodeLostError) -> None:
-        """The heartbeat thread's report: every waiting and later call raises ``error``."""
-        self._lost = error
-        self._io.fail(error)
-
-    def _place(self, key: Key, size: int) -> list[Piece]:
-        """Where a ``size``-element value of ``key`` lives in this cluster."""
-        return placement(key, size, len(self._servers), self._seed, self._cfg.bigarray_bound)
-
-    def _pieces(self, key: Key) -> list[Piece]:
-        pieces = self._placements.get(key)
-        return self._place(key, self._meta[key].size) if pieces is None else pieces
-
-    def _submit(self, op: Op, send: Send, array: np.ndarray | None, extra: dict | None = None) -> Request:
-        """Queue one data message (a batch, a whole piece or a chunk) to its server."""
-        first, more = send.parts[0].key, len(send.parts) - 1
-        keys = f"key {first!r}" + (f" and {more} more" if more else "")
-        what = f"{op.name.lower()} of {keys} to server {send.server} ({self._servers[send.server]})"
-        body = init_body(send) if op is Op.INIT else send.body()
-        if extra:
-            body = {**body, **extra}  # e.g. a compressed push's "compression"
-        if op is Op.PUSH or op is Op.PUSHPULL:  # each key's round: this worker's earlier pushes of it
-            body = {**body, "rounds": [self._pushes[part.key] - 1 for part in send.parts]}
-        if array is not None:
-            self._meter.sent(array.nbytes)
-        return self._io.submit(send.server, Message(op, body, [] if array is None else [array]), what,
-                               **shmlanes.hints(op, send, self._meta, array))  # same-host server
-
-    def _wait(self, requests: list[Request], timeout: float, knob: str) -> list[Message]:
-        deadline = time.monotonic() + timeout
-        results = []
-        for request in requests:
-            try:
-                results.append(reply := self._io.wait(request, max(0.0, deadline - time.monotonic())))
-                if reply.arrays:
-                    self._meter.received(sum(a.nbytes for a in reply.arrays))
-            except KVStoreError as exc:  # first: a reply's error may be a TimeoutError too
-                if isinstance(exc, NodeLostError) and exc.role is not None and self._lost is None:
-                    self._on_lost(exc)
-                log.debug("%s failed inside kvstore", request.what, exc_info=exc)
-                raise from_cluster(exc) from None  # the user's traceback: their call and the error
-            except FutureTimeout:
-                data = request.what.startswith(("push", "pull"))
-                hint = (" (in dist_sync a push is acknowledged, and a pull answered, only once "
-                        "every worker has pushed that key)" if self._mode == "dist_sync" and data else "")
-                raise from_cluster(DeadlineExceededError(f"{request.what}: no reply after {timeout:g} s "
-                                                         f"({knob}){hint}")) from None
-        return results
-
-    def _raise_push_failures(self, keys: list[Key] | None = None) -> None:
-        """Raise (once) the failure of an earlier push to one of ``keys`` (None: any key)."""
-        error = self._window.take_failure(keys)
+    def _raise_push_failures(self) -> None:
+        """Raise (once) the failure of an earlier push to any key."""
+        error = self._window.take_failure()
         if error is not None:
             raise from_cluster(error)
 
@@ -221,18 +215,15 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
         if not cluster:
             return self._snapshot()
         request = self._io.submit(SCHEDULER, Message(Op.STATUS, {}), "status request to the scheduler")
-        return self._request_all([request])[0].body
+        return self._path.wait([request])[0].body
 
     # -- primitives -------------------------------------------------------------------------------
-    def _request_all(self, requests: list[Request]) -> list[Message]:
-        return self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
-
     def _metas(self) -> dict[Key, V.Meta]:
         """A copy of the initialised keys' metas."""
         with self._lock:
             return dict(self._meta)
 
-    def _collective(self, what: str, action: Any) -> None:
+    def _collective(self, what: str, action: Callable[[], Any]) -> None:
         self._barriers.collective(what, action)
 
     def _barrier_only(self, failure: dict[str, str] | None = None) -> list:
@@ -269,22 +260,21 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
         else:
             self._barriers.agree("set_gradient_compression",
                                  lambda: checked.append(self._check_compression(params)))
-        with self._lock:
+        with self._lock:  # push plans group compressed keys apart: planned again per setting
             self._compression = self._compress.spec = checked[0]
-            self._plans.clear()  # push plans group compressed keys apart
             self._fast.forget()
         # saved residuals: a restarted worker's own (KVSTORE_SNAPSHOT_DIR), else KVSTORE_RESUME's
-        self._compress.restore(self._cfg, self._rank, self._num_workers, self._rejoined_at is not None)
+        rank, workers = self._cluster.rank, self._cluster.num_workers
+        self._compress.restore(self._cfg, rank, workers, self._rejoined_at is not None)
 
     # -- the data path ------------------------------------------------------------------------------
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
         def send_all() -> None:
             flats = {key: array.reshape(-1) for key, array in self._collective_calls.resumed(items)}
-            entries = [(key, flat.dtype, self._place(key, flat.size)) for key, flat in flats.items()]
-            sends = plan(entries, self._cfg.batch_bytes, self._chunk_bytes)  # big slices in chunks
-            with self._send_lock:  # a key's chunks leave as one run
-                requests = [self._submit(Op.INIT, s, pack(s, flats)) for s in sends]
-            self._request_all(requests)
+            entries = [(key, flat.dtype, self._path.pieces(key, flat.size)) for key, flat in flats.items()]
+            sends = plan(entries, self._cfg.batch_bytes, self._cluster.chunk_bytes)  # big slices in chunks
+            self._path.wait(self._path.send_planned(Op.INIT, (), sends, [pack(s, flats) for s in sends], []))
+
 
         if self._rejoined_at is not None:  # a restarted worker: the servers hold every key already
             return
@@ -295,98 +285,56 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
             self._meter.end("init", started)
 
     def _initialised(self, keys: list[Key]) -> None:
-        with self._lock:
-            for key in keys:
-                self._placements[key] = self._place(key, self._meta[key].size)
         self._fast.forget()  # a list that held an unknown key may be eligible now
         self._collective_calls.initialised(keys)
 
-    def _plan(self, keys: Any, chunked: bool = True) -> tuple[list[Send], frozenset]:
-        """The messages for ``keys`` (initialised, distinct), and which keys travel only in batches.
-
-        Pushes are chunked; pulls are not (``chunked=False``): a server answers a slice in one
-        message, so a pull never combines chunks from before and after another worker's push.
-        Planned once per list of keys, since a training loop pushes and pulls the same keys every
-        step; the 64 plans used last are remembered."""
-        keys = tuple(keys)
-        with self._lock:
-            found = self._plans.pop((keys, chunked), None)
-            if found is None:
-                meta = self._meta
-                sends = plan([(k, meta[k].dtype, self._pieces(k)) for k in keys], self._cfg.batch_bytes,
-                             self._chunk_bytes, chunked, self._compress.tags(keys, meta) if chunked else None)
-                viewed = {p.key for s in sends if len(s.parts) == 1 for p in s.parts}
-                found = (sends, frozenset(keys) - viewed)
-                if len(self._plans) >= 64:
-                    self._plans.pop(next(iter(self._plans)))  # the least recently used
-            self._plans[(keys, chunked)] = found  # (re)inserted last: the most recently used
-        return found
+    @public
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """As :meth:`kvstore.base.KVStore.push`; a list of small numpy keys seen before takes the fast
+        path (``kvstore.client.datapath``)."""
+        self._check_open()
+        fast, values = self._fast.match(key, value)
+        if fast is not None:
+            self._pushed = True
+            self._fast.push(Op.PUSH, fast, values)
+            return
+        groups = self._push_args(key, value)
+        if groups is not None:
+            self._push(groups, priority)
 
     def _push(self, groups: list[Pushed], priority: int) -> None:
         started = self._meter.begin("push")  # priority is accepted for MXNet scripts; sends keep call order
         try:
-            self._send_groups(Op.PUSH, groups)
+            self._path.send(Op.PUSH, groups)
         finally:
             self._meter.end("push", started)
-
-    def _send_groups(self, op: Op, groups: list[Pushed]) -> tuple[list[Key], list[Send], list[Request]]:
-        """Sum every group (all before anything is sent), then send the call's PUSH or PUSHPULL
-        messages as one run: another thread's messages cannot come between them, so a key's chunks
-        reach its server in order.  Returns the keys, the messages and their requests."""
-        todo = {k: (meta, vs) for k, meta, vs in groups}
-        deadline = time.monotonic() + self._cfg.request_timeout
-        self._window.wait_room(todo, deadline, self._io.wait)  # KVSTORE_PUSH_WINDOW
-        self._raise_push_failures(list(todo))  # a refused earlier push of these keys: nothing is sent
-        sends, packed = self._plan(todo)
-        flats = {k: self._flat(k, meta, vs, k in packed) for k, (meta, vs) in todo.items()}
-        while True:  # another thread may have filled a window meanwhile
-            with self._send_lock:
-                if self._window.has_room(todo):
-                    for key in todo:  # this call's round of each key (docs/protocol.md)
-                        self._pushes[key] = self._pushes.get(key, 0) + 1
-                    requests = [self._submit(op, send, *self._compress.encode(send, flats)) for send in sends]
-                    carriers: dict[Key, list[Request]] = {}
-                    for send, request in zip(sends, requests):
-                        for part in send.parts:
-                            carriers.setdefault(part.key, []).append(request)
-                    self._window.add(carriers, failures=op is Op.PUSH)
-                    break
-            self._window.wait_room(todo, deadline, self._io.wait)
-        with self._lock:  # a key sent as views may reuse its buffer later
-            for key, held in carriers.items():
-                if key not in packed:
-                    self._buffers[key] = (flats[key], held)
-        return list(todo), sends, requests
-
-    def _flat(self, key: Key, meta: Any, values: list[Any], packed: bool) -> np.ndarray:
-        """One key's pushed sum as a flat numpy array that its messages may send.
-
-        A key whose messages are all batches is copied when the batch is packed, so a single numpy
-        value is used as it is; any other sum goes into a buffer of ours: the key's buffer of its
-        previous push once every message of that push has been acknowledged (the server has it, so
-        zmq is done with it), which saves a fresh allocation's page faults, else a new one."""
-        if packed and len(values) == 1 and type(values[0]) is np.ndarray:
-            return values[0].reshape(-1)
-        buffer = None
-        with self._lock:
-            held = self._buffers.pop(key, None)
-        if held is not None and all(r.future.done() and r.future.exception() is None for r in held[1]):
-            buffer = held[0].reshape(meta.shape)
-        return self._sum(key, meta, values, out=buffer, host=True).reshape(-1)  # a GPU sum comes to host
 
     def _collect(self, keys: list[Key], sends: list[Send], requests: list[Request],
                  outs: list[list[Any]] | None = None) -> list[np.ndarray | None]:
         """Wait for the replies to ``sends`` and assemble each key's value from its parts
         (``plan.collect``): a key whose out is one C-contiguous numpy array gets None, its out written.
         """
-        waiting = time.perf_counter()
-        try:
-            replies = self._wait(requests, self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
-        finally:
-            self._meter.blocked_for("pull", time.perf_counter() - waiting)
-        self._raise_push_failures(keys)
+        replies = self._path.receive(keys, requests)
         targets = None if outs is None else [o[0] if len(o) == 1 else None for o in outs]
         return collect(keys, [self._meta[k] for k in keys], sends, [r.arrays for r in replies], targets)
+
+    @public
+    def pull(self, key: Any, out: Any = None, priority: int = 0) -> Any:
+        """As :meth:`kvstore.base.KVStore.pull`; a list of small numpy keys seen before, pulled into
+        numpy outs, takes the fast path (``kvstore.client.datapath``)."""
+        self._check_open()
+        if out is not None:
+            fast, outs = self._fast.match(key, out, writable=True)
+            if fast is not None:
+                self._fast.pull(fast, outs)
+                return out
+        single = not isinstance(key, (list, tuple))
+        keys = [check_key(k) for k in key] if not single else [check_key(key)]
+        if self._sparse.metas and self._sparse.owns(keys):
+            return self._sparse.pull_whole(key, out)
+        targets = self._pull_outs(keys, out, single)
+        result = self._deliver(keys, self._pull(keys, priority, targets), targets, single)
+        return result if out is None else out
 
     def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pull")
@@ -394,31 +342,82 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
             return self._pull_keys(keys, outs)
         finally:
             self._meter.end("pull", started)
-            after_round(self._cfg, self._rank, self._pushes, self._compress)  # residuals, test hook
+            self._path.after_round()  # residuals, test hook
 
     def _pull_keys(self, keys: list[Key], outs: list[list[Any]] | None = None) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
         if len(unique) != len(keys):
             found = dict(zip(unique, self._pull_keys(unique)))
             return [found[k] for k in keys]
-        sends, _ = self._plan(keys, chunked=False)
-        return self._collect(keys, sends, [self._submit(Op.PULL, s, None) for s in sends], outs)
+        sends, _ = self._path.plan(keys, chunked=False)
+        return self._collect(keys, sends, [self._path.submit(Op.PULL, s, None) for s in sends], outs)
+
+    @public
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
+        """As :meth:`kvstore.base.KVStore.pushpull`; a list of small numpy keys seen before, with numpy
+        outs, takes the fast path (``kvstore.client.datapath``)."""
+        target = value if out is None else out
+        fast, values = self._fast.match(key, value)
+        if fast is not None:
+            fast_out, outs = self._fast.match(key, target, writable=True)
+            if fast_out is fast:
+                self._check_open()
+                self._pushed = True
+                self._fast.push(Op.PUSHPULL, fast, values, outs)
+                return target
+        single = not isinstance(key, (list, tuple))
+        if not single:
+            once_each(key)
+        self._check_open()
+        groups = self._groups(key, value)
+        keys = [k for k, _, _ in groups]
+        outs = self._outs(keys, target, single)
+        self._pushed = True
+        self._deliver(keys, self._pushpull(groups, priority, outs), outs, single)
+        return target
 
     def _pushpull(self, groups: list[Pushed], priority: int,
                   outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pushpull")
         try:
-            return self._collect(*self._send_groups(Op.PUSHPULL, groups), outs)
+            return self._collect(*self._path.send(Op.PUSHPULL, groups), outs)
         finally:
             self._meter.end("pushpull", started)
-            after_round(self._cfg, self._rank, self._pushes, self._compress)  # residuals, test hook
+            self._path.after_round()  # residuals, test hook
+
+    def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any]) -> Callable[[bool], None]:
+        """Send a PUSHPULL of ``keys`` (one value and one out each) now; return ``finish(write=True)``,
+        which waits for the replies and writes each key's result into its out (with ``write=False``
+        only waits, raising what failed).  The caller must make that call: a failure of the pushpull
+        is raised there and nowhere else.  Raises what ``pushpull`` raises for bad arguments, before
+        anything is sent.  The Trainer's overlap sends each bucket from its hook this way (one request
+        and one reply where a push then a pull took two of each; ``kvstore.overlap``)."""
+        once_each(keys)
+        self._check_open()
+        groups = self._groups(keys, values)
+        targets = self._outs(keys, outs, False)
+        self._pushed = True
+        started = self._meter.begin("pushpull")
+        try:
+            sent = self._path.send(Op.PUSHPULL, groups)
+        finally:
+            self._meter.end("pushpull", started)
+
+        def finish(write: bool = True) -> None:
+            try:
+                arrays = self._collect(*sent, targets if write else None)
+                if write:
+                    self._deliver(sent[0], arrays, targets, False)
+            finally:
+                self._path.after_round()  # residuals, test hook
+        return finish
 
     def _flush(self, timeout: float, knob: str) -> None:
         requests = self._window.outstanding()
         deadline = time.monotonic() + timeout
         for request in requests:  # every one: a failure must not end the wait for the others
             try:
-                self._wait([request], max(0.0, deadline - time.monotonic()), knob)
+                self._path.wait([request], max(0.0, deadline - time.monotonic()), knob)
             except DeadlineExceededError:
                 raise
             except KVStoreError:
@@ -467,9 +466,10 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
         for the replies: then every push has been taken in (applied, or waiting in a sync round that
         no longer waits for this worker).  Returns the failure of a push the servers refused."""
         try:
-            if self._lost is None:  # after a loss the cluster is broken: nothing waits for us
-                self._wait([self._io.submit(i, Message(Op.LEAVE), f"leave message to server {i}")
-                            for i in range(len(self._servers))], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
+            if self._io.failure is None:  # after a loss the cluster is broken: nothing waits for us
+                leaves = [self._io.submit(i, Message(Op.LEAVE), f"leave message to server {i}")
+                          for i in range(self._cluster.num_servers)]
+                self._path.wait(leaves, timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
             self._raise_push_failures()  # replies come in order: a refused push has failed by now
         except KVStoreError as exc:
             return exc
@@ -485,14 +485,16 @@ class DistKVStore(FastCalls, PendingCalls, KVStore):
         timeout = self._cfg.shutdown_timeout
         if failure is None:
             error = self._leave_servers(timeout)
-        self._heartbeat.stop()  # the last beat before LEAVE: after the last LEAVE no scheduler answers it
-        self._heartbeat.join(timeout)
-        if self._lost is None or self._lost.role != "scheduler":
+        if self._heartbeat is not None:
+            self._heartbeat.stop()  # the last beat before LEAVE: after the last LEAVE no scheduler answers it
+            self._heartbeat.join(timeout)
+        lost = self._io.failure
+        if not isinstance(lost, NodeLostError) or lost.role != "scheduler":
             body = {} if failure is None else {"failure": failure}
             try:  # after a lost peer too: the scheduler counts this worker out and can finish
                 leave = self._io.submit(SCHEDULER, Message(Op.LEAVE, body), "leave message to the scheduler",
                                         after_failure=True)
-                self._wait([leave], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
+                self._path.wait([leave], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
             except KVStoreError as exc:
                 log.warning("%s", exc)
         self._io.stop(timeout)

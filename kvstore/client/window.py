@@ -21,10 +21,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
+from kvstore.client.mux import Request
 from kvstore.core.partition import Key
 from kvstore.errors import DeadlineExceededError, KVStoreError
+from kvstore.net.protocol import Message
 
-Wait = Callable[[Any, float], Any]  # Mux.wait: (request, timeout) -> reply, raising its error
+Wait = Callable[[Request, float], Message]  # Mux.wait: (request, timeout) -> reply, raising its error
 
 
 class PushWindow:
@@ -33,13 +35,13 @@ class PushWindow:
     def __init__(self, size: int) -> None:
         self.size = size
         self._lock = threading.Lock()
-        self._pending: dict[Key, collections.deque[list[Any]]] = {}
+        self._pending: dict[Key, collections.deque[list[Request]]] = {}
         self._failures: dict[Key, BaseException] = {}  # refused pushes, raised by the key's next call
         self.waiting = 0              # threads waiting for room now
         self.blocked_seconds = 0.0    # time spent waiting for room, all threads together
         self._live = 0                # recorded requests not answered yet (0: every push is acked)
 
-    def _oldest_open(self, key: Key) -> list[Any] | None:
+    def _oldest_open(self, key: Key) -> list[Request] | None:
         """The oldest unacknowledged push of ``key`` when its window is full, else None (the caller
         holds the lock); acknowledged pushes are dropped on the way."""
         queue = self._pending.get(key)
@@ -89,7 +91,7 @@ class PushWindow:
                         self.waiting -= 1
                         self.blocked_seconds += time.monotonic() - started
 
-    def _wait_for(self, key: Key, requests: list[Any], deadline: float, wait: Wait) -> None:
+    def _wait_for(self, key: Key, requests: list[Request], deadline: float, wait: Wait) -> None:
         """Wait until every one of ``requests`` (one push of ``key``) is answered or failed."""
         for request in requests:
             try:
@@ -103,11 +105,11 @@ class PushWindow:
                     "(KVSTORE_REQUEST_TIMEOUT); in dist_sync a push is acknowledged once every worker "
                     "has pushed that key") from None
 
-    def add(self, held: dict[Key, list[Any]], failures: bool = True) -> None:
+    def add(self, held: dict[Key, list[Request]], failures: bool = True) -> None:
         """Record one push of each key of ``held`` (key -> the requests carrying its parts); with
         ``failures``, a request that fails is remembered for each of its keys (:meth:`take_failure`).
         A pushpull's requests are recorded without: the call itself raises their errors."""
-        keys_of: dict[int, tuple[Any, list[Key]]] = {}
+        keys_of: dict[int, tuple[Request, list[Key]]] = {}
         with self._lock:
             for key, requests in held.items():
                 self._pending.setdefault(key, collections.deque()).append(requests)
@@ -115,9 +117,9 @@ class PushWindow:
                     keys_of.setdefault(id(request), (request, []))[1].append(key)
         self._watch([(request, keys if failures else None) for request, keys in keys_of.values()])
 
-    def add_sends(self, send_keys: list[list[Key]], requests: list[Any], failures: bool = True) -> None:
+    def add_sends(self, send_keys: list[list[Key]], requests: list[Request], failures: bool = True) -> None:
         """:meth:`add` of a push whose ``requests[i]`` carries the whole values of ``send_keys[i]``
-        (``kvstore.client.fastpath``), each key in one request."""
+        (``kvstore.client.datapath``), each key in one request."""
         with self._lock:
             pending, deque = self._pending, collections.deque
             for keys, request in zip(send_keys, requests):
@@ -130,7 +132,7 @@ class PushWindow:
                         queue.append(record)
         self._watch(list(zip(requests, send_keys if failures else [None] * len(requests))))
 
-    def _watch(self, requests: list[tuple[Any, list[Key] | None]]) -> None:
+    def _watch(self, requests: list[tuple[Request, list[Key] | None]]) -> None:
         """Count ``requests`` as live until answered; a failure is remembered for the keys given."""
         with self._lock:
             self._live += len(requests)
@@ -158,9 +160,9 @@ class PushWindow:
                     return error
         return None
 
-    def outstanding(self) -> list[Any]:
+    def outstanding(self) -> list[Request]:
         """Every push request not answered yet, oldest first per key (for barrier() and close())."""
-        seen: dict[int, Any] = {}
+        seen: dict[int, Request] = {}
         with self._lock:
             for queue in self._pending.values():
                 for requests in queue:

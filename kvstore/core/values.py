@@ -103,8 +103,9 @@ def summed(key: Any, meta: Meta, values: list[Any], out: np.ndarray | None = Non
         if value.shape == meta.shape and value.dtype == meta.dtype:
             return np.array(value, copy=True, order="C")
     for value in values:
-        check(key, meta, value, "pushed value")
-    arrays = [xp.numpy_view(v) for v in values]  # checked just above
+        if not (type(value) is np.ndarray and value.shape == meta.shape and value.dtype == meta.dtype):
+            check(key, meta, value, "pushed value")
+    arrays = [v if type(v) is np.ndarray else xp.numpy_view(v) for v in values]  # checked just above
     if meta.dtype == BF16:  # summed in float32, rounded once
         total = precision.sum_bf16(arrays)
         if out is not None:
@@ -150,7 +151,8 @@ def new_value(meta: Meta, array: Any) -> Any:
     Keys initialised with a tensor get a tensor on the device the key was initialised on.
     """
     if not meta.tensor:
-        fresh = xp.to_numpy(array).reshape(meta.shape)
+        fresh = (np.array(array, copy=True, order="C") if type(array) is np.ndarray  # as xp.to_numpy
+                 else xp.to_numpy(array)).reshape(meta.shape)
         return precision.for_user(fresh) if fresh.dtype == BF16 else fresh
     if isinstance(array, np.ndarray):
         fresh = xp.from_numpy(np.array(array, copy=True, order="C").reshape(meta.shape))

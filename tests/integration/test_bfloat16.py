@@ -102,7 +102,7 @@ def test_server_refuses_float32_push_to_bf16_key(make_cluster) -> None:
     sealer = insider(kv, "precision")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(kv._servers[0])
+    sock.connect(kv._cluster.servers[0])
     sends = [("b", np.ones(40, np.float32)), ("f", precision.narrow(np.ones(40, np.float32)))]
     try:
         for seq, (key, array) in enumerate(sends, 1):

@@ -97,7 +97,7 @@ def test_malformed_compressed_payloads_are_refused_with_state_untouched(make_clu
     sealer = insider(kv, "compressor")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(kv._servers[0])
+    sock.connect(kv._cluster.servers[0])
     words = C.quantise("2bit", np.ones(40, np.float32), np.zeros(40, np.float32), 0.5)
     bodies = [({"compression": ["3bit", 0.5]}, words), ({"compression": ["2bit", 0]}, words),
               ({"compression": ["2bit", float("nan")]}, words), ({"compression": "2bit"}, words),

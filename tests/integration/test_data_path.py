@@ -63,7 +63,7 @@ def test_every_kind_of_message_sums_exactly(make_cluster, setting: str) -> None:
         kv.pull(names[-1], out=wide)
         grads = [value(k, kv.rank, 2) for k in names]
         kv.pushpull(names, grads)  # written back into grads
-        return outs, fresh, wide.copy(), grads, kv._plan(names)[0]
+        return outs, fresh, wide.copy(), grads, kv._path.plan(names)[0]
 
     results = cluster.run(work)
     for outs, fresh, wide, grads, _ in results:
@@ -97,7 +97,7 @@ def test_async_chunks_apply_once_complete(make_cluster) -> None:
         return kv.pull(key)
 
     finals = cluster.run(work)
-    assert any(s.lo is not None for s in cluster.workers[0]._plan([key])[0])
+    assert any(s.lo is not None for s in cluster.workers[0]._path.plan([key])[0])
     for got in finals:  # async assigns: the last complete push of either worker, never a mix
         assert got[0] in (2.0, 12.0)
         np.testing.assert_array_equal(got, np.full(shape, got[0], np.float32))
@@ -122,7 +122,7 @@ def test_a_bad_entry_refuses_the_whole_message(make_cluster) -> None:
     sealer = insider(kv, "batcher")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(kv._servers[0])
+    sock.connect(kv._cluster.servers[0])
     bad = [
         (Message(Op.PUSH, {"keys": [good, "never-initialised"], "sizes": [3, 2]},
                  [np.full(5, 9.0, np.float32)], seq=1, sender=0), KeyNotInitializedError),
@@ -162,7 +162,7 @@ def test_pushed_arrays_may_change_at_once_and_buffers_are_reused_only_when_ackno
     a.push(big, value)
     value[:] = 999.0  # the push returned: the caller may reuse its array
     a.push(big, np.full(shape, 2.0, np.float32))  # round 1 is still open: the first buffer is in flight
-    assert not all(r.future.done() for r in a._buffers[big][1])
+    assert not all(r.future.done() for r in a._path._buffers[big][1])
     smalls = [np.full(4, float(i)) for i in range(3)]
     a.push(small, smalls)
     for array in smalls:
@@ -172,9 +172,9 @@ def test_pushed_arrays_may_change_at_once_and_buffers_are_reused_only_when_ackno
     b.push(big, np.full(shape, 20.0, np.float32))
     np.testing.assert_array_equal(b.pull(big), np.full(shape, 22.0, np.float32))
     np.testing.assert_array_equal(a.pull(big), np.full(shape, 22.0, np.float32))
-    first = a._buffers[big][0]
+    first = a._path._buffers[big][0]
     a.push(big, np.full(shape, 3.0, np.float32))  # acknowledged by now: its buffer is reused
-    assert np.shares_memory(a._buffers[big][0], first)
+    assert np.shares_memory(a._path._buffers[big][0], first)
     b.push(big, np.full(shape, 30.0, np.float32))
     np.testing.assert_array_equal(a.pull(big), np.full(shape, 33.0, np.float32))
     b.push(small, [np.zeros(4)] * 3)
@@ -193,7 +193,7 @@ def test_threads_pushing_one_chunked_key_never_mix_their_chunks(make_cluster, mo
     key = unique_key()
     shape = (50_000,)  # 13 chunks
     kv.init(key, np.zeros(shape, np.float32))
-    assert sum(s.lo is not None for s in kv._plan([key])[0]) > 4
+    assert sum(s.lo is not None for s in kv._path.plan([key])[0]) > 4
 
     def pusher(fill: float) -> list[float]:
         seen = []

@@ -142,10 +142,13 @@ class _Scaled:
 def test_create_with_a_device_name_turns_gpu_sums_on_for_the_shared_store(make_cluster, monkeypatch) -> None:
     """The process's dist store, made as dist_sync, becomes a device store when dist_sync_device is asked."""
     from kvstore.client import instance as dist
+    from kvstore.client.store import DistKVStore, Owner
 
-    cluster: Cluster = make_cluster("dist_sync", 1, 1)
-    store = cluster.workers[0]
-    monkeypatch.setattr(dist, "_instance", store)
+    cluster: Cluster = make_cluster("dist_sync", 1, 1, connect=False)
+    owner = Owner()
+    store = DistKVStore("dist_sync", cluster.cfg, owner=owner)  # as create_dist makes it
+    cluster.workers = [store]
+    monkeypatch.setattr(dist, "_held", dist._Held(store, owner))
     assert dist.create_dist("dist_sync") is store and not store._device_mode
     assert dist.create_dist("dist_sync_device") is store and store._device_mode
     assert dist.create_dist("dist_sync") is store and store._device_mode and store.type == "dist_sync"

@@ -33,7 +33,7 @@ def test_sync_push_sums_every_worker(sync_cluster: Cluster, size: int, keykind: 
     for out in sync_cluster.run(work):
         assert out.shape == shape and out.dtype == np.float32
         np.testing.assert_array_equal(out, np.full(shape, _triangle(W), np.float32))
-    pieces = placement(key, size, sync_cluster.num_servers, sync_cluster.workers[0]._seed, BOUND)
+    pieces = placement(key, size, sync_cluster.num_servers, sync_cluster.workers[0]._cluster.seed, BOUND)
     assert len(pieces) == (sync_cluster.num_servers if size >= BOUND else 1)
 
 
@@ -187,7 +187,7 @@ def test_async_applies_each_push(async_cluster: Cluster) -> None:
     finals = [final for _, final, _ in results]
     for final in finals[1:]:
         np.testing.assert_array_equal(final, finals[0])  # after the barrier all see the same
-    seed = async_cluster.workers[0]._seed
+    seed = async_cluster.workers[0]._cluster.seed
     for piece in placement(key, 3000, async_cluster.num_servers, seed, BOUND):
         # each server's slice holds whichever push reached that server last
         assert set(finals[0][piece.start:piece.stop].tolist()) <= valid
@@ -249,6 +249,6 @@ def test_a_server_binds_the_port_it_is_given(make_cluster) -> None:
         port = probe.getsockname()[1]
     cluster = make_cluster(num_workers=1, num_servers=1, KVSTORE_NODE_PORT=port)
     kv = cluster.workers[0]
-    assert kv._servers == [f"tcp://127.0.0.1:{port}"]
+    assert list(kv._cluster.servers) == [f"tcp://127.0.0.1:{port}"]
     kv.init("p", np.ones(3, np.float32))
     assert (kv.pull("p") == 1).all()

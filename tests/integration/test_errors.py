@@ -76,12 +76,13 @@ def test_server_side_push_failure_raised_by_next_wait(cluster: Cluster) -> None:
     kv = cluster.workers[1]
     real = kv._meta[key]
     kv._meta[key] = Meta((5,), real.dtype, False, 5)  # lie to the client so the server must refuse
-    kv._placements.pop(key)  # and let it place the lie afresh
+    kv._path._placements.pop(key, None)  # and let it place the lie afresh
     try:
         kv.push(key, np.ones(5, np.float32))
     finally:
         kv._meta[key] = real
-        kv._plans.clear()  # the lie's messages were planned and remembered
+        kv._path._plans.clear()  # the lie's messages were planned and remembered
+        kv._path._placements.pop(key, None)  # and its pieces
     with pytest.raises(ShapeMismatchError, match=rf"push of key '{key}' to server \d .* failed"):
         kv.pull(key)
     np.testing.assert_array_equal(kv.pull(key), np.zeros(4, np.float32))  # the store is untouched
@@ -94,12 +95,13 @@ def test_push_failure_raised_by_barrier_after_joining_it(cluster: Cluster) -> No
     bad = cluster.workers[1]
     real = bad._meta[key]
     bad._meta[key] = Meta((6,), real.dtype, False, 6)
-    bad._placements.pop(key)
+    bad._path._placements.pop(key, None)
     try:
         bad.push(key, np.ones(6, np.float32))
     finally:
         bad._meta[key] = real
-        bad._plans.clear()
+        bad._path._plans.clear()
+        bad._path._placements.pop(key, None)
 
     def barrier(kv):
         try:
@@ -119,13 +121,13 @@ def test_pull_deadline_names_the_key(cluster: Cluster) -> None:
     cluster.run(lambda w: w.init(key, np.zeros(2)))
     kv = cluster.workers[0]
     saved = kv._cfg
-    kv._cfg = dataclasses.replace(saved, request_timeout=0.5)
+    kv._cfg = kv._path._cfg = dataclasses.replace(saved, request_timeout=0.5)
     try:
         kv.push(key, np.ones(2))
         with pytest.raises(DeadlineExceededError, match=rf"pull of key '{key}' .* after 0.5 s"):
             kv.pull(key)
     finally:
-        kv._cfg = saved
+        kv._cfg = kv._path._cfg = saved
     cluster.workers[1].push(key, np.ones(2))  # close the round so teardown can drain
     np.testing.assert_array_equal(kv.pull(key), np.full(2, 2.0))
 
@@ -135,7 +137,7 @@ def test_garbage_to_server_is_rejected_and_serving_goes_on(cluster: Cluster) -> 
     stored values are unchanged."""
     key = unique_key()
     cluster.run(lambda w: w.init(key, np.full(3, 7.0)))
-    host, port = cluster.workers[0]._servers[0].rsplit(":", 1)
+    host, port = cluster.workers[0]._cluster.servers[0].rsplit(":", 1)
     server = "server0"  # the address of server rank 0, as the map lists it
     tester = insider(cluster.workers[0], "tester")
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -270,11 +272,11 @@ def test_protocol_error_type() -> None:
 
 def _barrier_with_deadline(kv, seconds: float) -> None:
     saved = kv._cfg
-    kv._cfg = kv._barriers._cfg = dataclasses.replace(saved, request_timeout=seconds)
+    kv._cfg = kv._barriers._cfg = kv._path._cfg = dataclasses.replace(saved, request_timeout=seconds)
     try:
         kv.barrier()
     finally:
-        kv._cfg = kv._barriers._cfg = saved
+        kv._cfg = kv._barriers._cfg = kv._path._cfg = saved
 
 
 def test_timed_out_barrier_is_withdrawn(cluster: Cluster) -> None:

@@ -156,7 +156,7 @@ class Target:
     def server(cls, cluster: Cluster, sealer: Channel, rank: int = 0) -> Target:
         """Server ``rank`` of ``cluster``, probed with OPTIMIZER_INFO."""
         proc = next(p for name, p, _ in cluster.procs.procs if name == f"server {rank}")
-        return cls(cluster.workers[0]._servers[rank], proc, sealer, f"server{rank}",
+        return cls(cluster.workers[0]._cluster.servers[rank], proc, sealer, f"server{rank}",
                    Message(Op.OPTIMIZER_INFO, {}, sender=0))
 
     @classmethod
@@ -518,7 +518,7 @@ def test_malformed_pipe_requests_get_errors_and_record_nothing(make_cluster) -> 
         target.close()
     for op, body, arrays in BAD_PIPE_REQUESTS:
         with pytest.raises(KVStoreError):
-            kv._request_all([kv._io.submit(SCHEDULER, Message(op, body, arrays), "a malformed request")])
+            kv._path.wait([kv._io.submit(SCHEDULER, Message(op, body, arrays), "a malformed request")])
     assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()
     assert [w.scheduler_request(Op.PIPE_LOOKUP, {"rank": r}, "lookup").body["address"]
             for r, w in enumerate(cluster.workers)] == [None, None]

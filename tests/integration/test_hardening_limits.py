@@ -90,7 +90,7 @@ def test_init_push_adam_and_optimizer_states_fit_a_small_limit(make_cluster, tmp
         kv.load_optimizer_states(str(first))  # back to the state after step 2 (the weights stay)
         kv.save_optimizer_states(str(second))
         after4 = _steps(kv, range(3, 4))  # from the reloaded state
-        return initial, after2, after3, after4, kv._plan(keys)[0]
+        return initial, after2, after3, after4, kv._path.plan(keys)[0]
 
     results = cluster.run(work)
     weights, opt = _weights(), kvopt.create("adam", **ADAM)

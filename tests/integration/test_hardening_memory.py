@@ -184,7 +184,7 @@ def test_millions_of_empty_frames_stall_briefly_and_the_memory_goes_back(make_cl
     key = unique_key()
     kv.init(key, np.ones(4))
     pid, frames = _pid(cluster, "server 0"), 1_500_000
-    port = int(kv._servers[0].rsplit(":", 1)[1])
+    port = int(kv._cluster.servers[0].rsplit(":", 1)[1])
     before = rss_mb(pid)
     stranger = zmtp_connect(port)
     try:

@@ -158,7 +158,7 @@ def test_bad_state_message_is_refused_and_leaves_state(make_cluster) -> None:
                   [np.zeros(5, np.float32)])
     request = kv._io.submit(0, bad, "bad state")
     with pytest.raises(OptimizerError):
-        kv._request_all([request])
+        kv._path.wait([request])
     got = _train(kv, range(2, 4), init=False)
     expected, _ = _reference("sgd", params, range(4), 1)
     for key in SHAPES:
@@ -272,7 +272,8 @@ def test_get_optimizer_counts_updates_on_any_server(make_cluster) -> None:
 
     cluster: Cluster = make_cluster("dist_sync", 1, 3, bound=BOUND)
     (kv,) = cluster.workers
-    key = next(f"k{i}" for i in range(100) if placement(f"k{i}", 3, 3, kv._seed, BOUND)[0].server != 0)
+    seed = kv._cluster.seed
+    key = next(f"k{i}" for i in range(100) if placement(f"k{i}", 3, 3, seed, BOUND)[0].server != 0)
     kv.init(key, np.zeros(3, np.float32))
     kv.set_optimizer(kvopt.create("sgd"))
     for _ in range(4):

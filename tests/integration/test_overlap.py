@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+from kvstore.base import layer_calls  # noqa: E402
 from kvstore.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -214,14 +215,15 @@ def test_every_pushpull_the_hooks_send_is_collected_even_when_step_refuses(make_
     kv = cluster.workers[0]
     begun: list[list] = []
     finished: list[list] = []
-    original = kv._pushpull_begin
+    calls = layer_calls(kv)  # what the Trainer's overlap calls
+    original = calls.pushpull_begin
 
     def counted(keys, values, outs):
         finish = original(keys, values, outs)
         begun.append(keys)
         return lambda write=True: (finished.append(keys), finish(write))[1]
 
-    kv._pushpull_begin = counted
+    calls.pushpull_begin = counted
     net = model()
     trainer = Trainer(net.named_parameters(), "sgd", dict(SGD), kvstore=kv, update_on_kvstore=True,
                       key_prefix=f"ov{next(_prefixes)}", overlap=True, bucket_bytes=0)

@@ -54,7 +54,7 @@ def test_forged_and_replayed_pushes_change_nothing(make_cluster) -> None:
     (kv,) = cluster.workers
     key = unique_key()
     kv.init(key, np.zeros(3))
-    sock = _dealer(kv._servers[0])
+    sock = _dealer(kv._cluster.servers[0])
     try:
         forger = Channel(derive_key("guess"), "forger", session=b"whatever")
         forged = Message(Op.PUSH, {"keys": [key], "sizes": [3]}, [np.full(3, 100.0)], seq=1, sender=0)

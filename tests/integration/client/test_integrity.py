@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore.client.store import DistKVStore
+from kvstore.client.store import DistKVStore, connect
 from kvstore.errors import AuthenticationError, IntegrityError
 from tests.helpers import poll_for
 
@@ -20,40 +20,42 @@ from ..conftest import Cluster
 REQUEST_TIMEOUT = 60.0
 
 
-def flip_one_array_byte(wire) -> list[bool]:
-    """Install a one-shot tamper hook on ``wire``: the next message with an array frame goes out with
-    its first array byte flipped (in a copy: the frame is a view of the caller's array)."""
-    used = [False]
+class FlipOneArrayByte:
+    """A tamper hook, given to the store's Mux when it is made (``kvstore.client.mux``): once ``armed``,
+    the next message with an array frame goes out with its first array byte flipped (in a copy: the
+    frame is a view of the caller's array); ``used`` says it happened."""
 
-    def tamper(frames: list) -> list:
-        if used[0] or len(frames) < 3:
+    def __init__(self) -> None:
+        self.armed = self.used = False
+
+    def __call__(self, frames: list) -> list:
+        if not self.armed or self.used or len(frames) < 3:
             return frames
-        used[0] = True
+        self.used = True
         damaged = bytearray(bytes(frames[2]))
         damaged[0] ^= 0x01
         return [*frames[:2], bytes(damaged), *frames[3:]]
-
-    wire._tamper = tamper
-    return used
 
 
 @pytest.mark.timeout(60)
 def test_a_damaged_push_fails_the_next_call_at_once_and_changes_nothing(make_cluster) -> None:
     """Damaged push of 'w' -> the next pull of 'w' raises IntegrityError naming the push, well before
     the request timeout; a fresh pull returns the previous value; a genuine push then applies."""
-    cluster: Cluster = make_cluster("dist_sync", 1, 1, KVSTORE_AUTH="full",
+    cluster: Cluster = make_cluster("dist_sync", 1, 1, connect=False, KVSTORE_AUTH="full",
                                     KVSTORE_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT))
-    (kv,) = cluster.workers
+    flip = FlipOneArrayByte()  # installed when the store is made, armed below
+    kv = DistKVStore("dist_sync", cluster.cfg, joined=connect(cluster.cfg, "dist_sync", tamper=flip))
+    cluster.workers = [kv]
     assert kv._io.channel.full and kv._cfg.request_timeout == REQUEST_TIMEOUT
     before = np.arange(8, dtype=np.float32)
     kv.init("w", before)
-    used = flip_one_array_byte(kv._io)
+    flip.armed = True
     started = time.monotonic()
     kv.push("w", np.full(8, 100.0, np.float32))
     with pytest.raises(IntegrityError) as caught:
         kv.pull("w")
     elapsed = time.monotonic() - started
-    assert used[0] and elapsed < 10.0, f"the error took {elapsed:.1f} s"
+    assert flip.used and elapsed < 10.0, f"the error took {elapsed:.1f} s"
     assert isinstance(caught.value, kvstore.AuthenticationError)
     assert isinstance(caught.value, kvstore.KVStoreError)
     assert "push of key 'w'" in str(caught.value) and "nothing was applied" in str(caught.value)

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import threading
 import types
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 
+from kvstore.client.compress import WorkerCompression
+from kvstore.client.datapath import ClusterView, DataPath
+from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import Mux
 from kvstore.client.realign import Realigner, lowest_rounds
-from kvstore.errors import DeadlineExceededError, StoreClosedError
+from kvstore.client.window import PushWindow
+from kvstore.errors import StoreClosedError
 from kvstore.net import transport
 from kvstore.net.auth import Channel, derive_key, server_name
 from kvstore.net.protocol import Message, Op
@@ -125,23 +128,16 @@ class _AligningServer(Server):
             self.service.reply(identity, Message(Op.OK, {"lost": 0}, seq=msg.seq))
 
 
-class _Store:
-    """The parts of a KVStore a Realigner uses, over a real Mux; a request waits ``timeout`` s."""
-
-    def __init__(self, wire: Mux, timeout: float) -> None:
-        self._io, self._cfg = wire, types.SimpleNamespace(incarnation=0)
-        self._send_lock, self._pushes, self.rejoined_at = threading.Lock(), {"k": 1}, None
-        self.rank, self.num_servers, self.lost, self.timeout = 0, 1, [], timeout
-
-    def _request_all(self, requests: list) -> list:
-        try:
-            return [self._io.wait(r, self.timeout) for r in requests]
-        except FutureTimeout:
-            raise DeadlineExceededError(f"{requests[0].what}: no reply") from None
-
-    def _on_lost(self, error: Exception) -> None:
-        self.lost.append(error)
-        self._io.fail(error)
+def _data_path(wire: Mux, timeout: float) -> tuple[DataPath, types.SimpleNamespace]:
+    """The data path a Realigner uses, over a real Mux, with one push of "k" counted; a request waits
+    ``timeout`` s.  Returns it and its settings."""
+    cfg = types.SimpleNamespace(incarnation=0, request_timeout=timeout, snapshot_dir=None,
+                                test_die_at_round=None)
+    cluster = ClusterView(0, 1, ("server0",), 0, b"", 0, "dist_sync")
+    path = DataPath(cfg, cluster, wire, PushWindow(2), WorkerMeter(0, "127.0.0.1"), {}, threading.RLock(),
+                    WorkerCompression(), lambda *a, **k: None)
+    path._pushes["k"] = 1
+    return path, cfg
 
 
 @pytest.mark.timeout(30)
@@ -156,17 +152,17 @@ def test_an_alignment_superseded_by_a_newer_restart_does_not_fail_the_store() ->
     wire = Mux(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
                 [transport.connect_dealer(transport.address("127.0.0.1", old.port))], 0,
                 Channel(KEY, "worker-test", session=SESSION))
-    store = _Store(wire, timeout=1.5)
+    path, cfg = _data_path(wire, timeout=1.5)
     try:
         push = _push(wire, 0)  # the lost server never answers it
-        realigner = Realigner(store, {"servers": [["127.0.0.1", old.port]]})
+        realigner = Realigner(path, cfg, {"servers": [["127.0.0.1", old.port]]}, lambda: 0)
         realigner.on_restarted([[0, 1, "127.0.0.1", first.port]])
         poll_for(lambda: first.aligns, 10, "the first restart's ALIGN")
         realigner.on_restarted([[0, 2, "127.0.0.1", second.port]])
         assert wire.wait(push, 10).op is Op.OK  # sent again to the second restart, answered
         for thread in realigner.threads:
             thread.join(10)
-        assert store.lost == []
+        assert wire.failure is None  # the store was not failed
         assert wire.wait(_push(wire, 1), 10).op is Op.OK
     finally:
         wire.stop(5)

@@ -1,0 +1,170 @@
+"""DistKVStore's request handling, unit-tested over the fake transport (no processes, no sockets)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.errors import (
+    DeadlineExceededError,
+    KeyNotInitializedError,
+    NodeLostError,
+    ShapeMismatchError,
+    StoreClosedError,
+)
+from kvstore.net.protocol import Op
+from tests.unit.client.fake_transport import SERVERS, FakeMux, fake_store
+
+
+@pytest.fixture
+def store():
+    """A store over the fake transport, closed after the test."""
+    kv, mux = fake_store()
+    yield kv, mux
+    kv.close()
+
+
+def data(mux: FakeMux, op: Op) -> list[tuple[int, dict]]:
+    """The (server, body) of every ``op`` message sent."""
+    return [(target, msg.body) for target, msg in mux.sent if msg.op is op]
+
+
+def test_the_store_takes_its_place_from_the_cluster_map(store) -> None:
+    """Rank, worker and server counts come from the map it joined with; nothing is sent before a call."""
+    kv, mux = store
+    assert (kv.rank, kv.num_workers, kv.num_servers) == (0, 1, 2)
+    assert mux.sent == []
+
+
+def test_init_is_collective_and_sends_the_value_to_its_servers(store) -> None:
+    """init joins two barriers around rank 0's INIT; a small key goes whole to one server, a big one
+    in a slice to each server, and a pull then returns what was sent."""
+    kv, mux = store
+    kv.init(["w", "big"], [np.arange(4, dtype=np.float32), np.arange(3000, dtype=np.float32)])
+    assert mux.ops(-1) == [Op.BARRIER, Op.BARRIER]
+    inits = data(mux, Op.INIT)
+    assert sorted(s for s, body in inits if "big" in body["keys"]) == [0, 1]
+    assert sum(body["sizes"][body["keys"].index("big")] for _, body in inits if "big" in body["keys"]) == 3000
+    np.testing.assert_array_equal(kv.pull("big"), np.arange(3000, dtype=np.float32))
+    np.testing.assert_array_equal(kv.pull("w"), np.arange(4, dtype=np.float32))
+
+
+def test_push_counts_each_keys_rounds_and_a_pull_reads_the_pushed_sum(store) -> None:
+    """Each PUSH names the key's round (its pushes so far); repeated values are summed before sending."""
+    kv, mux = store
+    kv.init("w", np.zeros(4, np.float32))
+    kv.push("w", np.ones(4, np.float32))
+    kv.push("w", [np.ones(4, np.float32), np.full(4, 2.0, np.float32)])
+    pushes = data(mux, Op.PUSH)
+    assert [body["rounds"] for _, body in pushes] == [[0], [1]]
+    assert [body["keys"] for _, body in pushes] == [["w"], ["w"]]
+    np.testing.assert_array_equal(kv.pull("w"), np.full(4, 3.0, np.float32))
+
+
+def test_a_key_split_over_two_servers_is_pushed_and_pulled_in_slices(store) -> None:
+    """A big key's push sends one slice to each server, and its pull joins both replies back in order."""
+    kv, mux = store
+    kv.init("big", np.zeros(3000, np.float32))
+    value = np.arange(3000, dtype=np.float32)
+    kv.push("big", value)
+    assert sorted(server for server, _ in data(mux, Op.PUSH)) == [0, 1]
+    out = np.empty(3000, np.float32)
+    assert kv.pull("big", out=out) is out
+    np.testing.assert_array_equal(out, value)
+
+
+def test_pushpull_writes_the_result_back_into_the_value(store) -> None:
+    """pushpull without out sends one PUSHPULL and writes the reply into the pushed arrays in place."""
+    kv, mux = store
+    kv.init(["a", "b"], [np.zeros(2, np.float32), np.zeros(3, np.float32)])
+    values = [np.full(2, 5.0, np.float32), np.full(3, 6.0, np.float32)]
+    assert kv.pushpull(["a", "b"], values) is values
+    assert Op.PUSHPULL in mux.ops() and Op.PUSH not in mux.ops()
+    np.testing.assert_array_equal(values[0], np.full(2, 5.0, np.float32))
+    np.testing.assert_array_equal(values[1], np.full(3, 6.0, np.float32))
+
+
+def test_a_known_list_of_small_keys_takes_the_fast_path(store) -> None:
+    """The second push of a list of small keys goes through its remembered plan: the same messages."""
+    kv, mux = store
+    kv.init(["a", "b"], [np.zeros(2, np.float32), np.zeros(2, np.float32)])
+    for step in range(3):
+        kv.push(["a", "b"], [np.full(2, step, np.float32)] * 2)
+    assert kv._fast._lists[("a", "b")] is not None
+    last = {k: r for _, body in data(mux, Op.PUSH) for k, r in zip(body["keys"], body["rounds"])}
+    assert last == {"a": 2, "b": 2}
+    out = [np.empty(2, np.float32), np.empty(2, np.float32)]
+    kv.pull(["a", "b"], out=out)
+    np.testing.assert_array_equal(out[1], np.full(2, 2.0, np.float32))
+
+
+def test_a_servers_error_reply_to_a_push_is_raised_typed_by_the_next_pull(store) -> None:
+    """A push the server refuses (an ERROR reply) is raised, as its own error type naming the push, by
+    the key's next pull, once; the pull after that reads the value again."""
+    kv, mux = store
+    kv.init("w", np.zeros(4, np.float32))
+    mux.refuse[Op.PUSH] = ShapeMismatchError("key 'w' holds 4 elements")
+    kv.push("w", np.ones(4, np.float32))  # returns: a push does not wait
+    del mux.refuse[Op.PUSH]
+    with pytest.raises(ShapeMismatchError, match=r"push of key 'w' to server \d \(tcp://.*\) failed"):
+        kv.pull("w")
+    np.testing.assert_array_equal(kv.pull("w"), np.zeros(4, np.float32))
+
+
+def test_an_error_reply_to_a_pull_is_raised_by_that_pull(store) -> None:
+    """A server's error reply to a pull is raised by the pull itself, as the error type it names."""
+    kv, mux = store
+    kv.init("w", np.zeros(4, np.float32))
+    mux.refuse[Op.PULL] = KeyNotInitializedError("no such key")
+    with pytest.raises(KeyNotInitializedError, match="pull of key 'w'"):
+        kv.pull("w")
+
+
+def test_a_pull_whose_reply_never_comes_raises_a_deadline_naming_it() -> None:
+    """With no reply, a pull raises DeadlineExceededError after KVSTORE_REQUEST_TIMEOUT, naming the key,
+    the server and the knob (and, in dist_sync, why a pull may wait)."""
+    kv, mux = fake_store(request_timeout=0.2)
+    try:
+        kv.init("w", np.zeros(4, np.float32))
+        mux.silent.add(Op.PULL)
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError) as caught:
+            kv.pull("w")
+        assert time.monotonic() - started < 5.0
+        text = str(caught.value)
+        assert "pull of key 'w' to server" in text and "after 0.2 s (KVSTORE_REQUEST_TIMEOUT)" in text
+        assert any(address in text for address in SERVERS) and "every worker has pushed" in text
+    finally:
+        mux.silent.clear()
+        kv.close()
+
+
+def test_a_lost_peer_fails_every_later_call() -> None:
+    """Once the transport reports a lost node, every call raises NodeLostError naming it; close still
+    tells the scheduler this worker leaves."""
+    kv, mux = fake_store()
+    kv.init("w", np.zeros(4, np.float32))
+    mux.fail(NodeLostError("server 1 was lost", role="server", rank=1, host="10.0.0.2"))
+    with pytest.raises(NodeLostError, match="server 1 was lost") as caught:
+        kv.push("w", np.ones(4, np.float32))
+    assert (caught.value.role, caught.value.rank) == ("server", 1)
+    kv.close()
+    assert mux.ops()[-1] is Op.LEAVE and mux.sent[-1][0] == -1  # to the scheduler, not the servers
+
+
+def test_close_leaves_every_server_then_the_scheduler_and_refuses_later_calls() -> None:
+    """close() sends LEAVE to each server after the pushes, then to the scheduler; a later call raises
+    StoreClosedError, and a second close does nothing."""
+    kv, mux = fake_store()
+    kv.init("w", np.zeros(4, np.float32))
+    kv.push("w", np.ones(4, np.float32))
+    kv.close()
+    leaves = [target for target, msg in mux.sent if msg.op is Op.LEAVE]
+    assert leaves == [0, 1, -1]
+    assert mux.ops().index(Op.PUSH) < mux.ops().index(Op.LEAVE)
+    with pytest.raises(StoreClosedError):
+        kv.push("w", np.ones(4, np.float32))
+    kv.close()
+    assert [msg.op for _, msg in mux.sent].count(Op.LEAVE) == 3

@@ -1,0 +1,40 @@
+"""The stores' public surfaces do not grow, and the worker's data-path object stays narrow.
+
+The lists were taken before issue 36's restructuring (the data path, the fake-transport seam): no member
+may become public only to satisfy the private-member rule (ruff ``SLF``)."""
+
+from __future__ import annotations
+
+from kvstore.client.datapath import DataPath
+from kvstore.client.store import DistKVStore
+from kvstore.local import LocalKVStore
+
+COMMON = {"barrier", "broadcast", "close", "get_gradient_compression", "get_optimizer", "init",
+          "is_capable", "load_optimizer_states", "num_servers", "num_workers", "pull", "push", "pushpull",
+          "rank", "register", "row_sparse_pull", "save_checkpoint", "save_optimizer_states",
+          "set_gradient_compression", "set_optimizer", "set_optimizer_params", "type"}
+DIST = COMMON | {"check_alive", "rejoined_at", "scheduler_request", "stats"}
+DATA_PATH = {"mux", "window", "cluster", "plan", "pieces", "submit", "wait", "receive", "after_round", "send",
+             "send_planned", "hold"}
+
+
+def public(cls: type) -> set[str]:
+    """The names ``dir(cls)`` lists without a leading underscore."""
+    return {name for name in dir(cls) if not name.startswith("_")}
+
+
+def test_the_dist_store_has_no_more_public_members_than_before() -> None:
+    """DistKVStore's public attributes are exactly the pinned list (taken before the data-path split)."""
+    assert public(DistKVStore) == DIST
+
+
+def test_the_local_store_has_no_more_public_members_than_before() -> None:
+    """LocalKVStore's public attributes are exactly the pinned list (taken before the data-path split)."""
+    assert public(LocalKVStore) == COMMON
+
+
+def test_the_data_path_is_narrow() -> None:
+    """DataPath's public members (methods, and the attributes it declares) are the pinned dozen."""
+    members = public(DataPath) | set(DataPath.__annotations__)
+    assert {m for m in members if not m.startswith("_")} == DATA_PATH
+    assert len(DATA_PATH) <= 12
