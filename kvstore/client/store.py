@@ -52,6 +52,17 @@ def mode_of(name: str) -> str:
     return "dist_async" if "async" in name else "dist_sync"
 
 
+@dataclass(frozen=True)
+class StageAccess:
+    """A pipeline stage's part of its worker's store (:meth:`DistKVStore.stage_access`): the worker's
+    settings, its stage socket's channel, and ``request(op, body, what)``, one control request to the
+    scheduler answered or raised (DeadlineExceededError, NodeLostError)."""
+
+    cfg: kvconfig.Config
+    channel: Channel
+    request: Callable[[Op, dict[str, Any], str], Message]
+
+
 @dataclass
 class Joined:
     """A worker already in its cluster: the cluster map's body, the servers' addresses (by index) and the
@@ -183,16 +194,19 @@ class DistKVStore(KVStore):
         self._device_mode = self._fast.device_mode = True
         self._fast.forget()
 
-    def scheduler_request(self, op: Op, body: dict[str, Any], what: str) -> Message:
-        """Send one control request to the scheduler and return its reply (kvstore.pipeline's hook);
-        raises what a request raises (DeadlineExceededError after KVSTORE_REQUEST_TIMEOUT, NodeLostError)."""
+    def stage_access(self, label: str) -> StageAccess:
+        """What a pipeline stage (kvstore.pipeline.link) takes from this worker: its settings, a channel
+        ``label`` sealed with the cluster's session, and control requests to the scheduler."""
+        self._check_open()
+        cfg = self._cfg
+        channel = Channel(derive_key(cfg.secret), label, full=cfg.auth_full, session=self._session)
+        return StageAccess(cfg, channel, self._scheduler_request)
+
+    def _scheduler_request(self, op: Op, body: dict[str, Any], what: str) -> Message:
+        """Send one control request to the scheduler and return its reply; raises what a request raises
+        (DeadlineExceededError after KVSTORE_REQUEST_TIMEOUT, NodeLostError)."""
         self._check_open()
         return self._path.wait([self._io.submit(SCHEDULER, Message(op, body), what)])[0]
-
-    def stage_channel(self, label: str) -> tuple[kvconfig.Config, Channel]:
-        """This worker's settings, and a channel ``label`` sealed with its cluster's session (pipelines')."""
-        cfg = self._cfg
-        return cfg, Channel(derive_key(cfg.secret), label, full=cfg.auth_full, session=self._session)
 
     def check_alive(self) -> None:
         """Raise the NodeLostError the heartbeat reported (or StoreClosedError); else return."""

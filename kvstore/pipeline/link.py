@@ -50,7 +50,8 @@ class StageLink:
 
     def __init__(self, kv: DistKVStore, prev: int | None, nxt: int | None, names: dict[int, str],
                  chunks: int = MAX_CHUNKS) -> None:
-        cfg, self.channel = kv.stage_channel(label(kv.rank))  # sealed with the cluster's session
+        access = kv.stage_access(label(kv.rank))  # its channel is sealed with the cluster's session
+        cfg, self.channel, self.request = access.cfg, access.channel, access.request
         self.kv, self.rank, self.prev, self.next, self.names = kv, kv.rank, prev, nxt, names
         self.chunks = chunks
         self.timeout = cfg.request_timeout
@@ -66,7 +67,7 @@ class StageLink:
         try:
             self.poller = transport.Poller()
             self.poller.add(self.sock)
-            kv.scheduler_request(Op.PIPE_PUBLISH, {"host": host, "port": port}, "pipeline address")
+            self.request(Op.PIPE_PUBLISH, {"host": host, "port": port}, "pipeline address")
             kv.barrier()  # every stage has published before anyone looks up
             for peer in (p for p in (prev, nxt) if p is not None):
                 self.peers[peer] = self._connect(peer, curve)
@@ -75,7 +76,7 @@ class StageLink:
             raise
 
     def _connect(self, peer: int, curve: CurveKeys | None) -> Any:
-        reply = self.kv.scheduler_request(Op.PIPE_LOOKUP, {"rank": peer}, f"address of {self.names[peer]}")
+        reply = self.request(Op.PIPE_LOOKUP, {"rank": peer}, f"address of {self.names[peer]}")
         found = reply.body.get("address")
         if not (isinstance(found, list) and len(found) == 2):
             raise ProtocolError(f"the scheduler has no pipeline address for {self.names[peer]}")

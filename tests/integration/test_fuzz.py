@@ -440,7 +440,7 @@ def _fuzz_stage(kv: Any, link: Any) -> np.ndarray:
     """Send stage 1's socket every bad message and hypothesis' cases, then a sealed sentinel on the same
     connection: once the sentinel is received, everything before it was read without a raise."""
     sealer = insider(kv, "fuzzer")
-    found = kv.scheduler_request(Op.PIPE_LOOKUP, {"rank": 1}, "stage 1").body["address"]
+    found = kv.stage_access("test").request(Op.PIPE_LOOKUP, {"rank": 1}, "stage 1").body["address"]
     target = Target(f"tcp://{found[0]}:{found[1]}", None, sealer, "pipe-1", None)
     genuine = sealer.seal(Message(Op.PIPE_ACT, {"step": 0, "mb": 1}, [ACT], sender=0), "pipe-1")
     try:
@@ -520,5 +520,5 @@ def test_malformed_pipe_requests_get_errors_and_record_nothing(make_cluster) -> 
         with pytest.raises(KVStoreError):
             kv._path.wait([kv._io.submit(SCHEDULER, Message(op, body, arrays), "a malformed request")])
     assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()
-    assert [w.scheduler_request(Op.PIPE_LOOKUP, {"rank": r}, "lookup").body["address"]
+    assert [w.stage_access("test").request(Op.PIPE_LOOKUP, {"rank": r}, "lookup").body["address"]
             for r, w in enumerate(cluster.workers)] == [None, None]

@@ -238,7 +238,7 @@ def test_a_silent_neighbour_ends_in_a_deadline_naming_it(make_cluster) -> None:
         try:
             if pipe.is_last:
                 return None
-            reply = kv.scheduler_request(Op.PIPE_LOOKUP, {"rank": 0}, "own address")
+            reply = kv.stage_access("test").request(Op.PIPE_LOOKUP, {"rank": 0}, "own address")
             stranger = transport.connect_dealer(transport.address(*reply.body["address"]))
             transport.send(stranger, [b"not a mac", b"not a header"])
             try:

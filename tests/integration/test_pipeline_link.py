@@ -40,7 +40,7 @@ def _pair(make_cluster, timeout: float, first: Side, second: Side, **settings: s
 
 def _stranger(kv) -> Any:
     """A DEALER of nobody's, connected to stage 1's socket."""
-    found = kv.scheduler_request(Op.PIPE_LOOKUP, {"rank": 1}, "stage 1").body["address"]
+    found = kv.stage_access("test").request(Op.PIPE_LOOKUP, {"rank": 1}, "stage 1").body["address"]
     return transport.connect_dealer(transport.address(*found))
 
 
