@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
 
 from kvstore import config as kvconfig
 from kvstore.client.compress import WorkerCompression
@@ -25,7 +24,7 @@ from kvstore.net.protocol import Message, Op
 log = logging.getLogger("kvstore.dist")
 
 
-def join(scheduler: Any, channel: Channel, cfg: kvconfig.Config, mode: str) -> dict:
+def join(scheduler: transport.Socket, channel: Channel, cfg: kvconfig.Config, mode: str) -> dict:
     """Register with the scheduler and return the cluster map's body; the socket is closed on failure.
 
     Raises what registration raises, or :class:`ConfigError` when this worker's batches, or the map's

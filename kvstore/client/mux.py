@@ -68,9 +68,9 @@ class SharedLanes(Protocol):
         """The resolver of replies ``target`` wrote into its segment."""
 
 
-def _tampered(tamper: Tamper) -> Callable[[Any, list], bool]:
+def _tampered(tamper: Tamper) -> Callable[[transport.Socket, list], bool]:
     """``transport.send`` of the frames ``tamper`` makes of each message's (tests only)."""
-    def send(sock: Any, frames: list) -> bool:
+    def send(sock: transport.Socket, frames: list) -> bool:
         return transport.send(sock, tamper(frames))
     return send
 
@@ -89,8 +89,8 @@ class Request:
 class Mux:
     """The scheduler socket and one socket per server of a worker; see the module docstring."""
 
-    def __init__(self, scheduler: Any, servers: list[Any], rank: int, channel: Channel,
-                 max_frame_bytes: int = 0, names: dict[int, str] | None = None,
+    def __init__(self, scheduler: transport.Socket, servers: list[transport.Socket], rank: int,
+                 channel: Channel, max_frame_bytes: int = 0, names: dict[int, str] | None = None,
                  tamper: Tamper | None = None) -> None:
         self.sockets = {SCHEDULER: scheduler, **dict(enumerate(servers))}
         self.rank = rank
@@ -108,11 +108,12 @@ class Mux:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self.lanes: SharedLanes | None = None  # same-host shared memory (set_lanes)
-        self._resolvers: dict[Any, Callable] = {}  # socket -> its shared-memory resolver
+        self._resolvers: dict[transport.Socket, Callable] = {}  # socket -> its shared-memory resolver
         self.names = dict(names or {})  # a restarted server's name (net.auth.server_name) by index
         self._held: dict[int, list[Request]] = {}  # restarted servers' requests, until they align
-        self._swaps: list[tuple[int, Any]] = []  # (index, new socket) for the holder of _io to put in
-        self._retired: set[Any] = set()  # sockets swapped out: a poll result naming one is skipped
+        # (index, new socket) for the holder of _io to put in
+        self._swaps: list[tuple[int, transport.Socket]] = []
+        self._retired: set[transport.Socket] = set()  # swapped out: a poll result naming one is skipped
         self._poller = transport.Poller()
         self._poller.add(self._wake_r.fileno())
         for sock in self.sockets.values():
@@ -186,7 +187,7 @@ class Mux:
         with self._lock:
             return [r.msg for r in self._held.get(target, []) if r.msg is not None]
 
-    def swap(self, target: int, sock: Any, name: str) -> None:
+    def swap(self, target: int, sock: transport.Socket, name: str) -> None:
         """Talk to server ``target`` through ``sock``, as ``name``, from now on; the old socket (and what
         it still queues) is closed by whoever drives the sockets next, and its shared memory given up."""
         with self._lock:
@@ -307,7 +308,7 @@ class Mux:
                 elif ready not in self._retired:
                     self._receive(ready)
 
-    def _receive(self, sock: Any) -> None:
+    def _receive(self, sock: transport.Socket) -> None:
         """Open and match every reply waiting on ``sock`` (the caller holds ``_io``)."""
         while True:
             try:

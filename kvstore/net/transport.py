@@ -37,6 +37,8 @@ MAX_FRAMES = 1024  # identity + MAC + header + arrays: far more than any message
 ROUTER_SNDHWM = 65536
 TRIM_AFTER_FRAMES = 1 << 16  # a discarded message of this many frames gives freed heap back to the OS
 
+Socket = zmq.Socket  # the type of what bind_router and connect_dealer return, for the modules above
+
 
 def _context() -> zmq.Context:
     return zmq.Context.instance()  # pyzmq makes a new one after fork
