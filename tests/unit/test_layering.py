@@ -322,3 +322,80 @@ def test_torch_never_imported_at_module_level_in_kvstore():
     """torch is imported only inside functions in kvstore/, never when a module loads."""
     offenders = {user for user in users_of("torch", top_level_only=True) if user.startswith("kvstore/")}
     assert offenders == set()
+
+
+# -- explicit owners ----------------------------------------------------------------------------------
+
+CLASSES = {node.name: p for p in SOURCES for node in ast.walk(ast.parse(p.read_text()))
+           if isinstance(node, ast.ClassDef)}
+# Names that hold the project's own objects when they appear as a parameter or attribute: the owners
+# (a store, the server, the scheduler...), their settings, and the parts handed to collaborators.  An
+# alias (``X = Any``) is caught by these names and by every class name of ours.
+HIDDEN_OWNER_NAMES = {"store", "kv", "kvstore", "server", "sched", "scheduler", "owner", "trainer", "pipe",
+                      "pipeline", "cfg", "config", "settings", "state", "io", "mux", "link", "window",
+                      "router", "channel", "meter", "peers", "shm", "service", "requests", "datapath",
+                      "data_path", "restored", "writer", "compression", "heartbeat", "barriers", "lanes"}
+
+
+def _is_any(annotation: ast.expr | None) -> bool:
+    """``Any`` or ``object`` (bare, or as typing.Any), also as a string annotation."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return annotation.value.strip() in ("Any", "object", "typing.Any")
+    if isinstance(annotation, ast.Name):
+        return annotation.id in ("Any", "object")
+    return isinstance(annotation, ast.Attribute) and annotation.attr == "Any"
+
+
+def hidden_owners(source: str) -> list[str]:
+    """Parameters, attributes and aliases in ``source`` that hold a project object behind ``Any``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            for arg in args.posonlyargs + args.args + args.kwonlyargs:
+                if _is_any(arg.annotation) and arg.arg.lstrip("_") in HIDDEN_OWNER_NAMES:
+                    found.append(f"{node.lineno}: parameter {arg.arg}")
+        elif isinstance(node, ast.AnnAssign) and _is_any(node.annotation):
+            target = node.target
+            name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+            if name.lstrip("_") in HIDDEN_OWNER_NAMES:
+                found.append(f"{node.lineno}: attribute {name}")
+        elif isinstance(node, ast.Assign) and _is_any(node.value):
+            for target in node.targets:
+                name = getattr(target, "id", "")
+                if name in CLASSES or name.lower() in HIDDEN_OWNER_NAMES:
+                    found.append(f"{node.lineno}: alias {name}")
+    return found
+
+
+def test_hidden_owner_finder_sees_each_form():
+    """hidden_owners finds an Any parameter, attribute and alias that hold our objects, not an array."""
+    source = ("Scheduler = Any\nclass A:\n    store: Any = None\n    def f(self, server: Any, value: Any,"
+              " io: 'Any') -> None:\n        self.mux: object = None\n")
+    assert sorted(line.split(": ", 1)[1] for line in hidden_owners(source)) == sorted(
+        ["alias Scheduler", "attribute store", "parameter server", "parameter io", "attribute mux"])
+
+
+def test_no_project_object_behind_any():
+    """No parameter, attribute or alias annotated Any (or object) holds a kvstore or scheduler object:
+    the Anys left are external values (arrays, tensors, msgpack bodies, user callables)."""
+    offenders = [f"{p.relative_to(ROOT)}:{hit}" for p in SOURCES for hit in hidden_owners(p.read_text())]
+    assert offenders == []
+
+
+def test_no_class_split_over_mixins():
+    """A mixin of ours (a plain class without __init__) that only one class extends is a class cut into
+    parts to fit a size: keep the class whole, or hand a collaborator a typed part."""
+    subclasses: dict[str, list[str]] = {}
+    for p in SOURCES:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+                for base in names & set(CLASSES):
+                    subclasses.setdefault(base, []).append(node.name)
+    # a mixin: a plain class (no bases) with no __init__ of its own, not usable alone
+    mixins = {node.name for p in SOURCES for node in ast.walk(ast.parse(p.read_text()))
+              if isinstance(node, ast.ClassDef) and not node.bases and not any(
+                  isinstance(f, ast.FunctionDef) and f.name == "__init__" for f in node.body)}
+    lone = {base: subs for base, subs in subclasses.items() if len(subs) == 1 and base in mixins}
+    assert lone == {}
