@@ -13,7 +13,7 @@ import argparse
 import timeit
 from typing import Any
 
-from kvstore.base import public
+from kvstore.errors import public
 
 
 class _Calls:

@@ -10,11 +10,10 @@ raises user errors before anything is sent.
 from __future__ import annotations
 
 import abc
-import functools
 import threading
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Container
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,10 +26,9 @@ from kvstore.errors import (
     ConfigError,
     DuplicateInitError,
     KeyNotInitializedError,
-    KVStoreError,
     StoreClosedError,
     UnsupportedError,
-    is_from_cluster,
+    public,
 )
 from kvstore.sparse import SparseCalls, SparseMeta
 
@@ -40,23 +38,6 @@ if TYPE_CHECKING:
 Pushed = tuple[Key, V.Meta, list[Any]]  # a key, its meta and its pushed values, checked
 DEVICE_TYPES = frozenset({"device", "local_allreduce_device", "dist_sync_device", "dist_async_device",
                           "dist_device_sync", "dist_device_async"})  # the types that sum CUDA values on a GPU
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def public(method: F) -> F:
-    """Mark a public store call: an error from the cluster (``errors.is_from_cluster``) raised inside it is
-    re-raised without kvstore's frames or chain (logged at DEBUG on ``kvstore.dist``); others unchanged."""
-    @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(*args, **kwargs)
-        except KVStoreError as exc:
-            if not is_from_cluster(exc):
-                raise
-            raise exc.with_traceback(None) from None
-    return call  # type: ignore[return-value]
 
 
 def once_each(keys: list[Any]) -> None:
@@ -69,20 +50,29 @@ def _as_list(obj: Any) -> list[Any]:
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 
-def group(key: Any, value: Any) -> list[tuple[Key, list[Any]]]:
+def known_key(key: Any, known: Container[Any]) -> Key:
+    """``key`` as :func:`check_key` returns it; a plain int or str in ``known`` (keys that passed it when
+    initialised) is taken as it is.  Raises KeyTypeError for a bad key."""
+    if (type(key) is int or type(key) is str) and key in known:
+        return key
+    return check_key(key)
+
+
+def group(key: Any, value: Any, known: Container[Any] = ()) -> list[tuple[Key, list[Any]]]:
     """Pair keys with their values: ``[(key, [v, ...])]`` in first-seen order, repeats merged.
 
     ``key`` is one key or a list; ``value`` is one value, a list of values for a
-    single key, or a list (one entry per key) of values or lists of values.
-    Raises ValueError when the lengths do not match.
+    single key, or a list (one entry per key) of values or lists of values;
+    ``known`` as :func:`known_key` takes it.  Raises ValueError when the lengths do not match.
     """
     if isinstance(key, (list, tuple)):
         vals = _as_list(value)
         if len(vals) != len(key):
             raise ValueError(f"{len(key)} keys but {len(vals)} values")
-        pairs = [(check_key(k), [v] if type(v) is np.ndarray else _as_list(v)) for k, v in zip(key, vals)]
+        pairs = [(known_key(k, known), [v] if type(v) is np.ndarray else _as_list(v))
+                 for k, v in zip(key, vals)]
     else:
-        pairs = [(check_key(key), _as_list(value))]
+        pairs = [(known_key(key, known), _as_list(value))]
     merged: dict[Key, list[Any]] = {}
     for k, vs in pairs:
         for v in vs:
@@ -326,7 +316,7 @@ class KVStore(abc.ABC):
         """Each key with its meta and values, every value checked (nothing summed yet); the caller has
         checked that the store is open."""
         out = []
-        for k, vs in group(key, value):
+        for k, vs in group(key, value, self._meta):
             meta = self._meta_of(k)
             for v in vs:
                 if not (type(v) is np.ndarray and v.shape == meta.shape and v.dtype == meta.dtype):
@@ -401,7 +391,7 @@ class KVStore(abc.ABC):
         """
         self._check_open()
         single = not isinstance(key, (list, tuple))
-        keys = [check_key(k) for k in _as_list(key)]
+        keys = [known_key(k, self._meta) for k in _as_list(key)]
         if self._sparse.owns(keys):
             return self._sparse.pull_whole(key, out)
         outs = self._pull_outs(keys, out, single)

@@ -50,8 +50,10 @@ Errors cross the wire as ``(code, message)`` pairs; :func:`error_code` and
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 
 class KVStoreError(Exception):
@@ -271,3 +273,21 @@ def from_cluster(exc: KVStoreError) -> KVStoreError:
 def is_from_cluster(exc: BaseException) -> bool:
     """Whether ``exc`` was made by :func:`from_cluster` (a public store call re-raises it bare)."""
     return exc in _FROM_CLUSTER
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def public(method: F) -> F:
+    """Mark a public store call, the boundary where errors reach the user: an error from the cluster
+    (:func:`is_from_cluster`) raised inside it is re-raised without kvstore's frames or chain; others
+    unchanged."""
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except KVStoreError as exc:
+            if not is_from_cluster(exc):
+                raise
+            raise exc.with_traceback(None) from None
+    return call  # type: ignore[return-value]

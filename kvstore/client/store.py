@@ -22,7 +22,7 @@ import numpy as np
 
 from kvstore import config as kvconfig
 from kvstore import logs
-from kvstore.base import KVStore, Pushed, once_each, public
+from kvstore.base import KVStore, Pushed, known_key, once_each
 from kvstore.client import realign, shmlanes
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
@@ -35,9 +35,16 @@ from kvstore.client.sparse import DistRows, RowsLink
 from kvstore.client.window import PushWindow
 from kvstore.core import values as V
 from kvstore.core.optimizer import Optimizer
-from kvstore.core.partition import Key, check_key
+from kvstore.core.partition import Key
 from kvstore.core.plan import Send, collect, pack, plan
-from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, StoreClosedError, from_cluster
+from kvstore.errors import (
+    DeadlineExceededError,
+    KVStoreError,
+    NodeLostError,
+    StoreClosedError,
+    from_cluster,
+    public,
+)
 from kvstore.net import address, transport
 from kvstore.net.auth import Channel, channel_for, derive_key, new_label
 from kvstore.net.heartbeat import Heartbeat
@@ -301,6 +308,8 @@ class DistKVStore(KVStore):
     def _initialised(self, keys: list[Key]) -> None:
         self._fast.forget()  # a list that held an unknown key may be eligible now
         self._collective_calls.initialised(keys)
+        for key in keys:  # placed now, so that no push or pull computes a placement
+            self._path.pieces(key)
 
     @public
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
@@ -343,7 +352,8 @@ class DistKVStore(KVStore):
                 self._fast.pull(fast, outs)
                 return out
         single = not isinstance(key, (list, tuple))
-        keys = [check_key(k) for k in key] if not single else [check_key(key)]
+        metas = self._meta
+        keys = [known_key(k, metas) for k in key] if not single else [known_key(key, metas)]
         if self._sparse.metas and self._sparse.owns(keys):
             return self._sparse.pull_whole(key, out)
         targets = self._pull_outs(keys, out, single)

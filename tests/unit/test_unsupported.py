@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore.base import KVStore, public
+from kvstore.base import KVStore
 from kvstore.errors import (
     KVStoreError,
     NodeLostError,
     ShapeMismatchError,
     UnsupportedError,
     from_cluster,
+    public,
 )
 
 
