@@ -1,8 +1,9 @@
 """A worker's push and pull cross few project modules, each once: traced over the fake transport.
 
 The trace starts at the user's call (the ``public`` boundary in ``kvstore.errors`` around the store's
-method) and stops at the transport: what the fake transport does inside is not the worker's path.  A module counts when code from its source file runs
-(a dataclass's generated ``__init__``, e.g. of a ``Message``, has no source file).  Along every call
+method) and stops at the transport: what the fake transport does inside is not the worker's path.
+A module counts when code from its source file runs (a dataclass's generated ``__init__``, e.g. of a
+``Message``, has no source file).  Along every call
 stack, a project module appears in one run: no going back and forth (store -> base -> store).
 """
 
