@@ -43,12 +43,11 @@ from kvstore.base import KVStore, layer_calls
 from kvstore.client.meter import trainer_step
 from kvstore.core import checkpoint, xp
 from kvstore.core import optimizer as kvoptimizer
+from kvstore.core.dtypes import BY_NAME, dtype_name
 from kvstore.core.optimizer import Optimizer
 from kvstore.overlap import DEFAULT_BUCKET_BYTES, Overlap
 from kvstore.pipeline.pipe import trainer_args
 from kvstore.stores import create
-from kvstore.trainer_states import states_from_dict as _states_from_dict
-from kvstore.trainer_states import states_to_dict as _states_to_dict
 
 Tensor = Any  # a torch.Tensor; torch is not imported when this module loads
 _trainers = itertools.count()
@@ -497,3 +496,29 @@ def _weight_view(p: Tensor) -> Any:
     if p.device.type == "cpu" and p.is_contiguous() and p.dtype != sys.modules["torch"].bfloat16:
         return p.detach().numpy()
     return p.detach()
+
+
+# -- the states as a dict (Trainer.state_dict / load_state_dict) --------------------------------------
+
+def _states_to_dict(states: checkpoint.StatesFile) -> dict[str, Any]:
+    """A StatesFile as plain values and CPU tensors (what torch.load(weights_only=True) reads back)."""
+    import torch
+
+    def tensors(arrays: Mapping[str, Any]) -> dict[str, Tensor]:
+        return {n: torch.from_numpy(xp.to_numpy(a).copy()) for n, a in arrays.items()}
+
+    return {"optimizer": states.optimizer, "num_update": int(states.num_update),
+            "states": {e.key: {"count": int(e.count), "shape": [int(d) for d in e.shape],
+                               "dtype": dtype_name(e.dtype), "arrays": tensors(e.arrays)}
+                       for e in states.entries}}
+
+
+def _states_from_dict(state: Mapping[str, Any]) -> checkpoint.StatesFile:
+    """The StatesFile of a :meth:`Trainer.state_dict` dict; ValueError when it is not one."""
+    try:
+        entries = [checkpoint.StateEntry(key, tuple(e["shape"]), BY_NAME[e["dtype"]], int(e["count"]),
+                                         {n: xp.to_numpy(a.detach().cpu()) for n, a in e["arrays"].items()})
+                   for key, e in state["states"].items()]
+        return checkpoint.StatesFile(state["optimizer"], int(state["num_update"]), entries)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a Trainer state dict ({type(exc).__name__}: {exc})") from None

@@ -130,7 +130,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.net", "kvstore.device", "kvstore.data", "kvstore.sparse",     # sockets; GPU sums; sharding;
      "kvstore.base"),                                                       # row-sparse args; the ABC
     ("kvstore.client", "kvstore.local", "kvstore.server", "kvstore.stores"),  # the stores, the server
-    ("kvstore.trainer", "kvstore.trainer_states", "kvstore.trainer_sparse",   # the torch layer
+    ("kvstore.trainer", "kvstore.trainer_sparse",                            # the torch layer
      "kvstore.overlap", "kvstore.torch_optim", "kvstore.pipeline"),
     ("kvstore.launch", "kvstore.ray", "kvstore.spark"),                     # starting clusters
     ("kvstore", "kvstore.node", "kvstore.status"),                          # the public surface, commands
