@@ -432,13 +432,20 @@ class KVStore(abc.ABC):
         if not single:
             once_each(key)
         self._check_open()
-        groups = self._groups(key, value)
-        keys = [k for k, _, _ in groups]
         target = value if out is None else out
-        outs = self._outs(keys, target, single)
-        self._pushed = True
+        groups, keys, outs = self._pushpull_args(key, value, target, single)
         self._deliver(keys, self._pushpull(groups, priority, outs), outs, single)
         return target
+
+    def _pushpull_args(self, key: Any, value: Any, target: Any,
+                       single: bool) -> tuple[list[Pushed], list[Key], list[list[Any]]]:
+        """An open store's pushpull: its checked groups, their keys, and the outs of ``target`` per key
+        (the store marked as pushed).  Raises what pushpull raises for bad values or outs."""
+        groups = self._groups(key, value)
+        keys = [k for k, _, _ in groups]
+        outs = self._outs(keys, target, single)
+        self._pushed = True
+        return groups, keys, outs
 
     @public
     def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:

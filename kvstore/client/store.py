@@ -393,10 +393,7 @@ class DistKVStore(KVStore):
         if not single:
             once_each(key)
         self._check_open()
-        groups = self._groups(key, value)
-        keys = [k for k, _, _ in groups]
-        outs = self._outs(keys, target, single)
-        self._pushed = True
+        groups, keys, outs = self._pushpull_args(key, value, target, single)
         self._deliver(keys, self._pushpull(groups, priority, outs), outs, single)
         return target
 
