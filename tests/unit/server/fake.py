@@ -1,8 +1,8 @@
 """The fake transport a Server is unit-tested over: no processes, no sockets.
 
-:class:`FakeRouter` stands in for the server's bound ROUTER socket: it records each message the
-server's :class:`~kvstore.net.router.RouterService` sends (through ``kvstore.net.transport.send``),
-per peer identity.  :class:`FakeCluster` builds a :class:`~kvstore.server.server.Server` over it and
+The server's :class:`~kvstore.net.router.RouterService` runs over an
+:class:`~kvstore.net.inproc.InProcRouter` (the seam the Scheduler's tests use too), which records each
+message the server sends.  :class:`FakeCluster` builds a :class:`~kvstore.server.server.Server` over it and
 a cluster map, and plays its workers: each seals its requests with a channel of its own (the real
 authentication, ``kvstore.net.auth``), hands the frames to the service as the request loop would,
 and opens the replies sent back to it.
@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import zmq
 
 from kvstore import config
 from kvstore.net.auth import channel_for
+from kvstore.net.inproc import InProcRouter
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import RouterService
 from kvstore.server.server import Server
@@ -24,29 +24,13 @@ from kvstore.server.server import Server
 SESSION = b"unit-test-session-0123456789abcd"
 
 
-class FakeRouter:
-    """A ROUTER socket's stand-in: the messages sent to each identity, in order (frames copied)."""
-
-    def __init__(self) -> None:
-        self.sent: dict[bytes, list[list[bytes]]] = {}
-        self._parts: list[bytes] = []
-
-    def send(self, part: Any, flags: int = 0, copy: bool = True) -> None:
-        """Take one frame; the last one (no SNDMORE) completes the message, identity frame first."""
-        self._parts.append(bytes(part))
-        if not flags & zmq.SNDMORE:
-            identity, *frames = self._parts
-            self.sent.setdefault(identity, []).append(frames)
-            self._parts = []
-
-
 class FakeCluster:
-    """A Server of rank 0 over a :class:`FakeRouter`, and ``workers`` workers that talk to it."""
+    """A Server of rank 0 over an :class:`InProcRouter`, and ``workers`` workers that talk to it."""
 
     def __init__(self, mode: str = "dist_sync", workers: int = 2, **env: str) -> None:
         self.cfg = config.load({"DMLC_ROLE": "server", "KVSTORE_SECRET": "unit-test-secret", **env})
-        self.router = FakeRouter()
-        self.service = RouterService(self.router, channel_for(self.cfg, "server"))
+        self.router = InProcRouter()
+        self.service = RouterService(None, channel_for(self.cfg, "server"), endpoint=self.router)
         cluster = {"rank": 0, "session": SESSION, "mode": mode, "num_workers": workers}
         self.server = Server(self.cfg, self.service, cluster)
         self.channels = []
@@ -73,8 +57,10 @@ class FakeCluster:
 
     def replies(self, worker: int) -> list[Message]:
         """The replies sent to ``worker`` since the last call, opened (verified) by its channel."""
-        sent = self.router.sent.pop(self.identity(worker), [])
-        return [self.channels[worker].open(frames) for frames in sent]
+        mine = self.identity(worker)
+        sent = [frames for identity, frames in self.router.sent if identity == mine]
+        self.router.sent = [(identity, frames) for identity, frames in self.router.sent if identity != mine]
+        return [self.channels[worker].open([bytes(f) for f in frames]) for frames in sent]
 
     def init(self, key: Any, value: np.ndarray, worker: int = 0) -> Message:
         """INIT ``key`` with ``value`` (flat) from ``worker``; return its one reply."""
