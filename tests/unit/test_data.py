@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -91,6 +93,16 @@ def test_part_slices_and_splits_again():
     assert isinstance(sub, D.Window) and list(sub) == [(18, 324), (19, 361)]
     with pytest.raises(ValueError):
         part[::2]
+
+
+def test_window_copies_as_any_object_does():
+    """A Window copies (copy, deepcopy: the protocol a DataLoader's spawned workers pickle it by) into an
+    equal Window over the same items, as the class it renames did."""
+    part = D.split(Dataset(20), 2, 1)  # items 10..19
+    for copied in (copy.copy(part), copy.deepcopy(part)):
+        assert isinstance(copied, D.Window) and list(copied) == list(part)
+    inner = D.Window(part, 2, 4)  # a window of a window: over the original items
+    assert list(copy.deepcopy(inner)) == [(12, 144), (13, 169)]
 
 
 @pytest.mark.parametrize("num_parts,part_index", [(0, 0), (-1, 0), (3, 3), (3, -1)])
