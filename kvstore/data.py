@@ -34,6 +34,10 @@ class Window(Sequence):
         self._dataset = dataset
         self._indices = range(start, stop)
 
+    def __getnewargs__(self) -> tuple[Any, int, int]:
+        """What copy and pickle pass to ``__new__`` (it takes the dataset and the bounds)."""
+        return self._dataset, self._indices.start, self._indices.stop
+
     def __len__(self) -> int:
         return len(self._indices)
 
