@@ -25,6 +25,20 @@ def test_convert_replaces_nested_batch_norms_keeping_dtype_and_values() -> None:
         batchnorm.convert(torch.nn.BatchNorm1d(3, track_running_stats=False))
 
 
+def test_convert_replaces_every_kind_of_batch_norm() -> None:
+    """Any batch norm with running statistics is replaced, a class built on torch's batch norm base
+    itself (apex's SyncBatchNorm is one) included, as before DeferredBatchNorm became a BatchNorm1d."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    class OwnBatchNorm(_BatchNorm):
+        def _check_input_dim(self, x) -> None:
+            pass
+
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(3), OwnBatchNorm(3), torch.nn.SyncBatchNorm(3))
+    converted = batchnorm.convert(model)
+    assert len(batchnorm.deferred_in(converted)) == 3
+
+
 def test_commit_updates_once_from_every_counted_micro_batch() -> None:
     """Two micro-batches (one forwarded twice, as a recomputation) then commit: plain batch norm's
     update over their concatenation; a dropped commit changes nothing."""
