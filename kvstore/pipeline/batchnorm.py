@@ -14,13 +14,13 @@ from typing import Any
 from kvstore.errors import ConfigError
 
 
-def _batch_norms() -> tuple[type, ...]:
-    """torch's public batch norm classes: what :func:`convert` replaces."""
-    import torch
+def _batch_norm_base() -> type:
+    """torch's batch norm base class: what :func:`convert` replaces (BatchNorm1d-3d, their lazy forms,
+    SyncBatchNorm, and any class built on the base itself, such as apex's SyncBatchNorm).  torch names
+    no public base, so it is imported from its module (an import, not another object's private member)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
 
-    nn = torch.nn
-    return (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
-            nn.LazyBatchNorm3d, nn.SyncBatchNorm)
+    return _BatchNorm
 
 
 def deferred_class() -> Any:
@@ -90,7 +90,7 @@ def convert(module: Any) -> Any:
     """``module`` with every batch norm (itself or inside it) replaced by a DeferredBatchNorm holding
     the same parameters and buffers; raises ConfigError for a batch norm without running statistics."""
     deferred = deferred_class()
-    if isinstance(module, _batch_norms()) and not isinstance(module, deferred):
+    if isinstance(module, _batch_norm_base()) and not isinstance(module, deferred):
         if not module.track_running_stats:
             raise ConfigError("deferred batch norm needs track_running_stats=True")
         new = deferred(module.num_features, module.eps, module.momentum, module.affine, True)
