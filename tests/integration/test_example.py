@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -63,21 +65,48 @@ def test_cancer_example_reaches_accuracy_through_launcher() -> None:
 RESUME_ENV = {"KVSTORE_BIGARRAY_BOUND": "256"}  # the 32x16 weight and its states are sliced over -s 2
 
 
+class _Unbroken:
+    """The unbroken runs of checkpoint_resume.py, one per optimizer: started by :meth:`start` (at
+    once, running alongside the test's own launches) and read back by :meth:`weights`."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp = tmp_path_factory
+        self._runs: dict[tuple[str, ...], tuple[subprocess.Popen, Path]] = {}
+        self._made: dict[tuple[str, ...], dict[str, np.ndarray]] = {}
+
+    def start(self, optimizer: list[str]) -> None:
+        """Launch 2k unbroken steps with ``optimizer``'s flags (states on the servers), unless done."""
+        if tuple(optimizer) not in self._runs:
+            out = self._tmp.mktemp("unbroken") / "unbroken.arrays"
+            proc = launch(["-n", "2", "-s", "2", "examples/checkpoint_resume.py", *optimizer,
+                           "--update-on-kvstore", "1", "--steps", str(2 * STEPS), "--out", str(out)],
+                          {**os.environ, **RESUME_ENV})
+            self._runs[tuple(optimizer)] = proc, out
+
+    def weights(self, optimizer: list[str]) -> dict[str, np.ndarray]:
+        """The unbroken run's final weights (waiting for it), failing the test if it failed."""
+        if tuple(optimizer) not in self._made:
+            proc, out = self._runs[tuple(optimizer)]
+            rc, output = finish(proc, 60)
+            assert rc == 0, output
+            self._made[tuple(optimizer)] = load_arrays(out)
+        return self._made[tuple(optimizer)]
+
+    def close(self) -> None:
+        """Kill any unbroken run still going (a test failed before it read the weights)."""
+        for proc, _ in self._runs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+
+
 @pytest.fixture(scope="module")
 def unbroken_run(tmp_path_factory: pytest.TempPathFactory):
     """The weights of 2k unbroken steps of checkpoint_resume.py with an optimizer's flags (states on the
     servers), launched once per optimizer: with the states in the workers they are the same bits."""
-    made: dict[tuple[str, ...], dict[str, np.ndarray]] = {}
-
-    def get(optimizer: list[str]) -> dict[str, np.ndarray]:
-        if tuple(optimizer) not in made:
-            out = tmp_path_factory.mktemp("unbroken") / "unbroken.arrays"
-            _launch(["-n", "2", "-s", "2", "examples/checkpoint_resume.py", *optimizer, "--update-on-kvstore",
-                     "1", "--steps", str(2 * STEPS), "--out", str(out)], 60, RESUME_ENV)
-            made[tuple(optimizer)] = load_arrays(out)
-        return made[tuple(optimizer)]
-
-    return get
+    runs = _Unbroken(tmp_path_factory)
+    yield runs
+    runs.close()
 
 
 @pytest.mark.timeout(180)
@@ -93,13 +122,14 @@ def test_resume_on_a_fresh_cluster_matches_unbroken_run(tmp_path: Path, optimize
     pytest.importorskip("torch")
     script = ["examples/checkpoint_resume.py", *optimizer, "--update-on-kvstore", update_on_kvstore]
     env = RESUME_ENV
+    unbroken_run.start(optimizer)  # alongside the broken run's two launches
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.arrays"
     _launch(["-n", "2", "-s", "1", *script, "--steps", str(STEPS), "--save", str(ckpt)], 60, env)
     assert {p.name for p in ckpt.iterdir()} >= {"weights.arrays", "trainer.states", "meta.json"}
     output = _launch(["-n", "2", "-s", "2", *script, "--steps", str(STEPS), "--resume", str(ckpt),
                       "--out", str(resumed)], 60, env)
     assert f"steps {STEPS} to {2 * STEPS}" in output, output
-    expected, got = unbroken_run(optimizer), load_arrays(resumed)
+    expected, got = unbroken_run.weights(optimizer), load_arrays(resumed)
     assert sorted(got) == sorted(expected) and len(expected) == 4
     for name, value in expected.items():
         assert got[name].dtype == value.dtype == np.float32, name
@@ -113,7 +143,6 @@ def test_spark_example_reaches_accuracy() -> None:
     pytest.importorskip("sklearn")
     pytest.importorskip("pyspark")
     import shutil
-    import subprocess
     import sys
 
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):

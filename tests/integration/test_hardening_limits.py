@@ -185,7 +185,9 @@ def test_a_server_with_a_smaller_limit_than_the_scheduler_refuses_to_serve(tmp_p
         env["DMLC_PS_ROOT_PORT"] = port_file.read_text().strip()
         server = procs.start("server", [python(), "-m", "kvstore.server"],
                              {**env, "DMLC_ROLE": "server", "KVSTORE_MAX_MESSAGE_BYTES": str(LIMIT)})
-        worker = DistKVStore("dist_sync", kvconfig.load({**env, "DMLC_ROLE": "worker"}))
+        # the worker only completes the registration; without shared memory it does not wait out the
+        # connect timeout for the dead server's reply to a segment offer
+        worker = DistKVStore("dist_sync", kvconfig.load({**env, "DMLC_ROLE": "worker", "KVSTORE_SHM": "0"}))
         poll_for(lambda: server.poll() is not None, 20, "the server's exit")
         assert server.returncode == 1
         log = procs.output()

@@ -4,6 +4,7 @@ forward's weight version, and the digits MLP cut into 2 and 4 stages trains as w
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 
@@ -54,6 +55,7 @@ def accuracy(net: torch.nn.Module) -> float:
         return float((net(DATA[1]).argmax(1) == DATA[3]).float().mean())
 
 
+@functools.cache  # deterministic (fixed seeds, data and batches): computed once for the module's tests
 def one_process() -> float:
     """The reference: the whole MLP in this process, one update per micro-batch (the same training as
     'pipedream' without a pipeline, so without stale forwards)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +28,19 @@ def _run(args: list[str], timeout: float = 90) -> str:
 def test_snapshot_resumes_to_the_unbroken_run(tmp_path: Path, optimizer: str) -> None:
     """6 steps unbroken on 2 servers equal 3 steps + a snapshot on 1 server + 3 resumed on 2, bit for bit."""
     unbroken, resumed, snap = tmp_path / "unbroken.arrays", tmp_path / "resumed.arrays", tmp_path / "snap"
-    _run(["-n", "2", "-s", "2", str(SCRIPT), optimizer, "0", "6", "--out", str(unbroken)])
-    _run(["-n", "2", "-s", "1", str(SCRIPT), optimizer, "0", "3", "--save", str(snap)])
-    assert (snap / "LATEST").read_text().strip() == "snapshot-000001"
-    _run(["-n", "2", "-s", "2", "--resume", str(snap), str(SCRIPT), optimizer, "3", "6",
-          "--out", str(resumed)])
+    alongside = launch(["-n", "2", "-s", "2", str(SCRIPT), optimizer, "0", "6", "--out", str(unbroken)],
+                       {**os.environ, **ENV})  # the unbroken run, while the broken one runs
+    try:
+        _run(["-n", "2", "-s", "1", str(SCRIPT), optimizer, "0", "3", "--save", str(snap)])
+        assert (snap / "LATEST").read_text().strip() == "snapshot-000001"
+        _run(["-n", "2", "-s", "2", "--resume", str(snap), str(SCRIPT), optimizer, "3", "6",
+              "--out", str(resumed)])
+        rc, out = finish(alongside, 90)
+    finally:
+        if alongside.poll() is None:  # the broken run failed first
+            os.killpg(alongside.pid, signal.SIGKILL)
+            alongside.communicate()
+    assert rc == 0, out
     expected, got = load_arrays(unbroken), load_arrays(resumed)
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
