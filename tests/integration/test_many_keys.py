@@ -20,5 +20,5 @@ def test_ten_thousand_keys(make_cluster) -> None:
 
     for got in cluster.run(work):
         np.testing.assert_array_equal(got, base * 2)
-    servers = {p.server for k in keys[:200] for p in cluster.workers[0]._pieces(k)}
+    servers = {p.server for k in keys[:200] for p in cluster.workers[0]._path.pieces(k)}
     assert servers == {0, 1}

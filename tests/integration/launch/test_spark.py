@@ -89,7 +89,7 @@ def sum_check(records, mode: str) -> dict:
     kv.barrier()
     # no kv.close(): run() must leave the cluster for it
     return {"rank": kv.rank, "workers": workers, "servers": kv.num_servers, "ok": ok,
-            "big_on": sorted({piece.server for piece in kv._pieces("big")}),
+            "big_on": sorted({piece.server for piece in kv._path.pieces("big")}),
             "role": os.environ.get("DMLC_ROLE"), "worker_id": os.environ.get("DMLC_WORKER_ID"),
             "pid": os.getpid()}
 
