@@ -14,7 +14,8 @@ through the two stages under ``--schedule``, and ``trainer.step`` sums each stag
 gradients over its replicas through the store (``dist_sync``) and applies the optimizer.
 Every worker holds the whole model, updated, so rank 0 measures the test accuracy by
 itself.  Under ``--schedule pipedream`` (one replica per stage) each stage updates itself after
-every micro-batch (SGD at ``--lr / --chunks``, momentum 0.9) and no Trainer runs: before each
+every micro-batch (SGD at ``--lr / --chunks``, momentum 0.9, the rate annealed to zero over the run
+with a cosine) and no Trainer runs: before each
 evaluation ``pipe.gather_weights()`` gives every worker the other stages' weights through the
 store.  The exit code is 1 when the final test accuracy is below ``--min-accuracy``.
 """
@@ -33,7 +34,7 @@ import kvstore.data
 from kvstore.pipeline import Pipeline
 from kvstore.trainer import Trainer
 
-SEED = 0
+SEED = 0  # the train/test split's; --seed sets the model's initial weights and the batches' order
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per-replica batch size")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0, help="the initial weights' and the batch order's seed")
     parser.add_argument("--min-accuracy", type=float, default=0.0)
     return parser.parse_args()
 
@@ -58,9 +60,9 @@ def load() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             torch.tensor(y_train), torch.tensor(y_test))
 
 
-def model() -> nn.Sequential:
-    """A 4-layer MLP, the same on every worker (seeded)."""
-    torch.manual_seed(SEED)
+def model(seed: int = SEED) -> nn.Sequential:
+    """A 4-layer MLP, the same on every worker (seeded with ``seed``)."""
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
                          nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
@@ -68,15 +70,24 @@ def model() -> nn.Sequential:
 def train(args: argparse.Namespace, kv: kvstore.KVStore) -> float:
     """Train this worker's stage of its replica; return the test accuracy of the whole model."""
     x_train, x_test, y_train, y_test = load()
-    net = model()
+    net = model(args.seed)
     pipedream = args.schedule == "pipedream"  # an update per micro-batch: the rate per micro-batch
-    sgd = (lambda ps: torch.optim.SGD(ps, lr=args.lr / args.chunks, momentum=0.9)) if pipedream else None
+    optimizers: list[torch.optim.Optimizer] = []  # the stage's own under pipedream (built by the Pipeline)
+
+    def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        optimizers.append(torch.optim.SGD(params, lr=args.lr / args.chunks, momentum=0.9))
+        return optimizers[-1]
+
     pipe = Pipeline(net, stages=args.stages, chunks=args.chunks, schedule=args.schedule,
-                    checkpoint=args.checkpoint, kv=kv, optimizer=sgd)
+                    checkpoint=args.checkpoint, kv=kv, optimizer=sgd if pipedream else None)
     trainer = None if pipedream else Trainer(pipe, "sgd", {"learning_rate": args.lr, "momentum": 0.9})
     x_train = kvstore.data.split(x_train, pipe.replicas, pipe.replica)
     y_train = kvstore.data.split(y_train, pipe.replicas, pipe.replica)
-    order = torch.Generator().manual_seed(SEED + pipe.replica)
+    order = torch.Generator().manual_seed(args.seed + pipe.replica)
+    # PipeDream's forwards run on weights a few micro-batches old: its rate anneals to zero over the run
+    # (cosine, stepped once per mini-batch), so the last steps' noise does not decide the final weights
+    steps = args.epochs * -(-len(x_train) // args.batch_size)
+    annealing = [torch.optim.lr_scheduler.CosineAnnealingLR(o, steps) for o in optimizers]
     if kv.rank == 0:
         print(f"{kv.num_workers} workers: {args.stages} stages x {pipe.replicas} replicas, balance "
               f"{pipe.balance}, {args.schedule}, checkpoint {args.checkpoint}", flush=True)
@@ -86,6 +97,8 @@ def train(args: argparse.Namespace, kv: kvstore.KVStore) -> float:
                 net.zero_grad()
                 pipe.step(x_train[batch] if pipe.is_first else None, y_train[batch] if pipe.is_last else None,
                           nn.functional.cross_entropy)
+                for schedule in annealing:
+                    schedule.step()
                 if trainer is not None:
                     trainer.step(pipe.replicas)  # each replica's gradient is its batch's mean: average them
             if trainer is None:
