@@ -53,15 +53,34 @@ def join(scheduler: transport.Socket, channel: Channel, cfg: kvconfig.Config, mo
     return body
 
 
-def rejoin(io: Mux, servers: int, cmap: dict, request_all: Callable[[list[Request]], list[Message]]
-           ) -> int | None:
+class Rejoin:
+    """A restarted worker's rejoin as its other threads see it: for each server, whether that server
+    has yet to count this incarnation (:meth:`pending`), which the realigner tells a server restarted
+    meanwhile (kvstore/client/realign.py).  ``restarted``: the map said this worker is a restart."""
+
+    def __init__(self, restarted: bool) -> None:
+        self.restarted = restarted
+        self.second: dict[int, Request] = {}  # server -> its REJOIN with ``at`` (the second step)
+        self.at: int | None = None  # the round it rejoins at (final once no server is pending)
+
+    def pending(self, server: int) -> bool:
+        """Whether ``server`` has not yet answered this worker's whole rejoin (False for a worker that
+        never restarted)."""
+        request = self.second.get(server)
+        return self.restarted and (request is None or not request.future.done())
+
+
+def rejoin(io: Mux, servers: int, cmap: dict, request_all: Callable[[list[Request]], list[Message]],
+           progress: Rejoin | None = None) -> int | None:
     """A restarted worker's rejoin (the map's ``rejoin``; None for any other map): REJOIN to every
     server, which counts it again from the first round no key has opened there and replies that
     round; then REJOIN with ``at``, the highest of them, so every server counts it from that round
-    of every key (kvstore/core/rejoin.py).  Returns ``at``.  Raises what the requests raise
-    (DeadlineExceededError after KVSTORE_REQUEST_TIMEOUT), ProtocolError for a reply without a round."""
+    of every key (kvstore/core/rejoin.py).  ``progress`` records each second step as it is sent.
+    Returns ``at``.  Raises what the requests raise (DeadlineExceededError after
+    KVSTORE_REQUEST_TIMEOUT), ProtocolError for a reply without a round."""
     if not cmap.get("rejoin"):
         return None
+    progress = Rejoin(True) if progress is None else progress
     incarnation = cmap.get("incarnation")
     what = f"rejoin of incarnation {incarnation} to server"
     replies = request_all([io.submit(i, Message(Op.REJOIN, {"incarnation": incarnation}), f"{what} {i}")
@@ -69,9 +88,11 @@ def rejoin(io: Mux, servers: int, cmap: dict, request_all: Callable[[list[Reques
     rounds = [reply.body.get("round") for reply in replies]
     if not all(type(r) is int and r >= 0 for r in rounds):
         raise ProtocolError(f"a server answered a REJOIN without a round: {rounds!r}"[:200])
-    at = max(rounds, default=0)
-    request_all([io.submit(i, Message(Op.REJOIN, {"incarnation": incarnation, "at": at}), f"{what} {i}")
-                 for i in range(servers)])
+    progress.at = at = max(rounds, default=0)  # set before any server can answer the second step
+    for i in range(servers):
+        progress.second[i] = io.submit(i, Message(Op.REJOIN, {"incarnation": incarnation, "at": at}),
+                                       f"{what} {i}")
+    request_all(list(progress.second.values()))
     log.warning("rejoined the cluster as incarnation %s at round %d", incarnation, at)
     return at
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from kvstore.client.datapath import DataPath
+from kvstore.client.joining import Rejoin
 from kvstore.config import Config
 from kvstore.core.partition import Key
-from kvstore.errors import KVStoreError, NodeLostError
+from kvstore.errors import NodeLostError
 from kvstore.net import transport
 from kvstore.net.auth import server_name
 from kvstore.net.protocol import Message, Op
@@ -64,10 +64,11 @@ def server_names(cmap: dict) -> dict[int, str]:
 class Realigner:
     """Starts one alignment per restarted server incarnation the scheduler names (module docstring):
     over ``path`` (the store's data path), with ``cfg`` (this worker's settings), the cluster map ``cmap``
-    it joined with, and ``origin()``, the round this worker rejoined at (0 if it never restarted)."""
+    it joined with, and ``rejoin``, this worker's own rejoin if it was restarted (its round, and which
+    servers have yet to count it)."""
 
-    def __init__(self, path: DataPath, cfg: Config, cmap: dict, origin: Callable[[], int]) -> None:
-        self.path, self.cfg, self.origin = path, cfg, origin
+    def __init__(self, path: DataPath, cfg: Config, cmap: dict, rejoin: Rejoin) -> None:
+        self.path, self.cfg, self.rejoin = path, cfg, rejoin
         # server index -> the incarnation aligned with (or being); the map's are connected already
         self.known: dict[int, int] = dict(enumerate(incarnations(cmap)))
         self.threads: list[threading.Thread] = []
@@ -97,14 +98,18 @@ class Realigner:
             pushes = path.hold(rank)  # no push is counted but not yet held meanwhile
             io.swap(rank, sock, server_name(rank, incarnation))
             keys, rounds = lowest_rounds(io.held(rank), pushes)
-            body = {"incarnation": cfg.incarnation, "origin": self.origin(), "keys": keys, "rounds": rounds}
+            body = {"incarnation": cfg.incarnation, "keys": keys, "rounds": rounds}
+            if self.rejoin.pending(rank):  # its REJOIN (held, or still to be sent) comes after this
+                body.update(origin=0, rejoining=True)
+            else:
+                body["origin"] = self.rejoin.at or 0
             request = io.submit(rank, Message(Op.ALIGN, body), f"align with restarted server {rank} "
                                 f"({where})", bypass=True)
             reply = path.wait([request])[0]
             if self.known.get(rank) != incarnation:  # restarted again meanwhile: the newer thread releases
                 return
             sent = io.release(rank)
-        except (KVStoreError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 -- any failure fails the store: its held requests never go
             if self.known.get(rank) != incarnation:  # its socket was swapped out by a newer restart's
                 log.warning("server %d incarnation %d was restarted again before worker %d aligned with "
                             "it: %s", rank, incarnation, path.cluster.rank, exc)

@@ -28,7 +28,7 @@ from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
 from kvstore.client.datapath import ClusterView, DataPath, FastPath
-from kvstore.client.joining import join, rejoin
+from kvstore.client.joining import Rejoin, join, rejoin
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Mux, Request, Tamper
 from kvstore.client.sparse import DistRows, RowsLink
@@ -74,7 +74,8 @@ class StageAccess:
 class Joined:
     """A worker already in its cluster: the cluster map's body, the servers' addresses (by index) and the
     :class:`Mux` over its sockets.  :func:`connect` makes one over real sockets; a unit test makes one
-    over a fake transport (a ``Mux`` of its own), with ``heartbeat`` False (no heartbeat thread)."""
+    over a fake transport (a ``Mux`` of its own), with ``heartbeat`` False (no heartbeat thread, no shared
+    memory offered)."""
 
     body: dict[str, Any]
     servers: list[str]
@@ -83,8 +84,9 @@ class Joined:
 
 
 def connect(cfg: kvconfig.Config, mode: str, tamper: Tamper | None = None) -> Joined:
-    """Register with the scheduler as a worker of ``mode`` and connect to every server (and to each
-    same-host server's shared memory).  ``tamper``: tests only, see ``kvstore.client.mux``.
+    """Register with the scheduler as a worker of ``mode`` and connect to every server (the store offers
+    same-host servers shared memory once its heartbeat beats).  ``tamper``: tests only, see
+    ``kvstore.client.mux``.
     Raises what registration raises (ConfigError, AuthenticationError, DeadlineExceededError...)."""
     scheduler = transport.connect_dealer(cfg.root_address, curve=transport.curve_keys(cfg))
     channel = channel_for(cfg, new_label("worker"))
@@ -94,7 +96,6 @@ def connect(cfg: kvconfig.Config, mode: str, tamper: Tamper | None = None) -> Jo
     servers = [transport.connect_dealer(a, curve=transport.curve_keys(cfg)) for a in addresses]
     mux = Mux(scheduler, servers, body["rank"], channel, body.get("max_message_bytes", 0),
               names=realign.server_names(body), tamper=tamper)  # servers restarted before this worker joined
-    mux.set_lanes(shmlanes.attach(cfg, mux, len(servers), cfg.connect_timeout))  # same host
     return Joined(body, addresses, mux)
 
 
@@ -150,25 +151,28 @@ class DistKVStore(KVStore):
             save_residuals=lambda d: self._compress.save(d, cluster.rank, cluster.num_workers),
             rows=self._rows, sparse_metas=lambda: dict(self._sparse.metas)))
         self._heartbeat: Heartbeat | None = None
+        self._rejoin = Rejoin(bool(body.get("rejoin")))  # a restarted worker: rejoined below
         if joined.heartbeat:  # restarted servers: realign
-            aligner = realign.Realigner(self._path, cfg, body, lambda: self._rejoined_at or 0)
+            aligner = realign.Realigner(self._path, cfg, body, self._rejoin)
             self._heartbeat = Heartbeat(cfg, "worker", cluster.rank, cluster.session, self._io.fail,
                                         stats=self._snapshot, on_left=self._barriers.warn_left,
                                         on_restarted=aligner.on_restarted)
             self._heartbeat.start()
+            # after the first beat's thread is up: an offer to a server that died meanwhile waits for
+            # the heartbeat to name its restart (the offer is sent again to it) or its loss
+            self._io.set_lanes(shmlanes.attach(cfg, self._io, cluster.num_servers, cfg.connect_timeout))
         if owner is not None:
             owner.close, owner.device_on = self._close, self._device_on
         log.info("joined %s cluster as worker %d of %d", self._mode, cluster.rank, cluster.num_workers)
         # a restarted worker (launch.py --max-restarts): counted again by every server from this round
-        self._rejoined_at: int | None = None
-        self._rejoined_at = rejoin(self._io, cluster.num_servers, body, self._path.wait)
+        rejoin(self._io, cluster.num_servers, body, self._path.wait, self._rejoin)
 
     @property
     def rejoined_at(self) -> int | None:
         """None in a worker's first incarnation; in a restarted one, the step to go on from: in
         dist_sync the round it rejoined at (the steps the job has done), in dist_async the pushes
         of its earlier incarnations the servers applied (its own steps); docs/failures.md."""
-        return self._rejoined_at
+        return self._rejoin.at
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -252,7 +256,7 @@ class DistKVStore(KVStore):
 
     # -- the collective calls on the servers' optimizer and state (kvstore.client.collective) ------
     def _set_optimizer(self, optimizer: Optimizer) -> None:
-        if self._rejoined_at is None:  # a restarted worker: the servers have it (and its state)
+        if self._rejoin.at is None:  # a restarted worker: the servers have it (and its state)
             self._collective_calls.set_optimizer(optimizer)
 
     def _set_optimizer_params(self, params: dict[str, Any]) -> None:
@@ -276,7 +280,7 @@ class DistKVStore(KVStore):
     def _set_compression(self, params: Any) -> None:
         """Collective: every worker checks ``params`` (and that it has not pushed) before any installs."""
         checked: list = []
-        if self._rejoined_at is not None:  # a restarted worker: the others agreed long ago
+        if self._rejoin.at is not None:  # a restarted worker: the others agreed long ago
             checked.append(self._check_compression(params))
         else:
             self._barriers.agree("set_gradient_compression",
@@ -286,7 +290,7 @@ class DistKVStore(KVStore):
             self._fast.forget()
         # saved residuals: a restarted worker's own (KVSTORE_SNAPSHOT_DIR), else KVSTORE_RESUME's
         rank, workers = self._cluster.rank, self._cluster.num_workers
-        self._compress.restore(self._cfg, rank, workers, self._rejoined_at is not None)
+        self._compress.restore(self._cfg, rank, workers, self._rejoin.at is not None)
 
     # -- the data path ------------------------------------------------------------------------------
     def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
@@ -297,7 +301,7 @@ class DistKVStore(KVStore):
             self._path.wait(self._path.send_planned(Op.INIT, (), sends, [pack(s, flats) for s in sends], []))
 
 
-        if self._rejoined_at is not None:  # a restarted worker: the servers hold every key already
+        if self._rejoin.at is not None:  # a restarted worker: the servers hold every key already
             return
         started = self._meter.begin("init")
         try:

@@ -12,7 +12,9 @@ a new *incarnation* of the same rank, **rejoins** (REJOIN, in two steps, docs/fa
 3. :meth:`Rejoins.join_at` (its second REJOIN, with ``at``, the highest such round over every
    server): it counts from round ``at`` of every key.  Its pulls wait until the rounds before
    ``at`` are closed (they do not need it), so it reads the value every other worker reads before
-   its push of round ``at``, and its first push of each key joins round ``at``.
+   its push of round ``at``, and its first push of each key joins round ``at``.  A server restarted
+   from its shard between the two steps never saw the first: it takes both at once, as long as it
+   has opened no round ``at`` yet (else the worker fails, and is restarted again if restarts remain).
 
 So a restarted worker's first step is the job's step ``at`` and uses the same weights as the
 others' step ``at``: the rounds it missed closed without it, and none is applied twice.  This
@@ -70,15 +72,23 @@ class Rejoins:
         return first, done
 
     def join_at(self, worker: int, incarnation: object, at: object) -> list[Completion]:
-        """``worker`` (after :meth:`begin` as ``incarnation``) counts from round ``at`` of every key:
-        rounds before it close without it; return what closing them answers.  Raises ProtocolError,
-        changing nothing, for another incarnation or an ``at`` below the round :meth:`begin` gave."""
+        """``worker`` (after :meth:`begin` as ``incarnation``, or with no begin at all as a newer
+        incarnation: see the module docstring) counts from round ``at`` of every key: rounds before it
+        close without it; return what closing them answers.  Raises ProtocolError, changing nothing, for
+        another incarnation or an ``at`` below the round :meth:`begin` gave (or would give now)."""
         incarnation = _incarnation(incarnation, "REJOIN")
         first = self.begun.get(worker)
-        if first is None or self.current.get(worker, 0) != incarnation:
+        unbegun = first is None and incarnation > self.current.get(worker, 0)
+        if unbegun:  # this server was restarted between the two steps: it lost the first, so it does both
+            first = self.shard.first_round(worker)
+        elif first is None or self.current.get(worker, 0) != incarnation:
             raise ProtocolError(f"worker {worker} incarnation {incarnation} has not begun to rejoin")
         if type(at) is not int or at < first:
             raise ProtocolError(f"REJOIN of worker {worker} at round {str(at)[:20]!r}: must be an int "
-                                f">= {first}, the round this server answered")
+                                f">= {first}, the round this server "
+                                f"{'opens next' if unbegun else 'answered'}")
+        done: list[Completion] = []
+        if unbegun:
+            done = self.begin(worker, incarnation)[1]
         del self.begun[worker]
-        return self.shard.rejoin_at(worker, at)
+        return done + self.shard.rejoin_at(worker, at)

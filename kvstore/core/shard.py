@@ -383,17 +383,24 @@ class ShardState:
         ``ValueError`` for a worker that is not a rank."""
         self._check_worker(worker)
         self.settle()
+        first = self.first_round(worker)
         self.away.pop(worker, None)
         self.active.add(worker)
         self._ranks = sorted(self.active)
-        first = 0
         for state in self._keys.values():
-            first = max(first, state.base + len(state.rounds) if self.sync else state.applied.get(worker, 0))
             pending = sum(1 for rnd in state.rounds if worker in rnd.covered)
             state.submitted[worker] = state.applied.get(worker, 0) + pending
             state.next_round.pop(worker, None)
         if self.sync:
             self.joins[worker] = first
+        return first
+
+    def first_round(self, worker: int) -> int:
+        """What :meth:`readmit` of ``worker`` would answer now, changing nothing: dist_sync, the first
+        round no key has opened; dist_async, the most contributions of one key ``worker`` had applied."""
+        first = 0
+        for state in self._keys.values():
+            first = max(first, state.base + len(state.rounds) if self.sync else state.applied.get(worker, 0))
         return first
 
     def rejoin_at(self, worker: int, at: int) -> list[Completion]:

@@ -11,7 +11,9 @@ answers only ALIGN, LEAVE and SHM_ATTACH until every worker still in the job has
   and sends ALIGN: for each key it has pushed, the round of its oldest push this server has not
   answered (or of its next push when none is unanswered), counted from its ``origin`` (0, or the
   round a restarted worker rejoined at).  The reply comes once every worker has aligned; then each
-  worker sends its unanswered requests again, in order, sealed anew.
+  worker sends its unanswered requests again, in order, sealed anew.  A restarted worker whose own rejoin
+  (kvstore/core/rejoin.py) had not reached this server says so (``rejoining``): it is away here until
+  its REJOIN, which follows the alignment, and nothing waits for it meanwhile.
 * ``dist_sync``: each key goes on from round ``max(shard's round, every worker's oldest unanswered
   round)``.  Rounds from the shard's up to that one were closed by the dead server and acknowledged:
   their updates are lost, and the log says how many.  A retried push of a round below it is dropped
@@ -157,9 +159,19 @@ class Restored:
         """A worker's ALIGN: recorded; every ALIGN is answered once all expected workers have sent one."""
         worker = self.requests.sender(msg)
         incarnation, origin, keys, rounds = _align_body(msg.body)
+        rejoining = msg.body.get("rejoining", False)
+        if type(rejoining) is not bool:
+            raise ProtocolError("ALIGN's rejoining must be a bool")
         state = self.requests.state
         if self.done:  # a worker that aligns again (nothing changes): answered at once
             self.requests.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=msg.seq))
+            return
+        if rejoining and incarnation > self.rejoins.current.get(worker, 0):
+            # a restarted worker whose REJOIN to this server is still to come (sent again after the
+            # alignment): away here until then, so neither the alignment nor any round waits for it
+            self.requests.reply_all(self.rejoins.away(worker, incarnation - 1))
+            self.waiting.append((identity, msg.seq))
+            self.forget(worker)
             return
         if incarnation > self.rejoins.current.get(worker, 0):
             self.rejoins.current[worker] = incarnation

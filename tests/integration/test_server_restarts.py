@@ -63,3 +63,26 @@ def test_in_dist_async_a_retried_push_is_applied_at_most_once(launches, tmp_path
     assert every.min() >= -WORKERS * STEPS, (every.min(), output)
     assert every.max() < 0, output
     assert "workers aligned after the restart" in output, output
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_and_a_server_killed_together_both_come_back(launches, tmp_path: Path) -> None:  # noqa: F811
+    """A host failure: worker 1 and server 1 die at the same round. The restarted worker joins while the
+    server is dead or aligning (its ALIGN says it is still rejoining), the job finishes, and every
+    element has every round but those server 1's log says were lost."""
+    env = {"KVSTORE_SNAPSHOT_EVERY": "5", "KVSTORE_SNAPSHOT_DIR": str(tmp_path / "shards"),
+           "KVSTORE_TEST_SERVER_DIE_AT_ROUND": "1:25", "KVSTORE_TEST_DIE_AT_ROUND": "1:25"}
+    run = launches(["-n", str(WORKERS), "-s", "2", "--max-restarts", "3", str(SCRIPT), str(STEPS),
+                    str(tmp_path / "w"), "dist_sync"], env)
+    assert run.finish(120) == 0, run.output
+    output = run.output
+    assert "server 1 exited with code 137" in output and "worker 1 exited with code 137" in output, output
+    found = re.search(r"\[server 1\].*lost (\d+)(?: to (\d+))? rounds of updates", output)
+    assert found, output
+    most = int(found.group(2) or found.group(1))
+    values = [load_arrays(str(tmp_path / f"w.{rank}")) for rank in range(WORKERS)]
+    for name in values[0]:
+        assert np.array_equal(values[0][name], values[1][name]), name
+    allowed = {-WORKERS * (STEPS - lost) for lost in range(most + 1)}
+    seen = set(np.concatenate([v.ravel() for v in values[0].values()]).tolist())
+    assert seen <= allowed, (seen, allowed, output[-3000:])

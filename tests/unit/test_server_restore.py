@@ -137,3 +137,34 @@ def test_the_server_die_hook_is_installed_only_when_its_variable_is_set(tmp_path
     hook = die_hook(config.load(armed), 0, state, shards)
     assert hook is not None
     hook()  # no shard written, no round closed: it returns
+
+
+def test_a_rejoining_workers_align_leaves_it_away_until_its_rejoin() -> None:
+    """A restarted worker that aligns before its REJOIN reached this server (``rejoining``): the alignment
+    does not wait for it, it is not counted (its REJOIN, sent after, is not refused as a repeat), and
+    its REJOIN's second step alone counts it from ``at``."""
+    service = _Service()
+    restored = _restored({}, service)
+    align = Message(Op.ALIGN, {"incarnation": 1, "origin": 0, "keys": [], "rounds": [], "rejoining": True},
+                    seq=1)
+    align.sender = 1
+    restored.on_align(b"w1", align)
+    state = restored.requests.state
+    assert not restored.done and restored.expected == {0}  # still waits for worker 0
+    assert 1 not in state.active and restored.rejoins.current.get(1, 0) == 0
+    other = Message(Op.ALIGN, {"incarnation": 0, "origin": 0, "keys": ["k"], "rounds": [3]}, seq=2)
+    other.sender = 0
+    restored.on_align(b"w0", other)
+    assert restored.done and len(service.replies) == 2
+    assert restored.rejoins.join_at(1, 1, 3) == [] and 1 in state.active
+
+
+def test_an_align_whose_rejoining_is_not_a_bool_is_refused() -> None:
+    """``rejoining`` other than a bool: ProtocolError, nothing recorded."""
+    restored = _restored({})
+    body = {"incarnation": 1, "origin": 0, "keys": [], "rounds": [], "rejoining": 1}
+    align = Message(Op.ALIGN, body, seq=1)
+    align.sender = 1
+    with pytest.raises(ProtocolError, match="rejoining"):
+        restored.on_align(b"w1", align)
+    assert restored.waiting == [] and restored.expected == {0, 1}

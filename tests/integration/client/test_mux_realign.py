@@ -10,6 +10,7 @@ import pytest
 
 from kvstore.client.compress import WorkerCompression
 from kvstore.client.datapath import ClusterView, DataPath
+from kvstore.client.joining import Rejoin
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import Mux
 from kvstore.client.realign import Realigner, lowest_rounds
@@ -155,7 +156,7 @@ def test_an_alignment_superseded_by_a_newer_restart_does_not_fail_the_store() ->
     path, cfg = _data_path(wire, timeout=1.5)
     try:
         push = _push(wire, 0)  # the lost server never answers it
-        realigner = Realigner(path, cfg, {"servers": [["127.0.0.1", old.port]]}, lambda: 0)
+        realigner = Realigner(path, cfg, {"servers": [["127.0.0.1", old.port]]}, Rejoin(False))
         realigner.on_restarted([[0, 1, "127.0.0.1", first.port]])
         poll_for(lambda: first.aligns, 10, "the first restart's ALIGN")
         realigner.on_restarted([[0, 2, "127.0.0.1", second.port]])

@@ -97,3 +97,28 @@ def test_in_dist_async_the_rejoin_round_is_the_workers_own_step_and_pulls_never_
     assert first == 3
     assert rejoins.join_at(1, 1, 3) == []
     assert [c.token for c in shard.pull("pull", 1, "w")] == ["pull"]
+
+
+def test_a_server_that_never_saw_the_first_step_takes_both_at_once() -> None:
+    """A server restarted between a rejoin's two steps gets only the second: it counts the worker from
+    ``at`` as the two steps would have, when it has opened no round ``at`` yet."""
+    shard, rejoins = make(2)
+    rejoins.away(1, 0)
+    assert push(shard, 0, 1.0, "a") == ["a"]  # round 0 closes without the away worker
+    assert rejoins.join_at(1, 1, 1) == []
+    assert rejoins.current == {1: 1} and 1 in shard.active
+    assert push(shard, 0, 1.0, "b") == []  # round 1 waits for the rejoined worker
+    assert sorted(push(shard, 1, 1.0, "c")) == ["b", "c"]
+
+
+def test_a_second_step_below_a_round_the_server_opened_is_refused_and_changes_nothing() -> None:
+    """Without the first step, an ``at`` below the next round this server opens is a ProtocolError
+    naming that round, and the worker stays away."""
+    shard, rejoins = make(2)
+    rejoins.away(1, 0)
+    push(shard, 0, 1.0, "a")
+    push(shard, 0, 1.0, "b")  # rounds 0 and 1 closed without worker 1
+    with pytest.raises(ProtocolError, match=">= 2, the round this server opens next"):
+        rejoins.join_at(1, 1, 1)
+    assert rejoins.current == {} and 1 not in shard.active
+    assert rejoins.join_at(1, 1, 2) == []  # the same rejoin at a round not opened yet
