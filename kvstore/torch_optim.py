@@ -19,11 +19,13 @@ counts, hyper-parameters) travels as JSON text in a uint8 array, never pickled.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
+import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -247,17 +249,25 @@ class _Distributed:
     _kv_present: str  # the key of the per-parameter "had a gradient" flags
     _kv_params: list[Tensor]
     _kv_ready: bool
+    _kv_passes: _Passes  # backward passes since the last step, against backward_passes_per_step
+    _kv_synced: bool  # synchronize() ran since the last step
+    _kv_skip: bool  # inside skip_synchronize()
 
     def __init__(self, optimizer: Any, kv: KVStore, op: str, prefix: str,
-                 ordered: list[tuple[str, Tensor]]) -> None:
+                 ordered: list[tuple[str, Tensor]], passes: int) -> None:
         """Share ``optimizer``'s state (its ``__init__`` is not run again) and reduce over ``kv``: keys
-        ``f"{prefix}/grad/{name}"`` of the ``ordered`` named parameters."""
+        ``f"{prefix}/grad/{name}"`` of the ``ordered`` named parameters, whose backward passes are
+        counted against ``passes`` (backward_passes_per_step)."""
         self.__dict__.update(optimizer.__dict__)
         self._kv, self._kv_op = kv, op
         self._kv_keys = [f"{prefix}/grad/{name}" for name, _ in ordered]
         self._kv_present = f"{prefix}/present"
         self._kv_params = [p for _, p in ordered]
         self._kv_ready = False
+        self._kv_passes = _Passes(passes)
+        self._kv_synced = self._kv_skip = False
+        for name, p in ordered:
+            p.register_post_accumulate_grad_hook(self._kv_passes.hook(name))
 
     @property
     def kvstore(self) -> KVStore:
@@ -269,12 +279,18 @@ class _Distributed:
         """'average' or 'sum': how gradients are reduced over the workers."""
         return self._kv_op
 
+    @property
+    def backward_passes_per_step(self) -> int:
+        """How many backward passes may accumulate into the gradients before each step."""
+        return self._kv_passes.limit
+
     def synchronize(self) -> None:
         """Reduce every parameter's gradient over the workers, in place (collective).
 
         A parameter whose ``.grad`` is None contributes zeros; it receives the reduced gradient when
         another worker had one, and keeps None when no worker did (DDP's rule), so the optimizer
-        skips it everywhere.
+        skips it everywhere.  Then ``step()`` inside :meth:`skip_synchronize` steps on them as they are
+        (to clip them first, for instance).
         """
         import torch
 
@@ -294,13 +310,27 @@ class _Distributed:
                 g.mul_(scale)
             if p.grad is None and seen > 0:
                 p.grad = g
+        self._kv_synced = True
+        self._kv_passes.counts.clear()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within it, ``step()`` does not reduce: use it after :meth:`synchronize` (Horovod's
+        ``optimizer.skip_synchronize()``)."""
+        self._kv_skip = True
+        try:
+            yield
+        finally:
+            self._kv_skip = False
 
     def step(self, closure: Any = None) -> Any:
         """Reduce the gradients over the workers, then take the torch optimizer's step (collective).
 
         A ``closure`` is evaluated once, first (under ``torch.enable_grad``), so its backward's
         gradients are the ones reduced; its loss is returned.  Optimizers that evaluate the closure
-        themselves, several times (LBFGS), are not supported.
+        themselves, several times (LBFGS), are not supported.  Inside :meth:`skip_synchronize` the
+        gradients are stepped on as they are; after :meth:`synchronize` outside it they are not reduced
+        a second time, with a warning.
         """
         import torch
 
@@ -308,7 +338,18 @@ class _Distributed:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronize()
+        if self._kv_skip:
+            if not self._kv_synced:
+                warnings.warn("DistributedOptimizer.step() inside skip_synchronize() without synchronize() "
+                              "first: the gradients are not reduced over the workers", stacklevel=2)
+        elif self._kv_synced:
+            warnings.warn("DistributedOptimizer.step() after synchronize() outside skip_synchronize(): the "
+                          "gradients were reduced already and are not reduced again; wrap step() in "
+                          "`with optimizer.skip_synchronize():`", stacklevel=2)
+        else:
+            self.synchronize()
+        self._kv_synced = False
+        self._kv_passes.counts.clear()
         super().step()  # type: ignore[misc]
         return loss
 
@@ -317,19 +358,60 @@ class _Distributed:
     step.hooked = True  # type: ignore[attr-defined]
 
 
+class _Passes:
+    """Backward passes into each parameter since its wrapper's last step, held to ``limit``
+    (backward_passes_per_step).  Each parameter's hook holds this weakly: a wrapper let go (and its
+    counts with it) stops counting."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.counts: dict[int, int] = {}  # id(param) -> passes since the last step
+
+    def hook(self, name: str) -> Any:
+        """The post-accumulate-grad hook of parameter ``name``: it raises RuntimeError (out of
+        ``backward()``) on the pass after ``limit`` with no step between."""
+        ref = weakref.ref(self)
+
+        def count(p: Tensor) -> None:
+            passes = ref()
+            if passes is not None:
+                passes.count(p, name)
+        return count
+
+    def count(self, p: Tensor, name: str) -> None:
+        """One more pass into ``p``; RuntimeError when it is one too many."""
+        seen = self.counts.get(id(p), 0) + 1
+        if seen > self.limit:
+            raise RuntimeError(
+                f"parameter {name!r} got a gradient from {seen} backward passes before step() "
+                f"(backward_passes_per_step={self.limit}): call step() or synchronize() every "
+                f"{self.limit} backward passes, or raise backward_passes_per_step to accumulate")
+        self.counts[id(p)] = seen
+
+
+def _takes_grad(p: Tensor) -> bool:
+    """Whether ``p`` gets gradients: a floating-point tensor with ``requires_grad`` (no integer one can)."""
+    return p.requires_grad and p.is_floating_point()
+
+
 def _check_params(optimizer: Any, named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
-    """The optimizer's parameters in ``param_groups`` order with their names ("group.index" when not
-    named).  ValueError for a named tensor the optimizer lacks, a parameter given twice or a
-    duplicate name; TypeError for a dtype the store does not carry."""
+    """The optimizer's parameters that take gradients (:func:`_takes_grad`; the others are skipped, as
+    Horovod does), in ``param_groups`` order with their names ("group.index" when none is named).
+    ValueError for a named tensor the optimizer lacks, parameters left unnamed when some are named, a
+    parameter given twice, a duplicate name or no parameter at all."""
     names = {id(t): n for n, t in named}
     if len(set(names.values())) != len(named) or len(names) != len(named):
         raise ValueError("named_parameters must give each parameter once, under unique names")
-    ordered, seen = [], set()
+    ordered, seen, unnamed = [], set(), []
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
             if id(p) in seen:
                 raise ValueError("a parameter appears twice in the optimizer's param_groups")
             seen.add(id(p))
+            if not _takes_grad(p):
+                continue
+            if named and id(p) not in names:
+                unnamed.append(f"{g}.{i} {tuple(p.shape)}")
             ordered.append((names.get(id(p), f"{g}.{i}") if named else f"{g}.{i}", p))
     unknown = sorted(n for n, t in named if id(t) not in seen and t.requires_grad)
     if unknown:
@@ -338,14 +420,17 @@ def _check_params(optimizer: Any, named: list[tuple[str, Tensor]]) -> list[tuple
         if str(p.dtype).removeprefix("torch.") not in ("float16", "float32", "float64"):
             raise TypeError(f"parameter {name!r} is {p.dtype}; gradients go through the store as "
                             "float16, float32 or float64")
+    if unnamed:
+        raise ValueError(f"named_parameters leaves {len(unnamed)} of the optimizer's parameters unnamed "
+                         f"(param_groups index and shape): {unnamed[:5]}; name them all, or none")
     if not ordered:
-        raise ValueError("the optimizer has no parameters")
+        raise ValueError("the optimizer has no parameter that takes a gradient")
     return ordered
 
 
 def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, Tensor]] | None = None,
                          kv: KVStore | str | None = None, op: str = "average",
-                         key_prefix: str | None = None) -> Any:
+                         key_prefix: str | None = None, backward_passes_per_step: int = 1) -> Any:
     """Wrap a ``torch.optim.Optimizer`` so that ``step()`` first reduces gradients over the workers.
 
     Returns an instance of a subclass of ``type(optimizer)`` sharing its ``param_groups``, ``state``
@@ -355,8 +440,11 @@ def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, T
     ``"group.index"``), ``kv`` is a store, a mode name or None (this process's dist store, or
     'dist_sync' under the launcher, else 'local'), ``op`` 'average' (Horovod's, DDP's) or 'sum'
     (MXNet's).  ``key_prefix`` defaults to ``f"distopt{i}"``, i counting the wrappers made without
-    one on this store.  Raises ValueError for a bad ``op`` or parameters, TypeError for something
-    that is no torch optimizer or a parameter dtype the store does not carry.
+    one on this store.  ``backward_passes_per_step``: backward passes that may accumulate into the
+    gradients before each ``step()`` (one more raises RuntimeError out of ``backward()``).  Parameters
+    that take no gradient (``requires_grad=False``, integer dtypes) are skipped.  Raises ValueError for
+    a bad ``op``, ``backward_passes_per_step`` or parameters, TypeError for something that is no torch
+    optimizer or a parameter dtype the store does not carry.
     """
     import torch
 
@@ -364,6 +452,8 @@ def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, T
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, not {op!r}")
+    if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, not {backward_passes_per_step!r}")
     named = _named(named_parameters) if named_parameters is not None else []
     ordered = _check_params(optimizer, named)
     base = type(optimizer)
@@ -372,4 +462,4 @@ def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, T
     cls = type(f"Distributed{base.__name__}", (_Distributed, base), {"__module__": __name__})
     store = _store(kv)
     prefix = f"distopt{_next(store, 'optimizer')}" if key_prefix is None else key_prefix
-    return cls(optimizer, store, op, prefix, ordered)
+    return cls(optimizer, store, op, prefix, ordered, backward_passes_per_step)

@@ -236,3 +236,29 @@ def test_adamw_on_the_servers_matches_torch(make_cluster) -> None:
         diff = float(np.abs(weights - p.detach().numpy()).max())
         print(f"adamw on the servers: max |servers - torch| = {diff:.3g}")
         assert diff <= 1e-6
+
+
+@pytest.mark.timeout(60)
+def test_clipping_between_synchronize_and_step_reduces_once(make_cluster) -> None:
+    """2 workers, op='sum': synchronize(), clip, then step() inside skip_synchronize() steps on the once
+    summed and clipped gradient (a second reduction would double it); integer and frozen parameters in
+    the optimizer are skipped."""
+    cluster = make_cluster("dist_sync", 2, 1)
+
+    def work(kv):
+        w = torch.zeros(4, requires_grad=True)
+        frozen, count = torch.ones(2), torch.zeros(2, dtype=torch.int64)
+        opt = kvstore.DistributedOptimizer(torch.optim.SGD([w, frozen, count], lr=1.0), kv=kv, op="sum",
+                                           key_prefix="clip")
+        (w * torch.tensor([3.0, 0.0, 4.0, 0.0]) * (kv.rank + 1)).sum().backward()
+        opt.synchronize()  # [9, 0, 12, 0]: norm 15
+        summed = w.grad.clone()
+        torch.nn.utils.clip_grad_norm_([w], 1.5)
+        with opt.skip_synchronize():
+            opt.step()
+        return summed, w.detach().clone(), frozen.clone(), count.clone()
+
+    for summed, w, frozen, count in cluster.run(work):
+        assert summed.tolist() == [9.0, 0.0, 12.0, 0.0]
+        assert torch.allclose(w, torch.tensor([-0.9, 0.0, -1.2, 0.0]))
+        assert frozen.tolist() == [1.0, 1.0] and count.tolist() == [0, 0]

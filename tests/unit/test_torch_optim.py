@@ -153,3 +153,96 @@ def test_trainer_load_state_dict_refuses_other_dicts() -> None:
     trainer = kvstore.Trainer(model.parameters(), "sgd", kvstore="local", key_prefix="bad")
     with pytest.raises(ValueError, match="not a Trainer state dict"):
         trainer.load_state_dict({"state": {}})
+
+
+def _pushpulls(kv) -> list[int]:
+    """Counts the store's pushpull calls (the store is real: its method is wrapped)."""
+    calls, real = [], kv.pushpull
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    kv.pushpull = counted
+    return calls
+
+
+def test_synchronize_then_step_inside_skip_synchronize_reduces_once() -> None:
+    """Horovod's clipping pattern: synchronize(), clip, then step() inside skip_synchronize() reduces
+    once; step() after synchronize() outside it warns and does not reduce again; step() inside it
+    without synchronize() warns that nothing was reduced."""
+    model = _model()
+    kv = kvstore.create("local")
+    opt = kvstore.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), kv=kv)
+    calls = _pushpulls(kv)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    with opt.skip_synchronize():
+        opt.step()
+    assert len(calls) == 1
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.synchronize()
+    with pytest.warns(UserWarning, match="reduced already"):
+        opt.step()
+    assert len(calls) == 2
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.warns(UserWarning, match="not reduced"), opt.skip_synchronize():
+        opt.step()
+    assert len(calls) == 2
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()  # the plain step reduces again
+    assert len(calls) == 3
+
+
+def test_backward_passes_per_step_bounds_the_passes_between_steps() -> None:
+    """The default allows one backward pass per step: a second raises, naming the parameter; with
+    backward_passes_per_step=2 two passes accumulate (the gradients sum) and a third raises."""
+    model = _model()
+    opt = kvstore.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), kv="local")
+    assert opt.backward_passes_per_step == 1  # Horovod's default
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"'2.bias' got a gradient from 2 backward passes"):
+        model(torch.ones(2, 4)).sum().backward()
+    other = _model()
+    acc = kvstore.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), kv="local",
+                                       backward_passes_per_step=2)
+    assert acc.backward_passes_per_step == 2
+    for _ in range(2):
+        other(torch.ones(2, 4)).sum().backward()
+    assert torch.equal(other[2].bias.grad, torch.full((2,), 4.0))  # 2 samples x 2 passes
+    acc.step()
+    acc.zero_grad()
+    for _ in range(2):
+        other(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="backward_passes_per_step=2"):
+        other(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        kvstore.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), kv="local",
+                                     backward_passes_per_step=0)
+
+
+def test_parameters_that_take_no_gradient_are_skipped() -> None:
+    """A frozen float parameter and an integer one in the optimizer are skipped (as Horovod), not a
+    TypeError: only the trainable one is reduced and stepped."""
+    w = torch.ones(3, requires_grad=True)
+    frozen = torch.ones(3, requires_grad=False)
+    count = torch.zeros(2, dtype=torch.int64)
+    opt = kvstore.DistributedOptimizer(torch.optim.SGD([w, frozen, count], lr=1.0), kv="local",
+                                       named_parameters=[("w", w), ("frozen", frozen), ("count", count)])
+    w.sum().backward()
+    opt.step()
+    assert w.tolist() == [0.0] * 3 and frozen.tolist() == [1.0] * 3 and count.tolist() == [0, 0]
+
+
+def test_naming_only_some_parameters_is_an_error_naming_the_rest() -> None:
+    """named_parameters that leaves trainable parameters out raises ValueError naming each by its
+    param_groups index and shape, as Horovod does."""
+    model = _model()
+    named = list(model.named_parameters())[:2]
+    with pytest.raises(ValueError, match=r"leaves 2 .*unnamed.*'0\.2 \(2, 3\)', '0\.3 \(2,\)'"):
+        kvstore.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), kv="local",
+                                     named_parameters=named)
