@@ -387,10 +387,12 @@ class Server:
             transport.close(scheduler.sock, linger=1.0)
 
     def _housekeeping(self) -> None:
-        """Between messages: the rounds' stall inspector, and a shard when one is due."""
+        """Between messages: the rounds' stall inspector, the segments of peers that are gone
+        unmapped, and a shard when one is due."""
         self.meter.tick(self.state, self._abort_pulls, self.service.drops.totals)
-        if self.service.shm is not None and self.service.shm.sweep():
-            log.info("unmapped the shared-memory segment of a peer process that is gone")
+        gone = self.service.shm.sweep() if self.service.shm is not None else 0
+        if gone:
+            log.info("unmapped the shared-memory segment(s) of %d peer process(es) that are gone", gone)
         if self.shards is not None:
             self.shards.tick(self.state, self._requests.optimizer, self._requests.bf16_keys)
 
