@@ -9,6 +9,14 @@ server on the same host, in the same pid namespace and allowed to read that proc
 finds that nonce there: any other answer (no such file, another file, another nonce) leaves the pair
 on TCP.  docs/shm.md says why this and not named segments.
 
+A mapping must not let its peer kill the server: a page the peer truncates away would fault every
+read of it with SIGBUS.  So the worker seals its memfd against shrinking and growing before it
+offers it, and a server maps only a memfd (:func:`open_mapping`: not huge pages) so sealed, that
+the peer holds read-write, of the size offered; anything else is refused with the reason.  Arrays a
+request names in a segment are views until the server has checked what they declare against its
+keys (:meth:`ServerPeers.settle`), and a segment whose process is gone is unmapped
+(:meth:`ServerPeers.sweep`).
+
 The worker owns the whole segment (:class:`Segment`): it copies a pushed array into a free range and
 sends the range's offset in the header (``protocol``: the header's ``shm`` field; the array frame is
 empty); for a pull it reserves a range for the reply (``reply_at``), which the server fills
@@ -24,11 +32,13 @@ from __future__ import annotations
 
 import bisect
 import collections
+import fcntl
 import mmap
 import os
 import secrets
 import stat
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +56,10 @@ NONCE_BYTES = 16
 MAX_PEERS = 4096  # a server maps at most this many workers' segments
 MAX_PENDING = 65536  # replies a server remembers a reserved range for (more: they go inline)
 GROW_STEP = 16 << 20  # a server first touches a segment's pages in steps of this (kvstore.server.peakmem)
+# What a server requires of a segment: a size that cannot change (a shrink would fault its reads).
+SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
+OFFERED_SEALS = SEALS | getattr(fcntl, "F_SEAL_SEAL", 0)  # what a worker seals: those, for good
+SWEEP_SECONDS = 1.0  # a server looks for departed peers' segments at most this often
 
 
 def _round_up(n: int) -> int:
@@ -53,18 +67,21 @@ def _round_up(n: int) -> int:
 
 
 class Segment:
-    """A worker's segment for one server: an allocator of page-aligned ranges over a memfd mapping.
+    """A worker's segment for one server: an allocator of page-aligned ranges over a memfd mapping,
+    sealed with ``seals`` once sized (tests offer fewer to see a server refuse them).
 
-    Raises :class:`OSError` when the segment cannot be made (no ``memfd_create``, no memory).
+    Raises :class:`OSError` when the segment cannot be made (no ``memfd_create``, no sealing, no memory).
     """
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, seals: int = OFFERED_SEALS) -> None:
         if not hasattr(os, "memfd_create"):
             raise OSError("this system has no memfd_create")
         self.size = _round_up(max(nbytes, 2 * HEAD))
-        self.fd: int | None = os.memfd_create("kvstore-shm", os.MFD_CLOEXEC)
+        self.fd: int | None = os.memfd_create("kvstore-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size)
+            if seals:
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
             self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             self.close_fd()
@@ -171,11 +188,13 @@ class Mapping:
     count in its RSS as shared memory (``RssShmem``): they are the worker's segment, not more memory.
     """
 
-    def __init__(self, mapped: mmap.mmap, grown: Callable[[], None] | None = None) -> None:
+    def __init__(self, mapped: mmap.mmap, grown: Callable[[], None] | None = None,
+                 peer: tuple[int, int | None] | None = None) -> None:
         self.map, self.size = mapped, len(mapped)
         self._bytes = np.frombuffer(mapped, np.uint8)
         self.reach = HEAD  # the server has touched no page at or past this offset
         self._grown = grown  # called before and after the server first touches pages (peakmem)
+        self.peer = peer  # (pid, start time) of the process that offered the segment
 
     def _each(self, lo: int, hi: int, copy: Callable[[int, int], Any]) -> None:
         """``copy(a, b)`` over ``[lo, hi)``: at once below :attr:`reach`, else in steps of GROW_STEP with
@@ -196,6 +215,11 @@ class Mapping:
             raise ProtocolError(f"shared-memory bytes [{off!r}, +{nbytes}) lie outside the worker's "
                                 f"segment of {self.size} bytes")
         return self._bytes[off:off + nbytes]
+
+    def view(self, off: int, nbytes: int) -> np.ndarray:
+        """The ``nbytes`` at ``off``, not copied and not read (no page is touched); raises
+        :class:`ProtocolError` for a range outside the segment."""
+        return self._range(off, nbytes)
 
     def copy_out(self, off: int, nbytes: int) -> memoryview:
         """A private copy of ``nbytes`` at ``off`` (what the server keeps never aliases the worker's
@@ -225,43 +249,110 @@ class Mapping:
 
 def open_mapping(body: Any, grown: Callable[[], None] | None = None) -> tuple[Mapping | None, str]:
     """Map the segment an SHM_ATTACH ``body`` describes: (mapping, "") or (None, why not); ``grown`` as
-    :class:`Mapping`'s.  Raises nothing."""
+    :class:`Mapping`'s.  Only a memfd of ``bytes`` bytes without huge pages, sealed against shrinking
+    and growing, that the peer holds read-write and that starts with the nonce is mapped: its pages
+    can never fault, and the server writes only where the peer may.  Raises nothing."""
     if not (isinstance(body, dict) and type(body.get("pid")) is int and body["pid"] > 0
             and type(body.get("fd")) is int and body["fd"] >= 0 and type(body.get("bytes")) is int
             and 2 * HEAD <= body["bytes"] <= 1 << 40 and type(body.get("nonce")) is bytes
             and len(body["nonce"]) == NONCE_BYTES):
         return None, "a malformed SHM_ATTACH body"
+    pid, number, size = body["pid"], body["fd"], body["bytes"]
+    path = f"/proc/{pid}/fd/{number}"
     try:
-        fd = os.open(f"/proc/{body['pid']}/fd/{body['fd']}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        info, why = _described(path, size)  # what the link names, before anything is opened
+        why = why or _access(pid, number, info.st_ino)
+    except OSError as exc:
+        return None, f"the worker's segment cannot be opened here ({exc.strerror}): another host?"
+    except (KeyError, ValueError):  # an fdinfo of another format: not a kernel this was checked on
+        return None, "the descriptor's access mode cannot be read here (/proc/<pid>/fdinfo)"
+    if why:
+        return None, why
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         return None, f"the worker's segment cannot be opened here ({exc.strerror}): another host?"
     try:
-        info = os.fstat(fd)
-        same = stat.S_ISREG(info.st_mode) and info.st_size == body["bytes"]
-        same = same and os.pread(fd, NONCE_BYTES, 0) == body["nonce"]
-    except OSError:
-        same = False
-    try:
-        protection = mmap.PROT_READ | mmap.PROT_WRITE
-        mapped = mmap.mmap(fd, body["bytes"], mmap.MAP_SHARED, protection) if same else None
-    except (OSError, ValueError):
-        mapped = None
+        why = _opened(fd, info, body["nonce"])
+        if why:
+            return None, why
+        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError) as exc:
+        return None, f"the worker's segment cannot be mapped here ({str(exc)[:100]})"
     finally:
         os.close(fd)  # the mapping keeps the segment
-    if mapped is None:
-        return None, "the descriptor is not the worker's segment (no nonce): another host"
-    return Mapping(mapped, grown), ""
+    return Mapping(mapped, grown, (pid, _started(pid))), ""
+
+
+def _described(path: str, size: int) -> tuple[os.stat_result, str]:
+    """The file ``path`` (a ``/proc/<pid>/fd/<n>`` link) names, and why it is refused ("": it is not):
+    not a memfd, a memfd of huge pages (a fault there raises SIGBUS when the pool is empty), another
+    size.  Raises :class:`OSError` when the link cannot be read."""
+    target, info = os.readlink(path), os.stat(path)
+    if not (target.startswith("/memfd:") and stat.S_ISREG(info.st_mode)):
+        return info, (f"the descriptor names {target[:60]!r}, not a memfd: a server maps only a sealed "
+                      "memfd (docs/shm.md)")
+    if info.st_blksize != mmap.PAGESIZE:
+        return info, "the memfd has huge pages (MFD_HUGETLB), whose faults may raise SIGBUS: refused"
+    if info.st_size != size:
+        return info, f"the memfd holds {info.st_size} bytes, not the {size} offered"
+    return info, ""
+
+
+def _access(pid: int, number: int, inode: int) -> str:
+    """Why the peer's descriptor ``number`` is refused for its access mode ("": it is open read-write):
+    the server writes pull replies into a segment, and never opens a file for more than its peer
+    holds it for.  Raises :class:`OSError` when ``/proc/<pid>/fdinfo/<n>`` cannot be read."""
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/fdinfo/{number}", encoding="ascii")
+                  if ":" in line)
+    if "ino" in fields and int(fields["ino"]) != inode:
+        return "the descriptor changed while it was checked"
+    mode = int(fields["flags"], 8) & os.O_ACCMODE
+    if mode != os.O_RDWR:
+        return (f"the worker holds the memfd {'read-only' if mode == os.O_RDONLY else 'write-only'}: a "
+                "server writes replies into a segment, so it needs a descriptor open read-write")
+    return ""
+
+
+def _opened(fd: int, info: os.stat_result, nonce: bytes) -> str:
+    """Why the opened segment ``fd`` is refused ("": it is not): another file than ``info`` (the link
+    changed), seals missing, another nonce.  Raises :class:`OSError`."""
+    now = os.fstat(fd)
+    if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+        return "the descriptor changed while it was checked"
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if seals & SEALS != SEALS:
+        return ("the memfd is not sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW): a "
+                "truncation would fault the server's reads")
+    if os.pread(fd, NONCE_BYTES, 0) != nonce:
+        return "the descriptor is not the worker's segment (no nonce): another host"
+    return ""
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot: ``/proc/<pid>/stat``'s field 22), which
+    tells it from a later process given the same pid; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class ServerPeers:
     """A server's side: its workers' mapped segments, by connection identity, and the ranges their
     pending requests reserved for replies.  ``grown`` (``kvstore.server.peakmem``'s checkpoint) is
-    called around each first touch of a segment's pages and each unmapping."""
+    called around each first touch of a segment's pages and each unmapping; ``max_array_bytes`` (the
+    server's ``KVSTORE_MAX_MESSAGE_BYTES``, 0: none) bounds an array in a segment as it bounds a frame
+    on TCP."""
 
-    def __init__(self, grown: Callable[[], None] | None = None) -> None:
+    def __init__(self, grown: Callable[[], None] | None = None, max_array_bytes: int = 0) -> None:
         self._grown = grown
+        self._max_array = max_array_bytes
         self._maps: dict[bytes, Mapping] = {}
         self._pending: dict[tuple[bytes, int], list[int]] = {}  # (identity, seq) -> [offset, bytes]
+        self._swept = time.monotonic()
         self.placed = 0  # reply bytes written into workers' segments (tests, logs)
 
     def attach(self, identity: bytes, body: Any) -> tuple[bool, str]:
@@ -284,6 +375,19 @@ class ServerPeers:
             self._close(mapping)
             self._pending = {k: v for k, v in self._pending.items() if k[0] != identity}
 
+    def sweep(self) -> int:
+        """Unmap the segments whose process is gone (it died, or left without LEAVE), looking at most
+        every SWEEP_SECONDS; the number unmapped.  Raises nothing."""
+        now = time.monotonic()
+        if now - self._swept < SWEEP_SECONDS or not self._maps:
+            return 0
+        self._swept = now
+        gone = [identity for identity, mapping in self._maps.items() if mapping.peer is not None
+                and (mapping.peer[1] is None or _started(mapping.peer[0]) != mapping.peer[1])]
+        for identity in gone:
+            self.forget(identity)
+        return len(gone)
+
     def _close(self, mapping: Mapping) -> None:
         """Unmap ``mapping`` between two checkpoints (its pages leave this process's RSS)."""
         if self._grown is not None:
@@ -292,10 +396,39 @@ class ServerPeers:
         if self._grown is not None:
             self._grown()
 
-    def resolver(self, identity: bytes) -> Callable[[int, int], memoryview] | None:
-        """``protocol.decode``'s resolver for arrays from ``identity`` (copies them out), or None."""
+    def resolver(self, identity: bytes) -> Callable[[int, int], np.ndarray] | None:
+        """``protocol.decode``'s resolver for arrays from ``identity``, or None: a view of the range,
+        neither copied nor read, so a message's arrays in shared memory are views until
+        :meth:`settle`.  The resolver raises :class:`ProtocolError` for a range outside the segment or
+        an array over ``max_array_bytes``."""
         mapping = self._maps.get(identity)
-        return None if mapping is None else mapping.copy_out
+        if mapping is None:
+            return None
+        limit = self._max_array
+
+        def view(off: int, nbytes: int) -> np.ndarray:
+            if limit and nbytes > limit:
+                raise ProtocolError(f"an array of {nbytes} bytes in shared memory exceeds the {limit} "
+                                    "a frame may have here (KVSTORE_MAX_MESSAGE_BYTES)")
+            return mapping.view(off, nbytes)
+        return view
+
+    def settle(self, identity: bytes, msg: Message, check: Callable[[Message], None]) -> None:
+        """Replace the arrays ``msg`` (from ``identity``) has in shared memory, views so far, by private
+        copies once ``check(msg)`` accepted what they declare (a server never keeps a view of a
+        segment, nor reads one for a request it refuses).  Raises what ``check`` raises, and
+        :class:`ProtocolError` when the segment is no longer mapped."""
+        if msg.shm is None:
+            return
+        check(msg)
+        mapping = self._maps.get(identity)
+        if mapping is None:
+            raise ProtocolError("an array in shared memory whose segment is no longer mapped")
+        for i, off in enumerate(msg.shm):
+            if off is not None:
+                view = msg.arrays[i]
+                copy = mapping.copy_out(off, view.nbytes)
+                msg.arrays[i] = np.frombuffer(copy, view.dtype).reshape(view.shape)
 
     def expect_reply(self, identity: bytes, seq: int, reply_at: list[int] | None) -> None:
         """Remember the range request ``seq`` of ``identity`` reserved for its reply (bounded)."""

@@ -135,6 +135,8 @@ class Server:
             sender = msg.sender if type(msg.sender) is int else None
             self.meter.request(sender, name, sum(a.nbytes for a in msg.arrays) if msg.arrays else 0)
             try:
+                if msg.shm is not None and self.service.shm is not None:  # views of a worker's segment
+                    self.service.shm.settle(identity, msg, self._segment_push_fits)
                 handler(identity, msg)
             except Exception as exc:  # the service answers it; count it here
                 self.meter.refused(type(exc).__name__)
@@ -235,6 +237,22 @@ class Server:
         peers = self.service.shm
         attached, why = (False, shm.unusable(self.cfg)) if peers is None else peers.attach(identity, msg.body)
         self.service.reply(identity, Message(Op.OK, {"attached": attached, "why": why}, seq=msg.seq))
+
+    def _segment_push_fits(self, msg: Message) -> None:
+        """Before the arrays a request has in a worker's segment are copied out: a PUSH or PUSHPULL
+        must name keys held here and declare no more bytes than they hold (a push declaring 1 GiB for
+        a 4 KiB key is refused before a page of it is read).  Raises what the push itself would
+        (:class:`ProtocolError`, :class:`KeyNotInitializedError`, a key's type error)."""
+        if msg.op is not Op.PUSH and msg.op is not Op.PUSHPULL:
+            return  # other requests' arrays are bounded by the frame limit alone, as on TCP
+        keys = msg.body.get("keys")
+        if not (isinstance(keys, list) and keys):
+            raise ProtocolError(f"{msg.op.name} needs 'keys'")
+        held = sum(self.state.value(check_key(key)).nbytes for key in keys)
+        declared = sum(array.nbytes for array, off in zip(msg.arrays, msg.shm or []) if off is not None)
+        if declared > held:
+            raise ProtocolError(f"{msg.op.name} declares {declared} bytes in shared memory for "
+                                f"{len(keys)} key(s) holding {held} here")
 
     def _on_push(self, identity: bytes, msg: Message) -> None:
         self._gradients(identity, msg, pull=False)
@@ -369,8 +387,12 @@ class Server:
             transport.close(scheduler.sock, linger=1.0)
 
     def _housekeeping(self) -> None:
-        """Between messages: the rounds' stall inspector, and a shard when one is due."""
+        """Between messages: the rounds' stall inspector, the segments of peers that are gone
+        unmapped, and a shard when one is due."""
         self.meter.tick(self.state, self._abort_pulls, self.service.drops.totals)
+        gone = self.service.shm.sweep() if self.service.shm is not None else 0
+        if gone:
+            log.info("unmapped the shared-memory segment(s) of %d peer process(es) that are gone", gone)
         if self.shards is not None:
             self.shards.tick(self.state, self._requests.optimizer, self._requests.bf16_keys)
 
@@ -432,7 +454,8 @@ def _serve(cfg: kvconfig.Config) -> int:
                           report_peers=False, stats=meter.snapshot)
     heartbeat.start()  # beating while a restarted server installs its shard
     server = Server(cfg, service, cmap.body, image, meter)
-    service.shm = None if shm.unusable(cfg) else shm.ServerPeers(server.memory.checkpoint)  # same host
+    if not shm.unusable(cfg):  # workers on this host may offer segments
+        service.shm = shm.ServerPeers(server.memory.checkpoint, cfg.max_message_bytes)
     logs.set_identity("server", rank)
     log.info("serving on %s:%d in %s mode", host, port, cmap.body["mode"])
     return server.run(SchedulerLink(to_scheduler, channel, heartbeat))

@@ -11,9 +11,14 @@ process exits, and what the server stores does not change.  No reply to junk is 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import math
+import os
+import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -26,7 +31,7 @@ from hypothesis import strategies as st
 import kvstore
 from kvstore.client.mux import SCHEDULER
 from kvstore.core.dtypes import BY_NAME
-from kvstore.net import compact
+from kvstore.net import compact, shm
 from kvstore.net.auth import MAC_BYTES, Channel
 from kvstore.net.auth import decode as open_frames
 from kvstore.net.protocol import MAX_DIMS, PROTOCOL_VERSION, Message, Op
@@ -324,6 +329,142 @@ def test_fuzzed_frames_leave_the_scheduler_running_the_cluster(make_cluster) -> 
         np.testing.assert_array_equal(out, VALUE)
     _, log = next((p, lg) for name, p, lg in cluster.procs.procs if name == "scheduler")
     assert "left" not in log.read_text() and "is lost" not in log.read_text()
+
+
+# -- SHM_ATTACH (kvstore/net/shm.py): bodies, paths and descriptors a server must refuse, and live ---
+ATTACH_KEY = "fuzz-shm-target"  # pushed through the genuine segment: KEY's value never changes
+attach_values = st.one_of(WIRE_INTS, st.text(max_size=4), st.binary(max_size=20), st.none(), st.booleans(),
+                          st.floats(), st.lists(WIRE_INTS, max_size=2))
+attach_bodies = st.one_of(
+    st.dictionaries(st.sampled_from(["pid", "fd", "nonce", "bytes", "x"]), attach_values, max_size=5),
+    st.fixed_dictionaries({"pid": st.one_of(st.integers(-3, 2**22 + 9), WIRE_INTS),
+                           "fd": st.one_of(st.integers(-2, 70), WIRE_INTS),
+                           "nonce": st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=40)),
+                           "bytes": st.one_of(st.integers(-1, 1 << 41), st.sampled_from([8192, 2 << 20,
+                                                                                          1 << 40]))}),
+    attach_values)
+shm_fields = st.one_of(st.lists(st.one_of(WIRE_INTS, st.sampled_from([4096, 8192, 4095, 2 << 20]), st.none(),
+                                          st.booleans(), st.text(max_size=2)), max_size=3), attach_values)
+shm_pushes = st.tuples(shm_fields, st.lists(st.sampled_from([["float32", [1024]], ["float32", [2**20]],
+                                                             ["float64", [2**40]], ["int32", [0]]]),
+                                            max_size=2),
+                       st.sampled_from([ATTACH_KEY, KEY, "unheld"]))
+
+
+def _attach_reply(target: Target, body: Any) -> Message:
+    """Send a sealed SHM_ATTACH of ``body`` (anything); its reply (OK or ERROR), the server alive."""
+    seq = next(_bad_seqs)
+    header = {"op": int(Op.SHM_ATTACH), "seq": seq, "sender": 0, "body": body, "arrays": [],
+              "auth": target.auth()}
+    target.sock.send_multipart(sealed_raw(target.sealer, header, []))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        assert target.proc.poll() is None, f"{target.to} exited with status {target.proc.returncode}"
+        if target.sock.poll(50):
+            reply = open_frames(target.sock.recv_multipart())
+            if reply.seq == seq:
+                assert reply.op in (Op.OK, Op.ERROR) and (reply.op is Op.ERROR or isinstance(
+                    reply.body["attached"], bool) and isinstance(reply.body["why"], str)), reply
+                return reply
+    raise AssertionError(f"{target.to} did not answer SHM_ATTACH {body!r:.80} within 10 s")
+
+
+def _refused_attach(target: Target, body: Any) -> str:
+    """The reason the server gives for not mapping ``body``'s segment (an ERROR counts as a refusal)."""
+    reply = _attach_reply(target, body)
+    if reply.op is Op.ERROR:
+        return reply.body["message"]
+    assert reply.body["attached"] is False and reply.body["why"], (body, reply.body)
+    return reply.body["why"]
+
+
+def _bad_descriptors(stack: contextlib.ExitStack, tmp: Path, nonce: bytes) -> list[tuple[int, int]]:
+    """(size, fd) of this process's descriptors no server may map, each with the nonce at its start
+    where it can hold one: files, pipes, sockets, devices, a directory, memfds unsealed, read-only,
+    of huge pages or of another size."""
+    def fd(value: int) -> int:
+        stack.callback(os.close, value)
+        return value
+
+    plain = fd(os.open(tmp / "plain", os.O_RDWR | os.O_CREAT))
+    unsealed = fd(os.memfd_create("fuzz", os.MFD_CLOEXEC))
+    sealed = shm.Segment(2 << 20)
+    stack.callback(sealed.close_fd)
+    found = [plain, unsealed, *(fd(end) for end in os.pipe()), *(fd(s.detach()) for s in socket.socketpair()),
+             fd(os.open("/dev/null", os.O_RDWR)), fd(os.open(tmp, os.O_RDONLY)),
+             fd(os.open(f"/proc/self/fd/{sealed.fd}", os.O_RDONLY)), fd(os.eventfd(0))]
+    for each in (plain, unsealed):
+        os.ftruncate(each, 2 << 20)
+        os.pwrite(each, nonce, 0)
+    with contextlib.suppress(OSError):  # where this kernel makes one
+        huge = fd(os.memfd_create("fuzz-huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING))
+        os.ftruncate(huge, 2 << 20)
+        fcntl.fcntl(huge, fcntl.F_ADD_SEALS, shm.OFFERED_SEALS)
+        found.append(huge)
+    return [(2 << 20, each) for each in found] + [(4 << 20, sealed.fd)]
+
+
+@pytest.mark.timeout(180)
+def test_fuzzed_shm_attach_leaves_a_live_server_serving(make_cluster, tmp_path: Path) -> None:
+    """SHM_ATTACH with malformed bodies, paths of other processes (pid 1, the server, the scheduler, none)
+    and this process's descriptors that are not a sealed read-write memfd of the size offered is
+    refused with a reason; pushes naming fuzzed ranges of a genuine segment get an answer; the server
+    lives, and its values and the worker's own shared memory are intact."""
+    cluster: Cluster = make_cluster("dist_async", 1, 1)
+    (kv,) = cluster.workers
+    kv.init(KEY, VALUE)
+    kv.init(ATTACH_KEY, np.zeros(1024, np.float32))
+    target = Target.server(cluster, insider(kv, "fuzzer"))
+    pids = {name: proc.pid for name, proc, _ in cluster.procs.procs}
+    nonce = bytes(shm.NONCE_BYTES)
+    try:
+        with contextlib.ExitStack() as stack:
+            for size, fd in _bad_descriptors(stack, tmp_path, nonce):
+                _refused_attach(target, {"pid": os.getpid(), "fd": fd, "nonce": nonce, "bytes": size})
+        for pid, fds in ((1, range(4)), (pids["server 0"], range(40)), (pids["scheduler"], range(20)),
+                         (2**22 + 7, range(2))):
+            for fd in fds:
+                _refused_attach(target, {"pid": pid, "fd": fd, "nonce": nonce, "bytes": 2 << 20})
+
+        @EXAMPLES
+        @given(attach_bodies)
+        def attach(body) -> None:
+            _refused_attach(target, body)
+
+        attach()
+        segment = shm.Segment(4 << 20)
+        try:
+            assert _attach_reply(target, segment.attach_body()).body == {"attached": True, "why": ""}
+
+            @EXAMPLES
+            @given(shm_pushes)
+            def push(case) -> None:
+                offsets, metas, key = case
+                header = {"op": int(Op.PUSH), "seq": next(_bad_seqs), "sender": 0, "arrays": metas,
+                          "body": {"keys": [key], "sizes": [1024]}, "shm": offsets, "auth": target.auth()}
+                frames = sealed_raw(target.sealer, header, [b""] * len(metas))
+                target.sock.send_multipart(frames)
+                target.probe.seq = next(_probe_seqs)
+                target.sock.send_multipart(target.sealer.seal(target.probe, target.to))
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    assert target.proc.poll() is None, f"the server exited with {target.proc.returncode}"
+                    if target.sock.poll(50):
+                        if open_frames(target.sock.recv_multipart()).seq == target.probe.seq:
+                            return
+                raise AssertionError("the server did not answer the probe within 10 s")
+
+            push()
+        finally:
+            segment.close_fd()
+    finally:
+        target.close()
+    assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()
+    np.testing.assert_array_equal(kv.pull(KEY), VALUE)
+    big = np.arange(1 << 20, dtype=np.float32)  # 4 MB: through the worker's own segment
+    kv.init("fuzz-shm-after", big)
+    np.testing.assert_array_equal(kv.pull("fuzz-shm-after"), big)
+    assert kv._io.lanes is not None and kv._io.lanes.received >= big.nbytes
 
 
 # -- row-sparse ops ---------------------------------------------------------------------------------
