@@ -252,6 +252,7 @@ class _Distributed:
     _kv_passes: _Passes  # backward passes since the last step, against backward_passes_per_step
     _kv_synced: bool  # synchronize() ran since the last step
     _kv_skip: bool  # inside skip_synchronize()
+    _kv_skipped: list[tuple[str, Tensor]]  # float parameters that took no gradient when wrapped
 
     def __init__(self, optimizer: Any, kv: KVStore, op: str, prefix: str,
                  ordered: list[tuple[str, Tensor]], passes: int) -> None:
@@ -268,6 +269,10 @@ class _Distributed:
         self._kv_synced = self._kv_skip = False
         for name, p in ordered:
             p.register_post_accumulate_grad_hook(self._kv_passes.hook(name))
+        reduced = {id(p) for p in self._kv_params}
+        self._kv_skipped = [(f"{g}.{i} {tuple(p.shape)}", p) for g, group in enumerate(self.param_groups)
+                            for i, p in enumerate(group["params"])
+                            if p.is_floating_point() and id(p) not in reduced]
 
     @property
     def kvstore(self) -> KVStore:
@@ -290,10 +295,16 @@ class _Distributed:
         A parameter whose ``.grad`` is None contributes zeros; it receives the reduced gradient when
         another worker had one, and keeps None when no worker did (DDP's rule), so the optimizer
         skips it everywhere.  Then ``step()`` inside :meth:`skip_synchronize` steps on them as they are
-        (to clip them first, for instance).
+        (to clip them first, for instance).  RuntimeError, before any reduction, when a parameter
+        skipped as frozen at wrapping has a gradient (it would step unreduced).
         """
         import torch
 
+        late = [name for name, p in self._kv_skipped if p.grad is not None]
+        if late:
+            raise RuntimeError(f"parameters that took no gradient when the optimizer was wrapped have one "
+                               f"now (param_groups index and shape): {late[:5]}; they would step unreduced: "
+                               "wrap the optimizer again after changing requires_grad")
         params, keys = self._kv_params, self._kv_keys
         grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) if p.grad is None else p.grad
                  for p in params]
@@ -312,6 +323,12 @@ class _Distributed:
                 p.grad = g
         self._kv_synced = True
         self._kv_passes.counts.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The torch optimizer's ``zero_grad``; the gradients it discards no longer count as backward
+        passes against ``backward_passes_per_step``."""
+        self._kv_passes.counts.clear()
+        super().zero_grad(set_to_none)  # type: ignore[misc]
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

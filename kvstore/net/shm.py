@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import fcntl
 import mmap
 import os
 import secrets
@@ -48,6 +47,11 @@ import numpy as np
 from kvstore.config import Config
 from kvstore.errors import ProtocolError
 from kvstore.net.protocol import Message
+
+try:
+    import fcntl  # sealing: POSIX; where it is missing shared memory is off (:func:`unusable`)
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
 
 MIN_BYTES = 64 * 1024  # arrays smaller than this stay inline (the header round trip dominates)
 ALIGN = 4096  # ranges start on page boundaries
@@ -456,7 +460,7 @@ class ServerPeers:
 
 def unusable(cfg: Config) -> str | None:
     """Why a node with ``cfg`` keeps every pair on TCP (KVSTORE_SHM=0, KVSTORE_AUTH=full,
-    KVSTORE_ENCRYPT, no memfd), or None when shared memory may be used."""
+    KVSTORE_ENCRYPT, no memfd, no sealing), or None when shared memory may be used."""
     if not cfg.shm:
         return "KVSTORE_SHM=0"
     if cfg.auth_full:
@@ -465,4 +469,6 @@ def unusable(cfg: Config) -> str | None:
         return f"KVSTORE_ENCRYPT={cfg.encrypt} keeps every byte on the encrypted sockets"
     if not hasattr(os, "memfd_create"):
         return "this system has no memfd_create"
+    if not SEALS or not hasattr(fcntl, "F_GET_SEALS"):
+        return "this system cannot seal a memfd (fcntl F_SEAL_SHRINK, F_SEAL_GROW)"
     return None

@@ -246,3 +246,33 @@ def test_naming_only_some_parameters_is_an_error_naming_the_rest() -> None:
     with pytest.raises(ValueError, match=r"leaves 2 .*unnamed.*'0\.2 \(2, 3\)', '0\.3 \(2,\)'"):
         kvstore.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), kv="local",
                                      named_parameters=named)
+
+
+def test_zero_grad_between_backward_passes_starts_the_count_again() -> None:
+    """backward(), zero_grad() (a skipped batch), backward(), step() is one pass per step: zero_grad
+    discards the gradients, so it does not raise as if two passes had accumulated."""
+    model = _model()
+    opt = kvstore.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), kv="local")
+    model(torch.ones(2, 4)).sum().backward()
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.zero_grad(set_to_none=False)
+    model(torch.ones(2, 4)).sum().backward()
+    assert torch.equal(model[2].bias.grad, torch.full((2,), 2.0))
+
+
+def test_a_parameter_skipped_as_frozen_that_gets_a_gradient_is_refused() -> None:
+    """A parameter frozen when the optimizer was wrapped (skipped) and unfrozen later would be stepped
+    on its local gradient, unreduced: step() raises RuntimeError naming it instead of diverging."""
+    model = _model()
+    model[0].requires_grad_(False)
+    opt = kvstore.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), kv="local")
+    model[0].requires_grad_(True)
+    before = model[0].weight.detach().clone()
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"'0\.0 \(3, 4\)'.*wrap"):
+        opt.step()
+    assert torch.equal(model[0].weight, before)

@@ -155,3 +155,17 @@ def test_a_sweep_unmaps_the_segment_of_a_process_that_is_gone(monkeypatch) -> No
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
     assert peers.sweep() == 1 and peers.resolver(b"w") is None
+
+
+def test_without_fcntl_kvstore_imports_and_shared_memory_is_off() -> None:
+    """A platform without fcntl (no sealing) still imports kvstore and creates a store; shared memory
+    is unusable there, with the reason, so every pair stays on TCP."""
+    code = ("import sys; sys.modules['fcntl'] = None\n"
+            "import kvstore\n"
+            "from kvstore.config import Config\n"
+            "from kvstore.net import shm\n"
+            "kvstore.create('local')\n"
+            "print(shm.unusable(Config()))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "seal" in done.stdout
