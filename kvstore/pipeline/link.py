@@ -80,8 +80,11 @@ class StageLink:
         found = reply.body.get("address")
         if not (isinstance(found, list) and len(found) == 2):
             raise ProtocolError(f"the scheduler has no pipeline address for {self.names[peer]}")
-        return transport.connect_dealer(transport.address(found[0], found[1]),
-                                        identity=label(self.rank).encode(), curve=curve)
+        # No routing identity of our own: zmq assigns each connection one, so none can be claimed by
+        # whoever connects first (a stranger holding a fixed "pipe-<rank>" had the ROUTER refuse the
+        # real neighbour).  The stage never answers through its ROUTER, and who sent a message is
+        # read from its sealed header, never from the connection.
+        return transport.connect_dealer(transport.address(found[0], found[1]), curve=curve)
 
     def send(self, peer: int, op: Op, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """Seal and send one message to neighbour ``peer``; raises NodeLostError when that fails, and
