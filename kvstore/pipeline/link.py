@@ -40,7 +40,7 @@ DRAIN_LIMIT = 1000  # messages read per wake-up before the deadline and the hear
 # a stranger's flood costs the stage at most about (INBOUND_MESSAGES + 1) x KVSTORE_MAX_MESSAGE_BYTES
 # per connection (docs/security.md).
 INBOUND_MESSAGES = 4
-TRIM_AFTER_BYTES = 64 << 20  # refused bytes after which freed heap goes back to the OS (at most 1/s)
+TRIM_AFTER_BYTES = 16 << 20  # refused bytes after which freed heap goes back to the OS (at most 1/s)
 MAX_CHUNKS = 1 << 16  # micro-batches of a step when the caller does not say (the most a stage may announce)
 
 
@@ -161,25 +161,29 @@ class StageLink:
         the awaited one: zmq takes each connection's messages in turn, so a stranger's junk costs a
         step about one message per connection for each it waits for."""
         for _ in range(DRAIN_LIMIT):
-            try:
-                frames = transport.recv_nowait(self.sock)
-            except ProtocolError as exc:  # too many frames: read, dropped (and trimmed) by the transport
-                self.drops.count("frames", str(exc))
-                continue
-            if frames is None:
+            if not self._take(step) or wanted in self.inbox:
                 break
-            try:
-                msg = self.channel.open(frames[1:])
-            except Exception as exc:  # made-up frames may break anything in the decoder
-                self._refused(frames, "unreadable", f"{type(exc).__name__}: {exc}")
-                continue
-            try:
-                self._file(msg, step)
-            except ProtocolError as exc:
-                self._refused(frames, "unexpected", str(exc))
-            if wanted in self.inbox:
-                break
-        self._flush_drops()
+        self._flush_drops()  # after the last message read is freed, so a trim can return it too
+
+    def _take(self, step: int) -> bool:
+        """File one waiting message in the inbox, or drop and count it; False when none was waiting."""
+        try:
+            frames = transport.recv_nowait(self.sock)
+        except ProtocolError as exc:  # too many frames: read, dropped (and trimmed) by the transport
+            self.drops.count("frames", str(exc))
+            return True
+        if frames is None:
+            return False
+        try:
+            msg = self.channel.open(frames[1:])
+        except Exception as exc:  # made-up frames may break anything in the decoder
+            self._refused(frames, "unreadable", f"{type(exc).__name__}: {exc}")
+            return True
+        try:
+            self._file(msg, step)
+        except ProtocolError as exc:
+            self._refused(frames, "unexpected", str(exc))
+        return True
 
     def _refused(self, frames: list[Any], reason: str, detail: str) -> None:
         self.drops.count(reason, detail)

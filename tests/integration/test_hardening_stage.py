@@ -88,9 +88,16 @@ class Flooder:
 
     def sent(self) -> int:
         """The bytes the flooder has had accepted so far."""
+        return self._last()[1]
+
+    def count(self) -> int:
+        """The whole messages the flooder has had accepted so far."""
+        return self._last()[0]
+
+    def _last(self) -> tuple[int, int]:
         text = self.log.read_text() if self.log.exists() else ""
-        found = re.findall(r"(?:SENT|DONE|BLOCKED) \d+ (\d+)", text)
-        return int(found[-1]) if found else 0
+        found = re.findall(r"(?:SENT|DONE|BLOCKED) (\d+) (\d+)", text)
+        return (int(found[-1][0]), int(found[-1][1])) if found else (0, 0)
 
     def stop(self) -> None:
         """Kill the flooder and reap it."""
@@ -171,7 +178,7 @@ def flood_then_drain(make_cluster, tmp_path: Path, total: int, size: int, peak_l
         poll_for(settled, 30, "the flood to be held back or done")
         peak = max(peak, rss_mb_self())
         held = flooder.sent()
-        shared["base"] = base
+        shared["base"], shared["drops"] = base, link.drops.totals
         kv.barrier()  # stage 0 starts training
         _, done = steps(kv, link, 1, None)
         return base, peak, held, done, rss_mb_self(), link.drops.totals["unreadable"]
@@ -182,9 +189,10 @@ def flood_then_drain(make_cluster, tmp_path: Path, total: int, size: int, peak_l
         deadline = time.monotonic() + within
         flooder = shared["flooder"]
 
-        def drained() -> bool:
+        def drained() -> bool:  # every junk message was read and dropped, and RSS came back
             return time.monotonic() > deadline or (
-                flooder.said("DONE") and rss_mb_self() - shared["base"] < after_limit)
+                flooder.said("DONE") and shared["drops"]["unreadable"] >= flooder.count()
+                and rss_mb_self() - shared["base"] < after_limit)
 
         return steps(kv, link, 1, drained)[1]
 
@@ -200,6 +208,7 @@ def flood_then_drain(make_cluster, tmp_path: Path, total: int, size: int, peak_l
     assert peak - base < peak_limit, f"the stage grew {peak - base:.0f} MiB under the flood"
     assert done == sent_steps, "a legitimate activation was lost"
     assert flooder.said("DONE"), f"the flood did not drain in {within} s ({flooder.sent() / MB:.0f} MiB sent)"
+    assert dropped == flooder.count(), f"{dropped} of {flooder.count()} junk messages were dropped"
     assert after - base < after_limit, f"the stage held {after - base:.0f} MiB after the flood drained"
 
 
@@ -272,3 +281,20 @@ def test_small_junk_at_full_rate_costs_a_stage_little(make_cluster, tmp_path: Pa
     """Small junk sent at full rate during 2 s of training: the stage grows < 24 MiB (it used to queue
     all of it) and keeps at least half its steps/s (the flood test asks 80% over a longer run)."""
     junk_during_training(make_cluster, tmp_path, 2.0, keep=0.5, grow_limit=24)
+
+
+@pytest.mark.flood
+@pytest.mark.timeout(180)
+def test_a_strangers_full_flood_at_the_frame_limit(make_cluster, tmp_path: Path) -> None:
+    """A stranger floods 1.5 GiB in messages of one 16 MiB frame (the default frame limit) into a stage
+    that is not receiving: the stage stays under its baseline + 100 MB (about 5 such messages: the 4
+    zmq queues and the one it is reading), trains on, and ends < 24 MiB above its baseline."""
+    flood_then_drain(make_cluster, tmp_path, 1536 * MB, 16 * MB, peak_limit=100, after_limit=24, within=45)
+
+
+@pytest.mark.flood
+@pytest.mark.timeout(120)
+def test_small_junk_at_full_rate_keeps_four_fifths_of_the_steps(make_cluster, tmp_path: Path) -> None:
+    """Small junk sent at full rate during 10 s of training: the stage keeps at least 80% of its
+    steps/s and grows < 24 MiB (it used to queue all of it: 4.7 GB, and 54.6 -> 10.7 steps/s)."""
+    junk_during_training(make_cluster, tmp_path, 10.0, keep=0.8, grow_limit=24)
