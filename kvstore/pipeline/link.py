@@ -6,6 +6,10 @@ connects a DEALER to each.  Activations go forward and gradients backward as sea
 messages (``kvstore.net.auth``, keyed by the cluster's secret and session), each array a
 raw frame (zero-copy for big ones).  Every wait has a deadline (KVSTORE_REQUEST_TIMEOUT)
 and watches the store's heartbeat: a lost worker is raised as the store raises it.
+
+Anyone may connect to the bound socket, so it has a server's limits against a stranger: zmq's
+frame limit, a receive high-water mark per connection, a bounded drain, and the heap trimmed
+after a flood (docs/security.md, "A pipeline stage's socket").
 """
 
 from __future__ import annotations
@@ -186,6 +190,7 @@ class StageLink:
         return True
 
     def _refused(self, frames: list[Any], reason: str, detail: str) -> None:
+        """Count a dropped message under ``reason``, and its bytes towards the next heap trim."""
         self.drops.count(reason, detail)
         self._untrimmed += 1
         self._untrimmed_bytes += sum(len(frame) for frame in frames)
