@@ -6,6 +6,10 @@ connects a DEALER to each.  Activations go forward and gradients backward as sea
 messages (``kvstore.net.auth``, keyed by the cluster's secret and session), each array a
 raw frame (zero-copy for big ones).  Every wait has a deadline (KVSTORE_REQUEST_TIMEOUT)
 and watches the store's heartbeat: a lost worker is raised as the store raises it.
+
+Anyone may connect to the bound socket, so it has a server's limits against a stranger: zmq's
+frame limit, a receive high-water mark per connection, a bounded drain, and the heap trimmed
+after a flood (docs/security.md, "A pipeline stage's socket").
 """
 
 from __future__ import annotations
@@ -28,12 +32,19 @@ from kvstore.errors import (
 from kvstore.net import address, transport
 from kvstore.net.curve import CurveKeys
 from kvstore.net.protocol import Message, Op
-from kvstore.net.router import DropLog
+from kvstore.net.router import TRIM_AFTER_EVENTS, DropLog
 
 log = logging.getLogger("kvstore.pipeline")
 TICK = 0.05  # seconds between checks of the heartbeat's verdict while waiting for a neighbour
 KINDS = {Op.PIPE_ACT: "activation", Op.PIPE_GRAD: "gradient"}
 DRAIN_LIMIT = 1000  # messages read per wake-up before the deadline and the heartbeat are checked again
+# Flow control, as a server's ROUTER has (kvstore.server.server.INBOUND_MESSAGES): zmq queues at most
+# this many messages from each connection before it stops reading it, and TCP holds the sender back.
+# A neighbour loses nothing (its DEALER queues what the stage has not taken yet, and never waits);
+# a stranger's flood costs the stage at most about (INBOUND_MESSAGES + 1) x KVSTORE_MAX_MESSAGE_BYTES
+# per connection (docs/security.md).
+INBOUND_MESSAGES = 4
+TRIM_AFTER_BYTES = 16 << 20  # refused bytes after which freed heap goes back to the OS (at most 1/s)
 MAX_CHUNKS = 1 << 16  # micro-batches of a step when the caller does not say (the most a stage may announce)
 
 
@@ -59,11 +70,13 @@ class StageLink:
         host = address.node_host(cfg)
         address.check_bind(cfg, host, "a pipeline stage")
         curve = transport.curve_keys(cfg)
-        self.sock, port = transport.bind_router(host, 0, max_frame_bytes=cfg.max_message_bytes, curve=curve)
+        self.sock, port = transport.bind_router(host, 0, inbound=INBOUND_MESSAGES,
+                                                max_frame_bytes=cfg.max_message_bytes, curve=curve)
         self.peers: dict[int, Any] = {}
         self.inbox: dict[tuple[int, int, int], tuple[np.ndarray, dict]] = {}  # (op, step, mb) -> array, body
         self.taken: set[tuple[int, int, int]] = set()  # keys received already (a repeat is dropped)
         self.drops = DropLog(log)  # what the socket refused, counted by reason and logged now and then
+        self._untrimmed, self._untrimmed_bytes = 0, 0  # refused since the heap was last trimmed
         try:
             self.poller = transport.Poller()
             self.poller.add(self.sock)
@@ -80,8 +93,11 @@ class StageLink:
         found = reply.body.get("address")
         if not (isinstance(found, list) and len(found) == 2):
             raise ProtocolError(f"the scheduler has no pipeline address for {self.names[peer]}")
-        return transport.connect_dealer(transport.address(found[0], found[1]),
-                                        identity=label(self.rank).encode(), curve=curve)
+        # No routing identity of our own: zmq assigns each connection one, so none can be claimed by
+        # whoever connects first (a stranger holding a fixed "pipe-<rank>" had the ROUTER refuse the
+        # real neighbour).  The stage never answers through its ROUTER, and who sent a message is
+        # read from its sealed header, never from the connection.
+        return transport.connect_dealer(transport.address(found[0], found[1]), curve=curve)
 
     def send(self, peer: int, op: Op, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """Seal and send one message to neighbour ``peer``; raises NodeLostError when that fails, and
@@ -122,7 +138,7 @@ class StageLink:
                     f"{self.names[self.rank]} waited {self.timeout:g} s for the {KINDS[op]} of micro-batch "
                     f"{mb} from {self.names[peer]} (KVSTORE_REQUEST_TIMEOUT)")
             if self.poller.wait(min(left, TICK)):
-                self._drain(step)
+                self._drain(step, (op, step, mb))
         self.taken.add((op, step, mb))
         return self.inbox.pop((op, step, mb))
 
@@ -142,28 +158,50 @@ class StageLink:
             raise NodeLostError(f"{self.names[exc.rank]} is lost, so {self.names[self.rank]} stops: {exc}",
                                 role=exc.role, rank=exc.rank, host=exc.host) from None
 
-    def _drain(self, step: int) -> None:
-        """File every waiting message in the inbox; drop and count what is not for us (anyone may
-        connect, so nothing read here may raise but a neighbour's PIPE_ABORT).  Reads at most
-        DRAIN_LIMIT messages, so a flood cannot keep the caller from its deadline."""
+    def _drain(self, step: int, wanted: tuple[int, int, int]) -> None:
+        """File waiting messages in the inbox until ``wanted`` is there; drop and count what is not for
+        us (anyone may connect, so nothing read here may raise but a neighbour's PIPE_ABORT).  Reads at
+        most DRAIN_LIMIT messages, so a flood cannot keep the caller from its deadline, and stops at
+        the awaited one: zmq takes each connection's messages in turn, so a stranger's junk costs a
+        step about one message per connection for each it waits for."""
         for _ in range(DRAIN_LIMIT):
-            try:
-                frames = transport.recv_nowait(self.sock)
-            except ProtocolError as exc:  # too many frames: read and dropped by the transport
-                self.drops.count("frames", str(exc))
-                continue
-            if frames is None:
+            if not self._take(step) or wanted in self.inbox:
                 break
-            try:
-                msg = self.channel.open(frames[1:])
-            except Exception as exc:  # made-up frames may break anything in the decoder
-                self.drops.count("unreadable", f"{type(exc).__name__}: {exc}")
-                continue
-            try:
-                self._file(msg, step)
-            except ProtocolError as exc:
-                self.drops.count("unexpected", str(exc))
-        self.drops.flush()
+        self._flush_drops()  # after the last message read is freed, so a trim can return it too
+
+    def _take(self, step: int) -> bool:
+        """File one waiting message in the inbox, or drop and count it; False when none was waiting."""
+        try:
+            frames = transport.recv_nowait(self.sock)
+        except ProtocolError as exc:  # too many frames: read, dropped (and trimmed) by the transport
+            self.drops.count("frames", str(exc))
+            return True
+        if frames is None:
+            return False
+        try:
+            msg = self.channel.open(frames[1:])
+        except Exception as exc:  # made-up frames may break anything in the decoder
+            self._refused(frames, "unreadable", f"{type(exc).__name__}: {exc}")
+            return True
+        try:
+            self._file(msg, step)
+        except ProtocolError as exc:
+            self._refused(frames, "unexpected", str(exc))
+        return True
+
+    def _refused(self, frames: list[Any], reason: str, detail: str) -> None:
+        """Count a dropped message under ``reason``, and its bytes towards the next heap trim."""
+        self.drops.count(reason, detail)
+        self._untrimmed += 1
+        self._untrimmed_bytes += sum(len(frame) for frame in frames)
+
+    def _flush_drops(self) -> None:
+        """Log the drop counts when due (at most once a second); after a flood, give the heap zmq
+        queued it in back to the OS, as a server does (kvstore.net.router)."""
+        if self.drops.flush() and (self._untrimmed >= TRIM_AFTER_EVENTS
+                                   or self._untrimmed_bytes >= TRIM_AFTER_BYTES):
+            self._untrimmed, self._untrimmed_bytes = 0, 0
+            transport.trim_heap()
 
     def _file(self, msg: Message, step: int) -> None:
         if msg.sender not in (self.prev, self.next):

@@ -17,6 +17,7 @@ import itertools
 import math
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,13 @@ from hypothesis import strategies as st
 import kvstore
 from kvstore.client.mux import SCHEDULER
 from kvstore.core.dtypes import BY_NAME
-from kvstore.net import compact, shm
-from kvstore.net.auth import MAC_BYTES, Channel
+from kvstore.net import compact, shm, transport
+from kvstore.net.auth import MAC_BYTES, Channel, derive_key
 from kvstore.net.auth import decode as open_frames
 from kvstore.net.protocol import MAX_DIMS, PROTOCOL_VERSION, Message, Op
 from kvstore.pipeline.link import StageLink
 
-from .conftest import Cluster, insider
+from .conftest import SECRET, Cluster, insider
 
 EXAMPLES = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
@@ -663,3 +664,84 @@ def test_malformed_pipe_requests_get_errors_and_record_nothing(make_cluster) -> 
     assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()
     assert [w.stage_access("test").request(Op.PIPE_LOOKUP, {"rank": r}, "lookup").body["address"]
             for r, w in enumerate(cluster.workers)] == [None, None]
+
+
+def _stage_attacks(kv: Any, to: str) -> list[list[Any]]:
+    """Messages to a stage's socket (``to``, e.g. "pipe-1") that must be dropped: bad seals of a
+    well-formed activation claiming stage 0 (sealed for the other stage, with the secret but not the
+    session, with another secret, a forged or cut MAC, the MAC of another message, a replay), junk, and
+    messages of too many frames, sealed and not."""
+    act = Message(Op.PIPE_ACT, {"step": 0, "mb": 0}, [ACT], sender=0)
+    sealer = insider(kv, "fuzzer")
+    good = sealer.seal(act, to)
+    other = "pipe-0" if to == "pipe-1" else "pipe-1"
+    bad = [sealer.seal(act, other), Channel(derive_key(SECRET), "fuzzer").seal(act, to),
+           Channel(derive_key("another secret"), "fuzzer").seal(act, to)]
+    bad += [[b"", *good[1:]], [bytes(MAC_BYTES), *good[1:]], [bytes(good[0])[:7], *good[1:]],
+            [sealer.seal(Message(Op.PIPE_ACT, {"step": 0, "mb": 1}, [ACT], sender=0), to)[0], *good[1:]]]
+    replayed = sealer.seal(Message(Op.PIPE_ACT, {"step": 99, "mb": 0}, [ACT], sender=0), to)  # dropped: step
+    bad += [replayed, replayed, [b"junk"], [b"x"] * 3, [b"", b"\xc1", b""]]
+    header = {"op": int(Op.PIPE_ACT), "seq": 0, "sender": 0, "body": {"step": 0, "mb": 0},
+              "arrays": [["float32", [0]]] * 3, "auth": [sealer.label, next(sealer._counter), to]}
+    many = sealed_raw(sealer, header, [b""] * (transport.MAX_FRAMES + 1))
+    bad += [many, [b"", *many[1:]], [b""] * 100_000]
+    return bad
+
+
+@pytest.mark.timeout(120)
+def test_bad_seals_oversized_and_overlong_messages_leave_stages_training(make_cluster) -> None:
+    """While two stages train, each socket gets bad seals, junk, frames over the frame limit (zmq drops
+    that connection) and messages of too many frames: no stage raises, every activation and gradient
+    arrives intact, and what was sent is counted as dropped."""
+    cluster: Cluster = make_cluster("dist_sync", 2, 1, connect=False, KVSTORE_MAX_MESSAGE_BYTES=1 << 20,
+                                    KVSTORE_CHUNK_BYTES=1 << 18)
+    cluster.connect(request_timeout=30.0)
+    done = threading.Event()
+    sent: list[int] = []
+
+    def attack() -> None:
+        kv = cluster.workers[0]
+        for rank in (1, 0):
+            found = kv.stage_access("test").request(Op.PIPE_LOOKUP, {"rank": rank}, "a stage").body["address"]
+            sock, over = dealer(f"tcp://{found[0]}:{found[1]}"), dealer(f"tcp://{found[0]}:{found[1]}")
+            try:
+                for frames in _stage_attacks(kv, f"pipe-{rank}"):
+                    sock.send_multipart(frames)
+                over.send_multipart([b"m" * 16, b"h", bytes((1 << 20) + 1)])  # zmq drops that connection
+                sent.append(rank)
+            finally:
+                sock.close(linger=20_000)  # what is not sent yet still goes (the stage drains as it trains)
+                over.close()
+        done.set()
+
+    def train(kv) -> tuple[int, dict]:
+        link = StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, PIPE_NAMES, chunks=1)
+        try:
+            if kv.rank == 0:
+                kv.barrier()  # both links are up
+                threading.Thread(target=attack, daemon=True).start()
+            else:
+                kv.barrier()
+            step, extra = 0, 20
+            while extra:
+                more = 1 if kv.rank == 1 or not done.is_set() else 0
+                if kv.rank == 0:
+                    extra -= 1 - more  # 20 steps after the attack is sent
+                    link.send(1, Op.PIPE_ACT, {"step": step, "mb": 0, "extra": extra}, [ACT + step])
+                    np.testing.assert_array_equal(link.receive(Op.PIPE_GRAD, step, 0)[0], ACT - step)
+                else:
+                    act, body = link.receive(Op.PIPE_ACT, step, 0)
+                    np.testing.assert_array_equal(act, ACT + step)
+                    link.send(0, Op.PIPE_GRAD, {"step": step, "mb": 0}, [ACT - step])
+                    extra = body["extra"]
+                step += 1
+            kv.barrier()
+            return step, dict(link.drops.totals)
+        finally:
+            link.close()
+
+    (steps0, drops0), (steps1, drops1) = cluster.run(train)
+    assert steps0 == steps1 >= 20 and sent == [1, 0]
+    for drops in (drops0, drops1):
+        assert drops == {"unreadable": 11, "unexpected": 1, "frames": 3}, drops
+    assert all(proc.poll() is None for _, proc, _ in cluster.procs.procs), cluster.procs.output()

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from kvstore.errors import ConfigError, DeadlineExceededError, RemoteError
 from kvstore.net import transport
@@ -184,3 +185,70 @@ def test_an_array_over_the_frame_limit_is_refused_by_its_sender(make_cluster) ->
     assert refused is not None and "KVSTORE_MAX_MESSAGE_BYTES=1048576" in refused, refused
     assert "micro-batch 0" in refused and "stage 1 (worker 1)" in refused, refused
     np.testing.assert_array_equal(array, ACT)
+
+
+def _hijack_before_barrier(kv, neighbour: int, hijackers: list) -> None:
+    """Make ``kv``'s next barrier first connect a stranger to ``kv``'s own pipeline socket with the
+    routing identity neighbour ``neighbour`` used (``pipe-<rank>``) and wait for zmq to accept it: a
+    StageLink calls that barrier after it published its address and before any neighbour connects."""
+    barrier = kv.barrier
+
+    def hijack_then_barrier() -> None:
+        found = kv.stage_access("test").request(Op.PIPE_LOOKUP, {"rank": kv.rank}, "own").body["address"]
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"pipe-{neighbour}".encode())
+        hijackers.append(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            sock.connect(transport.address(*found))
+            # zmq's ROUTER takes the stranger's identity once its handshake is done
+            assert monitor.poll(10_000), "the stranger's handshake did not complete"
+        finally:
+            sock.disable_monitor()
+            monitor.close(0)
+        kv.__dict__.pop("barrier")  # the real barrier from now on
+        barrier()
+
+    kv.barrier = hijack_then_barrier
+
+
+@pytest.mark.timeout(60)
+def test_a_stranger_holding_a_neighbours_routing_identity_does_not_cut_it_off(make_cluster) -> None:
+    """A stranger that connects to each stage's socket first, with the routing identity its neighbour
+    used to connect with (``pipe-0`` / ``pipe-1``), and sends nothing: two steps of activations and
+    gradients still go through (they used to be refused, and the stage waited out its deadline)."""
+    hijackers: list = []
+    cluster = make_cluster(num_workers=2, connect=False)
+    cluster.connect(request_timeout=5.0)
+    for kv in cluster.workers:
+        _hijack_before_barrier(kv, 1 - kv.rank, hijackers)
+
+    def run(kv) -> list[np.ndarray]:
+        link = StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, NAMES, chunks=2)
+        got = []
+        try:
+            for step in range(2):
+                for mb in range(2):
+                    if kv.rank == 0:
+                        link.send(1, Op.PIPE_ACT, {"step": step, "mb": mb}, [ACT + step])
+                        got.append(link.receive(Op.PIPE_GRAD, step, mb)[0])
+                    else:
+                        array, _ = link.receive(Op.PIPE_ACT, step, mb)
+                        got.append(array)
+                        link.send(0, Op.PIPE_GRAD, {"step": step, "mb": mb}, [array * 2])
+            kv.barrier()
+            return got
+        finally:
+            link.close()
+
+    try:
+        first, second = cluster.run(run)
+    finally:
+        for sock in hijackers:
+            transport.close(sock)
+    assert len(hijackers) == 2
+    for step in range(2):
+        for mb in range(2):
+            np.testing.assert_array_equal(second[2 * step + mb], ACT + step)
+            np.testing.assert_array_equal(first[2 * step + mb], (ACT + step) * 2)
