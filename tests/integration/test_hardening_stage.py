@@ -225,11 +225,12 @@ def test_a_strangers_flood_is_held_back_and_the_memory_goes_back(make_cluster, t
     flood_then_drain(make_cluster, tmp_path, 200 * MB, 4 * MB, peak_limit=40, after_limit=24, within=8)
 
 
-def junk_during_training(make_cluster, tmp_path: Path, seconds: float, keep: float,
-                         grow_limit: float) -> None:
+def junk_during_training(make_cluster, tmp_path: Path, seconds: float, grow_limit: float
+                         ) -> tuple[float, float]:
     """Stages train ``seconds`` alone, then ``seconds`` while a stranger sends small junk at full rate:
-    they keep at least ``keep`` of their steps/s, the stage grows < ``grow_limit`` MiB, and every
-    legitimate array arrives (each is checked)."""
+    the stage grows < ``grow_limit`` MiB, junk is dropped, and every legitimate array arrives (each is
+    checked).  Returns the steps/s before and during the junk (what ``benchmarks/stage_junk.py``
+    reports: a rate is a benchmark's figure, never a test's assertion)."""
     procs = Processes(tmp_path)
     shared: dict[str, Any] = {}
 
@@ -272,16 +273,15 @@ def junk_during_training(make_cluster, tmp_path: Path, seconds: float, keep: flo
     print(f"\nsmall junk at full rate: {before_rate:.1f} -> {during_rate:.1f} steps/s; "
           f"RSS {base:.0f} -> peak {peak:.0f} MiB; {dropped} junk messages dropped")
     assert peak - base < grow_limit, f"the stage grew {peak - base:.0f} MiB under the junk"
-    assert during_rate >= keep * before_rate, f"{before_rate:.1f} -> {during_rate:.1f} steps/s"
     assert dropped > 0
+    return before_rate, during_rate
 
 
 @pytest.mark.timeout(60)
 def test_small_junk_at_full_rate_costs_a_stage_little(make_cluster, tmp_path: Path) -> None:
     """Small junk sent at full rate during 2 s of training: the stage grows < 24 MiB (it used to queue
-    all of it, +50 MiB in 0.5 s, and fell to 15-35% of its steps/s) and keeps at least 40% of its
-    steps/s (a bound the other tests' load on 2 cores cannot break; the flood test asks 80%)."""
-    junk_during_training(make_cluster, tmp_path, 2.0, keep=0.4, grow_limit=24)
+    all of it, +50 MiB in 0.5 s), drops the junk, and trains on with every array arriving."""
+    junk_during_training(make_cluster, tmp_path, 2.0, grow_limit=24)
 
 
 @pytest.mark.flood
@@ -295,7 +295,7 @@ def test_a_strangers_full_flood_at_the_frame_limit(make_cluster, tmp_path: Path)
 
 @pytest.mark.flood
 @pytest.mark.timeout(120)
-def test_small_junk_at_full_rate_keeps_four_fifths_of_the_steps(make_cluster, tmp_path: Path) -> None:
-    """Small junk sent at full rate during 10 s of training: the stage keeps at least 80% of its
-    steps/s and grows < 24 MiB (it used to queue all of it: 4.7 GB, and 54.6 -> 10.7 steps/s)."""
-    junk_during_training(make_cluster, tmp_path, 10.0, keep=0.8, grow_limit=24)
+def test_small_junk_at_full_rate_for_10_s_holds_no_memory(make_cluster, tmp_path: Path) -> None:
+    """Small junk sent at full rate during 10 s of training: the stage grows < 24 MiB (it used to queue
+    all of it: 4.7 GB) and every array arrives.  The steps/s it keeps: benchmarks/stage_junk.py."""
+    junk_during_training(make_cluster, tmp_path, 10.0, grow_limit=24)
