@@ -33,6 +33,7 @@ import numpy as np
 from kvstore import config as kvconfig
 from kvstore.base import KVStore
 from kvstore.client.instance import process_store
+from kvstore.core.rowsparse import RowSparse
 from kvstore.errors import ConfigError
 from kvstore.stores import create
 
@@ -253,17 +254,20 @@ class _Distributed:
     _kv_synced: bool  # synchronize() ran since the last step
     _kv_skip: bool  # inside skip_synchronize()
     _kv_skipped: list[tuple[str, Tensor]]  # float parameters that took no gradient when wrapped
+    _kv_sparse: _SparseGrads  # the parameters whose sparse gradients go through row-sparse keys
 
     def __init__(self, optimizer: Any, kv: KVStore, op: str, prefix: str,
-                 ordered: list[tuple[str, Tensor]], passes: int) -> None:
+                 ordered: list[tuple[str, Tensor]], passes: int, sparse_as_dense: bool = False) -> None:
         """Share ``optimizer``'s state (its ``__init__`` is not run again) and reduce over ``kv``: keys
         ``f"{prefix}/grad/{name}"`` of the ``ordered`` named parameters, whose backward passes are
-        counted against ``passes`` (backward_passes_per_step)."""
+        counted against ``passes`` (backward_passes_per_step); sparse gradients are made dense first
+        with ``sparse_as_dense``, else they go through row-sparse keys (:class:`_SparseGrads`)."""
         self.__dict__.update(optimizer.__dict__)
         self._kv, self._kv_op = kv, op
         self._kv_keys = [f"{prefix}/grad/{name}" for name, _ in ordered]
         self._kv_present = f"{prefix}/present"
         self._kv_params = [p for _, p in ordered]
+        self._kv_sparse = _SparseGrads(kv, prefix, [name for name, _ in ordered], sparse_as_dense)
         self._kv_ready = False
         self._kv_passes = _Passes(passes)
         self._kv_synced = self._kv_skip = False
@@ -305,22 +309,28 @@ class _Distributed:
             raise RuntimeError(f"parameters that took no gradient when the optimizer was wrapped have one "
                                f"now (param_groups index and shape): {late[:5]}; they would step unreduced: "
                                "wrap the optimizer again after changing requires_grad")
-        params, keys = self._kv_params, self._kv_keys
-        grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) if p.grad is None else p.grad
-                 for p in params]
-        present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        params, sparse = self._kv_params, self._kv_sparse
         if not self._kv_ready:
             _no_store_optimizer(self._kv, "DistributedOptimizer.step")
+            sparse.decide(params)  # collective, once: which parameters have sparse gradients
+        dense = [i for i in range(len(params)) if i not in sparse.chosen]
+        grads = [_dense_grad(params[i]) for i in dense]
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        keys = [self._kv_keys[i] for i in dense]
+        if not self._kv_ready:
             self._kv.init([*keys, self._kv_present],
                           [torch.zeros_like(g) for g in grads] + [torch.zeros_like(present)])
+            sparse.init(params)
             self._kv_ready = True
-        self._kv.pushpull([*keys, self._kv_present], [*grads, present])
+        rows = sparse.push(params)  # returns at once; each table's touched-row flags go with the pushpull
+        self._kv.pushpull([*keys, self._kv_present, *sparse.flag_keys], [*grads, present, *rows])
         scale = 1.0 / self._kv.num_workers if self._kv_op == "average" else 1.0
-        for p, g, seen in zip(params, grads, present.tolist()):
+        for i, g in zip(dense, grads):
             if scale != 1.0:
                 g.mul_(scale)
-            if p.grad is None and seen > 0:
-                p.grad = g
+            if present[i] > 0 and (params[i].grad is None or params[i].grad.is_sparse):
+                params[i].grad = g  # a worker without one, or a sparse one made dense (sparse_as_dense)
+        sparse.pull(params, rows, present, scale)
         self._kv_synced = True
         self._kv_passes.counts.clear()
 
@@ -406,6 +416,103 @@ class _Passes:
         self.counts[id(p)] = seen
 
 
+def _dense_grad(p: Tensor) -> Tensor:
+    """``p``'s gradient as a dense tensor to reduce in place: zeros for None, a dense copy of a sparse
+    one (sparse_as_dense), else ``p.grad`` itself."""
+    import torch
+
+    if p.grad is None:
+        return torch.zeros_like(p, memory_format=torch.contiguous_format)
+    return p.grad.to_dense() if p.grad.is_sparse else p.grad
+
+
+class _SparseGrads:
+    """The parameters of a DistributedOptimizer whose gradients are sparse (``nn.Embedding(sparse=True)``)
+    and that the optimizer needs sparse (``torch.optim.SparseAdam``): reduced through a row-sparse key
+    each, ``f"{prefix}/rows/{name}"``, so only the rows a step touched travel.
+
+    Which parameters: decided at the first step, over every worker (a gradient sparse on any worker),
+    and kept.  Each step, every worker pushes its rows (none when it has no gradient: a dist_sync
+    round counts every worker), sends with the dense pushpull a float32 flag per table row that it
+    touched, and then pulls the summed rows of every row some worker touched: the reduced gradient,
+    sparse, on every worker alike."""
+
+    def __init__(self, kv: KVStore, prefix: str, names: list[str], as_dense: bool) -> None:
+        self.kv, self.prefix, self.names, self.as_dense = kv, prefix, names, as_dense
+        self.chosen: list[int] = []  # indices into the wrapper's parameters
+        self.flag_keys: list[str] = []
+
+    def decide(self, params: list[Tensor]) -> None:
+        """Choose the parameters whose gradient is sparse on some worker (collective: one small
+        pushpull, the first step only; nothing with ``sparse_as_dense``)."""
+        import torch
+
+        if self.as_dense:
+            return
+        kinds = torch.tensor([p.grad is not None and p.grad.is_sparse for p in params], dtype=torch.float32)
+        key = f"{self.prefix}/sparse"
+        self.kv.init(key, torch.zeros_like(kinds))
+        self.kv.pushpull(key, kinds)
+        self.chosen = [i for i, seen in enumerate(kinds.tolist()) if seen > 0]
+        self.flag_keys = [f"{self.prefix}/touched/{self.names[i]}" for i in self.chosen]
+
+    def init(self, params: list[Tensor]) -> None:
+        """Make each chosen parameter's row-sparse key (zeros, on the servers) and its row flags."""
+        import torch
+
+        for i, flags in zip(self.chosen, self.flag_keys):
+            p = params[i]
+            self.kv.init(self._key(i), shape=tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."))
+            self.kv.init(flags, torch.zeros(p.shape[0], dtype=torch.float32))
+
+    def _key(self, i: int) -> str:
+        return f"{self.prefix}/rows/{self.names[i]}"
+
+    def push(self, params: list[Tensor]) -> list[Tensor]:
+        """Push each chosen parameter's rows; return the row flags to reduce with the pushpull."""
+        import torch
+
+        flags = []
+        for i in self.chosen:
+            p = params[i]
+            touched = torch.zeros(p.shape[0], dtype=torch.float32)
+            if p.grad is None:
+                none = np.zeros((0, *p.shape[1:]), _np_dtype(p))
+                value: Any = RowSparse(np.zeros(0, np.int64), none, p.shape)
+            elif p.grad.is_sparse:
+                value = p.grad.coalesce()
+                touched[value.indices()[0]] = 1.0
+            else:  # a dense gradient for a table: every row
+                value = p.grad
+                touched.fill_(1.0)
+            self.kv.push(self._key(i), value)
+            flags.append(touched)
+        return flags
+
+    def pull(self, params: list[Tensor], flags: list[Tensor], present: Tensor, scale: float) -> None:
+        """Give each chosen parameter the summed rows of every row some worker touched (times
+        ``scale``), as a sparse gradient; None where no worker had a gradient."""
+        import torch
+
+        for i, touched in zip(self.chosen, flags):
+            p = params[i]
+            if present[i] == 0:
+                p.grad = None
+                continue
+            ids = torch.nonzero(touched > 0).reshape(-1)
+            got = self.kv.row_sparse_pull(self._key(i), row_ids=ids.numpy())
+            rows = torch.as_tensor(np.asarray(got.rows), dtype=p.dtype).reshape(len(ids), *p.shape[1:])
+            if scale != 1.0:
+                rows = rows * scale
+            p.grad = torch.sparse_coo_tensor(ids.reshape(1, -1), rows, tuple(p.shape), is_coalesced=True,
+                                             check_invariants=False)  # ids: sorted, distinct, in range
+
+
+def _np_dtype(p: Tensor) -> np.dtype:
+    """The numpy dtype of a float tensor ``p``."""
+    return np.dtype(str(p.dtype).removeprefix("torch."))
+
+
 def _takes_grad(p: Tensor) -> bool:
     """Whether ``p`` gets gradients: a floating-point tensor with ``requires_grad`` (no integer one can)."""
     return p.requires_grad and p.is_floating_point()
@@ -447,7 +554,9 @@ def _check_params(optimizer: Any, named: list[tuple[str, Tensor]]) -> list[tuple
 
 def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, Tensor]] | None = None,
                          kv: KVStore | str | None = None, op: str = "average",
-                         key_prefix: str | None = None, backward_passes_per_step: int = 1) -> Any:
+                         key_prefix: str | None = None, backward_passes_per_step: int = 1,
+                         compression: str | dict[str, Any] | None = None,
+                         sparse_as_dense: bool = False) -> Any:
     """Wrap a ``torch.optim.Optimizer`` so that ``step()`` first reduces gradients over the workers.
 
     Returns an instance of a subclass of ``type(optimizer)`` sharing its ``param_groups``, ``state``
@@ -459,7 +568,11 @@ def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, T
     (MXNet's).  ``key_prefix`` defaults to ``f"distopt{i}"``, i counting the wrappers made without
     one on this store.  ``backward_passes_per_step``: backward passes that may accumulate into the
     gradients before each ``step()`` (one more raises RuntimeError out of ``backward()``).  Parameters
-    that take no gradient (``requires_grad=False``, integer dtypes) are skipped.  Raises ValueError for
+    that take no gradient (``requires_grad=False``, integer dtypes) are skipped.  ``compression``: the
+    store's gradient compression ('fp16', 'bf16', '2bit', '1bit' or the dict of
+    ``set_gradient_compression``), set on ``kv`` now (collective; before the store's first push).
+    Sparse gradients (``nn.Embedding(sparse=True)``) go through row-sparse keys and stay sparse (for
+    ``torch.optim.SparseAdam``), or are made dense first with ``sparse_as_dense``.  Raises ValueError for
     a bad ``op``, ``backward_passes_per_step`` or parameters, TypeError for something that is no torch
     optimizer or a parameter dtype the store does not carry.
     """
@@ -478,5 +591,7 @@ def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, T
         raise ValueError("this optimizer is already a DistributedOptimizer")
     cls = type(f"Distributed{base.__name__}", (_Distributed, base), {"__module__": __name__})
     store = _store(kv)
+    if compression not in (None, "none"):
+        store.set_gradient_compression({"type": compression} if isinstance(compression, str) else compression)
     prefix = f"distopt{_next(store, 'optimizer')}" if key_prefix is None else key_prefix
-    return cls(optimizer, store, op, prefix, ordered, backward_passes_per_step)
+    return cls(optimizer, store, op, prefix, ordered, backward_passes_per_step, bool(sparse_as_dense))

@@ -262,3 +262,61 @@ def test_clipping_between_synchronize_and_step_reduces_once(make_cluster) -> Non
         assert summed.tolist() == [9.0, 0.0, 12.0, 0.0]
         assert torch.allclose(w, torch.tensor([-0.9, 0.0, -1.2, 0.0]))
         assert frozen.tolist() == [1.0, 1.0] and count.tolist() == [0, 0]
+
+
+@pytest.mark.timeout(90)
+def test_sparse_adam_over_sparse_embeddings_agrees_on_two_workers(make_cluster) -> None:
+    """SparseAdam over nn.Embedding(sparse=True) on 2 averaging workers, each its own ids: the gradients
+    go through row-sparse keys, the tables agree and equal one process's on the concatenated batches
+    (fp32, 1e-6); a step where one worker touches no row still counts it."""
+    cluster = make_cluster("dist_sync", 2, 1)
+    batches = [([1, 7, 7, 3], [3, 40, 2, 9]), ([5, 5, 6, 1], []), ([0, 49, 8, 8], [8, 1, 1, 2])]
+
+    def table() -> torch.nn.Embedding:
+        torch.manual_seed(0)
+        return torch.nn.Embedding(50, 4, sparse=True)
+
+    def loss(model, ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor(ids, dtype=torch.long)).square().sum() / 4  # a mean over 4 samples
+
+    def work(kv):
+        model = table()
+        opt = kvstore.DistributedOptimizer(torch.optim.SparseAdam(model.parameters(), lr=0.1), kv=kv,
+                                           key_prefix="emb")
+        for pair in batches:
+            opt.zero_grad()
+            if pair[kv.rank]:
+                loss(model, pair[kv.rank]).backward()
+            opt.step()
+        return model.weight.detach().clone()
+
+    one = table()
+    ref = torch.optim.SparseAdam(one.parameters(), lr=0.1)
+    for first, second in batches:
+        ref.zero_grad()
+        ((loss(one, first) + (loss(one, second) if second else 0)) / 2).backward()
+        ref.step()
+    tables = cluster.run(work)
+    assert torch.equal(tables[0], tables[1])
+    assert torch.allclose(tables[0], one.weight, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_fp16_compression_on_the_wrapper_trains_close_to_uncompressed(make_cluster) -> None:
+    """compression='fp16' (the store's) on 2 workers: the model ends within fp16's rounding of the
+    uncompressed run's, and the store reports the setting."""
+    cluster = make_cluster("dist_sync", 2, 1)
+    batches = _data(STEPS)
+
+    def work(kv):
+        model = _model()
+        opt = kvstore.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), kv=kv,
+                                           compression="fp16", key_prefix="half")
+        _train(model, opt, batches, slice(kv.rank * LOCAL_BATCH, (kv.rank + 1) * LOCAL_BATCH))
+        return _weights(model), kv.get_gradient_compression()["type"]
+
+    one = _model()
+    _train(one, torch.optim.SGD(one.parameters(), lr=0.1), batches)
+    for weights, kind in cluster.run(work):
+        assert kind == "fp16"
+        assert _max_diff(weights, _weights(one)) < 1e-3

@@ -173,6 +173,9 @@ def test_synchronize_then_step_inside_skip_synchronize_reduces_once() -> None:
     model = _model()
     kv = kvstore.create("local")
     opt = kvstore.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), kv=kv)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()  # the first step also agrees which gradients are sparse (one pushpull, once)
+    opt.zero_grad()
     calls = _pushpulls(kv)
     model(torch.ones(2, 4)).sum().backward()
     opt.synchronize()
@@ -276,3 +279,36 @@ def test_a_parameter_skipped_as_frozen_that_gets_a_gradient_is_refused() -> None
     with pytest.raises(RuntimeError, match=r"'0\.0 \(3, 4\)'.*wrap"):
         opt.step()
     assert torch.equal(model[0].weight, before)
+
+
+def test_sparse_adam_over_a_sparse_embedding_steps_as_torch() -> None:
+    """One process: SparseAdam over nn.Embedding(sparse=True) wrapped takes torch's steps (its gradient
+    goes through a row-sparse key and comes back sparse); sparse_as_dense hands SGD a dense one."""
+    def table() -> torch.nn.Embedding:
+        torch.manual_seed(0)
+        return torch.nn.Embedding(50, 4, sparse=True)
+    bare, wrapped, dense = table(), table(), table()
+    ref = torch.optim.SparseAdam(bare.parameters(), lr=0.1)
+    opt = kvstore.DistributedOptimizer(torch.optim.SparseAdam(wrapped.parameters(), lr=0.1), kv="local")
+    sgd = kvstore.DistributedOptimizer(torch.optim.SGD(dense.parameters(), lr=0.1), kv="local",
+                                       sparse_as_dense=True)
+    for ids in ([1, 7, 7, 3], [3, 40, 2, 1]):
+        for model, o in ((bare, ref), (wrapped, opt), (dense, sgd)):
+            o.zero_grad()
+            model(torch.tensor(ids)).square().sum().backward()
+            o.step()
+        assert wrapped.weight.grad.is_sparse and not dense.weight.grad.is_sparse
+    assert torch.equal(bare.weight, wrapped.weight)
+
+
+def test_compression_is_the_stores_and_local_refuses_it() -> None:
+    """compression= sets the store's gradient compression, which a local store does not take (MXNet's
+    rule): UnsupportedError; 'none' sets nothing."""
+    from kvstore.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError):
+        kvstore.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), kv="local",
+                                     compression="fp16")
+    kv = kvstore.create("local")
+    kvstore.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), kv=kv, compression="none")
+    assert kv.get_gradient_compression() is None
