@@ -19,29 +19,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.integration.conftest import Cluster  # noqa: E402
+from tests.integration.conftest import Clusters  # noqa: E402
 from tests.integration.test_hardening_stage import junk_during_training  # noqa: E402
 
 
 def one_run(seconds: float) -> tuple[float, float]:
     """Steps/s alone and under junk, on a fresh cluster torn down after."""
     with tempfile.TemporaryDirectory() as tmp:
-        clusters: list[Cluster] = []
-
-        def make_cluster(mode: str = "dist_sync", num_workers: int = 2, num_servers: int = 1,
-                         connect: bool = True, **kwargs) -> Cluster:
-            workdir = Path(tmp) / f"cluster{len(clusters)}"
-            workdir.mkdir()
-            cluster = Cluster(workdir, mode, num_workers, num_servers, **kwargs)
-            clusters.append(cluster)
-            if connect:
-                cluster.connect()
-            return cluster
+        clusters = Clusters(Path(tmp))
         try:
-            return junk_during_training(make_cluster, Path(tmp), seconds, grow_limit=24)
+            return junk_during_training(clusters.make, Path(tmp), seconds, grow_limit=24)
         finally:
-            for cluster in clusters:
-                cluster.close()
+            clusters.close()
 
 
 def main() -> None:

@@ -100,26 +100,39 @@ def tag():
         os.kill(pid, signal.SIGKILL)
 
 
-@pytest.fixture
-def make_cluster(tmp_path: Path, request: pytest.FixtureRequest):
-    """Factory for clusters that are torn down (and their logs printed on failure) after the test."""
-    clusters: list[Cluster] = []
+class Clusters:
+    """Makes clusters in folders under ``root`` (``make``, the ``make_cluster`` fixture's factory) and
+    tears them all down (``close``); a benchmark uses it outside pytest."""
 
-    def make(mode: str = "dist_sync", num_workers: int = 2, num_servers: int = 1, connect: bool = True,
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.made: list[Cluster] = []
+
+    def make(self, mode: str = "dist_sync", num_workers: int = 2, num_servers: int = 1, connect: bool = True,
              **kwargs: Any) -> Cluster:
-        workdir = tmp_path / f"cluster{len(clusters)}"
+        """A new cluster (connected unless ``connect`` is False)."""
+        workdir = self.root / f"cluster{len(self.made)}"
         workdir.mkdir()
         cluster = Cluster(workdir, mode, num_workers, num_servers, **kwargs)
-        clusters.append(cluster)
+        self.made.append(cluster)
         if connect:
             cluster.connect()
         return cluster
 
-    yield make
-    for cluster in clusters:
-        cluster.close()
+    def close(self) -> None:
+        """Tear down every cluster made."""
+        for cluster in self.made:
+            cluster.close()
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path, request: pytest.FixtureRequest):
+    """Factory for clusters that are torn down (and their logs printed on failure) after the test."""
+    clusters = Clusters(tmp_path)
+    yield clusters.make
+    clusters.close()
     if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
-        for cluster in clusters:
+        for cluster in clusters.made:
             print(cluster.procs.output())
 
 
