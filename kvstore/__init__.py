@@ -26,6 +26,7 @@ from kvstore.core import snapshot as snapshot
 from kvstore.errors import (
     AuthenticationError,
     ChildFailed,
+    CollectiveMismatchError,
     ConfigError,
     DeadlineExceededError,
     DTypeMismatchError,
@@ -75,7 +76,7 @@ __all__ = [
     "DuplicateInitError", "ShapeMismatchError", "DTypeMismatchError", "KeyTypeError",
     "DeadlineExceededError", "NodeLostError", "ProtocolError", "AuthenticationError",
     "RemoteError", "StoreClosedError", "OptimizerError", "FormatError",
-    "UnsupportedError", "StallError", "IntegrityError",
+    "UnsupportedError", "StallError", "IntegrityError", "CollectiveMismatchError",
     # the launchers' (launch.py, kvstore.ray.run, kvstore.spark.run)
     "ChildFailed", "StartFailed", "SyncFailed", "PlacementError", "RoleFailed", "SparkJobFailed",
     "NotEnoughSlotsError", "TaskFailed",

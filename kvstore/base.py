@@ -93,15 +93,24 @@ def _plain(value: Any) -> bool:
 
 
 class LayerCalls:
-    """The two calls the library's own layers make on a store beyond its public API: ``collective``
+    """The calls the library's own layers make on a store beyond its public API: ``collective``
     (the Trainer's states file: an action run once for all workers, its failure raised on every
-    worker) and ``pushpull_begin`` (the Trainer's overlap: a pushpull sent now, collected later).
+    worker), ``pushpull_begin`` (the Trainer's overlap: a pushpull sent now, collected later) and
+    ``agree`` (the torch layer's broadcasts: every worker's arguments compared first).
     :func:`layer_calls` gives a store's; it holds the store weakly."""
 
     def __init__(self, collective: Callable[[str, Callable[[], Any]], None],
-                 pushpull_begin: Callable[[list, list, list], Callable[[bool], None]]) -> None:
+                 pushpull_begin: Callable[[list, list, list], Callable[[bool], None]],
+                 agree: Callable[[str, str], None]) -> None:
         self._collective = weakref.WeakMethod(collective)  # type: ignore[arg-type]
         self._begin = weakref.WeakMethod(pushpull_begin)  # type: ignore[arg-type]
+        self._agree = weakref.WeakMethod(agree)  # type: ignore[arg-type]
+
+    def agree(self, what: str, digest: str) -> None:
+        """Meet every worker with ``digest`` (``kvstore.core.agreement.digest`` of this worker's
+        arguments to the collective ``what``); raise CollectiveMismatchError on every worker when the
+        digests differ.  One barrier in dist modes; nothing with one worker."""
+        self._agree()(what, digest)  # type: ignore[misc]
 
     def collective(self, what: str, action: Callable[[], Any]) -> None:
         """Run ``action()`` once for all workers (on the leader) and raise its failure on every worker."""
@@ -135,7 +144,7 @@ class KVStore(abc.ABC):
         self._pushed = False  # a push or pushpull has been made (compression can no longer be set)
         # row-sparse keys (kvstore/sparse.py, docs/sparse.md)
         self._sparse = SparseCalls(self._meta, self._rows_init, self._rows_push, self._rows_pull)
-        _LAYERS[self] = LayerCalls(self._collective, self._pushpull_begin)
+        _LAYERS[self] = LayerCalls(self._collective, self._pushpull_begin, self._agree)
 
     # -- properties ---------------------------------------------------------------------------
     @property
@@ -211,6 +220,10 @@ class KVStore(abc.ABC):
             if write:
                 self.pushpull(keys, values, out=outs)
         return finish
+
+    def _agree(self, what: str, digest: str) -> None:
+        """:meth:`LayerCalls.agree`: one worker always agrees with itself; a dist store compares."""
+        return None
 
     @abc.abstractmethod
     def barrier(self) -> None:

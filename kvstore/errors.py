@@ -29,6 +29,9 @@ due, a number of values that does not match the number of keys, a read-only
      +-- FormatError(ValueError)           a file is not in kvstore's format, is of a newer
      |                                     version, or is damaged
      +-- UnsupportedError(NotImplementedError) an MXNet KVStore method kvstore will never have
+     +-- CollectiveMismatchError(ValueError) the workers called a collective with arguments that
+                                           differ (shapes, dtypes, root rank, keys); raised on every
+                                           worker, naming the ranks and what differs
 
 The launchers' errors are KVStoreErrors too, defined here as well (this module imports neither Ray
 nor Spark; ``kvstore.ray`` and ``kvstore.spark`` re-export theirs)::
@@ -149,6 +152,18 @@ class UnsupportedError(KVStoreError, NotImplementedError):
     use instead (docs/api.md lists them)."""
 
 
+class CollectiveMismatchError(KVStoreError, ValueError):
+    """The workers called one collective (an init, a broadcast, a sync round of a key) with arguments
+    that differ: a shape, a dtype, the root rank, or the set or order of keys.  Every worker raises it;
+    the message names the ranks that disagree and what differs, and ``ranks`` lists those that differ
+    from the lowest rank of the largest group that agrees (empty where unknown, as after the wire).
+    Nothing was changed: the store stays usable."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+
+
 class ChildFailed(KVStoreError):
     """A process ``launch.py`` started exited when it should not have (or with a non-zero code).
 
@@ -223,7 +238,7 @@ _CODES: dict[str, type[KVStoreError]] = {
     for cls in (ConfigError, UnknownModeError, KeyNotInitializedError, DuplicateInitError,
                 ShapeMismatchError, DTypeMismatchError, KeyTypeError, DeadlineExceededError, StallError,
                 NodeLostError, ProtocolError, AuthenticationError, IntegrityError, RemoteError,
-                StoreClosedError, OptimizerError, FormatError, UnsupportedError)
+                StoreClosedError, OptimizerError, FormatError, UnsupportedError, CollectiveMismatchError)
 }
 
 

@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from kvstore import config as kvconfig
-from kvstore.base import KVStore
+from kvstore.base import KVStore, layer_calls
 from kvstore.client.instance import process_store
+from kvstore.core import agreement
 from kvstore.core.rowsparse import RowSparse
 from kvstore.errors import ConfigError
 from kvstore.stores import create
@@ -89,8 +90,19 @@ def _wire_copy(t: Tensor) -> Tensor:
     return t.detach().to(torch.float32 if t.is_floating_point() else torch.int32).contiguous()
 
 
+def _agree(kv: KVStore, what: str, named: list[tuple[str, Tensor]], root_rank: int) -> None:
+    """Meet every worker with this one's ``root_rank`` and the names, shapes and dtypes of ``named``
+    (one barrier); CollectiveMismatchError on every worker when any of them differ, before anything
+    is sent (so no value is ever converted into another worker's dtype)."""
+    digest = agreement.digest(((name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                               for name, t in named), root=root_rank)
+    layer_calls(kv).agree(what, digest)
+
+
 def _broadcast_tensors(kv: KVStore, names: list[str], tensors: list[Tensor], root_rank: int) -> None:
-    """Overwrite every tensor (in place) with the root's; keys ``__bcast{n}/{name}`` are new each call."""
+    """Overwrite every tensor (in place) with the root's; keys ``__bcast{n}/{name}`` are new each call.
+    The workers must have agreed on names, shapes and dtypes (:func:`_agree`): each tensor goes as
+    its exact wire copy (:func:`_wire_copy`) and comes back into its own dtype."""
     if not tensors:
         return
     if not 0 <= root_rank < kv.num_workers:
@@ -133,8 +145,11 @@ def broadcast_parameters(params: Mapping[str, Tensor] | Iterable[Any], root_rank
 
     ``params``: ``model.state_dict()`` (parameters and buffers), ``model.named_parameters()`` or
     tensors; non-tensor entries of a state dict are skipped.  Every worker must pass the same names,
-    shapes and dtypes.  Without a dist store (one process) nothing happens.  Raises ValueError for a
-    bad ``root_rank``, TypeError for bad ``params``.
+    in the same order, with the same shapes and dtypes, and the same ``root_rank``: the workers
+    compare them first (one barrier) and, where any differ, every worker raises
+    CollectiveMismatchError naming the ranks and what differs (nothing is sent or converted; the
+    store stays usable).  Without a dist store (one process) nothing happens.  Raises ValueError for
+    a bad ``root_rank``, TypeError for bad ``params``.
     """
     torch = sys.modules.get("torch")
     named = [(n, t) for n, t in _named(params) if not isinstance(params, Mapping)
@@ -144,6 +159,7 @@ def broadcast_parameters(params: Mapping[str, Tensor] | Iterable[Any], root_rank
         if root_rank != 0:
             raise ValueError(f"root_rank {root_rank} is not a rank of 1 worker")
         return
+    _agree(store, "broadcast_parameters", named, root_rank)
     _broadcast_tensors(store, [n for n, _ in named], [t for _, t in named], root_rank)
 
 
@@ -217,15 +233,21 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0, kv: KVStore | 
     The root's ``optimizer.state_dict()`` travels as its tensors plus its layout (names, dtypes,
     shapes, step counts, ``param_groups``' hyper-parameters) as JSON text in an array; every worker
     then calls ``optimizer.load_state_dict`` with it, so state missing on a worker (no step yet) is
-    created.  The optimizers must have the same parameter groups.  Without a dist store nothing
-    happens.  Raises ValueError for a bad ``root_rank`` or groups that differ, TypeError for state
-    or hyper-parameters that are neither tensors nor JSON-like numbers, bools, strings or None.
+    created.  The optimizers must have the same parameter groups (the same parameters' shapes and
+    dtypes, in order) and every worker the same ``root_rank``: the workers compare them first (one
+    barrier) and, where any differ, every worker raises CollectiveMismatchError naming the ranks and
+    what differs.  Without a dist store nothing happens.  Raises ValueError for a bad
+    ``root_rank``, TypeError for state or hyper-parameters that are neither tensors nor JSON-like
+    numbers, bools, strings or None.
     """
     store = _store(kv, need=False)
     if store is None or store.num_workers == 1:
         if root_rank != 0:
             raise ValueError(f"root_rank {root_rank} is not a rank of 1 worker")
         return
+    params = [(f"param_groups[{g}][{i}]", p) for g, group in enumerate(optimizer.param_groups)
+              for i, p in enumerate(group["params"])]
+    _agree(store, "broadcast_optimizer_state", params, root_rank)
     mine = optimizer.state_dict()
     text = _layout(mine) if store.rank == root_rank else None
     layout = json.loads(_json_array(text, store, root_rank))

@@ -210,9 +210,12 @@ class Scheduler:
         if failure is not None and not (isinstance(failure, dict) and all(
                 isinstance(failure.get(f), str) for f in ("code", "message"))):
             raise ProtocolError('a barrier\'s failure must be {"code": str, "message": str}')
+        digest = msg.body.get("digest")
+        if digest is not None and not isinstance(digest, str):
+            raise ProtocolError("a barrier's digest must be a str")
         self.stalled.discard(rank)
         self.stats.arrive(rank, time.monotonic())
-        self._release(self.barrier.arrive(rank, identity, msg.seq, failure))
+        self._release(self.barrier.arrive(rank, identity, msg.seq, failure, digest))
 
     def _release(self, released: list[tuple[bytes, int]]) -> None:
         """Answer released barrier waiters: the failures reported at it, and who has left."""
@@ -224,6 +227,8 @@ class Scheduler:
             self.stats.released(time.monotonic())
         body = {"failures": [[r, text] for r, text in sorted(self.barrier.released_failures.items())],
                 "left": sorted(self.left)}
+        if self.barrier.released_digests:
+            body["digests"] = [[r, d] for r, d in sorted(self.barrier.released_digests.items())]
         for ident, seq in released:
             self.service.reply(ident, Message(Op.OK, dict(body), seq=seq))
 

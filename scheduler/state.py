@@ -138,7 +138,9 @@ class Barrier:
 
     A worker may arrive carrying a failure message (its part of a collective
     operation failed); the release hands every worker the failures of that
-    generation, so no worker carries on as if the operation had worked.
+    generation, so no worker carries on as if the operation had worked.  A worker may also carry a
+    digest of its arguments to a collective (``kvstore.core.agreement``): the release hands every
+    worker every digest of the generation, so each can see whether they all agree.
     """
 
     def __init__(self, num_workers: int) -> None:
@@ -146,30 +148,43 @@ class Barrier:
         self.waiting: dict[int, tuple[bytes, int]] = {}  # rank -> (identity, request seq)
         self.failures: dict[int, Any] = {}  # rank -> failure, this generation
         self.released_failures: dict[int, Any] = {}  # the failures of the last released generation
+        self.digests: dict[int, str] = {}  # rank -> digest of its collective's arguments, this generation
+        self.released_digests: dict[int, str] = {}  # the digests of the last released generation
 
     def arrive(self, rank: int, identity: bytes, seq: int,
-               failure: Any = None) -> list[tuple[bytes, int]]:
+               failure: Any = None, digest: str | None = None) -> list[tuple[bytes, int]]:
         """Record ``rank``'s arrival; return every (identity, seq) to release, or [] to wait on.
 
         A rank that arrives again in the same generation (it retried after its
         deadline) replaces its earlier entry, so it is counted once and the
         reply goes to the request that is still waiting.  On release,
-        :attr:`released_failures` holds the failures reported in the generation.
+        :attr:`released_failures` holds the failures reported in the generation, and
+        :attr:`released_digests` its digests.
         """
         self.waiting[rank] = (identity, seq)
         if failure is None:
             self.failures.pop(rank, None)
         else:
             self.failures[rank] = failure
+        if digest is None:
+            self.digests.pop(rank, None)
+        else:
+            self.digests[rank] = digest
         if len(self.waiting) < self.num_workers:
             return []
+        return self._released()
+
+    def _released(self) -> list[tuple[bytes, int]]:
+        """End the generation: every waiter, its failures and digests kept as the released ones."""
         released, self.waiting = list(self.waiting.values()), {}
         self.released_failures, self.failures = self.failures, {}
+        self.released_digests, self.digests = self.digests, {}
         return released
 
     def cancel(self, rank: int) -> bool:
         """Withdraw ``rank`` (its wait timed out); False when it was not waiting (already released)."""
         self.failures.pop(rank, None)
+        self.digests.pop(rank, None)
         return self.waiting.pop(rank, None) is not None
 
     def leave(self, rank: int) -> list[tuple[bytes, int]]:
@@ -178,13 +193,11 @@ class Barrier:
         self.num_workers -= 1
         if not self.waiting or len(self.waiting) < self.num_workers:
             return []
-        released, self.waiting = list(self.waiting.values()), {}
-        self.released_failures, self.failures = self.failures, {}
-        return released
+        return self._released()
 
     def drain(self) -> list[tuple[bytes, int]]:
         """Give up the current generation: return every waiting (identity, seq) and forget them."""
-        waiting, self.waiting, self.failures = list(self.waiting.values()), {}, {}
+        waiting, self.waiting, self.failures, self.digests = list(self.waiting.values()), {}, {}, {}
         return waiting
 
 

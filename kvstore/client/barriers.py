@@ -14,6 +14,7 @@ from typing import Any
 
 from kvstore.client.mux import SCHEDULER, Mux
 from kvstore.config import Config
+from kvstore.core import agreement
 from kvstore.errors import DeadlineExceededError, error_code, error_from_code, from_cluster
 from kvstore.net.protocol import Message, Op
 
@@ -31,15 +32,19 @@ class Barriers:
         self._lock = threading.Lock()
         self._left: set[int] = {rank}  # workers known to have left (warned about once), and us
 
-    def collective(self, what: str, action: Callable[[], Any]) -> None:
+    def collective(self, what: str, action: Callable[[], Any], digest: str | None = None) -> None:
         """Run ``action()`` on the leader, then a barrier that tells every worker whether it worked.
 
         A first barrier tells who is still in the cluster: the leader is the lowest rank that
         has not left (rank 0 unless it finished early).  The leader re-raises its own error;
         every other worker raises the same type naming the leader, so no worker carries on as
-        if the operation had worked.
+        if the operation had worked.  With a ``digest`` of this worker's arguments
+        (``kvstore.core.agreement``), the first barrier carries it: when the workers' digests differ
+        every worker raises CollectiveMismatchError and the action is not run.
         """
-        left = set(self.join().get("left", []))
+        reply = self.join(digest=digest)
+        self._check_agreement(what, reply)
+        left = set(reply.get("left", []))
         here = [rank for rank in range(self._num_workers) if rank not in left]
         error: Exception | None = None
         if self._rank == (here[0] if here else self._rank):
@@ -48,6 +53,19 @@ class Barriers:
             except Exception as exc:  # still join the barrier, so no worker is left waiting
                 error = exc
         self._report(what, error)
+
+    def exchange(self, what: str, digest: str) -> None:
+        """Meet every worker at a barrier carrying this worker's ``digest`` of its arguments to the
+        collective ``what``; raise CollectiveMismatchError (on every worker alike) when they differ."""
+        self._check_agreement(what, self.join(digest=digest))
+
+    @staticmethod
+    def _check_agreement(what: str, reply: dict) -> None:
+        """Raise the disagreement of the digests a barrier's ``reply`` carries, if any."""
+        digests = {int(rank): text for rank, text in reply.get("digests", [])}
+        error = agreement.disagreement(what, digests)
+        if error is not None:
+            raise error
 
     def agree(self, what: str, check: Callable[[], None]) -> None:
         """Run ``check()`` on every worker, then a barrier: each worker raises its own failure, or the
@@ -71,9 +89,12 @@ class Barriers:
             message = f"{what} failed on worker {rank}: {info['message']}"
             raise from_cluster(error_from_code(info["code"], message))
 
-    def join(self, failure: dict[str, str] | None = None) -> dict:
-        """Join the scheduler's barrier; return its reply's body (``failures``, ``left``)."""
-        body = {} if failure is None else {"failure": failure}
+    def join(self, failure: dict[str, str] | None = None, digest: str | None = None) -> dict:
+        """Join the scheduler's barrier (with a ``failure`` or ``digest`` to hand every worker); return
+        its reply's body (``failures``, ``left``, ``digests``)."""
+        body: dict[str, Any] = {} if failure is None else {"failure": failure}
+        if digest is not None:
+            body["digest"] = digest
         request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
         try:
             body = self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body

@@ -33,6 +33,7 @@ from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Mux, Request, Tamper
 from kvstore.client.sparse import DistRows, RowsLink
 from kvstore.client.window import PushWindow
+from kvstore.core import agreement
 from kvstore.core import values as V
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
@@ -251,6 +252,10 @@ class DistKVStore(KVStore):
     def _collective(self, what: str, action: Callable[[], Any]) -> None:
         self._barriers.collective(what, action)
 
+    def _agree(self, what: str, digest: str) -> None:
+        self._check_open()
+        self._barriers.exchange(what, digest)
+
     def _barrier_only(self, failure: dict[str, str] | None = None) -> list:
         return self._barriers.join(failure).get("failures", [])
 
@@ -304,8 +309,9 @@ class DistKVStore(KVStore):
         if self._rejoin.at is not None:  # a restarted worker: the servers hold every key already
             return
         started = self._meter.begin("init")
-        try:
-            self._collective(f"init of {len(items)} key(s)", send_all)
+        sent = agreement.digest((key, array.shape, array.dtype.name) for key, array in items)
+        try:  # every worker's keys, shapes and dtypes compared at the barrier init meets anyway
+            self._barriers.collective(f"init of {len(items)} key(s)", send_all, sent)
         finally:
             self._meter.end("init", started)
 

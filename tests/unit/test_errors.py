@@ -28,6 +28,7 @@ TREE = {
     "OptimizerError": ValueError,
     "FormatError": ValueError,
     "UnsupportedError": NotImplementedError,
+    "CollectiveMismatchError": ValueError,
 }
 BUILTINS = {ValueError, KeyError, TypeError, TimeoutError, ConnectionError, PermissionError,
             NotImplementedError}

@@ -214,6 +214,19 @@ def test_barrier_hands_every_worker_the_failures_of_its_generation():
     assert b.released_failures == {}
 
 
+def test_barrier_hands_every_worker_the_digests_of_its_generation():
+    """Digests carried on arrival are all in released_digests at release; a cancel drops its rank's."""
+    b = Barrier(2)
+    b.arrive(0, b"w0", 1, None, "d0")
+    b.cancel(0)
+    b.arrive(0, b"w0", 2, None, "d0'")
+    assert len(b.arrive(1, b"w1", 3, None, "d1")) == 2
+    assert b.released_digests == {0: "d0'", 1: "d1"}
+    b.arrive(0, b"w0", 4)
+    b.arrive(1, b"w1", 5)
+    assert b.released_digests == {}
+
+
 def test_barrier_failure_is_withdrawn_with_its_rank():
     """A retry without a failure, or a cancel, drops the rank's earlier failure."""
     b = Barrier(2)
