@@ -334,6 +334,9 @@ class _Distributed:
         params, sparse = self._kv_params, self._kv_sparse
         if not self._kv_ready:
             _no_store_optimizer(self._kv, "DistributedOptimizer.step")
+            mine = ((key, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                    for key, p in zip(self._kv_keys, params))
+            layer_calls(self._kv).agree("DistributedOptimizer's first step", agreement.digest(mine))
             sparse.decide(params)  # collective, once: which parameters have sparse gradients
         dense = [i for i in range(len(params)) if i not in sparse.chosen]
         grads = [_dense_grad(params[i]) for i in dense]
