@@ -125,9 +125,13 @@ def attach(cfg: Config, wire: Mux, servers: int, timeout: float) -> Lanes | None
     if why is not None:
         log.info("same-host shared memory off: %s", why)
         return None
+    segments: dict[int, shm.Segment] = {}
     try:
-        segments = {i: shm.Segment(cfg.shm_bytes) for i in range(servers)}
+        for i in range(servers):
+            segments[i] = shm.Segment(cfg.shm_bytes)
     except OSError as exc:
+        for made in segments.values():  # their descriptors would stay open with nobody to close them
+            made.close_fd()
         log.warning("same-host shared memory off: no %d-byte segment (%s); values go over TCP",
                     cfg.shm_bytes, exc.strerror or exc)
         return None

@@ -34,3 +34,33 @@ def test_a_piece_goes_through_the_segment_whole_or_over_tcp_whole() -> None:
         assert _chunk(lanes, 0, CHUNK) and lanes.sent == 4 * CHUNK
     finally:
         segment.close_fd()
+
+
+@pytest.mark.timeout(10)
+def test_a_segment_that_cannot_be_made_leaves_no_descriptor_of_the_others(monkeypatch) -> None:
+    """attach makes one segment per server; when one cannot be made (no memory, no sealing), the
+    descriptors of those already made are closed and shared memory is off (None)."""
+    import gc
+    import os
+
+    from kvstore import config
+    from kvstore.client import shmlanes
+
+    made = []
+    real = shm.Segment
+
+    def second_fails(nbytes: int) -> shm.Segment:
+        if made:
+            raise OSError(12, "Cannot allocate memory")
+        made.append(real(nbytes))
+        return made[-1]
+
+    cfg = config.load({"KVSTORE_SHM_BYTES": str(1 << 20)})
+    assert shm.unusable(cfg) is None
+    monkeypatch.setattr(shm, "Segment", second_fails)
+    before = len(os.listdir("/proc/self/fd"))
+    assert shmlanes.attach(cfg, None, 2, 1.0) is None
+    assert made and made[0].fd is None
+    made.clear()  # the mapping (which holds a descriptor of its own) goes with the segment
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
