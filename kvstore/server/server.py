@@ -103,6 +103,8 @@ class Server:
         self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self._requests = Requests(service, self.state, self.meter)
         self.rejoins = Rejoins(self.state)  # restarted workers (launch.py --max-restarts)
+        self._pushed_on: dict[int, bytes] = {}  # worker rank -> the connection of its last push
+        self._refused_left: set[int] = set()  # workers whose push after their LEAVE was logged
         self.sparse = SparseServer(self._requests)  # row-sparse keys (server/sparse.py)
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
                               cluster.get("max_message_bytes", 0))
@@ -187,6 +189,7 @@ class Server:
         group's batch on the group path, any other on the per-key path; a restarted server answers
         the retries of pushes its shard counts without applying them (server/restore.py)."""
         rounds = _rounds(msg)
+        self._pusher(identity, msg)
         msg = decompress.expand(msg)  # a compressed push: its values, dequantised (server/decompress.py)
         msg, bf16 = _widened(msg)
         dropped = self.restored.screen(msg) if self.restored is not None else None  # retried pushes
@@ -200,6 +203,20 @@ class Server:
         if dropped:  # answered, not applied: in the restored shard already, or of a lost round
             entries, rounds = self.restored.drop(batch, dropped, entries, sizes, rounds, pull, msg.sender)
         self._requests.reply_all(self.state.push_many(msg.sender, entries, pull, rounds))
+
+    def _pusher(self, identity: bytes, msg: Message) -> None:
+        """Bind the push's worker rank to its connection (a LEAVE must come from there); refuse
+        (ProtocolError, one log line) a push of a worker that has left."""
+        worker = msg.sender
+        if not (type(worker) is int and 0 <= worker < self.state.num_workers):
+            return  # refused as such by the checks that follow
+        if worker not in self.state.active:
+            if worker not in self._refused_left:
+                self._refused_left.add(worker)
+                log.warning("refused a %s of worker %d, which has left (logged once)", msg.op.name, worker)
+            raise ProtocolError(f"worker {worker} has left the cluster (this server took its LEAVE); "
+                                "it cannot push")
+        self._pushed_on[worker] = identity
 
     def _need_optimizer(self, what: str) -> Optimizer:
         optimizer = self._requests.optimizer
@@ -257,6 +274,11 @@ class Server:
         them has been taken in; sync rounds stop waiting for it from now on."""
         if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
             raise ProtocolError(f"LEAVE carries no valid worker rank (got {msg.sender!r})")
+        bound = self._pushed_on.get(msg.sender)
+        if bound is not None and bound != identity:
+            log.warning("refused a LEAVE for worker %d from another connection than its pushes'", msg.sender)
+            raise ProtocolError(f"LEAVE for worker {msg.sender} refused: it comes from another "
+                                "connection than that worker's pushes")
         done = self.state.leave(msg.sender)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
         self._requests.reply_all(done)
@@ -271,6 +293,7 @@ class Server:
         """A restarted worker (a new incarnation of its rank) counts again: first from the round no key
         has opened here (replied as ``round``), then, with ``at``, from that round of every key."""
         worker, body = self._requests.sender(msg), msg.body
+        self._pushed_on[worker] = identity  # its new incarnation's connection
         if "at" not in body:
             first, done = self.rejoins.begin(worker, body.get("incarnation"))
             self.service.reply(identity, Message(Op.OK, {"round": first}, seq=msg.seq))
