@@ -190,7 +190,7 @@ class Server:
         the retries of pushes its shard counts without applying them (server/restore.py)."""
         rounds = _rounds(msg)
         self._pusher(identity, msg)
-        msg = decompress.expand(msg)  # a compressed push: its values, dequantised (server/decompress.py)
+        msg = decompress.expand(msg, self._held)  # a compressed push, dequantised (server/decompress.py)
         msg, bf16 = _widened(msg)
         dropped = self.restored.screen(msg) if self.restored is not None else None  # retried pushes
         if not dropped and fastpath.push(self._requests, identity, msg, pull, bf16):  # a key group's batch
@@ -203,6 +203,10 @@ class Server:
         if dropped:  # answered, not applied: in the restored shard already, or of a lost round
             entries, rounds = self.restored.drop(batch, dropped, entries, sizes, rounds, pull, msg.sender)
         self._requests.reply_all(self.state.push_many(msg.sender, entries, pull, rounds))
+
+    def _held(self, key: Key) -> int:
+        """The elements this server holds of ``key``; raises KeyNotInitializedError."""
+        return self.state.value(key).size
 
     def _pusher(self, identity: bytes, msg: Message) -> None:
         """Bind the push's worker rank to its connection (a LEAVE must come from there); refuse

@@ -189,3 +189,25 @@ def test_a_push_after_its_leave_is_a_typed_error_logged_once(caplog: pytest.LogC
     records = [r for r in caplog.records if "has left" in r.getMessage()]
     assert len(records) == 1 and records[0].exc_info is None
     assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_compressed_push_over_its_keys_size_is_refused_before_it_is_dequantised() -> None:
+    """A 1bit push declaring 8M elements of a 4-element key is a ShapeMismatchError, refused before
+    the 32 MB it would dequantise to are allocated (the server's Python heap grows < 4 MB)."""
+    import tracemalloc
+
+    from kvstore.core import compression
+
+    cluster = FakeCluster("dist_sync", 2)
+    cluster.init("w", np.zeros(4, np.float32))
+    n = 1 << 23
+    packed = np.zeros(compression.packed_size("1bit", n), np.float32)
+    tracemalloc.start()
+    try:
+        seq = cluster.send(0, Op.PUSH, {"keys": ["w"], "sizes": [n], "compression": ["1bit", 0.5]}, [packed])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    reply = _only(cluster.replies(0), seq)
+    assert reply.op is Op.ERROR and reply.body["code"] == "ShapeMismatchError", reply.body
+    assert peak < 4 << 20, peak
