@@ -5,8 +5,11 @@
 Starts a real 1-worker 1-server cluster through ``launch.py`` once per mode and repeat, alternating
 (everything else equal).  The worker makes ``--warm`` push+pull calls of ``--keys`` one-float keys
 first, enough that every role's ring holds its 100,000 events and each write has a full ring behind
-it (a long job), then times ``--ops`` more and prints the calls per second.  The table gives each
-run's rate and the ratio of the medians: the job's time with the timeline over its time without.
+it (a long job), then times ``--ops`` more and prints the calls per second and the CPU seconds the
+job's processes (the launcher's children: scheduler, server, worker, every thread) spent on them.
+The table gives each run's rate and CPU per call, and the ratios of the medians: the job's time, and
+its CPU, with the timeline over without.  On a loaded machine the CPU ratio is the steadier figure
+(the wall clock moves with whatever else runs).
 """
 
 from __future__ import annotations
@@ -38,15 +41,33 @@ def worker(warm: int, ops: int, keys: int) -> None:
     kv.init(names, values)
     for _ in range(warm):
         kv.pushpull(names, values, out=outs)
-    started = time.perf_counter()
+    cpu, started = job_cpu(), time.perf_counter()
     for _ in range(ops):
         kv.pushpull(names, values, out=outs)
-    print(f"RATE {ops / (time.perf_counter() - started):.1f}", flush=True)
+    seconds = time.perf_counter() - started
+    print(f"RATE {ops / seconds:.1f} CPU {job_cpu() - cpu:.3f}", flush=True)
     kv.close()
 
 
-def run(timeline: str | None, warm: int, ops: int, keys: int) -> float:
-    """Launch the cluster (with ``KVSTORE_TIMELINE=timeline`` when given); return its calls/s."""
+def job_cpu() -> float:
+    """CPU seconds (user + system) of this process's parent's children: the job's roles (Linux)."""
+    parent = os.getppid()
+    with open(f"/proc/{parent}/task/{parent}/children", encoding="ascii") as listing:
+        pids = listing.read().split()
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def run(timeline: str | None, warm: int, ops: int, keys: int) -> tuple[float, float]:
+    """Launch the cluster (with ``KVSTORE_TIMELINE=timeline`` when given); return its calls/s and
+    the job's CPU microseconds per call."""
     env = {**os.environ, "KVSTORE_SECRET": "benchmark-secret"}
     env.pop("KVSTORE_TIMELINE", None)
     if timeline is not None:
@@ -54,11 +75,11 @@ def run(timeline: str | None, warm: int, ops: int, keys: int) -> float:
     done = subprocess.run([sys.executable, "launch.py", "-n", "1", "-s", "1", __file__, "--worker",
                            "--warm", str(warm), "--ops", str(ops), "--keys", str(keys)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=3600)
-    match = re.search(r"RATE ([\d.]+)", done.stdout + done.stderr)
+    match = re.search(r"RATE ([\d.]+) CPU ([\d.]+)", done.stdout + done.stderr)
     if done.returncode != 0 or match is None:
         raise SystemExit(f"the run {'with' if timeline else 'without'} the timeline failed:\n"
                          f"{done.stdout}\n{done.stderr}")
-    return float(match.group(1))
+    return float(match.group(1)), float(match.group(2)) * 1e6 / ops
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,15 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"1 worker 1 server: {args.warm} calls, then {args.ops} timed, of {args.keys} one-float "
           f"key(s) each", flush=True)
     rates: dict[str, list[float]] = {"off": [], "on": []}
+    cpus: dict[str, list[float]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory() as folder:
         trace = os.path.join(folder, "trace.json")
         for _ in range(args.repeat):
             for mode in rates:
-                rates[mode].append(run(trace if mode == "on" else None, args.warm, args.ops, args.keys))
-                print(f"KVSTORE_TIMELINE {mode:>3}: {rates[mode][-1]:9.1f} calls/s", flush=True)
+                rate, cpu = run(trace if mode == "on" else None, args.warm, args.ops, args.keys)
+                rates[mode].append(rate)
+                cpus[mode].append(cpu)
+                print(f"KVSTORE_TIMELINE {mode:>3}: {rate:9.1f} calls/s, job CPU {cpu:7.1f} us a call",
+                      flush=True)
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    cpu_off, cpu_on = statistics.median(cpus["off"]), statistics.median(cpus["on"])
     print(f"median: off {off:.1f} calls/s, on {on:.1f} calls/s; the job takes {off / on:.3f}x as long "
           f"with the timeline ({100 * (off / on - 1):+.1f}%)")
+    print(f"median job CPU a call: off {cpu_off:.1f} us, on {cpu_on:.1f} us; {cpu_on / cpu_off:.3f}x "
+          f"({100 * (cpu_on / cpu_off - 1):+.1f}%)")
     return 0
 
 
