@@ -3,10 +3,10 @@
 Each role keeps its events in a :class:`EventRing` (bounded: the most recent ``capacity``) and
 writes them as a part: a complete Chrome trace (``{"traceEvents": [...]}``) of its own, its
 timestamps moved to the scheduler's clock by the offset its heartbeats measured, one process
-(``pid``) per role and rank named by metadata events.  A part is laid out one event a line
-(:func:`part_text`), so a writer appends only its new events (:func:`event_lines`) and rewrites
-only the last line; a role's events may span two parts, generations of ``capacity`` events each
-(``otherData.generation``).  :func:`merge` joins parts into the job's trace, a role's generations
+(``pid``) per role and rank named by metadata events.  A part is laid out in lines (the head, a
+line a write, the last line), so a writer appends only its new events (:func:`event_lines`) and
+rewrites only the last line; a role's events may span two parts, generations of ``capacity``
+events each (``otherData.generation``).  :func:`merge` joins parts into the job's trace, a role's generations
 into its most recent ``capacity`` events.  No files, threads or clock here: callers pass unix times.
 """
 
@@ -96,18 +96,23 @@ def _event(pid: int, name: str, category: str, start: float, duration: float,
 
 
 def event_lines(role: str, rank: int, events: list[Event], offset_s: float) -> str:
-    """``events`` as lines to append to a part (each ``\\n,{...}``: JSON, one event a line), times
-    plus ``offset_s``.  An event whose args cannot be JSON (a NaN) keeps them as text.  Raises nothing."""
+    """``events`` as a line to append to a part (``\\n,{...},{...}``: one write's events, JSON), times
+    plus ``offset_s``; "" for none.  An event whose args cannot be JSON (a NaN) keeps them as text.
+    Raises nothing."""
+    if not events:
+        return ""
     pid = pid_of(role, rank)
-    lines = []
-    for name, category, start, duration, args in events:
-        event = _event(pid, name, category, start, duration, args, offset_s)
-        try:
-            lines.append(_ENCODE(event))
-        except ValueError:
-            event["args"] = {"text": str(args)[:200]}
-            lines.append(_ENCODE(event))
-    return "".join(f"\n,{line}" for line in lines)
+    batch = [_event(pid, *event, offset_s) for event in events]
+    try:
+        text = _ENCODE(batch)  # one call into the C encoder for the whole batch
+    except ValueError:
+        for event in batch:
+            try:
+                _ENCODE(event)
+            except ValueError:
+                event["args"] = {"text": str(event.get("args"))[:200]}
+        text = _ENCODE(batch)
+    return "\n," + text[1:-1]
 
 
 def part_head(role: str, rank: int) -> str:
@@ -126,8 +131,9 @@ def part_tail(role: str, rank: int, offset_s: float, events: int, added: int, ge
 
 
 def read_part(text: str) -> dict[str, Any] | None:
-    """A part's trace from its text: JSON, or, when a write was cut short, every whole event line of
-    it (and its last line when that one is whole).  None when it is not a part.  Raises nothing."""
+    """A part's trace from its text: JSON, or, when a write was cut short, the events of every whole
+    line of it (and its last line when that one is whole).  None when it is not a part.  Raises
+    nothing."""
     try:
         doc = json.loads(text)
         return doc if isinstance(doc, dict) else None
@@ -142,11 +148,10 @@ def read_part(text: str) -> dict[str, Any] | None:
             if line.startswith("]"):
                 doc = json.loads('{"traceEvents":[' + line)
                 break
-            event = json.loads(line[1:] if line.startswith(",") else line)
+            written = json.loads("[" + (line[1:] if line.startswith(",") else line) + "]")
         except ValueError:
             continue
-        if isinstance(event, dict):
-            events.append(event)
+        events.extend(event for event in written if isinstance(event, dict))
     doc = doc if isinstance(doc, dict) else {}
     doc["traceEvents"] = events
     return doc

@@ -113,11 +113,13 @@ def test_a_full_part_rotates_and_the_merge_keeps_the_most_recent(tmp_path: Path,
 
 
 def test_a_part_cut_short_keeps_its_whole_lines(tmp_path: Path, no_writer_thread: None) -> None:
-    """A part whose last write was cut off mid-line (a killed process, a full disk) still merges."""
+    """A part whose last write was cut off mid-line (a killed process, a full disk) still merges, with
+    the events of its earlier writes."""
     path = str(tmp_path / "t.json")
     rec = timeline.Recorder(path, "worker", lambda: 2, capacity=10)
     for i in range(3):
         rec.span(f"e{i}", "worker", float(i), i + 0.5)
+        rec.write()  # a line each
     rec.close()
     part = tmp_path / "t.json.d" / "worker-2.json"
     text = part.read_text()
