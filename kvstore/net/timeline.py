@@ -70,7 +70,7 @@ def write_json(path: str, document: Any) -> None:
 
 
 class PartFile:
-    """One role's part on disk, written by appending: its events one a line, then a last line that
+    """One role's part on disk, written by appending: each write's events a line, then a last line that
     closes the trace and says what it holds, rewritten with each append (no write reads the file
     or writes an earlier event again).  Generations of ``capacity`` events, two kept."""
 
