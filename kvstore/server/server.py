@@ -56,6 +56,7 @@ MB = 1 << 20
 # worker's connection, so what a server holds in messages it has not read stays about workers x
 # INBOUND_MESSAGES x the largest message (a chunk, or a slice of up to 4 chunks; kvstore.core.plan).
 INBOUND_MESSAGES = 8
+BOUND_CONNECTIONS = 4  # connections a worker rank is bound to (its LEAVE must come from one of them)
 
 
 def _widened(msg: Message) -> tuple[Message, bool]:
@@ -103,7 +104,7 @@ class Server:
         self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self._requests = Requests(service, self.state, self.meter)
         self.rejoins = Rejoins(self.state)  # restarted workers (launch.py --max-restarts)
-        self._pushed_on: dict[int, bytes] = {}  # worker rank -> the connection of its last push
+        self._used: dict[int, list[bytes]] = {}  # worker rank -> connections of its data requests
         self._refused_left: set[int] = set()  # workers whose push after their LEAVE was logged
         self.sparse = SparseServer(self._requests)  # row-sparse keys (server/sparse.py)
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
@@ -209,8 +210,8 @@ class Server:
         return self.state.value(key).size
 
     def _pusher(self, identity: bytes, msg: Message) -> None:
-        """Bind the push's worker rank to its connection (a LEAVE must come from there); refuse
-        (ProtocolError, one log line) a push of a worker that has left."""
+        """Bind the push's worker rank to its connection (:meth:`_bind`); refuse (ProtocolError, one
+        log line) a push of a worker that has left."""
         worker = msg.sender
         if not (type(worker) is int and 0 <= worker < self.state.num_workers):
             return  # refused as such by the checks that follow
@@ -220,7 +221,19 @@ class Server:
                 log.warning("refused a %s of worker %d, which has left (logged once)", msg.op.name, worker)
             raise ProtocolError(f"worker {worker} has left the cluster (this server took its LEAVE); "
                                 "it cannot push")
-        self._pushed_on[worker] = identity
+        self._bind(worker, identity)
+
+    def _bind(self, worker: Any, identity: bytes) -> None:
+        """Remember ``identity`` among the connections worker rank ``worker`` sent data requests on
+        (its last ``BOUND_CONNECTIONS``): a LEAVE for it must come from one of them."""
+        used = self._used.get(worker)
+        if used is not None and used[-1] == identity:
+            return  # the common case: the same connection as last time
+        if not (type(worker) is int and 0 <= worker < self.state.num_workers):
+            return
+        used = [c for c in (used or []) if c != identity][-(BOUND_CONNECTIONS - 1):]
+        used.append(identity)
+        self._used[worker] = used
 
     def _need_optimizer(self, what: str) -> Optimizer:
         optimizer = self._requests.optimizer
@@ -229,6 +242,7 @@ class Server:
         return optimizer
 
     def _on_init(self, identity: bytes, msg: Message) -> None:
+        self._bind(msg.sender, identity)
         msg, bf16 = _widened(msg)  # a bfloat16 key is held as a float32 master copy
         keys, values, _, lo = self._entries(msg, True)
         if lo is not None:  # a chunk: the key is stored with its last chunk
@@ -261,6 +275,7 @@ class Server:
         self._gradients(identity, msg, pull=False)
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
+        self._bind(msg.sender, identity)
         if fastpath.pull(self._requests, identity, msg):  # a batch of a key group
             return
         keys, _, sizes, lo = self._entries(msg, False)
@@ -278,11 +293,11 @@ class Server:
         them has been taken in; sync rounds stop waiting for it from now on."""
         if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
             raise ProtocolError(f"LEAVE carries no valid worker rank (got {msg.sender!r})")
-        bound = self._pushed_on.get(msg.sender)
-        if bound is not None and bound != identity:
-            log.warning("refused a LEAVE for worker %d from another connection than its pushes'", msg.sender)
+        used = self._used.get(msg.sender)
+        if used is not None and identity not in used:
+            log.warning("refused a LEAVE for worker %d from a connection it sent no data on", msg.sender)
             raise ProtocolError(f"LEAVE for worker {msg.sender} refused: it comes from another "
-                                "connection than that worker's pushes")
+                                "connection than that worker's data requests")
         done = self.state.leave(msg.sender)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
         self._requests.reply_all(done)
@@ -297,7 +312,7 @@ class Server:
         """A restarted worker (a new incarnation of its rank) counts again: first from the round no key
         has opened here (replied as ``round``), then, with ``at``, from that round of every key."""
         worker, body = self._requests.sender(msg), msg.body
-        self._pushed_on[worker] = identity  # its new incarnation's connection
+        self._bind(worker, identity)  # its new incarnation's connection
         if "at" not in body:
             first, done = self.rejoins.begin(worker, body.get("incarnation"))
             self.service.reply(identity, Message(Op.OK, {"round": first}, seq=msg.seq))
