@@ -8,6 +8,7 @@ the memory held is bounded by the cluster's size.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from kvstore.core import stats as kvstats
@@ -16,6 +17,29 @@ STATUS_BUDGET = 768 * 1024  # estimated bytes of node snapshots one STATUS reply
 REASON_MALFORMED = "malformed"
 REASON_TOO_BIG = "too-big"
 REASON_UNKNOWN = "unknown-node"
+POLL_RATE = 10.0  # STATUS replies a connection may get a second, on average ...
+POLL_BURST = 20  # ... and in a burst (kvstore.status asks at most 10 a second, waiting for each)
+POLLERS = 4096  # connections whose rate is kept (the least recently heard forgotten first)
+
+
+class PollGate:
+    """Bounds the STATUS replies per connection (a token bucket of ``burst`` refilled at ``rate`` a
+    second), so a poller that never reads its replies cannot queue more than that in the scheduler.
+    Remembers ``capacity`` connections at most."""
+
+    def __init__(self, rate: float = POLL_RATE, burst: int = POLL_BURST, capacity: int = POLLERS) -> None:
+        self.rate, self.burst, self.capacity = rate, burst, capacity
+        self._tokens: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # -> (tokens, at)
+
+    def allow(self, identity: bytes, now: float) -> bool:
+        """Whether the connection ``identity`` may have a reply now (``now``: monotonic seconds)."""
+        tokens, at = self._tokens.pop(identity, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - at) * self.rate)
+        allowed = tokens >= 1.0
+        self._tokens[identity] = (tokens - 1.0 if allowed else tokens, now)
+        if len(self._tokens) > self.capacity:
+            self._tokens.popitem(last=False)
+        return allowed
 
 
 class SchedulerStats:

@@ -31,10 +31,11 @@ from kvstore.net.auth import channel_for
 from kvstore.net.heartbeat import lost_error
 from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
-from kvstore.net.router import Handler, LateHandler, RouterService, RouterSocket
+from kvstore.net.router import OVER_RATE, Handler, LateHandler, RouterService, RouterSocket
+from kvstore.net.status_client import poll_session
 
 from .extension import SchedulerAPI
-from .observe import SchedulerStats, node_rows, scheduler_snapshot
+from .observe import PollGate, SchedulerStats, node_rows, scheduler_snapshot
 from .pipes import PipesExtension
 from .restarts import RestartsExtension
 from .state import Barrier, Challenges, Liveness, Node, Rendezvous, hello_nonce
@@ -88,8 +89,13 @@ class Scheduler:
                                  Op.BARRIER: self._on_barrier,
                                  Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
                                  Op.HEARTBEAT: self._on_heartbeat, Op.STATUS: self._on_status}
-        # kvstore.status holds the secret, not the session: its STATUS is answered after the map too
-        self.service.late_handlers = {Op.STATUS: lambda _, msg: Message(Op.OK, self._status_asked())}
+        # kvstore.status holds the secret, not the session: a STATUS sealed with the secret alone gets
+        # the session (net/status_client.py), one sealed with its poll key the status, within a rate
+        self.service.late_handlers = {Op.STATUS: lambda _, msg: self._session_offer()}
+        self.service.polled = channel_for(self.cfg, "scheduler")
+        self.service.polled.set_session(poll_session(self.session))
+        self.service.polled_handlers = {Op.STATUS: self._polled_status}
+        self._pollers = PollGate()
         api = SchedulerAPI(
             cfg=cfg, challenges=self.challenges, handle=self._serve, handle_late=self._serve_late,
             reply=self.service.reply, worker_rank=self._worker_rank, mode=lambda: self.mode,
@@ -269,9 +275,34 @@ class Scheduler:
         self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
 
     def _on_status(self, identity: bytes, msg: Message) -> None:
-        # a worker's stats(cluster=True) is not a poller to linger for: it has left by the time we exit
-        body = self.status_body() if identity in self.worker_ranks else self._status_asked()
-        self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
+        """STATUS from a node (sealed with the session, once the map is out), or sealed with the secret
+        alone before the map: the session offer then (without a secret, a poller's second step names
+        the session in its body)."""
+        if not self.map_sent and msg.body.get("session") != self.session:
+            offer = self._session_offer()
+            offer.seq = msg.seq
+            self.service.reply(identity, offer)
+            return
+        reply = self._polled_status(identity, msg)
+        if reply is None:
+            self.service.drops.count(OVER_RATE, "STATUS over its rate: not answered")
+            return
+        reply.seq = msg.seq
+        self.service.reply(identity, reply)
+
+    def _session_offer(self) -> Message:
+        """The answer to a STATUS sealed without the session: the session to seal it with."""
+        return Message(Op.OK, {"session": self.session})
+
+    def _polled_status(self, identity: bytes, msg: Message) -> Message | None:
+        """The STATUS reply to a poller (None: over its rate, :class:`PollGate`, not answered).  A
+        worker's stats(cluster=True) is neither bounded nor a poller to linger for: it has left by
+        the time we exit."""
+        if identity in self.worker_ranks:
+            return Message(Op.OK, self.status_body())
+        if not self._pollers.allow(identity, time.monotonic()):
+            return None
+        return Message(Op.OK, self._status_asked())
 
     def _status_asked(self) -> dict:
         """The STATUS reply, counting the request (see :meth:`_linger_for_status`)."""

@@ -26,9 +26,19 @@ def check_key(key: object) -> Key:
     if type(key) is int and 0 <= key <= MAX_INT_KEY:  # the common case, without the ABC check below
         return key
     if isinstance(key, str):
-        if len(key) * 4 > MAX_STR_KEY_BYTES and len(key.encode("utf-8")) > MAX_STR_KEY_BYTES:
-            raise KeyTypeError(f"str key of {len(key.encode('utf-8'))} bytes is longer than the "
-                               f"{MAX_STR_KEY_BYTES}-byte limit")
+        if key.isascii():
+            if len(key) > MAX_STR_KEY_BYTES:
+                raise KeyTypeError(f"str key of {len(key)} bytes is longer than the "
+                                   f"{MAX_STR_KEY_BYTES}-byte limit")
+            return key
+        try:
+            encoded = len(key.encode("utf-8"))
+        except UnicodeEncodeError:  # a lone surrogate: no UTF-8 for it, so no key on the wire
+            raise KeyTypeError(f"str key {key[:40]!r} is not valid text (it holds a lone surrogate, "
+                               "which has no UTF-8 encoding)") from None
+        if encoded > MAX_STR_KEY_BYTES:
+            raise KeyTypeError(f"str key of {encoded} bytes is longer than the {MAX_STR_KEY_BYTES}-byte "
+                               "limit")
         return key
     if isinstance(key, numbers.Integral) and not isinstance(key, bool):
         value = int(key)

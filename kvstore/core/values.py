@@ -47,10 +47,13 @@ def as_array(value: Any) -> np.ndarray:
 def describe(value: Any) -> tuple[tuple[int, ...], np.dtype]:
     """``(shape, numpy dtype)`` of an array or tensor, without copying it off its device.
 
-    Raises TypeError for anything else (or a sparse tensor), DTypeMismatchError for
-    a dtype the wire cannot carry.
+    Raises TypeError for anything else (or a sparse tensor, or a masked array: its mask would be
+    ignored), DTypeMismatchError for a dtype the wire cannot carry.
     """
     if isinstance(value, np.ndarray):
+        if type(value) is not np.ndarray and isinstance(value, np.ma.MaskedArray):
+            raise TypeError("values must not be masked arrays: kvstore would ignore the mask; pass "
+                            "value.filled(fill) with the fill the masked elements should count as")
         shape, dtype = tuple(value.shape), xp.dtype_of(value)
     elif is_tensor(value):
         if value.layout != sys.modules["torch"].strided:

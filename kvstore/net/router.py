@@ -60,6 +60,7 @@ log = logging.getLogger("kvstore.router")
 
 Handler = Callable[[bytes, Message], None]
 LateHandler = Callable[[bytes, Message], Message]  # answers a holder of the secret without the session
+PolledHandler = Callable[[bytes, Message], "Message | None"]  # answers a STATUS poller, or not at all
 
 
 class RouterSocket(Protocol):
@@ -93,6 +94,7 @@ WITHHELD_FULL = "reply-withheld-table-full"  # ANSWERED_PEERS identities answere
 QUEUE_FULL = "reply-dropped-queue-full"    # the peer's send queue holds ROUTER_SNDHWM messages
 PEER_GONE = "reply-dropped-peer-gone"      # the peer disconnected before its reply
 REASON_LATE = "late-registration"          # the right secret, after the cluster was complete
+OVER_RATE = "status-over-rate"             # a STATUS poller asking faster than it may: not answered
 
 
 class RefusalGate:
@@ -201,6 +203,12 @@ class RouterService:
         # STATUS for kvstore.status, a restarted worker's HELLO and REGISTER): the handler gets
         # ``(identity, message)`` and returns the reply, sealed with ``late``.
         self.late_handlers: dict[Op, LateHandler] = {}
+        # The scheduler's channel for STATUS pollers (kvstore.status, the TensorBoard writer): keyed by
+        # the secret and a key of the session (``status_client.poll_session``) from its start, so one
+        # replay table spans the rendezvous and the map, and another cluster's messages do not verify.
+        # Its handlers may return None: nothing is sent (a poller over its rate).
+        self.polled: Channel | None = None
+        self.polled_handlers: dict[Op, PolledHandler] = {}
         self._untrimmed = 0  # events logged since the heap was last trimmed
         self.shm: ServerPeers | None = None  # a server's peers when same-host shared memory is on
 
@@ -257,7 +265,7 @@ class RouterService:
             self._damaged(identity, payload[1])
             return None
         except Exception as exc:  # any exception: frames a peer made up may break anything
-            if not self._answer_late(identity, payload):
+            if not self._answer_late(identity, payload) and not self._answer_polled(identity, payload):
                 self._refuse(identity, exc)
             return None
         try:
@@ -301,18 +309,41 @@ class RouterService:
         self._send(identity, self.late.seal(reply, label), reply.op)
         return True
 
-    def _answer_outsider(self, identity: bytes, msg: Message, label: str) -> None:
-        """Answer ``msg`` (verified with ``late``) by its late handler, sealed with ``late``."""
+    def _answer_polled(self, identity: bytes, payload: list[Any]) -> bool:
+        """Answer a message sealed with the pollers' channel (``polled``) by its handler; False when
+        ``payload`` is no such message (it is refused as any other then)."""
+        if self.polled is None:
+            return False
         try:
-            reply = self.late_handlers[msg.op](identity, msg)
+            self.polled.verify(payload)
+            msg = decode(payload)
+            label = self.polled.admit(msg.auth)
+        except Exception:
+            return False
+        if msg.op not in self.polled_handlers:
+            return False
+        self._answer_outsider(identity, msg, label, self.polled, self.polled_handlers)
+        return True
+
+    def _answer_outsider(self, identity: bytes, msg: Message, label: str, channel: Channel | None = None,
+                         handlers: dict[Op, PolledHandler] | None = None) -> None:
+        """Answer ``msg`` (verified with ``channel``, default ``late``) by its handler in ``handlers``
+        (default the late ones), sealed with ``channel``; a handler's None is counted, not sent."""
+        channel = self.late if channel is None else channel
+        assert channel is not None
+        try:
+            reply = (self.late_handlers if handlers is None else handlers)[msg.op](identity, msg)
         except Exception as exc:  # a bad request must not kill the service
             if not isinstance(exc, KVStoreError):
-                log.exception("late handler for %s failed", msg.op.name)
+                log.exception("handler for %s from outside the cluster failed", msg.op.name)
             reply = protocol.error_reply(0, error_code(exc), _text(exc))
+        if reply is None:
+            self.drops.count(OVER_RATE, f"{msg.op.name} from {label!r} over its rate: not answered")
+            return
         if reply.op is Op.MAP:  # admitted late (a restart): later messages to it are addressed to it
             self.peers[identity] = label
         reply.seq, reply.sender = msg.seq, self.rank
-        self._send(identity, self.late.seal(reply, label), reply.op)
+        self._send(identity, channel.seal(reply, label), reply.op)
 
     def _refuse(self, identity: bytes, exc: BaseException) -> None:
         """Count a message that failed authentication; answer it unsigned if the gate allows."""

@@ -1,5 +1,11 @@
 """A client of the scheduler's STATUS request, holding the cluster secret and never registering
-(``python -m kvstore.status``, the launcher's TensorBoard writer; docs/observability.md)."""
+(``python -m kvstore.status``, the launcher's TensorBoard writer; docs/observability.md).
+
+Two steps, so that a STATUS is sealed with the cluster's session: a STATUS sealed with the secret
+alone is answered with the session id only (``{"session"}``); the client then asks from a channel
+keyed by the secret and :func:`poll_session` of it, which the scheduler keeps from its start to its
+end.  A request captured on one cluster does not verify on another (another session), and one
+captured during the rendezvous is not answered again after the map (one replay table)."""
 
 from __future__ import annotations
 
@@ -14,7 +20,13 @@ from kvstore.net.auth import Channel, channel_for, new_label
 from kvstore.net.handshake import unsigned_refusal
 from kvstore.net.protocol import Message, Op
 
-__all__ = ["StatusClient"]
+__all__ = ["StatusClient", "poll_session"]
+
+
+def poll_session(session: bytes) -> bytes:
+    """What the STATUS pollers' channel is keyed by besides the secret, for the cluster ``session``
+    (distinct from the nodes' key, so no node's message verifies on it or the other way round)."""
+    return b"status\0" + bytes(session)
 
 
 class StatusClient:
@@ -22,7 +34,9 @@ class StatusClient:
 
     def __init__(self, cfg: kvconfig.Config, where: str) -> None:
         self.where, self.cfg = where, cfg
-        self.channel: Channel = channel_for(cfg, new_label("status"))
+        self.channel: Channel = channel_for(cfg, new_label("status"))  # the secret's alone: step one
+        self.polled: Channel | None = None  # keyed with the session's poll key: step two
+        self._session = b""  # the session id step one got (step two names it: no secret, no MAC)
         self.sock = transport.connect_dealer(where, curve=transport.curve_keys(cfg))
         self._seq = itertools.count(1)
         self._renewed = False  # a fresh channel was tried since the last reply that opened
@@ -41,14 +55,26 @@ class StatusClient:
             if self._renewed or self._refused:
                 raise
             self._renewed = True
-            self.channel = channel_for(self.cfg, new_label("status"))
+            self.channel, self.polled = channel_for(self.cfg, new_label("status")), None
             body = self._ask(timeout)
         self._renewed = False
         return body
 
     def _ask(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        if self.polled is None:
+            session = self._request(self.channel, timeout).get("session")
+            if not isinstance(session, bytes):
+                raise ProtocolError(f"the scheduler at {self.where} sent no session for STATUS")
+            self.polled = channel_for(self.cfg, new_label("status"))
+            self.polled.set_session(poll_session(session))
+            self._session = session
+        return self._request(self.polled, max(0.0, deadline - time.monotonic()), {"session": self._session})
+
+    def _request(self, channel: Channel, timeout: float,
+                 body: dict[str, Any] | None = None) -> dict[str, Any]:
         seq = next(self._seq)
-        transport.send(self.sock, self.channel.seal(Message(Op.STATUS, {}, seq=seq), "scheduler"))
+        transport.send(self.sock, channel.seal(Message(Op.STATUS, body or {}, seq=seq), "scheduler"))
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -56,16 +82,16 @@ class StatusClient:
             except DeadlineExceededError:
                 raise DeadlineExceededError(f"no STATUS reply from the scheduler at {self.where} within "
                                             f"{timeout:g} s (--timeout)") from None
-            reply = self._open(frames)
+            reply = self._open(channel, frames)
             if reply.seq != seq:
                 continue  # the late answer to an earlier request
             if reply.op is Op.ERROR:
                 raise error_from_code(str(reply.body.get("code", "")), str(reply.body.get("message", "")))
             return reply.body
 
-    def _open(self, frames: list[Any]) -> Message:
+    def _open(self, channel: Channel, frames: list[Any]) -> Message:
         try:
-            return self.channel.open(frames)
+            return channel.open(frames)
         except (AuthenticationError, ProtocolError):
             refusal = _unsigned_text(frames)
             self._refused = refusal is not None  # the secret is wrong: asking again cannot help

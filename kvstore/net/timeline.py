@@ -3,15 +3,19 @@
 Here because the clocks are aligned between nodes: each heartbeat reply carries the scheduler's
 time, and :data:`CLOCK` keeps the offset measured by the beat with the shortest round trip among
 the recent ones.  A :class:`Recorder` holds a role's :class:`~kvstore.core.timeline.EventRing`
-and writes it as its part, ``path.json.d/<role>-<rank>.json``, every :data:`WRITE_EVERY` seconds
-from a thread and at exit, always atomically (a temporary file, then ``os.replace``), so each part
-is valid JSON even when the process is killed.  :func:`merge_parts` joins the parts into
-``path.json`` (the launcher does, after the job).
+and appends its new events to its part, ``path.json.d/<role>-<rank>.json`` (a :class:`PartFile`),
+every :data:`WRITE_EVERY` seconds from a thread and at exit: the work of a write is in proportion
+to the events that are new, and the part is valid JSON after each.  A part holds at most
+``capacity`` events; the next write moves it to ``<role>-<rank>.prev.json`` (the one before is
+dropped) and starts a new one, so a role's files hold between ``capacity`` and twice that.
+:func:`merge_parts` joins the parts into ``path.json`` (the launcher does, after the job), a role's
+two files into its most recent ``capacity`` events.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +31,7 @@ from kvstore.core import timeline as core
 log = logging.getLogger("kvstore.timeline")
 VARIABLE = "KVSTORE_TIMELINE"
 WRITE_EVERY = 2.0  # seconds between two writes of a role's part (when it has new events)
+PREVIOUS = ".prev.json"  # the suffix of a role's previous generation (instead of ".json")
 
 
 class Clock:
@@ -64,15 +69,73 @@ def write_json(path: str, document: Any) -> None:
     os.replace(tmp, path)
 
 
+class PartFile:
+    """One role's part on disk, written by appending: each write's events a line, then a last line that
+    closes the trace and says what it holds, rewritten with each append (no write reads the file
+    or writes an earlier event again).  Generations of ``capacity`` events, two kept."""
+
+    def __init__(self, path: str, role: str, rank: int, capacity: int) -> None:
+        self.path, self.previous = path, path[: -len(".json")] + PREVIOUS
+        self.role, self.rank, self.capacity = role, rank, capacity
+        self._end = -1  # where the last line starts in the file (-1: no file started yet)
+        self._events = 0  # events in the file
+        self._generation = 0
+
+    def append(self, events: list[core.Event], offset_s: float, added: int) -> None:
+        """Append ``events`` (at most ``capacity``), times plus ``offset_s``; ``added``: the events
+        the role ever added.  Raises OSError."""
+        events = events[-self.capacity:] if self.capacity > 0 else []
+        if self._end < 0:
+            self._start(rotate=False)
+        while events:
+            if self._events >= self.capacity:
+                self._start(rotate=True)
+            room = self.capacity - self._events
+            self._append(events[:room], offset_s, added - len(events[room:]))
+            events = events[room:]
+
+    def _start(self, rotate: bool) -> None:
+        """A new generation in ``path``: the last one becomes ``previous``; the first of this
+        process replaces what an earlier one left."""
+        if rotate:
+            os.replace(self.path, self.previous)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.previous)
+        self._generation += 1
+        head = core.part_head(self.role, self.rank).encode()
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as out:
+            out.write(head + self._tail(0.0, 0).encode())
+        os.replace(tmp, self.path)
+        self._end, self._events = len(head), 0
+
+    def _append(self, events: list[core.Event], offset_s: float, added: int) -> None:
+        lines = core.event_lines(self.role, self.rank, events, offset_s).encode()
+        with open(self.path, "r+b") as out:
+            out.seek(self._end)
+            out.write(lines + self._tail(offset_s, added, len(events)).encode())
+            out.truncate()
+        self._end += len(lines)
+        self._events += len(events)
+
+    def _tail(self, offset_s: float, added: int, new: int = 0) -> str:
+        return core.part_tail(self.role, self.rank, offset_s, self._events + new, added, self._generation,
+                              self.capacity)
+
+
 class Recorder:
-    """The timeline of one role: ``span`` adds an event; the part is written periodically and at exit."""
+    """The timeline of one role: ``span`` adds an event; the new ones are appended to the part
+    periodically and at exit."""
 
     def __init__(self, path: str, role: str, rank: Callable[[], int], capacity: int = core.CAPACITY,
                  clock: Clock | None = None) -> None:
         self.path, self.role, self.rank = path, role, rank
         self.clock = CLOCK if clock is None else clock
         self.ring = core.EventRing(capacity, threading.Lock())
-        self._written = -1
+        self.capacity = capacity
+        self._written = -1  # events added when the part was last written (-1: never written)
+        self._file: PartFile | None = None
         self._write_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kvstore-timeline-{role}", daemon=True)
@@ -85,23 +148,26 @@ class Recorder:
         self.ring.span(name, category, start, end, args)
 
     def write(self) -> bool:
-        """Write the part now if there is something new and the rank is known; True if written.
-        Never raises: a failed write is logged."""
+        """Append the new events to the part if there are any and the rank is known; True if
+        written.  Never raises: a failed write is logged (and its events left out)."""
         with self._write_lock:
-            rank, added = self.rank(), self.ring.added
-            if rank < 0 or added == self._written:
+            rank = self.rank()
+            if rank < 0 or self.ring.added == self._written:
                 return False
-            events = self.ring.events()
+            events, added = self.ring.since(max(0, self._written))
             offset = 0.0 if self.role == "scheduler" else self.clock.offset
-            doc = core.part(self.role, rank, events, offset, dropped=added - len(events))
             target = os.path.join(parts_dir(self.path), f"{self.role}-{rank}.json")
             try:
-                os.makedirs(parts_dir(self.path), exist_ok=True)
-                write_json(target, doc)
+                if self._file is None or self._file.path != target:
+                    os.makedirs(parts_dir(self.path), exist_ok=True)
+                    self._file = PartFile(target, self.role, rank, self.capacity)
+                self._file.append(events, offset, added)
             except (OSError, ValueError) as exc:
                 log.warning("cannot write the timeline part %s: %s", target, exc)
+                self._file = None  # the next write starts the part again
                 return False
-            self._written = added
+            finally:
+                self._written = added
             return True
 
     def _loop(self) -> None:
@@ -142,8 +208,8 @@ def recorder(role: str, rank: Callable[[], int], environ: Mapping[str, str] | No
 
 def merge_parts(path: str) -> int:
     """Merge the parts in ``path.d/`` into the trace ``path`` (atomically); return the number of
-    parts merged (0: nothing written).  Unreadable parts are skipped with a warning.  Raises OSError
-    when ``path`` cannot be written."""
+    roles merged (0: nothing written).  Unreadable parts are skipped with a warning; the whole
+    lines of a part cut short are kept.  Raises OSError when ``path`` cannot be written."""
     folder = parts_dir(path)
     try:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
@@ -153,13 +219,19 @@ def merge_parts(path: str) -> int:
     for name in names:
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as src:
-                docs.append(json.load(src))
+                doc = core.read_part(src.read())
         except (OSError, ValueError) as exc:
             log.warning("skipping the timeline part %s: %s", name, exc)
+            continue
+        if doc is None:
+            log.warning("skipping the timeline part %s: not a trace", name)
+        else:
+            docs.append(doc)
     if not docs:
         return 0
-    write_json(path, core.merge(docs))
-    return len(docs)
+    merged = core.merge(docs)
+    write_json(path, merged)
+    return len(merged["otherData"]["parts"])
 
 
 def now() -> float:

@@ -56,6 +56,7 @@ MB = 1 << 20
 # worker's connection, so what a server holds in messages it has not read stays about workers x
 # INBOUND_MESSAGES x the largest message (a chunk, or a slice of up to 4 chunks; kvstore.core.plan).
 INBOUND_MESSAGES = 8
+BOUND_CONNECTIONS = 4  # connections a worker rank is bound to (its LEAVE must come from one of them)
 
 
 def _widened(msg: Message) -> tuple[Message, bool]:
@@ -103,6 +104,8 @@ class Server:
         self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self._requests = Requests(service, self.state, self.meter)
         self.rejoins = Rejoins(self.state)  # restarted workers (launch.py --max-restarts)
+        self._used: dict[int, list[bytes]] = {}  # worker rank -> connections of its data requests
+        self._refused_left: set[int] = set()  # workers whose push after their LEAVE was logged
         self.sparse = SparseServer(self._requests)  # row-sparse keys (server/sparse.py)
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
                               cluster.get("max_message_bytes", 0))
@@ -189,7 +192,8 @@ class Server:
         group's batch on the group path, any other on the per-key path; a restarted server answers
         the retries of pushes its shard counts without applying them (server/restore.py)."""
         rounds = _rounds(msg)
-        msg = decompress.expand(msg)  # a compressed push: its values, dequantised (server/decompress.py)
+        self._pusher(identity, msg)
+        msg = decompress.expand(msg, self._held)  # a compressed push, dequantised (server/decompress.py)
         msg, bf16 = _widened(msg)
         dropped = self.restored.screen(msg) if self.restored is not None else None  # retried pushes
         if not dropped and fastpath.push(self._requests, identity, msg, pull, bf16):  # a key group's batch
@@ -203,6 +207,36 @@ class Server:
             entries, rounds = self.restored.drop(batch, dropped, entries, sizes, rounds, pull, msg.sender)
         self._requests.reply_all(self.state.push_many(msg.sender, entries, pull, rounds))
 
+    def _held(self, key: Key) -> int:
+        """The elements this server holds of ``key``; raises KeyNotInitializedError."""
+        return self.state.value(key).size
+
+    def _pusher(self, identity: bytes, msg: Message) -> None:
+        """Bind the push's worker rank to its connection (:meth:`_bind`); refuse (ProtocolError, one
+        log line) a push of a worker that has left."""
+        worker = msg.sender
+        if not (type(worker) is int and 0 <= worker < self.state.num_workers):
+            return  # refused as such by the checks that follow
+        if worker not in self.state.active:
+            if worker not in self._refused_left:
+                self._refused_left.add(worker)
+                log.warning("refused a %s of worker %d, which has left (logged once)", msg.op.name, worker)
+            raise ProtocolError(f"worker {worker} has left the cluster (this server took its LEAVE); "
+                                "it cannot push")
+        self._bind(worker, identity)
+
+    def _bind(self, worker: Any, identity: bytes) -> None:
+        """Remember ``identity`` among the connections worker rank ``worker`` sent data requests on
+        (its last ``BOUND_CONNECTIONS``): a LEAVE for it must come from one of them."""
+        used = self._used.get(worker)
+        if used is not None and used[-1] == identity:
+            return  # the common case: the same connection as last time
+        if not (type(worker) is int and 0 <= worker < self.state.num_workers):
+            return
+        used = [c for c in (used or []) if c != identity][-(BOUND_CONNECTIONS - 1):]
+        used.append(identity)
+        self._used[worker] = used
+
     def _need_optimizer(self, what: str) -> Optimizer:
         optimizer = self._requests.optimizer
         if optimizer is None:
@@ -210,6 +244,7 @@ class Server:
         return optimizer
 
     def _on_init(self, identity: bytes, msg: Message) -> None:
+        self._bind(msg.sender, identity)
         msg, bf16 = _widened(msg)  # a bfloat16 key is held as a float32 master copy
         keys, values, _, lo = self._entries(msg, True)
         if lo is not None:  # a chunk: the key is stored with its last chunk
@@ -258,6 +293,7 @@ class Server:
         self._gradients(identity, msg, pull=False)
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
+        self._bind(msg.sender, identity)
         if fastpath.pull(self._requests, identity, msg):  # a batch of a key group
             return
         keys, _, sizes, lo = self._entries(msg, False)
@@ -275,6 +311,11 @@ class Server:
         them has been taken in; sync rounds stop waiting for it from now on."""
         if not (isinstance(msg.sender, int) and 0 <= msg.sender < self.state.num_workers):
             raise ProtocolError(f"LEAVE carries no valid worker rank (got {msg.sender!r})")
+        used = self._used.get(msg.sender)
+        if used is not None and identity not in used:
+            log.warning("refused a LEAVE for worker %d from a connection it sent no data on", msg.sender)
+            raise ProtocolError(f"LEAVE for worker {msg.sender} refused: it comes from another "
+                                "connection than that worker's data requests")
         done = self.state.leave(msg.sender)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
         self._requests.reply_all(done)
@@ -289,6 +330,7 @@ class Server:
         """A restarted worker (a new incarnation of its rank) counts again: first from the round no key
         has opened here (replied as ``round``), then, with ``at``, from that round of every key."""
         worker, body = self._requests.sender(msg), msg.body
+        self._bind(worker, identity)  # its new incarnation's connection
         if "at" not in body:
             first, done = self.rejoins.begin(worker, body.get("incarnation"))
             self.service.reply(identity, Message(Op.OK, {"round": first}, seq=msg.seq))

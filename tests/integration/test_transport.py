@@ -131,3 +131,22 @@ def test_a_router_send_to_a_peer_that_never_reads_returns_false_instead_of_block
     finally:
         transport.close(dealer)
         transport.close(sock)
+
+
+def test_a_message_of_many_frames_is_counted_exactly_and_read_by_libzmq() -> None:
+    """200,000 empty frames are read to their end by libzmq's own calls (no Python object a frame),
+    counted exactly in the refusal, and the socket stays usable."""
+    assert transport._DISCARDER is not None  # pyzmq's libzmq was found in this process
+    sock, port = transport.bind_router("127.0.0.1")
+    dealer = transport.connect_dealer(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send_multipart([b""] * 200_000)
+        dealer.send_multipart([b"after", b"ok"])
+        assert sock.poll(5000)
+        with pytest.raises(ProtocolError, match=r"\(200001 frames read and dropped\)"):
+            transport.recv(sock)
+        assert sock.poll(5000)
+        assert [bytes(f) for f in transport.recv(sock)][1:] == [b"after", b"ok"]
+    finally:
+        transport.close(dealer)
+        transport.close(sock)

@@ -212,3 +212,10 @@ def test_placement_is_the_same_on_every_worker():
     first = [placement(k, n, 3, SEED, 1_000_000) for k in keys for n in sizes]
     again = {(k, n): placement(k, n, 3, SEED, 1_000_000) for k in reversed(keys) for n in sizes}
     assert first == [again[(k, n)] for k in keys for n in sizes]
+
+
+def test_check_key_refuses_a_lone_surrogate_as_a_key_type_error():
+    """A str key with no UTF-8 encoding ('\\ud800') is a KeyTypeError, not a UnicodeEncodeError."""
+    with pytest.raises(KeyTypeError, match="surrogate"):
+        check_key("w\ud800")
+    assert check_key("wé") == "wé"

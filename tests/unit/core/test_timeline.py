@@ -34,3 +34,17 @@ def test_merge_joins_parts_and_skips_broken_ones() -> None:
     assert len({e["pid"] for e in doc["traceEvents"]}) == 2
     assert [p["role"] for p in doc["otherData"]["parts"]] == ["scheduler", "server"]
     assert timeline.pid_of("scheduler", 0) < timeline.pid_of("server", 0) < timeline.pid_of("worker", 0)
+
+
+def test_appended_lines_hold_the_events_part_gives() -> None:
+    """A part's head, a line a write and its tail parse as the trace ``part`` builds (same events and
+    times); args that are not JSON (a NaN) become text instead of breaking the file."""
+    events = [("pu\"sh", "worker", 10.0, 0.25, None), ("round 1", "server", 11.0, 0.5, {"last_worker": 1})]
+    text = (timeline.part_head("worker", 1) + timeline.event_lines("worker", 1, events[:1], 2.0)
+            + timeline.event_lines("worker", 1, events[1:], 2.0)
+            + timeline.part_tail("worker", 1, 2.0, 2, 5, 1, 10))
+    doc = json.loads(text)
+    assert doc["traceEvents"] == timeline.part("worker", 1, events, 2.0)["traceEvents"]
+    assert doc["otherData"]["dropped"] == 3 and timeline.read_part(text) == doc
+    odd = timeline.event_lines("worker", 1, [("x", "worker", 1.0, 0.1, {"w": float("nan")})], 0.0)
+    assert json.loads("[" + odd[2:] + "]")[0]["args"] == {"text": "{'w': nan}"}

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvstore
 from kvstore.core import values as V
 from kvstore.errors import DTypeMismatchError, ShapeMismatchError
 
@@ -208,3 +209,15 @@ def test_new_value_is_a_tensor_for_tensor_keys():
     fresh = V.new_value(meta(tensor=True), np.ones(6, np.float32))
     assert isinstance(fresh, torch.Tensor)
     assert fresh.shape == (2, 3) and fresh.dtype == torch.float32
+
+
+def test_a_masked_array_is_refused_rather_than_its_mask_ignored():
+    """A numpy masked array as a value (or out) is a TypeError naming the mask; a plain array is not."""
+    masked = np.ma.array(np.ones(3, np.float32), mask=[0, 1, 0])
+    with pytest.raises(TypeError, match="mask"):
+        V.describe(masked)
+    kv = kvstore.create("local")
+    kv.init("w", np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="mask"):
+        kv.push("w", masked)
+    kv.push("w", masked.filled(0))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvstore.net import timeline
 
 
@@ -51,3 +53,92 @@ def test_no_recorder_without_the_variable(tmp_path: Path) -> None:
     assert first.rank() == 1
     first.close()
     assert timeline.merge_parts(str(tmp_path / "missing.json")) == 0
+
+
+def _spans(doc: dict) -> list[str]:
+    return [e["name"] for e in doc["traceEvents"] if e["ph"] == "X"]
+
+
+@pytest.fixture
+def no_writer_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorders' writing threads wait an hour between writes: only the test's writes write."""
+    monkeypatch.setattr(timeline, "WRITE_EVERY", 3600.0)
+
+
+def test_a_write_appends_the_new_events_only(tmp_path: Path, no_writer_thread: None) -> None:
+    """A write keeps the part's earlier bytes and adds the new events' lines; when the part is full
+    it moves whole, unchanged, to .prev.json and the new events start a new part."""
+    path = str(tmp_path / "t.json")
+    rec = timeline.Recorder(path, "worker", lambda: 0, capacity=100)
+    for i in range(60):
+        rec.span(f"e{i}", "worker", float(i), i + 0.5)
+    assert rec.write()
+    part = tmp_path / "t.json.d" / "worker-0.json"
+    before = part.read_bytes()
+    for i in range(60, 100):
+        rec.span(f"e{i}", "worker", float(i), i + 0.5)
+    assert rec.write()
+    full = part.read_bytes()
+    head = before[:before.rindex(b"\n]")]
+    assert full.startswith(head) and full[len(head):].count(b'"ph":"X"') == 40
+    assert _spans(json.loads(full)) == [f"e{i}" for i in range(100)]
+    rec.span("late", "worker", 200.0, 200.5)
+    assert rec.write()
+    assert (tmp_path / "t.json.d" / "worker-0.prev.json").read_bytes() == full
+    assert _spans(json.loads(part.read_bytes())) == ["late"]
+    rec.close()
+
+
+def test_a_full_part_rotates_and_the_merge_keeps_the_most_recent(tmp_path: Path,
+                                                                 no_writer_thread: None) -> None:
+    """Past ``capacity`` events the part moves to .prev.json (two generations on disk, no more); the
+    merge gives the role's most recent ``capacity`` events and counts the rest as dropped."""
+    path = str(tmp_path / "t.json")
+    rec = timeline.Recorder(path, "server", lambda: 1, capacity=10)
+    for i in range(35):
+        rec.span(f"e{i}", "server", float(i), i + 0.5)
+        if i % 4 == 3:
+            rec.write()
+    rec.close()
+    files = sorted(p.name for p in (tmp_path / "t.json.d").iterdir())
+    assert files == ["server-1.json", "server-1.prev.json"]
+    current = json.loads((tmp_path / "t.json.d" / "server-1.json").read_text())
+    previous = json.loads((tmp_path / "t.json.d" / "server-1.prev.json").read_text())
+    assert len(_spans(current)) + len(_spans(previous)) <= 20
+    assert timeline.merge_parts(path) == 1
+    merged = json.loads(Path(path).read_text())
+    assert _spans(merged) == [f"e{i}" for i in range(25, 35)]
+    assert merged["otherData"]["parts"] == [{"role": "server", "rank": 1, "clock_offset_s": 0.0,
+                                             "events": 10, "dropped": 25}]
+
+
+def test_a_part_cut_short_keeps_its_whole_lines(tmp_path: Path, no_writer_thread: None) -> None:
+    """A part whose last write was cut off mid-line (a killed process, a full disk) still merges, with
+    the events of its earlier writes."""
+    path = str(tmp_path / "t.json")
+    rec = timeline.Recorder(path, "worker", lambda: 2, capacity=10)
+    for i in range(3):
+        rec.span(f"e{i}", "worker", float(i), i + 0.5)
+        rec.write()  # a line each
+    rec.close()
+    part = tmp_path / "t.json.d" / "worker-2.json"
+    text = part.read_text()
+    part.write_text(text[:text.rindex('"ph":"X"') + 4])  # the last event's line cut in its middle
+    assert timeline.merge_parts(path) == 1
+    assert _spans(json.loads(Path(path).read_text())) == ["e0", "e1"]
+
+
+def test_a_write_costs_in_proportion_to_the_new_events(tmp_path: Path, no_writer_thread: None) -> None:
+    """With 100,000 events kept, writing 100 new ones takes milliseconds, not the whole ring's dump."""
+    import time
+
+    rec = timeline.Recorder(str(tmp_path / "t.json"), "worker", lambda: 0)
+    for i in range(timeline.core.CAPACITY):
+        rec.span("push", "worker", float(i), i + 0.5)
+    assert rec.write()
+    for i in range(100):
+        rec.span("pull", "worker", float(i), i + 0.5)
+    started = time.thread_time()
+    assert rec.write()
+    assert time.thread_time() - started < 0.05
+    rec.close()

@@ -15,7 +15,8 @@ from kvstore.errors import StallError, error_from_code
 from kvstore.net import protocol, transport
 from kvstore.net.auth import Channel, derive_key, new_label
 from kvstore.net.protocol import Message, Op
-from kvstore.scheduler.observe import SchedulerStats, node_rows
+from kvstore.net.status_client import poll_session
+from kvstore.scheduler.observe import POLL_BURST, SchedulerStats, node_rows
 from kvstore.scheduler.scheduler import Scheduler
 
 SECRET = "unit-secret"
@@ -30,13 +31,20 @@ class Peer:
         self.seq = 0
 
     def send(self, op: Op, body: dict | None = None, sender: int | None = None) -> Message | None:
-        """Send one request; return the sealed reply it got (None: none), opened with this channel."""
+        """Send one request; return the sealed reply it got (None: none), opened with this channel.
+        A STATUS answered with the session only (net/status_client.py's first step) is asked again
+        from a channel keyed with it, as kvstore.status does."""
         self.seq += 1
         before = len(self.sched.sent)
-        frames = self.channel.seal(Message(op, body or {}, seq=self.seq, sender=sender), "scheduler")
-        self.sched.service.handle([self.identity, *frames])
+        self.last = self.channel.seal(Message(op, body or {}, seq=self.seq, sender=sender), "scheduler")
+        self.sched.service.handle([self.identity, *self.last])
         replies = [f for ident, f in self.sched.sent[before:] if ident == self.identity]
-        return self.channel.open(replies[-1]) if replies else None
+        reply = self.channel.open(replies[-1]) if replies else None
+        if op is Op.STATUS and reply is not None and set(reply.body) == {"session"}:
+            self.channel = Channel(self.channel.key, new_label(self.identity.decode()))
+            self.channel.set_session(poll_session(reply.body["session"]))
+            return self.send(op, {"session": reply.body["session"]}, sender)
+        return reply
 
     def raw_replies(self) -> list[list[Any]]:
         return [f for ident, f in self.sched.sent if ident == self.identity]
@@ -94,8 +102,9 @@ def test_status_before_the_cluster_is_complete(sched):
 
 
 def test_status_after_the_map_from_an_outsider_and_a_worker(sched):
-    """After the map an outsider (secret, no session) is answered over the late channel, sealed with
-    the secret's pre-session key; a registered worker over its session channel."""
+    """After the map an outsider (secret, no session) gets the session over the late channel, sealed
+    with the secret's pre-session key, then the status over the pollers' channel; a registered worker
+    over its session channel."""
     peers = complete(sched)
     outsider = Peer(sched, "tool")
     reply = outsider.send(Op.STATUS)
@@ -278,3 +287,47 @@ def test_heartbeat_carries_the_snapshot_and_survives_a_bad_one(caplog):
     assert sum("without this node's stats" in r.message for r in caplog.records) == 1
     plain = Heartbeat(cfg, "server", 0, b"s" * 16, lambda error: None)
     assert scheduler_side.open(plain._beat()).body == {"role": "server", "rank": 0}
+
+
+def _replayed(sched: Scheduler, frames: list[Any], identity: bytes = b"replayer") -> list[Message]:
+    """What ``sched`` answers (opened without checks) to ``frames`` sent again by ``identity``."""
+    before = len(sched.sent)
+    sched.service.handle([identity, *frames])
+    return [protocol.decode(f[1:]) for ident, f in sched.sent[before:] if ident == identity]
+
+
+def test_a_status_captured_on_one_cluster_is_not_answered_by_another():
+    """Two clusters with the same secret: a STATUS request captured on one gets no status from the
+    other (its session differs), at most the offer of that cluster's session."""
+    first, second = make_scheduler(), make_scheduler()
+    try:
+        complete(first), complete(second)
+        tool = Peer(first, "tool")
+        assert "cluster" in tool.send(Op.STATUS).body
+        replies = _replayed(second, tool.last)
+        assert all("cluster" not in reply.body for reply in replies), replies
+    finally:
+        transport.close(first.service.sock), transport.close(second.service.sock)
+
+
+def test_a_status_captured_during_the_rendezvous_is_not_answered_after_the_map(sched):
+    """A STATUS request captured before the map is not answered again once the map is out."""
+    register(sched, "w0", "worker", 0)
+    tool = Peer(sched, "tool")
+    assert tool.send(Op.STATUS).body["cluster"]["complete"] is False
+    complete_rest = {"w1": register(sched, "w1", "worker", 1), "s0": register(sched, "s0", "server", 0)}
+    assert sched.map_sent and complete_rest
+    replies = _replayed(sched, tool.last, tool.identity)
+    assert all("cluster" not in reply.body for reply in replies), replies
+
+
+def test_a_status_flood_gets_a_bounded_number_of_replies(sched):
+    """A poller asking 500 times without pause gets at most the gate's burst of replies (the rest are
+    counted, not queued); another poller is still answered, and a worker is never limited."""
+    peers = complete(sched)
+    tool = Peer(sched, "tool")
+    answered = sum(tool.send(Op.STATUS) is not None for _ in range(500))
+    assert POLL_BURST <= answered <= POLL_BURST + 5, answered
+    assert sched.service.drops.totals["status-over-rate"] >= 400
+    assert Peer(sched, "other").send(Op.STATUS).op is Op.OK
+    assert all(peers["w0"].send(Op.STATUS, sender=0) is not None for _ in range(50))

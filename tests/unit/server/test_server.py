@@ -156,3 +156,58 @@ def test_a_leave_closes_the_rounds_that_waited_for_the_worker() -> None:
     assert _only(cluster.replies(1), seq).op is Op.OK
     assert _only(cluster.replies(0), pushed).op is Op.OK
     np.testing.assert_array_equal(cluster.server.state.value("w"), np.ones(2, np.float32))
+
+
+def test_a_leave_with_another_workers_rank_is_refused() -> None:
+    """A LEAVE naming worker 1 from another connection than worker 1's pushes is refused (typed);
+    worker 1 still counts: its next push closes the round."""
+    cluster = FakeCluster("dist_sync", 2)
+    cluster.init("w", np.zeros(2, np.float32))
+    for worker in (0, 1):
+        _push(cluster, worker, "w", np.ones(2, np.float32))
+    cluster.replies(0), cluster.replies(1)
+    seq = cluster.send(0, Op.LEAVE, {}, rank=1)
+    reply = _only(cluster.replies(0), seq)
+    assert reply.op is Op.ERROR and reply.body["code"] == "ProtocolError", reply.body
+    first = _push(cluster, 0, "w", np.ones(2, np.float32))
+    second = _push(cluster, 1, "w", np.ones(2, np.float32))
+    assert _only(cluster.replies(1), second).op is Op.OK
+    assert _only(cluster.replies(0), first).op is Op.OK
+
+
+def test_a_push_after_its_leave_is_a_typed_error_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker that has left gets a ProtocolError for each push, and the server logs one line, no
+    traceback."""
+    cluster = FakeCluster("dist_sync", 2)
+    cluster.init("w", np.zeros(2, np.float32))
+    seq = cluster.send(1, Op.LEAVE, {})
+    assert _only(cluster.replies(1), seq).op is Op.OK
+    for _ in range(3):
+        seq = _push(cluster, 1, "w", np.ones(2, np.float32))
+        reply = _only(cluster.replies(1), seq)
+        assert reply.op is Op.ERROR and reply.body["code"] == "ProtocolError", reply.body
+    records = [r for r in caplog.records if "has left" in r.getMessage()]
+    assert len(records) == 1 and records[0].exc_info is None
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_compressed_push_over_its_keys_size_is_refused_before_it_is_dequantised() -> None:
+    """A 1bit push declaring 8M elements of a 4-element key is a ShapeMismatchError, refused before
+    the 32 MB it would dequantise to are allocated (the server's Python heap grows < 4 MB)."""
+    import tracemalloc
+
+    from kvstore.core import compression
+
+    cluster = FakeCluster("dist_sync", 2)
+    cluster.init("w", np.zeros(4, np.float32))
+    n = 1 << 23
+    packed = np.zeros(compression.packed_size("1bit", n), np.float32)
+    tracemalloc.start()
+    try:
+        seq = cluster.send(0, Op.PUSH, {"keys": ["w"], "sizes": [n], "compression": ["1bit", 0.5]}, [packed])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    reply = _only(cluster.replies(0), seq)
+    assert reply.op is Op.ERROR and reply.body["code"] == "ShapeMismatchError", reply.body
+    assert peak < 4 << 20, peak
