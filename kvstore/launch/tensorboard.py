@@ -81,23 +81,37 @@ class ScalarWriter(threading.Thread):
         self.join(timeout)
 
     def run(self) -> None:
+        # At once, then every interval: the scheduler hears from the start that a poller asks, so it
+        # waits at its end for one more STATUS, sent after every role's final counters, however
+        # short the job (its linger; docs/observability.md).
         client = StatusClient(self.settings, self.where)
         try:
+            client = self._poll(client, max(2.0, 3 * self.interval))
             while not self._stop_event.wait(self.interval):
-                self._poll(client, max(2.0, 3 * self.interval))
+                client = self._poll(client, max(2.0, 3 * self.interval))
             self._poll(client, 0.5)  # the last one, when the scheduler is still there
         finally:
             client.close()
             for writer in self._writers.values():
                 writer.close()
 
-    def _poll(self, client: StatusClient, timeout: float) -> None:
+    def _poll(self, client: StatusClient, timeout: float) -> StatusClient:
+        """Write one STATUS; return the client for the next poll: a fresh one after a reply from
+        before the cluster map (the scheduler answers from then on over a channel of its own, whose
+        first reply would not open on this one: asking twice could miss the scheduler's last one)."""
         try:
-            self.write(client.status(timeout))
+            body = client.status(timeout)
+            self.write(body)
         except KVStoreError as exc:  # the scheduler is starting or gone: the next poll may work
             log.debug("no STATUS for TensorBoard: %s", exc)
+            return client
         except OSError as exc:
             log.warning("cannot write TensorBoard's event files: %s", exc)
+        cluster = body.get("cluster")
+        if isinstance(cluster, dict) and cluster.get("complete") is False:
+            client.close()
+            return StatusClient(self.settings, self.where)
+        return client
 
     def _writer(self, run: str) -> Any:
         writer = self._writers.get(run)
