@@ -127,3 +127,24 @@ def test_a_short_job_writes_every_roles_final_counters(tmp_path: Path, kept_pids
         got = _last_values(job / f"worker-{rank}", {"ops/push", "ops/pull"})
         assert got == {"ops/push": steps, "ops/pull": steps}, (rank, got, out)
     assert _last_values(job / "server-0", {"rounds_applied"}) == {"rounds_applied": steps}, out
+
+
+def test_a_full_disk_is_one_warning_then_one_line_when_it_writes_again(tmp_path: Path) -> None:
+    """Event files that cannot grow (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC): one warning, no
+    traceback, one line once they can be written again, and the file TensorBoard reads stays whole."""
+    import subprocess
+    import sys
+
+    polls, limit = 20, 1500
+    script = str(Path(__file__).parents[1] / "scripts" / "tensorboard_full_disk.py")
+    done = subprocess.run([sys.executable, script, str(tmp_path / "run"), str(polls), str(limit)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert 0 < int(done.stdout) < polls, done.stdout  # some written before the limit, then refused
+    lines = done.stderr.splitlines()
+    assert len([line for line in lines if line.startswith("WARNING")]) == 1, done.stderr
+    assert len([line for line in lines if line.endswith("are written again")]) == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    files = list((tmp_path / "run" / "scheduler").iterdir())
+    assert len(files) == 1 and files[0].stat().st_size <= limit + 400, files
+    assert _last_values(tmp_path / "run" / "scheduler", {"joins"}) == {"joins": polls}
