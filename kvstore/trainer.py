@@ -119,6 +119,12 @@ def _named_params(params: Any) -> list[tuple[str, Tensor]]:
     return named
 
 
+def next_key_prefix() -> str:
+    """The next default key prefix, ``f"trainer{i}"``: i counts the Trainers (and SparseTrainers
+    without dense parameters) made without a key_prefix in this process."""
+    return f"trainer{next(_trainers)}"
+
+
 class Trainer:
     """Applies an optimizer to torch parameters, with gradients summed through a KVStore.
 
@@ -174,7 +180,7 @@ class Trainer:
         store_type = kvstore if isinstance(kvstore, str) else kvstore.type
         self._update_on_kvstore = resolve_update_on_kvstore(update_on_kvstore, store_type)
         self._kv = create(kvstore) if isinstance(kvstore, str) else kvstore
-        prefix = f"trainer{next(_trainers)}" if key_prefix is None else key_prefix
+        prefix = next_key_prefix() if key_prefix is None else key_prefix
         self._prefix, self._names = prefix, [name for name, _ in named]
         self._stable = [f"{prefix}/{name}" for name in self._names]  # the keys' names in state files
         self._keys = list(self._stable)  # the store's keys: new ones after weights were loaded
