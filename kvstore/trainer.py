@@ -29,6 +29,7 @@ the first replica's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import sys
@@ -118,6 +119,12 @@ def _named_params(params: Any) -> list[tuple[str, Tensor]]:
     return named
 
 
+def next_key_prefix() -> str:
+    """The next default key prefix, ``f"trainer{i}"``: i counts the Trainers (and SparseTrainers
+    without dense parameters) made without a key_prefix in this process."""
+    return f"trainer{next(_trainers)}"
+
+
 class Trainer:
     """Applies an optimizer to torch parameters, with gradients summed through a KVStore.
 
@@ -173,8 +180,12 @@ class Trainer:
         store_type = kvstore if isinstance(kvstore, str) else kvstore.type
         self._update_on_kvstore = resolve_update_on_kvstore(update_on_kvstore, store_type)
         self._kv = create(kvstore) if isinstance(kvstore, str) else kvstore
-        prefix = f"trainer{next(_trainers)}" if key_prefix is None else key_prefix
-        self._keys = [f"{prefix}/{name}" for name, _ in named]
+        prefix = next_key_prefix() if key_prefix is None else key_prefix
+        self._prefix, self._names = prefix, [name for name, _ in named]
+        self._stable = [f"{prefix}/{name}" for name in self._names]  # the keys' names in state files
+        self._keys = list(self._stable)  # the store's keys: new ones after weights were loaded
+        self._generation = 0  # how many times loaded weights replaced the store's (see _reload)
+        self._versions: list[list[int]] = []  # [device][parameter] tensor versions the store last set
         self._params = [p for _, p in named]
         self._replicas = [[p for _, p in replica] for replica in replicas]  # [device][parameter]
         # Per-device optimizer state for replicas 1.. (states, counts), swapped in by _update.
@@ -185,6 +196,7 @@ class Trainer:
         self._shares = itertools.count()  # numbers the state_dict broadcasts (their keys)
         if overlap is None:
             overlap = self._kv.type.startswith("dist") and not self._update_on_kvstore and len(replicas) == 1
+        self._bucket_bytes = bucket_bytes
         self._overlap = Overlap(self._kv, self._keys, self._params, self._update_on_kvstore,
                                 bucket_bytes) if overlap and len(replicas) == 1 else None
 
@@ -249,8 +261,11 @@ class Trainer:
 
     # -- internals ----------------------------------------------------------------------------
     def _init_kvstore(self) -> None:
-        """Collective: store rank 0's weights, copy them into every worker, set the optimizer."""
+        """Collective: store rank 0's weights, copy them into every worker, set the optimizer; later,
+        with update_on_kvstore, store the weights again when they were loaded since (:meth:`_reload`)."""
         if self._initialized:
+            if self._update_on_kvstore and self._weights_loaded():
+                self._reload()
             return
         if self._compression_params:  # gluon's compression_params (docs/compression.md)
             self._kv.set_gradient_compression(self._compression_params)
@@ -259,6 +274,31 @@ class Trainer:
         if self._update_on_kvstore:
             self._kv.set_optimizer(self._optimizer)
         self._initialized = True
+        self._mark_weights()
+
+    def _mark_weights(self) -> None:
+        """Remember the parameters' versions now that the store has set their weights."""
+        self._versions = [[p._version for p in replica] for replica in self._replicas]  # noqa: SLF001
+
+    def _weights_loaded(self) -> bool:
+        """Whether something outside the Trainer wrote a parameter in place since the store last set it
+        (``load_state_dict``, ``copy_`` under no_grad: torch counts in-place writes per tensor)."""
+        return any(p._version != seen for replica, versions in zip(self._replicas, self._versions)  # noqa: SLF001
+                   for p, seen in zip(replica, versions))
+
+    def _reload(self) -> None:
+        """Collective: the weights were loaded into the model: store rank 0's under new keys (the
+        store keeps a key's first value; MXNet resets its store) and copy them into every worker.
+        The optimizer's state starts afresh for them, as in MXNet; state files keep the first names."""
+        self._generation += 1
+        self._keys = [f"{self._prefix}@{self._generation}/{name}" for name in self._names]
+        self._kv.init(self._keys, self._params)
+        self._kv.pull(self._keys, out=self._per_key(self._replicas))
+        if self._overlap is not None:  # its hooks push to the keys: new ones from now on
+            self._overlap.close()
+            self._overlap = Overlap(self._kv, self._keys, self._params, self._update_on_kvstore,
+                                    self._bucket_bytes)
+        self._mark_weights()
 
     def _set_rescale(self, batch_size: float) -> None:
         """gluon's rule: rescale_grad = scale / batch_size, sent to the store when it changes there."""
@@ -316,6 +356,7 @@ class Trainer:
             if not self._overlapped(not ignore_stale_grad):
                 self._kv.pushpull(self._keys, self._per_key(self._grads(not ignore_stale_grad)),
                                   out=self._per_key(self._replicas))
+            self._mark_weights()
         else:
             self._allreduce(not ignore_stale_grad)
             self._update()
@@ -397,6 +438,8 @@ class Trainer:
         self._init_kvstore()
         if self._update_on_kvstore:
             self._kv.save_optimizer_states(str(fname), dump_optimizer=True)
+            if self._generation and self._kv.rank == 0 and os.path.exists(fname):  # rank 0 wrote it
+                checkpoint.write_states(str(fname), self._renamed(checkpoint.read_states(str(fname)), True))
             return
         layer_calls(self._kv).collective("Trainer.save_states", lambda: checkpoint.write_states(
             str(fname), checkpoint.optimizer_states(self._optimizer, self._weights(), True)))
@@ -411,7 +454,13 @@ class Trainer:
         """
         self._init_kvstore()
         if self._update_on_kvstore:
-            self._kv.load_optimizer_states(str(fname))
+            if self._generation and self._kv.rank == 0:  # rank 0 reads it: the store's names now
+                with tempfile.TemporaryDirectory(prefix="kvstore-states-") as tmp:
+                    path = os.path.join(tmp, "states.kvs")
+                    checkpoint.write_states(path, self._renamed(checkpoint.read_states(str(fname)), False))
+                    self._kv.load_optimizer_states(path)
+            else:
+                self._kv.load_optimizer_states(str(fname))
             remote = self._kv.get_optimizer()  # the loaded optimizer (a stateless copy in dist modes)
             if remote is not None:
                 self._optimizer = remote
@@ -419,6 +468,18 @@ class Trainer:
             states = checkpoint.read_states(str(fname))
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._weights())
             self._mirror_states()
+
+    def _renamed(self, states: checkpoint.StatesFile, to_file: bool) -> checkpoint.StatesFile:
+        """``states`` with this Trainer's keys as state files name them (``to_file``: the store's
+        current keys become the first names, and the keys of the weights loaded before are left out)
+        or as the store names them now (the reverse)."""
+        if to_file:
+            names, stale = dict(zip(self._keys, self._stable)), set(self._stable)
+        else:
+            names, stale = dict(zip(self._stable, self._keys)), set()
+        entries = [dataclasses.replace(e, key=names[e.key]) if e.key in names else e for e in states.entries
+                   if e.key in names or not (e.key in stale or str(e.key).startswith(f"{self._prefix}@"))]
+        return dataclasses.replace(states, entries=entries)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's spec, ``num_update`` and per-key states as a dict of plain values and CPU
@@ -444,7 +505,7 @@ class Trainer:
         one array, then each state array; names, shapes and dtypes derive from the optimizer's spec."""
         import numpy as np
 
-        n, index = next(self._shares), {k: i for i, k in enumerate(self._keys)}
+        n, index = next(self._shares), {k: i for i, k in enumerate(self._stable)}
         counts = np.full(len(self._keys) + 1, -1, np.int64)
         entries = {e.key: e for e in states.entries} if states is not None else {}
         if states is not None:
@@ -455,7 +516,7 @@ class Trainer:
         spec = self._kv.get_optimizer().spec()
         template = kvoptimizer.from_spec(spec)
         out, names, arrays = [], [], []
-        for key, p, count in zip(self._keys, self._params, counts[:-1].tolist()):
+        for key, p, count in zip(self._stable, self._params, counts[:-1].tolist()):
             if count < 0:
                 continue
             weight = _weight_view(p)

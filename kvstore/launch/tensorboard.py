@@ -16,6 +16,9 @@ Both need the ``[tensorboard]`` extra (:func:`require`).  docs/observability.md.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import itertools
 import json
 import logging
 import os
@@ -61,6 +64,66 @@ def new_run_dir(logdir: str) -> str:
     return path
 
 
+class EventFile:
+    """One run's TensorBoard event file under ``folder``, written in the caller's thread (no thread of
+    its own): :meth:`add` queues an event, :meth:`flush` appends what is queued in one go.  An append
+    that fails (a full disk) is cut off again, so the file stays readable and later appends go on
+    from its last whole record; the events of the failed one are dropped."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.path: str | None = None  # once created
+        self._file: io.FileIO | None = None
+        self._size = 0  # bytes of whole records in the file
+        self._pending: list[bytes] = []
+
+    def add(self, event: Any) -> None:
+        """Queue ``event`` (an ``event_pb2.Event``) for the next :meth:`flush`."""
+        self._pending.append(event.SerializeToString())
+
+    def flush(self) -> None:
+        """Append the queued events (the file is created at the first).  Raises OSError, the file then
+        cut back to its last whole record and the queued events dropped."""
+        from tensorboard.compat.proto import event_pb2  # the extra
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        records, self._pending = self._pending, []
+        if self._file is None:
+            os.makedirs(self.folder, exist_ok=True)
+            name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
+                    f"{next(_event_files)}")
+            self.path = os.path.join(self.folder, name)
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - held until close()
+        if self._size == 0:  # every event file starts with its version
+            records.insert(0, event_pb2.Event(wall_time=time.time(),
+                                              file_version="brain.Event:2").SerializeToString())
+        if not records:
+            return
+        blob = io.BytesIO()
+        framed = RecordWriter(blob)
+        for record in records:
+            framed.write(record)
+        data = memoryview(blob.getvalue())
+        done = 0
+        try:
+            while done < len(data):
+                done += self._file.write(data[done:]) or 0
+        except OSError:
+            with contextlib.suppress(OSError):
+                self._file.truncate(self._size)  # the part of a record written would end the file
+            raise
+        self._size += len(data)
+
+    def close(self) -> None:
+        """Close the file (what was not flushed is dropped)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+_event_files = itertools.count()
+
+
 class ScalarWriter(threading.Thread):
     """Polls the scheduler at ``where`` (zmq address) every ``interval`` seconds and writes the
     scalars of every node under ``run_dir`` until :meth:`stop`."""
@@ -69,7 +132,8 @@ class ScalarWriter(threading.Thread):
         super().__init__(name="kvstore-tensorboard-writer", daemon=True)
         self.run_dir, self.settings, self.where, self.interval = run_dir, settings, where, interval
         self._stop_event = threading.Event()
-        self._writers: dict[str, Any] = {}
+        self._writers: dict[str, EventFile] = {}
+        self._failing = False  # the last write failed (warned once; quiet until one works again)
         self._seen: dict[str, int] = {}  # run -> last user-scalar sequence number written
         self._trainer: dict[str, tuple[float, dict[str, Any]]] = {}  # run -> (time, trainer field)
         self._t0 = time.time()
@@ -81,30 +145,59 @@ class ScalarWriter(threading.Thread):
         self.join(timeout)
 
     def run(self) -> None:
+        # At once, then every interval: the scheduler hears from the start that a poller asks, so it
+        # waits at its end for one more STATUS, sent after every role's final counters, however
+        # short the job (its linger; docs/observability.md).
         client = StatusClient(self.settings, self.where)
         try:
+            client = self._poll(client, max(2.0, 3 * self.interval))
             while not self._stop_event.wait(self.interval):
-                self._poll(client, max(2.0, 3 * self.interval))
+                client = self._poll(client, max(2.0, 3 * self.interval))
             self._poll(client, 0.5)  # the last one, when the scheduler is still there
         finally:
             client.close()
             for writer in self._writers.values():
                 writer.close()
 
-    def _poll(self, client: StatusClient, timeout: float) -> None:
+    def _poll(self, client: StatusClient, timeout: float) -> StatusClient:
+        """Write one STATUS; return the client for the next poll: a fresh one after a reply from
+        before the cluster map (the scheduler answers from then on over a channel of its own, whose
+        first reply would not open on this one: asking twice could miss the scheduler's last one)."""
         try:
-            self.write(client.status(timeout))
+            body = client.status(timeout)
         except KVStoreError as exc:  # the scheduler is starting or gone: the next poll may work
             log.debug("no STATUS for TensorBoard: %s", exc)
-        except OSError as exc:
-            log.warning("cannot write TensorBoard's event files: %s", exc)
+            return client
+        self.record(body)
+        cluster = body.get("cluster")
+        if isinstance(cluster, dict) and cluster.get("complete") is False:
+            client.close()
+            return StatusClient(self.settings, self.where)
+        return client
 
-    def _writer(self, run: str) -> Any:
+    def _writer(self, run: str) -> EventFile:
         writer = self._writers.get(run)
         if writer is None:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter  # the extra
-            writer = self._writers[run] = EventFileWriter(os.path.join(self.run_dir, run), flush_secs=2)
+            writer = self._writers[run] = EventFile(os.path.join(self.run_dir, run))
         return writer
+
+    def record(self, body: dict[str, Any]) -> bool:
+        """:meth:`write` ``body``; True when it was written.  A failure (a full disk) is logged once,
+        then nothing until a write works again, which is logged in one line.  Raises nothing."""
+        try:
+            self.write(body)
+        except OSError as exc:
+            if not self._failing:
+                self._failing = True
+                log.warning("cannot write TensorBoard's event files under %s: %s; the scalars are dropped "
+                            "(no more warnings) until they can be written again", self.run_dir, exc)
+            else:
+                log.debug("still cannot write TensorBoard's event files: %s", exc)
+            return False
+        if self._failing:
+            self._failing = False
+            log.info("TensorBoard's event files under %s are written again", self.run_dir)
+        return True
 
     def write(self, body: dict[str, Any]) -> None:
         """Write the scalars of one STATUS reply ``body``; flush the event files.  Raises nothing but
@@ -117,8 +210,14 @@ class ScalarWriter(threading.Thread):
             if role not in ROLES or not isinstance(rank, int):
                 continue
             self._write_node(kvscalars.run_name(role, rank), snap)
+        failed: OSError | None = None
         for writer in self._writers.values():
-            writer.flush()
+            try:
+                writer.flush()
+            except OSError as exc:  # the other runs may still be written
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         self.polls += 1
 
     def _write_node(self, run: str, snap: dict[str, Any]) -> None:
@@ -133,10 +232,10 @@ class ScalarWriter(threading.Thread):
             self._trainer[run] = (wall, trainer)
         writer = self._writer(run)
         for tag, value in values.items():
-            writer.add_event(_event(tag, value, step, wall))
+            writer.add(_event(tag, value, step, wall))
         user, self._seen[run] = kvscalars.new_scalars(snap, self._seen.get(run, 0))
         for name, value, user_step, user_wall in user:
-            writer.add_event(_event(name, value, user_step, user_wall))
+            writer.add(_event(name, value, user_step, user_wall))
 
 
 def _event(tag: str, value: float, step: int, wall: float) -> Any:

@@ -446,6 +446,8 @@ class Server:
             log.warning("dropped a bad message from the scheduler: %s", exc)
             return False
         if msg.op is Op.SHUTDOWN:
+            scheduler.heartbeat.stop()  # its last beat (this server's final counters) is read first,
+            scheduler.heartbeat.join(self.cfg.shutdown_timeout)  # so STATUS has them when we confirm
             transport.send(scheduler.sock, scheduler.channel.seal(Message(Op.OK, seq=msg.seq), "scheduler"))
             total, own = self.memory.report()
             log.info("shut down by the scheduler: %d keys, %.1f MB held, peak RSS %.1f MB, own %.1f MB",

@@ -403,3 +403,55 @@ def test_overlap_on_a_local_store_gives_the_plain_weights() -> None:
         run(overlapped, b.step, batches(5))
         assert b._overlap.early == 4 * len(b._overlap.buckets)
         assert_equal(plain, overlapped)
+
+
+def _one_weight_step(trainer: Trainer, model: nn.Module) -> None:
+    """One step of a loss whose gradient is 1 for the single weight."""
+    model.weight.grad = None
+    model(torch.ones(1, 1)).sum().backward()
+    trainer.step(1)
+
+
+@pytest.mark.parametrize("uok", [True, False])
+def test_weights_loaded_after_training_started_are_the_next_steps_start(uok: bool) -> None:
+    """load_state_dict between steps: the next step starts from the loaded weights, as MXNet's reset."""
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    trainer = Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1}, kvstore="local",
+                      update_on_kvstore=uok)
+    _one_weight_step(trainer, model)
+    _one_weight_step(trainer, model)
+    assert model.weight.item() == pytest.approx(-0.2)
+    model.load_state_dict({"weight": torch.zeros(1, 1)})
+    _one_weight_step(trainer, model)
+    assert model.weight.item() == pytest.approx(-0.1)
+    _one_weight_step(trainer, model)
+    assert model.weight.item() == pytest.approx(-0.2)
+
+
+def test_states_saved_after_loaded_weights_keep_the_first_key_names(tmp_path: Path) -> None:
+    """After weights were loaded, save_states and state_dict name the keys as before: a new Trainer
+    with the same key_prefix loads them, and they carry the momentum of the steps since."""
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    params = {"learning_rate": 0.1, "momentum": 0.9}
+    trainer = Trainer(model.named_parameters(), "sgd", params, kvstore="local", update_on_kvstore=True,
+                      key_prefix="reload")
+    _one_weight_step(trainer, model)
+    model.load_state_dict({"weight": torch.zeros(1, 1)})
+    _one_weight_step(trainer, model)
+    trainer.save_states(tmp_path / "states")
+    saved = trainer.state_dict()
+    assert list(saved["states"]) == ["reload/weight"]
+    momentum = saved["states"]["reload/weight"]["arrays"]
+    other = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(other.weight)
+    fresh = Trainer(other.named_parameters(), "sgd", params, kvstore="local", update_on_kvstore=True,
+                    key_prefix="reload")
+    fresh.load_states(tmp_path / "states")
+    assert fresh.state_dict()["states"]["reload/weight"]["arrays"].keys() == momentum.keys()
+    for name, array in momentum.items():
+        assert torch.equal(fresh.state_dict()["states"]["reload/weight"]["arrays"][name], array)
+    trainer.load_state_dict(saved)  # the store's keys now: the loaded weights' keys
+    count = saved["states"]["reload/weight"]["count"]
+    assert trainer.state_dict()["states"]["reload/weight"]["count"] == count

@@ -96,3 +96,54 @@ def test_an_id_not_prefetched_is_a_clear_error() -> None:
     trainer.prefetch(emb, torch.tensor([3, 4]))
     with pytest.raises(KeyError, match="prefetch"):
         emb(torch.tensor([5]))
+
+
+def _embedding_steps(trainer: kvstore.SparseTrainer, emb: torch.nn.Embedding, batches: list) -> None:
+    """Train ``emb`` alone on ``batches`` (loss: the batch's vectors' sum against y)."""
+    for ids, y in batches:
+        trainer.prefetch(emb, ids)
+        loss = ((emb(ids).sum((1, 2)) - y[:, 0]) ** 2).sum()
+        loss.backward()
+        trainer.step(BATCH)
+
+
+def test_embeddings_alone_train_and_their_states_are_saved_and_loaded(tmp_path) -> None:
+    """A SparseTrainer without a dense parameter trains its embedding; save_states / load_states carry
+    the momentum of its rows: 2 steps, save, 2 steps in a new trainer equal 4 steps in one."""
+    torch.manual_seed(0)
+    batches = _batches(3)
+    start = torch.nn.Embedding(ROWS, DIM, sparse=True).weight.detach().clone()
+    params = {"learning_rate": 0.1, "momentum": 0.9}
+
+    def embedding(table: torch.Tensor) -> torch.nn.Embedding:
+        emb = torch.nn.Embedding(ROWS, DIM, sparse=True)
+        with torch.no_grad():
+            emb.weight.copy_(table)
+        return emb
+
+    whole = embedding(start)
+    trainer = kvstore.SparseTrainer(None, "sgd", params, embeddings=[whole], kvstore="local", key_prefix="e")
+    _embedding_steps(trainer, whole, batches)
+    trainer.prefetch(whole, torch.arange(ROWS))
+    first = embedding(start)
+    half = kvstore.SparseTrainer([], "sgd", params, embeddings=[first], kvstore="local", key_prefix="e")
+    _embedding_steps(half, first, batches[:2])
+    half.save_states(str(tmp_path / "states"))
+    half.prefetch(first, torch.arange(ROWS))
+    second = embedding(first.weight.detach())
+    rest = kvstore.SparseTrainer(None, "sgd", params, embeddings=[second], kvstore="local", key_prefix="e")
+    rest.load_states(str(tmp_path / "states"))
+    _embedding_steps(rest, second, batches[2:])
+    rest.prefetch(second, torch.arange(ROWS))
+    assert not torch.equal(whole.weight, start)
+    torch.testing.assert_close(second.weight.detach(), whole.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_two_trainers_over_one_embedding_are_refused() -> None:
+    """A second SparseTrainer over an embedding another one updates raises ValueError naming it."""
+    emb = kvstore.SparseEmbedding(ROWS, DIM, key="shared-table")
+    first = kvstore.SparseTrainer(None, "sgd", embeddings=[emb], kvstore="local")
+    with pytest.raises(ValueError, match="shared-table"):
+        kvstore.SparseTrainer(None, "sgd", embeddings=[emb], kvstore="local")
+    del first  # gone: the embedding may have another trainer
+    kvstore.SparseTrainer(None, "sgd", embeddings=[emb], kvstore="local")

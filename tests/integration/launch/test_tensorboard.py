@@ -98,3 +98,53 @@ def test_tensorboard_is_stopped_after_the_job(tmp_path: Path, kept_pids) -> None
     kept_pids.append(pid)  # killed at teardown should the launcher have left it
     assert not _alive(pid), out
     assert "keeps running" not in out
+
+
+def _last_values(run_dir: Path, tags: set[str]) -> dict[str, float]:
+    """The last value written for each of ``tags`` in the event files of ``run_dir`` (one role's run)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not run_dir.is_dir():
+        return {}
+    events = EventAccumulator(str(run_dir), purge_orphaned_data=False)
+    events.Reload()
+    found = set(events.Tags()["scalars"]) & tags
+    return {tag: events.Scalars(tag)[-1].value for tag in found}
+
+
+def test_a_short_job_writes_every_roles_final_counters(tmp_path: Path, kept_pids) -> None:
+    """A job shorter than a heartbeat: TensorBoard gets every worker's and server's final counters."""
+    steps = 3
+    env = {**os.environ, "KVSTORE_SHUTDOWN_TIMEOUT": "5"}
+    env.pop("TENSORBOARD_PORT", None)
+    env.pop("KVSTORE_HEARTBEAT_INTERVAL", None)  # the default (1 s): the job ends within a beat or two
+    proc = launch(["-n", "2", "-s", "1", "--tensorboard", str(tmp_path / "tb"), SCRIPT, str(steps)], env)
+    code, out = finish(proc, timeout=60)
+    kept_pids.extend(int(pid) for _, pid in ANNOUNCED.findall(out))
+    assert code == 0, out
+    job = next((tmp_path / "tb").glob("job-*"))
+    for rank in (0, 1):
+        got = _last_values(job / f"worker-{rank}", {"ops/push", "ops/pull"})
+        assert got == {"ops/push": steps, "ops/pull": steps}, (rank, got, out)
+    assert _last_values(job / "server-0", {"rounds_applied"}) == {"rounds_applied": steps}, out
+
+
+def test_a_full_disk_is_one_warning_then_one_line_when_it_writes_again(tmp_path: Path) -> None:
+    """Event files that cannot grow (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC): one warning, no
+    traceback, one line once they can be written again, and the file TensorBoard reads stays whole."""
+    import subprocess
+    import sys
+
+    polls, limit = 20, 1500
+    script = str(Path(__file__).parents[1] / "scripts" / "tensorboard_full_disk.py")
+    done = subprocess.run([sys.executable, script, str(tmp_path / "run"), str(polls), str(limit)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert 0 < int(done.stdout) < polls, done.stdout  # some written before the limit, then refused
+    lines = done.stderr.splitlines()
+    assert len([line for line in lines if line.startswith("WARNING")]) == 1, done.stderr
+    assert len([line for line in lines if line.endswith("are written again")]) == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    files = list((tmp_path / "run" / "scheduler").iterdir())
+    assert len(files) == 1 and files[0].stat().st_size <= limit + 400, files
+    assert _last_values(tmp_path / "run" / "scheduler", {"joins"}) == {"joins": polls}
