@@ -103,16 +103,22 @@ def _filesystem(location: str) -> tuple[Any, str]:
 
 
 @contextlib.contextmanager
-def _remote(location: str) -> Iterator[tuple[Any, str]]:
-    """The file system and path of a URL, its non-OSError failures (a client library's own errors)
-    raised as OSError naming the URL."""
-    fs, path = _filesystem(location)
+def _translated(location: str) -> Iterator[None]:
+    """Around calls into a store: its non-OSError failures (a client library's own errors) raised as
+    OSError naming ``location``.  Never around the caller's own code (a fill, a reader)."""
     try:
-        yield fs, path
+        yield
     except (OSError, ConfigError):
         raise
     except Exception as exc:  # botocore, aiohttp...: the store failed, which callers treat as I/O
         raise OSError(f"{location}: {type(exc).__name__}: {exc}") from exc
+
+
+def _remote(location: str | os.PathLike) -> tuple[str, Any, str]:
+    """(URL, fsspec file system, its path) of a URL; raises as :func:`_filesystem`."""
+    url = os.fspath(location)
+    fs, path = _filesystem(url)
+    return url, fs, path
 
 
 # -- files ----------------------------------------------------------------------------------------------
@@ -127,17 +133,25 @@ def atomic_write(location: str | os.PathLike, fill: Callable[[IO[bytes]], Any]) 
     if path is not None:
         _local_atomic_write(path, fill)
         return
-    with _remote(os.fspath(location)) as (fs, target):
-        head, _, name = target.rstrip("/").rpartition("/")
-        temp = f"{head}/{temp_name(name)}"
+    url, fs, target = _remote(location)
+    head, _, name = target.rstrip("/").rpartition("/")
+    temp = f"{head}/{temp_name(name)}"
+    try:
+        with _translated(url):
+            f = fs.open(temp, "wb")
         try:
-            with fs.open(temp, "wb") as f:
-                fill(f)
-            fs.mv(temp, target)
+            fill(f)
         except BaseException:
             with contextlib.suppress(Exception):
-                fs.rm(temp)
+                f.close()  # the partial temporary is removed below
             raise
+        with _translated(url):
+            f.close()
+            fs.mv(temp, target)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.rm(temp)
+        raise
 
 
 def _local_atomic_write(target: str, fill: Callable[[IO[bytes]], Any]) -> None:
@@ -182,7 +196,10 @@ def open_read(location: str | os.PathLike) -> Iterator[IO[bytes]]:
         with open(path, "rb") as f:
             yield f
         return
-    with _remote(os.fspath(location)) as (fs, target), fs.open(target, "rb") as f:
+    url, fs, target = _remote(location)
+    with _translated(url):
+        f = fs.open(target, "rb")
+    with f:
         yield f
 
 
@@ -197,7 +214,8 @@ def exists(location: str | os.PathLike) -> bool:
     path = local_path(location)
     if path is not None:
         return os.path.exists(path)
-    with _remote(os.fspath(location)) as (fs, target):
+    url, fs, target = _remote(location)
+    with _translated(url):
         fs.invalidate_cache(target)
         return bool(fs.exists(target))
 
@@ -207,7 +225,8 @@ def isdir(location: str | os.PathLike) -> bool:
     path = local_path(location)
     if path is not None:
         return os.path.isdir(path)
-    with _remote(os.fspath(location)) as (fs, target):
+    url, fs, target = _remote(location)
+    with _translated(url):
         fs.invalidate_cache(target)
         return bool(fs.isdir(target))
 
@@ -218,7 +237,8 @@ def listdir(location: str | os.PathLike) -> list[str]:
     path = local_path(location)
     if path is not None:
         return os.listdir(path)
-    with _remote(os.fspath(location)) as (fs, target):
+    url, fs, target = _remote(location)
+    with _translated(url):
         fs.invalidate_cache(target)
         entries = fs.ls(target, detail=False)
         return [str(entry).rstrip("/").rpartition("/")[2] for entry in entries]
@@ -231,7 +251,8 @@ def makedirs(location: str | os.PathLike) -> None:
     if path is not None:
         os.makedirs(path, exist_ok=True)
         return
-    with _remote(os.fspath(location)) as (fs, target):
+    url, fs, target = _remote(location)
+    with _translated(url):
         fs.makedirs(target, exist_ok=True)
 
 
@@ -241,7 +262,8 @@ def remove(location: str | os.PathLike) -> None:
     if path is not None:
         os.unlink(path)
         return
-    with _remote(os.fspath(location)) as (fs, target):
+    url, fs, target = _remote(location)
+    with _translated(url):
         fs.rm(target)
 
 
@@ -251,7 +273,8 @@ def remove_tree(location: str | os.PathLike) -> None:
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
         return
-    with contextlib.suppress(Exception), _remote(os.fspath(location)) as (fs, target):
+    url, fs, target = _remote(location)
+    with contextlib.suppress(Exception):
         fs.rm(target, recursive=True)
 
 
