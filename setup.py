@@ -31,6 +31,7 @@ setup(
         "ray": ["ray>=2.9"],  # launch.py --launcher ray, kvstore.ray
         "spark": ["pyspark>=3.5"],  # kvstore.spark (needs Java 17 on the machine)
         "tensorboard": ["tensorboard>=2.14"],  # launch.py --tensorboard, kvstore.spark.run(tensorboard=)
+        "storage": ["fsspec>=2023.1", "s3fs>=2023.1"],  # storage URLs (s3://, memory://): core/storage.py
     },
     entry_points={"console_scripts": ["kvstore-launch=kvstore.launch.cli:main",
                                       "kvstore-node=kvstore.node:main",

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import secrets
 import tempfile
 import time
@@ -38,6 +37,8 @@ from typing import Any
 from pyspark import RDD, SparkContext
 
 from kvstore import config as kvconfig
+from kvstore.core import snapshot as kvsnapshot
+from kvstore.core import storage
 from kvstore.errors import ConfigError, NotEnoughSlotsError, SparkJobFailed
 from kvstore.launch import tensorboard as kvtensorboard
 from kvstore.launch.gpus import GPU_NAMES
@@ -238,9 +239,9 @@ def _run_retried(sc: SparkContext, rdd: RDD, job: JobSpec, shutdown_timeout: flo
             if retries <= 0:
                 raise
             retries -= 1
-            found = snapshot is not None and os.path.isfile(os.path.join(snapshot, "LATEST"))
+            found = snapshot is not None and storage.exists(storage.join(snapshot, kvsnapshot.POINTER))
             if found:
-                job = dataclasses.replace(job, env={**job.env, "KVSTORE_RESUME": os.path.abspath(snapshot)})
+                job = dataclasses.replace(job, env={**job.env, "KVSTORE_RESUME": storage.absolute(snapshot)})
             log.warning("%s; running the barrier stage again %s (%d more retries)", exc,
                         f"from the snapshot in {snapshot}" if found else "from the start", retries)
 

@@ -42,7 +42,7 @@ from typing import Any
 from kvstore import config as kvconfig
 from kvstore.base import KVStore, layer_calls
 from kvstore.client.meter import trainer_step
-from kvstore.core import checkpoint, xp
+from kvstore.core import checkpoint, storage, xp
 from kvstore.core import optimizer as kvoptimizer
 from kvstore.core.dtypes import BY_NAME, dtype_name
 from kvstore.core.optimizer import Optimizer
@@ -495,7 +495,7 @@ class Trainer:
         with tempfile.TemporaryDirectory(prefix="kvstore-states-") as tmp:
             path = os.path.join(tmp, "states.kvs")
             self.save_states(path)
-            states = checkpoint.read_states(path) if os.path.exists(path) else None
+            states = checkpoint.read_states(path) if storage.exists(path) else None
         if self._kv.num_workers > 1:
             states = self._share(states)
         return _states_to_dict(states)

@@ -15,7 +15,6 @@ them instead of zeros (docs/failures.md).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
@@ -25,11 +24,11 @@ import numpy as np
 
 from kvstore.config import Config
 from kvstore.core import compression as C
-from kvstore.core import snapshot
+from kvstore.core import snapshot, storage
 from kvstore.core.partition import Key
 from kvstore.core.plan import Send, pack
 from kvstore.core.values import Meta
-from kvstore.errors import FormatError
+from kvstore.errors import ConfigError, FormatError
 
 log = logging.getLogger("kvstore.dist")
 _RESIDUALS = re.compile(r"residuals-worker(\d+)-of-(\d+)\.values")
@@ -100,7 +99,7 @@ class WorkerCompression:
         if not residuals:
             return
         generation = _latest(directory)
-        snapshot.write_values(os.path.join(generation, f"residuals-worker{rank}-of-{num_workers}.values"),
+        snapshot.write_values(storage.join(generation, f"residuals-worker{rank}-of-{num_workers}.values"),
                               residuals)
 
     def restore(self, cfg: Config, rank: int, num_workers: int, rejoined: bool) -> None:
@@ -115,7 +114,7 @@ class WorkerCompression:
         as many workers; drop them with a warning when by another count."""
         try:
             generation = _latest(directory)
-            names = os.listdir(generation)
+            names = storage.listdir(generation)
         except (OSError, ValueError):
             return  # no snapshot: the restore of values reports it
         counts = {int(m.group(2)) for m in map(_RESIDUALS.fullmatch, names) if m}
@@ -125,8 +124,8 @@ class WorkerCompression:
             log.warning("the snapshot's compression residuals were saved by %s worker(s), this cluster "
                         "has %d: they are dropped (residuals start at zero)", sorted(counts), num_workers)
             return
-        path = os.path.join(generation, f"residuals-worker{rank}-of-{num_workers}.values")
-        if os.path.exists(path):
+        path = storage.join(generation, f"residuals-worker{rank}-of-{num_workers}.values")
+        if storage.exists(path):
             self.take(snapshot.read_values(path))
 
     def take(self, residuals: dict[Key, np.ndarray]) -> None:
@@ -137,7 +136,7 @@ class WorkerCompression:
 
 def residual_path(directory: str, rank: int) -> str:
     """Where worker ``rank`` writes its residuals under ``KVSTORE_SNAPSHOT_DIR``."""
-    return os.path.join(directory, f"worker-{rank}", "residuals.values")
+    return storage.join(directory, f"worker-{rank}", "residuals.values")
 
 
 class ResidualShards:
@@ -171,16 +170,20 @@ class ResidualShards:
 
     def _write(self, path: str, residuals: dict[Key, np.ndarray]) -> None:
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            storage.makedirs(storage.parent(path))
             snapshot.write_values(path, residuals)
             self.written += 1
-        except (OSError, ValueError) as exc:  # never fatal: the previous file stays in effect
+        except (OSError, ValueError, ConfigError) as exc:  # never fatal: the previous file stays in effect
             log.error("could not write the compression residuals to %s: %s", path, exc)
 
     def read(self, cfg: Config, rank: int) -> bool:
         """A restarted worker's residuals from its last write (True), or none written (False)."""
         path = residual_path(cfg.snapshot_dir, rank) if cfg.snapshot_dir else None
-        if path is None or not os.path.exists(path):
+        try:
+            if path is None or not storage.exists(path):
+                return False
+        except (OSError, ConfigError) as exc:
+            log.warning("compression residuals start at zero: %s", exc)
             return False
         try:
             found = snapshot.read_values(path)
@@ -194,8 +197,7 @@ class ResidualShards:
 
 def _latest(directory: str) -> str:
     """The path of the snapshot generation ``LATEST`` names; ValueError for a bad pointer."""
-    with open(os.path.join(directory, snapshot.POINTER), encoding="utf-8") as f:
-        name = f.read().strip()
+    name = storage.read_text(storage.join(directory, snapshot.POINTER)).strip()
     if not _GENERATION.fullmatch(name):
         raise ValueError(f"{directory}: LATEST names {name!r:.80}")
-    return os.path.join(directory, name)
+    return storage.join(directory, name)

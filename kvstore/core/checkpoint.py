@@ -7,7 +7,8 @@ per array.  Member names are generated (``arrays/000000.npy``...), never taken
 from user strings; the manifest maps each array's name to its member.  Files
 are written to a temporary name in the target's directory, fsync'd and then
 renamed over the target, so a crash never leaves a half-written file under the
-real name.  Readers refuse files of a newer format version.
+real name (:mod:`kvstore.core.storage`, which also takes storage URLs such as
+``s3://``).  Readers refuse files of a newer format version.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import copy
 import json
 import math
 import os
-import secrets
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -26,7 +26,7 @@ from typing import IO, Any
 import numpy as np
 from numpy.lib import format as npy
 
-from kvstore.core import xp
+from kvstore.core import storage, xp
 from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import Key, check_key
@@ -58,12 +58,15 @@ def write(path: str | os.PathLike, manifest: Mapping[str, Any], arrays: Mapping[
     """Write ``arrays`` and the JSON-safe ``manifest`` fields to ``path``, atomically.
 
     The stored manifest is ``{"format": "kvstore", "version": FORMAT_VERSION, "arrays":
-    {name: member}, **manifest}``.  The file appears under ``path`` only once it is complete
-    (written to a temporary file in the same directory, fsync'd, then ``os.replace``'d); on any
-    failure the temporary file is removed and an existing file at ``path`` is left as it was.
+    {name: member}, **manifest}``.  ``path`` is a local path or a storage URL
+    (:mod:`kvstore.core.storage`).  The file appears under ``path`` only once it is complete
+    (written to a temporary file beside it, fsync'd, then ``os.replace``'d; in an object store
+    moved from a temporary key); on any failure the temporary file is removed and an existing
+    file at ``path`` is left as it was.
     Raises ValueError when ``manifest`` uses a reserved key (format, version, arrays) or an
     array needs pickle (object dtype), TypeError for names that are not strs, values that are
-    not numpy arrays or a manifest JSON cannot hold, and OSError from the file system.
+    not numpy arrays or a manifest JSON cannot hold, OSError from the file system or store, and
+    ConfigError for a storage URL without its packages (the ``kvstore-ps[storage]`` extra).
     """
     reserved = sorted(set(manifest) & set(RESERVED))
     if reserved:
@@ -79,7 +82,7 @@ def write(path: str | os.PathLike, manifest: Mapping[str, Any], arrays: Mapping[
         members[name] = f"arrays/{index:06d}.npy"
     document = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "arrays": members, **manifest}
     encoded = json.dumps(document, separators=(",", ":")).encode("utf-8")
-    atomic_write(os.fspath(path), lambda f: _write_zip(f, encoded, members, arrays))
+    storage.atomic_write(path, lambda f: _write_zip(f, encoded, members, arrays))
 
 
 def _member_info(name: str) -> zipfile.ZipInfo:
@@ -98,40 +101,6 @@ def _write_zip(f: IO[bytes], manifest: bytes, members: Mapping[str, str],
                 npy.write_array(out, arrays[name], allow_pickle=False)
 
 
-def atomic_write(target: str, fill: Any) -> None:
-    """Call ``fill(file)`` on a fresh temporary file beside ``target``, then move it onto ``target``."""
-    directory, name = os.path.split(os.path.abspath(target))
-    temp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, target)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise
-    fsync_directory(directory)
-
-
-def fsync_directory(directory: str) -> None:
-    """Make the rename durable where the platform allows it (POSIX); best effort elsewhere."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def read(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read a file written by :func:`write`: ``(manifest fields, {name: array})``.
 
@@ -142,7 +111,7 @@ def read(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]
     a listed member, or holds a damaged or truncated array or one that would need pickle.
     """
     where = os.fspath(path)
-    with open(where, "rb") as f:
+    with storage.open_read(where) as f:
         try:
             with zipfile.ZipFile(f) as zf:
                 document = _manifest(zf, where)

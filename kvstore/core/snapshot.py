@@ -12,22 +12,21 @@ complete one::
 
 A generation is written in a temporary directory, flushed, renamed into place,
 and only then named in ``LATEST``; a crash at any point leaves ``LATEST`` naming
-the previous complete generation.  All files use kvstore's format
+the previous complete generation.  ``DIR`` may be a storage URL (``s3://``...,
+:mod:`kvstore.core.storage`): there a generation is written in place, and is
+complete only once ``LATEST`` names it.  All files use kvstore's format
 (docs/formats.md): no pickle.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import secrets
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from kvstore.core import checkpoint
+from kvstore.core import checkpoint, storage
 from kvstore.core.checkpoint import StatesFile
 from kvstore.core.partition import Key, check_key
 from kvstore.errors import FormatError, KeyTypeError
@@ -61,66 +60,86 @@ def read_values(path: str) -> dict[Key, np.ndarray]:
     return {k: arrays[str(i)] for i, k in enumerate(keys)}
 
 
-def _generations(directory: str) -> list[int]:
-    found = []
-    for name in os.listdir(directory):
-        match = _GENERATION.fullmatch(name)
-        if match:
-            found.append(int(match.group(1)))
-    return sorted(found)
+def _generations(names: list[str]) -> list[int]:
+    return sorted(int(m.group(1)) for m in map(_GENERATION.fullmatch, names) if m)
+
+
+def _pointed(directory: str) -> str | None:
+    """The generation ``LATEST`` names now, or None (no pointer, or not a generation's name)."""
+    try:
+        name = storage.read_text(storage.join(directory, POINTER)).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if _GENERATION.fullmatch(name) else None
 
 
 def write(directory: str, values: Mapping[Key, np.ndarray], states: StatesFile | None) -> str:
     """Write a new generation of ``values`` (and ``states``) under ``directory``; return its path.
 
-    ``LATEST`` names it only once it is complete; the generation before it is kept and
-    older ones are removed.  Raises OSError from the file system, and the errors of
-    :func:`write_values` and :func:`kvstore.checkpoint.write_states`.
+    ``directory`` is a local path or a storage URL (:mod:`kvstore.core.storage`).  ``LATEST``
+    names the generation only once it is complete; the generation before it is kept and
+    older ones are removed.  On a local disk a generation is written in a temporary folder
+    and renamed into place; in an object store it is written in place (a number a killed
+    writer left half-written is never reused, and is removed by the next write).  Raises
+    OSError from the file system, ConfigError for a URL without its packages, and the errors
+    of :func:`write_values` and :func:`kvstore.checkpoint.write_states`.
     """
-    os.makedirs(directory, exist_ok=True)
-    for stale in os.listdir(directory):  # left by a writer that was killed mid-write
-        if stale.startswith(".snapshot-") and ".tmp-" in stale:
-            shutil.rmtree(os.path.join(directory, stale), ignore_errors=True)
-    done = _generations(directory)
-    name = f"snapshot-{(done[-1] + 1 if done else 1):06d}"
-    temp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(temp)
+    storage.makedirs(directory)
     try:
-        write_values(os.path.join(temp, VALUES), values)
+        names = storage.listdir(directory)
+    except FileNotFoundError:  # an object store's empty prefix
+        names = []
+    for stale in names:  # left by a writer that was killed mid-write
+        if stale.startswith(".snapshot-") and ".tmp-" in stale:
+            storage.remove_tree(storage.join(directory, stale))
+    done = _generations(names)
+    previous = _pointed(directory)
+    name = f"snapshot-{(done[-1] + 1 if done else 1):06d}"
+    final = storage.join(directory, name)
+    renamed = storage.renames_folders(directory)
+    where = storage.join(directory, storage.temp_name(name)) if renamed else final
+    if renamed:
+        storage.make_folder(where)
+    try:
+        write_values(storage.join(where, VALUES), values)
         if states is not None:
-            checkpoint.write_states(os.path.join(temp, STATES), states)
-        checkpoint.fsync_directory(temp)
-        os.rename(temp, os.path.join(directory, name))
+            checkpoint.write_states(storage.join(where, STATES), states)
+        if renamed:
+            storage.rename_folder(where, final)
     except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
+        storage.remove_tree(where)
         raise
-    checkpoint.fsync_directory(directory)
-    checkpoint.atomic_write(os.path.join(directory, POINTER), lambda f: f.write(f"{name}\n".encode()))
-    for old in done[:-1]:  # keep the generation before this one
-        shutil.rmtree(os.path.join(directory, f"snapshot-{old:06d}"), ignore_errors=True)
-    return os.path.join(directory, name)
+    storage.atomic_write(storage.join(directory, POINTER), lambda f: f.write(f"{name}\n".encode()))
+    if renamed:  # every generation here is complete: keep the newest before this one
+        kept = f"snapshot-{done[-1]:06d}" if done else None
+    else:  # a generation is complete when LATEST named it: keep the one it named
+        kept = previous
+    for old in done:
+        if f"snapshot-{old:06d}" != kept:
+            storage.remove_tree(storage.join(directory, f"snapshot-{old:06d}"))
+    return final
 
 
 def read(directory: str) -> tuple[dict[Key, np.ndarray], StatesFile | None]:
     """The values and optimizer states of the generation ``LATEST`` names.
 
-    Raises FileNotFoundError when ``directory`` holds no snapshot, FormatError when
-    ``LATEST`` or the generation is damaged.
+    ``directory`` is a local path or a storage URL.  Raises FileNotFoundError when it holds
+    no snapshot, FormatError when ``LATEST`` or the generation is damaged, ConfigError for a
+    URL without its packages.
     """
-    pointer = os.path.join(directory, POINTER)
+    pointer = storage.join(directory, POINTER)
     try:
-        with open(pointer, encoding="utf-8") as f:
-            name = f.read().strip()
+        name = storage.read_text(pointer).strip()
     except FileNotFoundError:
         raise FileNotFoundError(f"{directory} holds no snapshot (no {POINTER} file); take one with "
                                 "kv.save_checkpoint(dir)") from None
     except UnicodeDecodeError:
         raise FormatError(f"{pointer} is not text: it is damaged") from None
-    if not _GENERATION.fullmatch(name) or not os.path.isdir(os.path.join(directory, name)):
+    if not _GENERATION.fullmatch(name) or not storage.isdir(storage.join(directory, name)):
         raise FormatError(f"{pointer} names {name!r:.80}, which is not a snapshot generation here")
-    values = read_values(os.path.join(directory, name, VALUES))
-    states_path = os.path.join(directory, name, STATES)
-    states = checkpoint.read_states(states_path) if os.path.exists(states_path) else None
+    values = read_values(storage.join(directory, name, VALUES))
+    states_path = storage.join(directory, name, STATES)
+    states = checkpoint.read_states(states_path) if storage.exists(states_path) else None
     return values, states
 
 

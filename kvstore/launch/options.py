@@ -4,12 +4,11 @@ from the command line (MXNet's tools/launch.py flags, plus the ssh and Ray launc
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 from dataclasses import dataclass, field
 
 from kvstore import config as kvconfig
-from kvstore.core import snapshot
+from kvstore.core import snapshot, storage
 from kvstore.errors import ConfigError
 from kvstore.launch.envrules import SET_BY_LAUNCHER
 from kvstore.launch.gpus import GPU_NAMES
@@ -196,10 +195,14 @@ def _extra_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
     ``parser.error``) for a bad ``--env`` (see :func:`env_item`) or a ``--resume`` with no snapshot."""
     extra = _env_items(parser, "--env", args.env)
     if args.resume is not None:
-        if not os.path.isfile(os.path.join(args.resume, snapshot.POINTER)):
+        try:
+            found = storage.exists(storage.join(args.resume, snapshot.POINTER))
+        except (OSError, ConfigError) as exc:
+            parser.error(f"--resume {args.resume}: {exc}")
+        if not found:
             parser.error(f"--resume {args.resume}: no snapshot there (no LATEST file); "
                          "take one with kv.save_checkpoint(dir)")
-        extra["KVSTORE_RESUME"] = os.path.abspath(args.resume)
+        extra["KVSTORE_RESUME"] = storage.absolute(args.resume)
     if args.max_restarts < 0:
         parser.error("--max-restarts must be at least 0")
     if args.max_restarts and args.launcher not in ("local", "ray"):

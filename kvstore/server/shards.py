@@ -8,21 +8,22 @@ copy of the values, a copy of the optimizer state) and a thread of its own write
 stops only for the capture.  While one write is in flight no other image is taken
 (memory stays one image).  Files live in ``KVSTORE_SNAPSHOT_DIR/server-RANK/shard-NUMBER.kvs``, in
 the one file format (atomic: a crash mid-write leaves the previous shard in effect); the latest two
-are kept and older ones removed.  A failed write is logged and counted, never fatal: training goes
+are kept and older ones removed.  ``KVSTORE_SNAPSHOT_DIR`` may be a storage URL (``s3://``...,
+:mod:`kvstore.core.storage`): each shard file is then moved onto its name from a temporary key.
+A failed write is logged and counted, never fatal: training goes
 on with the previous shard in effect.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
 from collections.abc import Callable
 
 from kvstore.config import Config
-from kvstore.core import checkpoint
+from kvstore.core import checkpoint, storage
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.shard import ShardState
@@ -37,17 +38,17 @@ _NAME = re.compile(r"^shard-(\d{8})\.kvs$")
 
 def server_dir(directory: str, rank: int) -> str:
     """The folder of server ``rank``'s shards under ``directory``."""
-    return os.path.join(directory, f"server-{rank}")
+    return storage.join(directory, f"server-{rank}")
 
 
 def shard_files(directory: str, rank: int) -> list[tuple[int, str]]:
     """Server ``rank``'s shard files under ``directory`` as (number, path), oldest first."""
     folder = server_dir(directory, rank)
     try:
-        names = os.listdir(folder)
+        names = storage.listdir(folder)
     except FileNotFoundError:
         return []
-    found = [(int(m.group(1)), os.path.join(folder, name)) for name in names if (m := _NAME.match(name))]
+    found = [(int(m.group(1)), storage.join(folder, name)) for name in names if (m := _NAME.match(name))]
     return sorted(found)
 
 
@@ -78,8 +79,8 @@ class ShardWriter:
                  clock: Callable[[], float] = time.monotonic, session: str = "") -> None:
         if not (rounds > 0 or seconds > 0):
             raise ValueError("a ShardWriter needs a period in rounds or seconds")
-        self.folder = server_dir(directory, rank)
-        os.makedirs(self.folder, exist_ok=True)
+        self.directory, self.folder = directory, server_dir(directory, rank)
+        storage.makedirs(self.folder)
         self.rank, self.rounds, self.seconds, self.clock = rank, rounds, seconds, clock
         self.session = session  # recorded in each shard: a restart refuses another job's
         files = shard_files(directory, rank)
@@ -124,13 +125,13 @@ class ShardWriter:
 
     def _write(self, image: ShardImage) -> None:
         """Write ``image`` atomically, then remove all but the latest :data:`KEEP` shards."""
-        path = os.path.join(self.folder, f"shard-{image.number:08d}.kvs")
+        path = storage.join(self.folder, f"shard-{image.number:08d}.kvs")
         started = time.monotonic()
         try:
             checkpoint.write(path, *to_file(image))
-            for _, old in shard_files(os.path.dirname(self.folder), self.rank)[:-KEEP]:
-                os.unlink(old)
-        except (OSError, ValueError, TypeError) as exc:
+            for _, old in shard_files(self.directory, self.rank)[:-KEEP]:
+                storage.remove(old)
+        except (OSError, ValueError, TypeError, ConfigError) as exc:
             self.failed += 1
             log.error("server %d could not write shard %d (%s): the previous one stays in effect",
                       self.rank, image.number, exc)
