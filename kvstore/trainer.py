@@ -438,7 +438,7 @@ class Trainer:
         self._init_kvstore()
         if self._update_on_kvstore:
             self._kv.save_optimizer_states(str(fname), dump_optimizer=True)
-            if self._generation and self._kv.rank == 0 and os.path.exists(fname):  # rank 0 wrote it
+            if self._generation and self._kv.rank == 0 and storage.exists(str(fname)):  # rank 0 wrote it
                 checkpoint.write_states(str(fname), self._renamed(checkpoint.read_states(str(fname)), True))
             return
         layer_calls(self._kv).collective("Trainer.save_states", lambda: checkpoint.write_states(
