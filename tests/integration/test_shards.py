@@ -17,7 +17,7 @@ from tests.helpers import poll_for
 from tests.integration import test_restarts
 
 SCRIPT = Path(__file__).parent / "scripts" / "shard_train.py"
-STEPS = 40
+STEPS = 400  # long enough (about 0.5 s) for the writer to look at the rounds (every 50 ms at most)
 launches = test_restarts.launches  # the fixture: launch.py runs whose processes are all killed at teardown
 
 
