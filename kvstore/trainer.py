@@ -467,13 +467,16 @@ class Trainer:
         """
         self._init_kvstore()
         if self._update_on_kvstore:
-            if self._generation and self._kv.rank == 0:  # rank 0 reads it: the store's names now
-                with tempfile.TemporaryDirectory(prefix="kvstore-states-") as tmp:
-                    path = os.path.join(tmp, "states.kvs")
-                    checkpoint.write_states(path, self._renamed(checkpoint.read_states(str(fname)), False))
-                    self._kv.load_optimizer_states(path)
-            else:
-                self._kv.load_optimizer_states(str(fname))
+            with tempfile.TemporaryDirectory(prefix="kvstore-states-") as tmp:
+                path = str(fname)
+                if self._generation and self._kv.rank == 0:  # rank 0 reads it: the store's names now
+                    try:
+                        renamed = self._renamed(checkpoint.read_states(path), False)
+                        path = os.path.join(tmp, "states.kvs")
+                        checkpoint.write_states(path, renamed)
+                    except Exception:  # noqa: BLE001 - the collective load below raises it on every worker
+                        path = str(fname)
+                self._kv.load_optimizer_states(path)
             remote = self._kv.get_optimizer()  # the loaded optimizer (a stateless copy in dist modes)
             if remote is not None:
                 self._optimizer = remote
