@@ -186,6 +186,7 @@ class Trainer:
         self._keys = list(self._stable)  # the store's keys: new ones after weights were loaded
         self._generation = 0  # how many times loaded weights replaced the store's (see _reload)
         self._versions: list[list[int]] = []  # [device][parameter] tensor versions the store last set
+        self._steps_since_reload = 0  # steps since the last _reload (a reload at each step is warned of)
         self._params = [p for _, p in named]
         self._replicas = [[p for _, p in replica] for replica in replicas]  # [device][parameter]
         # Per-device optimizer state for replicas 1.. (states, counts), swapped in by _update.
@@ -290,6 +291,17 @@ class Trainer:
         """Collective: the weights were loaded into the model: store rank 0's under new keys (the
         store keeps a key's first value; MXNet resets its store) and copy them into every worker.
         The optimizer's state starts afresh for them, as in MXNet; state files keep the first names."""
+        if self._generation and self._steps_since_reload <= 1 and "reload" not in self._warned:
+            self._warned.add("reload")
+            written = [n for n, p, seen in zip(self._names, self._params, self._versions[0])
+                       if p._version != seen]  # noqa: SLF001
+            warnings.warn(f"parameter(s) {written[:4]} were written in place between consecutive steps "
+                          "(nn.Embedding(max_norm=...), clamping, ...): with update_on_kvstore each such "
+                          "write is a load of new weights, which re-creates the keys (their optimizer "
+                          "state restarts; the servers keep every earlier copy); use "
+                          "update_on_kvstore=False for a model that writes its own weights",
+                          RuntimeWarning, stacklevel=4)
+        self._steps_since_reload = 0
         self._generation += 1
         self._keys = [f"{self._prefix}@{self._generation}/{name}" for name in self._names]
         self._kv.init(self._keys, self._params)
@@ -357,6 +369,7 @@ class Trainer:
                 self._kv.pushpull(self._keys, self._per_key(self._grads(not ignore_stale_grad)),
                                   out=self._per_key(self._replicas))
             self._mark_weights()
+            self._steps_since_reload += 1
         else:
             self._allreduce(not ignore_stale_grad)
             self._update()
@@ -454,13 +467,16 @@ class Trainer:
         """
         self._init_kvstore()
         if self._update_on_kvstore:
-            if self._generation and self._kv.rank == 0:  # rank 0 reads it: the store's names now
-                with tempfile.TemporaryDirectory(prefix="kvstore-states-") as tmp:
-                    path = os.path.join(tmp, "states.kvs")
-                    checkpoint.write_states(path, self._renamed(checkpoint.read_states(str(fname)), False))
-                    self._kv.load_optimizer_states(path)
-            else:
-                self._kv.load_optimizer_states(str(fname))
+            with tempfile.TemporaryDirectory(prefix="kvstore-states-") as tmp:
+                path = str(fname)
+                if self._generation and self._kv.rank == 0:  # rank 0 reads it: the store's names now
+                    try:
+                        renamed = self._renamed(checkpoint.read_states(path), False)
+                        path = os.path.join(tmp, "states.kvs")
+                        checkpoint.write_states(path, renamed)
+                    except Exception:  # noqa: BLE001 - the collective load below raises it on every worker
+                        path = str(fname)
+                self._kv.load_optimizer_states(path)
             remote = self._kv.get_optimizer()  # the loaded optimizer (a stateless copy in dist modes)
             if remote is not None:
                 self._optimizer = remote

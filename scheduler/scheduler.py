@@ -233,8 +233,11 @@ class Scheduler:
             self.stats.released(time.monotonic())
         body = {"failures": [[r, text] for r, text in sorted(self.barrier.released_failures.items())],
                 "left": sorted(self.left)}
-        if self.barrier.released_digests:
-            body["digests"] = [[r, d] for r, d in sorted(self.barrier.released_digests.items())]
+        if self.barrier.released_digests:  # each distinct text once, with its ranks: not workers x keys
+            groups: dict[str, list[int]] = {}
+            for r, d in sorted(self.barrier.released_digests.items()):
+                groups.setdefault(d, []).append(r)
+            body["digests"] = [[ranks, d] for d, ranks in groups.items()]
         for ident, seq in released:
             self.service.reply(ident, Message(Op.OK, dict(body), seq=seq))
 

@@ -61,8 +61,9 @@ class Barriers:
 
     @staticmethod
     def _check_agreement(what: str, reply: dict) -> None:
-        """Raise the disagreement of the digests a barrier's ``reply`` carries, if any."""
-        digests = {int(rank): text for rank, text in reply.get("digests", [])}
+        """Raise the disagreement of the digests a barrier's ``reply`` carries (``[ranks, text]`` per
+        distinct text), if any."""
+        digests = {int(rank): text for ranks, text in reply.get("digests", []) for rank in ranks}
         error = agreement.disagreement(what, digests)
         if error is not None:
             raise error

@@ -86,3 +86,32 @@ def test_local_update_save_failure_reaches_every_worker(make_cluster, tmp_path: 
     rank0, rank1 = cluster.run(work)
     assert isinstance(rank0, FileNotFoundError)
     assert isinstance(rank1, RemoteError) and "worker 0" in str(rank1)
+
+
+def test_states_file_missing_after_a_reload_fails_on_every_worker(make_cluster, tmp_path: Path) -> None:
+    """With update_on_kvstore, after weights were loaded, load_states of a missing file raises on every
+    worker (rank 0's own error, the other's naming worker 0), not rank 0 alone with the rest waiting."""
+    torch = pytest.importorskip("torch")
+    from kvstore.trainer import Trainer
+
+    cluster = make_cluster("dist_sync", 2, 1, KVSTORE_REQUEST_TIMEOUT="20")
+
+    def work(kv):
+        model = torch.nn.Linear(2, 1, bias=False)
+        trainer = Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                          update_on_kvstore=True, key_prefix="reloaded")
+        for load in (False, True):
+            if load:
+                model.load_state_dict({"weight": torch.zeros(1, 2)})
+            model.weight.grad = None
+            model(torch.ones(1, 2)).sum().backward()
+            trainer.step(1)
+        try:
+            trainer.load_states(str(tmp_path / "missing.states"))
+        except Exception as exc:  # noqa: BLE001 - the test inspects the type below
+            return exc
+        return None
+
+    rank0, rank1 = cluster.run(work)
+    assert isinstance(rank0, FileNotFoundError), rank0
+    assert isinstance(rank1, RemoteError) and "worker 0" in str(rank1), rank1

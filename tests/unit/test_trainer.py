@@ -455,3 +455,20 @@ def test_states_saved_after_loaded_weights_keep_the_first_key_names(tmp_path: Pa
     trainer.load_state_dict(saved)  # the store's keys now: the loaded weights' keys
     count = saved["states"]["reload/weight"]["count"]
     assert trainer.state_dict()["states"]["reload/weight"]["count"] == count
+
+
+def test_weights_written_in_place_every_step_are_warned_about_once() -> None:
+    """nn.Embedding(max_norm=...) renormalises its weight in place at every forward: with
+    update_on_kvstore each step then re-creates the keys (state restarts, servers keep every copy);
+    the Trainer warns once, naming the parameter, instead of doing so silently."""
+    model = nn.Embedding(4, 2, max_norm=0.5)
+    trainer = Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1}, kvstore="local",
+                      update_on_kvstore=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            model.weight.grad = None
+            (model(torch.tensor([0, 1])) * 10).sum().backward()
+            trainer.step(1)
+    texts = [str(w.message) for w in caught if "in place" in str(w.message)]
+    assert len(texts) == 1 and "'weight'" in texts[0] and "update_on_kvstore=False" in texts[0]

@@ -211,3 +211,24 @@ def test_a_late_hello_is_challenged_only_under_a_restart_budget(budget):
         assert reply.op is Op.CHALLENGE and reply.body["nonce"] == "again"
     else:
         assert reply.op is Op.ERROR and "already complete" in reply.body["message"]
+
+
+def test_a_barrier_with_equal_digests_replies_with_the_digest_once():
+    """Workers whose digests agree get one copy of the text in the release, not one per worker: a
+    reply must not grow with workers x keys (10,000 keys at 64 workers would be ~50 MB per reply)."""
+    from kvstore.client.barriers import Barriers
+    from kvstore.core.agreement import digest
+
+    sched = make_scheduler()
+    peers = complete(sched)
+    text = digest(((f"k{i}", (3,), "float32") for i in range(100)), root=0)
+    assert peers["w0"].send(Op.BARRIER, {"digest": text}, sender=0) == []
+    (second,) = peers["w1"].send(Op.BARRIER, {"digest": text}, sender=1)
+    assert str(second.body["digests"]).count(text) == 1
+    Barriers._check_agreement("broadcast", second.body)  # noqa: SLF001 -- agreeing: no error
+    peers["w0"].replies()  # the first release's reply to w0
+    assert peers["w0"].send(Op.BARRIER, {"digest": text}, sender=0) == []
+    (odd,) = peers["w1"].send(Op.BARRIER, {"digest": digest([("k0", (4,), "float32")], root=0)}, sender=1)
+    with pytest.raises(Exception, match="worker 1 differs from worker 0") as info:
+        Barriers._check_agreement("broadcast", odd.body)  # noqa: SLF001
+    assert info.value.ranks == [1]
