@@ -12,6 +12,7 @@ second-tier test's harness (tests/integration/test_hardening_stage.py), which al
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import tempfile
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="each phase's length (default 10)")
     parser.add_argument("--repeats", type=int, default=3, help="runs (default 3)")
     args = parser.parse_args()
+    logging.getLogger("kvstore").setLevel(logging.ERROR)  # the stage logs each second's refused junk
     ratios = []
     for i in range(args.repeats):
         alone, junk = one_run(args.seconds)
