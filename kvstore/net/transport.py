@@ -205,11 +205,11 @@ def _discard_rest(sock: zmq.Socket, frame: Any) -> int:
 
 class _Discarder:
     """Reads the rest of a message with libzmq's C calls, through ``ctypes``: no Python object per
-    frame.  Only for the very library pyzmq loaded (found in this process's memory map), so the
-    socket's handle is one of its own."""
+    frame.  Only for the very library pyzmq's backend calls (looked up through that extension
+    module), so the socket's handle is one of its own."""
 
     def __init__(self, path: str) -> None:
-        lib = ctypes.CDLL(path)  # already loaded: the same library, not a second copy
+        lib = ctypes.CDLL(path)  # already loaded: the same module, its symbols looked up in what it links
         self._recv, self._more, self._close = lib.zmq_msg_recv, lib.zmq_msg_more, lib.zmq_msg_close
         self._recv.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self._recv.restype = ctypes.c_int
@@ -235,12 +235,16 @@ class _Discarder:
 
 
 def _discarder() -> _Discarder | None:
-    """The :class:`_Discarder` of the libzmq this process loaded, or None (not Linux, not found)."""
+    """The :class:`_Discarder` of the libzmq pyzmq's compiled backend calls, or None (another backend,
+    or its libzmq's symbols are not visible).  Looked up through the backend's own module (its
+    dependencies), never by a library's name: a libzmq that pyzmq does not call (pyzmq's linked in
+    statically, another one loaded by something else) must never get a pyzmq socket."""
     try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = {line.split()[-1] for line in maps if "libzmq" in line and "/" in line}
-        return _Discarder(paths.pop()) if len(paths) == 1 else None
-    except (OSError, AttributeError, IndexError, KeyError):
+        path = sys.modules[zmq.backend.Socket.__module__].__file__
+        if not (isinstance(path, str) and path.endswith((".so", ".pyd"))):
+            return None  # the cffi backend (a .py), or no file: CDLL(None) would search everything
+        return _Discarder(path)
+    except (OSError, AttributeError, KeyError):
         return None
 
 

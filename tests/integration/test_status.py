@@ -128,3 +128,16 @@ def test_barrier_stall_abort_raises_stall_error(make_cluster):
     with pytest.raises(StallError) as caught:
         kv0.barrier()
     assert "worker 1" in str(caught.value) and "KVSTORE_STALL_ABORT=2" in str(caught.value)
+
+
+@pytest.mark.timeout(120)
+def test_status_against_a_cluster_without_a_secret(make_cluster):
+    """Without KVSTORE_SECRET (a loopback cluster) the tool gets the status, before the map and after."""
+    cluster = make_cluster(num_workers=1, num_servers=1, connect=False, KVSTORE_SECRET="")
+    done = status_tool(cluster, "--json", "--timeout", "20", secret=None)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["cluster"]["complete"] is False
+    cluster.connect()
+    done = status_tool(cluster, "--json", "--timeout", "20", secret=None)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["cluster"]["complete"] is True
