@@ -1,14 +1,16 @@
-"""Make the screenshots docs/observability.md shows: TensorBoard's scalars of a real training job,
-and that job's timeline drawn by a small viewer of our own (a static page, one row per role).
+"""Make the screenshots docs/observability.md shows: TensorBoard's scalars and weight histograms of a
+real training job, and that job's timeline drawn by a small viewer of our own (a static page, one
+row per role).
 
     python docs/make_screenshots.py [--out docs/images] [--epochs 4]
 
 Runs ``examples/train_digits.py`` on 2 workers and 1 server through ``launch.py`` with
-``--tensorboard DIR --tensorboard-keep`` and ``KVSTORE_TIMELINE`` (worker 1 slowed by 20 ms a step,
-so its pushes come last in their rounds), then points headless Chromium (Debian's ``chromium``) at
-the kept TensorBoard and at the timeline page, and stops TensorBoard. Needs the ``[tensorboard]``
-extra and Chromium; nothing is downloaded (the timeline page is self-contained). Outside the test
-suite: the pytest marker ``browser`` runs the same Chromium check (docs/observability.md).
+``--tensorboard DIR --tensorboard-keep``, ``KVSTORE_HISTOGRAM_EVERY=20`` and ``KVSTORE_TIMELINE``
+(worker 1 slowed by 20 ms a step, so its pushes come last in their rounds), then points headless
+Chromium (Debian's ``chromium``) at the kept TensorBoard (scalars, histograms) and at the timeline
+page, and stops TensorBoard. Needs the ``[tensorboard]`` extra and Chromium; nothing is downloaded
+(the timeline page is self-contained). Outside the test suite: the pytest marker ``browser`` runs
+the same Chromium check (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def run_job(workdir: Path, epochs: int) -> tuple[str, int, Path]:
     """Run the training job; return TensorBoard's URL and pid, and the merged timeline's path.
     Exits naming the job's output when it fails."""
     trace = workdir / "timeline.json"
-    env = {**os.environ, "KVSTORE_TIMELINE": str(trace)}
+    env = {**os.environ, "KVSTORE_TIMELINE": str(trace), "KVSTORE_HISTOGRAM_EVERY": "20"}
     argv = [sys.executable, "launch.py", "-n", "2", "-s", "1", "--tensorboard", str(workdir / "tb"),
             "--tensorboard-keep", "examples/train_digits.py", "--epochs", str(epochs),
             "--slow-rank", "1", "--slow-ms", "20"]
@@ -120,12 +122,15 @@ def main() -> None:
         try:
             screenshot(chromium, url.rstrip("/") + "/#scalars&tagFilter=loss%7Caccuracy%7Ctrainer",
                        out / "tensorboard-scalars.png")
+            screenshot(chromium, url.rstrip("/") + "/#histograms&tagFilter=weights%2F0%7Cgrads%2F0",
+                       out / "tensorboard-histograms.png", height=1100)
         finally:
             os.kill(pid, signal.SIGTERM)
         page = Path(tmp) / "timeline.html"
         page.write_text(timeline_page(json.loads(trace_path.read_text())))
         screenshot(chromium, page.as_uri(), out / "timeline.png", height=360)
-    print(f"wrote {out / 'tensorboard-scalars.png'} and {out / 'timeline.png'}")
+    print(f"wrote {out / 'tensorboard-scalars.png'}, {out / 'tensorboard-histograms.png'} and "
+          f"{out / 'timeline.png'}")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ class Config:
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
     shm: bool = True  # KVSTORE_SHM: big arrays between a worker and a server on its host go by shared memory
     shm_bytes: int = DEFAULT_SHM_BYTES  # KVSTORE_SHM_BYTES: the size of each worker's segment per server
+    histogram_every: int = 0  # KVSTORE_HISTOGRAM_EVERY=N: weight/gradient histograms every N steps (0: off)
     malloc_tune: bool = True  # KVSTORE_MALLOC_TUNE: fixed glibc heap thresholds in servers and workers
 
     def missing_cluster_vars(self) -> list[str]:
@@ -275,10 +276,11 @@ def _die_at(env: Mapping[str, str], name: str) -> tuple[int | None, int] | None:
 
 
 def _watch_and_wire(env: Mapping[str, str]) -> dict[str, Any]:
-    """Encryption and the stall inspector's knobs."""
+    """Encryption, the stall inspector's knobs and the Trainer's histograms."""
     return {"encrypt": _encrypt(env), "curve_keys": env_text(env, "KVSTORE_CURVE_KEYS"),
             "stall_warn": _seconds(env, "KVSTORE_STALL_WARN", DEFAULT_STALL_WARN),
-            "stall_abort": _seconds(env, "KVSTORE_STALL_ABORT", 0.0) or None}
+            "stall_abort": _seconds(env, "KVSTORE_STALL_ABORT", 0.0) or None,
+            "histogram_every": env_int(env, "KVSTORE_HISTOGRAM_EVERY", minimum=0, default=0) or 0}
 
 
 def _data_path(env: Mapping[str, str]) -> dict[str, Any]:

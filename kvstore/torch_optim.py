@@ -33,6 +33,7 @@ import numpy as np
 from kvstore import config as kvconfig
 from kvstore.base import KVStore, layer_calls
 from kvstore.client.instance import process_store
+from kvstore.client.meter import HistogramRecorder
 from kvstore.core import agreement
 from kvstore.core.rowsparse import RowSparse
 from kvstore.errors import ConfigError
@@ -277,6 +278,7 @@ class _Distributed:
     _kv_skip: bool  # inside skip_synchronize()
     _kv_skipped: list[tuple[str, Tensor]]  # float parameters that took no gradient when wrapped
     _kv_sparse: _SparseGrads  # the parameters whose sparse gradients go through row-sparse keys
+    _kv_histograms: HistogramRecorder  # KVSTORE_HISTOGRAM_EVERY's weight and gradient histograms
 
     def __init__(self, optimizer: Any, kv: KVStore, op: str, prefix: str,
                  ordered: list[tuple[str, Tensor]], passes: int, sparse_as_dense: bool = False) -> None:
@@ -292,6 +294,7 @@ class _Distributed:
         self._kv_sparse = _SparseGrads(kv, prefix, [name for name, _ in ordered], sparse_as_dense)
         self._kv_ready = False
         self._kv_passes = _Passes(passes)
+        self._kv_histograms = HistogramRecorder.from_env([name for name, _ in ordered], self._kv_params)
         self._kv_synced = self._kv_skip = False
         for name, p in ordered:
             p.register_post_accumulate_grad_hook(self._kv_passes.hook(name))
@@ -403,6 +406,7 @@ class _Distributed:
         self._kv_synced = False
         self._kv_passes.counts.clear()
         super().step()  # type: ignore[misc]
+        self._kv_histograms.step()
         return loss
 
     # torch's Optimizer.__setstate__ (load_state_dict) wraps a class's step with the step hooks unless it

@@ -41,7 +41,7 @@ from typing import Any
 
 from kvstore import config as kvconfig
 from kvstore.base import KVStore, layer_calls
-from kvstore.client.meter import trainer_step
+from kvstore.client.meter import HistogramRecorder, trainer_step
 from kvstore.core import checkpoint, storage, xp
 from kvstore.core import optimizer as kvoptimizer
 from kvstore.core.dtypes import BY_NAME, dtype_name
@@ -189,6 +189,7 @@ class Trainer:
         self._steps_since_reload = 0  # steps since the last _reload (a reload at each step is warned of)
         self._params = [p for _, p in named]
         self._replicas = [[p for _, p in replica] for replica in replicas]  # [device][parameter]
+        self._histograms = HistogramRecorder.from_env(self._names, self._params)  # KVSTORE_HISTOGRAM_EVERY
         # Per-device optimizer state for replicas 1.. (states, counts), swapped in by _update.
         self._replica_states: list[tuple[dict, dict]] = [({}, {}) for _ in replicas[1:]]
         self._initialized = False
@@ -374,6 +375,7 @@ class Trainer:
             self._allreduce(not ignore_stale_grad)
             self._update()
         trainer_step(began, batch_size)
+        self._histograms.step()
 
     def allreduce_grads(self) -> None:
         """Sum every parameter's gradient over the workers, in place (update_on_kvstore=False only).

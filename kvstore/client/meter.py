@@ -5,6 +5,10 @@ Updated by the threads that make calls, read by the heartbeat thread (which carr
 the scheduler) and by ``kv.stats()``: one lock guards them, taken once per event.  Kept lean (plain
 lists, no context managers): a pushpull's counting costs about a microsecond
 (``benchmarks/stats_overhead.py``).
+
+Under ``KVSTORE_HISTOGRAM_EVERY=N`` the Trainer and DistributedOptimizer also keep, every N steps, a
+30-bucket histogram of each parameter's weight and gradient (:class:`HistogramRecorder`); the snapshot
+carries the latest set as ``histograms`` and the launcher's TensorBoard writer draws them.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import os
 import threading
 import time
 from bisect import bisect_left
+from collections.abc import Sequence
 from typing import Any
 
+from kvstore import config as kvconfig
 from kvstore.core.scalars import ScalarLog
 from kvstore.core.stats import BOUNDS_S, histogram_snapshot, node_snapshot
 from kvstore.net import timeline
@@ -51,6 +57,93 @@ class StepStats:
 
 
 STEPS = StepStats()
+
+HISTOGRAM_BUCKETS = 30  # equal-width buckets between a tensor's min and max
+HISTOGRAM_PARAMS = 32  # parameters a record covers at most (the first ones): 64 histograms, ~16 KiB
+HISTOGRAM_BYTES = 20 * 1024  # estimated snapshot bytes the carried histograms take at most (of the 64 KiB)
+
+
+def histogram_of(tensor: Any, buckets: int = HISTOGRAM_BUCKETS) -> list[Any]:
+    """``[min, max, count, sum, sum_of_squares, counts]`` of a torch tensor's finite values, ``counts``
+    being ``buckets`` equal-width bucket counts from min to max (one bucket when min == max; all zeros
+    and no values when none is finite).  Raises nothing for a float or integer tensor."""
+    import torch
+
+    flat = tensor.detach().reshape(-1).to(torch.float64 if tensor.dtype == torch.float64 else torch.float32)
+    total = flat.sum()
+    if not bool(torch.isfinite(total)):  # rare: filter, rather than pay for the mask every time
+        flat = flat[torch.isfinite(flat)]
+        total = flat.sum()
+    if flat.numel() == 0:
+        return [0.0, 0.0, 0, 0.0, 0.0, [0] * buckets]
+    low, high = torch.aminmax(flat)
+    lo, hi = float(low), float(high)
+    if lo == hi:
+        counts = [flat.numel()] + [0] * (buckets - 1)
+    else:
+        counts = [int(c) for c in torch.histc(flat, bins=buckets, min=lo, max=hi).tolist()]
+    return [lo, hi, flat.numel(), float(total), float(torch.dot(flat, flat)), counts]
+
+
+class HistogramLog:
+    """The latest histogram of each tag (``weights/<name>``, ``grads/<name>``) of this process, with the
+    step it was taken at and a sequence number per record."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: dict[str, list[Any]] = {}  # tag -> [seq, step, wall, *histogram_of]
+        self.seq = 0
+
+    def add(self, histograms: dict[str, list[Any]], step: int, wall: float) -> None:
+        """Keep ``histograms`` (tag -> :func:`histogram_of`) as taken at ``step``, replacing older ones."""
+        with self._lock:
+            self.seq += 1
+            for tag, hist in histograms.items():
+                self._latest[tag] = [self.seq, step, wall, *hist]
+
+    def snapshot(self) -> dict[str, list[Any]]:
+        """``{tag: [seq, step, wall, min, max, count, sum, sum_of_squares, counts]}`` (copies), as many
+        as fit :data:`HISTOGRAM_BYTES` (estimated as msgpack)."""
+        out, used = {}, 0
+        with self._lock:
+            for tag, entry in self._latest.items():
+                used += 4 * len(tag) + 80 + 5 * len(entry[-1])
+                if used > HISTOGRAM_BYTES:
+                    break
+                out[tag] = [*entry[:-1], list(entry[-1])]
+        return out
+
+
+HISTOGRAMS = HistogramLog()
+
+
+class HistogramRecorder:
+    """Every ``every`` calls of :meth:`step` (0: never), records the weight and gradient histograms of
+    the named parameters (the first :data:`HISTOGRAM_PARAMS`) into ``log`` (default :data:`HISTOGRAMS`,
+    which the heartbeats carry)."""
+
+    def __init__(self, names: Sequence[str], params: Sequence[Any], every: int,
+                 log: HistogramLog | None = None) -> None:
+        self.every, self.steps = every, 0
+        self._log = HISTOGRAMS if log is None else log
+        self._named = list(zip(names, params))[:HISTOGRAM_PARAMS]
+
+    @classmethod
+    def from_env(cls, names: Sequence[str], params: Sequence[Any]) -> HistogramRecorder:
+        """A recorder every ``KVSTORE_HISTOGRAM_EVERY`` steps.  Raises ConfigError for a bad value."""
+        return cls(names, params, kvconfig.load().histogram_every)
+
+    def step(self) -> None:
+        """Count one step; at every ``every``-th, record the histograms."""
+        self.steps += 1
+        if self.every <= 0 or self.steps % self.every:
+            return
+        out: dict[str, list[Any]] = {}
+        for name, p in self._named:
+            out[f"weights/{name}"] = histogram_of(p)
+            if p.grad is not None and not p.grad.is_sparse:
+                out[f"grads/{name}"] = histogram_of(p.grad)
+        self._log.add(out, self.steps, time.time())
 
 
 def log_scalar(name: str, value: float, step: int | None = None) -> None:
@@ -136,4 +229,7 @@ class WorkerMeter:
         snap.update({"ops": ops, "bytes_out": out, "bytes_in": received, "latency": hists,
                      "blocked_s": {**blocked, "push_window": float(window_blocked_s)},
                      "scalars": SCALARS.snapshot(), "trainer": STEPS.snapshot()})
+        histograms = HISTOGRAMS.snapshot()
+        if histograms:
+            snap["histograms"] = histograms
         return snap

@@ -23,7 +23,7 @@ MAX_NAME = 200  # characters of a user scalar's name
 SCALAR_BYTES = 24 * 1024  # estimated snapshot bytes the carried scalars take at most (of the 64 KiB)
 # snapshot fields that are not counters (identity, clocks, structure): never written as scalars
 SKIPPED = frozenset({"schema", "role", "rank", "host", "pid", "time", "last_op", "last_op_at", "nodes",
-                     "scalars", "last_round", "trainer", "waiting_in_barrier"})
+                     "scalars", "last_round", "trainer", "histograms", "waiting_in_barrier"})
 
 
 class ScalarLog:

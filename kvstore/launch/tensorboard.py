@@ -5,7 +5,8 @@ Two parts, both on the launcher's (or driver's) host, so no role needs a shared 
 - :class:`ScalarWriter`, a thread that asks the scheduler for STATUS once a second (with the
   cluster's secret, as ``kvstore.status`` does) and writes every node's counters
   (:func:`kvstore.core.scalars.node_scalars`), the Trainer's rates and the user's
-  ``kvstore.log_scalar`` values as TensorBoard scalars: one run directory per job
+  ``kvstore.log_scalar`` values as TensorBoard scalars, and the workers' weight and gradient
+  histograms (``KVSTORE_HISTOGRAM_EVERY``) as histograms: one run directory per job
   (``DIR/job-...``), one subdirectory per role and rank (``scheduler``, ``server-0``, ``worker-1``).
 - :class:`TensorBoardServer`: the real ``python -m tensorboard.main --logdir DIR`` on a free port (or
   ``TENSORBOARD_PORT``); it prints ``TensorBoard at http://host:port/`` once it listens, and is
@@ -136,6 +137,7 @@ class ScalarWriter(threading.Thread):
         self._failing = False  # the last write failed (warned once; quiet until one works again)
         self._seen: dict[str, int] = {}  # run -> last user-scalar sequence number written
         self._trainer: dict[str, tuple[float, dict[str, Any]]] = {}  # run -> (time, trainer field)
+        self._histograms: dict[tuple[str, str], int] = {}  # (run, tag) -> last histogram seq written
         self._t0 = time.time()
         self.polls = 0  # STATUS replies written
 
@@ -236,12 +238,45 @@ class ScalarWriter(threading.Thread):
         user, self._seen[run] = kvscalars.new_scalars(snap, self._seen.get(run, 0))
         for name, value, user_step, user_wall in user:
             writer.add(_event(name, value, user_step, user_wall))
+        histograms = snap.get("histograms")
+        if isinstance(histograms, dict):
+            for tag, entry in histograms.items():
+                event = histogram_event(tag, entry)
+                if event is None or entry[0] == self._histograms.get((run, tag)):
+                    continue
+                self._histograms[(run, tag)] = entry[0]
+                writer.add(event)
 
 
 def _event(tag: str, value: float, step: int, wall: float) -> Any:
     from tensorboard.compat.proto import event_pb2, summary_pb2  # the extra
     summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)])
     return event_pb2.Event(wall_time=wall, step=step, summary=summary)
+
+
+def histogram_event(tag: Any, entry: Any) -> Any:
+    """The TensorBoard event of one carried histogram ``entry`` (``[seq, step, wall, min, max, count,
+    sum, sum_of_squares, counts]``, :class:`kvstore.client.meter.HistogramLog`): a HistogramProto whose
+    buckets are ``counts`` over equal widths from min to max.  None for a malformed one; raises nothing."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2  # the extra
+    if not (isinstance(tag, str) and isinstance(entry, list) and len(entry) == 9
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in (entry[0], entry[1], entry[5]))
+            and all(_real(v) for v in entry[2:8]) and isinstance(entry[8], list)
+            and entry[8] and all(isinstance(c, int) and not isinstance(c, bool) for c in entry[8])):
+        return None
+    _, step, wall, low, high, count, total, squares, counts = entry
+    width = (high - low) / len(counts)
+    limits = [low + width * (i + 1) for i in range(len(counts) - 1)] + [float(high)]
+    if high == low:  # one value: a bucket at it
+        limits, counts = [float(high)], [count]
+    histo = summary_pb2.HistogramProto(min=low, max=high, num=count, sum=total, sum_squares=squares,
+                                       bucket_limit=limits, bucket=counts)
+    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, histo=histo)])
+    return event_pb2.Event(wall_time=float(wall), step=max(0, step), summary=summary)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def port_from(environ: Mapping[str, str]) -> int:

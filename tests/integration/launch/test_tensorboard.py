@@ -148,3 +148,32 @@ def test_a_full_disk_is_one_warning_then_one_line_when_it_writes_again(tmp_path:
     files = list((tmp_path / "run" / "scheduler").iterdir())
     assert len(files) == 1 and files[0].stat().st_size <= limit + 400, files
     assert _last_values(tmp_path / "run" / "scheduler", {"joins"}) == {"joins": polls}
+
+
+HISTOGRAM_SCRIPT = str(Path(__file__).parents[1] / "scripts" / "histogram_train.py")
+
+
+def test_trainer_histograms_reach_the_workers_event_files(tmp_path: Path, kept_pids) -> None:
+    """KVSTORE_HISTOGRAM_EVERY=2: every worker's run has weights/ and grads/ histograms of each parameter,
+    the last one at the last recorded step, counting the parameter's elements."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    env = {**os.environ, "KVSTORE_SHUTDOWN_TIMEOUT": "5", "KVSTORE_HISTOGRAM_EVERY": "2",
+           "KVSTORE_HEARTBEAT_INTERVAL": "0.2"}
+    env.pop("TENSORBOARD_PORT", None)
+    proc = launch(["-n", "2", "-s", "1", "--tensorboard", str(tmp_path / "tb"), HISTOGRAM_SCRIPT, "6"], env)
+    code, out = finish(proc, timeout=60)
+    kept_pids.extend(int(pid) for _, pid in ANNOUNCED.findall(out))
+    assert code == 0, out
+    job = next((tmp_path / "tb").glob("job-*"))
+    sizes = {"net.0.weight": 128, "net.0.bias": 16, "net.2.weight": 32, "net.2.bias": 2}
+    for rank in (0, 1):
+        events = EventAccumulator(str(job / f"worker-{rank}"), purge_orphaned_data=False)
+        events.Reload()
+        tags = set(events.Tags()["histograms"])
+        assert tags == {f"{k}/{name}" for k in ("weights", "grads") for name in sizes}, (rank, tags, out)
+        for name, size in sizes.items():
+            last = events.Histograms(f"weights/{name}")[-1]
+            assert last.step == 6 and last.histogram_value.num == size, (rank, name, last)
+            grads = events.Histograms(f"grads/{name}")[-1].histogram_value
+            assert sum(grads.bucket) == size and grads.min <= grads.max
