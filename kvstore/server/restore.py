@@ -259,14 +259,23 @@ def die_hook(cfg: Config, rank: int, state: ShardState,
     """The test hook ``KVSTORE_TEST_SERVER_DIE_AT_ROUND=N`` (or ``RANK:N``) for server ``rank``, or None
     when it is not set for this server's first incarnation with shards: a check, for the request
     loop to run after each shard tick, that SIGKILLs the server once some key has closed N rounds
-    and at least one shard has been written.  Installed at start; nothing runs without it."""
+    and at least one shard has been written (from round N on, it makes the next tick look at the
+    rounds and waits for a write in flight, so the kill comes near round N however fast the job).
+    Installed at start; nothing runs without it."""
     hook = cfg.test_server_die_at
     if hook is None or cfg.incarnation or hook[0] not in (None, rank) or shards is None:
         return None
     at = hook[1]
 
     def die_if_due() -> None:
-        if shards.written >= 1 and state.progress() >= at:
+        if state.progress() < at:
+            return
+        if shards.written < 1:  # no shard yet: hurry one (a fast job would otherwise end first) and
+            shards.close(30.0)  # let the write in flight, if any, finish before the kill
+            if shards.written < 1:
+                shards.look_now()
+                return
+        if shards.written >= 1:
             log.warning("KVSTORE_TEST_SERVER_DIE_AT_ROUND: killing server %d at step %d (SIGKILL)", rank,
                         state.progress())
             os.kill(os.getpid(), signal.SIGKILL)

@@ -141,6 +141,11 @@ class ShardWriter:
         log.info("server %d wrote shard %d (step %d, keys %d) to %s in %.3f s", self.rank, image.number,
                  image.step(), len(image.keys), path, time.monotonic() - started)
 
+    def look_now(self) -> None:
+        """Look at the rounds at the next tick, whenever the last look was (the test hook
+        ``KVSTORE_TEST_SERVER_DIE_AT_ROUND`` waits for a shard this way instead of racing the job)."""
+        self.last_check = float("-inf")
+
     def close(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a write in flight (logged when it outlasts it)."""
         if self.thread is not None:
