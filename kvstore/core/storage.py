@@ -211,24 +211,23 @@ def read_text(location: str | os.PathLike) -> str:
 
 def exists(location: str | os.PathLike) -> bool:
     """Whether a file (or folder) is at ``location`` now (a URL is asked afresh, not from a cache)."""
-    path = local_path(location)
-    if path is not None:
-        return os.path.exists(path)
-    url, fs, target = _remote(location)
-    with _translated(url):
-        fs.invalidate_cache(target)
-        return bool(fs.exists(target))
+    return _asked(location, os.path.exists, "exists")
 
 
 def isdir(location: str | os.PathLike) -> bool:
     """Whether ``location`` is a folder (in an object store: a prefix some object has)."""
+    return _asked(location, os.path.isdir, "isdir")
+
+
+def _asked(location: str | os.PathLike, local: Callable[[str], bool], question: str) -> bool:
+    """``local(path)`` for a local ``location``, else the store's method ``question``, asked afresh."""
     path = local_path(location)
     if path is not None:
-        return os.path.isdir(path)
+        return local(path)
     url, fs, target = _remote(location)
     with _translated(url):
         fs.invalidate_cache(target)
-        return bool(fs.isdir(target))
+        return bool(getattr(fs, question)(target))
 
 
 def listdir(location: str | os.PathLike) -> list[str]:

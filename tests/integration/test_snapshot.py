@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +32,22 @@ def test_snapshot_resumes_to_the_unbroken_run(tmp_path: Path, optimizer: str) ->
     unbroken, resumed, snap = tmp_path / "unbroken.arrays", tmp_path / "resumed.arrays", tmp_path / "snap"
     alongside = launch(["-n", "2", "-s", "2", str(SCRIPT), optimizer, "0", "6", "--out", str(unbroken)],
                        {**os.environ, **ENV})  # the unbroken run, while the broken one runs
-    try:
+
+    def broken() -> None:
         _run(["-n", "2", "-s", "1", str(SCRIPT), optimizer, "0", "3", "--save", str(snap)])
         assert (snap / "LATEST").read_text().strip() == "snapshot-000001"
         _run(["-n", "2", "-s", "2", "--resume", str(snap), str(SCRIPT), optimizer, "3", "6",
               "--out", str(resumed)])
-        rc, out = finish(alongside, 90)
+    same_as_unbroken(alongside, unbroken, resumed, broken)
+
+
+def same_as_unbroken(alongside: subprocess.Popen, unbroken: Path, resumed: Path, broken: Callable[[], None],
+                     timeout: float = 90) -> None:
+    """Run ``broken`` (a broken run and its resume, writing ``resumed``) while the unbroken run
+    ``alongside`` (writing ``unbroken``) goes on; then the two hold the same arrays, bit for bit."""
+    try:
+        broken()
+        rc, out = finish(alongside, timeout)
     finally:
         if alongside.poll() is None:  # the broken run failed first
             os.killpg(alongside.pid, signal.SIGKILL)

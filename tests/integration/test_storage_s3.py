@@ -17,7 +17,6 @@ import pytest
 
 import kvstore
 from kvstore.core import checkpoint, snapshot, storage
-from kvstore.core.checkpoint import load_arrays
 from kvstore.server.shards import shard_files
 from tests.helpers import REPO, finish, launch
 from tests.integration.test_restarts import launches  # noqa: F401 -- the fixture
@@ -25,6 +24,7 @@ from tests.integration.test_server_restarts import STEPS, WORKERS
 from tests.integration.test_server_restarts import _run as run_server_restart
 from tests.integration.test_snapshot import ENV as SNAPSHOT_ENV
 from tests.integration.test_snapshot import SCRIPT as SNAPSHOT_SCRIPT
+from tests.integration.test_snapshot import same_as_unbroken
 from tests.s3server import s3_server
 
 CRASH_SCRIPT = Path(__file__).parent / "scripts" / "storage_crash_write.py"
@@ -86,7 +86,8 @@ def test_launch_resume_from_s3_continues_the_unbroken_run(s3: str, tmp_path: Pat
     unbroken, resumed = tmp_path / "unbroken.arrays", tmp_path / "resumed.arrays"
     alongside = launch(["-n", "1", "-s", "1", str(SNAPSHOT_SCRIPT), "sgd", "0", "6", "--out", str(unbroken)],
                        env)
-    try:
+
+    def broken() -> None:
         rc, out = finish(launch(["-n", "1", "-s", "1", str(SNAPSHOT_SCRIPT), "sgd", "0", "3", "--save",
                                  f"{s3}/snap"], env), 60)
         assert rc == 0, out
@@ -94,16 +95,7 @@ def test_launch_resume_from_s3_continues_the_unbroken_run(s3: str, tmp_path: Pat
         rc, out = finish(launch(["-n", "1", "-s", "1", "--resume", f"{s3}/snap", str(SNAPSHOT_SCRIPT), "sgd",
                                  "3", "6", "--out", str(resumed)], env), 60)
         assert rc == 0, out
-        rc, out = finish(alongside, 60)
-    finally:
-        if alongside.poll() is None:
-            os.killpg(alongside.pid, signal.SIGKILL)
-            alongside.communicate()
-    assert rc == 0, out
-    expected, got = load_arrays(unbroken), load_arrays(resumed)
-    assert sorted(got) == sorted(expected)
-    for name, value in expected.items():
-        assert np.array_equal(got[name], value), f"{name} differs after the resume"
+    same_as_unbroken(alongside, unbroken, resumed, broken, 60)
 
 
 def test_resume_from_an_empty_s3_prefix_is_refused(s3: str) -> None:
