@@ -115,3 +115,31 @@ def test_states_file_missing_after_a_reload_fails_on_every_worker(make_cluster, 
     rank0, rank1 = cluster.run(work)
     assert isinstance(rank0, FileNotFoundError), rank0
     assert isinstance(rank1, RemoteError) and "worker 0" in str(rank1), rank1
+
+
+def test_weights_loaded_on_two_workers_are_rank_0s_start_of_the_next_step(make_cluster) -> None:
+    """update_on_kvstore on 2 workers: weights loaded between steps (rank 0 loads 1.0, rank 1 5.0) are
+    the next step's start on both, rank 0's as at the first use: 1 - 0.1 x 2 = 0.8, not the servers'
+    old -0.2 stepped on (-0.4)."""
+    torch = pytest.importorskip("torch")
+    from kvstore.trainer import Trainer
+
+    cluster = make_cluster("dist_sync", 2, 1)
+
+    def work(kv):
+        model = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        trainer = Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                          update_on_kvstore=True, key_prefix="twice")
+        seen = []
+        for load in (None, 1.0 if kv.rank == 0 else 5.0):
+            if load is not None:
+                model.load_state_dict({"weight": torch.full((1, 1), load)})
+            model.weight.grad = None
+            model(torch.ones(1, 1)).sum().backward()  # a gradient of 1 on each worker: 2 summed
+            trainer.step(1)
+            seen.append(model.weight.item())
+        return seen
+
+    for seen in cluster.run(work):
+        assert seen == pytest.approx([-0.2, 0.8])
