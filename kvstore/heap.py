@@ -11,13 +11,21 @@ gradients) and frees them again, so with those defaults every step faults their 
 mapped for the next step.  Larger values (a 64 MB or 256 MB key) are still mapped on their own and
 returned when freed.  The free space kept at the top of the heap is bounded by the trim threshold;
 free blocks inside the heap are reused but never returned, with glibc's defaults as with these.
+
+That kept top is one per *arena*: zmq's I/O thread allocates the messages it receives from an arena
+of its own, and glibc's ``malloc_trim`` returns the free blocks of every arena but the top of the
+main one only.  After a stranger's flood of big messages, up to the trim threshold stayed resident
+in each I/O thread's arena (16 or 31 MiB in a pipeline stage).  :func:`trimming` frees such blocks
+with the threshold at zero, so their arena's top goes back at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import platform
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger("kvstore.heap")
 
@@ -27,6 +35,7 @@ MMAP_THRESHOLD = 32 << 20  # glibc's own upper bound for its adaptive threshold 
 TRIM_THRESHOLD = 16 << 20
 
 _done: str | None = None
+_mallopt_fn: Callable[[int, int], int] | None = None  # set once tune() has fixed the thresholds
 
 
 def tune(enabled: bool = True) -> str:
@@ -65,4 +74,23 @@ def _mallopt() -> str:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
         return "mallopt refused the thresholds"
+    global _mallopt_fn
+    _mallopt_fn = mallopt
     return f"mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB"
+
+
+@contextlib.contextmanager
+def trimming() -> Iterator[None]:
+    """While inside, a block freed into any arena gives that arena's free top back to the OS at once
+    (trim threshold 0); on leaving, the threshold is :func:`tune`'s again.  For dropping a refused
+    message's big buffers, which zmq's I/O thread allocated.  Does nothing where :func:`tune` did not
+    fix the thresholds (glibc's adaptive ones are left alone).  Raises nothing."""
+    mallopt = _mallopt_fn
+    if mallopt is None:
+        yield
+        return
+    mallopt(M_TRIM_THRESHOLD, 0)
+    try:
+        yield
+    finally:
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)

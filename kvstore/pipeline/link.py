@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import heap
 from kvstore.client.store import DistKVStore
 from kvstore.errors import (
     ConfigError,
@@ -45,6 +46,7 @@ DRAIN_LIMIT = 1000  # messages read per wake-up before the deadline and the hear
 # per connection (docs/security.md).
 INBOUND_MESSAGES = 4
 TRIM_AFTER_BYTES = 16 << 20  # refused bytes after which freed heap goes back to the OS (at most 1/s)
+BIG_REFUSAL = 1 << 20  # a refused message of this many bytes is freed with the heap trimmed at once
 MAX_CHUNKS = 1 << 16  # micro-batches of a step when the caller does not say (the most a stage may announce)
 
 
@@ -178,22 +180,31 @@ class StageLink:
             return True
         if frames is None:
             return False
+        # The refusal is counted after its except block: the exception's traceback holds the frames
         try:
             msg = self.channel.open(frames[1:])
         except Exception as exc:  # made-up frames may break anything in the decoder
-            self._refused(frames, "unreadable", f"{type(exc).__name__}: {exc}")
-            return True
-        try:
-            self._file(msg, step)
-        except ProtocolError as exc:
-            self._refused(frames, "unexpected", str(exc))
+            refusal = ("unreadable", f"{type(exc).__name__}: {exc}")
+        else:
+            try:
+                self._file(msg, step)
+                return True
+            except ProtocolError as exc:
+                refusal = ("unexpected", str(exc))
+            del msg  # its arrays are views of the frames
+        self._refused(frames, *refusal)
         return True
 
     def _refused(self, frames: list[Any], reason: str, detail: str) -> None:
-        """Count a dropped message under ``reason``, and its bytes towards the next heap trim."""
+        """Count a dropped message under ``reason``, and its bytes towards the next heap trim; free a
+        big one's buffers (the caller's last reference) with the heap trimmed as they go."""
         self.drops.count(reason, detail)
+        size = sum(len(frame) for frame in frames)
         self._untrimmed += 1
-        self._untrimmed_bytes += sum(len(frame) for frame in frames)
+        self._untrimmed_bytes += size
+        if size >= BIG_REFUSAL:
+            with heap.trimming():  # zmq's I/O thread's arena keeps its top otherwise (kvstore.heap)
+                frames.clear()
 
     def _flush_drops(self) -> None:
         """Log the drop counts when due (at most once a second); after a flood, give the heap zmq
