@@ -137,16 +137,16 @@ def test_only_an_outsiders_status_holds_the_scheduler_at_exit(sched, monkeypatch
     outsider's (a poller: kvstore.status, the TensorBoard writer) does, for STATUS_LINGER."""
     import kvstore.scheduler.scheduler as scheduler_process
 
-    monkeypatch.setattr(scheduler_process, "STATUS_LINGER", 0.5)
+    monkeypatch.setattr(scheduler_process, "STATUS_LINGER", 1.5)  # over a loaded machine's hiccups
     peers = complete(sched)
     assert peers["w0"].send(Op.STATUS, sender=0).op is Op.OK
     started = time.monotonic()
     sched._linger_for_status()
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.5
     assert Peer(sched, "tool").send(Op.STATUS).op is Op.OK
     started = time.monotonic()
     sched._linger_for_status()
-    assert time.monotonic() - started >= 0.5
+    assert time.monotonic() - started >= 1.5
 
 def beat(peer: Peer, role: str, rank: int, stats: Any = None) -> Message:
     body = {"role": role, "rank": rank}
