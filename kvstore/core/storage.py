@@ -30,8 +30,8 @@ from typing import IO, Any
 from kvstore.errors import ConfigError
 
 __all__ = ["EXTRA", "absolute", "atomic_write", "exists", "is_local", "isdir", "join", "listdir",
-           "local_path", "make_folder", "makedirs", "open_read", "parent", "read_text", "remove",
-           "remove_tree", "rename_folder", "renames_folders", "temp_name"]
+           "local_path", "make_folder", "makedirs", "move", "open_read", "parent", "read_text", "remove",
+           "remove_tree", "rename_folder", "renames_folders", "rewrite_from", "temp_name"]
 
 EXTRA = "kvstore-ps[storage]"
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)(://|::)")
@@ -264,6 +264,32 @@ def remove(location: str | os.PathLike) -> None:
     url, fs, target = _remote(location)
     with _translated(url):
         fs.rm(target)
+
+
+def move(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Move the file ``source`` onto ``target`` (both on one store; locally ``os.replace``).  Raises
+    FileNotFoundError or another OSError."""
+    path, dest = local_path(source), local_path(target)
+    if path is not None and dest is not None:
+        os.replace(path, dest)
+        return
+    url, fs, src = _remote(source)
+    _, _, dst = _remote(target)
+    with _translated(url):
+        fs.mv(src, dst)
+
+
+def rewrite_from(location: str | os.PathLike, offset: int, data: bytes) -> None:
+    """Write ``data`` into the local file ``location`` at ``offset`` and end the file there: an append
+    that also replaces the file's last bytes (a timeline part's closing line).  Only a local file can
+    (ValueError for a URL: an object store is written whole); raises OSError."""
+    path = local_path(location)
+    if path is None:
+        raise ValueError(f"{location}: only a local file can be written in place")
+    with open(path, "r+b") as out:
+        out.seek(offset)
+        out.write(data)
+        out.truncate()
 
 
 def remove_tree(location: str | os.PathLike) -> None:

@@ -26,6 +26,7 @@ import tempfile
 import time
 
 from kvstore import config as kvconfig
+from kvstore.core import storage
 from kvstore.errors import ChildFailed, ConfigError, StartFailed, SyncFailed
 from kvstore.launch import envrules as roles
 from kvstore.launch import gpus, tether
@@ -263,12 +264,12 @@ def start_timeline(base_env: dict[str, str], inherited: dict[str, str]) -> str |
     path = kvtimeline.timeline_path({**inherited, **base_env})
     if path is None:
         return None
-    path = base_env[kvtimeline.VARIABLE] = os.path.abspath(path)
+    path = base_env[kvtimeline.VARIABLE] = storage.absolute(path)
     folder = kvtimeline.parts_dir(path)
-    if os.path.isdir(folder):
-        for name in os.listdir(folder):
+    if storage.isdir(folder):
+        for name in storage.listdir(folder):
             if name.endswith(".json"):
-                os.remove(os.path.join(folder, name))
+                storage.remove(storage.join(folder, name))
     return path
 
 

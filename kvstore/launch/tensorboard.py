@@ -12,7 +12,9 @@ Two parts, both on the launcher's (or driver's) host, so no role needs a shared 
   ``TENSORBOARD_PORT``); it prints ``TensorBoard at http://host:port/`` once it listens, and is
   stopped after the job unless kept.
 
-Both need the ``[tensorboard]`` extra (:func:`require`).  docs/observability.md.
+Both need the ``[tensorboard]`` extra (:func:`require`).  ``DIR`` may be a storage URL
+(``s3://bucket/runs``, :mod:`kvstore.core.storage`): an object store cannot append, so each event
+file there is written in parts (:class:`EventFile`).  docs/observability.md.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import io
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +39,7 @@ from typing import Any
 
 from kvstore import config as kvconfig
 from kvstore.core import scalars as kvscalars
+from kvstore.core import storage
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.launch.roleprocess import RoleProcess, RoleSpec
 from kvstore.net.status_client import StatusClient
@@ -46,22 +51,34 @@ PORT_VARIABLE = "TENSORBOARD_PORT"
 URL = re.compile(r"(https?://\S+?)/?\s")
 ROLES = ("scheduler", "server", "worker")  # whose snapshots are written
 STARTUP_TIMEOUT = 60.0  # seconds TensorBoard has to say where it listens
+REMOTE_EVERY = 5.0  # seconds between writes of an event file's part to an object store
+PART_BYTES = 1 << 20  # an event file on an object store goes on in a new part past this size
 
 
-def require() -> None:
-    """Check TensorBoard's writer can be imported.  Raises ConfigError with what to install."""
+def require(logdir: str | None = None) -> None:
+    """Check TensorBoard's writer can be imported, and for an ``s3://`` ``logdir`` the boto3 its server
+    reads S3 with.  Raises ConfigError with what to install."""
     try:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"{MISSING} ({exc})") from None
+    if logdir is not None and str(logdir).lower().startswith("s3://"):
+        try:
+            import boto3  # noqa: F401
+        except ImportError:
+            raise ConfigError("TensorBoard reads s3:// through boto3: pip install boto3") from None
 
 
 def new_run_dir(logdir: str) -> str:
-    """Create and return a fresh run directory of one job under ``logdir``: ``job-YYYYmmdd-HHMMSS-xxxx``.
-    Raises OSError."""
+    """Create and return a fresh run directory of one job under ``logdir`` (a path or a storage URL):
+    ``job-YYYYmmdd-HHMMSS-xxxx``.  Raises OSError, ConfigError for a URL kvstore cannot open."""
     name = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    path = os.path.join(os.path.abspath(logdir), name)
-    os.makedirs(path, exist_ok=False)
+    if storage.is_local(logdir):
+        path = os.path.join(os.path.abspath(storage.local_path(logdir) or logdir), name)
+        os.makedirs(path, exist_ok=False)
+        return path
+    path = storage.join(logdir, name)
+    storage.makedirs(path)
     return path
 
 
@@ -69,14 +86,23 @@ class EventFile:
     """One run's TensorBoard event file under ``folder``, written in the caller's thread (no thread of
     its own): :meth:`add` queues an event, :meth:`flush` appends what is queued in one go.  An append
     that fails (a full disk) is cut off again, so the file stays readable and later appends go on
-    from its last whole record; the events of the failed one are dropped."""
+    from its last whole record; the events of the failed one are dropped.
+
+    Under a storage URL (an object store cannot append) the file is a series of parts, each a whole
+    event file: the current part is kept in memory and written whole (:func:`storage.atomic_write`)
+    at most every ``REMOTE_EVERY`` seconds and at :meth:`close`; past ``PART_BYTES`` the next flush
+    starts a new part.  TensorBoard reads the parts in name order, each one's new bytes as it grows."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self.path: str | None = None  # once created
+        self.remote = not storage.is_local(folder)
+        self.path: str | None = None  # once created (a remote file: its current part)
         self._file: io.FileIO | None = None
-        self._size = 0  # bytes of whole records in the file
+        self._size = 0  # bytes of whole records in the file (or part)
         self._pending: list[bytes] = []
+        self._part = bytearray()  # remote: the current part's bytes
+        self._stored = 0  # remote: how many of them the store holds
+        self._stored_at = -math.inf
 
     def add(self, event: Any) -> None:
         """Queue ``event`` (an ``event_pb2.Event``) for the next :meth:`flush`."""
@@ -85,26 +111,19 @@ class EventFile:
     def flush(self) -> None:
         """Append the queued events (the file is created at the first).  Raises OSError, the file then
         cut back to its last whole record and the queued events dropped."""
-        from tensorboard.compat.proto import event_pb2  # the extra
-        from tensorboard.summary.writer.record_writer import RecordWriter
-
         records, self._pending = self._pending, []
-        if self._file is None:
-            os.makedirs(self.folder, exist_ok=True)
-            name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
-                    f"{next(_event_files)}")
-            self.path = os.path.join(self.folder, name)
-            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - held until close()
-        if self._size == 0:  # every event file starts with its version
-            records.insert(0, event_pb2.Event(wall_time=time.time(),
-                                              file_version="brain.Event:2").SerializeToString())
-        if not records:
+        if self.path is None:
+            self._create()
+        data = _framed(records, with_version=self._size == 0)
+        if not data:
             return
-        blob = io.BytesIO()
-        framed = RecordWriter(blob)
-        for record in records:
-            framed.write(record)
-        data = memoryview(blob.getvalue())
+        if self.remote:
+            self._part += data
+            self._size += len(data)
+            if time.monotonic() - self._stored_at >= REMOTE_EVERY:
+                self._store()
+            return
+        assert self._file is not None
         done = 0
         try:
             while done < len(data):
@@ -115,11 +134,60 @@ class EventFile:
             raise
         self._size += len(data)
 
+    def _create(self) -> None:
+        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
+                f"{next(_event_files):06d}")
+        if self.remote:
+            self.path = storage.join(self.folder, name)
+            self._part, self._size, self._stored = bytearray(), 0, 0
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        self.path = os.path.join(self.folder, name)
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - held until close()
+
+    def _store(self) -> None:
+        """Write the current part whole; past PART_BYTES the next flush starts a new one.  Raises
+        OSError, the part cut back to what the store holds."""
+        assert self.path is not None
+        part = bytes(self._part)
+        try:
+            storage.atomic_write(self.path, lambda f: f.write(part))
+        except OSError:
+            del self._part[self._stored:]
+            self._size = self._stored
+            raise
+        self._stored, self._stored_at = len(part), time.monotonic()
+        if self._stored >= PART_BYTES:
+            self.path = None
+
     def close(self) -> None:
-        """Close the file (what was not flushed is dropped)."""
+        """Close the file: a local one drops what was not flushed; a remote one writes what the store
+        does not hold yet (a failure is logged, not raised)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.remote and self.path is not None and self._stored < len(self._part):
+            try:
+                self._store()
+            except (OSError, ConfigError) as exc:
+                log.warning("the last events of %s are lost: %s", self.path, exc)
+
+
+def _framed(records: list[bytes], with_version: bool) -> bytes:
+    """``records`` framed as TFRecords, after the file version event when ``with_version``."""
+    from tensorboard.compat.proto import event_pb2  # the extra
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    if with_version:  # every event file starts with its version
+        records = [event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString(),
+                   *records]
+    if not records:
+        return b""
+    blob = io.BytesIO()
+    framed = RecordWriter(blob)
+    for record in records:
+        framed.write(record)
+    return blob.getvalue()
 
 
 _event_files = itertools.count()
@@ -180,7 +248,7 @@ class ScalarWriter(threading.Thread):
     def _writer(self, run: str) -> EventFile:
         writer = self._writers.get(run)
         if writer is None:
-            writer = self._writers[run] = EventFile(os.path.join(self.run_dir, run))
+            writer = self._writers[run] = EventFile(storage.join(self.run_dir, run))
         return writer
 
     def record(self, body: dict[str, Any]) -> bool:
@@ -289,10 +357,14 @@ class TensorBoardServer:
     its output in ``logdir/tensorboard-<launcher pid>.log``)."""
 
     def __init__(self, logdir: str, port: int = 0, bind_all: bool = False) -> None:
-        self.logdir, self.port, self.bind_all = os.path.abspath(logdir), port, bind_all
+        local = storage.local_path(logdir)
+        self.logdir = os.path.abspath(local) if local is not None else logdir
+        self.port, self.bind_all = port, bind_all
         self.role: RoleProcess | None = None
         self.url: str | None = None
-        self.log_path = os.path.join(self.logdir, f"tensorboard-{os.getpid()}.log")
+        # its output beside the events, or in the temporary folder when they are on a store
+        self.log_path = os.path.join(self.logdir if local is not None else tempfile.gettempdir(),
+                                     f"tensorboard-{os.getpid()}.log")
         self._announcer: threading.Thread | None = None
 
     @property
@@ -309,7 +381,7 @@ class TensorBoardServer:
     def start(self) -> None:
         """Start TensorBoard, and a thread that prints ``TensorBoard at URL`` once it listens.
         Raises OSError when it cannot be started."""
-        os.makedirs(self.logdir, exist_ok=True)
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         where = ["--bind_all"] if self.bind_all else ["--host", "127.0.0.1"]
         argv = [sys.executable, "-m", "tensorboard.main", "--logdir", self.logdir, "--port", str(self.port),
                 *where, "--reload_interval", "1", "--load_fast", "false"]  # one process, no data server
@@ -361,7 +433,7 @@ class JobBoard:
     the job's run (attached once the scheduler's port is known), and their end."""
 
     def __init__(self, logdir: str, keep: bool, environ: Mapping[str, str], bind_all: bool = False) -> None:
-        require()
+        require(logdir)
         self.keep = keep
         self.server = TensorBoardServer(logdir, port_from(environ), bind_all)
         self.run_dir = new_run_dir(logdir)

@@ -10,6 +10,11 @@ to the events that are new, and the part is valid JSON after each.  A part holds
 dropped) and starts a new one, so a role's files hold between ``capacity`` and twice that.
 :func:`merge_parts` joins the parts into ``path.json`` (the launcher does, after the job), a role's
 two files into its most recent ``capacity`` events.
+
+``path`` may be a storage URL (``s3://bucket/trace.json``, :mod:`kvstore.core.storage`, which does all
+the file access here).  An object store cannot append, so there a part's current generation is kept
+in memory and written whole at most every :data:`REMOTE_EVERY` seconds and at exit
+(:class:`PartFile` with ``remote``).
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvstore import config as kvconfig
+from kvstore.core import storage
 from kvstore.core import timeline as core
 
 log = logging.getLogger("kvstore.timeline")
 VARIABLE = "KVSTORE_TIMELINE"
 WRITE_EVERY = 2.0  # seconds between two writes of a role's part (when it has new events)
 PREVIOUS = ".prev.json"  # the suffix of a role's previous generation (instead of ".json")
+REMOTE_EVERY = 30.0  # seconds between two writes of a part to an object store (and at exit)
 
 
 class Clock:
@@ -61,29 +68,34 @@ def parts_dir(path: str) -> str:
 
 
 def write_json(path: str, document: Any) -> None:
-    """Write ``document`` as JSON to ``path`` atomically (a temporary file beside it, then
-    ``os.replace``).  Raises OSError."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as out:
-        json.dump(document, out, separators=(",", ":"), allow_nan=False, default=str)
-    os.replace(tmp, path)
+    """Write ``document`` as JSON to ``path`` (a path or a storage URL) atomically.  Raises OSError."""
+    text = json.dumps(document, separators=(",", ":"), allow_nan=False, default=str).encode()
+    storage.atomic_write(path, lambda out: out.write(text))
 
 
 class PartFile:
-    """One role's part on disk, written by appending: each write's events a line, then a last line that
-    closes the trace and says what it holds, rewritten with each append (no write reads the file
-    or writes an earlier event again).  Generations of ``capacity`` events, two kept."""
+    """One role's part, written by appending: each write's events a line, then a last line that closes
+    the trace and says what it holds, rewritten with each append (no write reads the file or writes an
+    earlier event again).  Generations of ``capacity`` events, two kept.  On an object store
+    (``remote``) the generation is kept in memory and written whole when :meth:`append` is ``final``
+    or ``REMOTE_EVERY`` seconds have passed since the last write."""
 
     def __init__(self, path: str, role: str, rank: int, capacity: int) -> None:
         self.path, self.previous = path, path[: -len(".json")] + PREVIOUS
         self.role, self.rank, self.capacity = role, rank, capacity
+        self.remote = not storage.is_local(path)
         self._end = -1  # where the last line starts in the file (-1: no file started yet)
         self._events = 0  # events in the file
         self._generation = 0
+        self._body = bytearray()  # remote: the generation's head and lines, without its last line
+        self._tail_now = b""  # remote: its last line
+        self._stored_at = -float("inf")
+        self._unstored = False
 
-    def append(self, events: list[core.Event], offset_s: float, added: int) -> None:
+    def append(self, events: list[core.Event], offset_s: float, added: int, final: bool = False) -> None:
         """Append ``events`` (at most ``capacity``), times plus ``offset_s``; ``added``: the events
-        the role ever added.  Raises OSError."""
+        the role ever added; ``final``: the role's last write (a remote part is written now).
+        Raises OSError."""
         events = events[-self.capacity:] if self.capacity > 0 else []
         if self._end < 0:
             self._start(rotate=False)
@@ -93,31 +105,44 @@ class PartFile:
             room = self.capacity - self._events
             self._append(events[:room], offset_s, added - len(events[room:]))
             events = events[room:]
+        if self.remote and self._unstored and (final or time.monotonic() - self._stored_at >= REMOTE_EVERY):
+            self._store()
 
     def _start(self, rotate: bool) -> None:
         """A new generation in ``path``: the last one becomes ``previous``; the first of this
         process replaces what an earlier one left."""
         if rotate:
-            os.replace(self.path, self.previous)
+            if self.remote:
+                self._store()  # whole, before it moves
+            storage.move(self.path, self.previous)
         else:
             with contextlib.suppress(FileNotFoundError):
-                os.remove(self.previous)
+                storage.remove(self.previous)
         self._generation += 1
         head = core.part_head(self.role, self.rank).encode()
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as out:
-            out.write(head + self._tail(0.0, 0).encode())
-        os.replace(tmp, self.path)
+        tail = self._tail(0.0, 0).encode()
+        if self.remote:
+            self._body, self._tail_now = bytearray(head), tail
+            self._store()
+        else:
+            storage.atomic_write(self.path, lambda out: out.write(head + tail))
         self._end, self._events = len(head), 0
 
     def _append(self, events: list[core.Event], offset_s: float, added: int) -> None:
         lines = core.event_lines(self.role, self.rank, events, offset_s).encode()
-        with open(self.path, "r+b") as out:
-            out.seek(self._end)
-            out.write(lines + self._tail(offset_s, added, len(events)).encode())
-            out.truncate()
+        tail = self._tail(offset_s, added, len(events)).encode()
+        if self.remote:
+            self._body += lines
+            self._tail_now, self._unstored = tail, True
+        else:
+            storage.rewrite_from(self.path, self._end, lines + tail)
         self._end += len(lines)
         self._events += len(events)
+
+    def _store(self) -> None:
+        whole = bytes(self._body) + self._tail_now
+        storage.atomic_write(self.path, lambda out: out.write(whole))
+        self._stored_at, self._unstored = time.monotonic(), False
 
     def _tail(self, offset_s: float, added: int, new: int = 0) -> str:
         return core.part_tail(self.role, self.rank, offset_s, self._events + new, added, self._generation,
@@ -138,31 +163,39 @@ class Recorder:
         self._file: PartFile | None = None
         self._write_lock = threading.Lock()
         self._stop = threading.Event()
+        if not storage.is_local(path):  # the store's client now: at exit its imports and threads can't start
+            try:
+                storage.makedirs(parts_dir(path))
+            except Exception as exc:  # noqa: BLE001 - a store that fails here fails each write, logged there
+                log.warning("cannot reach the timeline's store at %s: %s", parts_dir(path), exc)
         self._thread = threading.Thread(target=self._loop, name=f"kvstore-timeline-{role}", daemon=True)
         self._thread.start()
-        atexit.register(self.write)
+        atexit.register(self.write, True)
 
     def span(self, name: str, category: str, start: float, end: float,
              args: dict[str, Any] | None = None) -> None:
         """Add an event from ``start`` to ``end`` (unix seconds, this node's clock)."""
         self.ring.span(name, category, start, end, args)
 
-    def write(self) -> bool:
+    def write(self, final: bool = False) -> bool:
         """Append the new events to the part if there are any and the rank is known; True if
-        written.  Never raises: a failed write is logged (and its events left out)."""
+        written (``final``: the last write, which a remote part stores at once).  Never raises: a
+        failed write is logged (and its events left out)."""
         with self._write_lock:
             rank = self.rank()
-            if rank < 0 or self.ring.added == self._written:
+            if rank < 0 or (self.ring.added == self._written and not final):
                 return False
             events, added = self.ring.since(max(0, self._written))
             offset = 0.0 if self.role == "scheduler" else self.clock.offset
-            target = os.path.join(parts_dir(self.path), f"{self.role}-{rank}.json")
+            target = storage.join(parts_dir(self.path), f"{self.role}-{rank}.json")
             try:
                 if self._file is None or self._file.path != target:
-                    os.makedirs(parts_dir(self.path), exist_ok=True)
+                    if not events:
+                        return False
+                    storage.makedirs(parts_dir(self.path))
                     self._file = PartFile(target, self.role, rank, self.capacity)
-                self._file.append(events, offset, added)
-            except (OSError, ValueError) as exc:
+                self._file.append(events, offset, added, final)
+            except Exception as exc:  # noqa: BLE001 - a store's client may fail in any way (at exit too)
                 log.warning("cannot write the timeline part %s: %s", target, exc)
                 self._file = None  # the next write starts the part again
                 return False
@@ -177,7 +210,7 @@ class Recorder:
     def close(self) -> None:
         """Stop the writing thread and write what is new."""
         self._stop.set()
-        self.write()
+        self.write(final=True)
 
 
 def timeline_path(environ: Mapping[str, str] | None = None) -> str | None:
@@ -197,7 +230,7 @@ def recorder(role: str, rank: Callable[[], int], environ: Mapping[str, str] | No
     path = timeline_path(environ)
     if path is None:
         return None
-    key = (os.path.abspath(path), role)
+    key = (os.path.abspath(path) if storage.is_local(path) else path, role)
     with _RECORDERS_LOCK:
         found = _RECORDERS.get(key)
         if found is None:
@@ -212,14 +245,13 @@ def merge_parts(path: str) -> int:
     lines of a part cut short are kept.  Raises OSError when ``path`` cannot be written."""
     folder = parts_dir(path)
     try:
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+        names = sorted(n for n in storage.listdir(folder) if n.endswith(".json"))
     except FileNotFoundError:
         return 0
     docs = []
     for name in names:
         try:
-            with open(os.path.join(folder, name), encoding="utf-8") as src:
-                doc = core.read_part(src.read())
+            doc = core.read_part(storage.read_text(storage.join(folder, name)))
         except (OSError, ValueError) as exc:
             log.warning("skipping the timeline part %s: %s", name, exc)
             continue

@@ -18,7 +18,8 @@ import pytest
 import kvstore
 from kvstore.core import checkpoint, snapshot, storage
 from kvstore.server.shards import shard_files
-from tests.helpers import REPO, finish, launch
+from tests.helpers import REPO, finish, launch, poll_for
+from tests.integration.launch.test_tensorboard import kept_pids  # noqa: F401 -- the fixture
 from tests.integration.test_restarts import launches  # noqa: F401 -- the fixture
 from tests.integration.test_server_restarts import STEPS, WORKERS
 from tests.integration.test_server_restarts import _run as run_server_restart
@@ -28,6 +29,7 @@ from tests.integration.test_snapshot import same_as_unbroken
 from tests.s3server import s3_server
 
 CRASH_SCRIPT = Path(__file__).parent / "scripts" / "storage_crash_write.py"
+SCALAR_SCRIPT = Path(__file__).parent / "scripts" / "scalar_train.py"
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +151,49 @@ def test_a_writer_killed_mid_write_leaves_the_previous_generation_on_s3(s3: str)
     assert snapshot.write(url, {1: np.full(4, 3.0)}, None) == f"{url}/snapshot-000003"
     assert sorted(storage.listdir(url)) == ["LATEST", "snapshot-000001", "snapshot-000003"]
     np.testing.assert_array_equal(snapshot.read(url)[0][1], np.full(4, 3.0))
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_on_s3_serves_every_roles_counters_from_the_store(s3: str, kept_pids) -> None:  # noqa: F811
+    """launch.py --tensorboard s3://...: the event files are written to the store in parts (no append
+    there) and the real TensorBoard, reading the store, lists every role's counters and the loss."""
+    pytest.importorskip("tensorboard")
+    from tests.integration.launch.test_tensorboard import EXPECTED, _run_job, _tags
+
+    url, pid, out = _run_job(f"{s3}/tb", "--tensorboard-keep")
+    kept_pids.append(pid)
+    (job,) = storage.listdir(f"{s3}/tb")
+    assert job.startswith("job-"), out
+    assert sorted(storage.listdir(f"{s3}/tb/{job}")) == ["scheduler", "server-0", "worker-0", "worker-1"]
+    parts = storage.listdir(f"{s3}/tb/{job}/worker-0")
+    assert parts and all(name.startswith("events.out.tfevents.") for name in parts), parts
+
+    def complete() -> bool:
+        tags = _tags(url)
+        return all(want <= tags.get(run, set()) for run, want in EXPECTED.items())
+
+    poll_for(complete, 60, f"every role's tags at {url} (read from s3): {EXPECTED}", interval=0.5)
+
+
+@pytest.mark.timeout(90)
+def test_a_timeline_on_s3_holds_every_roles_events(s3: str) -> None:
+    """KVSTORE_TIMELINE=s3://.../trace.json: each role writes its part to the store (whole, no append),
+    and the launcher merges them there into one trace with every role's pushes or rounds."""
+    import json
+
+    trace = f"{s3}/trace.json"
+    env = {**os.environ, "KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_SHUTDOWN_TIMEOUT": "5",
+           "KVSTORE_TIMELINE": trace}
+    code, out = finish(launch(["-n", "2", "-s", "1", str(SCALAR_SCRIPT), "20"], env), timeout=60)
+    assert code == 0, out
+    assert sorted(storage.listdir(f"{trace}.d")) == ["scheduler-0.json", "server-0.json", "worker-0.json",
+                                                     "worker-1.json"]
+    events = json.loads(storage.read_text(trace))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e["name"] == "process_name"}
+    assert sorted(names.values()) == ["scheduler", "server 0", "worker 0", "worker 1"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    pushes = [e for e in spans if e["name"] == "push"]
+    assert sum(names[e["pid"]] == "worker 0" for e in pushes) == 20, out
+    assert sum(names[e["pid"]] == "worker 1" for e in pushes) == 20, out
+    assert any(e["name"].startswith("round") for e in spans if names[e["pid"]] == "server 0")

@@ -142,3 +142,29 @@ def test_a_write_costs_in_proportion_to_the_new_events(tmp_path: Path, no_writer
     assert rec.write()
     assert time.thread_time() - started < 0.05
     rec.close()
+
+
+def test_a_part_on_an_object_store_is_written_whole_when_due_and_at_close(monkeypatch: pytest.MonkeyPatch,
+                                                                          no_writer_thread: None) -> None:
+    """Under a storage URL (fsspec's memory://) a part is kept in memory and written whole at most every
+    REMOTE_EVERY seconds and at close; it rotates and merges there as on a disk."""
+    pytest.importorskip("fsspec")
+    import uuid
+
+    from kvstore.core import storage
+
+    path = f"memory://timeline-{uuid.uuid4().hex}/t.json"
+    part = f"{path}.d/server-1.json"
+    rec = timeline.Recorder(path, "server", lambda: 1, capacity=10)
+    rec.span("e0", "server", 0.0, 0.5)
+    assert rec.write()  # the first write stores the part (its start)
+    stored = json.loads(storage.read_text(part))
+    rec.span("e1", "server", 1.0, 1.5)
+    assert rec.write()  # within REMOTE_EVERY: kept in memory
+    assert json.loads(storage.read_text(part)) == stored
+    for i in range(2, 25):
+        rec.span(f"e{i}", "server", float(i), i + 0.5)
+    rec.close()  # the last write stores, rotating past capacity on the way
+    assert sorted(storage.listdir(f"{path}.d")) == ["server-1.json", "server-1.prev.json"]
+    assert timeline.merge_parts(path) == 1
+    assert _spans(json.loads(storage.read_text(path))) == [f"e{i}" for i in range(15, 25)]
