@@ -52,6 +52,11 @@ class Batch(NamedTuple):
 class Hook:
     """What a Session calls on every worker; subclass and override what you need (each does nothing)."""
 
+    def begin(self, session: Session) -> None:
+        """Once the weights are in place, before the first step: ``session.start_step`` is where this
+        process starts, ``resumed_from`` the checkpoint it loaded (or None), ``rejoined`` whether it
+        went on at the job's step after a restart."""
+
     def after_step(self, session: Session, loss: float | None) -> None:
         """After each step (``session.step`` steps done); ``loss`` is what the step function returned."""
 
@@ -61,7 +66,7 @@ class Hook:
 
 class LogEvery(Hook):
     """Every ``n`` steps: the mean loss of those steps to TensorBoard (``session/loss``, each worker
-    its own run) and, on rank 0, one INFO line on the ``kvstore.session`` logger."""
+    its own run) and, on rank 0, one line on stdout (``step 40  loss 0.1234  (95.2 steps/s)``)."""
 
     def __init__(self, n: int) -> None:
         self.n, self._losses, self._began = int(n), [], time.perf_counter()
@@ -76,13 +81,14 @@ class LogEvery(Hook):
             log_scalar("session/loss", mean, session.step)
         if session.rank == 0:
             rate = len(self._losses) / max(time.perf_counter() - self._began, 1e-9)
-            log.info("step %d  loss %.4f  (%.1f steps/s)", session.step, mean, rate)
+            print(f"step {session.step}  loss {mean:.4f}  ({rate:.1f} steps/s)", flush=True)
         self._losses, self._began = [], time.perf_counter()
 
 
 class EvaluateEvery(Hook):
     """Every ``n`` steps, ``evaluate(session)`` on every worker; a number it returns (or each value of
-    a mapping it returns) goes to TensorBoard under its name (``eval`` for a bare number); rank 0 logs it."""
+    a mapping it returns) goes to TensorBoard under its name (``eval`` for a bare number); rank 0 prints
+    it."""
 
     def __init__(self, n: int, evaluate: Callable[[Session], float | Mapping[str, float] | None]) -> None:
         self.n, self.evaluate = int(n), evaluate
@@ -96,7 +102,7 @@ class EvaluateEvery(Hook):
             log_scalar(name, float(value), session.step)
         if values and session.rank == 0:
             shown = "  ".join(f"{k} {float(v):.4f}" for k, v in values.items())
-            log.info("step %d  %s", session.step, shown)
+            print(f"step {session.step}  {shown}", flush=True)
 
 
 class StopAt(Hook):
@@ -173,6 +179,8 @@ class Session:
         self._schedule = schedule
         self.step = self.start_step = self._begin(schedule)
         self._saved_step, self._saved_time = self.step, time.monotonic()
+        for hook in self.hooks:
+            hook.begin(self)
         order: np.ndarray | None = None
         while self.step < schedule.total_steps and not self._stopped:
             at = schedule.position(self.step)

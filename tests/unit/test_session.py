@@ -180,12 +180,16 @@ def test_a_checkpoint_of_another_schedule_is_refused(tmp_path: Path) -> None:
 
 
 def test_hooks_see_every_step_and_epoch_and_evaluate_reaches_the_user(tmp_path: Path) -> None:
-    """A Hook gets every step and each epoch's end once; eval_every calls evaluate every N steps;
+    """A Hook gets begin once, then every step and each epoch's end once; eval_every calls evaluate
+    every N steps;
     stop_at stops there; epoch_loss sums the step function's losses of the epoch."""
     events: list[tuple[str, int]] = []
     losses: list[float] = []
 
     class Record(Hook):
+        def begin(self, session) -> None:
+            events.append(("begin", session.start_step))
+
         def after_step(self, session, loss) -> None:
             events.append(("step", session.step))
 
@@ -197,6 +201,7 @@ def test_hooks_see_every_step_and_epoch_and_evaluate_reaches_the_user(tmp_path: 
     _, session, step = _job(None, False, hooks=[Record()], eval_every=4,
                             evaluate=lambda s: evaluated.append(s.step) or 0.5, stop_at=11, log_every=2)
     assert session.run(step, SAMPLES, BATCH, EPOCHS) == 11
+    assert events[0] == ("begin", 0)
     assert [e for e in events if e[0] == "epoch"] == [("epoch", 0), ("epoch", 1)]
     assert [e[1] for e in events if e[0] == "step"] == list(range(1, 12))
     assert evaluated == [4, 8]
