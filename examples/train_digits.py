@@ -34,12 +34,17 @@ and calls ``trainer.step(global batch size)``:
   Trainer sums the replicas' gradients too: on a GPU with a ``*_device`` store
   (``--kvstore dist_sync_device`` or ``device``), on the CPU otherwise.
 
-Under ``launch.py --max-restarts K`` a worker that dies is restarted and rejoins the
-running job (docs/failures.md): it takes the current weights from the servers and
-skips the ``kv.rejoined_at`` steps the job has done already (drawing the same
-shuffles), so the job still ends after its planned number of updates::
+The loop is a ``kvstore.Session`` (docs/trainer.md): it draws each epoch's shuffle
+from (seed, epoch, rank) and starts where the job is.  Under ``launch.py
+--max-restarts K`` a worker that dies is restarted and rejoins the running job
+(docs/failures.md): it takes the current weights from the servers and goes on at
+the ``kv.rejoined_at`` steps the job has done, so the job still ends after its
+planned number of updates.  With ``--checkpoint URL`` rank 0 saves a checkpoint
+there (every ``--checkpoint-every`` steps, and at the end), and the same command
+run again after the whole job died resumes from the newest complete one::
 
     python launch.py -n 4 -s 2 --max-restarts 1 examples/train_digits.py
+    python launch.py -n 4 -s 2 examples/train_digits.py --checkpoint ckpt/digits --checkpoint-every 50
 
 Rank 0 prints the loss and test accuracy per epoch; the exit code is 1 when the
 final test accuracy is below ``--min-accuracy``.
