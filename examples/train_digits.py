@@ -34,12 +34,17 @@ and calls ``trainer.step(global batch size)``:
   Trainer sums the replicas' gradients too: on a GPU with a ``*_device`` store
   (``--kvstore dist_sync_device`` or ``device``), on the CPU otherwise.
 
-Under ``launch.py --max-restarts K`` a worker that dies is restarted and rejoins the
-running job (docs/failures.md): it takes the current weights from the servers and
-skips the ``kv.rejoined_at`` steps the job has done already (drawing the same
-shuffles), so the job still ends after its planned number of updates::
+The loop is a ``kvstore.Session`` (docs/trainer.md): it draws each epoch's shuffle
+from (seed, epoch, rank) and starts where the job is.  Under ``launch.py
+--max-restarts K`` a worker that dies is restarted and rejoins the running job
+(docs/failures.md): it takes the current weights from the servers and goes on at
+the ``kv.rejoined_at`` steps the job has done, so the job still ends after its
+planned number of updates.  With ``--checkpoint URL`` rank 0 saves a checkpoint
+there (every ``--checkpoint-every`` steps, and at the end), and the same command
+run again after the whole job died resumes from the newest complete one::
 
     python launch.py -n 4 -s 2 --max-restarts 1 examples/train_digits.py
+    python launch.py -n 4 -s 2 examples/train_digits.py --checkpoint ckpt/digits --checkpoint-every 50
 
 Rank 0 prints the loss and test accuracy per epoch; the exit code is 1 when the
 final test accuracy is below ``--min-accuracy``.
@@ -59,6 +64,7 @@ from torch import nn
 import kvstore
 import kvstore.config
 import kvstore.data
+import kvstore.session
 
 SEED = 0
 OPTIMIZERS = ("sgd", "nag", "adam", "adagrad", "rmsprop")
@@ -84,6 +90,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slow-rank", type=int, default=-1,
                         help="make this worker a straggler (with --slow-ms), to try KVSTORE_SYNC_QUORUM")
     parser.add_argument("--slow-ms", type=float, default=0.0, help="extra time per step of --slow-rank")
+    parser.add_argument("--checkpoint", metavar="URL", default=None,
+                        help="a folder or storage URL (s3://...) for kvstore.Session's checkpoints; a run "
+                             "with one resumes from the newest complete checkpoint there (default: none)")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                        help="with --checkpoint: save every this many steps (default: at the end only)")
     return parser.parse_args()
 
 
@@ -143,41 +154,57 @@ def train(kv: kvstore.KVStore, args: argparse.Namespace) -> float:
     # weights about as far as one dist_sync step (1 / len(batch) would take steps `workers` times as
     # long, too long for this learning rate and momentum).
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
-    order = torch.Generator().manual_seed(SEED + rank)
     if rank == 0:
         print(f"{kv.type}: {workers} worker(s) x {len(devices)} device(s), {kv.num_servers} server(s), "
               f"{args.optimizer} "
               f"{optimizer_params(args)}, {shard} training samples per worker, {len(x_test)} test samples",
               flush=True)
 
-    done = getattr(kv, "rejoined_at", None) or 0  # a restarted worker: the steps the job has done
-    step = 0
-    for epoch in range(1, args.epochs + 1):
-        total, started = 0.0, time.perf_counter()
-        for batch in torch.randperm(shard, generator=order).split(args.batch_size):
-            if len(batch) < len(devices):
-                continue  # too few samples to give every replica one (the same on every worker)
-            step += 1
-            if step <= done:
-                continue  # consumed before this worker's restart
-            xs = kvstore.data.split_and_load(x_train[batch], devices, even_split=False)
-            ys = kvstore.data.split_and_load(y_train[batch], devices, even_split=False)
-            for replica, x, y in zip(models, xs, ys):
-                replica.zero_grad()
-                loss = loss_fn(replica(x), y)
-                loss.backward()
-                total += loss.item()
-            if rank == args.slow_rank:
-                time.sleep(args.slow_ms / 1000)  # a straggler's slower step (a demo, not a wait)
-            trainer.step(len(batch) * workers)
-        if step <= done:
-            continue  # an epoch this worker's previous incarnation finished
-        kvstore.log_scalar("loss", total / shard, epoch)  # for launch.py --tensorboard (else kept, unused)
-        if rank == 0:
-            test_accuracy = accuracy(models[0], x_test, y_test)
-            kvstore.log_scalar("test_accuracy", test_accuracy, epoch)
-            print(f"epoch {epoch:3d}  loss {total / shard:.4f}  test accuracy {test_accuracy:.3f}  "
-                  f"({time.perf_counter() - started:.2f} s)", flush=True)
+    def step(batch: kvstore.session.Batch) -> float:
+        """One step on this worker's batch: the replicas' summed losses."""
+        total = 0.0
+        xs = kvstore.data.split_and_load(x_train[batch.rows], devices, even_split=False)
+        ys = kvstore.data.split_and_load(y_train[batch.rows], devices, even_split=False)
+        for replica, x, y in zip(models, xs, ys):
+            replica.zero_grad()
+            loss = loss_fn(replica(x), y)
+            loss.backward()
+            total += loss.item()
+        if rank == args.slow_rank:
+            time.sleep(args.slow_ms / 1000)  # a straggler's slower step (a demo, not a wait)
+        trainer.step(len(batch.rows) * workers)
+        return total
+
+    class EpochReport(kvstore.session.Hook):
+        """Each epoch's loss for TensorBoard (every worker) and, on rank 0, its line and test accuracy."""
+
+        def __init__(self) -> None:
+            self.started = time.perf_counter()
+
+        def begin(self, session: kvstore.Session) -> None:
+            if session.rejoined:
+                print(f"rejoined the job at step {session.start_step}", flush=True)
+            elif session.resumed_from is not None and rank == 0:
+                print(f"resumed from {session.resumed_from} at step {session.start_step}", flush=True)
+            self.started = time.perf_counter()
+
+        def after_epoch(self, session: kvstore.Session, epoch: int) -> None:
+            loss = session.epoch_loss / shard
+            kvstore.log_scalar("loss", loss, epoch + 1)  # for launch.py --tensorboard (else kept, unused)
+            if rank == 0:
+                test_accuracy = accuracy(models[0], x_test, y_test)
+                kvstore.log_scalar("test_accuracy", test_accuracy, epoch + 1)
+                print(f"epoch {epoch + 1:3d}  loss {loss:.4f}  test accuracy {test_accuracy:.3f}  "
+                      f"({time.perf_counter() - self.started:.2f} s)", flush=True)
+            self.started = time.perf_counter()
+
+    # The Session draws each epoch's shuffle from (seed, epoch, rank), skips the steps the job has done
+    # (a restarted worker: kv.rejoined_at; a relaunch: the newest complete checkpoint under
+    # --checkpoint, whose weights and optimizer states it loads) and writes checkpoints on rank 0.
+    session = kvstore.Session(trainer, args.checkpoint, every_steps=args.checkpoint_every, seed=SEED,
+                              hooks=[EpochReport()])
+    # a last batch too small to give every replica a sample is dropped (the same on every worker)
+    session.run(step, shard, args.batch_size, args.epochs, min_batch=len(devices))
     return accuracy(models[0], x_test, y_test)
 
 

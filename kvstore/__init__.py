@@ -53,6 +53,7 @@ from kvstore.errors import (
     UnknownModeError,
     UnsupportedError,
 )
+from kvstore.session import Session
 from kvstore.sparse import RowSparse
 from kvstore.stores import KNOWN_TYPES, create
 from kvstore.torch_optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
@@ -69,7 +70,7 @@ for _module in (checkpoint, lr_scheduler, optimizer, snapshot):
 __version__ = "0.1.0"
 
 __all__ = [
-    "KNOWN_TYPES", "KVStore", "create", "Trainer", "__version__", "log_scalar", "RowSparse",
+    "KNOWN_TYPES", "KVStore", "create", "Trainer", "Session", "__version__", "log_scalar", "RowSparse",
     "SparseEmbedding", "SparseTrainer",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "KVStoreError", "ConfigError", "UnknownModeError", "KeyNotInitializedError",

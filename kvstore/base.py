@@ -241,7 +241,7 @@ class KVStore(abc.ABC):
     def _set_optimizer_params(self, params: dict[str, Any]) -> None: ...
 
     @abc.abstractmethod
-    def _save_states(self, fname: str, dump_optimizer: bool) -> None: ...
+    def _save_states(self, fname: str, dump_optimizer: bool, collective: bool = True) -> None: ...
 
     @abc.abstractmethod
     def _load_states(self, fname: str) -> None: ...
@@ -519,16 +519,20 @@ class KVStore(abc.ABC):
         self._set_optimizer_params(params)
 
     @public
-    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False, *,
+                              collective: bool = True) -> None:
         """Write the optimizer's state of every key to ``fname`` (docs/formats.md).
 
         Collective in dist modes: every worker calls it, the states are
         gathered whole from every server and rank 0 writes the file.  With
-        ``dump_optimizer`` the optimizer's spec is saved too.  Raises
-        :class:`OptimizerError` when no optimizer is set.
+        ``collective=False`` only this worker calls it: it gathers the states
+        the servers hold now and writes the file itself, with no barrier (in
+        ``dist_sync``, between two of its steps, every key's state is at the
+        last round it pushed to).  With ``dump_optimizer`` the optimizer's spec
+        is saved too.  Raises :class:`OptimizerError` when no optimizer is set.
         """
         self._check_open()
-        self._save_states(str(fname), dump_optimizer)
+        self._save_states(str(fname), dump_optimizer, collective)
 
     @public
     def load_optimizer_states(self, fname: str) -> None:

@@ -73,7 +73,7 @@ class LocalKVStore(KVStore):
         holds (and the optimizer updates) their float32 master copies."""
         return {k: m.dtype for k, m in self._meta.items() if m.dtype == BF16}
 
-    def _save_states(self, fname: str, dump_optimizer: bool) -> None:
+    def _save_states(self, fname: str, dump_optimizer: bool, collective: bool = True) -> None:
         with self._lock:
             opt = self._need_optimizer("save_optimizer_states")
             states = checkpoint.optimizer_states(opt, self._store, dump_optimizer, self._declared())

@@ -228,6 +228,11 @@ class Trainer:
         """Whether the optimizer runs in the store (servers) rather than in this process."""
         return self._update_on_kvstore
 
+    def named_parameters(self) -> list[tuple[str, Tensor]]:
+        """The trainable parameters by name (the first replica's), in parameter order: what a
+        checkpoint of the model holds (``kvstore.Session`` saves and loads them)."""
+        return list(zip(self._names, self._params))
+
     @property
     def keys(self) -> list[str]:
         """The store keys, one per trainable parameter, in parameter order."""
@@ -443,21 +448,36 @@ class Trainer:
         """The first replica's weights as the optimizer updates them (see :func:`_weight_view`)."""
         return {k: _weight_view(p) for k, p in zip(self._keys, self._params)}
 
-    def save_states(self, fname: str) -> None:
+    def save_states(self, fname: str, *, collective: bool = True) -> None:
         """Write the optimizer and its states to ``fname`` (call it on every worker).
 
         With update_on_kvstore the store saves them (collective: gathered from
         the servers, rank 0 writes); otherwise rank 0 writes its own, which every
         worker shares in dist_sync.  Either way a failure is raised on every worker.
+        With ``collective=False`` only this worker calls it (after its first use)
+        and writes the file itself, with no barrier: the servers' states as they
+        are now, or its own (what ``kvstore.Session`` does on rank 0).
         """
-        self._init_kvstore()
+        if collective:
+            self._init_kvstore()
+        elif not self._initialized:
+            raise RuntimeError("save_states(collective=False) before the Trainer's first use: "
+                               "call init_kvstore() or step() on every worker first")
+        writer = collective is False or self._kv.rank == 0  # who writes the file
         if self._update_on_kvstore:
-            self._kv.save_optimizer_states(str(fname), dump_optimizer=True)
-            if self._generation and self._kv.rank == 0 and storage.exists(str(fname)):  # rank 0 wrote it
+            self._kv.save_optimizer_states(str(fname), dump_optimizer=True, collective=collective)
+            if self._generation and writer and storage.exists(str(fname)):
                 checkpoint.write_states(str(fname), self._renamed(checkpoint.read_states(str(fname)), True))
             return
-        layer_calls(self._kv).collective("Trainer.save_states", lambda: checkpoint.write_states(
-            str(fname), checkpoint.optimizer_states(self._optimizer, self._weights(), True)))
+
+        def write() -> None:
+            states = checkpoint.optimizer_states(self._optimizer, self._weights(), True)
+            checkpoint.write_states(str(fname), states)
+
+        if collective:
+            layer_calls(self._kv).collective("Trainer.save_states", write)
+        else:
+            write()
 
     def load_states(self, fname: str) -> None:
         """Restore the optimizer and its states from ``fname`` (call it on every worker).

@@ -171,10 +171,14 @@ class CollectiveCalls:
         return optimizer
 
     # -- states and snapshots --------------------------------------------------------------------
-    def save_states(self, fname: str, dump_optimizer: bool) -> None:
-        """Gather every key's optimizer state and write it to ``fname`` on the leader (collective).
+    def save_states(self, fname: str, dump_optimizer: bool, collective: bool = True) -> None:
+        """Gather every key's optimizer state and write it to ``fname`` on the leader (collective), or,
+        without ``collective``, on this worker alone with no barrier (the states the servers hold now).
 
         Raises OptimizerError when no optimizer is set, OSError from the file system."""
+        if not collective:
+            checkpoint.write_states(fname, self._gather_states(dump_optimizer))
+            return
         earlier = self._meet()  # every worker's pushes are applied before the states are read
         self._link.run_collective("save_optimizer_states", lambda: checkpoint.write_states(
             fname, self._gather_states(dump_optimizer)))

@@ -273,8 +273,8 @@ class DistKVStore(KVStore):
         self._check_open()
         return self._collective_calls.get_optimizer()
 
-    def _save_states(self, fname: str, dump_optimizer: bool) -> None:
-        self._collective_calls.save_states(fname, dump_optimizer)
+    def _save_states(self, fname: str, dump_optimizer: bool, collective: bool = True) -> None:
+        self._collective_calls.save_states(fname, dump_optimizer, collective)
 
     def _load_states(self, fname: str) -> None:
         self._collective_calls.load_states(fname)

@@ -131,7 +131,7 @@ LAYERS: list[tuple[str, ...]] = [
      "kvstore.base"),                                                       # row-sparse args; the ABC
     ("kvstore.client", "kvstore.local", "kvstore.server", "kvstore.stores"),  # the stores, the server
     ("kvstore.trainer", "kvstore.trainer_sparse",                            # the torch layer
-     "kvstore.overlap", "kvstore.torch_optim", "kvstore.pipeline"),
+     "kvstore.overlap", "kvstore.torch_optim", "kvstore.pipeline", "kvstore.session"),
     ("kvstore.launch", "kvstore.ray", "kvstore.spark"),                     # starting clusters
     ("kvstore", "kvstore.node", "kvstore.status"),                          # the public surface, commands
     ("kvstore.scheduler",),                                                 # a program over kvstore
@@ -412,7 +412,7 @@ STORAGE_USERS = ("kvstore/core/checkpoint.py", "kvstore/core/snapshot.py", "kvst
                  "kvstore/server/shards.py", "kvstore/server/restore.py", "kvstore/client/compress.py",
                  "kvstore/client/collective.py", "kvstore/client/sparse_states.py", "kvstore/local.py",
                  "kvstore/base.py", "kvstore/trainer.py", "kvstore/launch/options.py", "kvstore/spark.py",
-                 "kvstore/net/timeline.py")
+                 "kvstore/net/timeline.py", "kvstore/session.py")
 _FILE_CALLS = {
     "os": {"open", "fdopen", "replace", "rename", "renames", "unlink", "remove", "rmdir", "removedirs",
            "listdir", "scandir", "makedirs", "mkdir", "walk", "stat"},

@@ -1,0 +1,325 @@
+"""A training loop that checkpoints and resumes itself (TensorFlow's MonitoredTrainingSession, for a Trainer).
+
+:class:`Session` runs the user's step function over the epochs' batches, saves the model's weights,
+the optimizer's states, the step and the data position to a storage URL every N steps and/or T
+seconds (rank 0 alone, atomically: a checkpoint is complete once its ``session.json`` is written,
+last), and starts by itself from where the job is:
+
+- a worker restarted under ``launch.py --max-restarts`` (``kv.rejoined_at`` is set) takes the
+  servers' current weights and goes on at the job's step;
+- otherwise, with a checkpoint URL, from the newest complete checkpoint there (the weights, the
+  optimizer's states and the step, on every worker): a relaunch of the same command resumes;
+- otherwise from step 0.
+
+Each epoch's order is a pure function of ``(seed, epoch, rank)`` (:mod:`kvstore.core.progress`), so
+any of these draws exactly the batches an unbroken run draws.  docs/failures.md, "One resume path".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvstore import config as kvconfig
+from kvstore.client.meter import log_scalar
+from kvstore.core import checkpoint, progress, storage
+from kvstore.errors import ConfigError, FormatError
+from kvstore.trainer import Trainer
+
+__all__ = ["Batch", "EvaluateEvery", "Hook", "LogEvery", "Session", "StopAt"]
+
+log = logging.getLogger("kvstore.session")
+
+WEIGHTS, STATES, META = "weights.arrays", "trainer.states", "session.json"
+FORMAT = "kvstore-session"
+
+
+class Batch(NamedTuple):
+    """One step's batch: ``step`` (0-based global step), its ``epoch`` and ``index`` in the epoch, and
+    ``rows``, the indices of this worker's samples (an int64 numpy array: index tensors with it)."""
+
+    step: int
+    epoch: int
+    index: int
+    rows: np.ndarray
+
+
+class Hook:
+    """What a Session calls on every worker; subclass and override what you need (each does nothing)."""
+
+    def begin(self, session: Session) -> None:
+        """Once the weights are in place, before the first step: ``session.start_step`` is where this
+        process starts, ``resumed_from`` the checkpoint it loaded (or None), ``rejoined`` whether it
+        went on at the job's step after a restart."""
+
+    def after_step(self, session: Session, loss: float | None) -> None:
+        """After each step (``session.step`` steps done); ``loss`` is what the step function returned."""
+
+    def after_epoch(self, session: Session, epoch: int) -> None:
+        """After the last step of epoch ``epoch`` (0-based)."""
+
+
+class LogEvery(Hook):
+    """Every ``n`` steps: the mean loss of those steps to TensorBoard (``session/loss``, each worker
+    its own run) and, on rank 0, one line on stdout (``step 40  loss 0.1234  (95.2 steps/s)``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self._losses, self._began = int(n), [], time.perf_counter()
+
+    def after_step(self, session: Session, loss: float | None) -> None:
+        if loss is not None:
+            self._losses.append(float(loss))
+        if session.step % self.n:
+            return
+        mean = sum(self._losses) / len(self._losses) if self._losses else float("nan")
+        if self._losses:
+            log_scalar("session/loss", mean, session.step)
+        if session.rank == 0:
+            rate = len(self._losses) / max(time.perf_counter() - self._began, 1e-9)
+            print(f"step {session.step}  loss {mean:.4f}  ({rate:.1f} steps/s)", flush=True)
+        self._losses, self._began = [], time.perf_counter()
+
+
+class EvaluateEvery(Hook):
+    """Every ``n`` steps, ``evaluate(session)`` on every worker; a number it returns (or each value of
+    a mapping it returns) goes to TensorBoard under its name (``eval`` for a bare number); rank 0 prints
+    it."""
+
+    def __init__(self, n: int, evaluate: Callable[[Session], float | Mapping[str, float] | None]) -> None:
+        self.n, self.evaluate = int(n), evaluate
+
+    def after_step(self, session: Session, loss: float | None) -> None:
+        if session.step % self.n:
+            return
+        result = self.evaluate(session)
+        values = {} if result is None else {"eval": result} if not isinstance(result, Mapping) else result
+        for name, value in values.items():
+            log_scalar(name, float(value), session.step)
+        if values and session.rank == 0:
+            shown = "  ".join(f"{k} {float(v):.4f}" for k, v in values.items())
+            print(f"step {session.step}  {shown}", flush=True)
+
+
+class StopAt(Hook):
+    """Stop the session once ``step`` steps are done (a checkpoint, if any, is saved there)."""
+
+    def __init__(self, step: int) -> None:
+        self.at = int(step)
+
+    def after_step(self, session: Session, loss: float | None) -> None:
+        if session.step >= self.at:
+            session.stop()
+
+
+class Session:
+    """Run a Trainer's training loop with checkpoints, resume and hooks (see the module docstring).
+
+    ``checkpoint``: a storage URL (a folder; ``s3://``... through :mod:`kvstore.core.storage`) or None
+    (no checkpoints; rejoin still works).  Checkpoints are taken every ``every_steps`` steps and/or
+    ``every_seconds`` seconds (both None: only at the end) and at the end or a stop; the newest
+    ``keep`` complete ones are kept.  ``seed`` seeds the epochs' orders.  ``log_every``,
+    ``eval_every`` with ``evaluate``, and ``stop_at`` add the built-in hooks; ``hooks`` adds yours.
+    Raises ValueError for a bad count.
+    """
+
+    def __init__(self, trainer: Trainer, checkpoint: str | None = None, *, every_steps: int | None = None,
+                 every_seconds: float | None = None, keep: int = 2, seed: int = 0,
+                 log_every: int | None = None,
+                 eval_every: int | None = None, evaluate: Callable[[Session], Any] | None = None,
+                 stop_at: int | None = None, hooks: Iterable[Hook] = ()) -> None:
+        for name, value in (("every_steps", every_steps), ("every_seconds", every_seconds),
+                            ("log_every", log_every), ("eval_every", eval_every)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep!r}")
+        if (eval_every is None) != (evaluate is None):
+            raise ValueError("eval_every and evaluate go together")
+        self.trainer, self.url = trainer, None if checkpoint is None else str(checkpoint)
+        self.every_steps, self.every_seconds, self.keep, self.seed = every_steps, every_seconds, keep, seed
+        self.hooks: list[Hook] = list(hooks)
+        if log_every is not None:
+            self.hooks.append(LogEvery(log_every))
+        if eval_every is not None and evaluate is not None:
+            self.hooks.append(EvaluateEvery(eval_every, evaluate))
+        if stop_at is not None:
+            self.hooks.append(StopAt(stop_at))
+        self.step = 0  # steps done (the job's, not this process's)
+        self.start_step = 0  # where this process started
+        self.resumed_from: str | None = None  # the checkpoint this process started from
+        self.rejoined = False  # whether it went on at the job's step after a restart (kv.rejoined_at)
+        self.epoch_loss = 0.0  # the sum of the step function's losses in this epoch, in this process
+        self._stopped = False
+        self._schedule: progress.Schedule | None = None
+        self._saved_step, self._saved_time = 0, time.monotonic()
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank."""
+        return self.trainer.kvstore.rank
+
+    def stop(self) -> None:
+        """Stop after the current step (its hooks still run; the checkpoint is saved)."""
+        self._stopped = True
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, step_fn: Callable[[Batch], float | None], samples: int, batch_size: int, epochs: int,
+            min_batch: int = 1) -> int:
+        """Call ``step_fn(batch)`` for every step of ``epochs`` epochs over this worker's ``samples``
+        samples in batches of ``batch_size`` (a last one shorter than ``min_batch`` dropped), from
+        where the job is (see the class), running the hooks and saving checkpoints; return the steps
+        done.  Raises ConfigError for a checkpoint of another schedule, seed or worker count, or with
+        ``launch.py --resume``; FormatError for a damaged checkpoint; what ``step_fn`` raises."""
+        schedule = progress.Schedule(samples, batch_size, epochs, min_batch)
+        self._schedule = schedule
+        self.step = self.start_step = self._begin(schedule)
+        self._saved_step, self._saved_time = self.step, time.monotonic()
+        for hook in self.hooks:
+            hook.begin(self)
+        order: np.ndarray | None = None
+        while self.step < schedule.total_steps and not self._stopped:
+            at = schedule.position(self.step)
+            if order is None or at.index == 0:
+                order = progress.epoch_order(self.seed, at.epoch, self.rank, samples)
+                self.epoch_loss = 0.0
+            loss = step_fn(Batch(self.step, at.epoch, at.index, schedule.rows(order, at.index)))
+            if loss is not None:
+                self.epoch_loss += float(loss)
+            self.step += 1
+            for hook in self.hooks:
+                hook.after_step(self, loss)
+            if at.index == schedule.steps_per_epoch - 1:
+                for hook in self.hooks:
+                    hook.after_epoch(self, at.epoch)
+            if progress.due(self.step - self._saved_step, time.monotonic() - self._saved_time,
+                            self.every_steps, self.every_seconds):
+                self.save()
+        if self.step != self._saved_step:
+            self.save()
+        return self.step
+
+    def _begin(self, schedule: progress.Schedule) -> int:
+        """The step to start at, with the weights and states in place (see the class)."""
+        kv = self.trainer.kvstore
+        rejoined = getattr(kv, "rejoined_at", None)
+        if rejoined is not None:  # a restarted worker: the servers hold the job's weights and states
+            self.trainer.init_kvstore()
+            self.rejoined = True
+            log.info("session: rejoined at step %d (the job's)", rejoined)
+            return min(int(rejoined), schedule.total_steps)
+        found = self.latest()
+        if found is None:
+            self.trainer.init_kvstore()
+            return 0
+        if kvconfig.load().resume is not None:
+            raise ConfigError(f"launch.py --resume (KVSTORE_RESUME) and the session's checkpoint {found} "
+                              "both hold the weights: use one (remove the checkpoint folder, or --resume)")
+        meta = self._meta(found)
+        mine = self._settings(schedule)
+        theirs = {k: meta.get(k) for k in mine}
+        if theirs != mine:
+            raise ConfigError(f"cannot resume from {found}: it was saved with {theirs}, this run has {mine} "
+                              "(the data order depends on them)")
+        self._load_weights(storage.join(found, WEIGHTS))  # before the first use, which stores rank 0's
+        self.trainer.load_states(storage.join(found, STATES))
+        self.resumed_from = found
+        log.info("session: resumed from %s at step %d", found, meta["step"])
+        return min(int(meta["step"]), schedule.total_steps)
+
+    def _settings(self, schedule: progress.Schedule) -> dict[str, Any]:
+        """What a checkpoint must share with this run to replay its data order."""
+        kv = self.trainer.kvstore
+        return {**schedule.settings(), "seed": self.seed, "num_workers": kv.num_workers}
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def latest(self) -> str | None:
+        """The URL of the newest complete checkpoint under the session's URL, or None (none there, or
+        no URL).  Raises OSError from the store."""
+        if self.url is None:
+            return None
+        try:
+            names = storage.listdir(self.url)
+        except FileNotFoundError:
+            return None
+        name = progress.newest_complete(names, lambda n: self._complete(storage.join(self.url, n)))
+        return None if name is None else storage.join(self.url, name)
+
+    def _complete(self, location: str) -> bool:
+        """Whether the checkpoint at ``location`` has a readable ``session.json`` naming its step."""
+        try:
+            meta = self._meta(location)
+        except (OSError, FormatError):
+            return False
+        return meta.get("step") == progress.step_of(location.rstrip("/").rpartition("/")[2])
+
+    @staticmethod
+    def _meta(location: str) -> dict[str, Any]:
+        """The ``session.json`` of the checkpoint at ``location``; FormatError when it is not one."""
+        where = storage.join(location, META)
+        try:
+            meta = json.loads(storage.read_text(where))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{where}: not a session checkpoint ({exc})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise FormatError(f"{where}: not a session checkpoint")
+        return meta
+
+    def save(self) -> str | None:
+        """Rank 0 writes a checkpoint of the current step (weights, optimizer states, then
+        ``session.json``) and removes all but the newest ``keep``; return its URL (None on other ranks
+        or without a URL).  Not collective.  A failed write is logged and the previous one stays."""
+        self._saved_step, self._saved_time = self.step, time.monotonic()
+        if self.url is None or self.rank != 0 or self._schedule is None:
+            return None
+        folder = storage.join(self.url, progress.checkpoint_name(self.step))
+        at = self._schedule.position(self.step)
+        meta = {"format": FORMAT, "version": 1, "step": self.step, "epoch": at.epoch, "index": at.index,
+                "order": "numpy default_rng([seed, epoch, rank]).permutation(samples)",
+                **self._settings(self._schedule), "time": time.time()}
+        try:
+            storage.makedirs(folder)
+            checkpoint.save_arrays(storage.join(folder, WEIGHTS),
+                                   {n: p.detach().cpu() for n, p in self.trainer.named_parameters()})
+            self.trainer.save_states(storage.join(folder, STATES), collective=False)
+            text = (json.dumps(meta, indent=1) + "\n").encode()
+            storage.atomic_write(storage.join(folder, META), lambda f: f.write(text))  # complete from here
+        except OSError as exc:
+            log.warning("session: could not write the checkpoint of step %d to %s (%s); the previous one "
+                        "stays in effect", self.step, folder, exc)
+            return None
+        self._prune()
+        log.info("session: saved step %d to %s", self.step, folder)
+        return folder
+
+    def _prune(self) -> None:
+        """Remove every checkpoint but the newest ``keep`` complete ones (best effort)."""
+        try:
+            names = storage.listdir(self.url)
+        except OSError:
+            return
+        complete = [n for n in sorted(names, key=lambda n: progress.step_of(n) or -1, reverse=True)
+                    if progress.step_of(n) is not None and self._complete(storage.join(self.url, n))]
+        for name in progress.stale(names, complete[:self.keep]):
+            storage.remove_tree(storage.join(self.url, name))
+
+    def _load_weights(self, location: str) -> None:
+        """Copy the arrays saved at ``location`` into the Trainer's parameters (every replica's first
+        use copies them on); FormatError when names, shapes or dtypes differ from the model's."""
+        import torch
+
+        arrays = checkpoint.load_arrays(location)
+        params = dict(self.trainer.named_parameters())
+        if sorted(arrays) != sorted(params):
+            raise FormatError(f"{location} holds {sorted(arrays)}, the Trainer has {sorted(params)}")
+        with torch.no_grad():
+            for name, param in params.items():
+                value = torch.from_numpy(np.ascontiguousarray(arrays[name]))
+                if tuple(value.shape) != tuple(param.shape):
+                    raise FormatError(f"{location}: {name} has shape {tuple(value.shape)}, the model's "
+                                      f"{tuple(param.shape)}")
+                param.copy_(value.to(param.dtype))
