@@ -53,6 +53,7 @@ from kvstore.net import timeline as kvtimeline
 from kvstore.server.shards import shard_files
 
 log = logging.getLogger("kvstore.launcher")
+DEFAULT_SNAPSHOT_EVERY = "30s"  # servers' shards under --max-restarts when nothing else is set
 
 
 def failure(child: RoleProcess, when: str = "") -> ChildFailed:
@@ -116,6 +117,7 @@ class Cluster:
         # a local child inherits the launcher's environment, but for what the launcher sets per role
         # (a KVSTORE_NODE_PORT exported here would make every server bind one port)
         self.inherited = roles.inherited(kvconfig.child_environ({}))
+        self.shard_dir = default_shards(cfg, self.base_env, self.inherited)  # removed after the job
         self.timeline = start_timeline(self.base_env, self.inherited)
         self.gpu_env = gpu_plan(cfg, self.inherited)  # before anything starts: too few GPUs fail here
         self.no_gpu = dict(gpus.NO_GPU) if self.gpu_env is not None else {}
@@ -258,6 +260,24 @@ class Cluster:
         return [killed_text(child, killed, wait) for child, killed, wait in self.group.stop()]
 
 
+def default_shards(cfg: LaunchConfig, base_env: dict[str, str], inherited: dict[str, str]) -> str | None:
+    """Under ``--max-restarts`` (local launcher) servers are restartable with no settings: where neither
+    the launcher's environment nor ``--env``/``--env-server`` sets them, ``KVSTORE_SNAPSHOT_EVERY`` is
+    :data:`DEFAULT_SNAPSHOT_EVERY` and ``KVSTORE_SNAPSHOT_DIR`` a new folder of this job's own, set in
+    ``base_env``.  Returns that folder (the launcher removes it after the job), or None.  Raises
+    OSError when it cannot be made."""
+    if cfg.max_restarts <= 0 or cfg.launcher != "local":
+        return None
+    env = {**inherited, **base_env, **cfg.env_server}
+    if not env.get("KVSTORE_SNAPSHOT_EVERY"):
+        base_env["KVSTORE_SNAPSHOT_EVERY"] = DEFAULT_SNAPSHOT_EVERY
+    if env.get("KVSTORE_SNAPSHOT_DIR"):
+        return None
+    folder = base_env["KVSTORE_SNAPSHOT_DIR"] = tempfile.mkdtemp(prefix="kvstore-shards-")
+    log.info("servers' shards in %s (this job's own, for --max-restarts; removed after the job)", folder)
+    return folder
+
+
 def start_timeline(base_env: dict[str, str], inherited: dict[str, str]) -> str | None:
     """Under ``KVSTORE_TIMELINE`` (here or in ``--env``): its absolute path, set in ``base_env`` for
     every role, its folder of parts emptied of an earlier job's; None without it."""
@@ -366,6 +386,8 @@ def finish(cluster: Cluster, board: kvtensorboard.JobBoard | None, failed: RoleP
     if killed:
         log.error("killed after their stop timeout: %s", ", ".join(killed))
     finish_timeline(cluster.timeline)
+    if cluster.shard_dir is not None:  # this job's own: no later launch can restart from it
+        storage.remove_tree(cluster.shard_dir)
     if board is not None:
         board.finish()
     if isinstance(failed, RoleProcess):  # after every role's output: the launch's last line

@@ -91,13 +91,14 @@ class ShardWriter:
         self.written = self.failed = 0
         self.last_written: ShardImage | None = None  # the last image written (its buffers are reused)
         self.keys_seen: int | None = None  # keys in the last image (None: none taken by this process)
+        self.optimizer_seen: Optimizer | None = None  # the optimizer of the last image
 
     def tick(self, state: ShardState | None, optimizer: Optimizer | None, bf16_keys: set[Key]) -> bool:
         """Capture a shard and start writing it when one is due; return whether one was."""
         now = self.clock()
         if state is None or (self.thread is not None and self.thread.is_alive()):
             return False
-        if not self._due(state, now):
+        if not self._due(state, optimizer, now):
             return False
         self.number += 1
         spare = self.last_written.keys if self.last_written is not None else None
@@ -105,16 +106,22 @@ class ShardWriter:
         image = capture(state, optimizer, bf16_keys, self.rank, self.number, spare)
         image.session = self.session
         self.last_step, self.last_time, self.keys_seen = image.step(), now, len(image.keys)
+        self.optimizer_seen = optimizer
         self.thread = threading.Thread(target=self._write, args=(image,), name="kvstore-shard", daemon=True)
         self.thread.start()
         return True
 
-    def _due(self, state: ShardState, now: float) -> bool:
-        """Whether a shard is due: keys initialised since the last one (a restart from it would lack
-        them), else ``seconds`` passed or ``rounds`` more closed (looked at every CHECK_EVERY at most)."""
-        if self.keys_seen is None and self.number > 0:
-            self.keys_seen = len(state)  # a restarted server: the keys of the shard it started from
-        if self.keys_seen is not None and len(state) > self.keys_seen:
+    def _due(self, state: ShardState, optimizer: Optimizer | None, now: float) -> bool:
+        """Whether a shard is due: a fresh server's first (at once, keys or none: a server that never
+        holds a key restarts from it), keys initialised or an optimizer set since the last one (a
+        restart from it would lack them, and apply no optimizer), else ``seconds`` passed or
+        ``rounds`` more closed (looked at every CHECK_EVERY at most)."""
+        if self.keys_seen is None:
+            if self.number == 0:
+                return True
+            self.keys_seen = len(state)  # a restarted server: what the shard it started from held
+            self.optimizer_seen = optimizer
+        if len(state) > self.keys_seen or optimizer is not self.optimizer_seen:
             return True
         if self.seconds > 0:
             return now - self.last_time >= self.seconds

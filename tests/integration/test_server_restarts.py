@@ -4,14 +4,17 @@ their unanswered pushes again, the job finishes, and only the rounds the log nam
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvstore.core.checkpoint import load_arrays
-from tests.integration.test_restarts import launches  # noqa: F401 -- the fixture
+from tests.helpers import poll_for
+from tests.integration.test_restarts import launches, role_pids  # noqa: F401 -- the fixture
 
 SCRIPT = Path(__file__).parent / "scripts" / "server_restart_train.py"
 STEPS, WORKERS = 40, 2
@@ -86,3 +89,47 @@ def test_a_worker_and_a_server_killed_together_both_come_back(launches, tmp_path
     allowed = {-WORKERS * (STEPS - lost) for lost in range(most + 1)}
     seen = set(np.concatenate([v.ravel() for v in values[0].values()]).tolist())
     assert seen <= allowed, (seen, allowed, output[-3000:])
+
+
+EMPTY_SCRIPT = Path(__file__).parent / "scripts" / "empty_server_train.py"
+HOLDS = re.compile(r"server (\d) wrote shard \d+ \(step \d+, keys 1\)")
+DEFAULT_DIR = re.compile(r"servers' shards in (\S+) \(this job's own")
+
+
+def _kill_server_then_go(launches, tmp_path: Path, holder: bool) -> str:  # noqa: F811
+    """Two workers and two servers under --max-restarts 1 and no shard settings; SIGKILL the server that
+    holds the one key (``holder``) or the other, let the workers finish once it is restarted; the output."""
+    go = tmp_path / "go"
+    env = {"KVSTORE_BIGARRAY_BOUND": "1000", "KVSTORE_LOG_LEVEL": "INFO"}
+    run = launches(["-n", "2", "-s", "2", "--max-restarts", "1", str(EMPTY_SCRIPT), "20", str(go)], env)
+    poll_for(lambda: HOLDS.search(run.output) and "[worker 0] step 10" in run.output, 60,
+             f"the key's shard and 10 steps:\n{run.output}")
+    held = int(HOLDS.search(run.output).group(1))
+    victim = held if holder else 1 - held
+    (pid,) = role_pids(run.tag, f"KVSTORE_SERVER_ID={victim}")
+    os.kill(pid, signal.SIGKILL)
+    poll_for(lambda: "restarting it as incarnation 1" in run.output, 30, f"the restart:\n{run.output}")
+    go.write_text("go")
+    assert run.finish(90) == 0, run.output
+    assert f"server {victim} exited with code -9; restarting it as incarnation 1" in run.output or \
+        f"server {victim} exited with code 137; restarting it as incarnation 1" in run.output, run.output
+    assert "[worker 0] done as rank 0" in run.output and "[worker 1] done as rank 1" in run.output
+    folder = DEFAULT_DIR.search(run.output)
+    assert folder and not os.path.exists(folder.group(1)), run.output  # removed after the job
+    return run.output
+
+
+@pytest.mark.timeout(150)
+def test_without_shard_settings_a_sigkilled_server_restarts_from_a_shard_of_the_job(
+        launches, tmp_path: Path) -> None:  # noqa: F811
+    """--max-restarts alone: the server holding the key writes shards to a folder of the job's own (removed
+    after it), is SIGKILLed, restarts from its shard, and the job's last round sums right on every worker."""
+    _kill_server_then_go(launches, tmp_path, holder=True)
+
+
+@pytest.mark.timeout(150)
+def test_a_server_that_holds_no_key_restarts_empty(launches, tmp_path: Path) -> None:  # noqa: F811
+    """The server that holds no key has an (empty) shard from its start: SIGKILLed, it restarts empty
+    instead of failing the job with no shard to restart from."""
+    output = _kill_server_then_go(launches, tmp_path, holder=False)
+    assert "no shard to restart from" not in output, output

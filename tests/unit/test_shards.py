@@ -36,11 +36,19 @@ def written(writer: ShardWriter) -> None:
     assert not writer.thread.is_alive()
 
 
+def first_shard(writer: ShardWriter, shard: ShardState) -> None:
+    """A fresh server's first shard, due at its first tick whatever its keys and rounds."""
+    assert writer.tick(shard, None, set())
+    written(writer)
+
+
 def test_a_shard_is_due_every_n_rounds_and_only_two_are_kept(tmp_path) -> None:
-    """Every 3 rounds: nothing before round 3, then shards 1..4 of which 3 and 4 stay on disk."""
+    """Every 3 rounds after the first shard: nothing before round 3, then shards 2..5 of which 4 and 5
+    stay on disk."""
     clock, shard = Clock(), ShardState(1, sync=True)
     shard.init("w", np.zeros(2))
     writer = ShardWriter(str(tmp_path), 0, rounds=3, clock=clock)
+    first_shard(writer, shard)
     closed(shard, 2)
     clock.now += 1
     assert not writer.tick(shard, None, set())
@@ -49,30 +57,48 @@ def test_a_shard_is_due_every_n_rounds_and_only_two_are_kept(tmp_path) -> None:
         clock.now += 1
         assert writer.tick(shard, None, set())
         written(writer)
-    assert [n for n, _ in shard_files(str(tmp_path), 0)] == [3, 4] and writer.written == 4
+    assert [n for n, _ in shard_files(str(tmp_path), 0)] == [4, 5] and writer.written == 5
     image = read_latest(str(tmp_path), 0)
-    assert image.keys["w"].round == 14 and image.number == 4
+    assert image.keys["w"].round == 14 and image.number == 5
     np.testing.assert_array_equal(image.keys["w"].value, [1, 1])  # no optimizer: the last round's sum
 
 
 def test_a_shard_is_due_every_n_seconds(tmp_path) -> None:
-    """Every 2 s: not at 1 s, at 2 s, and a restarted writer numbers on from the files it finds."""
+    """Every 2 s after the first shard: not 1 s later, 2 s later, and a restarted writer numbers on from
+    the files it finds."""
     clock, shard = Clock(), ShardState(1, sync=False)
     shard.init("w", np.zeros(2))
     writer = ShardWriter(str(tmp_path), 5, seconds=2.0, clock=clock)
+    first_shard(writer, shard)
     clock.now = 1.0
     assert not writer.tick(shard, None, set())
     clock.now = 2.0
     assert writer.tick(shard, None, set())
     written(writer)
-    assert ShardWriter(str(tmp_path), 5, seconds=2.0, clock=clock).number == 1
+    assert ShardWriter(str(tmp_path), 5, seconds=2.0, clock=clock).number == 2
+
+
+def test_a_fresh_servers_first_shard_is_due_at_once_even_with_no_key(tmp_path) -> None:
+    """A server that holds no key writes shard 1 (empty) at its first tick, so it can be restarted;
+    a fresh server with keys writes them at once too (no waiting for rounds)."""
+    clock = Clock()
+    empty = ShardWriter(str(tmp_path), 0, rounds=50, clock=clock)
+    first_shard(empty, ShardState(1, sync=True))
+    assert read_latest(str(tmp_path), 0).keys == {}
+    clock.now += 1
+    assert not empty.tick(ShardState(1, sync=True), None, set())  # no rounds, no keys since
+    held = ShardState(1, sync=True)
+    held.init("w", np.full(2, 3.0))
+    first_shard(ShardWriter(str(tmp_path), 1, rounds=50, clock=clock), held)
+    np.testing.assert_array_equal(read_latest(str(tmp_path), 1).keys["w"].value, [3, 3])
 
 
 def test_a_damaged_newest_shard_is_skipped_for_the_one_before(tmp_path) -> None:
-    """Shard 2 cut short: read_latest gives shard 1; with shard 1 damaged too, FormatError."""
+    """The newest shard (3) cut short: read_latest gives shard 2; with that damaged too, FormatError."""
     clock, shard = Clock(), ShardState(1, sync=True)
     shard.init("w", np.zeros(2))
     writer = ShardWriter(str(tmp_path), 0, rounds=1, clock=clock)
+    first_shard(writer, shard)
     for _ in range(2):
         closed(shard, 1)
         clock.now += 1
@@ -80,7 +106,7 @@ def test_a_damaged_newest_shard_is_skipped_for_the_one_before(tmp_path) -> None:
         written(writer)
     (_, first), (_, second) = shard_files(str(tmp_path), 0)
     os.truncate(second, 100)
-    assert read_latest(str(tmp_path), 0).number == 1
+    assert read_latest(str(tmp_path), 0).number == 2
     os.truncate(first, 100)
     with pytest.raises(FormatError, match="no readable shard of server 0"):
         read_latest(str(tmp_path), 0)
@@ -117,6 +143,7 @@ def test_a_shard_records_its_cluster_session(tmp_path) -> None:
     clock, shard = Clock(), ShardState(1, sync=True)
     shard.init("w", np.zeros(2))
     writer = ShardWriter(str(tmp_path), 0, rounds=1, clock=clock, session="ab12")
+    first_shard(writer, shard)
     closed(shard, 1)
     clock.now += 1
     assert writer.tick(shard, None, set())
@@ -125,11 +152,12 @@ def test_a_shard_records_its_cluster_session(tmp_path) -> None:
 
 
 def test_keys_initialised_after_a_shard_make_the_next_one_due(tmp_path) -> None:
-    """After shard 1, a new key makes a shard due at once (no more rounds), and it holds the key;
-    before any shard, keys alone do not (the first one waits for its rounds)."""
+    """After a shard, a new key makes a shard due at once (no more rounds), and it holds the key;
+    without new keys the rounds decide."""
     clock, shard = Clock(), ShardState(1, sync=True)
     shard.init("w", np.zeros(2))
     writer = ShardWriter(str(tmp_path), 0, rounds=3, clock=clock)
+    first_shard(writer, shard)
     clock.now += 1
     assert not writer.tick(shard, None, set())
     closed(shard, 3)
@@ -141,7 +169,7 @@ def test_keys_initialised_after_a_shard_make_the_next_one_due(tmp_path) -> None:
     assert writer.tick(shard, None, set())
     written(writer)
     image = read_latest(str(tmp_path), 0)
-    assert image.number == 2 and set(image.keys) == {"w", "late"}
+    assert image.number == 3 and set(image.keys) == {"w", "late"}
     np.testing.assert_array_equal(image.keys["late"].value, [7, 7, 7])
     clock.now += 1
     assert not writer.tick(shard, None, set())  # nothing new since: the rounds decide again
