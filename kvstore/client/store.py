@@ -40,8 +40,10 @@ from kvstore.core.partition import Key
 from kvstore.core.plan import Send, collect, pack, plan
 from kvstore.errors import (
     DeadlineExceededError,
+    DTypeMismatchError,
     KVStoreError,
     NodeLostError,
+    ShapeMismatchError,
     StoreClosedError,
     from_cluster,
     public,
@@ -407,6 +409,30 @@ class DistKVStore(KVStore):
         self._deliver(keys, self._pushpull(groups, priority, outs), outs, single)
         return target
 
+    def _pushpull_args(self, key: Any, value: Any, target: Any,
+                       single: bool) -> tuple[list[Pushed], list[Key], list[list[Any]]]:
+        """As :meth:`kvstore.base.KVStore._pushpull_args`; a value or out of another shape or dtype
+        than its key's also aborts this round of the call's keys on the servers (:meth:`_refused`)."""
+        try:
+            return super()._pushpull_args(key, value, target, single)
+        except (ShapeMismatchError, DTypeMismatchError) as exc:
+            self._refused(key, exc)
+            raise
+
+    def _refused(self, key: Any, exc: KVStoreError) -> None:
+        """A pushpull of ``key`` (one or a list) was refused with ``exc`` before it was sent: in
+        dist_sync the round of its initialised dense keys fails on every worker
+        (``DataPath.abort_round``), rather than the others waiting for this one until their deadline."""
+        keys = []
+        for k in key if isinstance(key, (list, tuple)) else [key]:
+            try:
+                k = known_key(k, self._meta)
+            except KVStoreError:
+                continue  # refused for its key already: not pushed by anyone
+            if k in self._meta and k not in keys:
+                keys.append(k)
+        self._path.abort_round(keys, str(exc))
+
     def _pushpull(self, groups: list[Pushed], priority: int,
                   outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pushpull")
@@ -425,8 +451,12 @@ class DistKVStore(KVStore):
         and one reply where a push then a pull took two of each; ``kvstore.overlap``)."""
         once_each(keys)
         self._check_open()
-        groups = self._groups(keys, values)
-        targets = self._outs(keys, outs, False)
+        try:
+            groups = self._groups(keys, values)
+            targets = self._outs(keys, outs, False)
+        except (ShapeMismatchError, DTypeMismatchError) as exc:
+            self._refused(keys, exc)
+            raise
         self._pushed = True
         started = self._meter.begin("pushpull")
         try:

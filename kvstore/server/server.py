@@ -225,12 +225,15 @@ class Server:
 
     def _on_round_abort(self, identity: bytes, msg: Message) -> None:
         """A worker's pushpull of ``keys`` was refused before it was sent (a value of another shape
-        or dtype, its ``reason``): abort that round of the keys held here (``ShardState.abort``)."""
+        or dtype, its ``reason``): abort that round of the keys (``ShardState.abort``).  Raises, aborting
+        nothing, :class:`ProtocolError` for a malformed body or a worker that has left, and
+        :class:`KeyNotInitializedError` (or a key's type error) for a key not held here."""
         worker, keys, reason = self._requests.sender(msg), msg.body.get("keys"), msg.body.get("reason")
         if not (isinstance(keys, list) and keys and isinstance(reason, str)):
             raise ProtocolError("ROUND_ABORT needs 'keys' and a 'reason'")
         self._pusher(identity, msg)  # a worker that has left cannot abort
-        keys = [check_key(k) for k in keys]
+        for key in keys:  # each one held here (as a PUSH's), or nothing is aborted
+            self.state.value(check_key(key))
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
         self._abort_round(worker, keys, reason)
 

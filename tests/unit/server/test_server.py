@@ -252,9 +252,11 @@ def test_a_pushpull_the_server_refuses_for_its_dtype_aborts_the_round() -> None:
 
 
 @pytest.mark.parametrize("body", [{}, {"keys": "w", "reason": "x"}, {"keys": ["w"]},
-                                  {"keys": [1.5], "reason": "x"}, {"keys": [], "reason": "x"}])
+                                  {"keys": [1.5], "reason": "x"}, {"keys": [], "reason": "x"},
+                                  {"keys": ["w", "elsewhere"], "reason": "x"}])
 def test_a_malformed_round_abort_is_refused_and_changes_nothing(body: dict) -> None:
-    """A ROUND_ABORT without keys or a reason, or with a bad key, gets an ERROR; nothing is aborted."""
+    """A ROUND_ABORT without keys or a reason, or with a bad key or one not held here, gets an ERROR;
+    nothing is aborted."""
     cluster = FakeCluster("dist_sync", 2)
     cluster.init("w", np.zeros(2, np.float32))
     first = _push(cluster, 0, "w", np.ones(2, np.float32), Op.PUSHPULL)
