@@ -285,28 +285,6 @@ class DataPath:
                     return requests
             window.wait_room(keys, deadline, self.mux.wait)
 
-    def abort_round(self, keys: list[Key], reason: str) -> None:
-        """dist_sync: this worker's pushpull of ``keys`` (initialised) was refused before anything was
-        sent (``reason``, in words): tell each server holding a piece of them (ROUND_ABORT), so the
-        round fails on every worker instead of waiting for this one, and wait for their OKs under the
-        request deadline.  Nothing in dist_async.  Raises nothing: a failure is logged (the caller
-        raises the refusal itself)."""
-        if self.cluster.mode != "dist_sync" or not keys:
-            return
-        by_server: dict[int, list[Key]] = {}
-        for key in keys:
-            for piece in self.pieces(key):
-                by_server.setdefault(piece.server, []).append(key)
-        try:
-            with self._send_lock:  # after this call's earlier messages, before its next ones
-                requests = [self.mux.submit(server, Message(Op.ROUND_ABORT, {"keys": held, "reason": reason}),
-                                            f"round abort of key {held[0]!r} to server {server}")
-                            for server, held in by_server.items()]
-            self.wait(requests)
-        except KVStoreError as exc:
-            log.warning("could not abort the round of key %r on every server (%s): the other workers' "
-                        "pushpulls of it wait out their deadline", keys[0], exc)
-
     def hold(self, server: int) -> dict[Key, int]:
         """Hold every request to ``server`` (``Mux.hold``: a restarted server, kvstore.client.realign)
         and return a copy of the push counts taken at the same instant (no push counted but not held)."""

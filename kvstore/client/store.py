@@ -420,18 +420,32 @@ class DistKVStore(KVStore):
             raise
 
     def _refused(self, key: Any, exc: KVStoreError) -> None:
-        """A pushpull of ``key`` (one or a list) was refused with ``exc`` before it was sent: in
-        dist_sync the round of its initialised dense keys fails on every worker
-        (``DataPath.abort_round``), rather than the others waiting for this one until their deadline."""
-        keys = []
+        """A pushpull of ``key`` (one or a list) was refused with ``exc`` before anything was sent: in
+        dist_sync, tell each server holding a piece of its initialised dense keys (ROUND_ABORT), so
+        that round fails on every worker rather than the others waiting for this one until their
+        deadline, and wait for their OKs (request deadline).  Raises nothing: a failure is logged
+        (the caller raises ``exc``)."""
+        if self._cluster.mode != "dist_sync":
+            return
+        by_server: dict[int, list[Key]] = {}
         for k in key if isinstance(key, (list, tuple)) else [key]:
             try:
                 k = known_key(k, self._meta)
             except KVStoreError:
                 continue  # refused for its key already: not pushed by anyone
-            if k in self._meta and k not in keys:
-                keys.append(k)
-        self._path.abort_round(keys, str(exc))
+            if k in self._meta:
+                for piece in self._path.pieces(k):
+                    held = by_server.setdefault(piece.server, [])
+                    if k not in held:
+                        held.append(k)
+        try:
+            self._path.wait([self._path.mux.submit(server, Message(Op.ROUND_ABORT, {"keys": keys,
+                                                                                    "reason": str(exc)}),
+                                                   f"round abort of key {keys[0]!r} to server {server}")
+                             for server, keys in by_server.items()])
+        except KVStoreError as failed:
+            log.warning("could not abort the round of key(s) %s on every server (%s): the other workers' "
+                        "pushpulls of it wait out their deadline", list(by_server.values())[:1], failed)
 
     def _pushpull(self, groups: list[Pushed], priority: int,
                   outs: list[list[Any]] | None = None) -> list[Any]:

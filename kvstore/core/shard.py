@@ -50,12 +50,14 @@ Rules (docs/architecture.md, SEMANTICS.md):
 * A bad request raises before anything changes.
 * An aborted round (:meth:`ShardState.abort`, dist_sync): a worker's pushpull of a key was refused
   (a value of another shape or dtype), so the round it would have joined, and every later open one,
-  is dropped: every push and pull waiting on them is answered with one
-  :class:`~kvstore.errors.CollectiveMismatchError` naming the key, the worker and why; the key's
-  value and rounds are as before that round.  Each worker the round waited for that had not sent
-  all of its contribution *owes* the rest: its chunks of that round that arrive later are refused
-  with the same error, changing nothing, so its call fails too instead of waiting for a round that
-  will never close.  Then every worker's next push of the key joins that round afresh.
+  is dropped: every push and pushpull waiting on them is answered with one
+  :class:`~kvstore.errors.CollectiveMismatchError` naming the key, the worker and why (a pull
+  waiting for such a void push is answered with the value as before it, as after a refused push:
+  its client raises the push's error); the key's value and rounds are as before that round.  Each
+  worker the round waited for that had not sent all of its contribution *owes* the rest: its chunks
+  of that round that arrive later are refused with the same error, changing nothing, so its call
+  fails too instead of waiting for a round that will never close.  Then every worker's next push
+  of the key joins that round afresh.
 
 Arrays handed out by :meth:`ShardState.pull` are never written to afterwards:
 every update stores a new array, so a reply may be sent without copying.
@@ -357,10 +359,11 @@ class ShardState:
     def abort(self, worker: int, keys: Iterable[Key], reason: str) -> list[Completion]:
         """``worker``'s pushpull of ``keys`` was refused (``reason``: a value of another shape or
         dtype, in words): in dist_sync, drop the round of each key held here that it would have
-        joined and every later open one, and return the error completions of the pushes and pulls
-        waiting on them (see the module docstring: the workers that had not sent that round owe it;
-        one that owed it already pays its debt, aborting nothing more).  Keys not held here are
-        skipped; nothing happens in dist_async.  Raises ``ValueError`` for a worker that is not a rank."""
+        joined and every later open one; return the error completions of the pushes and pushpulls
+        waiting on them, and the pulls this releases (see the module docstring: the workers that had
+        not sent that round owe it; one that owed it already pays its debt, aborting nothing more).
+        Keys not held here are skipped; nothing happens in dist_async.  Raises ``ValueError`` for a
+        worker that is not a rank."""
         self._check_worker(worker)
         keys = [key for key in keys if key in self._keys]
         if not self.sync or not keys:
@@ -386,10 +389,13 @@ class ShardState:
         size, first = state.value.size, number - state.base
         aborted = [state.rounds.pop() for _ in range(len(state.rounds) - first)][::-1]
         tail: dict[int, int] = dict.fromkeys(self._at(number) - {worker}, 0)  # worker -> covered
+        silent: set[int] = set()  # workers with a pushpull in the aborted rounds (its pull answers it)
         done: list[Completion] = []
         for rnd in aborted:
-            for tokens in rnd.tokens.values():
+            for w, tokens in rnd.tokens.items():
                 done.extend(Completion(t, error=error) for t in tokens if t is not _SILENT)
+                if _SILENT in tokens:
+                    silent.add(w)
             for w, covered in rnd.covered.items():
                 left = state.submitted.get(w, 0) - 1  # counted at its first chunk
                 if left or w in state.applied:
@@ -403,13 +409,15 @@ class ShardState:
         for w, upcoming in state.next_round.items():
             state.next_round[w] = min(upcoming, number)
         waiting = []
-        for entry in state.waiting_pulls:  # a pull waiting for an aborted contribution fails with it
-            if entry[2] > state.submitted.get(entry[1], 0):
-                done.append(Completion(entry[0], error=error))
-            else:
-                waiting.append(entry)
+        for token, w, target, lo, hi in state.waiting_pulls:  # those waiting for an aborted contribution:
+            if target <= state.submitted.get(w, 0):
+                waiting.append((token, w, target, lo, hi))
+            elif w in silent:  # a pushpull's pull: the error is its only answer
+                done.append(Completion(token, error=error))
+            else:  # a pull after a void push: answered as after a refused push (the client raises that)
+                waiting.append((token, w, state.submitted.get(w, 0), lo, hi))
         state.waiting_pulls = waiting
-        return done
+        return done + self._release_pulls(state)
 
     def _pay(self, worker: int, owed: list[tuple[_KeyState, int]]) -> CollectiveMismatchError:
         """``worker`` sent elements up to ``hi`` of what it owes each ``(state, hi)``'s aborted round:

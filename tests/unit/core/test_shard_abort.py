@@ -93,12 +93,16 @@ def test_chunks_of_an_aborted_contribution_are_refused_until_it_is_whole():
 
 
 def test_pulls_and_rounds_ahead_fail_with_the_round():
-    """Worker 0 pushed two rounds ahead and pulls: both pushes and the pull fail; its next push joins
-    the aborted round's number afresh."""
+    """Worker 0 pushed two rounds ahead and pulls: both pushes fail and then the pull is answered with
+    the value as before them (its client raises the pushes' error, as for any refused push); its next
+    push joins the aborted round's number afresh."""
     state = make(2)
     assert state.push("p1", 0, "k", np.ones(2)) + state.push("p2", 0, "k", np.ones(2)) == []
     assert state.pull("pull", 0, "k") == []
-    assert sorted(errors(state.abort(1, ["k"], WHY))) == ["p1", "p2", "pull"]
+    done = state.abort(1, ["k"], WHY)
+    assert [c.token for c in done] == ["p1", "p2", "pull"]
+    assert sorted(errors(done[:2])) == ["p1", "p2"] and done[2].error is None
+    np.testing.assert_array_equal(done[2].value, [0, 0])
     got = full_round(state, [0, 1])
     assert all(np.all(v == 2) for v in got.values()) and state.progress() == 1
 
