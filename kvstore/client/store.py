@@ -40,8 +40,10 @@ from kvstore.core.partition import Key
 from kvstore.core.plan import Send, collect, pack, plan
 from kvstore.errors import (
     DeadlineExceededError,
+    DTypeMismatchError,
     KVStoreError,
     NodeLostError,
+    ShapeMismatchError,
     StoreClosedError,
     from_cluster,
     public,
@@ -407,6 +409,44 @@ class DistKVStore(KVStore):
         self._deliver(keys, self._pushpull(groups, priority, outs), outs, single)
         return target
 
+    def _pushpull_args(self, key: Any, value: Any, target: Any,
+                       single: bool) -> tuple[list[Pushed], list[Key], list[list[Any]]]:
+        """As :meth:`kvstore.base.KVStore._pushpull_args`; a value or out of another shape or dtype
+        than its key's also aborts this round of the call's keys on the servers (:meth:`_refused`)."""
+        try:
+            return super()._pushpull_args(key, value, target, single)
+        except (ShapeMismatchError, DTypeMismatchError) as exc:
+            self._refused(key, exc)
+            raise
+
+    def _refused(self, key: Any, exc: KVStoreError) -> None:
+        """A pushpull of ``key`` (one or a list) was refused with ``exc`` before anything was sent: in
+        dist_sync, tell each server holding a piece of its initialised dense keys (ROUND_ABORT), so
+        that round fails on every worker rather than the others waiting for this one until their
+        deadline, and wait for their OKs (request deadline).  Raises nothing: a failure is logged
+        (the caller raises ``exc``)."""
+        if self._cluster.mode != "dist_sync":
+            return
+        by_server: dict[int, list[Key]] = {}
+        for k in key if isinstance(key, (list, tuple)) else [key]:
+            try:
+                k = known_key(k, self._meta)
+            except KVStoreError:
+                continue  # refused for its key already: not pushed by anyone
+            if k in self._meta:
+                for piece in self._path.pieces(k):
+                    held = by_server.setdefault(piece.server, [])
+                    if k not in held:
+                        held.append(k)
+        try:
+            self._path.wait([self._path.mux.submit(server, Message(Op.ROUND_ABORT, {"keys": keys,
+                                                                                    "reason": str(exc)}),
+                                                   f"round abort of key {keys[0]!r} to server {server}")
+                             for server, keys in by_server.items()])
+        except KVStoreError as failed:
+            log.warning("could not abort the round of key(s) %s on every server (%s): the other workers' "
+                        "pushpulls of it wait out their deadline", list(by_server.values())[:1], failed)
+
     def _pushpull(self, groups: list[Pushed], priority: int,
                   outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pushpull")
@@ -425,8 +465,12 @@ class DistKVStore(KVStore):
         and one reply where a push then a pull took two of each; ``kvstore.overlap``)."""
         once_each(keys)
         self._check_open()
-        groups = self._groups(keys, values)
-        targets = self._outs(keys, outs, False)
+        try:
+            groups = self._groups(keys, values)
+            targets = self._outs(keys, outs, False)
+        except (ShapeMismatchError, DTypeMismatchError) as exc:
+            self._refused(keys, exc)
+            raise
         self._pushed = True
         started = self._meter.begin("pushpull")
         try:

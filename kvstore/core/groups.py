@@ -17,11 +17,12 @@ then on answers a batch of exactly those keys with one vectorised operation:
 
 The rules are those of ``ShardState`` for each key of the group: a group round is one round of
 every key in it.  Any other access to a grouped key (a pull of another list, a chunk, a state,
-a stall, a worker leaving) first *dissolves* the group: each key gets back its own value (a view
-of the group's), counts, open rounds (with accumulators viewing the group's) and waiting pulls,
-with each request token of the group split per key by ``split(token, index)``, so everything
-continues exactly as if the keys had never been grouped.  Groups are used only where they sum as
-the per-key rounds would: no ``quorum``, no staleness gate, and arrival order (``ordered=False``).
+a stall, a worker leaving, an aborted round) first *dissolves* the group: each key gets back its
+own value (a view of the group's), counts, open rounds (with accumulators viewing the group's) and
+waiting pulls, with each request token of the group split per key by ``split(token, index)``, so
+everything continues exactly as if the keys had never been grouped.  Groups are used only where they
+sum as the per-key rounds would: no ``quorum``, no staleness gate, and arrival order
+(``ordered=False``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def _at_rest(state: _KeyState, first: _KeyState, size: int, dtype: np.dtype) -> 
     """Whether a key's state can join a group whose first key's state is ``first``."""
     value = state.value
     return (not state.rounds and not state.waiting_pulls and not state.assembling and not state.offset
+            and not state.debts  # an aborted round's debts are checked per key (ShardState.abort)
             and value.ndim == 1 and value.size == size and value.dtype == dtype
             and state.base == first.base and state.submitted == state.applied == first.submitted
             and state.next_round == first.next_round)

@@ -12,10 +12,12 @@ import numpy as np
 
 @dataclass(slots=True)
 class Completion:
-    """A request that is now answered: ``value`` is the slice to send back, or None for a bare ack."""
+    """A request that is now answered: ``value`` is the slice to send back, or None for a bare ack;
+    ``error`` (a round aborted, :meth:`kvstore.core.shard.ShardState.abort`) answers it with that error."""
 
     token: Any
     value: np.ndarray | None = None
+    error: Exception | None = None
 
 
 class _Assembly:

@@ -48,6 +48,16 @@ Rules (docs/architecture.md, SEMANTICS.md):
   its worker does not wait for it, and its next push joins the oldest open round (resynced).
   See :mod:`kvstore.core.staleness` for ``staleness`` (dist_async).
 * A bad request raises before anything changes.
+* An aborted round (:meth:`ShardState.abort`, dist_sync): a worker's pushpull of a key was refused
+  (a value of another shape or dtype), so the round it would have joined, and every later open one,
+  is dropped: every push and pushpull waiting on them is answered with one
+  :class:`~kvstore.errors.CollectiveMismatchError` naming the key, the worker and why (a pull
+  waiting for such a void push is answered with the value as before it, as after a refused push:
+  its client raises the push's error); the key's value and rounds are as before that round.  Each
+  worker the round waited for that had not sent all of its contribution *owes* the rest: its chunks
+  of that round that arrive later are refused with the same error, changing nothing, so its call
+  fails too instead of waiting for a round that will never close.  Then every worker's next push
+  of the key joins that round afresh.
 
 Arrays handed out by :meth:`ShardState.pull` are never written to afterwards:
 every update stores a new array, so a reply may be sent without copying.
@@ -55,6 +65,7 @@ every update stores a new array, so a reply may be sent without copying.
 
 from __future__ import annotations
 
+import copy
 import operator
 import time
 from collections import deque
@@ -70,6 +81,7 @@ from kvstore.core.rounds import Round
 from kvstore.core.staging import Staged, stage
 from kvstore.core.staleness import StalenessGate
 from kvstore.errors import (
+    CollectiveMismatchError,
     DTypeMismatchError,
     DuplicateInitError,
     KeyNotInitializedError,
@@ -92,6 +104,16 @@ class _KeyState:
     offset: dict[int, int] = field(default_factory=dict)  # quorum: worker -> rounds it was resynced by
     waiting_pulls: list[tuple[Any, int, int, int, int]] = field(default_factory=list)
     # ^ token, worker, target (contributions that must be applied first), lo, hi
+    debts: dict[int, deque[_Debt]] = field(default_factory=dict)  # worker -> its owed aborted rounds
+
+
+@dataclass
+class _Debt:
+    """What a worker still owes an aborted round: its chunks from ``covered`` on are refused."""
+
+    round: int      # the aborted round's number (its push of that round is refused)
+    covered: int    # elements of that contribution received so far: its next chunk starts here
+    error: CollectiveMismatchError
 
 
 class ShardState:
@@ -230,10 +252,15 @@ class ShardState:
 
         All entries are checked first: any error is raised (as :meth:`push` raises it) before any
         entry changes anything.  A round beyond the next one (after a refused push) is taken as the next.
+        An entry that ``worker`` owes an aborted round (:meth:`abort`) is refused with that round's
+        :class:`CollectiveMismatchError`, the whole message with it: only the debt is paid.
         """
         self._check_active(worker)
         checked = [self._checked_push(key, worker, value, lo, None if rounds is None else rounds[i])
                    for i, (_, key, value, lo) in enumerate(entries)]
+        owed = [(state, hi) for state, _, hi, number in checked if number is None]
+        if owed:
+            raise self._pay(worker, owed)
         done: list[Completion] = []
         for (token, key, value, _), (state, lo, hi, number) in zip(entries, checked):
             if number < 0:  # late: its round closed by quorum
@@ -317,6 +344,7 @@ class ShardState:
         done: list[Completion] = []
         for key, state in self._keys.items():
             state.waiting_pulls = [p for p in state.waiting_pulls if p[1] != worker]
+            state.debts.pop(worker, None)  # it will push no more
             if state.assembling.pop(worker, None) is not None:
                 state.submitted[worker] -= 1  # never to be applied: its later pulls need not wait
             for rnd in state.rounds:
@@ -325,6 +353,84 @@ class ShardState:
             if self.gate is not None:  # it no longer counts as the slowest
                 done += self.gate.release(key, state.applied, self.active)
         return done
+
+    # -- aborted rounds: a pushpull refused for its values fails every worker's call -----------
+
+    def abort(self, worker: int, keys: Iterable[Key], reason: str) -> list[Completion]:
+        """``worker``'s pushpull of ``keys`` was refused (``reason``: a value of another shape or
+        dtype, in words): in dist_sync, drop the round of each key held here that it would have
+        joined and every later open one; return the error completions of the pushes and pushpulls
+        waiting on them, and the pulls this releases (see the module docstring: the workers that had
+        not sent that round owe it; one that owed it already pays its debt, aborting nothing more).
+        Keys not held here are skipped; nothing happens in dist_async.  Raises ``ValueError`` for a
+        worker that is not a rank."""
+        self._check_worker(worker)
+        keys = [key for key in keys if key in self._keys]
+        if not self.sync or not keys:
+            return []
+        shown = f"{keys[0]!r}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+        error = CollectiveMismatchError(
+            f"worker {worker}'s pushpull was refused ({reason}), so this round of key(s) {shown} was "
+            "aborted on every worker: nothing was applied, the keys are as before it; call pushpull "
+            "again with matching values on every worker", [worker])
+        done: list[Completion] = []
+        for key in keys:
+            done += self._abort_key(self._get(key), worker, error)
+        return done
+
+    def _abort_key(self, state: _KeyState, worker: int, error: CollectiveMismatchError) -> list[Completion]:
+        """:meth:`abort` of one key's rounds from ``worker``'s next one on."""
+        number = max(state.next_round.get(worker, state.base), state.base)
+        number = min(number, state.base + len(state.rounds))
+        owed = state.debts.get(worker)
+        if owed and owed[0].round == number and owed[0].covered == 0:
+            self._pay(worker, [(state, state.value.size)])  # that round is aborted already
+            return []
+        size, first = state.value.size, number - state.base
+        aborted = [state.rounds.pop() for _ in range(len(state.rounds) - first)][::-1]
+        tail: dict[int, int] = dict.fromkeys(self._at(number) - {worker}, 0)  # worker -> covered
+        silent: set[int] = set()  # workers with a pushpull in the aborted rounds (its pull answers it)
+        done: list[Completion] = []
+        for rnd in aborted:
+            for w, tokens in rnd.tokens.items():
+                done.extend(Completion(t, error=error) for t in tokens if t is not _SILENT)
+                if _SILENT in tokens:
+                    silent.add(w)
+            for w, covered in rnd.covered.items():
+                left = state.submitted.get(w, 0) - 1  # counted at its first chunk
+                if left or w in state.applied:
+                    state.submitted[w] = left
+                else:
+                    state.submitted.pop(w, None)  # as if never pushed (a key group compares these)
+                tail[w] = covered  # its last contribution to the aborted rounds
+        for w, covered in tail.items():
+            if covered < size and w in self.active:
+                state.debts.setdefault(w, deque()).append(_Debt(number, covered, copy.copy(error)))
+        for w, upcoming in state.next_round.items():
+            state.next_round[w] = min(upcoming, number)
+        waiting = []
+        for token, w, target, lo, hi in state.waiting_pulls:  # those waiting for an aborted contribution:
+            if target <= state.submitted.get(w, 0):
+                waiting.append((token, w, target, lo, hi))
+            elif w in silent:  # a pushpull's pull: the error is its only answer
+                done.append(Completion(token, error=error))
+            else:  # a pull after a void push: answered as after a refused push (the client raises that)
+                waiting.append((token, w, state.submitted.get(w, 0), lo, hi))
+        state.waiting_pulls = waiting
+        return done + self._release_pulls(state)
+
+    def _pay(self, worker: int, owed: list[tuple[_KeyState, int]]) -> CollectiveMismatchError:
+        """``worker`` sent elements up to ``hi`` of what it owes each ``(state, hi)``'s aborted round:
+        record that (a debt paid in full is dropped); return the error to refuse them with."""
+        error = owed[0][0].debts[worker][0].error
+        for state, hi in owed:
+            debts = state.debts[worker]
+            debts[0].covered = hi
+            if hi >= state.value.size:
+                debts.popleft()
+                if not debts:
+                    del state.debts[worker]
+        return copy.copy(error)
 
     # -- restarts: what a shard image records, and workers that come back --------------------
 
@@ -436,9 +542,10 @@ class ShardState:
             raise ValueError(f"worker {worker} has left the cluster; it cannot push")
 
     def _checked_push(self, key: Key, worker: int, value: np.ndarray, lo: int,
-                      sent: int | None = None) -> tuple[_KeyState, int, int, int]:
+                      sent: int | None = None) -> tuple[_KeyState, int, int, int | None]:
         """Validate a push or pushpull (``sent``: the round it carries); return the key's state, the
-        chunk's ``[lo, hi)`` and the sync round it joins (``-1 - round`` when late, 0 in async)."""
+        chunk's ``[lo, hi)`` and the sync round it joins (``-1 - round`` when late, 0 in async, None
+        when ``worker`` owes it to an aborted round: refused, see :meth:`abort`)."""
         state = self._get(key)
         stored = state.value
         if type(lo) is not int:
@@ -467,6 +574,9 @@ class ShardState:
             # A round beyond the next one: an earlier push of it was refused (damaged, over the
             # window), so the worker counted a round the server never saw; it joins the next one.
             number = min(number, state.base + len(state.rounds))
+            owed = state.debts.get(worker)
+            if owed and owed[0].round == number and owed[0].covered == lo:
+                return state, lo, hi, None  # the rest of its contribution to an aborted round
             i = number - state.base
             rnd = state.rounds[i] if i < len(state.rounds) else None
             expected = 0 if rnd is None else rnd.covered.get(worker, 0)

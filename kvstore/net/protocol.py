@@ -73,6 +73,7 @@ class Op(enum.IntEnum):
     PIPE_ABORT = 32    # stage -> neighbours: {"message"}: this stage failed the step; stop waiting
     SHM_ATTACH = 33  # worker -> server: {"pid", "fd", "nonce", "bytes"}; reply OK {"attached": bool, "why"}
     ALIGN = 34  # worker -> restarted server: {"incarnation", "origin", "keys", "rounds"}; OK when all have
+    ROUND_ABORT = 35  # worker -> servers: {"keys", "reason"}: its pushpull of them was refused (dist_sync)
     # Data ops carry {"keys": [...], "sizes": [...]} (+ "lo" for a chunk of one key, kvstore.core.plan) and
     # one flat array holding every key's elements in order (none for PULL); replies to PULL and
     # PUSHPULL carry the values the same way, once every key of the request is answered.

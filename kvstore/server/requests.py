@@ -106,9 +106,17 @@ class Requests:
         self._service.reply(identity, msg)
 
     def reply_all(self, done: list[Completion]) -> None:
-        """Answer each :class:`Batch` whose last entry ``done`` completes: one OK with its values."""
+        """Answer each :class:`Batch` whose last entry ``done`` completes: one OK with its values; a
+        completion with an error (an aborted round) answers its batch with that ERROR at once, and
+        the batch's other entries are then dropped."""
         for c in done:
             batch, index = c.token
+            if batch.left < 0:
+                continue  # answered already (an error)
+            if c.error is not None:
+                batch.left = -1
+                self._service.reply_error(batch.identity, batch.seq, c.error)
+                continue
             if index < 0:  # a key group's whole answer (kvstore.core.groups): every entry at once
                 batch.values, batch.left = [c.value], 1
             else:

@@ -31,9 +31,12 @@ from kvstore.core.rejoin import Rejoins
 from kvstore.core.shard_image import ShardImage
 from kvstore.errors import (
     AuthenticationError,
+    DTypeMismatchError,
     DuplicateInitError,
+    KVStoreError,
     OptimizerError,
     ProtocolError,
+    ShapeMismatchError,
     StallError,
 )
 from kvstore.net import address, shm, transport
@@ -57,6 +60,7 @@ MB = 1 << 20
 # INBOUND_MESSAGES x the largest message (a chunk, or a slice of up to 4 chunks; kvstore.core.plan).
 INBOUND_MESSAGES = 8
 BOUND_CONNECTIONS = 4  # connections a worker rank is bound to (its LEAVE must come from one of them)
+MAX_REASON = 160  # characters of a refused pushpull's reason quoted in its round's abort error
 
 
 def _widened(msg: Message) -> tuple[Message, bool]:
@@ -116,7 +120,8 @@ class Server:
                     Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
                     Op.OPTIMIZER_INFO: self._on_optimizer_info, Op.STATE_GET: self._on_state_get,
                     Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave, Op.REJOIN: self._on_rejoin,
-                    Op.SHM_ATTACH: self._on_shm_attach, **self.sparse.handlers()}
+                    Op.SHM_ATTACH: self._on_shm_attach, Op.ROUND_ABORT: self._on_round_abort,
+                    **self.sparse.handlers()}
         service.handlers = {op: self._metered(op, h) for op, h in handlers.items()}
         self.restored: restore.Restored | None = None  # a restart from its shard (server/restore.py)
         if image is not None:
@@ -196,16 +201,57 @@ class Server:
         msg = decompress.expand(msg, self._held)  # a compressed push, dequantised (server/decompress.py)
         msg, bf16 = _widened(msg)
         dropped = self.restored.screen(msg) if self.restored is not None else None  # retried pushes
-        if not dropped and fastpath.push(self._requests, identity, msg, pull, bf16):  # a key group's batch
-            return
-        keys, values, sizes, lo = self._entries(msg, True)
-        self._requests.check_precision(keys, bf16, msg.op.name)
-        self._requests.check_updatable(keys[0], values[0].dtype)  # one array: one dtype
+        try:
+            if not dropped and fastpath.push(self._requests, identity, msg, pull, bf16):  # a key group's
+                return
+            keys, values, sizes, lo = self._entries(msg, True)
+            self._requests.check_precision(keys, bf16, msg.op.name)
+            self._requests.check_updatable(keys[0], values[0].dtype)  # one array: one dtype
+        except (ShapeMismatchError, DTypeMismatchError) as exc:
+            if pull:  # a pushpull refused for its values: the round fails on every worker
+                self._abort_round(msg.sender, msg.body.get("keys"), str(exc))
+            raise
         batch = Batch(identity, msg.seq, len(keys), bf16)
         entries = [((batch, i), key, value, lo or 0) for i, (key, value) in enumerate(zip(keys, values))]
         if dropped:  # answered, not applied: in the restored shard already, or of a lost round
             entries, rounds = self.restored.drop(batch, dropped, entries, sizes, rounds, pull, msg.sender)
-        self._requests.reply_all(self.state.push_many(msg.sender, entries, pull, rounds))
+        try:
+            done = self.state.push_many(msg.sender, entries, pull, rounds)
+        except (ShapeMismatchError, DTypeMismatchError) as exc:
+            if pull:
+                self._abort_round(msg.sender, keys, str(exc))
+            raise
+        self._requests.reply_all(done)
+
+    def _on_round_abort(self, identity: bytes, msg: Message) -> None:
+        """A worker's pushpull of ``keys`` was refused before it was sent (a value of another shape
+        or dtype, its ``reason``): abort that round of the keys (``ShardState.abort``).  Raises, aborting
+        nothing, :class:`ProtocolError` for a malformed body or a worker that has left, and
+        :class:`KeyNotInitializedError` (or a key's type error) for a key not held here."""
+        worker, keys, reason = self._requests.sender(msg), msg.body.get("keys"), msg.body.get("reason")
+        if not (isinstance(keys, list) and keys and isinstance(reason, str)):
+            raise ProtocolError("ROUND_ABORT needs 'keys' and a 'reason'")
+        self._pusher(identity, msg)  # a worker that has left cannot abort
+        for key in keys:  # each one held here (as a PUSH's), or nothing is aborted
+            self.state.value(check_key(key))
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        self._abort_round(worker, keys, reason)
+
+    def _abort_round(self, worker: Any, keys: Any, reason: str) -> None:
+        """Abort ``worker``'s round of ``keys`` (those held here, dist_sync) and answer the requests
+        waiting on it with the error; a malformed worker or key list aborts nothing."""
+        if not (type(worker) is int and worker in self.state.active and isinstance(keys, list)):
+            return
+        try:
+            held = [k for k in (check_key(k) for k in keys) if k in self.state]
+        except KVStoreError:
+            return
+        done = self.state.abort(worker, held, reason[:MAX_REASON])
+        if held and self.state.sync:
+            log.warning("worker %d's pushpull of key %r%s was refused (%s): its round was aborted, %d "
+                        "waiting request(s) failed", worker, held[0],
+                        f" and {len(held) - 1} more" if len(held) > 1 else "", reason[:MAX_REASON], len(done))
+        self._requests.reply_all(done)
 
     def _held(self, key: Key) -> int:
         """The elements this server holds of ``key``; raises KeyNotInitializedError."""

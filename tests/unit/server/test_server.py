@@ -211,3 +211,57 @@ def test_a_compressed_push_over_its_keys_size_is_refused_before_it_is_dequantise
     reply = _only(cluster.replies(0), seq)
     assert reply.op is Op.ERROR and reply.body["code"] == "ShapeMismatchError", reply.body
     assert peak < 4 << 20, peak
+
+
+@pytest.mark.parametrize("order", SUM_ORDERS)
+def test_a_round_abort_fails_the_waiting_pushpulls_of_a_batch_once(order: str) -> None:
+    """ROUND_ABORT from worker 1 (its pushpull was refused before sending): worker 0's waiting batch
+    PUSHPULL gets one ERROR naming the key and worker 1; the keys are unchanged, the next round sums."""
+    cluster = FakeCluster("dist_sync", 2, KVSTORE_SUM_ORDER=order)
+    cluster.init("a", np.zeros(2, np.float32))
+    cluster.init("b", np.zeros(2, np.float32))
+    body = {"keys": ["a", "b"], "sizes": [2, 2]}
+    seq = cluster.send(0, Op.PUSHPULL, body, [np.ones(4, np.float32)])
+    assert cluster.replies(0) == []
+    why = "pushed value of key 'b' has shape (3,), but the key was initialised with shape (2,)"
+    done = cluster.send(1, Op.ROUND_ABORT, {"keys": ["a", "b"], "reason": why})
+    assert _only(cluster.replies(1), done).op is Op.OK
+    error = _only(cluster.replies(0), seq)
+    assert error.op is Op.ERROR and error.body["code"] == "CollectiveMismatchError"
+    assert "worker 1" in error.body["message"] and "'b'" in error.body["message"]
+    assert cluster.server.state.open_rounds() == 0
+    seqs = [cluster.send(w, Op.PUSHPULL, body, [np.ones(4, np.float32)]) for w in (0, 1)]
+    for worker, seq in zip((0, 1), seqs):
+        np.testing.assert_array_equal(_only(cluster.replies(worker), seq).arrays[0], np.full(4, 2.0))
+
+
+def test_a_pushpull_the_server_refuses_for_its_dtype_aborts_the_round() -> None:
+    """A PUSHPULL of another dtype is refused (DTypeMismatchError to its sender) and aborts its round:
+    the other worker's waiting pushpull fails, and its own later one of that round is refused too."""
+    cluster = FakeCluster("dist_sync", 3)
+    cluster.init("w", np.zeros(2, np.float32))
+    first = _push(cluster, 0, "w", np.ones(2, np.float32), Op.PUSHPULL)
+    bad = _push(cluster, 1, "w", np.ones(2, np.float64), Op.PUSHPULL)
+    assert _only(cluster.replies(1), bad).body["code"] == "DTypeMismatchError"
+    assert _only(cluster.replies(0), first).body["code"] == "CollectiveMismatchError"
+    late = _push(cluster, 2, "w", np.ones(2, np.float32), Op.PUSHPULL)
+    assert "float64" in _only(cluster.replies(2), late).body["message"]
+    seqs = [_push(cluster, w, "w", np.ones(2, np.float32), Op.PUSHPULL) for w in (0, 1, 2)]
+    for worker, seq in zip((0, 1, 2), seqs):
+        np.testing.assert_array_equal(_only(cluster.replies(worker), seq).arrays[0], np.full(2, 3.0))
+
+
+@pytest.mark.parametrize("body", [{}, {"keys": "w", "reason": "x"}, {"keys": ["w"]},
+                                  {"keys": [1.5], "reason": "x"}, {"keys": [], "reason": "x"},
+                                  {"keys": ["w", "elsewhere"], "reason": "x"}])
+def test_a_malformed_round_abort_is_refused_and_changes_nothing(body: dict) -> None:
+    """A ROUND_ABORT without keys or a reason, or with a bad key or one not held here, gets an ERROR;
+    nothing is aborted."""
+    cluster = FakeCluster("dist_sync", 2)
+    cluster.init("w", np.zeros(2, np.float32))
+    first = _push(cluster, 0, "w", np.ones(2, np.float32), Op.PUSHPULL)
+    seq = cluster.send(1, Op.ROUND_ABORT, body)
+    assert _only(cluster.replies(1), seq).op is Op.ERROR
+    assert cluster.replies(0) == [] and cluster.server.state.open_rounds() == 1
+    _push(cluster, 1, "w", np.ones(2, np.float32), Op.PUSHPULL)
+    np.testing.assert_array_equal(_only(cluster.replies(0), first).arrays[0], np.full(2, 2.0))
