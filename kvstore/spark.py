@@ -36,12 +36,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pyspark import RDD, SparkContext
+from pyspark.sql.types import StructType
 
 from kvstore import config as kvconfig
 from kvstore.core import snapshot as kvsnapshot
 from kvstore.core import storage
 from kvstore.errors import ConfigError, FeedError, NotEnoughSlotsError, SparkJobFailed
-from kvstore.launch import spark_feed
+from kvstore.launch import spark_feed, spark_predict
 from kvstore.launch import tensorboard as kvtensorboard
 from kvstore.launch.gpus import GPU_NAMES
 from kvstore.launch.spark_plan import (
@@ -389,4 +390,37 @@ def _job_failure(sc: SparkContext, group: str, exc: Exception, shutdown_timeout:
     return SparkJobFailed(message, detail)
 
 
-__all__ = ["run", "available_slots", "SparkJobFailed", "NotEnoughSlotsError", "FeedError"]
+def predict(model_fn: Callable[[dict], Callable[[Any], Any]], df: Any, *, checkpoint: str | None = None,
+            weights: Mapping[Any, Any] | None = None, input_cols: str | list[str] = "features",
+            output_col: str = "prediction", output_type: str = "double", batch_size: int = 1024) -> Any:
+    """A DataFrame of ``df``'s rows, each with its prediction appended as ``output_col`` (Spark type
+    ``output_type``, e.g. ``"double"``, ``"long"`` or ``"array<float>"``), in ``df``'s order, computed
+    on the executors: each task calls ``model_fn(weights)`` once (``weights``: the state dict given,
+    broadcast; or the newest generation of ``checkpoint``, a ``kv.save_checkpoint`` folder every
+    executor can read, as ``{key: array}``) and calls what it returns on batches of ``batch_size`` rows,
+    a 2-D float32 array (float64 if the columns are) of the ``input_cols`` side by side; it must return
+    one prediction per row along the first axis.  Lazy, like any DataFrame.  Raises ValueError unless
+    exactly one of ``checkpoint`` and ``weights`` is given or for a bad ``batch_size``, KeyError for an
+    input column ``df`` lacks; a task's failure surfaces when the result is computed."""
+    if (checkpoint is None) == (weights is None):
+        raise ValueError("predict needs exactly one of checkpoint= (a kv.save_checkpoint folder) and "
+                         "weights=")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+    names = [input_cols] if isinstance(input_cols, str) else list(input_cols)
+    missing = [name for name in names if name not in df.columns]
+    if missing or not names:
+        raise KeyError(f"predict's input columns {missing or names} are not columns of the DataFrame "
+                       f"({', '.join(df.columns)})")
+    spark = df.sparkSession
+    shared = None if weights is None else spark.sparkContext.broadcast(dict(weights))
+    folder = None if checkpoint is None else storage.absolute(checkpoint)
+    positions = tuple(df.columns.index(name) for name in names)
+    spec = spark_predict.PredictSpec(model_fn, shared, folder, positions, batch_size)
+    schema = StructType(list(df.schema.fields)).add(output_col, output_type)  # df.schema itself is cached
+    task = functools.partial(spark_predict.predict_partition, spec)
+    rows = df.rdd.mapPartitions(task, preservesPartitioning=True)
+    return spark.createDataFrame(rows, schema, verifySchema=False)
+
+
+__all__ = ["run", "predict", "available_slots", "SparkJobFailed", "NotEnoughSlotsError", "FeedError"]

@@ -70,7 +70,8 @@ def epoch_ids(feed) -> dict:
             counts.append(len(batch["id"]))
             expect_x = (batch["id"][:, None] * 0.001 + np.arange(WIDTH)).astype(np.float32)
             consistent &= batch["x"].shape == (len(batch["id"]), WIDTH)
-            consistent &= bool(np.allclose(batch["x"], expect_x) and np.array_equal(batch["half"], batch["id"] / 2))
+            consistent &= bool(np.allclose(batch["x"], expect_x))
+            consistent &= bool(np.array_equal(batch["half"], batch["id"] / 2))
         ids.append(np.concatenate(seen).tolist() if seen else [])
         sizes.append(counts)
     return {"rank": feed.rank, "ids": ids, "sizes": sizes, "consistent": consistent,
@@ -115,3 +116,33 @@ def test_feed_arguments_are_checked_before_any_job(spark):
                     epochs=1)
     with pytest.raises(kvspark.NotEnoughSlotsError, match=r"needs 8 .*\+ 1 feed task"):
         kvspark.run(spark, epoch_ids, 5, 1, data=df, epochs=1)
+
+
+def linear_model(weights: dict):
+    """predict's model_fn: x @ w + b of the state dict's arrays."""
+    w, b = np.asarray(weights["w"]), np.asarray(weights["b"])
+    return lambda batch: batch @ w + b
+
+
+def local_predictions(df, weights: dict) -> np.ndarray:
+    """What one process computes from the same rows and weights (float32, as predict hands the model)."""
+    x = np.array([row["x"] for row in df.orderBy("id").collect()], np.float32)
+    return x @ weights["w"] + weights["b"]
+
+
+def test_predict_from_a_checkpoint_equals_one_process(spark, tmp_path):
+    """predict(model_fn, df, checkpoint=DIR) of 10k rows: one prediction per row, in df's order, equal to
+    one process's predictions from the weights kv.save_checkpoint wrote (and to weights= given)."""
+    weights = {"w": np.linspace(-1, 1, WIDTH).astype(np.float32), "b": np.float32(0.5)}
+    with kvstore.create("local") as kv:
+        for key, value in weights.items():
+            kv.init(key, np.atleast_1d(value))
+        kv.save_checkpoint(str(tmp_path / "ckpt"))
+    df = uneven_frame(spark, [4000, 3000, 2000, 1000])
+    out = kvspark.predict(linear_model, df, checkpoint=str(tmp_path / "ckpt"), input_cols="x")
+    assert out.columns == ["id", "x", "half", "prediction"] and df.columns == ["id", "x", "half"]
+    rows = out.collect()
+    assert [row["id"] for row in rows] == list(range(10_000))  # df's order
+    np.testing.assert_allclose([row["prediction"] for row in rows], local_predictions(df, weights), rtol=1e-5)
+    given = kvspark.predict(linear_model, df, weights=weights, input_cols=["x"], output_col="y").collect()
+    assert [row["y"] for row in given] == [row["prediction"] for row in rows]
