@@ -78,6 +78,27 @@ def epoch_ids(feed) -> dict:
             "rows_seen": feed.rows_seen, "growth_kib": _vm_kib("VmHWM") - start}
 
 
+def epoch_counts(feed, total: int) -> dict:
+    """How often each id came per epoch (uint8 counts), the rows and first ids per epoch, and this
+    worker's peak memory growth while it streamed (clear_refs restarts the peak)."""
+    counts = [np.zeros(total, np.uint8) for _ in range(feed.epochs)]
+    for bits in counts:
+        bits[:] = 0  # touched before the peak restarts
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    start = _vm_kib("VmRSS")
+    rows, heads = [], []
+    for epoch, batches in enumerate(feed):
+        seen, head = 0, None
+        for batch in batches:
+            np.add.at(counts[epoch], batch["id"], 1)
+            seen += len(batch["id"])
+            head = batch["id"][:20].tolist() if head is None else head
+        rows.append(seen)
+        heads.append(head)
+    return {"counts": counts, "rows": rows, "heads": heads, "growth_kib": _vm_kib("VmHWM") - start}
+
+
 def check_epochs(results: list[dict], total: int, epochs: int, batch_size: int) -> None:
     """Every row once per epoch across the workers, shares within one row, full batches but the last,
     and a new order each epoch."""
@@ -146,3 +167,32 @@ def test_predict_from_a_checkpoint_equals_one_process(spark, tmp_path):
     np.testing.assert_allclose([row["prediction"] for row in rows], local_predictions(df, weights), rtol=1e-5)
     given = kvspark.predict(linear_model, df, weights=weights, input_cols=["x"], output_col="y").collect()
     assert [row["y"] for row in given] == [row["prediction"] for row in rows]
+
+
+@pytest.mark.bigfeed
+@pytest.mark.timeout(1200)
+def test_a_million_rows_for_three_epochs_keep_each_worker_bounded(spark):
+    """1M rows (about 48 MB of numbers) for 3 epochs to 4 workers: every row once per epoch, and each
+    worker's peak resident memory grows by far less than its 250k-row share while it streams."""
+    total = 1_000_000
+    df = uneven_frame(spark, [400_000, 300_000, 200_000, 100_000])
+    results = kvspark.run(spark, epoch_counts, 4, 1, data=df, epochs=3, batch_size=1024, seed=1,
+                          args=(total,), env=QUIET, feed_timeout=600)
+    for epoch in range(3):
+        assert (sum(r["counts"][epoch] for r in results) == 1).all()  # every row once, none twice
+        assert max(r["rows"][epoch] for r in results) - min(r["rows"][epoch] for r in results) <= 1
+    assert results[0]["heads"][0] != results[0]["heads"][1]  # reshuffled
+    growth = [r["growth_kib"] for r in results]
+    print(f"workers' peak memory growth while streaming 3 x 250k rows (KiB): {growth}")
+    assert max(growth) < 32 * 1024, growth  # a share is ~12 MB of numbers per epoch, ~100 MB as Rows
+
+
+@pytest.mark.bigfeed
+@pytest.mark.timeout(600)
+def test_predict_over_100k_rows_equals_one_process(spark):
+    """predict of 100k rows with weights= equals one process's predictions, row for row, in order."""
+    weights = {"w": np.linspace(-1, 1, WIDTH).astype(np.float32), "b": np.float32(-0.25)}
+    df = uneven_frame(spark, [50_000, 30_000, 20_000])
+    rows = kvspark.predict(linear_model, df, weights=weights, input_cols="x").collect()
+    assert [row["id"] for row in rows] == list(range(100_000))
+    np.testing.assert_allclose([row["prediction"] for row in rows], local_predictions(df, weights), rtol=1e-5)
