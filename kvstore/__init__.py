@@ -31,6 +31,7 @@ from kvstore.errors import (
     DeadlineExceededError,
     DTypeMismatchError,
     DuplicateInitError,
+    FeedError,
     FormatError,
     IntegrityError,
     KeyNotInitializedError,
@@ -80,5 +81,5 @@ __all__ = [
     "UnsupportedError", "StallError", "IntegrityError", "CollectiveMismatchError",
     # the launchers' (launch.py, kvstore.ray.run, kvstore.spark.run)
     "ChildFailed", "StartFailed", "SyncFailed", "PlacementError", "RoleFailed", "SparkJobFailed",
-    "NotEnoughSlotsError", "TaskFailed",
+    "NotEnoughSlotsError", "TaskFailed", "FeedError",
 ]

@@ -44,6 +44,7 @@ nor Spark; ``kvstore.ray`` and ``kvstore.spark`` re-export theirs)::
     SparkJobFailed        the Spark barrier job failed
     TaskFailed            (also a RuntimeError) raised inside a Spark task; its text reaches the driver
     NotEnoughSlotsError   (a ConfigError) fewer concurrent Spark task slots than 1 + S + W
+    FeedError             the streaming feed of kvstore.spark.run(epochs=...) failed or timed out
 
 Errors cross the wire as ``(code, message)`` pairs; :func:`error_code` and
 :func:`error_from_code` translate between the two so a server-side
@@ -231,6 +232,12 @@ class TaskFailed(KVStoreError, RuntimeError):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"[{self.MARK}] {message}")
+
+
+class FeedError(KVStoreError):
+    """The streaming feed of ``kvstore.spark.run(data=df, epochs=E)`` failed: its Spark job failed, a
+    batch did not come within ``feed_timeout``, or a connection to the driver's feed closed; the
+    message names what it waited for."""
 
 
 _CODES: dict[str, type[KVStoreError]] = {

@@ -71,15 +71,17 @@ def target_partition(key: int) -> int:
     return key
 
 
-def check_slots(available: int, num_servers: int, num_workers: int) -> None:
+def check_slots(available: int, num_servers: int, num_workers: int, feed_tasks: int = 0) -> None:
     """Raise :class:`NotEnoughSlotsError` when ``available`` concurrent task slots cannot hold the
-    ``1 + num_servers + num_workers`` barrier tasks (Spark would otherwise wait and fail obscurely)."""
-    needed = Layout(num_servers, num_workers).num_tasks
+    ``1 + num_servers + num_workers`` barrier tasks plus ``feed_tasks`` slots for the streaming feed's
+    jobs beside them (Spark would otherwise wait and fail obscurely, or the feed would never run)."""
+    needed = Layout(num_servers, num_workers).num_tasks + feed_tasks
+    feed = f" + {feed_tasks} feed task{'s' * (feed_tasks != 1)} beside it" if feed_tasks else ""
     if available < needed:
         raise NotEnoughSlotsError(
             f"kvstore.spark.run needs {needed} concurrent task slots (1 scheduler + {num_servers} "
             f"server{'s' * (num_servers != 1)} + {num_workers} worker{'s' * (num_workers != 1)}), all "
-            f"at once in one barrier stage; this Spark context has {available}: use local[{needed}] or "
+            f"at once in one barrier stage{feed}; this Spark context has {available}: use local[{needed}] or "
             "more, or more executors or cores (spark.executor.instances, spark.executor.cores; "
             "spark.task.cpus takes that many cores per task)")
 

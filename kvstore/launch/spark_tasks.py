@@ -30,9 +30,10 @@ from pyspark import BarrierTaskContext
 
 from kvstore import config as kvconfig
 from kvstore.client.instance import release_process_store
-from kvstore.errors import ConfigError, KVStoreError, TaskFailed
+from kvstore.errors import ConfigError, FeedError, KVStoreError, TaskFailed
 from kvstore.launch import gpus, tether
 from kvstore.launch.roleprocess import RoleProcess, RoleSpec
+from kvstore.launch.spark_feed import FeedSpec, WorkerFeed
 from kvstore.launch.spark_plan import SCHEDULER_PARTITION, Layout, role_env
 from kvstore.launch.tensorboard import report_address
 from kvstore.net import address
@@ -53,6 +54,7 @@ class JobSpec:
     keyed: bool  # records arrive as (partition, record) pairs from the routing shuffle
     worker_gpus: int | None = None  # GPUs per worker (kvstore.launch.gpus); None: no GPU variables
     report_to: tuple[str, int] | None = None  # tensorboard=: the driver's AddressInbox (host, port)
+    feed: FeedSpec | None = None  # epochs=: the driver's feed; train_fn gets a WorkerFeed
 
 
 class _Output:
@@ -207,11 +209,34 @@ def _worker_task(job: JobSpec, ctx: BarrierTaskContext, rank: int, host: str, re
     env = role_env("worker", rank, job.layout, root_host=address["host"], root_port=address["port"],
                    secret=job.secret, node_host=host, extra=job.env)
     env.update(gpu_env)
-    data = (record for _, record in records) if job.keyed else iter(())
     try:
         release_process_store("its cluster is gone")  # left by an earlier task of this Python worker
     except KVStoreError:
         pass
+    data = _worker_data(job, rank, records)
+    try:
+        result = _call_train_fn(job, rank, env, data)
+    finally:
+        if isinstance(data, WorkerFeed):
+            data.close()
+    ctx.allGather(json.dumps({"rank": rank, "joined": result[0]}))
+    return [(rank, result[1])]
+
+
+def _worker_data(job: JobSpec, rank: int, records: Iterator) -> Any:
+    """What train_fn iterates: this worker's feed (``epochs=``), its routed records, or nothing.
+    Raises TaskFailed when the driver's feed cannot be reached."""
+    if job.feed is not None:
+        try:
+            return WorkerFeed(job.feed, job.secret, rank)
+        except FeedError as exc:
+            raise TaskFailed(f"worker {rank}: {exc}") from None
+    return (record for _, record in records) if job.keyed else iter(())
+
+
+def _call_train_fn(job: JobSpec, rank: int, env: dict[str, str], data: Any) -> tuple[bool, Any]:
+    """``(joined, result)``: train_fn's result and whether it joined the cluster, which it leaves
+    after.  Raises TaskFailed when train_fn raises or leaving fails."""
     with kvconfig.process_environ(env):
         try:
             result = job.train_fn(data, *job.args)
@@ -226,8 +251,7 @@ def _worker_task(job: JobSpec, ctx: BarrierTaskContext, rank: int, host: str, re
         except KVStoreError as exc:
             raise TaskFailed(f"worker {rank}: leaving the cluster failed: "
                              f"{type(exc).__name__}: {exc}") from exc
-    ctx.allGather(json.dumps({"rank": rank, "joined": joined}))
-    return [(rank, result)]
+    return joined, result
 
 
 def _no_gpu(job: JobSpec) -> dict[str, str]:

@@ -311,3 +311,20 @@ def error_reply(request_seq: int, code: str, message: str, sender: int | None = 
     if node is not None:
         body["node"] = node
     return Message(Op.ERROR, body, seq=request_seq, sender=sender)
+
+
+def pack_map(fields: dict[str, Any]) -> bytes:
+    """``fields`` (str keys; values msgpack can carry: numbers, str, bytes, lists, maps) as one msgpack
+    map, for the side channels outside the cluster's wire (the Spark feed's frames)."""
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def unpack_map(raw: Any) -> dict[str, Any]:
+    """The msgpack map ``raw`` (from :func:`pack_map`).  Raises ProtocolError for anything else."""
+    try:
+        fields = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"not valid msgpack: {str(exc)[:200]}") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"a msgpack {type(fields).__name__}, not a map")
+    return fields

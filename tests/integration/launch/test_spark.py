@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 import uuid
 
@@ -23,13 +21,11 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("Spark needs Java 17: there is no java on PATH and JAVA_HOME is unset",
                 allow_module_level=True)
 
-from pyspark import SparkContext  # noqa: E402
-from pyspark.sql import SparkSession  # noqa: E402
-
 import kvstore  # noqa: E402
 import kvstore.spark as kvspark  # noqa: E402
 from kvstore.errors import NotEnoughSlotsError, SparkJobFailed  # noqa: E402
-from tests.helpers import REPO, poll_for, tagged_pids  # noqa: E402
+from tests.helpers import poll_for, tagged_pids  # noqa: E402
+from tests.integration.launch.spark_session import local_spark  # noqa: E402
 
 SLOTS = 6
 FAILURE_SECONDS = 30  # a failed job must be reported well before anything would time out
@@ -39,37 +35,8 @@ QUIET = {"KVSTORE_SHUTDOWN_TIMEOUT": "5", "KVSTORE_LOG_LEVEL": "WARNING"}
 @pytest.fixture(scope="module")
 def spark():
     """A local[6] SparkSession whose Python workers run this interpreter and can import the tests."""
-    names = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ["PYSPARK_PYTHON"] = os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), saved["PYTHONPATH"]) if p)
-    session = (SparkSession.builder.master(f"local[{SLOTS}]").appName("kvstore-spark-tests")
-               .config("spark.ui.enabled", "false")
-               .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
-               .config("spark.sql.shuffle.partitions", "4").config("spark.default.parallelism", str(SLOTS))
-               .getOrCreate())
-    session.sparkContext.setLogLevel("FATAL")  # failures on purpose would print Java stack traces
-    gateway = SparkContext._gateway
-    try:
+    with local_spark(SLOTS, "kvstore-spark-tests") as session:
         yield session
-    finally:
-        session.stop()
-        # stop() leaves the py4j JVM running for the rest of the session: stop and reap it too
-        jvm = getattr(gateway, "proc", None)
-        gateway.shutdown()
-        SparkContext._gateway = SparkContext._jvm = None
-        if jvm is not None:
-            jvm.terminate()
-            try:
-                jvm.wait(30)
-            except subprocess.TimeoutExpired:
-                jvm.kill()
-                jvm.wait()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 # -- train_fns (run on the executors) ----------------------------------------------------------------
