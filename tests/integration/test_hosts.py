@@ -166,13 +166,15 @@ def test_shared_memory_within_a_host_never_across(hosts: Hosts, tag: str) -> Non
 
 @pytest.mark.timeout(180)
 def test_a_cut_host_heals_within_the_deadline_and_is_named_past_it(hosts: Hosts, tag: str) -> None:
-    """Server on host 1, workers on hosts 2 and 3, heartbeats 0.2 s / 5 s.  Host 3 cut off for 1 s:
+    """Server on host 1, workers on hosts 2 and 3, heartbeats 0.2 s / 4 s.  Host 3 cut off for 1 s:
     the job goes on once it is back.  Cut for good: the scheduler names worker 1 lost on its address
     within the heartbeat timeout plus one interval (and load slack), worker 0 raises NodeLostError
-    naming it, and the launcher fails (docs/failures.md: a worker whose machine is gone)."""
-    interval, timeout = 0.2, 5.0
+    naming it, and the launcher fails (docs/failures.md: a worker whose machine is gone), SIGKILLing
+    the ssh client to the cut host once its stop deadline has passed (docs/launching.md, Stopping)."""
+    interval, timeout = 0.2, 4.0
     hostfile = _hostfile(hosts, "cut", hosts[1], hosts[2], hosts[3])
-    env = {"KVSTORE_HEARTBEAT_INTERVAL": str(interval), "KVSTORE_HEARTBEAT_TIMEOUT": str(timeout)}
+    env = {"KVSTORE_HEARTBEAT_INTERVAL": str(interval), "KVSTORE_HEARTBEAT_TIMEOUT": str(timeout),
+           "KVSTORE_SHUTDOWN_TIMEOUT": "1"}  # the launcher waits 1 + 5 s for the cut host's ssh
     job = _launch(hosts[0], [*_ssh(hosts, hostfile), "-n", "2", "-s", "1", ROUNDS, "rounds", "90"], tag, env)
     victim = hosts[3]
 
@@ -201,7 +203,8 @@ def test_a_cut_host_heals_within_the_deadline_and_is_named_past_it(hosts: Hosts,
     assert timeout <= took + 0.5, (took, out)  # not before its heartbeats stopped for the timeout
     assert took <= timeout + interval + 3.0, (took, out)  # 3 s of slack for a loaded machine
     assert rc != 0, out
-    assert "NodeLostError: worker 1 on 10.45.0.4 is lost: no heartbeat for 5 s" in out, out
+    assert "NodeLostError: worker 1 on 10.45.0.4 is lost: no heartbeat for 4 s" in out, out
+    assert "killed after their stop timeout: worker 1 (the ssh client; host 10.45.0.4" in out, out
     poll_for(lambda: not tagged_pids(tag), 30, "every role, the cut-off worker included, to exit")
 
 
