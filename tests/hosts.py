@@ -14,6 +14,8 @@ tag, so a run killed before its teardown is swept by the next one (:func:`sweep`
   per destination on each host's ``eth0``; other traffic is not shaped).
 - ``hosts.cut(host)`` / ``hosts.heal(host)``: take the host's port on the bridge down / up (a cable
   pulled at the switch: the host keeps its address, its packets go nowhere).
+- ``hosts.partition(a, b)`` / ``hosts.rejoin(a, b)``: cut only the path between two hosts (a
+  blackhole route to each other on both; each still reaches the rest).
 - ``hosts.relay(at, to_host, to_port, delay)``: a TCP relay listening on ``at`` that forwards to
   ``to_host:to_port`` adding ``delay`` seconds each way (this kernel has no ``netem``; see
   :func:`relay_main`).  It adds latency, not loss: a TCP relay cannot drop segments, and there is
@@ -322,6 +324,17 @@ class Hosts:
     def heal(self, host: Host) -> None:
         """Undo :meth:`cut`: the host's port on the bridge comes back up."""
         _ip("-n", self.switch, "link", "set", host.port, "up")
+
+    def partition(self, a: Host, b: Host) -> None:
+        """Cut the path between ``a`` and ``b`` only (a blackhole route to each other on both): each
+        still reaches every other host."""
+        _ip("-n", a.name, "route", "add", "blackhole", f"{b.address}/32")
+        _ip("-n", b.name, "route", "add", "blackhole", f"{a.address}/32")
+
+    def rejoin(self, a: Host, b: Host) -> None:
+        """Undo :meth:`partition` of ``a`` and ``b``."""
+        _ip("-n", a.name, "route", "del", "blackhole", f"{b.address}/32", check=False)
+        _ip("-n", b.name, "route", "del", "blackhole", f"{a.address}/32", check=False)
 
     def relay(self, at: Host, to: Host, to_port: int, delay: float) -> Relay:
         """Start a TCP relay on ``at`` (a free port of its address) forwarding to ``to.address:to_port``

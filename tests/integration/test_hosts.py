@@ -208,6 +208,31 @@ def test_a_cut_host_heals_within_the_deadline_and_is_named_past_it(hosts: Hosts,
     poll_for(lambda: not tagged_pids(tag), 30, "every role, the cut-off worker included, to exit")
 
 
+def test_a_partition_between_a_worker_and_a_server_alone_ends_at_the_request_deadline(hosts: Hosts,
+                                                                                      tag: str) -> None:
+    """Server on host 1, workers on hosts 2 and 3; only hosts 1 and 3 partitioned (both still reach
+    the scheduler, so every heartbeat arrives): no node is declared lost; the blocked pulls fail at
+    KVSTORE_REQUEST_TIMEOUT with DeadlineExceededError naming the server and its address, and the
+    launcher fails.  (A gap docs/hosts.md states: heartbeats go to the scheduler only.)"""
+    request_timeout = 6.0
+    hostfile = _hostfile(hosts, "pair", hosts[1], hosts[2], hosts[3])
+    env = {"KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_HEARTBEAT_TIMEOUT": "2",
+           "KVSTORE_REQUEST_TIMEOUT": str(request_timeout), "KVSTORE_SHUTDOWN_TIMEOUT": "1"}
+    job = _launch(hosts[0], [*_ssh(hosts, hostfile), "-n", "2", "-s", "1", ROUNDS, "rounds", "90"], tag, env)
+    try:
+        poll_for(lambda: "ROUNDS rank=1 n=10" in job.text(), 60, f"worker 1 to run rounds:\n{job.text()}")
+        hosts.partition(hosts[1], hosts[3])
+        cut_at = time.monotonic()
+        rc, out = job.finish(60)
+    finally:
+        hosts.rejoin(hosts[1], hosts[3])
+    failed = job.first(r"DeadlineExceededError: pull of key 'w' to server 0 \(tcp://10\.45\.0\.2:")
+    assert rc == 1 and failed is not None, out
+    assert request_timeout - 0.5 <= failed - cut_at <= request_timeout + 5.0, (failed - cut_at, out)
+    assert "no heartbeat for" not in out, out  # the heartbeats never noticed
+    poll_for(lambda: not tagged_pids(tag), 30, "every role to exit")
+
+
 def test_the_harness_relays_shapes_cuts_and_leaves_nothing() -> None:
     """A relay adds its delay each way, a cut host is unreachable and reachable again once healed, a
     rate shows as the htb class; after a failure inside the block no namespace or process is left."""
