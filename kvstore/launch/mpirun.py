@@ -1,12 +1,14 @@
 """``launch.py --launcher mpi``: one Open MPI ``mpirun`` of every role, each ``python -m kvstore.node``.
 
-The ``1 + S + W`` ranks are one MPMD command line, one app context (``-n 1 [-H host] [-x NAME=VALUE]
-... python -m kvstore.node CMD``) per process in the role plan's order: rank 0 the scheduler, ranks
-1..S the servers, the rest the workers, which is how :mod:`kvstore.launch.managers.mpi` derives each
-rank's role.  A context's own ``-x NAME=VALUE`` carries what is only that role's (``--env-server``,
-``--env-worker``, ``--gpus-per-worker``'s variables); what every role shares is in mpirun's
-environment and forwarded by name (``-x NAME``), so no shared value, the secret included, is on a
-command line.  With ``-H`` the scheduler runs on the first host and process i of the servers then the
+The ``1 + S + W`` ranks are one MPMD command line, one app context (``-n 1 [-H host] [-x NAME ...]
+[-x NAME=VALUE ...] python -m kvstore.node CMD``) per process in the role plan's order: rank 0 the
+scheduler, ranks 1..S the servers, the rest the workers, which is how
+:mod:`kvstore.launch.managers.mpi` derives each rank's role.  A context's own ``-x NAME=VALUE``
+carries what is only that role's (``--env-server``, ``--env-worker``, ``--gpus-per-worker``'s
+variables); what every role shares is in mpirun's environment and forwarded by name (``-x NAME``,
+in every context: Open MPI gives a ``-x`` to the context it is in, and ranks on other hosts get
+nothing else of mpirun's environment), so no shared value, the secret included, is on a command
+line.  With ``-H`` the scheduler runs on the first host and process i of the servers then the
 workers on host i mod the number of hosts, as over ssh.
 
 mpirun's ``--tag-output`` prefixes tell the ranks' output apart: each line is copied with its role's
@@ -64,8 +66,9 @@ def mpirun_argv(cfg: LaunchConfig, mpirun: str, shared: list[str], python: str,
     """The mpirun command line: ``shared`` names forwarded to every rank, then one app context per
     process (see the module docstring).  Raises nothing."""
     argv = [mpirun, "--oversubscribe", "--tag-output"]
-    for name in shared:
-        argv += ["-x", name]
+    # every context names the shared variables itself: Open MPI (4.1) gives a -x before the first
+    # context to that context alone on other hosts (this host's ranks inherit mpirun's environment)
+    forward = [word for name in shared for word in ("-x", name)]
     no_gpu = gpus.NO_GPU if gpu_env is not None else {}
     hosts = [node_name(name) for name, _ in cfg.hosts]
     contexts = [("scheduler", 0, hosts[0] if hosts else None)]
@@ -76,7 +79,7 @@ def mpirun_argv(cfg: LaunchConfig, mpirun: str, shared: list[str], python: str,
         if own is None:
             own = {**cfg.env_worker, **(gpu_env[rank] if gpu_env is not None else {})}
         argv += [":"] if index else []
-        argv += ["-n", "1", *(["-H", host] if host else [])]
+        argv += ["-n", "1", *(["-H", host] if host else []), *forward]
         for name, value in own.items():
             argv += ["-x", f"{name}={value}"]
         argv += node

@@ -25,20 +25,22 @@ def contexts(argv: list[str]) -> list[list[str]]:
 
 
 def test_one_app_context_per_role_in_the_plans_order() -> None:
-    """1 + S + W contexts of kvstore.node: scheduler, servers, workers; shared names by -x NAME only;
-    per-role variables and the workers' GPUs on their own contexts; no MASTER_ADDR anywhere."""
+    """1 + S + W contexts of kvstore.node: scheduler, servers, workers; shared names by -x NAME only, in
+    every context (Open MPI gives a -x to its own context alone: a rank on another host got none of
+    them when they stood once before the first); per-role variables and the workers' GPUs on their
+    own contexts; no MASTER_ADDR anywhere."""
     cfg = LaunchConfig(2, 1, ["train.py", "--lr", "1"], "mpi", env_server={"S": "1"}, env_worker={"W": "2"},
                        gpus_per_worker=1)
     gpu = [{"CUDA_VISIBLE_DEVICES": str(r), "RANK": str(r)} for r in range(2)]
     argv = mpirun.mpirun_argv(cfg, "/usr/bin/mpirun", ["DMLC_NUM_SERVER", "KVSTORE_SECRET"], "/py", gpu)
-    assert argv[:7] == ["/usr/bin/mpirun", "--oversubscribe", "--tag-output", "-x", "DMLC_NUM_SERVER",
-                        "-x", "KVSTORE_SECRET"]
+    assert argv[:4] == ["/usr/bin/mpirun", "--oversubscribe", "--tag-output", "-n"]
     node = ["/py", "-m", "kvstore.node", "train.py", "--lr", "1"]
+    shared = ["-x", "DMLC_NUM_SERVER", "-x", "KVSTORE_SECRET"]
     assert contexts(argv) == [
-        ["-n", "1", "-x", "CUDA_VISIBLE_DEVICES=", *node],
-        ["-n", "1", "-x", "S=1", "-x", "CUDA_VISIBLE_DEVICES=", *node],
-        ["-n", "1", "-x", "W=2", "-x", "CUDA_VISIBLE_DEVICES=0", "-x", "RANK=0", *node],
-        ["-n", "1", "-x", "W=2", "-x", "CUDA_VISIBLE_DEVICES=1", "-x", "RANK=1", *node]]
+        ["-n", "1", *shared, "-x", "CUDA_VISIBLE_DEVICES=", *node],
+        ["-n", "1", *shared, "-x", "S=1", "-x", "CUDA_VISIBLE_DEVICES=", *node],
+        ["-n", "1", *shared, "-x", "W=2", "-x", "CUDA_VISIBLE_DEVICES=0", "-x", "RANK=0", *node],
+        ["-n", "1", *shared, "-x", "W=2", "-x", "CUDA_VISIBLE_DEVICES=1", "-x", "RANK=1", *node]]
     assert not any("MASTER_" in word or "SECRET=" in word for word in argv)
 
 
