@@ -2,23 +2,26 @@
 
 :func:`s3_server` starts moto's threaded server on 127.0.0.1 on a free port, sets fake credentials and
 ``AWS_ENDPOINT_URL`` (botocore reads it, so s3fs in this process and in every process a test starts
-talks to the server), makes one bucket, and yields the bucket's ``s3://`` URL.
+talks to the server), makes one bucket of its own, and yields the bucket's ``s3://`` URL.  moto keeps
+its buckets per process, not per server: a second server in one test process (two modules under one
+xdist worker) sees the first one's buckets, so each server makes a bucket of a new name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterator
 
 import pytest
 
-BUCKET = "kvstore-test"
+BUCKET = "kvstore-test"  # the prefix of each server's bucket name
 
 
 @contextlib.contextmanager
 def s3_server() -> Iterator[str]:
-    """A moto S3 server on loopback with bucket ``kvstore-test``; yields ``s3://kvstore-test``."""
+    """A moto S3 server on loopback with a new bucket ``kvstore-test-<hex>``; yields its ``s3://`` URL."""
     server_mod = pytest.importorskip("moto.server")
     s3fs = pytest.importorskip("s3fs")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
@@ -32,8 +35,9 @@ def s3_server() -> Iterator[str]:
             for name, value in env.items():
                 patch.setenv(name, value)
             s3fs.S3FileSystem.clear_instance_cache()  # none made for another server's endpoint
-            s3fs.S3FileSystem().mkdir(BUCKET)
-            yield f"s3://{BUCKET}"
+            bucket = f"{BUCKET}-{uuid.uuid4().hex[:12]}"
+            s3fs.S3FileSystem().mkdir(bucket)
+            yield f"s3://{bucket}"
             s3fs.S3FileSystem.clear_instance_cache()
     finally:
         server.stop()

@@ -89,6 +89,7 @@ class ShardWriter:
         self.last_time = self.last_check = clock()
         self.thread: threading.Thread | None = None
         self.written = self.failed = 0
+        self.keys_written = 0  # keys in the last image written
         self.last_written: ShardImage | None = None  # the last image written (its buffers are reused)
         self.keys_seen: int | None = None  # keys in the last image (None: none taken by this process)
         self.optimizer_seen: Optimizer | None = None  # the optimizer of the last image
@@ -144,6 +145,7 @@ class ShardWriter:
                       self.rank, image.number, exc)
             return
         self.written += 1
+        self.keys_written = len(image.keys)
         self.last_written = image
         log.info("server %d wrote shard %d (step %d, keys %d) to %s in %.3f s", self.rank, image.number,
                  image.step(), len(image.keys), path, time.monotonic() - started)
