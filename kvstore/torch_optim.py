@@ -350,15 +350,15 @@ class _Distributed:
                           [torch.zeros_like(g) for g in grads] + [torch.zeros_like(present)])
             sparse.init(params)
             self._kv_ready = True
-        rows = sparse.push(params)  # returns at once; each table's touched-row flags go with the pushpull
-        self._kv.pushpull([*keys, self._kv_present, *sparse.flag_keys], [*grads, present, *rows])
+        sparse.push(params)  # returns at once: the rows are summed while the pushpull runs
+        self._kv.pushpull([*keys, self._kv_present], [*grads, present])
         scale = 1.0 / self._kv.num_workers if self._kv_op == "average" else 1.0
         for i, g in zip(dense, grads):
             if scale != 1.0:
                 g.mul_(scale)
             if present[i] > 0 and (params[i].grad is None or params[i].grad.is_sparse):
                 params[i].grad = g  # a worker without one, or a sparse one made dense (sparse_as_dense)
-        sparse.pull(params, rows, present, scale)
+        sparse.pull(params, present, scale)
         self._kv_synced = True
         self._kv_passes.counts.clear()
 
