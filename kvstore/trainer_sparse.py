@@ -132,10 +132,11 @@ class SparseTrainer:
         if not self._on_store:
             _check_local_tables(self.embeddings)
         self.trainer: Trainer | None = None
+        views: list[tuple[str, Any]] = []  # (key, table weight), filled below: no cycle through a method
         if dense:
             self.trainer = Trainer(dense, optimizer, optimizer_params, kvstore=kvstore,
                                    update_on_kvstore=self._on_store, key_prefix=key_prefix,
-                                   extra_weights=None if self._on_store else self._table_weights)
+                                   extra_weights=None if self._on_store else lambda: _numpy_views(views))
             prefix = self.trainer.keys[0].rsplit("/", 1)[0]
             self._kv, self._optimizer = self.trainer.kvstore, self.trainer.optimizer
             self._scale = 1.0
@@ -151,6 +152,7 @@ class SparseTrainer:
             self._kv = create(kvstore) if isinstance(kvstore, str) else kvstore
         self._keys = [e.key if isinstance(e, SparseEmbedding) else f"{prefix}/embedding{i}"
                       for i, e in enumerate(self.embeddings)]
+        views += [(key, e.weight) for key, e in zip(self._keys, self.embeddings)]
         self._reducer = None if self._on_store else RowReducer(
             self._kv, f"{prefix}/rowsum", [(f"embedding{i}", tuple(e.weight.shape), _np_dtype(e.weight))
                                            for i, e in enumerate(self.embeddings)])
@@ -187,7 +189,7 @@ class SparseTrainer:
 
     def _table_weights(self) -> dict[str, np.ndarray]:
         """The tables as the local optimizer updates them: numpy views of their weights, by key."""
-        return {key: e.weight.detach().numpy() for key, e in zip(self._keys, self.embeddings)}
+        return _numpy_views((key, e.weight) for key, e in zip(self._keys, self.embeddings))
 
     def _create(self) -> None:
         """Collective, once: the dense keys and the optimizer, then every embedding's table (with
@@ -313,6 +315,11 @@ class SparseTrainer:
         else:
             states = checkpoint.read_states(str(fname))
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._table_weights())
+
+
+def _numpy_views(weights: Iterable[tuple[str, Any]]) -> dict[str, np.ndarray]:
+    """Numpy views of CPU tensors, by key: what the local optimizer updates in place."""
+    return {key: w.detach().numpy() for key, w in weights}
 
 
 def _np_dtype(t: Any) -> np.dtype:
