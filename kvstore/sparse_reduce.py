@@ -19,6 +19,7 @@ import numpy as np
 from kvstore.base import KVStore
 from kvstore.core import rowsparse as R
 from kvstore.core.rowsparse import RowSparse
+from kvstore.errors import ConfigError
 
 Tensor = Any  # a torch.Tensor; torch is not imported when this module loads
 # A worker's touched ids travel as float rows: float32 holds every id below 2**24 exactly.
@@ -57,9 +58,14 @@ class RowReducer:
 
     def init(self, values: Sequence[Any] | None = None) -> None:
         """Make the keys (collective).  ``values[i]``, when given, is table i's initial value (rank 0's
-        is stored: :meth:`initial` reads it back); else the rows start at zero."""
+        is stored: :meth:`initial` reads it back); else the rows start at zero.  ConfigError when the
+        store runs an optimizer (it would update the rows pushed instead of summing them)."""
         if not self.tables:
             return
+        if self.kv.get_optimizer() is not None:
+            raise ConfigError(f"summing sparse gradients needs a store that only sums, but this "
+                              f"{self.kv.type} store runs an optimizer (a Trainer with update_on_kvstore, or "
+                              "kv.set_optimizer, set one); use another store, or update_on_kvstore=True")
         workers = self.kv.num_workers
         for i, (key, ids, (_, shape, dtype)) in enumerate(zip(self.row_keys, self.id_keys, self.tables)):
             value = None if values is None else values[i]

@@ -25,6 +25,14 @@ def sync2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sums2(tmp_path_factory):
+    """A dist_sync cluster of 2 workers and 2 servers on which no test sets an optimizer."""
+    cluster = _shared_cluster(tmp_path_factory, "dist_sync", 2, 2)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
 def async2(tmp_path_factory):
     """A dist_async cluster of 2 workers and 3 servers shared by this module's tests."""
     cluster = _shared_cluster(tmp_path_factory, "dist_async", 2, 3)
@@ -414,7 +422,7 @@ def test_a_table_bigger_than_a_server_is_refused_and_the_cluster_goes_on(sync2) 
 
 @pytest.mark.parametrize("name,params", [("sgd", {"learning_rate": 0.2, "momentum": 0.9}),
                                          ("adam", {"learning_rate": 0.05})])
-def test_sparse_trainer_updating_locally_matches_one_process_and_is_lazy(sync2, name, params) -> None:
+def test_sparse_trainer_updating_locally_matches_one_process_and_is_lazy(sums2, name, params) -> None:
     """SparseTrainer(update_on_kvstore=False) on 2 workers, each touching its own rows each step: both
     workers' tables and heads are equal, equal one process's store-run training on the joint batches
     (1e-6), and rows no worker touched since a step keep that step's weights and optimizer state."""
@@ -445,7 +453,7 @@ def test_sparse_trainer_updating_locally_matches_one_process_and_is_lazy(sync2, 
         state = trainer.optimizer.states[f"{prefix}/embedding0"]
         return emb.weight.detach().clone(), head.weight.detach().clone(), first, state
 
-    results = sync2.run(work)
+    results = sums2.run(work)
     emb, head, net = model()
     start = emb.weight.detach().clone()
     one = kvstore.SparseTrainer(net.named_parameters(), name, params, embeddings=[emb], kvstore="local")
@@ -465,7 +473,7 @@ def test_sparse_trainer_updating_locally_matches_one_process_and_is_lazy(sync2, 
             assert not a[60:].any() and np.array_equal(a[:20], state_first[n][:20]) and a[20:60].any()
 
 
-def test_sparse_trainer_updating_locally_moves_the_touched_rows_not_the_table(sync2) -> None:
+def test_sparse_trainer_updating_locally_moves_the_touched_rows_not_the_table(sums2) -> None:
     """With a 100k-row table and update_on_kvstore=False, a step's bytes sent and received by a worker
     grow with the rows touched (16 vs 256 rows) and stay far below the table's 3.2 MB."""
     torch = pytest.importorskip("torch")
@@ -488,7 +496,7 @@ def test_sparse_trainer_updating_locally_moves_the_touched_rows_not_the_table(sy
         return moved
 
     table_bytes = rows * dim * 4
-    for (out_small, in_small), (out_big, in_big) in sync2.run(work):
+    for (out_small, in_small), (out_big, in_big) in sums2.run(work):
         row = dim * 4  # a row's values; its id travels with it
         assert out_small < 16 * row * 4 and in_small < 2 * 16 * row * 4  # sent: own rows; received: union
         assert out_big < 256 * row * 4 and in_big < 2 * 256 * row * 4

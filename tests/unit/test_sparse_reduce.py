@@ -36,3 +36,11 @@ def test_a_gradient_of_another_shape_or_a_pull_without_push_is_refused() -> None
         reducer.push([RowSparse(np.array([0]), np.ones((1, 2), np.float32), (6, 2))])
     with pytest.raises(RuntimeError, match="push"):
         reducer.pull()
+
+
+def test_a_store_that_runs_an_optimizer_is_refused() -> None:
+    """init raises ConfigError when the store runs an optimizer: it would update the rows, not sum them."""
+    kv = kvstore.create("local")
+    kv.set_optimizer(kvstore.optimizer.create("sgd"))
+    with pytest.raises(kvstore.errors.ConfigError, match="only sums"):
+        RowReducer(kv, "o", [("t", (5, 2), np.float32)]).init()
