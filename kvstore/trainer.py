@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvstore import config as kvconfig
@@ -141,6 +141,9 @@ class Trainer:
     a Trainer that was made in another order.  ``compression_params``: gluon's (``set_gradient_compression``).
     ``overlap``: push gradients during backward, in buckets of ``bucket_bytes`` (:mod:`kvstore.overlap`);
     None (the default) means on for a dist store with update_on_kvstore=False and one replica.
+    ``extra_weights``: with update_on_kvstore=False, the weights (key -> numpy array) of keys outside
+    ``params`` that this Trainer's optimizer also updates (a SparseTrainer's tables): their states are
+    saved and loaded with the Trainer's.
     Raises ValueError when no parameter requires grad, for a tensor given twice, for replicas that do
     not match, for ``optimizer_params`` with an Optimizer, for update_on_kvstore=False with an async
     store; TypeError for bad ``params``.
@@ -150,7 +153,8 @@ class Trainer:
                  optimizer_params: Mapping[str, Any] | None = None, kvstore: KVStore | str | None = None,
                  update_on_kvstore: bool | None = None, key_prefix: str | None = None,
                  compression_params: Mapping[str, Any] | None = None, overlap: bool | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 extra_weights: Callable[[], Mapping[str, Any]] | None = None) -> None:
         params, kvstore, overlap = trainer_args(params, kvstore, overlap)  # a Pipeline: docs/pipeline.md
         replicas = [[(n, p) for n, p in named if p.requires_grad] for named in _replica_sets(params)]
         named = replicas[0]
@@ -199,6 +203,7 @@ class Trainer:
         if overlap is None:
             overlap = self._kv.type.startswith("dist") and not self._update_on_kvstore and len(replicas) == 1
         self._bucket_bytes = bucket_bytes
+        self._extra_weights = extra_weights
         self._overlap = Overlap(self._kv, self._keys, self._params, self._update_on_kvstore,
                                 bucket_bytes) if overlap and len(replicas) == 1 else None
 
@@ -445,8 +450,12 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def _weights(self) -> dict[str, Any]:
-        """The first replica's weights as the optimizer updates them (see :func:`_weight_view`)."""
-        return {k: _weight_view(p) for k, p in zip(self._keys, self._params)}
+        """The first replica's weights as the optimizer updates them (see :func:`_weight_view`), and
+        the ``extra_weights``."""
+        weights = {k: _weight_view(p) for k, p in zip(self._keys, self._params)}
+        if self._extra_weights is not None:
+            weights.update(self._extra_weights())
+        return weights
 
     def save_states(self, fname: str, *, collective: bool = True) -> None:
         """Write the optimizer and its states to ``fname`` (call it on every worker).

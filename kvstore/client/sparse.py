@@ -38,6 +38,7 @@ class RowsLink:
     request_timeout: float
     resumed: Callable[[Key, tuple, np.dtype], np.ndarray | None] = lambda key, shape, dtype: None
     initialised: Callable[[list[Key]], None] = lambda keys: None  # KVSTORE_RESUME: restore their states
+    sent: Callable[[int], None] = lambda nbytes: None  # counts bytes of arrays sent (stats' bytes_out)
 
 
 class DistRows:
@@ -47,6 +48,12 @@ class DistRows:
         self.link = link
         self._pushes: dict[Key, int] = {}  # key -> rounds pushed by this worker
         self._lock = threading.Lock()  # one push of a key leaves as one run, rounds in order
+
+    def _submit(self, server: int, msg: Message, what: str) -> Request:
+        """Queue ``msg`` to server ``server``, its arrays counted as bytes sent."""
+        if msg.arrays:
+            self.link.sent(sum(a.nbytes for a in msg.arrays))
+        return self.link.path.mux.submit(server, msg, what)
 
     def ranges(self, meta: R.SparseMeta) -> list[tuple[int, int, int]]:
         """``(server, lo, hi)`` of each server holding rows of a table (empty ranges left out)."""
@@ -65,7 +72,7 @@ class DistRows:
                 for server, lo, hi in self.ranges(meta):
                     body = {"key": key, "shape": list(meta.shape), "dtype": dtype_name(meta.dtype),
                             "lo": lo, "hi": hi, "init": spec}
-                    requests.append(self.link.path.mux.submit(server, Message(Op.SPARSE_INIT, body),
+                    requests.append(self._submit(server, Message(Op.SPARSE_INIT, body),
                                                      f"row_sparse init of key {key!r} to server {server}"))
             self.link.path.wait(requests)
             for key, meta, _, array in items:
@@ -84,7 +91,7 @@ class DistRows:
                 stop = min(hi, start + step)
                 ids = np.arange(start, stop, dtype=np.int64)
                 msg = Message(Op.SPARSE_SET, {"key": key}, [ids, np.ascontiguousarray(table[start:stop])])
-                requests.append(self.link.path.mux.submit(server, msg, f"row_sparse init of key {key!r} rows "
+                requests.append(self._submit(server, msg, f"row_sparse init of key {key!r} rows "
                                                               f"[{start}, {stop}) to server {server}"))
                 if len(requests) >= 8:  # a few in flight: what the value's rows take on the wire stays small
                     self.link.path.wait(requests)
@@ -119,7 +126,7 @@ class DistRows:
                 end = min(stop, first + step)
                 body = {"key": key, "round": rnd, "last": i == len(pieces) - 1}
                 msg = Message(Op.SPARSE_PUSH, body, [ids[first:end], rows[first:end]])
-                requests.append(self.link.path.mux.submit(server, msg, f"row_sparse push of key {key!r} "
+                requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
                                                               f"({end - first} rows) to server {server}"))
         return requests
 
@@ -137,7 +144,7 @@ class DistRows:
             for first in range(start, stop, step):
                 end = min(stop, first + step)
                 msg = Message(Op.SPARSE_PULL, {"key": key, "after": after}, [ids[first:end]])
-                requests.append(self.link.path.mux.submit(server, msg, f"row_sparse_pull of key {key!r} "
+                requests.append(self._submit(server, msg, f"row_sparse_pull of key {key!r} "
                                                               f"({end - first} rows) from server {server}"))
                 spans.append((first, end))
         out = np.empty((ids.size, meta.width), meta.dtype)

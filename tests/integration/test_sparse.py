@@ -25,6 +25,14 @@ def sync2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sums2(tmp_path_factory):
+    """A dist_sync cluster of 2 workers and 2 servers on which no test sets an optimizer."""
+    cluster = _shared_cluster(tmp_path_factory, "dist_sync", 2, 2)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
 def async2(tmp_path_factory):
     """A dist_async cluster of 2 workers and 3 servers shared by this module's tests."""
     cluster = _shared_cluster(tmp_path_factory, "dist_async", 2, 3)
@@ -410,3 +418,86 @@ def test_a_table_bigger_than_a_server_is_refused_and_the_cluster_goes_on(sync2) 
 
     for rows in sync2.run(work):
         assert rows.shape == (1, 4) and not rows.any()
+
+
+@pytest.mark.parametrize("name,params", [("sgd", {"learning_rate": 0.2, "momentum": 0.9}),
+                                         ("adam", {"learning_rate": 0.05})])
+def test_sparse_trainer_updating_locally_matches_one_process_and_is_lazy(sums2, name, params) -> None:
+    """SparseTrainer(update_on_kvstore=False) on 2 workers, each touching its own rows each step: both
+    workers' tables and heads are equal, equal one process's store-run training on the joint batches
+    (1e-6), and rows no worker touched since a step keep that step's weights and optimizer state."""
+    torch = pytest.importorskip("torch")
+    rows, dim, batch, prefix = 100, 4, 5, unique_key("local")
+    gen = torch.Generator().manual_seed(9)
+    # step s, rank r: ids in [20 s + 10 r, 20 s + 10 r + 10): rows 0-19 only at step 0, 60-99 never
+    data = [[(torch.randint(20 * s + 10 * r, 20 * s + 10 * r + 10, (batch, 2), generator=gen),
+              torch.randn(batch, 1, generator=gen)) for s in range(3)] for r in range(2)]
+
+    def model() -> tuple:
+        torch.manual_seed(0)
+        emb, head = torch.nn.Embedding(rows, dim, sparse=True), torch.nn.Linear(dim, 1)
+        return emb, head, torch.nn.ModuleDict({"emb": emb, "head": head})
+
+    def work(kv):
+        emb, head, net = model()
+        trainer = kvstore.SparseTrainer(net.named_parameters(), name, params, embeddings=[emb], kvstore=kv,
+                                        key_prefix=prefix, update_on_kvstore=False)
+        for step, (ids, y) in enumerate(data[kv.rank]):
+            trainer.prefetch(emb, ids)
+            ((head(emb(ids).sum(1)) - y) ** 2).sum().backward()
+            trainer.step(2 * batch)
+            head.zero_grad()
+            if step == 0:
+                first = emb.weight.detach().clone(), {
+                    n: a.copy() for n, a in trainer.optimizer.states[f"{prefix}/embedding0"].items()}
+        state = trainer.optimizer.states[f"{prefix}/embedding0"]
+        return emb.weight.detach().clone(), head.weight.detach().clone(), first, state
+
+    results = sums2.run(work)
+    emb, head, net = model()
+    start = emb.weight.detach().clone()
+    one = kvstore.SparseTrainer(net.named_parameters(), name, params, embeddings=[emb], kvstore="local")
+    for (ids0, y0), (ids1, y1) in zip(*data):
+        ids, y = torch.cat([ids0, ids1]), torch.cat([y0, y1])
+        one.prefetch(emb, ids)
+        ((head(emb(ids).sum(1)) - y) ** 2).sum().backward()
+        one.step(2 * batch)
+        head.zero_grad()
+    one.prefetch(emb, torch.arange(rows))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    for table, weight, (after_first, state_first), state in results:
+        torch.testing.assert_close(table, emb.weight.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(weight, head.weight.detach(), rtol=0, atol=1e-6)
+        assert torch.equal(table[60:], start[60:]) and torch.equal(table[:20], after_first[:20])
+        for n, a in state.items():
+            assert not a[60:].any() and np.array_equal(a[:20], state_first[n][:20]) and a[20:60].any()
+
+
+def test_sparse_trainer_updating_locally_moves_the_touched_rows_not_the_table(sums2) -> None:
+    """With a 100k-row table and update_on_kvstore=False, a step's bytes sent and received by a worker
+    grow with the rows touched (16 vs 256 rows) and stay far below the table's 3.2 MB."""
+    torch = pytest.importorskip("torch")
+    rows, dim, prefix = 100_000, 8, unique_key("traffic")
+
+    def work(kv):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(rows, dim, sparse=True)
+        trainer = kvstore.SparseTrainer(None, "adam", {"learning_rate": 0.01}, embeddings=[emb], kvstore=kv,
+                                        key_prefix=prefix, update_on_kvstore=False)
+        trainer.prefetch(emb, torch.zeros(1, dtype=torch.long))  # the first use: the table copied once
+        moved = []
+        for touched in (16, 256):
+            ids = torch.arange(touched) * 300 + kv.rank  # distinct rows on each worker, all over the table
+            before = kv.stats()
+            emb(ids).sum().backward()
+            trainer.step(touched)
+            after = kv.stats()
+            moved.append((after["bytes_out"] - before["bytes_out"], after["bytes_in"] - before["bytes_in"]))
+        return moved
+
+    table_bytes = rows * dim * 4
+    for (out_small, in_small), (out_big, in_big) in sums2.run(work):
+        row = dim * 4  # a row's values; its id travels with it
+        assert out_small < 16 * row * 4 and in_small < 2 * 16 * row * 4  # sent: own rows; received: union
+        assert out_big < 256 * row * 4 and in_big < 2 * 256 * row * 4
+        assert out_big > 8 * out_small / 2 and in_big < table_bytes / 50

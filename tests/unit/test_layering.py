@@ -131,7 +131,8 @@ LAYERS: list[tuple[str, ...]] = [
      "kvstore.base"),                                                       # row-sparse args; the ABC
     ("kvstore.client", "kvstore.local", "kvstore.server", "kvstore.stores"),  # the stores, the server
     ("kvstore.trainer", "kvstore.trainer_sparse",                            # the torch layer
-     "kvstore.overlap", "kvstore.torch_optim", "kvstore.pipeline", "kvstore.session"),
+     "kvstore.overlap", "kvstore.torch_optim", "kvstore.sparse_reduce", "kvstore.pipeline",
+     "kvstore.session"),
     ("kvstore.launch", "kvstore.ray", "kvstore.spark"),                     # starting clusters
     ("kvstore", "kvstore.node", "kvstore.status"),                          # the public surface, commands
     ("kvstore.scheduler",),                                                 # a program over kvstore

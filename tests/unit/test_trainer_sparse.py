@@ -147,3 +147,88 @@ def test_two_trainers_over_one_embedding_are_refused() -> None:
         kvstore.SparseTrainer(None, "sgd", embeddings=[emb], kvstore="local")
     del first  # gone: the embedding may have another trainer
     kvstore.SparseTrainer(None, "sgd", embeddings=[emb], kvstore="local")
+
+
+def _local_mode_run(update_on_kvstore: bool | None, name: str, params: dict, tmp_path=None) -> tuple:
+    """3 steps of nn.Embedding(sparse=True) + a head in a local store; returns (table, head weight,
+    trainer).  With ``tmp_path`` the trainer saves its states after 2 steps and a new one loads them."""
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(ROWS, DIM, sparse=True), torch.nn.Linear(DIM, 1)
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+
+    def make() -> kvstore.SparseTrainer:
+        return kvstore.SparseTrainer(model.named_parameters(), name, params, embeddings=[emb],
+                                     kvstore="local", update_on_kvstore=update_on_kvstore, key_prefix="m")
+    trainer = make()
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        ids, y = torch.randint(0, 40, (BATCH, 2), generator=g), torch.randn(BATCH, 1, generator=g)
+        trainer.prefetch(emb, ids)
+        ((head(emb(ids).sum(1)) - y) ** 2).sum().backward()
+        trainer.step(BATCH)
+        head.zero_grad()
+        if step == 1 and tmp_path is not None:
+            trainer.save_states(str(tmp_path / "states"))
+            del trainer
+            trainer = make()
+            trainer.load_states(str(tmp_path / "states"))
+    trainer.prefetch(emb, torch.arange(ROWS))
+    return emb.weight.detach().clone(), head.weight.detach().clone(), trainer
+
+
+@pytest.mark.parametrize("name,params", [("sgd", {"learning_rate": 0.1, "momentum": 0.9}),
+                                         ("adam", {"learning_rate": 0.01})])
+def test_update_on_kvstore_false_steps_as_the_store_does_and_only_touched_rows_get_state(
+        name, params, tmp_path) -> None:
+    """update_on_kvstore=False runs the optimizer here: table and head equal the store-run trainer's
+    (None keeps that default); rows never touched keep their weights and have zero state; states saved
+    after 2 steps and loaded into a new trainer (rows' state included) give the same 3rd step."""
+    table, weight, trainer = _local_mode_run(False, name, params)
+    assert not trainer.update_on_kvstore
+    want_table, want_weight, default = _local_mode_run(None, name, params)
+    assert default.update_on_kvstore
+    torch.testing.assert_close(table, want_table, rtol=0, atol=1e-6)
+    torch.testing.assert_close(weight, want_weight, rtol=0, atol=1e-6)
+    torch.manual_seed(0)
+    start = torch.nn.Embedding(ROWS, DIM, sparse=True).weight.detach()
+    assert torch.equal(table[40:], start[40:]) and not torch.equal(table[:40], start[:40])
+    state = trainer.optimizer.states["m/embedding0"]
+    assert all(not a[40:].any() and a[:40].any() for a in state.values())
+    resumed, resumed_weight, _ = _local_mode_run(False, name, params, tmp_path)
+    torch.testing.assert_close(resumed, table, rtol=0, atol=1e-6)
+    torch.testing.assert_close(resumed_weight, weight, rtol=0, atol=1e-6)
+
+
+def test_embeddings_alone_update_locally_and_save_their_states(tmp_path) -> None:
+    """A SparseTrainer without dense parameters and update_on_kvstore=False trains its table as the
+    store-run one does; save_states / load_states round-trip its rows' momentum."""
+    batches = _batches(5)
+    params = {"learning_rate": 0.1, "momentum": 0.9}
+    tables = []
+    for on_store in (True, False):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(ROWS, DIM, sparse=True)
+        trainer = kvstore.SparseTrainer(None, "sgd", params, embeddings=[emb], kvstore="local",
+                                        update_on_kvstore=on_store, key_prefix="alone")
+        _embedding_steps(trainer, emb, batches)
+        trainer.prefetch(emb, torch.arange(ROWS))
+        tables.append(emb.weight.detach().clone())
+    torch.testing.assert_close(tables[1], tables[0], rtol=0, atol=1e-6)
+    trainer.save_states(str(tmp_path / "s"))
+    mom = trainer.optimizer.states["alone/embedding0"]["mom"].copy()
+    del trainer
+    again = kvstore.SparseTrainer(None, "sgd", params, embeddings=[emb], kvstore="local",
+                                  update_on_kvstore=False, key_prefix="alone")
+    again.load_states(str(tmp_path / "s"))
+    np.testing.assert_array_equal(again.optimizer.states["alone/embedding0"]["mom"], mom)
+
+
+def test_update_on_kvstore_false_refuses_async_stores_and_store_held_tables() -> None:
+    """update_on_kvstore=False is refused for a dist_async store (as Trainer refuses it) and for a
+    SparseEmbedding, whose table only the store holds."""
+    emb = torch.nn.Embedding(ROWS, DIM, sparse=True)
+    with pytest.raises(ValueError, match="dist_async"):
+        kvstore.SparseTrainer(None, "sgd", embeddings=[emb], kvstore="dist_async", update_on_kvstore=False)
+    with pytest.raises(ValueError, match="update_on_kvstore=True"):
+        kvstore.SparseTrainer(None, "sgd", embeddings=[kvstore.SparseEmbedding(ROWS, DIM)], kvstore="local",
+                              update_on_kvstore=False)
