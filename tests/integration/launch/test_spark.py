@@ -279,7 +279,10 @@ def test_too_few_slots_is_refused_before_any_job(spark):
 
 
 def scalar_steps(records) -> int:
-    """100 dist_sync steps (about 3 s), each logging the user's loss (tensorboard=)."""
+    """100 dist_sync steps (about 3 s), each logging the user's loss, and a Trainer's 6 steps of a small
+    MLP (with KVSTORE_HISTOGRAM_EVERY: its histograms) (tensorboard=)."""
+    import torch
+
     kv = kvstore.create("dist_sync")
     kv.init("w", np.zeros(4, np.float32))
     for step in range(100):
@@ -287,6 +290,15 @@ def scalar_steps(records) -> int:
         kvstore.log_scalar("loss", 1.0 / (step + 1), step)
         kv.push("w", np.ones(4, np.float32))
         kv.pull("w")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    trainer = kvstore.Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    for _ in range(6):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        trainer.step(len(x))
+    kv.barrier()
     kv.close()
     return kv.rank
 
@@ -308,12 +320,14 @@ def _logdir_processes(logdir: str) -> list[int]:
 @pytest.mark.timeout(120)
 def test_tensorboard_scalars_are_written_on_the_driver(spark, tmp_path, capfd):
     """tensorboard=DIR: the driver learns the scheduler's address from its task, writes every role's
-    counters and the workers' loss under DIR, and stops TensorBoard when run() returns."""
+    counters, the workers' loss and (KVSTORE_HISTOGRAM_EVERY=2) their Trainer's weight and gradient
+    histograms under DIR, and stops TensorBoard when run() returns."""
     pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     logdir = str(tmp_path / "tb")
-    env = {**QUIET, "KVSTORE_HEARTBEAT_INTERVAL": "0.2"}
+    env = {**QUIET, "KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_HISTOGRAM_EVERY": "2"}
     assert kvspark.run(spark, scalar_steps, 2, 1, env=env, tensorboard=logdir) == [0, 1]
     job = next((tmp_path / "tb").glob("job-*"))
     tags = {}
@@ -322,5 +336,12 @@ def test_tensorboard_scalars_are_written_on_the_driver(spark, tmp_path, capfd):
                           for event in EventFileLoader(str(path)).Load() for value in event.summary.value}
     assert {"scheduler", "server-0", "worker-0", "worker-1"} <= set(tags), tags
     assert {"loss", "ops/push"} <= tags["worker-0"] and "rounds_applied" in tags["server-0"]
+    names = ("0.weight", "0.bias", "2.weight", "2.bias")
+    for rank in (0, 1):
+        events = EventAccumulator(str(job / f"worker-{rank}"), purge_orphaned_data=False)
+        events.Reload()
+        assert set(events.Tags()["histograms"]) == {f"{kind}/{name}" for kind in ("weights", "grads")
+                                                    for name in names}, rank
     assert "TensorBoard at http://" in capfd.readouterr().err
     poll_for(lambda: not _logdir_processes(logdir), 20, "TensorBoard to be gone")
+
