@@ -23,14 +23,15 @@ log = logging.getLogger("kvstore.dist")
 
 class Barriers:
     """Joins barriers for one worker (``rank`` of ``num_workers``) over ``io``; ``wait`` is the store's
-    deadline-bounded wait for replies."""
+    deadline-bounded wait for replies; ``pushes`` counts this worker's pushes so far."""
 
     def __init__(self, io: Mux, cfg: Config, mode: str, rank: int, num_workers: int,
-                 wait: Callable[[list, float, str], list]) -> None:
+                 wait: Callable[[list, float, str], list], pushes: Callable[[], int] = lambda: 0) -> None:
         self._io, self._cfg, self._mode, self._rank, self._num_workers = io, cfg, mode, rank, num_workers
-        self._wait = wait
+        self._wait, self._pushes = wait, pushes
         self._lock = threading.Lock()
-        self._left: set[int] = {rank}  # workers known to have left (warned about once), and us
+        self._left: set[int] = {rank}  # workers known to have left, and us
+        self._unwarned: dict[int, int] = {}  # left, not warned about yet -> this worker's pushes then
 
     def collective(self, what: str, action: Callable[[], Any], digest: str | None = None) -> None:
         """Run ``action()`` on the leader, then a barrier that tells every worker whether it worked.
@@ -112,11 +113,21 @@ class Barriers:
             return {}  # it completed, but its reply (and any failure in it) was given up on
 
     def warn_left(self, left: list[int]) -> None:
-        """Log one warning per worker the first time a barrier says it has left: in dist_sync its
-        pushes no longer count toward any later round's sum (docs/failures.md)."""
+        """Note the workers a barrier or heartbeat reply says have left (called with each).  dist_sync:
+        one warning per worker once this worker has pushed since it learned of the leave (its later
+        sums exclude that worker's pushes, docs/failures.md), so workers leaving together at the end of
+        a job warn nobody; other modes: one info line at once."""
         with self._lock:  # several threads may pass barriers
             new, self._left = sorted(set(left) - self._left), self._left | set(left)
-        for rank in new:
+            if self._mode != "dist_sync":
+                due = new
+            else:
+                pushes = self._pushes()
+                self._unwarned.update(dict.fromkeys(new, pushes))
+                due = sorted(rank for rank, at in self._unwarned.items() if pushes > at)
+                for rank in due:
+                    del self._unwarned[rank]
+        for rank in due:
             if self._mode == "dist_sync":
                 log.warning("worker %d has left: dist_sync sums from now on exclude its pushes", rank)
             else:

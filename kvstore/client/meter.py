@@ -204,6 +204,11 @@ class WorkerMeter:
             now = time.time()
             self.timeline.span(name, "worker", now - elapsed, now)
 
+    def pushes(self) -> int:
+        """The push and pushpull calls counted so far."""
+        with self._lock:
+            return self._ops["push"] + self._ops["pushpull"]
+
     def blocked_for(self, kind: str, seconds: float) -> None:
         """Add ``seconds`` to ``blocked_s[kind]``."""
         with self._lock:
