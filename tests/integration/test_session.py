@@ -20,7 +20,7 @@ from tests.s3server import s3_server
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-import kvstore  # noqa: E402
+from tests.unit.test_session import _job as unit_job  # noqa: E402 -- needs torch
 
 # 2 workers x 10 epochs of 22 steps (673 samples each in batches of 32: 21 and one of 1): 220 in all
 TOTAL = 220
@@ -133,22 +133,9 @@ class _Crash(BaseException):
 
 
 def _job(url: str, **session_args):
-    """A local-store Trainer and Session over a fixed small problem; returns (model, session, step_fn)."""
-    torch.manual_seed(0)
-    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    trainer = kvstore.Trainer(model.named_parameters(), "adam", {"learning_rate": 0.01}, kvstore="local",
-                              key_prefix="net")
-    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
-
-    def step(batch) -> float:
-        model.zero_grad()
-        loss = loss_fn(model(x[batch.rows]), y[batch.rows])
-        loss.backward()
-        trainer.step(len(batch.rows))
-        return loss.item()
-
-    return model, kvstore.Session(trainer, url, **session_args), step
+    """The unit tests' local-store job under adam on 64 samples, checkpointing to ``url``; returns
+    (model, session, step_fn)."""
+    return unit_job(url, None, ("adam", {"learning_rate": 0.01}), 64, **session_args)
 
 
 @pytest.mark.timeout(60)

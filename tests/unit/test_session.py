@@ -109,13 +109,17 @@ def test_a_checkpoint_is_due_after_its_steps_or_its_seconds() -> None:
 SAMPLES, BATCH, EPOCHS = 40, 8, 3  # 5 steps an epoch, 15 in all
 
 
-def _job(tmp: Path | None, uok: bool, **session_args):
-    """A fresh model, Trainer and Session over a local store; returns (model, session, step_fn)."""
+def _job(tmp: Path | str | None, uok: bool | None, optimizer: tuple = ("sgd", {"learning_rate": 0.1,
+                                                                              "momentum": 0.9}),
+         samples: int = SAMPLES, **session_args):
+    """A fresh model, Trainer (``optimizer``: name and parameters) and Session over a local store, on
+    ``samples`` fixed samples, checkpointing to ``tmp`` (a path or URL; None: none); returns
+    (model, session, step_fn)."""
     torch.manual_seed(0)
-    x, y = torch.randn(SAMPLES, 6), torch.randint(0, 3, (SAMPLES,))
+    x, y = torch.randn(samples, 6), torch.randint(0, 3, (samples,))
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    trainer = kvstore.Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                              kvstore="local", update_on_kvstore=uok, key_prefix="net")
+    trainer = kvstore.Trainer(model.named_parameters(), *optimizer, kvstore="local", update_on_kvstore=uok,
+                              key_prefix="net")
     session = kvstore.Session(trainer, None if tmp is None else str(tmp), **session_args)
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
 
