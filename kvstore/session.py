@@ -204,18 +204,26 @@ class Session:
         return self.step
 
     def _begin(self, schedule: progress.Schedule) -> int:
-        """The step to start at, with the weights and states in place (see the class)."""
+        """The step to start at, with the weights and states in place (see the class).  Raises
+        ConfigError for a restarted worker whose Trainer updates locally (the servers hold gradient
+        sums, not the job's weights)."""
         kv = self.trainer.kvstore
         rejoined = getattr(kv, "rejoined_at", None)
         if rejoined is not None:  # a restarted worker: the servers hold the job's weights and states
+            if not self.trainer.update_on_kvstore:
+                raise ConfigError("a worker restarted under --max-restarts takes the job's weights from the "
+                                  "servers, which with update_on_kvstore=False hold gradient sums, not "
+                                  "weights: relaunch the job instead (it resumes from the session's "
+                                  "checkpoint), or update on the servers")
             self.trainer.init_kvstore()
+            base = self._started_at(None)  # where this cluster started: its rounds count from there
             self.rejoined = True
-            log.info("session: rejoined at step %d (the job's)", rejoined)
-            return min(int(rejoined), schedule.total_steps)
+            log.info("session: rejoined at step %d (the job's)", base + int(rejoined))
+            return min(base + int(rejoined), schedule.total_steps)
         found = self.latest()
         if found is None:
             self.trainer.init_kvstore()
-            return 0
+            return self._started_at(0)
         if kvconfig.load().resume is not None:
             raise ConfigError(f"launch.py --resume (KVSTORE_RESUME) and the session's checkpoint {found} "
                               "both hold the weights: use one (remove the checkpoint folder, or --resume)")
@@ -229,7 +237,19 @@ class Session:
         self.trainer.load_states(storage.join(found, STATES))
         self.resumed_from = found
         log.info("session: resumed from %s at step %d", found, meta["step"])
-        return min(int(meta["step"]), schedule.total_steps)
+        return self._started_at(min(int(meta["step"]), schedule.total_steps))
+
+    def _started_at(self, step: int | None) -> int:
+        """The job's step at which this cluster started: ``step``, stored in the store's key
+        ``<key_prefix>/session-start`` by every starting worker (rank 0's is kept), or, for a restarted
+        worker (None), read from it: the cluster's rounds, and so ``kv.rejoined_at``, count from there."""
+        kv, key = self.trainer.kvstore, f"{self.trainer.key_prefix}/session-start"
+        if step is not None:
+            kv.init(key, np.array([step], np.float64))
+            return step
+        held = np.zeros(1, np.float64)
+        kv.pull(key, out=held)
+        return int(held[0])
 
     def _settings(self, schedule: progress.Schedule) -> dict[str, Any]:
         """What a checkpoint must share with this run to replay its data order."""

@@ -244,6 +244,11 @@ class Trainer:
         return list(self._keys)
 
     @property
+    def key_prefix(self) -> str:
+        """The prefix of this Trainer's keys (``key_prefix``, or the ``trainer{i}`` it was given)."""
+        return self._prefix
+
+    @property
     def learning_rate(self) -> float:
         """The current learning rate (asked of the store when it runs the optimizer)."""
         if self._update_on_kvstore and self._initialized:
