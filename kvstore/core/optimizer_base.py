@@ -110,6 +110,7 @@ class Optimizer:
         self.num_update = self.begin_num_update
         self.states: dict[Key, dict[str, np.ndarray]] = {}
         self.counts: dict[Key, int] = {}
+        self.params_version = 0  # counts set_params calls (a server's shard is due after one)
 
     # -- learning rate and multipliers ------------------------------------------------------------
     @property
@@ -154,6 +155,7 @@ class Optimizer:
                 new[key] = _mults(key, value)
         for attr, value in new.items():
             setattr(self, attr, value)
+        self.params_version += 1
 
     # -- state ------------------------------------------------------------------------------------
     def _state_names(self) -> tuple[str, ...]:

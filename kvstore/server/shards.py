@@ -92,7 +92,7 @@ class ShardWriter:
         self.keys_written = 0  # keys in the last image written
         self.last_written: ShardImage | None = None  # the last image written (its buffers are reused)
         self.keys_seen: int | None = None  # keys in the last image (None: none taken by this process)
-        self.optimizer_seen: Optimizer | None = None  # the optimizer of the last image
+        self.optimizer_seen: tuple[Optimizer | None, int] = (None, 0)  # the last image's, and its params
 
     def tick(self, state: ShardState | None, optimizer: Optimizer | None, bf16_keys: set[Key]) -> bool:
         """Capture a shard and start writing it when one is due; return whether one was."""
@@ -107,22 +107,24 @@ class ShardWriter:
         image = capture(state, optimizer, bf16_keys, self.rank, self.number, spare)
         image.session = self.session
         self.last_step, self.last_time, self.keys_seen = image.step(), now, len(image.keys)
-        self.optimizer_seen = optimizer
+        self.optimizer_seen = _optimizer_at(optimizer)
         self.thread = threading.Thread(target=self._write, args=(image,), name="kvstore-shard", daemon=True)
         self.thread.start()
         return True
 
     def _due(self, state: ShardState, optimizer: Optimizer | None, now: float) -> bool:
         """Whether a shard is due: a fresh server's first (at once, keys or none: a server that never
-        holds a key restarts from it), keys initialised or an optimizer set since the last one (a
-        restart from it would lack them, and apply no optimizer), else ``seconds`` passed or
-        ``rounds`` more closed (looked at every CHECK_EVERY at most)."""
+        holds a key restarts from it), keys initialised, an optimizer set or its hyper-parameters
+        changed since the last one (a restart from it would lack the keys, apply no optimizer, or an
+        old learning rate or rescale_grad), else ``seconds`` passed or ``rounds`` more closed (looked
+        at every CHECK_EVERY at most)."""
         if self.keys_seen is None:
             if self.number == 0:
                 return True
             self.keys_seen = len(state)  # a restarted server: what the shard it started from held
-            self.optimizer_seen = optimizer
-        if len(state) > self.keys_seen or optimizer is not self.optimizer_seen:
+            self.optimizer_seen = _optimizer_at(optimizer)
+        seen, version = self.optimizer_seen
+        if len(state) > self.keys_seen or optimizer is not seen or _optimizer_at(optimizer)[1] != version:
             return True
         if self.seconds > 0:
             return now - self.last_time >= self.seconds
@@ -162,6 +164,11 @@ class ShardWriter:
             if self.thread.is_alive():
                 log.warning("server %d: a shard write still runs after %.1f s; leaving it", self.rank,
                             timeout)
+
+
+def _optimizer_at(optimizer: Optimizer | None) -> tuple[Optimizer | None, int]:
+    """Which optimizer, and how often its hyper-parameters were set: a shard is due when either moves."""
+    return optimizer, (0 if optimizer is None else optimizer.params_version)
 
 
 def shard_writer(cfg: Config, rank: int, session: str = "") -> ShardWriter | None:

@@ -173,3 +173,23 @@ def test_keys_initialised_after_a_shard_make_the_next_one_due(tmp_path) -> None:
     np.testing.assert_array_equal(image.keys["late"].value, [7, 7, 7])
     clock.now += 1
     assert not writer.tick(shard, None, set())  # nothing new since: the rounds decide again
+
+
+def test_an_optimizer_set_or_its_parameters_changed_make_the_next_shard_due(tmp_path) -> None:
+    """After a shard, a new optimizer or a set_params on it (a learning rate, rescale_grad) makes a shard
+    due at once: a restart from the shard before would apply none, or the old learning rate."""
+    from kvstore.core.optimizer import create
+
+    clock, shard = Clock(), ShardState(1, sync=True)
+    shard.init("w", np.zeros(2))
+    writer = ShardWriter(str(tmp_path), 0, rounds=50, clock=clock)
+    first_shard(writer, shard)
+    sgd = create("sgd", learning_rate=1.0)
+    assert writer.tick(shard, sgd, set())
+    written(writer)
+    clock.now += 1
+    assert not writer.tick(shard, sgd, set())  # nothing new
+    sgd.set_params(learning_rate=0.0)
+    assert writer.tick(shard, sgd, set())
+    written(writer)
+    assert read_latest(str(tmp_path), 0).optimizer["params"]["learning_rate"] == 0.0
