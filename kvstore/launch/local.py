@@ -117,10 +117,11 @@ class Cluster:
         # a local child inherits the launcher's environment, but for what the launcher sets per role
         # (a KVSTORE_NODE_PORT exported here would make every server bind one port)
         self.inherited = roles.inherited(kvconfig.child_environ({}))
-        self.shard_dir = default_shards(cfg, self.base_env, self.inherited)  # removed after the job
         self.timeline = start_timeline(self.base_env, self.inherited)
         self.gpu_env = gpu_plan(cfg, self.inherited)  # before anything starts: too few GPUs fail here
         self.no_gpu = dict(gpus.NO_GPU) if self.gpu_env is not None else {}
+        # last: nothing above may fail after it is made; run() removes it however the launch ends
+        self.shard_dir = default_shards(cfg, self.base_env, self.inherited)
 
     @property
     def children(self) -> list[RoleProcess]:
@@ -336,11 +337,14 @@ def run(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     127 when a command cannot be started, rsync's, 1 for a timeout, or 2 when ``--gpus-per-worker``
     finds too few GPUs (before anything starts).  Raises nothing else."""
     previous = signal.signal(signal.SIGTERM, roles.raise_interrupt)
+    cluster: Cluster | None = None
     try:
         cluster = Cluster(cfg, settings)  # checks the GPUs before anything starts
         board = start_board(cfg, cluster)
     except (ConfigError, OSError) as exc:
         log.error("%s", exc)
+        if cluster is not None and cluster.shard_dir is not None:
+            storage.remove_tree(cluster.shard_dir)
         signal.signal(signal.SIGTERM, previous)
         return 2
     failed: RoleProcess | None = None
