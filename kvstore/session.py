@@ -157,6 +157,7 @@ class Session:
         self._stopped = False
         self._schedule: progress.Schedule | None = None
         self._saved_step, self._saved_time = 0, time.monotonic()
+        self._cluster_start = 0  # the job's step at which this cluster started (in each checkpoint)
 
     @property
     def rank(self) -> int:
@@ -216,14 +217,14 @@ class Session:
                                   "weights: relaunch the job instead (it resumes from the session's "
                                   "checkpoint), or update on the servers")
             self.trainer.init_kvstore()
-            base = self._started_at(None)  # where this cluster started: its rounds count from there
+            base = self._cluster_start = self._started_here()  # this cluster's rounds count from there
             self.rejoined = True
             log.info("session: rejoined at step %d (the job's)", base + int(rejoined))
             return min(base + int(rejoined), schedule.total_steps)
         found = self.latest()
         if found is None:
             self.trainer.init_kvstore()
-            return self._started_at(0)
+            return 0
         if kvconfig.load().resume is not None:
             raise ConfigError(f"launch.py --resume (KVSTORE_RESUME) and the session's checkpoint {found} "
                               "both hold the weights: use one (remove the checkpoint folder, or --resume)")
@@ -237,19 +238,21 @@ class Session:
         self.trainer.load_states(storage.join(found, STATES))
         self.resumed_from = found
         log.info("session: resumed from %s at step %d", found, meta["step"])
-        return self._started_at(min(int(meta["step"]), schedule.total_steps))
+        self._cluster_start = min(int(meta["step"]), schedule.total_steps)
+        return self._cluster_start
 
-    def _started_at(self, step: int | None) -> int:
-        """The job's step at which this cluster started: ``step``, stored in the store's key
-        ``<key_prefix>/session-start`` by every starting worker (rank 0's is kept), or, for a restarted
-        worker (None), read from it: the cluster's rounds, and so ``kv.rejoined_at``, count from there."""
-        kv, key = self.trainer.kvstore, f"{self.trainer.key_prefix}/session-start"
-        if step is not None:
-            kv.init(key, np.array([step], np.float64))
-            return step
-        held = np.zeros(1, np.float64)
-        kv.pull(key, out=held)
-        return int(held[0])
+    def _started_here(self) -> int:
+        """For a restarted worker: the job's step at which its cluster started (its rounds, and so
+        ``kv.rejoined_at``, count from there).  A cluster starts from the newest complete checkpoint:
+        when that one was written by this cluster, its ``cluster_start`` says where that was; when by
+        an earlier one, this cluster started from it; with none (or no URL), at 0."""
+        found = self.latest()
+        if found is None:
+            return 0
+        meta = self._meta(found)
+        if meta.get("cluster") == getattr(self.trainer.kvstore, "cluster_id", None):
+            return int(meta["cluster_start"])
+        return int(meta["step"])
 
     def _settings(self, schedule: progress.Schedule) -> dict[str, Any]:
         """What a checkpoint must share with this run to replay its data order."""
@@ -299,6 +302,8 @@ class Session:
         folder = storage.join(self.url, progress.checkpoint_name(self.step))
         at = self._schedule.position(self.step)
         meta = {"format": FORMAT, "version": 1, "step": self.step, "epoch": at.epoch, "index": at.index,
+                "cluster": getattr(self.trainer.kvstore, "cluster_id", None),
+                "cluster_start": self._cluster_start,
                 "order": "numpy default_rng([seed, epoch, rank]).permutation(samples)",
                 **self._settings(self._schedule), "time": time.time()}
         try:

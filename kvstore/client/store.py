@@ -11,6 +11,7 @@ uses to build one over a fake transport instead (no processes, no sockets).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -178,6 +179,12 @@ class DistKVStore(KVStore):
         return self._rejoin.at
 
     # -- properties -----------------------------------------------------------------------------
+    @property
+    def cluster_id(self) -> str:
+        """An id of this cluster's run (the same on every worker, another after a relaunch): a hash of
+        its session, which it does not reveal."""
+        return hashlib.sha256(b"kvstore cluster id\0" + self._cluster.session).hexdigest()[:16]
+
     @property
     def rank(self) -> int:
         """This worker's rank in ``[0, num_workers)``."""

@@ -218,3 +218,24 @@ def test_session_refuses_bad_arguments() -> None:
     for kwargs in ({"every_steps": 0}, {"every_seconds": -1.0}, {"keep": 0}, {"eval_every": 3}):
         with pytest.raises(ValueError):
             kvstore.Session(trainer, **kwargs)
+
+
+def test_a_restarted_workers_rounds_count_from_where_its_cluster_started(tmp_path: Path) -> None:
+    """kv.rejoined_at counts the rounds of the worker's cluster, which started from the newest
+    checkpoint: a checkpoint written by that cluster says where it started; one written by an earlier
+    cluster is where this one started; with none, 0."""
+    _, first, step = _job(tmp_path, True, every_steps=3, stop_at=7)
+    first.trainer.kvstore.cluster_id = "run-1"  # a local store stands in for a cluster's store
+    first.run(step, SAMPLES, BATCH, EPOCHS)
+    _, second, step = _job(tmp_path, True, every_steps=3, stop_at=10)
+    second.trainer.kvstore.cluster_id = "run-2"  # the relaunch: it resumes at 7 and saves 9 and 10
+    assert second.run(step, SAMPLES, BATCH, EPOCHS) == 10 and second.start_step == 7
+    meta = json.loads((tmp_path / "step-00000010" / META).read_text())
+    assert (meta["cluster"], meta["cluster_start"]) == ("run-2", 7)
+    _, rejoining, _ = _job(tmp_path, True)
+    rejoining.trainer.kvstore.cluster_id = "run-2"  # a worker of the relaunched cluster, restarted
+    assert rejoining._started_here() == 7
+    rejoining.trainer.kvstore.cluster_id = "run-3"  # one of a cluster started from step 10
+    assert rejoining._started_here() == 10
+    _, fresh, _ = _job(tmp_path / "none", True)
+    assert fresh._started_here() == 0
