@@ -6,7 +6,8 @@ epoch, streamed to the workers in bounded batches.  No Spark here (the driver's 
 * :class:`FeedHub`, on the driver: a listener the feed tasks and the workers connect to.  The feed
   tasks of an epoch's Spark job send it their partition's rows in chunks; it deals the rows round robin
   (row ``i`` of the epoch to worker ``i % W``), cuts each worker's rows into batches of ``batch_size``
-  and keeps at most :data:`QUEUE_BATCHES` batches per worker; a worker asks for its next batch.  When
+  and keeps at most :data:`QUEUE_BATCHES` batches per worker, queued one per worker per round (no
+  worker more than one batch ahead of another); a worker asks for its next batch.  When
   the epoch's job has ended, every worker's last (short) batch and an end-of-epoch mark are queued.
 * :func:`feed_partition`, in a feed task: one partition's rows, converted to columns, sent in chunks
   of at most ``chunk_rows`` rows; it ends once the hub has dealt them all.
@@ -279,10 +280,11 @@ class FeedHub:
         and the end mark.  Returns the number of rows dealt.  Raises FeedError (a worker's queue stayed
         full past the timeout, or the hub closed)."""
         with self._deal_lock:
-            for rank, pending in enumerate(self._pending):
+            for rank, pending in enumerate(self._pending):  # every rank's last batch before any end mark
                 if pending.count:
                     count = pending.count
                     self._put(rank, ("batch", pending.take(count), count))
+            for rank in range(self.num_workers):
                 self._put(rank, ("end", epoch))
             self._epoch = -1
             return self._offset
@@ -431,12 +433,21 @@ class FeedHub:
                 start = (rank - self._offset) % workers
                 if start >= count:
                     continue
-                pending = self._pending[rank]
-                pending.add({name: _take(col, start, workers) for name, col in cols.items()},
-                            len(range(start, count, workers)))
-                while pending.count >= self.batch_size:
-                    self._put(rank, ("batch", pending.take(self.batch_size), self.batch_size))
+                self._pending[rank].add({name: _take(col, start, workers) for name, col in cols.items()},
+                                        len(range(start, count, workers)))
             self._offset += count
+            self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Queue the full batches of every worker's dealt rows one batch per worker per round, so that
+        no worker is more than one batch ahead of another: a put that blocks on a full queue never
+        leaves another worker (waiting at the same collective step) without its batch."""
+        while True:
+            ready = [rank for rank, pending in enumerate(self._pending) if pending.count >= self.batch_size]
+            if not ready:
+                return
+            for rank in ready:
+                self._put(rank, ("batch", self._pending[rank].take(self.batch_size), self.batch_size))
 
     def _put(self, rank: int, item: tuple) -> None:
         """Queue ``item`` for worker ``rank`` (dropped once it has left).  Raises FeedError when its
