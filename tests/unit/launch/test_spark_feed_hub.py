@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 import time
 
@@ -74,3 +76,94 @@ def test_three_workers_tiny_batches_get_every_row_once() -> None:
     assert all(isinstance(rows, list) for rows in got), got
     assert sorted(sum(got, [])) == list(range(2500))
     assert max(map(len, got)) - min(map(len, got)) <= 1
+
+
+def _stranger(port: int) -> socket.socket:
+    """A connection without the secret that has read the hub's nonce frame."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+    (size,) = struct.unpack("<I", _read(conn, 4))
+    _read(conn, size)
+    return conn
+
+
+def _read(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        got = conn.recv(size - len(data))
+        if not got:
+            raise ConnectionError("closed")
+        data += got
+    return data
+
+
+def _closed_by_hub(conn: socket.socket, within: float) -> bool:
+    """Whether the hub closes ``conn`` within ``within`` seconds (data it sends first is skipped)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            if not conn.recv(4096):
+                return True
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True
+    return False
+
+
+def test_a_hello_over_the_small_limit_is_refused_before_its_body() -> None:
+    """A stranger announcing a 200 MiB hello is cut off at once: the hub does not read (or allocate) it."""
+    hub = feed.FeedHub(SECRET, 2, 1, 32, 60.0)
+    try:
+        conn = _stranger(hub.port)
+        conn.sendall(struct.pack("<I", 200 << 20) + b"\0" * 4096)
+        assert _closed_by_hub(conn, 3.0)
+        conn.close()
+    finally:
+        hub.close()
+
+
+def test_a_silent_stranger_is_dropped_at_the_handshake_deadline(monkeypatch) -> None:
+    """A connection that never answers the nonce is closed after the handshake deadline, not feed_timeout."""
+    monkeypatch.setattr(feed, "HANDSHAKE_SECONDS", 0.3)
+    hub = feed.FeedHub(SECRET, 2, 1, 32, 60.0)
+    try:
+        conn = _stranger(hub.port)
+        assert _closed_by_hub(conn, 3.0)
+        conn.close()
+    finally:
+        hub.close()
+
+
+JUNK = (b"\x05\0\0\0notmp", struct.pack("<I", 3) + b"\x93\1\2", struct.pack("<I", 1) + b"\x80",
+        struct.pack("<I", 2) + b"\x81\xc1", b"\xff\xff")  # not msgpack, a list, a map without mac, ...
+
+
+def test_junk_from_strangers_and_a_full_handshake_cap_do_not_stop_the_hub(monkeypatch) -> None:
+    """Past the cap of unauthenticated connections a stranger is answered busy and closed; junk hellos
+    are dropped; a real worker (retrying while the cap is full) and feeder still run an epoch."""
+    monkeypatch.setattr(feed, "HANDSHAKE_SECONDS", 0.5)
+    monkeypatch.setattr(feed, "MAX_HANDSHAKES", 2)
+    hub = feed.FeedHub(SECRET, 1, 1, 4, 5.0)
+    spec = feed.FeedSpec("127.0.0.1", hub.port, 1, 4, 5.0, (feed.Column("x", "<i8"),), 1024)
+    try:
+        held = [_stranger(hub.port), _stranger(hub.port)]
+        refused = socket.create_connection(("127.0.0.1", hub.port), timeout=5.0)
+        assert _closed_by_hub(refused, 3.0)  # no nonce: closed at once
+        refused.close()
+        worker = feed.WorkerFeed(spec, SECRET, 0)  # retries until a stranger's handshake deadline passes
+        for conn in held:
+            conn.close()
+        for junk in JUNK:
+            junky = _stranger(hub.port)
+            junky.sendall(junk)
+            assert _closed_by_hub(junky, 3.0)
+            junky.close()
+        hub.begin_epoch(0)
+        assert list(feed.feed_partition(spec, SECRET, 0, 0, ((i,) for i in range(10)))) == [10]
+        hub.end_epoch(0)
+        rows = [int(v) for epoch in worker for batch in epoch for v in batch["x"]]
+        worker.close()
+        assert rows == list(range(10))
+    finally:
+        hub.close()
