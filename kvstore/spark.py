@@ -396,12 +396,14 @@ def predict(model_fn: Callable[[dict], Callable[[Any], Any]], df: Any, *, checkp
     """A DataFrame of ``df``'s rows, each with its prediction appended as ``output_col`` (Spark type
     ``output_type``, e.g. ``"double"``, ``"long"`` or ``"array<float>"``), in ``df``'s order, computed
     on the executors: each task calls ``model_fn(weights)`` once (``weights``: the state dict given,
-    broadcast; or the newest generation of ``checkpoint``, a ``kv.save_checkpoint`` folder every
-    executor can read, as ``{key: array}``) and calls what it returns on batches of ``batch_size`` rows,
-    a 2-D float32 array (float64 if the columns are) of the ``input_cols`` side by side; it must return
-    one prediction per row along the first axis.  Lazy, like any DataFrame.  Raises ValueError unless
+    broadcast; or the newest generation of ``checkpoint``, a ``kv.save_checkpoint`` folder the driver
+    and every executor can read, as ``{key: array}``: chosen here, once, so every task loads the same)
+    and calls what it returns on batches of ``batch_size`` rows, a 2-D float32 array (float64 if the
+    columns are) of the ``input_cols`` side by side; it must return one prediction per row along the
+    first axis.  Lazy, like any DataFrame.  Raises ValueError unless
     exactly one of ``checkpoint`` and ``weights`` is given or for a bad ``batch_size``, KeyError for an
-    input column ``df`` lacks; a task's failure surfaces when the result is computed."""
+    input column ``df`` lacks, FileNotFoundError or FormatError when ``checkpoint`` holds no readable
+    generation; a task's failure surfaces when the result is computed."""
     if (checkpoint is None) == (weights is None):
         raise ValueError("predict needs exactly one of checkpoint= (a kv.save_checkpoint folder) and "
                          "weights=")
@@ -414,9 +416,9 @@ def predict(model_fn: Callable[[dict], Callable[[Any], Any]], df: Any, *, checkp
                        f"({', '.join(df.columns)})")
     spark = df.sparkSession
     shared = None if weights is None else spark.sparkContext.broadcast(dict(weights))
-    folder = None if checkpoint is None else storage.absolute(checkpoint)
+    generation = None if checkpoint is None else kvsnapshot.newest(storage.absolute(checkpoint))
     positions = tuple(df.columns.index(name) for name in names)
-    spec = spark_predict.PredictSpec(model_fn, shared, folder, positions, batch_size)
+    spec = spark_predict.PredictSpec(model_fn, shared, generation, positions, batch_size)
     schema = StructType(list(df.schema.fields)).add(output_col, output_type)  # df.schema itself is cached
     task = functools.partial(spark_predict.predict_partition, spec)
     rows = df.rdd.mapPartitions(task, preservesPartitioning=True)

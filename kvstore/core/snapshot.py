@@ -31,7 +31,7 @@ from kvstore.core.checkpoint import StatesFile
 from kvstore.core.partition import Key, check_key
 from kvstore.errors import FormatError, KeyTypeError
 
-__all__ = ["POINTER", "read", "write"]
+__all__ = ["POINTER", "newest", "read", "read_generation", "write"]
 
 POINTER = "LATEST"
 VALUES = "values.arrays"
@@ -120,12 +120,11 @@ def write(directory: str, values: Mapping[Key, np.ndarray], states: StatesFile |
     return final
 
 
-def read(directory: str) -> tuple[dict[Key, np.ndarray], StatesFile | None]:
-    """The values and optimizer states of the generation ``LATEST`` names.
+def newest(directory: str) -> str:
+    """The path of the generation ``LATEST`` names in ``directory`` (a local path or a storage URL).
 
-    ``directory`` is a local path or a storage URL.  Raises FileNotFoundError when it holds
-    no snapshot, FormatError when ``LATEST`` or the generation is damaged, ConfigError for a
-    URL without its packages.
+    Raises FileNotFoundError when it holds no snapshot, FormatError when ``LATEST`` is damaged or
+    names no generation, ConfigError for a URL without its packages.
     """
     pointer = storage.join(directory, POINTER)
     try:
@@ -137,10 +136,26 @@ def read(directory: str) -> tuple[dict[Key, np.ndarray], StatesFile | None]:
         raise FormatError(f"{pointer} is not text: it is damaged") from None
     if not _GENERATION.fullmatch(name) or not storage.isdir(storage.join(directory, name)):
         raise FormatError(f"{pointer} names {name!r:.80}, which is not a snapshot generation here")
-    values = read_values(storage.join(directory, name, VALUES))
-    states_path = storage.join(directory, name, STATES)
+    return storage.join(directory, name)
+
+
+def read_generation(generation: str) -> tuple[dict[Key, np.ndarray], StatesFile | None]:
+    """The values and optimizer states of the generation at ``generation`` (from :func:`newest`).
+    Raises OSError (FileNotFoundError once a later write removed it), FormatError when it is damaged."""
+    values = read_values(storage.join(generation, VALUES))
+    states_path = storage.join(generation, STATES)
     states = checkpoint.read_states(states_path) if storage.exists(states_path) else None
     return values, states
+
+
+def read(directory: str) -> tuple[dict[Key, np.ndarray], StatesFile | None]:
+    """The values and optimizer states of the generation ``LATEST`` names.
+
+    ``directory`` is a local path or a storage URL.  Raises FileNotFoundError when it holds
+    no snapshot, FormatError when ``LATEST`` or the generation is damaged, ConfigError for a
+    URL without its packages.
+    """
+    return read_generation(newest(directory))
 
 
 def check_fits(values: Mapping[Key, np.ndarray], key: Key, shape: tuple[int, ...], dtype: Any) -> None:

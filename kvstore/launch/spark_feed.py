@@ -6,22 +6,28 @@ epoch, streamed to the workers in bounded batches.  No Spark here (the driver's 
 * :class:`FeedHub`, on the driver: a listener the feed tasks and the workers connect to.  The feed
   tasks of an epoch's Spark job send it their partition's rows in chunks; it deals the rows round robin
   (row ``i`` of the epoch to worker ``i % W``), cuts each worker's rows into batches of ``batch_size``
-  and keeps at most :data:`QUEUE_BATCHES` batches per worker; a worker asks for its next batch.  When
+  and keeps at most :data:`QUEUE_BATCHES` batches per worker, queued one per worker per round (no
+  worker more than one batch ahead of another); a worker asks for its next batch.  When
   the epoch's job has ended, every worker's last (short) batch and an end-of-epoch mark are queued.
 * :func:`feed_partition`, in a feed task: one partition's rows, converted to columns, sent in chunks
   of at most ``chunk_rows`` rows; it ends once the hub has dealt them all.
 * :class:`WorkerFeed`, in a worker: what ``train_fn`` iterates: one iterator of batches per epoch.
 
 Every connection starts with the hub's random nonce, answered with an HMAC of it under the job's
-secret.  Every wait has a deadline (``timeout``) and raises :class:`FeedError` naming what it waited
-for.  Memory: a worker holds at most :data:`PREFETCH` batches beyond its own; the driver one chunk per
-feed task plus ``QUEUE_BATCHES + 1`` batches per worker; a feed task one chunk.
+secret, in a hello of at most :data:`HELLO_LIMIT` bytes within :data:`HANDSHAKE_SECONDS`; at most
+:data:`MAX_HANDSHAKES` connections may be in their handshake at once (the hub answers more with
+``busy`` and closes them; :func:`connect` tries again), so a stranger without the secret costs the hub
+a bounded number of threads and bytes, and nothing it sends stops the hub.  Every wait has a deadline
+(``timeout``) and raises :class:`FeedError` naming what it waited for.  Memory: a worker holds at
+most :data:`PREFETCH` batches beyond its own; the driver one chunk per feed task plus
+``QUEUE_BATCHES + 1`` batches per worker; a feed task one chunk.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import queue
 import socket
@@ -43,6 +49,12 @@ QUEUE_BATCHES = 4  # batches the hub keeps ready per worker
 PREFETCH = 2  # requests a worker keeps outstanding
 POLL = 0.5  # seconds between checks of a closed hub while a queue wait runs (each wait has a deadline)
 NONCE_BYTES = 16
+HELLO_LIMIT = 1024  # the largest hello (read before the HMAC check); a real one is ~100 bytes
+HANDSHAKE_SECONDS = 5.0  # a connection's hello must come within this after it is accepted
+MAX_HANDSHAKES = 64  # connections in their handshake at once (more are answered busy and closed)
+BUSY_RETRY = 0.2  # seconds connect() waits before it tries a busy hub again
+
+log = logging.getLogger("kvstore.launcher")
 
 # Spark SQL type names -> numpy dtypes of a column (arrays of these become 2-D columns)
 NUMERIC = {"float": "<f4", "double": "<f8", "integer": "<i4", "long": "<i8", "short": "<i2", "byte": "|i1",
@@ -144,12 +156,12 @@ def _receive_exact(conn: socket.socket, size: int, deadline: float, what: str) -
     return bytes(buf)
 
 
-def receive(conn: socket.socket, deadline: float, what: str) -> dict:
-    """One frame, a msgpack map, by ``deadline`` (time.monotonic()).  Raises FeedError naming ``what``
-    when it does not come, the connection ends, or the frame is bad."""
+def receive(conn: socket.socket, deadline: float, what: str, limit: int = MAX_FRAME) -> dict:
+    """One frame of at most ``limit`` bytes, a msgpack map, by ``deadline`` (time.monotonic()).  Raises
+    FeedError naming ``what`` when it does not come, the connection ends, or the frame is bad."""
     (size,) = FRAME.unpack(_receive_exact(conn, FRAME.size, deadline, what))
-    if size > MAX_FRAME:
-        raise FeedError(f"{what}: a frame of {size} bytes is over the limit of {MAX_FRAME}")
+    if size > limit:
+        raise FeedError(f"{what}: a frame of {size} bytes is over the limit of {limit}")
     try:
         return protocol.unpack_map(_receive_exact(conn, size, deadline, what))
     except ProtocolError as exc:
@@ -161,23 +173,31 @@ def _mac(secret: str, nonce: bytes) -> bytes:
 
 
 def connect(spec: FeedSpec, secret: str, hello: Mapping[str, Any]) -> socket.socket:
-    """A connection to the hub, past its handshake.  Raises FeedError."""
+    """A connection to the hub, past its handshake (a busy hub is tried again until ``spec.timeout``).
+    Raises FeedError."""
     deadline = time.monotonic() + spec.timeout
-    try:
-        conn = socket.create_connection((spec.host, spec.port), timeout=spec.timeout)
-    except OSError as exc:
-        raise FeedError(f"cannot reach the driver's feed at {spec.host}:{spec.port}: {exc}") from None
-    try:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = receive(conn, deadline, "the feed's nonce").get("nonce")
-        if not isinstance(nonce, bytes):
-            raise FeedError("the feed's greeting has no nonce")
-        send(conn, {**hello, "mac": _mac(secret, nonce)})
-        conn.settimeout(spec.timeout)
-        return conn
-    except (OSError, FeedError) as exc:
-        conn.close()
-        raise FeedError(f"the handshake with the driver's feed failed: {exc}") from None
+    while True:
+        try:
+            conn = socket.create_connection((spec.host, spec.port), timeout=spec.timeout)
+        except OSError as exc:
+            raise FeedError(f"cannot reach the driver's feed at {spec.host}:{spec.port}: {exc}") from None
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            greeting = receive(conn, deadline, "the feed's nonce", HELLO_LIMIT)
+            if greeting.get("busy") is True and time.monotonic() + BUSY_RETRY < deadline:
+                conn.close()
+                time.sleep(BUSY_RETRY)  # too many handshakes at the hub (strangers?): try again
+                continue
+            nonce = greeting.get("nonce")
+            if not isinstance(nonce, bytes):
+                raise FeedError("the feed's greeting has no nonce (too many connections in their handshake)"
+                                if greeting.get("busy") else "the feed's greeting has no nonce")
+            send(conn, {**hello, "mac": _mac(secret, nonce)})
+            conn.settimeout(spec.timeout)
+            return conn
+        except (OSError, FeedError) as exc:
+            conn.close()
+            raise FeedError(f"the handshake with the driver's feed failed: {exc}") from None
 
 
 # -- columns --------------------------------------------------------------------------------------------
@@ -264,6 +284,7 @@ class FeedHub:
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._thread = threading.Thread(target=self._accept, name="kvstore-spark-feed", daemon=True)
         self._thread.start()
 
@@ -279,10 +300,11 @@ class FeedHub:
         and the end mark.  Returns the number of rows dealt.  Raises FeedError (a worker's queue stayed
         full past the timeout, or the hub closed)."""
         with self._deal_lock:
-            for rank, pending in enumerate(self._pending):
+            for rank, pending in enumerate(self._pending):  # every rank's last batch before any end mark
                 if pending.count:
                     count = pending.count
                     self._put(rank, ("batch", pending.take(count), count))
+            for rank in range(self.num_workers):
                 self._put(rank, ("end", epoch))
             self._epoch = -1
             return self._offset
@@ -304,6 +326,10 @@ class FeedHub:
     def close(self) -> None:
         """Stop listening and end every connection (waits stop at their next check)."""
         self._closed.set()
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (Linux)
+        except OSError:
+            pass
         self.listener.close()
         with self._conns_lock:
             conns = list(self._conns)
@@ -321,32 +347,67 @@ class FeedHub:
             try:
                 conn, _ = self.listener.accept()
             except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn,), name="kvstore-spark-feed-conn",
-                             daemon=True).start()
+                if self._closed.is_set():
+                    return
+                self._closed.wait(POLL)  # e.g. out of file descriptors: try again
+                continue
+            if not self._handshakes.acquire(blocking=False):
+                self._refuse(conn)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="kvstore-spark-feed-conn",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had
+                self._handshakes.release()
+                conn.close()
+
+    @staticmethod
+    def _refuse(conn: socket.socket) -> None:
+        """Answer ``busy`` (too many connections in their handshake) and close, without waiting."""
+        with conn:
+            try:
+                conn.setblocking(False)
+                send(conn, {"busy": True})
+            except OSError:
+                pass
 
     def _serve(self, conn: socket.socket) -> None:
         with self._conns_lock:
             self._conns.add(conn)
         try:
             with conn:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.settimeout(self.timeout)
-                nonce = os.urandom(NONCE_BYTES)
-                send(conn, {"nonce": nonce})
-                hello = receive(conn, time.monotonic() + self.timeout, "a feed connection's hello")
-                mac = hello.get("mac")
-                if not isinstance(mac, bytes) or not hmac.compare_digest(mac, _mac(self.secret, nonce)):
+                hello = self._handshake(conn)
+                if hello is None:
                     return  # not one of this job's tasks: dropped without a word
+                conn.settimeout(self.timeout)
                 if hello.get("role") == "worker":
                     self._serve_worker(conn, hello.get("rank"))
                 elif hello.get("role") == "feeder":
                     self._serve_feeder(conn, hello.get("epoch"), hello.get("partition"))
         except (OSError, FeedError):
             pass  # the peer's side reports its own error; a dead peer is noticed by its slot
+        except Exception:  # a node never dies of a message: only this connection ends
+            log.exception("the Spark feed dropped a connection on an unexpected error")
         finally:
             with self._conns_lock:
                 self._conns.discard(conn)
+
+    def _handshake(self, conn: socket.socket) -> dict | None:
+        """Send a nonce and read the hello (:data:`HELLO_LIMIT` bytes, :data:`HANDSHAKE_SECONDS`): the
+        hello when its HMAC is right, else None.  Frees the handshake's place.  Raises OSError, FeedError."""
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(HANDSHAKE_SECONDS)
+            nonce = os.urandom(NONCE_BYTES)
+            send(conn, {"nonce": nonce})
+            hello = receive(conn, time.monotonic() + HANDSHAKE_SECONDS, "a feed connection's hello",
+                            HELLO_LIMIT)
+        finally:
+            self._handshakes.release()
+        mac = hello.get("mac")
+        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, _mac(self.secret, nonce)):
+            return None
+        return hello
 
     def _serve_worker(self, conn: socket.socket, rank: Any) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.num_workers or self.slots[rank].connected:
@@ -414,8 +475,10 @@ class FeedHub:
                         raise FeedError(f"{what} says it sent {message.get('n')} rows; {dealt} came")
                     send(conn, {"op": "ok", "n": dealt})
                     return
-                count = message.get("n")
-                cols = {name: _decode(raw, what) for name, raw in (message.get("cols") or {}).items()}
+                count, raw_cols = message.get("n"), message.get("cols")
+                if not isinstance(raw_cols, dict):
+                    raise FeedError(f"{what} sent a chunk without columns")
+                cols = {name: _decode(raw, what) for name, raw in raw_cols.items()}
                 if not isinstance(count, int) or any(len(col) != count for col in cols.values()):
                     raise FeedError(f"{what} sent a chunk whose columns do not have its {count} rows")
                 self._deal(cols, count)
@@ -431,12 +494,21 @@ class FeedHub:
                 start = (rank - self._offset) % workers
                 if start >= count:
                     continue
-                pending = self._pending[rank]
-                pending.add({name: _take(col, start, workers) for name, col in cols.items()},
-                            len(range(start, count, workers)))
-                while pending.count >= self.batch_size:
-                    self._put(rank, ("batch", pending.take(self.batch_size), self.batch_size))
+                self._pending[rank].add({name: _take(col, start, workers) for name, col in cols.items()},
+                                        len(range(start, count, workers)))
             self._offset += count
+            self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Queue the full batches of every worker's dealt rows one batch per worker per round, so that
+        no worker is more than one batch ahead of another: a put that blocks on a full queue never
+        leaves another worker (waiting at the same collective step) without its batch."""
+        while True:
+            ready = [rank for rank, pending in enumerate(self._pending) if pending.count >= self.batch_size]
+            if not ready:
+                return
+            for rank in ready:
+                self._put(rank, ("batch", self._pending[rank].take(self.batch_size), self.batch_size))
 
     def _put(self, rank: int, item: tuple) -> None:
         """Queue ``item`` for worker ``rank`` (dropped once it has left).  Raises FeedError when its

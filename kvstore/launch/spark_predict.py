@@ -1,5 +1,6 @@
 """What the tasks of ``kvstore.spark.predict`` do on the executors, no Spark imported: load the weights
-(a broadcast state dict, or the newest generation of a ``kv.save_checkpoint`` folder), build the
+(a broadcast state dict, or the generation of a ``kv.save_checkpoint`` folder that ``predict`` chose
+on the driver: the same one in every task), build the
 model once per task with ``model_fn(weights)``, and append its prediction to every row, a batch of
 rows at a time, in the rows' order."""
 
@@ -21,20 +22,21 @@ class PredictSpec:
 
     model_fn: Callable[[dict], Callable[[np.ndarray], Any]]
     weights: Any  # a pyspark Broadcast of the state dict, or None (then `checkpoint`)
-    checkpoint: str | None
+    checkpoint: str | None  # the path of one snapshot generation (snapshot.newest on the driver)
     positions: tuple[int, ...]  # the input columns' places in a row
     batch_size: int
 
 
 def load_weights(spec: PredictSpec) -> dict:
-    """The state dict ``model_fn`` gets: the broadcast one, else the checkpoint's values by key.
-    Raises TaskFailed when the checkpoint cannot be read."""
+    """The state dict ``model_fn`` gets: the broadcast one, else the checkpoint generation's values by
+    key.  Raises TaskFailed when the generation cannot be read (e.g. later saves removed it)."""
     if spec.weights is not None:
         return spec.weights.value
     try:
-        values, _ = snapshot.read(str(spec.checkpoint))
+        values, _ = snapshot.read_generation(str(spec.checkpoint))
     except (OSError, ValueError) as exc:
-        raise TaskFailed(f"predict cannot read the checkpoint {spec.checkpoint}: {exc}") from None
+        raise TaskFailed(f"predict cannot read the checkpoint generation {spec.checkpoint} (later "
+                         f"kv.save_checkpoint calls remove all but the newest two): {exc}") from None
     return values
 
 
