@@ -2,7 +2,7 @@
 against up to 1,000 simulated nodes; a 64 MB push+pull over a shaped link against loopback.
 
     python benchmarks/scale.py [--workers 4,16,64,128] [--barriers 50] [--rounds 50] [--idle 10]
-                               [--nodes 100,250,500,1000] [--intervals 1,0.5,0.25,0.1] [--window 5]
+                               [--nodes 100,250,500,1000] [--intervals 0.5,0.25,0.1,0.05] [--window 5]
                                [--parts cluster,scheduler,link] [--json out.json]
 
 1. **Light workers** (``launch.py -n W -s 1`` of this script's ``--worker``: numpy and one 1-float
@@ -400,7 +400,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--idle", type=float, default=10.0, help="the heartbeat-only window, s")
     parser.add_argument("--nodes", type=numbers, default=[100, 250, 500, 1000])
-    parser.add_argument("--intervals", type=lambda t: numbers(t, float), default=[0.5, 0.25, 0.1],
+    parser.add_argument("--intervals", type=lambda t: numbers(t, float), default=[0.5, 0.25, 0.1, 0.05],
                         help="shorter heartbeat intervals driven at the largest node count")
     parser.add_argument("--window", type=float, default=5.0, help="each simulated window, s")
     parser.add_argument("--mb", type=int, default=64, help="the shaped link's key, MB")
