@@ -4,6 +4,7 @@ against up to 1,000 simulated nodes; a 64 MB push+pull over a shaped link agains
     python benchmarks/scale.py [--workers 4,16,64,128] [--barriers 50] [--rounds 50] [--idle 10]
                                [--nodes 100,250,500,1000] [--intervals 0.5,0.25,0.1,0.05] [--window 5]
                                [--parts cluster,scheduler,link] [--json out.json]
+    python benchmarks/scale.py --plot benchmarks/results/DATE-scale.json [--out docs/images/scale.png]
 
 1. **Light workers** (``launch.py -n W -s 1`` of this script's ``--worker``: numpy and one 1-float
    key, no torch).  Per W: the time to rendezvous (the launch to the last worker holding the cluster
@@ -477,6 +478,45 @@ def part_link(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# -- the figure ----------------------------------------------------------------------------------------
+
+def draw(run: dict[str, Any], source: str, out: Path) -> None:
+    """Two panels of a ``--json`` run into ``out`` (PNG; needs matplotlib): the light workers' figures
+    against W, and the simulated scheduler's answered beats and reply latency against offered beats."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (grow, sched) = plt.subplots(1, 2, figsize=(13, 4.6), constrained_layout=True)
+    fig.suptitle(f"kvstore at scale on 2 CPU cores, no GPU ({source})", fontsize=11)
+    rows = run.get("cluster", [])
+    ws = [r["W"] for r in rows]
+    for key, label in (("barrier_p50_ms", "barrier p50, ms"), ("round_p50_ms", "one-key round p50, ms"),
+                       ("rendezvous_s", "rendezvous, s"),
+                       ("sched_cpu_us_per_beat", "scheduler us / heartbeat")):
+        grow.plot(ws, [r[key] for r in rows], marker="o", label=label)
+    if ws:
+        grow.plot(ws, [rows[0]["barrier_p50_ms"] * w / ws[0] for w in ws], color="#999999", linestyle=":",
+                  label="linear in W from W=4's barrier")
+    grow.set(xscale="log", yscale="log", xticks=ws, xticklabels=[str(w) for w in ws], xlabel="workers W",
+             title="light workers, 1 server (all on 2 cores)")
+    grow.legend(fontsize=8)
+    top = [r for r in run.get("scheduler", []) if r["nodes"] == max(x["nodes"] for x in run["scheduler"])]
+    offered = [r["offered_per_s"] for r in top]
+    sched.plot(offered, [r["answered_per_s"] for r in top], marker="o", label="answered beats/s")
+    sched.plot(offered, offered, color="#999999", linestyle=":", label="offered")
+    sched.set(xscale="log", yscale="log", xlabel="offered heartbeats/s", ylabel="beats/s",
+              title=f"the scheduler alone, {top[0]['nodes'] if top else 0} simulated nodes")
+    latency = sched.twinx()
+    latency.plot(offered, [r["p99_ms"] for r in top], marker="s", color="#d62728", label="reply p99, ms")
+    latency.set(yscale="log", ylabel="reply p99, ms")
+    sched.legend(fontsize=8, loc="upper left")
+    latency.legend(fontsize=8, loc="lower right")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 # -- main ---------------------------------------------------------------------------------------------
 
 def numbers(text: str, kind: Any = int) -> list:
@@ -500,6 +540,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5, help="push+pull round trips per link rate")
     parser.add_argument("--parts", default="cluster,scheduler,link")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, metavar="JSON",
+                        help="draw a --json run's figure into --out instead of measuring")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "images" / "scale.png")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rate-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -508,6 +551,9 @@ def main() -> None:
         return
     if args.rate_worker:
         rate_worker(args.mb, args.iters)
+        return
+    if args.plot:
+        draw(json.loads(args.plot.read_text()), args.plot.name, args.out)
         return
     parts = set(args.parts.split(","))
     print(f"scale.py, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {os.cpu_count()} CPU cores, load average "
