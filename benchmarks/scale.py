@@ -289,14 +289,18 @@ def drive(sims: list[SimNode], poller: Any, by_sock: dict[Any, SimNode], pid: in
             sims[k % n].beat()
             k += 1
         for node, msg in replies(poller, by_sock, min(0.001, max(0.0, due - now))):
-            lat.append(time.monotonic() - node.sent.pop(msg.seq))
+            sent = node.sent.pop(msg.seq, None)
+            if sent is None:
+                continue  # a reply to an earlier window's beat, past its drain
+            lat.append(time.monotonic() - sent)
             answered += 1
             lost += bool(msg.body.get("lost"))
     sched, mine = (cpu_ns(pid) - sched0) / 1e9, time.process_time() - mine0
     drain = time.monotonic() + 3.0  # late replies count for latency only
     while any(node.sent for node in sims) and time.monotonic() < drain:
         for node, msg in replies(poller, by_sock, 0.05):
-            lat.append(time.monotonic() - node.sent.pop(msg.seq))
+            if (sent := node.sent.pop(msg.seq, None)) is not None:
+                lat.append(time.monotonic() - sent)
     unanswered = sum(len(node.sent) for node in sims)
     for node in sims:
         node.sent.clear()
