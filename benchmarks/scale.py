@@ -379,7 +379,7 @@ def part_scheduler(args: argparse.Namespace) -> list[dict[str, float]]:
         slope = cpu / (hi["answered_per_s"] - lo["answered_per_s"])
         print(f"marginal scheduler CPU per heartbeat at {lo['nodes']} nodes: {slope * 1e6:.1f} us; one "
               f"core would answer about {1 / slope:,.0f} beats/s, {INTERVAL / slope:,.0f} nodes at a "
-              f"{INTERVAL:g} s interval (an extrapolation where the driver saturated first)")
+              f"{INTERVAL:g} s interval (a straight-line extrapolation of the cost per beat)")
     return rows
 
 
