@@ -14,8 +14,9 @@ COMMON = {"barrier", "broadcast", "close", "get_gradient_compression", "get_opti
           "rank", "register", "row_sparse_pull", "save_checkpoint", "save_optimizer_states",
           "set_gradient_compression", "set_optimizer", "set_optimizer_params", "type"}
 # scheduler_request became stage_access: the pipeline's one hook, which now also gives the stage's
-# settings and session-sealed channel (the store kept one public name for it, not two)
-DIST = COMMON | {"check_alive", "rejoined_at", "stage_access", "stats"}
+# settings and session-sealed channel (the store kept one public name for it, not two); cluster_id
+# (issue 43: kvstore.Session tells its cluster's checkpoints from an earlier cluster's) is API, not a seam
+DIST = COMMON | {"check_alive", "cluster_id", "rejoined_at", "stage_access", "stats"}
 DATA_PATH = {"mux", "window", "cluster", "plan", "pieces", "submit", "wait", "receive", "after_round", "send",
              "send_planned", "hold"}
 
