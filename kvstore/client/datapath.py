@@ -285,6 +285,11 @@ class DataPath:
                     return requests
             window.wait_room(keys, deadline, self.mux.wait)
 
+    def rounds(self, keys: Iterable[Key]) -> list[int]:
+        """Each key's pushes sent so far: the round this worker's next push of it joins."""
+        with self._send_lock:
+            return [self._pushes.get(key, 0) for key in keys]
+
     def hold(self, server: int) -> dict[Key, int]:
         """Hold every request to ``server`` (``Mux.hold``: a restarted server, kvstore.client.realign)
         and return a copy of the push counts taken at the same instant (no push counted but not held)."""

@@ -438,11 +438,12 @@ class DistKVStore(KVStore):
                     held = by_server.setdefault(piece.server, [])
                     if k not in held:
                         held.append(k)
-        try:
-            self._path.wait([self._path.mux.submit(server, Message(Op.ROUND_ABORT, {"keys": keys,
-                                                                                    "reason": str(exc)}),
-                                                   f"round abort of key {keys[0]!r} to server {server}")
-                             for server, keys in by_server.items()])
+        path = self._path
+        try:  # "rounds": the round each key's push would have joined (its pushes so far), as a PUSH's
+            path.wait([path.mux.submit(server, Message(Op.ROUND_ABORT, {"keys": keys, "reason": str(exc),
+                                                                        "rounds": path.rounds(keys)}),
+                                       f"round abort of key {keys[0]!r} to server {server}")
+                       for server, keys in by_server.items()])
         except KVStoreError as failed:
             log.warning("could not abort the round of key(s) %s on every server (%s): the other workers' "
                         "pushpulls of it wait out their deadline", list(by_server.values())[:1], failed)

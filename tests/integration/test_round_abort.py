@@ -114,3 +114,27 @@ def test_a_void_push_waiting_in_the_round_fails_at_the_next_call(cluster: Cluste
         return kv.pushpull("small", _wrong(kv, (3,)))
     _every_rank_raises(cluster, call, "small")
     _right_sums(cluster, "small", (3,))
+
+
+def test_a_late_refusal_under_a_quorum_fails_nobody_else(make_cluster) -> None:
+    """KVSTORE_SYNC_QUORUM=2 of 3: worker 0 refuses its pushpull after round 0 closed without it; it
+    alone raises, and the next step succeeds on every worker (the refusal counts as its late push)."""
+    c = make_cluster("dist_sync", 3, 1, KVSTORE_SYNC_QUORUM="2", KVSTORE_REQUEST_TIMEOUT="20")
+
+    def work(kv):
+        kv.init("q", np.zeros(4, np.float32))
+        log = []
+        if kv.rank != 0:
+            kv.pushpull("q", np.ones(4, np.float32))  # round 0 closes by quorum, without worker 0
+        kv.barrier()  # worker 0 refuses only once round 0 has closed
+        if kv.rank == 0:
+            with pytest.raises(kvstore.ShapeMismatchError):
+                kv.pushpull("q", np.ones(5, np.float32))
+        kv.barrier()  # the next step starts after the abort (its OK came back): every worker joins round 1
+        start, out = time.monotonic(), np.ones(4, np.float32)
+        kv.pushpull("q", out)
+        log.append((out.tolist(), time.monotonic() - start < DEADLINE))
+        return log
+    assert c.run(work) == [[([3.0] * 4, True)]] * 3
+
+
