@@ -45,7 +45,16 @@ from kvstore.core.dtypes import BF16
 from kvstore.core.partition import Key, Piece, placement
 from kvstore.core.plan import SMALL_BYTES, Send, init_body, pack, plan
 from kvstore.core.values import Meta
-from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, ProtocolError, from_cluster
+from kvstore.errors import (
+    CollectiveMismatchError,
+    DeadlineExceededError,
+    DTypeMismatchError,
+    KVStoreError,
+    NodeLostError,
+    ProtocolError,
+    ShapeMismatchError,
+    from_cluster,
+)
 from kvstore.net.protocol import Message, Op
 
 log = logging.getLogger("kvstore.dist")
@@ -191,12 +200,18 @@ class DataPath:
                                                          f"({knob}){hint}")) from None
         return results
 
-    def receive(self, keys: list[Key], requests: list[Request]) -> list[Message]:
-        """The replies to a pull's or pushpull's ``requests`` (the time waited counted as blocked);
-        raises the failure of an earlier push of ``keys`` (after the replies are in)."""
+    def receive(self, keys: list[Key], requests: list[Request], pushed: bool = False) -> list[Message]:
+        """The replies to a pull's or (``pushed``) a pushpull's ``requests`` (the time waited counted as
+        blocked); raises the failure of an earlier push of ``keys`` (after the replies are in).  A
+        pushpull refused or aborted (its round, on the servers: ``ShardState.abort``) is uncounted
+        first (:meth:`uncount`): every worker's count of ``keys`` is then as if it never happened."""
         waiting = time.perf_counter()
         try:
             replies = self.wait(requests)
+        except (CollectiveMismatchError, ShapeMismatchError, DTypeMismatchError):
+            if pushed:
+                self.uncount(keys)
+            raise
         finally:
             self._meter.blocked_for("pull", time.perf_counter() - waiting)
         self._raise_failure(keys)
@@ -289,6 +304,14 @@ class DataPath:
         """Each key's pushes sent so far: the round this worker's next push of it joins."""
         with self._send_lock:
             return [self._pushes.get(key, 0) for key in keys]
+
+    def uncount(self, keys: Iterable[Key]) -> None:
+        """Take back one push of each of ``keys``: a pushpull whose round was aborted on the servers
+        (docs/api.md, blocking rules), so the round it carried is this worker's next one again."""
+        with self._send_lock:
+            for key in keys:
+                if self._pushes.get(key, 0) > 0:
+                    self._pushes[key] -= 1
 
     def hold(self, server: int) -> dict[Key, int]:
         """Hold every request to ``server`` (``Mux.hold``: a restarted server, kvstore.client.realign)
@@ -414,7 +437,7 @@ class FastPath:
             requests = self.path.send_planned(op, plan.keys, plan.push_sends, _gathered(plan, values),
                                               plan.send_keys)
             if outs is not None:
-                self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs)
+                self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs, True)
         finally:
             self.meter.end(name, started)
             if outs is not None:
@@ -432,9 +455,10 @@ class FastPath:
             self.path.after_round()  # KVSTORE_TEST_DIE_AT_ROUND
 
     def _receive(self, plan: KeyList, sends: list[Send], dtypes: list[np.dtype], slots: list[Any],
-                 requests: list[Request], outs: list[np.ndarray]) -> None:
-        """Wait for the replies to ``requests`` and write each key's slice into its out."""
-        replies = self.path.receive(list(plan.keys), requests)
+                 requests: list[Request], outs: list[np.ndarray], pushed: bool = False) -> None:
+        """Wait for the replies to ``requests`` (a pushpull's with ``pushed``) and write each key's
+        slice into its out."""
+        replies = self.path.receive(list(plan.keys), requests, pushed)
         _write(plan, slots, [_flat(s, r.arrays, d) for s, r, d in zip(sends, replies, dtypes)], outs)
 
 

@@ -345,11 +345,11 @@ class DistKVStore(KVStore):
             self._meter.end("push", started)
 
     def _collect(self, keys: list[Key], sends: list[Send], requests: list[Request],
-                 outs: list[list[Any]] | None = None) -> list[np.ndarray | None]:
-        """Wait for the replies to ``sends`` and assemble each key's value from its parts
-        (``plan.collect``): a key whose out is one C-contiguous numpy array gets None, its out written.
-        """
-        replies = self._path.receive(keys, requests)
+                 outs: list[list[Any]] | None = None, pushed: bool = False) -> list[np.ndarray | None]:
+        """Wait for the replies to ``sends`` (a pushpull's with ``pushed``) and assemble each key's
+        value from its parts (``plan.collect``): a key whose out is one C-contiguous numpy array gets
+        None, its out written."""
+        replies = self._path.receive(keys, requests, pushed)
         targets = None if outs is None else [o[0] if len(o) == 1 else None for o in outs]
         return collect(keys, [self._meta[k] for k in keys], sends, [r.arrays for r in replies], targets)
 
@@ -452,7 +452,7 @@ class DistKVStore(KVStore):
                   outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pushpull")
         try:
-            return self._collect(*self._path.send(Op.PUSHPULL, groups), outs)
+            return self._collect(*self._path.send(Op.PUSHPULL, groups), outs, pushed=True)
         finally:
             self._meter.end("pushpull", started)
             self._path.after_round()  # residuals, test hook
@@ -481,7 +481,7 @@ class DistKVStore(KVStore):
 
         def finish(write: bool = True) -> None:
             try:
-                arrays = self._collect(*sent, targets if write else None)
+                arrays = self._collect(*sent, targets if write else None, pushed=True)
                 if write:
                     self._deliver(sent[0], arrays, targets, False)
             finally:

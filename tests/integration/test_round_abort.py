@@ -138,3 +138,24 @@ def test_a_late_refusal_under_a_quorum_fails_nobody_else(make_cluster) -> None:
     assert c.run(work) == [[([3.0] * 4, True)]] * 3
 
 
+
+
+def test_an_aborted_round_leaves_every_worker_s_push_count_as_before_it(make_cluster) -> None:
+    """Worker 0's refused pushpull aborts worker 1's, twice (the second time on the fast path): no
+    worker counts those rounds (the round a push carries, and ALIGN's after a server restart, agree),
+    and the pushpulls between them sum right."""
+    c = make_cluster("dist_sync", 2, 1)
+
+    def work(kv):
+        kv.init("a", np.zeros(4, np.float32))
+        found = []
+        for _ in range(2):
+            with pytest.raises((kvstore.ShapeMismatchError, kvstore.CollectiveMismatchError)):
+                kv.pushpull(["a"], [np.ones(5 if kv.rank == 0 else 4, np.float32)],
+                            out=[np.zeros(4, np.float32)])
+            counts = kv._path.rounds(["a"])
+            out = np.zeros(4, np.float32)
+            kv.pushpull(["a"], [np.full(4, kv.rank + 1.0, np.float32)], out=[out])
+            found.append((counts, kv._path.rounds(["a"]), out.tolist()))
+        return found
+    assert c.run(work) == [[([0], [1], [3.0] * 4), ([1], [2], [3.0] * 4)]] * 2
