@@ -90,6 +90,8 @@ class RowReducer:
         dtype), before anything is sent."""
         if len(grads) != len(self.tables):
             raise ValueError(f"{len(grads)} gradients for {len(self.tables)} tables")
+        if not self.tables:
+            return
         merged, bad = [], None
         for i, (grad, (name, shape, dtype)) in enumerate(zip(grads, self.tables)):
             if grad is None:

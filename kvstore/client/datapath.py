@@ -156,7 +156,8 @@ class DataPath:
     # -- requests -----------------------------------------------------------------------------------
     def submit(self, op: Op, send: Send, array: np.ndarray | None, extra: dict | None = None) -> Request:
         """Queue one data message (a batch, a whole piece or a chunk) to its server; an INIT's body is
-        the init body of ``send``, a PUSH's or PUSHPULL's carries each key's round (its pushes so far)."""
+        the init body of ``send``, a PUSH's or PUSHPULL's carries each key's round (its pushes so far),
+        and so does a ROUND_ABORT's: the round the refused pushpull would have carried."""
         first, more = send.parts[0].key, len(send.parts) - 1
         keys = f"key {first!r}" + (f" and {more} more" if more else "")
         what = f"{op.name.lower()} of {keys} to server {send.server} ({self.cluster.servers[send.server]})"
@@ -165,6 +166,8 @@ class DataPath:
             body = {**body, **extra}  # e.g. a compressed push's "compression"
         if op is Op.PUSH or op is Op.PUSHPULL:  # each key's round: this worker's earlier pushes of it
             body = {**body, "rounds": [self._pushes[part.key] - 1 for part in send.parts]}
+        elif op is Op.ROUND_ABORT:  # never sent, so not counted
+            body = {**body, "rounds": [self._pushes.get(part.key, 0) for part in send.parts]}
         if array is not None:
             self._meter.sent(array.nbytes)
         msg = Message(op, body, [] if array is None else [array])
@@ -204,13 +207,13 @@ class DataPath:
         """The replies to a pull's or (``pushed``) a pushpull's ``requests`` (the time waited counted as
         blocked); raises the failure of an earlier push of ``keys`` (after the replies are in).  A
         pushpull refused or aborted (its round, on the servers: ``ShardState.abort``) is uncounted
-        first (:meth:`uncount`): every worker's count of ``keys`` is then as if it never happened."""
+        first (:meth:`_uncount`): every worker's count of ``keys`` is then as if it never happened."""
         waiting = time.perf_counter()
         try:
             replies = self.wait(requests)
         except (CollectiveMismatchError, ShapeMismatchError, DTypeMismatchError):
             if pushed:
-                self.uncount(keys)
+                self._uncount(keys)
             raise
         finally:
             self._meter.blocked_for("pull", time.perf_counter() - waiting)
@@ -300,12 +303,7 @@ class DataPath:
                     return requests
             window.wait_room(keys, deadline, self.mux.wait)
 
-    def rounds(self, keys: Iterable[Key]) -> list[int]:
-        """Each key's pushes sent so far: the round this worker's next push of it joins."""
-        with self._send_lock:
-            return [self._pushes.get(key, 0) for key in keys]
-
-    def uncount(self, keys: Iterable[Key]) -> None:
+    def _uncount(self, keys: Iterable[Key]) -> None:
         """Take back one push of each of ``keys``: a pushpull whose round was aborted on the servers
         (docs/api.md, blocking rules), so the round it carried is this worker's next one again."""
         with self._send_lock:

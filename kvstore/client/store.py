@@ -427,26 +427,23 @@ class DistKVStore(KVStore):
         (the caller raises ``exc``)."""
         if self._cluster.mode != "dist_sync":
             return
-        by_server: dict[int, list[Key]] = {}
+        keys: dict[Key, None] = {}  # distinct, in order
         for k in key if isinstance(key, (list, tuple)) else [key]:
             try:
                 k = known_key(k, self._meta)
             except KVStoreError:
                 continue  # refused for its key already: not pushed by anyone
             if k in self._meta:
-                for piece in self._path.pieces(k):
-                    held = by_server.setdefault(piece.server, [])
-                    if k not in held:
-                        held.append(k)
+                keys[k] = None
+        if not keys:
+            return
         path = self._path
-        try:  # "rounds": the round each key's push would have joined (its pushes so far), as a PUSH's
-            path.wait([path.mux.submit(server, Message(Op.ROUND_ABORT, {"keys": keys, "reason": str(exc),
-                                                                        "rounds": path.rounds(keys)}),
-                                       f"round abort of key {keys[0]!r} to server {server}")
-                       for server, keys in by_server.items()])
+        try:  # one ROUND_ABORT per message a pull of the keys would send: each server holding a piece
+            sends, _ = path.plan(list(keys), chunked=False)
+            path.wait([path.submit(Op.ROUND_ABORT, send, None, {"reason": str(exc)}) for send in sends])
         except KVStoreError as failed:
             log.warning("could not abort the round of key(s) %s on every server (%s): the other workers' "
-                        "pushpulls of it wait out their deadline", list(by_server.values())[:1], failed)
+                        "pushpulls of it wait out their deadline", list(keys)[:3], failed)
 
     def _pushpull(self, groups: list[Pushed], priority: int,
                   outs: list[list[Any]] | None = None) -> list[Any]:
