@@ -83,33 +83,54 @@ class RowReducer:
 
     def push(self, grads: Sequence[RowSparse | None]) -> None:
         """Send this worker's rows of every table (None: no rows), their ids and their counts; returns
-        at once.  Raises what ``push`` raises (a row of another shape or dtype), before anything is sent."""
+        at once.  A gradient of another shape than its table, or with a row id outside the table,
+        raises ValueError naming the table (and the id) after pushing a *poisoned* step instead (no
+        rows, a negative count), so the round still closes and :meth:`pull` raises on every other
+        worker rather than waiting for this one.  Raises what ``push`` raises (a row of another
+        dtype), before anything is sent."""
         if len(grads) != len(self.tables):
             raise ValueError(f"{len(grads)} gradients for {len(self.tables)} tables")
-        merged = []
-        for grad, (name, shape, dtype) in zip(grads, self.tables):
+        if not self.tables:
+            return
+        merged, bad = [], None
+        for i, (grad, (name, shape, dtype)) in enumerate(zip(grads, self.tables)):
             if grad is None:
                 merged.append((np.zeros(0, np.int64), np.zeros((0, *shape[1:]), dtype)))
                 continue
-            if tuple(grad.shape) != shape:
-                raise ValueError(f"table {name!r} is {shape}, its gradient {tuple(grad.shape)}")
-            ids, rows = R.merge(grad.indices, np.asarray(grad.rows).reshape(len(grad.indices), *shape[1:]))
-            merged.append((ids, rows))
-        if not self.tables:
-            return
+            bad = bad or _refusal(i, name, shape, grad)
+            if bad is None:
+                merged.append(R.merge(grad.indices,
+                                      np.asarray(grad.rows).reshape(len(grad.indices), *shape[1:])))
+        if bad is not None:
+            self._push_poisoned(*bad)
+            raise ValueError(bad[3])
+        self._send(merged, [len(ids) for ids, _ in merged], {})
+        self._pushed = True
+
+    def _push_poisoned(self, table: int, code: int, bad_id: int | None, why: str) -> None:
+        """Push a step without rows whose count of ``table`` is ``code`` (< 0: what was wrong, read by
+        :meth:`pull`), with ``bad_id`` in this worker's first id slot of it."""
+        empty = [(np.zeros(0, np.int64), np.zeros((0, *shape[1:]), dtype)) for _, shape, dtype in self.tables]
+        counts = [code if i == table else 0 for i in range(len(self.tables))]
+        self._send(empty, counts, {} if bad_id is None else {table: bad_id})
+
+    def _send(self, merged: list[tuple[np.ndarray, np.ndarray]], counts: list[int],
+              first_ids: dict[int, int]) -> None:
+        """Push each table's merged ``(ids, rows)``, its ids into this worker's slots (``first_ids``: a
+        table's first slot's id instead, for a poisoned step) and ``counts``."""
         workers, rank = self.kv.num_workers, self.kv.rank
-        counts = np.array([[len(ids)] for ids, _ in merged], np.float64)
         slots = np.arange(len(self.tables), dtype=np.int64) * workers + rank
         values: list[Any] = []
         for (ids, rows), (_, shape, _) in zip(merged, self.tables):
             values.append(RowSparse(ids, rows, shape))
-        for (ids, _), (_, shape, _) in zip(merged, self.tables):
-            own = rank * shape[0] + np.arange(len(ids), dtype=np.int64)
-            values.append(RowSparse(own, ids.astype(self._id_dtype(shape)).reshape(-1, 1),
+        for i, ((ids, _), (_, shape, _)) in enumerate(zip(merged, self.tables)):
+            shown = np.array([first_ids[i]]) if i in first_ids else ids
+            own = rank * shape[0] + np.arange(len(shown), dtype=np.int64)
+            values.append(RowSparse(own, shown.astype(self._id_dtype(shape)).reshape(-1, 1),
                                     (workers * shape[0], 1)))
-        values.append(RowSparse(slots, counts, (len(self.tables) * workers, 1)))
+        values.append(RowSparse(slots, np.array(counts, np.float64).reshape(-1, 1),
+                                (len(self.tables) * workers, 1)))
         self.kv.push([*self.row_keys, *self.id_keys, self.count_key], values)
-        self._pushed = True
 
     def pull(self) -> list[RowSparse]:
         """The summed rows of every row some worker touched in the round :meth:`push` sent, per table
@@ -122,6 +143,8 @@ class RowReducer:
         workers = self.kv.num_workers
         counts = self.kv.row_sparse_pull(self.count_key, row_ids=np.arange(len(self.tables) * workers))
         counts = counts.rows.reshape(len(self.tables), workers).astype(np.int64)
+        if (counts < 0).any():
+            raise self._poisoned(counts)
         slots = [np.concatenate([r * shape[0] + np.arange(n, dtype=np.int64) for r, n in enumerate(row)])
                  for row, (_, shape, _) in zip(counts, self.tables)]
         got = self.kv.row_sparse_pull(self.id_keys, row_ids=slots)
@@ -130,10 +153,40 @@ class RowReducer:
         return [RowSparse(union, rows.rows.reshape(len(union), *shape[1:]), shape)
                 for union, rows, (_, shape, _) in zip(unions, summed, self.tables)]
 
+    def _poisoned(self, counts: np.ndarray) -> ValueError:
+        """The error of a step some worker poisoned (a negative count, :meth:`push`): names the worker,
+        the table and what was wrong (the bad row id, read from that worker's first id slot)."""
+        table, worker = (int(n) for n in np.argwhere(counts < 0)[0])
+        name, shape, _ = self.tables[table]
+        if counts[table, worker] == _BAD_SHAPE:
+            what = f"a gradient of another shape than the table's {shape}"
+        else:
+            got = self.kv.row_sparse_pull(self.id_keys[table], row_ids=np.array([worker * shape[0]]))
+            what = f"row id {int(got.rows.reshape(-1)[0])} outside [0, {shape[0]})"
+        return ValueError(f"worker {worker} pushed {what} for table {name!r}: this step's sparse reduction "
+                          f"failed on every worker (nothing was summed); the next step starts afresh")
+
     def reduce(self, grads: Sequence[RowSparse | None]) -> list[RowSparse]:
         """:meth:`push` then :meth:`pull`."""
         self.push(grads)
         return self.pull()
+
+
+_BAD_ID, _BAD_SHAPE = -1, -2  # a poisoned step's count (RowReducer.push): what was wrong
+
+
+def _refusal(table: int, name: str, shape: tuple[int, ...],
+             grad: RowSparse) -> tuple[int, int, int | None, str] | None:
+    """Why table ``table``'s gradient cannot be pushed, as ``(table, count code, bad id or None,
+    message)``, or None when it can: another shape than the table's, or a row id outside it."""
+    if tuple(grad.shape) != shape:
+        return table, _BAD_SHAPE, None, f"table {name!r} is {shape}, its gradient {tuple(grad.shape)}"
+    ids = grad.indices
+    outside = ids[(ids < 0) | (ids >= shape[0])] if ids.size else ids
+    if outside.size:
+        return (table, _BAD_ID, int(outside[0]),
+                f"table {name!r} has {shape[0]} rows, but its gradient has row id {int(outside[0])}")
+    return None
 
 
 class SparseGrads:

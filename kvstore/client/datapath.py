@@ -45,7 +45,16 @@ from kvstore.core.dtypes import BF16
 from kvstore.core.partition import Key, Piece, placement
 from kvstore.core.plan import SMALL_BYTES, Send, init_body, pack, plan
 from kvstore.core.values import Meta
-from kvstore.errors import DeadlineExceededError, KVStoreError, NodeLostError, ProtocolError, from_cluster
+from kvstore.errors import (
+    CollectiveMismatchError,
+    DeadlineExceededError,
+    DTypeMismatchError,
+    KVStoreError,
+    NodeLostError,
+    ProtocolError,
+    ShapeMismatchError,
+    from_cluster,
+)
 from kvstore.net.protocol import Message, Op
 
 log = logging.getLogger("kvstore.dist")
@@ -147,7 +156,8 @@ class DataPath:
     # -- requests -----------------------------------------------------------------------------------
     def submit(self, op: Op, send: Send, array: np.ndarray | None, extra: dict | None = None) -> Request:
         """Queue one data message (a batch, a whole piece or a chunk) to its server; an INIT's body is
-        the init body of ``send``, a PUSH's or PUSHPULL's carries each key's round (its pushes so far)."""
+        the init body of ``send``, a PUSH's or PUSHPULL's carries each key's round (its pushes so far),
+        and so does a ROUND_ABORT's: the round the refused pushpull would have carried."""
         first, more = send.parts[0].key, len(send.parts) - 1
         keys = f"key {first!r}" + (f" and {more} more" if more else "")
         what = f"{op.name.lower()} of {keys} to server {send.server} ({self.cluster.servers[send.server]})"
@@ -156,6 +166,8 @@ class DataPath:
             body = {**body, **extra}  # e.g. a compressed push's "compression"
         if op is Op.PUSH or op is Op.PUSHPULL:  # each key's round: this worker's earlier pushes of it
             body = {**body, "rounds": [self._pushes[part.key] - 1 for part in send.parts]}
+        elif op is Op.ROUND_ABORT:  # never sent, so not counted
+            body = {**body, "rounds": [self._pushes.get(part.key, 0) for part in send.parts]}
         if array is not None:
             self._meter.sent(array.nbytes)
         msg = Message(op, body, [] if array is None else [array])
@@ -191,12 +203,18 @@ class DataPath:
                                                          f"({knob}){hint}")) from None
         return results
 
-    def receive(self, keys: list[Key], requests: list[Request]) -> list[Message]:
-        """The replies to a pull's or pushpull's ``requests`` (the time waited counted as blocked);
-        raises the failure of an earlier push of ``keys`` (after the replies are in)."""
+    def receive(self, keys: list[Key], requests: list[Request], pushed: bool = False) -> list[Message]:
+        """The replies to a pull's or (``pushed``) a pushpull's ``requests`` (the time waited counted as
+        blocked); raises the failure of an earlier push of ``keys`` (after the replies are in).  A
+        pushpull refused or aborted (its round, on the servers: ``ShardState.abort``) is uncounted
+        first (:meth:`_uncount`): every worker's count of ``keys`` is then as if it never happened."""
         waiting = time.perf_counter()
         try:
             replies = self.wait(requests)
+        except (CollectiveMismatchError, ShapeMismatchError, DTypeMismatchError):
+            if pushed:
+                self._uncount(keys)
+            raise
         finally:
             self._meter.blocked_for("pull", time.perf_counter() - waiting)
         self._raise_failure(keys)
@@ -284,6 +302,14 @@ class DataPath:
                     window.add_sends(send_keys, requests, failures=op is Op.PUSH)
                     return requests
             window.wait_room(keys, deadline, self.mux.wait)
+
+    def _uncount(self, keys: Iterable[Key]) -> None:
+        """Take back one push of each of ``keys``: a pushpull whose round was aborted on the servers
+        (docs/api.md, blocking rules), so the round it carried is this worker's next one again."""
+        with self._send_lock:
+            for key in keys:
+                if self._pushes.get(key, 0) > 0:
+                    self._pushes[key] -= 1
 
     def hold(self, server: int) -> dict[Key, int]:
         """Hold every request to ``server`` (``Mux.hold``: a restarted server, kvstore.client.realign)
@@ -409,7 +435,7 @@ class FastPath:
             requests = self.path.send_planned(op, plan.keys, plan.push_sends, _gathered(plan, values),
                                               plan.send_keys)
             if outs is not None:
-                self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs)
+                self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs, True)
         finally:
             self.meter.end(name, started)
             if outs is not None:
@@ -427,9 +453,10 @@ class FastPath:
             self.path.after_round()  # KVSTORE_TEST_DIE_AT_ROUND
 
     def _receive(self, plan: KeyList, sends: list[Send], dtypes: list[np.dtype], slots: list[Any],
-                 requests: list[Request], outs: list[np.ndarray]) -> None:
-        """Wait for the replies to ``requests`` and write each key's slice into its out."""
-        replies = self.path.receive(list(plan.keys), requests)
+                 requests: list[Request], outs: list[np.ndarray], pushed: bool = False) -> None:
+        """Wait for the replies to ``requests`` (a pushpull's with ``pushed``) and write each key's
+        slice into its out."""
+        replies = self.path.receive(list(plan.keys), requests, pushed)
         _write(plan, slots, [_flat(s, r.arrays, d) for s, r, d in zip(sends, replies, dtypes)], outs)
 
 

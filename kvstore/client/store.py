@@ -352,11 +352,11 @@ class DistKVStore(KVStore):
             self._meter.end("push", started)
 
     def _collect(self, keys: list[Key], sends: list[Send], requests: list[Request],
-                 outs: list[list[Any]] | None = None) -> list[np.ndarray | None]:
-        """Wait for the replies to ``sends`` and assemble each key's value from its parts
-        (``plan.collect``): a key whose out is one C-contiguous numpy array gets None, its out written.
-        """
-        replies = self._path.receive(keys, requests)
+                 outs: list[list[Any]] | None = None, pushed: bool = False) -> list[np.ndarray | None]:
+        """Wait for the replies to ``sends`` (a pushpull's with ``pushed``) and assemble each key's
+        value from its parts (``plan.collect``): a key whose out is one C-contiguous numpy array gets
+        None, its out written."""
+        replies = self._path.receive(keys, requests, pushed)
         targets = None if outs is None else [o[0] if len(o) == 1 else None for o in outs]
         return collect(keys, [self._meta[k] for k in keys], sends, [r.arrays for r in replies], targets)
 
@@ -434,31 +434,29 @@ class DistKVStore(KVStore):
         (the caller raises ``exc``)."""
         if self._cluster.mode != "dist_sync":
             return
-        by_server: dict[int, list[Key]] = {}
+        keys: dict[Key, None] = {}  # distinct, in order
         for k in key if isinstance(key, (list, tuple)) else [key]:
             try:
                 k = known_key(k, self._meta)
             except KVStoreError:
                 continue  # refused for its key already: not pushed by anyone
             if k in self._meta:
-                for piece in self._path.pieces(k):
-                    held = by_server.setdefault(piece.server, [])
-                    if k not in held:
-                        held.append(k)
-        try:
-            self._path.wait([self._path.mux.submit(server, Message(Op.ROUND_ABORT, {"keys": keys,
-                                                                                    "reason": str(exc)}),
-                                                   f"round abort of key {keys[0]!r} to server {server}")
-                             for server, keys in by_server.items()])
+                keys[k] = None
+        if not keys:
+            return
+        path = self._path
+        try:  # one ROUND_ABORT per message a pull of the keys would send: each server holding a piece
+            sends, _ = path.plan(list(keys), chunked=False)
+            path.wait([path.submit(Op.ROUND_ABORT, send, None, {"reason": str(exc)}) for send in sends])
         except KVStoreError as failed:
             log.warning("could not abort the round of key(s) %s on every server (%s): the other workers' "
-                        "pushpulls of it wait out their deadline", list(by_server.values())[:1], failed)
+                        "pushpulls of it wait out their deadline", list(keys)[:3], failed)
 
     def _pushpull(self, groups: list[Pushed], priority: int,
                   outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pushpull")
         try:
-            return self._collect(*self._path.send(Op.PUSHPULL, groups), outs)
+            return self._collect(*self._path.send(Op.PUSHPULL, groups), outs, pushed=True)
         finally:
             self._meter.end("pushpull", started)
             self._path.after_round()  # residuals, test hook
@@ -487,7 +485,7 @@ class DistKVStore(KVStore):
 
         def finish(write: bool = True) -> None:
             try:
-                arrays = self._collect(*sent, targets if write else None)
+                arrays = self._collect(*sent, targets if write else None, pushed=True)
                 if write:
                     self._deliver(sent[0], arrays, targets, False)
             finally:

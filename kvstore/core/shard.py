@@ -57,7 +57,10 @@ Rules (docs/architecture.md, SEMANTICS.md):
   worker the round waited for that had not sent all of its contribution *owes* the rest: its chunks
   of that round that arrive later are refused with the same error, changing nothing, so its call
   fails too instead of waiting for a round that will never close.  Then every worker's next push
-  of the key joins that round afresh.
+  of the key joins that round afresh.  Under a quorum the abort names the round (the round the
+  refused push would have carried): one already closed without that worker is left alone, the
+  refusal counted as its late push (its next push, not counted by its client, joins the oldest open
+  round).
 
 Arrays handed out by :meth:`ShardState.pull` are never written to afterwards:
 every update stores a new array, so a reply may be sent without copying.
@@ -281,10 +284,14 @@ class ShardState:
         lo, hi = span
         state.offset[worker] = state.offset.get(worker, 0) + state.base - number - 1
         if hi == state.value.size:
-            self.late[worker] = self.late.get(worker, 0) + 1
-            if self.on_late is not None:
-                self.on_late(key, worker, number)
+            self._count_late(key, worker, number)
         return self._add_pull(state, token, worker, lo, hi) if pull else [Completion(token)]
+
+    def _count_late(self, key: Key, worker: int, number: int) -> None:
+        """Count ``worker``'s late contribution to round ``number`` of ``key`` and report it."""
+        self.late[worker] = self.late.get(worker, 0) + 1
+        if self.on_late is not None:
+            self.on_late(key, worker, number)
 
     def pull_many(self, worker: int, entries: list[tuple[Any, Key, int, int | None]],
                   whole: bool = False) -> list[Completion]:
@@ -356,31 +363,45 @@ class ShardState:
 
     # -- aborted rounds: a pushpull refused for its values fails every worker's call -----------
 
-    def abort(self, worker: int, keys: Iterable[Key], reason: str) -> list[Completion]:
+    def abort(self, worker: int, keys: Iterable[Key], reason: str,
+              rounds: list[int] | None = None) -> list[Completion]:
         """``worker``'s pushpull of ``keys`` was refused (``reason``: a value of another shape or
         dtype, in words): in dist_sync, drop the round of each key held here that it would have
         joined and every later open one; return the error completions of the pushes and pushpulls
         waiting on them, and the pulls this releases (see the module docstring: the workers that had
         not sent that round owe it; one that owed it already pays its debt, aborting nothing more).
+        ``rounds`` (one per key, as a quorum's push carries them) names that round: under a quorum, a
+        round already closed without the worker is left alone, the refusal counted as its late push.
         Keys not held here are skipped; nothing happens in dist_async.  Raises ``ValueError`` for a
-        worker that is not a rank."""
+        worker that is not a rank, or for ``rounds`` of another length than ``keys``."""
         self._check_worker(worker)
-        keys = [key for key in keys if key in self._keys]
-        if not self.sync or not keys:
+        keys = list(keys)
+        sent: list[int | None] = [None] * len(keys) if rounds is None else list(rounds)
+        if len(sent) != len(keys):
+            raise ValueError(f"{len(sent)} rounds for {len(keys)} keys")
+        held = [(key, r) for key, r in zip(keys, sent) if key in self._keys]
+        if not self.sync or not held:
             return []
+        keys = [key for key, _ in held]
         shown = f"{keys[0]!r}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
         error = CollectiveMismatchError(
             f"worker {worker}'s pushpull was refused ({reason}), so this round of key(s) {shown} was "
             "aborted on every worker: nothing was applied, the keys are as before it; call pushpull "
             "again with matching values on every worker", [worker])
         done: list[Completion] = []
-        for key in keys:
-            done += self._abort_key(self._get(key), worker, error)
+        for key, r in held:
+            done += self._abort_key(self._get(key), key, worker, r, error)
         return done
 
-    def _abort_key(self, state: _KeyState, worker: int, error: CollectiveMismatchError) -> list[Completion]:
-        """:meth:`abort` of one key's rounds from ``worker``'s next one on."""
-        number = max(state.next_round.get(worker, state.base), state.base)
+    def _abort_key(self, state: _KeyState, key: Key, worker: int, sent: int | None,
+                   error: CollectiveMismatchError) -> list[Completion]:
+        """:meth:`abort` of one key's rounds from the one ``worker`` would have joined (``sent``: the
+        round it names, as its push would) on; a round closed by quorum is left alone (late)."""
+        number = self._round_of(state, worker, sent)
+        if number < state.base:  # closed without it (quorum): the refusal is its late push, which its
+            state.offset[worker] = state.offset.get(worker, 0) + state.base - number  # client never counted
+            self._count_late(key, worker, number)
+            return []
         number = min(number, state.base + len(state.rounds))
         owed = state.debts.get(worker)
         if owed and owed[0].round == number and owed[0].covered == 0:
@@ -567,8 +588,7 @@ class ShardState:
                                      f"stored dtype {stored.dtype}")
         number = 0
         if self.sync:
-            number = (max(state.next_round.get(worker, state.base), state.base)
-                      if sent is None or self.quorum is None else sent + state.offset.get(worker, 0))
+            number = self._round_of(state, worker, sent)
             if number < state.base:  # its round closed by quorum: dropped, whatever its offset
                 return state, lo, hi, -1 - number
             # A round beyond the next one: an earlier push of it was refused (damaged, over the
@@ -593,6 +613,14 @@ class ShardState:
         if rnd is not None:
             rnd.check_part(key, worker, lo, hi)
         return state, lo, hi, number
+
+    def _round_of(self, state: _KeyState, worker: int, sent: int | None) -> int:
+        """The sync round of a key that ``worker``'s next contribution joins: under a quorum the one
+        it names (``sent``, its own count, resynced by ``offset``), else its next unsent one.  Below
+        ``state.base`` when that round has closed (late, quorum only)."""
+        if sent is None or self.quorum is None:
+            return max(state.next_round.get(worker, state.base), state.base)
+        return sent + state.offset.get(worker, 0)
 
     @staticmethod
     def _checked_range(key: Key, stored: np.ndarray, lo: int, hi: int | None) -> tuple[int, int]:

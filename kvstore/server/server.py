@@ -209,7 +209,7 @@ class Server:
             self._requests.check_updatable(keys[0], values[0].dtype)  # one array: one dtype
         except (ShapeMismatchError, DTypeMismatchError) as exc:
             if pull:  # a pushpull refused for its values: the round fails on every worker
-                self._abort_round(msg.sender, msg.body.get("keys"), str(exc))
+                self._abort_round(msg.sender, msg.body.get("keys"), str(exc), rounds)
             raise
         batch = Batch(identity, msg.seq, len(keys), bf16)
         entries = [((batch, i), key, value, lo or 0) for i, (key, value) in enumerate(zip(keys, values))]
@@ -219,34 +219,42 @@ class Server:
             done = self.state.push_many(msg.sender, entries, pull, rounds)
         except (ShapeMismatchError, DTypeMismatchError) as exc:
             if pull:
-                self._abort_round(msg.sender, keys, str(exc))
+                self._abort_round(msg.sender, keys, str(exc), rounds)
             raise
         self._requests.reply_all(done)
 
     def _on_round_abort(self, identity: bytes, msg: Message) -> None:
         """A worker's pushpull of ``keys`` was refused before it was sent (a value of another shape
-        or dtype, its ``reason``): abort that round of the keys (``ShardState.abort``).  Raises, aborting
-        nothing, :class:`ProtocolError` for a malformed body or a worker that has left, and
-        :class:`KeyNotInitializedError` (or a key's type error) for a key not held here."""
+        or dtype, its ``reason``): abort that round of the keys (``ShardState.abort``; ``rounds``, when
+        given, names it per key as a PUSH's do).  Raises, aborting nothing, :class:`ProtocolError` for a
+        malformed body or a worker that has left, and :class:`KeyNotInitializedError` (or a key's type
+        error) for a key not held here."""
         worker, keys, reason = self._requests.sender(msg), msg.body.get("keys"), msg.body.get("reason")
         if not (isinstance(keys, list) and keys and isinstance(reason, str)):
             raise ProtocolError("ROUND_ABORT needs 'keys' and a 'reason'")
+        rounds = _rounds(msg)
         self._pusher(identity, msg)  # a worker that has left cannot abort
         for key in keys:  # each one held here (as a PUSH's), or nothing is aborted
             self.state.value(check_key(key))
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
-        self._abort_round(worker, keys, reason)
+        self._abort_round(worker, keys, reason, rounds)
 
-    def _abort_round(self, worker: Any, keys: Any, reason: str) -> None:
-        """Abort ``worker``'s round of ``keys`` (those held here, dist_sync) and answer the requests
-        waiting on it with the error; a malformed worker or key list aborts nothing."""
+    def _abort_round(self, worker: Any, keys: Any, reason: str, rounds: list[int] | None = None) -> None:
+        """Abort ``worker``'s round of ``keys`` (those held here, dist_sync; ``rounds``: the round of
+        each, or None) and answer the requests waiting on it with the error; a malformed worker or key
+        list aborts nothing."""
         if not (type(worker) is int and worker in self.state.active and isinstance(keys, list)):
             return
+        if rounds is not None and len(rounds) != len(keys):
+            rounds = None
         try:
-            held = [k for k in (check_key(k) for k in keys) if k in self.state]
+            checked = [check_key(k) for k in keys]
         except KVStoreError:
             return
-        done = self.state.abort(worker, held, reason[:MAX_REASON])
+        held = [i for i, k in enumerate(checked) if k in self.state]
+        done = self.state.abort(worker, [checked[i] for i in held], reason[:MAX_REASON],
+                                None if rounds is None else [rounds[i] for i in held])
+        held = [checked[i] for i in held]
         if held and self.state.sync:
             log.warning("worker %d's pushpull of key %r%s was refused (%s): its round was aborted, %d "
                         "waiting request(s) failed", worker, held[0],

@@ -114,3 +114,48 @@ def test_a_void_push_waiting_in_the_round_fails_at_the_next_call(cluster: Cluste
         return kv.pushpull("small", _wrong(kv, (3,)))
     _every_rank_raises(cluster, call, "small")
     _right_sums(cluster, "small", (3,))
+
+
+def test_a_late_refusal_under_a_quorum_fails_nobody_else(make_cluster) -> None:
+    """KVSTORE_SYNC_QUORUM=2 of 3: worker 0 refuses its pushpull after round 0 closed without it; it
+    alone raises, and the next step succeeds on every worker (the refusal counts as its late push)."""
+    c = make_cluster("dist_sync", 3, 1, KVSTORE_SYNC_QUORUM="2", KVSTORE_REQUEST_TIMEOUT="20")
+
+    def work(kv):
+        kv.init("q", np.zeros(4, np.float32))
+        log = []
+        if kv.rank != 0:
+            kv.pushpull("q", np.ones(4, np.float32))  # round 0 closes by quorum, without worker 0
+        kv.barrier()  # worker 0 refuses only once round 0 has closed
+        if kv.rank == 0:
+            with pytest.raises(kvstore.ShapeMismatchError):
+                kv.pushpull("q", np.ones(5, np.float32))
+        kv.barrier()  # the next step starts after the abort (its OK came back): every worker joins round 1
+        start, out = time.monotonic(), np.ones(4, np.float32)
+        kv.pushpull("q", out)
+        log.append((out.tolist(), time.monotonic() - start < DEADLINE))
+        return log
+    assert c.run(work) == [[([3.0] * 4, True)]] * 3
+
+
+
+
+def test_an_aborted_round_leaves_every_worker_s_push_count_as_before_it(make_cluster) -> None:
+    """Worker 0's refused pushpull aborts worker 1's, twice (the second time on the fast path): no
+    worker counts those rounds (the round a push carries, and ALIGN's after a server restart, agree),
+    and the pushpulls between them sum right."""
+    c = make_cluster("dist_sync", 2, 1)
+
+    def work(kv):
+        kv.init("a", np.zeros(4, np.float32))
+        found = []
+        for _ in range(2):
+            with pytest.raises((kvstore.ShapeMismatchError, kvstore.CollectiveMismatchError)):
+                kv.pushpull(["a"], [np.ones(5 if kv.rank == 0 else 4, np.float32)],
+                            out=[np.zeros(4, np.float32)])
+            counts = [kv._path._pushes.get("a", 0)]
+            out = np.zeros(4, np.float32)
+            kv.pushpull(["a"], [np.full(4, kv.rank + 1.0, np.float32)], out=[out])
+            found.append((counts, [kv._path._pushes.get("a", 0)], out.tolist()))
+        return found
+    assert c.run(work) == [[([0], [1], [3.0] * 4), ([1], [2], [3.0] * 4)]] * 2

@@ -501,3 +501,30 @@ def test_sparse_trainer_updating_locally_moves_the_touched_rows_not_the_table(su
         assert out_small < 16 * row * 4 and in_small < 2 * 16 * row * 4  # sent: own rows; received: union
         assert out_big < 256 * row * 4 and in_big < 2 * 256 * row * 4
         assert out_big > 8 * out_small / 2 and in_big < table_bytes / 50
+
+
+@pytest.mark.parametrize("bad", [SHAPE[0], -1])
+def test_a_bad_row_id_on_one_worker_fails_the_reduction_on_every_worker_at_once(sums2, bad) -> None:
+    """RowReducer: worker 1's row id outside the table raises on it and, within seconds (not the
+    request deadline), on worker 0 naming worker 1 and the id; the next step sums right on both."""
+    import time
+
+    from kvstore.sparse_reduce import RowReducer
+
+    prefix = unique_key("poison")
+
+    def work(kv):
+        reducer = RowReducer(kv, prefix, [("t", SHAPE, np.float32)])
+        reducer.init()
+        start = time.monotonic()
+        ids = np.array([3, bad] if kv.rank == 1 else [3])
+        with pytest.raises(ValueError) as caught:
+            reducer.reduce([RowSparse(ids, np.ones((len(ids), SHAPE[1]), np.float32), SHAPE)])
+        took = time.monotonic() - start
+        (got,) = reducer.reduce([RowSparse(np.array([kv.rank]), np.ones((1, SHAPE[1]), np.float32), SHAPE)])
+        return str(caught.value), took, got.indices.tolist(), got.rows[:, 0].tolist()
+    for rank, (text, took, ids, rows) in enumerate(sums2.run(work)):
+        assert took < 10.0, (rank, took, text)
+        assert f"row id {bad}" in text and "'t'" in text, text
+        assert rank == 1 or "worker 1" in text, text
+        assert (ids, rows) == ([0, 1], [1.0, 1.0])

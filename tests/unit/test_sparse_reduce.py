@@ -44,3 +44,17 @@ def test_a_store_that_runs_an_optimizer_is_refused() -> None:
     kv.set_optimizer(kvstore.optimizer.create("sgd"))
     with pytest.raises(kvstore.errors.ConfigError, match="only sums"):
         RowReducer(kv, "o", [("t", (5, 2), np.float32)]).init()
+
+
+@pytest.mark.parametrize("bad", [6, -1])
+def test_a_row_id_outside_the_table_is_refused_and_the_next_step_sums_right(bad: int) -> None:
+    """A gradient with a row id outside its table raises ValueError naming the table and the id (after
+    pushing a poisoned step, so other workers' pulls fail too); the next step sums right."""
+    reducer = RowReducer(kvstore.create("local"), "p", [("t", (6, 2), np.float32), ("u", (3, 1), np.float32)])
+    reducer.init()
+    with pytest.raises(ValueError, match=rf"'t'.*row id {bad}"):
+        reducer.reduce([RowSparse(np.array([0, bad]), np.ones((2, 2), np.float32), (6, 2)), None])
+    with pytest.raises(RuntimeError, match="push"):
+        reducer.pull()
+    a, u = reducer.reduce([RowSparse(np.array([5, 5]), np.ones((2, 2), np.float32), (6, 2)), None])
+    assert a.indices.tolist() == [5] and a.rows.tolist() == [[2, 2]] and u.indices.size == 0

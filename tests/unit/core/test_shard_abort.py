@@ -203,3 +203,54 @@ def test_random_aborts_pushes_and_pulls_never_break_the_state():
             assert sum(1 for t in got if type(t) is tuple and t[2] == w) >= 10, (trial, w, list(got))
         for value in got.values():
             assert np.all(value == value[0]), trial
+
+
+def quorum(workers: int = 3, need: int = 2) -> ShardState:
+    """A dist_sync ShardState of ``workers`` whose rounds close at ``need`` (KVSTORE_SYNC_QUORUM)."""
+    state = ShardState(workers, sync=True, quorum=need)
+    state.init("k", np.zeros(2))
+    return state
+
+
+def quorum_pushpull(state: ShardState, worker: int, rnd: int, value: float = 1.0) -> list[Completion]:
+    """``worker``'s pushpull of ``value`` to 'k' carrying its round ``rnd`` (its own push count)."""
+    return state.push_many(worker, [((worker, rnd), "k", np.full(2, value), 0)], pull=True, rounds=[rnd])
+
+
+def test_a_late_refusal_under_a_quorum_leaves_the_closed_round_and_the_next_alone():
+    """Quorum 2 of 3: round 0 closed without worker 0, worker 1 already waits in round 1; worker 0's
+    refusal of its round 0 aborts nothing (counted late), and its next push joins round 1."""
+    state = quorum()
+    done = quorum_pushpull(state, 1, 0) + quorum_pushpull(state, 2, 0)
+    assert [c.error for c in done] == [None, None]  # round 0 closed by quorum
+    assert quorum_pushpull(state, 1, 1, 10.0) == []  # waits in round 1
+    assert state.abort(0, ["k"], WHY, rounds=[0]) == []
+    assert state.late == {0: 1} and state.open_rounds() == 1
+    done = quorum_pushpull(state, 0, 0, 100.0)  # its client never counted the refused call
+    assert {c.token: c.error for c in done} == {(1, 1): None, (0, 0): None}
+    assert state.value("k")[0] == pytest.approx(110.0 * 3 / 2)
+    assert [c.error for c in quorum_pushpull(state, 2, 1)] == [None]  # late, not refused
+    assert state.open_rounds() == 0
+
+
+def test_a_refusal_under_a_quorum_aborts_its_open_round_and_every_worker_retries_it():
+    """Quorum 2 of 3: worker 0's refusal aborts round 0 that worker 1 waits in (it fails, worker 2
+    owes it); with every worker's count rolled back, the next step's round 0 sums right."""
+    state = quorum()
+    assert quorum_pushpull(state, 1, 0) == []
+    assert list(errors(state.abort(0, ["k"], WHY, rounds=[0]))) == [(1, 0)]
+    with pytest.raises(CollectiveMismatchError):
+        quorum_pushpull(state, 2, 0)
+    done = quorum_pushpull(state, 1, 0, 10.0) + quorum_pushpull(state, 0, 0, 1.0)
+    assert {c.token: c.error for c in done} == {(1, 0): None, (0, 0): None}
+    assert state.value("k")[0] == pytest.approx(11.0 * 3 / 2)
+    assert [c.error for c in quorum_pushpull(state, 2, 0, 100.0)] == [None]  # late
+    assert state.open_rounds() == 0 and state.late == {2: 1}
+
+
+def test_rounds_must_match_the_keys():
+    """An abort naming rounds of another length than its keys raises, changing nothing."""
+    state = quorum()
+    with pytest.raises(ValueError):
+        state.abort(0, ["k"], WHY, rounds=[0, 1])
+    assert quorum_pushpull(state, 1, 0) == [] and state.open_rounds() == 1
