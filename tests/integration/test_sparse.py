@@ -3,6 +3,8 @@ pushes of rows only, row_sparse_pull, lazy and standard optimizer updates agains
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -433,9 +435,12 @@ def test_sparse_trainer_updating_locally_matches_one_process_and_is_lazy(sums2, 
     data = [[(torch.randint(20 * s + 10 * r, 20 * s + 10 * r + 10, (batch, 2), generator=gen),
               torch.randn(batch, 1, generator=gen)) for s in range(3)] for r in range(2)]
 
+    made = threading.Lock()
+
     def model() -> tuple:
-        torch.manual_seed(0)
-        emb, head = torch.nn.Embedding(rows, dim, sparse=True), torch.nn.Linear(dim, 1)
+        with made:  # the workers are threads of this process: torch's global generator is shared
+            torch.manual_seed(0)
+            emb, head = torch.nn.Embedding(rows, dim, sparse=True), torch.nn.Linear(dim, 1)
         return emb, head, torch.nn.ModuleDict({"emb": emb, "head": head})
 
     def work(kv):
