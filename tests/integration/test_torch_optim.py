@@ -5,6 +5,7 @@ from rank 0's state, and a torch.save'd state dict resumes to identical weights.
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +23,13 @@ OPTIMIZERS = {
 }
 
 
+_seeding = threading.Lock()  # the workers are threads of this process: torch's global generator is shared
+
+
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    with _seeding:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
 
 
 def _data(steps: int, workers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -273,8 +278,9 @@ def test_sparse_adam_over_sparse_embeddings_agrees_on_two_workers(make_cluster) 
     batches = [([1, 7, 7, 3], [3, 40, 2, 9]), ([5, 5, 6, 1], []), ([0, 49, 8, 8], [8, 1, 1, 2])]
 
     def table() -> torch.nn.Embedding:
-        torch.manual_seed(0)
-        return torch.nn.Embedding(50, 4, sparse=True)
+        with _seeding:
+            torch.manual_seed(0)
+            return torch.nn.Embedding(50, 4, sparse=True)
 
     def loss(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor(ids, dtype=torch.long)).square().sum() / 4  # a mean over 4 samples
