@@ -1,4 +1,4 @@
-"""kvstore.launch.tensorboard.EventFile under a storage URL (fsspec's in-process ``memory://`` store):
+"""kvstore.launch.eventfile.EventFile under a storage URL (fsspec's in-process ``memory://`` store):
 the parts it writes whole, when it writes them, and that together they read back as one run."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ pytest.importorskip("tensorboard")
 pytest.importorskip("fsspec")
 
 from kvstore.core import storage  # noqa: E402
+from kvstore.launch import eventfile  # noqa: E402
 from kvstore.launch import tensorboard as kvtensorboard  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,7 +40,7 @@ def test_parts_are_written_at_most_every_interval_and_at_close(monkeypatch, tmp_
     """Flushes within REMOTE_EVERY keep the part in memory; close writes it; the store's file reads back
     every value in order."""
     folder = f"memory://tb-{uuid.uuid4().hex}/worker-0"
-    writer = kvtensorboard.EventFile(folder)
+    writer = eventfile.EventFile(folder)
     for step in range(3):
         writer.add(_scalar(step))
         writer.flush()
@@ -51,10 +52,10 @@ def test_parts_are_written_at_most_every_interval_and_at_close(monkeypatch, tmp_
 def test_a_full_part_goes_on_in_a_new_one_that_reads_back_after_it(monkeypatch, tmp_path: Path) -> None:
     """Past PART_BYTES the next flush starts a new part (its own version record), named after the last:
     TensorBoard reads them as one run, in order."""
-    monkeypatch.setattr(kvtensorboard, "REMOTE_EVERY", 0.0)
-    monkeypatch.setattr(kvtensorboard, "PART_BYTES", 200)
+    monkeypatch.setattr(eventfile, "REMOTE_EVERY", 0.0)
+    monkeypatch.setattr(eventfile, "PART_BYTES", 200)
     folder = f"memory://tb-{uuid.uuid4().hex}/worker-0"
-    writer = kvtensorboard.EventFile(folder)
+    writer = eventfile.EventFile(folder)
     for step in range(12):
         writer.add(_scalar(step))
         writer.flush()
@@ -67,9 +68,9 @@ def test_a_full_part_goes_on_in_a_new_one_that_reads_back_after_it(monkeypatch, 
 def test_a_failed_write_keeps_what_the_store_holds_and_goes_on(monkeypatch, tmp_path: Path) -> None:
     """A write the store refuses raises OSError; the part is cut back to what the store holds (the events
     of the failed flush are dropped) and the next flush writes the part on from there."""
-    monkeypatch.setattr(kvtensorboard, "REMOTE_EVERY", 0.0)
+    monkeypatch.setattr(eventfile, "REMOTE_EVERY", 0.0)
     folder = f"memory://tb-{uuid.uuid4().hex}/worker-0"
-    writer = kvtensorboard.EventFile(folder)
+    writer = eventfile.EventFile(folder)
     writer.add(_scalar(0))
     writer.flush()
     real = storage.atomic_write
