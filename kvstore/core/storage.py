@@ -20,6 +20,7 @@ What each kind of store guarantees (docs/formats.md, "Storage URLs"):
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import secrets
@@ -30,8 +31,9 @@ from typing import IO, Any
 from kvstore.errors import ConfigError
 
 __all__ = ["EXTRA", "absolute", "atomic_write", "exists", "is_local", "isdir", "join", "listdir",
-           "local_path", "make_folder", "makedirs", "move", "open_read", "parent", "read_text", "remove",
-           "remove_tree", "rename_folder", "renames_folders", "rewrite_from", "temp_name"]
+           "local_path", "make_folder", "makedirs", "move", "open_append", "open_read", "parent",
+           "read_text", "remove", "remove_tree", "rename_folder", "renames_folders", "rewrite_from",
+           "temp_name"]
 
 EXTRA = "kvstore-ps[storage]"
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)(://|::)")
@@ -277,6 +279,16 @@ def move(source: str | os.PathLike, target: str | os.PathLike) -> None:
     _, _, dst = _remote(target)
     with _translated(url):
         fs.mv(src, dst)
+
+
+def open_append(location: str | os.PathLike) -> io.FileIO:
+    """The local file ``location`` opened to append bytes, unbuffered (created if missing): a file a
+    writer keeps open and grows (a TensorBoard event file).  Only a local file can (ValueError for a
+    URL: an object store is written whole); raises OSError."""
+    path = local_path(location)
+    if path is None:
+        raise ValueError(f"{location}: only a local file can be appended to")
+    return open(path, "ab", buffering=0)  # noqa: SIM115 - the caller holds and closes it
 
 
 def rewrite_from(location: str | os.PathLike, offset: int, data: bytes) -> None:

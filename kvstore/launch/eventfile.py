@@ -80,9 +80,9 @@ class EventFile:
             self.path = storage.join(self.folder, name)
             self._part, self._size, self._stored = bytearray(), 0, 0
             return
-        os.makedirs(self.folder, exist_ok=True)
-        self.path = os.path.join(self.folder, name)
-        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - held until close()
+        storage.makedirs(self.folder)
+        self.path = storage.join(self.folder, name)
+        self._file = storage.open_append(self.path)  # held until close()
 
     def _store(self) -> None:
         """Write the current part whole; past PART_BYTES the next flush starts a new one.  Raises

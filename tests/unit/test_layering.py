@@ -406,14 +406,13 @@ def test_no_class_split_over_mixins():
 
 # The modules that own checkpoints, snapshots, optimizer-state files, server shards, worker residual
 # files and --resume: each reaches those files only through kvstore.core.storage (so a storage URL
-# works everywhere).  A narrow rule: these modules, these calls.  Not covered: --tensorboard's event
-# files (kvstore/launch/tensorboard.py appends to a local one itself, and writes a URL's through
-# storage), the launcher's own port and log files.
+# works everywhere).  A narrow rule: these modules, these calls.  Not covered: the launcher's own port
+# and log files (TensorBoard's output among them).
 STORAGE_USERS = ("kvstore/core/checkpoint.py", "kvstore/core/snapshot.py", "kvstore/core/shard_image.py",
                  "kvstore/server/shards.py", "kvstore/server/restore.py", "kvstore/client/compress.py",
                  "kvstore/client/collective.py", "kvstore/client/sparse_states.py", "kvstore/local.py",
                  "kvstore/base.py", "kvstore/trainer.py", "kvstore/launch/options.py", "kvstore/spark.py",
-                 "kvstore/net/timeline.py", "kvstore/session.py")
+                 "kvstore/net/timeline.py", "kvstore/session.py", "kvstore/launch/eventfile.py")
 _FILE_CALLS = {
     "os": {"open", "fdopen", "replace", "rename", "renames", "unlink", "remove", "rmdir", "removedirs",
            "listdir", "scandir", "makedirs", "mkdir", "walk", "stat"},
