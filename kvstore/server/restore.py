@@ -259,9 +259,9 @@ def die_hook(cfg: Config, rank: int, state: ShardState,
     """The test hook ``KVSTORE_TEST_SERVER_DIE_AT_ROUND=N`` (or ``RANK:N``) for server ``rank``, or None
     when it is not set for this server's first incarnation with shards: a check, for the request
     loop to run after each shard tick, that SIGKILLs the server once some key has closed N rounds
-    and a shard of every key it holds has been written (from round N on, it makes the next tick look
-    at the rounds and waits for a write in flight, so the kill comes near round N however fast the
-    job; the first shards, taken at start, may hold no key yet).
+    and a shard of every key it holds and of its optimizer has been written (from round N on, it
+    makes the next tick look at the rounds and waits for a write in flight, so the kill comes near
+    round N however fast the job; the first shards, taken at start, may hold no key or optimizer).
     Installed at start; nothing runs without it."""
     hook = cfg.test_server_die_at
     if hook is None or cfg.incarnation or hook[0] not in (None, rank) or shards is None:
@@ -271,9 +271,9 @@ def die_hook(cfg: Config, rank: int, state: ShardState,
     def die_if_due() -> None:
         if state.progress() < at:
             return
-        if shards.keys_written < len(state):  # no shard of every key yet: hurry one (a fast job would
-            shards.close(30.0)  # otherwise end first), letting the write in flight finish before the kill
-            if shards.keys_written < len(state):
+        if not shards.holds_all(len(state)):  # no shard of every key and the optimizer: hurry one (a fast
+            shards.close(30.0)  # job would otherwise end first), the write in flight finishing first
+            if not shards.holds_all(len(state)):
                 shards.look_now()
                 return
         if shards.written >= 1:

@@ -90,6 +90,7 @@ class ShardWriter:
         self.thread: threading.Thread | None = None
         self.written = self.failed = 0
         self.keys_written = 0  # keys in the last image written
+        self.optimizer_written: tuple[Optimizer | None, int] = (None, 0)  # its optimizer and params
         self.last_written: ShardImage | None = None  # the last image written (its buffers are reused)
         self.keys_seen: int | None = None  # keys in the last image (None: none taken by this process)
         self.optimizer_seen: tuple[Optimizer | None, int] = (None, 0)  # the last image's, and its params
@@ -108,7 +109,8 @@ class ShardWriter:
         image.session = self.session
         self.last_step, self.last_time, self.keys_seen = image.step(), now, len(image.keys)
         self.optimizer_seen = _optimizer_at(optimizer)
-        self.thread = threading.Thread(target=self._write, args=(image,), name="kvstore-shard", daemon=True)
+        self.thread = threading.Thread(target=self._write, args=(image, self.optimizer_seen),
+                                       name="kvstore-shard", daemon=True)
         self.thread.start()
         return True
 
@@ -133,7 +135,7 @@ class ShardWriter:
         self.last_check = now
         return state.progress() >= self.last_step + self.rounds
 
-    def _write(self, image: ShardImage) -> None:
+    def _write(self, image: ShardImage, optimizer_at: tuple[Optimizer | None, int]) -> None:
         """Write ``image`` atomically, then remove all but the latest :data:`KEEP` shards."""
         path = storage.join(self.folder, f"shard-{image.number:08d}.kvs")
         started = time.monotonic()
@@ -148,9 +150,17 @@ class ShardWriter:
             return
         self.written += 1
         self.keys_written = len(image.keys)
+        self.optimizer_written = optimizer_at
         self.last_written = image
         log.info("server %d wrote shard %d (step %d, keys %d) to %s in %.3f s", self.rank, image.number,
                  image.step(), len(image.keys), path, time.monotonic() - started)
+
+    def holds_all(self, keys: int) -> bool:
+        """Whether the last shard written holds ``keys`` keys and the optimizer as of the last capture
+        (for the test hook that kills a server once a restart from its shard is whole)."""
+        seen, version = self.optimizer_seen
+        written, written_version = self.optimizer_written
+        return self.keys_written >= keys and written is seen and written_version == version
 
     def look_now(self) -> None:
         """Look at the rounds at the next tick, whenever the last look was (the test hook
