@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,3 +115,15 @@ def cuda_devices(count: int) -> list[str]:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
     return [f"cuda:{i % torch.cuda.device_count()}" for i in range(count)]
+
+
+def read_exactly(sock: socket.socket, n: int, closed: str = "the peer closed the connection") -> bytes:
+    """The next ``n`` bytes of ``sock`` (its timeout applies to each read); ConnectionError(``closed``)
+    when the peer closes first."""
+    data = b""
+    while len(data) < n:
+        more = sock.recv(n - len(data))
+        if not more:
+            raise ConnectionError(closed)
+        data += more
+    return data

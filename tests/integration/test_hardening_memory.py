@@ -19,7 +19,7 @@ from kvstore.errors import ProtocolError
 from kvstore.net import transport
 from kvstore.net.auth import Channel, derive_key
 from kvstore.net.protocol import Message, Op
-from tests.helpers import Processes, poll_for, python
+from tests.helpers import Processes, poll_for, python, read_exactly
 
 from .conftest import SECRET, Cluster, unique_key
 
@@ -76,13 +76,7 @@ def zmtp_connect(port: int) -> socket.socket:
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        more = sock.recv(n - len(data))
-        if not more:
-            raise AssertionError("the node closed the connection during the ZMTP handshake")
-        data += more
-    return data
+    return read_exactly(sock, n, "the node closed the connection during the ZMTP handshake")
 
 
 def _log_text(cluster: Cluster, name: str) -> str:

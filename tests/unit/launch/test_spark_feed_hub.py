@@ -8,6 +8,7 @@ import threading
 import time
 
 from kvstore.launch import spark_feed as feed
+from tests.helpers import read_exactly
 
 SECRET = "s3cret"
 
@@ -87,13 +88,7 @@ def _stranger(port: int) -> socket.socket:
 
 
 def _read(conn: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        got = conn.recv(size - len(data))
-        if not got:
-            raise ConnectionError("closed")
-        data += got
-    return data
+    return read_exactly(conn, size, "closed")
 
 
 def _closed_by_hub(conn: socket.socket, within: float) -> bool:
