@@ -127,3 +127,13 @@ def read_exactly(sock: socket.socket, n: int, closed: str = "the peer closed the
             raise ConnectionError(closed)
         data += more
     return data
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM ``proc``, wait up to ``timeout`` for it, then SIGKILL it and reap it."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 
 from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
-from tests.helpers import REPO
+from tests.helpers import REPO, terminate
 
 
 @contextlib.contextmanager
@@ -38,12 +37,7 @@ def local_spark(slots: int, app: str) -> Iterator[SparkSession]:
         gateway.shutdown()
         SparkContext._gateway = SparkContext._jvm = None
         if jvm is not None:
-            jvm.terminate()
-            try:
-                jvm.wait(30)
-            except subprocess.TimeoutExpired:
-                jvm.kill()
-                jvm.wait()
+            terminate(jvm, 30)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, finish, poll_for, tagged_pids
+from tests.helpers import REPO, finish, poll_for, tagged_pids, terminate
 
 SSHD = "/usr/sbin/sshd"
 SCRIPT = str(Path(__file__).parents[1] / "scripts" / "sum_check.py")
@@ -123,12 +123,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    terminate(proc)
 
 
 def _hostfile(tmp_path: Path, *entries: str) -> str:
