@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.config import Config
-from kvstore.core.optimizer import from_spec
+from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import Key, check_key
 from kvstore.core.rejoin import Rejoins
 from kvstore.core.replies import Completion
@@ -254,8 +254,8 @@ class Restored:
         return [entry for i, entry in enumerate(entries) if i not in dropped], rounds
 
 
-def die_hook(cfg: Config, rank: int, state: ShardState,
-             shards: ShardWriter | None) -> Callable[[], None] | None:
+def die_hook(cfg: Config, rank: int, state: ShardState, shards: ShardWriter | None,
+             optimizer: Callable[[], Optimizer | None] = lambda: None) -> Callable[[], None] | None:
     """The test hook ``KVSTORE_TEST_SERVER_DIE_AT_ROUND=N`` (or ``RANK:N``) for server ``rank``, or None
     when it is not set for this server's first incarnation with shards: a check, for the request
     loop to run after each shard tick, that SIGKILLs the server once some key has closed N rounds
@@ -271,9 +271,9 @@ def die_hook(cfg: Config, rank: int, state: ShardState,
     def die_if_due() -> None:
         if state.progress() < at:
             return
-        if not shards.holds_all(len(state)):  # no shard of every key and the optimizer: hurry one (a fast
-            shards.close(30.0)  # job would otherwise end first), the write in flight finishing first
-            if not shards.holds_all(len(state)):
+        if not shards.holds_all(len(state), optimizer()):  # no shard of every key and the optimizer:
+            shards.close(30.0)  # hurry one (a fast job would end first), the write in flight finishing
+            if not shards.holds_all(len(state), optimizer()):
                 shards.look_now()
                 return
         if shards.written >= 1:

@@ -128,7 +128,8 @@ class Server:
             self.restored = restore.Restored(self._requests, self.rejoins, image, cluster, session.hex())
             service.handlers = self.restored.guard(service.handlers)
         self._between = self._housekeeping  # what the loop does between messages
-        die = restore.die_hook(cfg, rank, self.state, self.shards)  # KVSTORE_TEST_SERVER_DIE_AT_ROUND
+        die = restore.die_hook(cfg, rank, self.state, self.shards,  # KVSTORE_TEST_SERVER_DIE_AT_ROUND
+                               lambda: self._requests.optimizer)
         if die is not None:
             def housekeeping_then_die() -> None:
                 self._housekeeping()

@@ -155,12 +155,12 @@ class ShardWriter:
         log.info("server %d wrote shard %d (step %d, keys %d) to %s in %.3f s", self.rank, image.number,
                  image.step(), len(image.keys), path, time.monotonic() - started)
 
-    def holds_all(self, keys: int) -> bool:
-        """Whether the last shard written holds ``keys`` keys and the optimizer as of the last capture
-        (for the test hook that kills a server once a restart from its shard is whole)."""
-        seen, version = self.optimizer_seen
+    def holds_all(self, keys: int, optimizer: Optimizer | None) -> bool:
+        """Whether the last shard written holds ``keys`` keys and ``optimizer`` with its current
+        hyper-parameters (for the test hook that kills a server once a restart from its shard is whole)."""
         written, written_version = self.optimizer_written
-        return self.keys_written >= keys and written is seen and written_version == version
+        now, version = _optimizer_at(optimizer)
+        return self.keys_written >= keys and written is now and written_version == version
 
     def look_now(self) -> None:
         """Look at the rounds at the next tick, whenever the last look was (the test hook
