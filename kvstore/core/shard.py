@@ -593,7 +593,8 @@ class ShardState:
                 return state, lo, hi, -1 - number
             # A round beyond the next one: an earlier push of it was refused (damaged, over the
             # window), so the worker counted a round the server never saw; it joins the next one.
-            number = min(number, state.base + len(state.rounds))
+            # Not below a rejoined worker's own round, which others may not have opened here yet.
+            number = min(number, max(state.base + len(state.rounds), self.joins.get(worker, 0)))
             owed = state.debts.get(worker)
             if owed and owed[0].round == number and owed[0].covered == lo:
                 return state, lo, hi, None  # the rest of its contribution to an aborted round
@@ -641,7 +642,7 @@ class ShardState:
         if not self.sync:
             return self._accept_async(state, key, token, worker, value, lo, hi, size)
         i = number - state.base
-        if i == len(state.rounds):
+        while len(state.rounds) <= i:  # more than one only for a rejoiner's round (_checked_push)
             state.rounds.append(Round(self._ranks, self.clock()))
         if state.rounds[i].contribute(token, worker, value, lo, hi, size, self.ordered, self._at(number)):
             state.next_round[worker] = number + 1

@@ -60,6 +60,22 @@ def test_join_at_a_later_round_releases_the_rounds_before_it() -> None:
     np.testing.assert_array_equal(shard.value("w"), [2.0, 2.0])  # scaled as a quorum of the rest: 1 * 2 / 1
 
 
+def test_a_rejoiners_push_before_anyone_opened_the_rounds_below_its_own_joins_its_own_round() -> None:
+    """Joined at round r + 1 on a server where nobody has opened round r yet (a server restarted from
+    its shard, whose other workers' retried pushes are still on their way): the rejoiner's first push
+    belongs to round r + 1, not to round r, so the rounds it pushes are the rounds the others push."""
+    shard, rejoins = make(2)
+    rejoins.away(1, 0)
+    first, _ = rejoins.begin(1, 1)
+    assert first == 0 and rejoins.join_at(1, 1, first + 1) == []
+    assert push(shard, 1, 10.0, "w1") == []  # round 1: waits for worker 0's push of round 1
+    assert push(shard, 0, 1.0, "r0") == ["r0"]  # round 0 closes with worker 0 alone, scaled 2 / 1
+    np.testing.assert_array_equal(shard.value("w"), [2.0, 2.0])
+    assert sorted(push(shard, 0, 1.0, "r1")) == ["r1", "w1"]  # round 1: both
+    np.testing.assert_array_equal(shard.value("w"), [11.0, 11.0])  # no updater: the sum is stored
+    assert shard.open_rounds() == 0
+
+
 def test_begin_without_away_makes_the_old_incarnation_away_first() -> None:
     """A rejoin that overtakes the scheduler's AWAY still closes the round the old one was missing."""
     shard, rejoins = make(2)
