@@ -61,6 +61,7 @@ MB = 1 << 20
 INBOUND_MESSAGES = 8
 BOUND_CONNECTIONS = 4  # connections a worker rank is bound to (its LEAVE must come from one of them)
 MAX_REASON = 160  # characters of a refused pushpull's reason quoted in its round's abort error
+SETTLE_POLL = 0.01  # seconds between looks at a shard write an optimizer change waits for
 
 
 def _widened(msg: Message) -> tuple[Message, bool]:
@@ -115,6 +116,7 @@ class Server:
                               cluster.get("max_message_bytes", 0))
         self.meter.extra_held = self.sparse.nbytes
         self.shards = shard_writer(cfg, rank, session.hex())  # KVSTORE_SNAPSHOT_EVERY
+        self._unsettled: list[tuple[bytes, int]] = []  # optimizer changes acknowledged once in a shard
         handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push, Op.PULL: self._on_pull,
                     Op.PUSHPULL: self._on_pushpull, Op.OPTIMIZER_SET: self._on_optimizer_set,
                     Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
@@ -418,14 +420,23 @@ class Server:
         self._requests.set_optimizer(optimizer)
         self.state.drop_staged_states()  # chunks of states of the optimizer it replaces
         log.info("optimizer set: %s", optimizer.spec()["name"])
-        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        self._ack_when_settled(identity, msg)
 
     def _on_optimizer_params(self, identity: bytes, msg: Message) -> None:
         params = msg.body.get("params")
         if not (isinstance(params, dict) and all(isinstance(name, str) for name in params)):
             raise ProtocolError("OPTIMIZER_PARAMS needs a map of parameter names to values")
         self._need_optimizer("changing optimizer parameters").set_params(**params)
-        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        self._ack_when_settled(identity, msg)
+
+    def _ack_when_settled(self, identity: bytes, msg: Message) -> None:
+        """Acknowledge a change of optimizer now, or, with shards, once a shard holding it is written:
+        a restart from an earlier shard would apply the old optimizer silently; unanswered, the
+        change is sent again after the restart (kvstore/server/restore.py) instead."""
+        if self.shards is None:
+            self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        else:
+            self._unsettled.append((identity, msg.seq))
 
     def _on_optimizer_info(self, identity: bytes, msg: Message) -> None:
         opt = self._requests.optimizer
@@ -470,7 +481,7 @@ class Server:
                 if lost is not None:
                     log.error("exiting: %s", lost)
                     return 1
-                ready = poller.wait(self.cfg.heartbeat_interval)
+                ready = poller.wait(SETTLE_POLL if self._unsettled else self.cfg.heartbeat_interval)
                 if self.service.sock in ready:
                     self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
                 if scheduler.sock in ready and self._from_scheduler(scheduler):
@@ -492,6 +503,10 @@ class Server:
             log.info("unmapped the shared-memory segment(s) of %d peer process(es) that are gone", gone)
         if self.shards is not None:
             self.shards.tick(self.state, self._requests.optimizer, self._requests.bf16_keys)
+            if self._unsettled and self.shards.settled(self._requests.optimizer):
+                for identity, seq in self._unsettled:
+                    self.service.reply(identity, Message(Op.OK, seq=seq))
+                self._unsettled = []
 
     def _from_scheduler(self, scheduler: SchedulerLink) -> bool:
         """Handle one message from the scheduler; True when it is SHUTDOWN (after confirming it)."""
