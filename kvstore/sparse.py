@@ -92,6 +92,9 @@ class SparseCalls:
         exists, ShapeMismatchError for values."""
         if stype not in R.STYPES:
             raise ValueError(f"stype must be one of {R.STYPES}, not {stype!r}")
+        if width is not None and dynamic is None:
+            raise ValueError("width= makes a dynamic table (with dynamic=True or a dict); a fixed table "
+                             "takes shape=")
         keys = [check_key(k) for k in _as_list(key)]
         values = [None] * len(keys) if value is None else (
             _as_list(value) if isinstance(key, (list, tuple)) else [value])

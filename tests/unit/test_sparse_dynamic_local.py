@@ -58,6 +58,8 @@ def test_what_a_dynamic_table_refuses() -> None:
         kv.init("g", shape=(4, W), dynamic=True)
     with pytest.raises(ValueError, match="dynamic"):
         kv.init("h", width=W, dynamic={"policy": "fifo"})
+    with pytest.raises(ValueError, match="dynamic=True"):
+        kv.init("i", width=W)
     kv.set_optimizer(kvstore.optimizer.create("sgd"))
     with pytest.raises(UnsupportedError, match="not saved yet"):
         kv.save_optimizer_states("/nonexistent/states")
