@@ -74,7 +74,7 @@ class DistRows:
             requests = []
             for key, meta, spec, _ in items:
                 if meta.dynamic is not None:
-                    requests.extend(self._init_dynamic(key, meta, spec))
+                    requests.extend(self._init_dynamic(key, meta, meta.dynamic, spec))
                     continue
                 for server, lo, hi in self.ranges(meta):
                     body = {"key": key, "shape": list(meta.shape), "dtype": dtype_name(meta.dtype),
@@ -93,11 +93,11 @@ class DistRows:
         self.link.collective(f"row_sparse init of {len(items)} key(s)", send_all)
         self.link.initialised([key for key, _, _, _ in items])
 
-    def _init_dynamic(self, key: Key, meta: R.SparseMeta, spec: dict) -> list[Request]:
+    def _init_dynamic(self, key: Key, meta: R.SparseMeta, dynamic: R.DynamicSpec,
+                      spec: dict) -> list[Request]:
         """SPARSE_INIT of a dynamic table to every server: a row's shape and the table's DynamicSpec."""
-        assert meta.dynamic is not None
         body = {"key": key, "shape": list(meta.shape[1:]), "dtype": dtype_name(meta.dtype), "init": spec,
-                "dynamic": meta.dynamic.wire()}
+                "dynamic": dynamic.wire()}
         return [self._submit(server, Message(Op.SPARSE_INIT, body),
                              f"dynamic row_sparse init of key {key!r} to server {server}")
                 for server in range(self.link.path.cluster.num_servers)]

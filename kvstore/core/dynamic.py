@@ -24,6 +24,7 @@ from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.rowsparse import DynamicSpec
 
+SLOT_BYTES = 8 + 1 + 8 + 8 + 8  # a slot's id, live flag, last tick, last time and use count
 GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by half of itself)
 PENDING_MIN = 1 << 16  # ids counted for admission: at least this many, else the capacity
 PLACEMENT_SALT = 0x5DEECE66D  # the seed of the id -> server hash (every worker uses the same)

@@ -114,3 +114,32 @@ def test_a_dynamic_table_is_made_on_first_touch_and_held_at_its_capacity() -> No
                                       seq=4, sender=0))
     with pytest.raises(ProtocolError, match="dynamic"):
         server._on_init(b"w", _dynamic_init("e", capacity=-1))
+
+
+def test_a_dynamic_tables_capacity_beyond_the_memory_is_refused(monkeypatch) -> None:
+    """SPARSE_INIT of a dynamic table whose capacity could not fit this server's memory is refused
+    (ConfigError), nothing held; one without a capacity is taken."""
+    monkeypatch.setattr(S, "_physical_memory", lambda: 10_000)
+    server, _ = _sparse()
+    server.configure(1, True, 2)
+    with pytest.raises(ConfigError, match="lower its capacity"):
+        server._on_init(b"w", _dynamic_init("big", capacity=1000))
+    assert "big" not in server
+    server._on_init(b"w", _dynamic_init("open"))
+    assert "open" in server
+
+
+def test_a_servers_dynamic_counters_reach_its_snapshot_and_tensorboard_tags() -> None:
+    """The meter copies the tables' counters at its tick into the snapshot's dynamic_tables, which
+    node_scalars flattens into dynamic_tables/<key>/<counter> tags; a server without them has none."""
+    from kvstore.core.scalars import node_scalars
+
+    meter = ServerMeter("", 10.0, None)
+    state = GroupedShardState(1, sync=True)
+    assert "dynamic_tables" not in meter.snapshot()
+    meter.extra_tables = lambda: {"emb": {"rows": 3, "evictions": 2, "hit_rate": 0.5}}
+    meter.tick(state, lambda key, error: None, {})
+    snap = meter.snapshot()
+    assert snap["dynamic_tables"] == {"emb": {"rows": 3, "evictions": 2, "hit_rate": 0.5}}
+    tags = node_scalars(snap)
+    assert tags["dynamic_tables/emb/rows"] == 3 and tags["dynamic_tables/emb/hit_rate"] == 0.5
