@@ -4,7 +4,8 @@ eviction policy, an admission count, a time-to-live).  The local store and every
 part of a dynamic table as one :class:`DynamicRows`, and update it with :func:`apply_dynamic`, so both
 follow one set of rules.
 
-Storage: an ``id -> slot`` dict over a pool of numpy arrays grown in blocks (the rows, and per slot its
+Storage: an ``id -> slot`` map (:class:`IdMap`, open addressing over numpy arrays: no Python object
+per id) over a pool of numpy arrays grown in blocks (the rows, and per slot its
 id, its last use and its use count); the optimizer's state arrays are pool-sized too, their rows reset
 when a slot is (re)used.  Ids travel and are kept as int64; a uint64 id is its int64 bit pattern.
 A row's initial value is the fixed tables' rule with the id as the row number (element ``(id, c)``
@@ -28,6 +29,7 @@ SLOT_BYTES = 8 + 1 + 8 + 8 + 8  # a slot's id, live flag, last tick, last time a
 GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by half of itself)
 PENDING_MIN = 1 << 16  # ids counted for admission: at least this many, else the capacity
 PLACEMENT_SALT = 0x5DEECE66D  # the seed of the id -> server hash (every worker uses the same)
+MAP_SALT = 0x2545F4914F6CDD1D  # the seed of the id map's hash (apart from placement's)
 _RECENT = (1 << 40) - 1  # LFU ties are broken by recency: the tick's low 40 bits
 
 
@@ -36,6 +38,97 @@ def servers_of(ids: np.ndarray, num_servers: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         mixed = R.mix(ids.view(np.uint64) ^ np.uint64(PLACEMENT_SALT))
     return (mixed % np.uint64(num_servers)).astype(np.int64)
+
+
+class IdMap:
+    """int64 id -> slot, by open addressing with linear probing over three numpy arrays (keys, slots,
+    and a state: empty, full or deleted), at most half full: 17 bytes per entry, 2 to 4 entries per id.
+    Every call takes a batch of ids, probed together."""
+
+    EMPTY, FULL, DELETED = 0, 1, 2
+
+    def __init__(self, size: int = 1024) -> None:
+        self._reset(size)
+
+    def _reset(self, size: int) -> None:
+        self.keys = np.zeros(size, np.int64)
+        self.slots = np.zeros(size, np.int64)
+        self.state = np.zeros(size, np.uint8)
+        self.count = self.deleted = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def nbytes(self) -> int:
+        """Bytes of its arrays."""
+        return self.keys.nbytes + self.slots.nbytes + self.state.nbytes
+
+    def _home(self, ids: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            mixed = R.mix(ids.view(np.uint64) ^ np.uint64(MAP_SALT))
+        return (mixed & np.uint64(self.keys.size - 1)).astype(np.int64)
+
+    def _find(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's position in the arrays, -1 when absent."""
+        where = np.full(ids.size, -1, np.int64)
+        pos = self._home(ids)
+        todo = np.arange(ids.size)
+        mask = self.keys.size - 1
+        while todo.size:
+            p = pos[todo]
+            state = self.state[p]
+            hit = (state == self.FULL) & (self.keys[p] == ids[todo])
+            where[todo[hit]] = p[hit]
+            todo = todo[~(hit | (state == self.EMPTY))]
+            pos[todo] = (pos[todo] + 1) & mask
+        return where
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        """The slots of int64 ``ids``, -1 for those absent."""
+        where = self._find(ids)
+        out = np.full(ids.size, -1, np.int64)
+        found = where >= 0
+        out[found] = self.slots[where[found]]
+        return out
+
+    def put(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Map distinct int64 ``ids``, none of them present, to ``slots``."""
+        if not ids.size:
+            return
+        size = self.keys.size
+        while (self.count + ids.size) * 2 > size:
+            size *= 2
+        if size != self.keys.size or (self.count + self.deleted + ids.size) * 2 > size:
+            self._rebuild(size)
+        pos = self._home(ids)
+        todo = np.arange(ids.size)
+        mask = size - 1
+        while todo.size:
+            p = pos[todo]
+            free = self.state[p] != self.FULL
+            at, first = np.unique(p[free], return_index=True)  # one id per free place: the first
+            won = todo[free][first]
+            self.deleted -= int(np.count_nonzero(self.state[at] == self.DELETED))
+            self.keys[at], self.slots[at], self.state[at] = ids[won], slots[won], self.FULL
+            placed = np.zeros(ids.size, bool)
+            placed[won] = True
+            todo = todo[~placed[todo]]
+            pos[todo] = (pos[todo] + 1) & mask
+        self.count += ids.size
+
+    def delete(self, ids: np.ndarray) -> None:
+        """Unmap ``ids`` (those present)."""
+        where = self._find(ids)
+        where = where[where >= 0]
+        self.state[where] = self.DELETED
+        self.count -= where.size
+        self.deleted += where.size
+
+    def _rebuild(self, size: int) -> None:
+        full = self.state == self.FULL
+        keys, slots = self.keys[full], self.slots[full]
+        self._reset(size)
+        self.put(keys, slots)
 
 
 class DynamicRows:
@@ -47,7 +140,7 @@ class DynamicRows:
     def __init__(self, width: int, dtype: np.dtype, init: dict[str, Any], spec: DynamicSpec,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.width, self.dtype, self.init, self.spec, self.clock = width, np.dtype(dtype), init, spec, clock
-        self.slot_of: dict[int, int] = {}  # id -> slot
+        self.map = IdMap()  # id -> slot
         self.weight = np.zeros((0, width), self.dtype)  # the pool: slot -> row
         self.ids = np.zeros(0, np.int64)  # slot -> its id
         self.live = np.zeros(0, bool)  # slot -> holds a row
@@ -65,16 +158,17 @@ class DynamicRows:
 
     # -- what it holds ----------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.slot_of)
+        return len(self.map)
 
     def nbytes(self) -> int:
-        """Bytes of the pool arrays (the id map's dict comes on top: docs/sparse.md measures it)."""
-        return sum(a.nbytes for a in (self.weight, self.ids, self.live, self.last, self.seen, self.freq))
+        """Bytes of the pool arrays and the id map (the optimizer's state is the optimizer's)."""
+        pool = (self.weight, self.ids, self.live, self.last, self.seen, self.freq)
+        return sum(a.nbytes for a in pool) + self.map.nbytes()
 
     def stats(self) -> dict[str, Any]:
         """``rows`` held, ``capacity``, ``evictions``, ``admissions``, ``expirations``,
         ``dropped_updates`` (rows of pushes not stored), ``pull_rows``/``pull_hits`` and ``hit_rate``."""
-        out: dict[str, Any] = {"rows": len(self.slot_of), "capacity": self.spec.capacity, **self.counts}
+        out: dict[str, Any] = {"rows": len(self.map), "capacity": self.spec.capacity, **self.counts}
         asked = self.counts["pull_rows"]
         out["hit_rate"] = self.counts["pull_hits"] / asked if asked else 0.0
         return out
@@ -83,9 +177,13 @@ class DynamicRows:
         """The initial rows of ``ids`` (what a row is made with, and what a forgotten row reads as)."""
         return R.generate_ids(self.init, ids, self.width, self.dtype)
 
-    def rows_of(self, ids: np.ndarray) -> dict[int, np.ndarray]:
-        """The rows held of ``ids`` (a test's view, no use counted)."""
-        return {int(i): self.weight[self.slot_of[int(i)]].copy() for i in ids if int(i) in self.slot_of}
+    def held(self) -> np.ndarray:
+        """The ids held, sorted (no use counted)."""
+        return np.sort(self.ids[:self.used][self.live[:self.used]])
+
+    def slot(self, id_: int) -> int:
+        """The slot of ``id_``, -1 when it is not held (no use counted)."""
+        return int(self.map.get(np.array([id_], np.int64))[0])
 
     # -- reads and updates --------------------------------------------------------------------------
     def read(self, ids: np.ndarray, admit: bool = False) -> np.ndarray:
@@ -148,8 +246,7 @@ class DynamicRows:
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
         """Each id's slot, -1 when not held (a row past its ttl is dropped here: never read stale)."""
-        get = self.slot_of.get
-        slots = np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, ids.size)
+        slots = self.map.get(ids)
         if self.spec.ttl and slots.size:
             found = slots[slots >= 0]
             old = found[self.seen[found] < self.clock() - self.spec.ttl]
@@ -206,7 +303,7 @@ class DynamicRows:
         self.last[made] = self.tick
         self.seen[made] = self.clock()
         self.freq[made] = 0
-        self.slot_of.update(zip(placed.tolist(), made.tolist()))
+        self.map.put(placed, made)
         return slots
 
     def _evict(self, n: int, keep: np.ndarray) -> np.ndarray:
@@ -228,8 +325,7 @@ class DynamicRows:
         return victims
 
     def _drop(self, slots: np.ndarray, why: str) -> None:
-        for id_ in self.ids[slots].tolist():
-            del self.slot_of[id_]
+        self.map.delete(self.ids[slots])
         self.live[slots] = False
         self.counts[why] += int(slots.size)
 

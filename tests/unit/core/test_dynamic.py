@@ -84,7 +84,7 @@ def test_lru_evicts_the_least_recently_used_row_and_it_comes_back_initial() -> N
     _push(table, _ids(1, 2, 3), 5.0)
     table.read(_ids(1))  # 1 is used again: 2 is now the least recent
     _push(table, _ids(4), 5.0)
-    assert sorted(table.slot_of) == [1, 3, 4] and table.stats()["evictions"] == 1
+    assert list(table.held()) == [1, 3, 4] and table.stats()["evictions"] == 1
     np.testing.assert_array_equal(table.read(_ids(2)), table.initial(_ids(2)))
 
 
@@ -95,9 +95,9 @@ def test_lfu_evicts_the_least_frequently_used_row_ties_by_recency() -> None:
     _push(table, _ids(1, 3))
     _push(table, _ids(1))  # uses: 1 three times, 3 twice, 2 once
     _push(table, _ids(4))
-    assert sorted(table.slot_of) == [1, 3, 4]
+    assert list(table.held()) == [1, 3, 4]
     _push(table, _ids(5))  # 4 (once) goes, not 3 (twice)
-    assert sorted(table.slot_of) == [1, 3, 5]
+    assert list(table.held()) == [1, 3, 5]
 
 
 def test_a_push_never_evicts_its_own_rows_and_drops_what_does_not_fit() -> None:
@@ -107,7 +107,7 @@ def test_a_push_never_evicts_its_own_rows_and_drops_what_does_not_fit() -> None:
     stats = table.stats()
     assert len(table) == 2 and stats["dropped_updates"] == 2 and stats["evictions"] == 0
     _push(table, _ids(1, 9))  # 2 is evicted, never 1 (pushed now)
-    assert sorted(table.slot_of) == [1, 9]
+    assert list(table.held()) == [1, 9]
 
 
 def test_admission_stores_a_row_only_at_its_kth_push() -> None:
@@ -143,7 +143,7 @@ def test_ttl_drops_rows_untouched_for_longer_with_an_injected_clock() -> None:
     rows = table.read(_ids(1, 2))
     np.testing.assert_array_equal(rows[0], np.full(W, 3.0, np.float32))
     np.testing.assert_array_equal(rows[1], table.initial(_ids(2))[0])
-    assert sorted(table.slot_of) == [1] and table.stats()["expirations"] == 1
+    assert list(table.held()) == [1] and table.stats()["expirations"] == 1
     clock.now = 30.0
     assert table.expire() == 1 and len(table) == 0
 
@@ -157,6 +157,26 @@ def test_memory_stays_bounded_however_many_distinct_ids_arrive() -> None:
         assert len(table) <= 500 and table.weight.shape[0] <= 500
     stats = table.stats()
     assert stats["rows"] == 500 and stats["evictions"] == 100_000 - 500 - stats["dropped_updates"]
+
+
+def test_the_id_map_agrees_with_a_dict_through_puts_deletes_growth_and_reuse() -> None:
+    """IdMap (open addressing over numpy) answers as a dict does over random batches of puts and
+    deletes of any int64 ids, through growth and tombstone rebuilds, staying at most half full."""
+    rng = np.random.default_rng(3)
+    idmap, ref = D.IdMap(size=8), {}
+    pool = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64), np.arange(-50, 50)])
+    for _ in range(200):
+        absent = np.array([i for i in rng.choice(pool, 40, replace=False) if int(i) not in ref], np.int64)
+        slots = rng.integers(0, 10**9, absent.size)
+        idmap.put(absent, slots)
+        ref.update(zip(absent.tolist(), slots.tolist()))
+        gone = rng.choice(np.array(list(ref), np.int64), min(len(ref), 25), replace=False)
+        idmap.delete(gone)
+        for i in gone.tolist():
+            del ref[i]
+        asked = rng.choice(pool, 200)
+        np.testing.assert_array_equal(idmap.get(asked), [ref.get(int(i), -1) for i in asked])
+        assert len(idmap) == len(ref) and 2 * len(idmap) <= idmap.keys.size
 
 
 @pytest.mark.parametrize("name, params, names", [
@@ -180,7 +200,7 @@ def test_optimizer_state_is_per_row_lazy_and_reset_with_the_row(name, params, na
     np.testing.assert_allclose(got, fixed, rtol=1e-6, atol=1e-7)
     assert sorted(opt.states["t"]) == sorted(names) and opt.states["t"][names[0]].shape == table.weight.shape
     state = opt.states["t"][names[0]]
-    assert np.any(state[table.slot_of[5]] != 0)
+    assert np.any(state[table.slot(5)] != 0)
     small = _table(capacity=1)
     opt2 = O.create(name, **params)
     D.apply_dynamic(opt2, "t", small, _ids(1), np.ones((1, W), np.float32))
