@@ -147,7 +147,7 @@ class DynamicRows:
         self.last = np.zeros(0, np.int64)  # slot -> tick of its last use (LRU)
         self.seen = np.zeros(0, np.float64)  # slot -> clock of its last use (TTL)
         self.freq = np.zeros(0, np.int64)  # slot -> uses since made (LFU)
-        self.free: list[int] = []  # slots freed by expiry, reused first
+        self.free = np.zeros(0, np.int64)  # slots freed by expiry, reused first
         self.used = 0  # slots ever handed out: [0, used) are live or free
         self.tick = 0
         self.pending: dict[int, int] = {}  # ids not yet admitted -> pushes counted
@@ -197,6 +197,7 @@ class DynamicRows:
         if admit and not hit.all():
             made = self._make(ids[~hit], slots[hit])
             slots[np.flatnonzero(~hit)[made >= 0]] = made[made >= 0]
+            self.counts["admissions"] += int(np.count_nonzero(made >= 0))
             hit = slots >= 0
         self._touch(slots[hit])
         out = np.empty((ids.size, self.width), self.dtype)
@@ -235,7 +236,7 @@ class DynamicRows:
         self.swept = now
         old = np.flatnonzero(self.live[:self.used] & (self.seen[:self.used] < now - self.spec.ttl))
         self._drop(old, "expirations")
-        self.free.extend(old.tolist())
+        self.free = np.concatenate([self.free, old])
         return int(old.size)
 
     # -- the pool -----------------------------------------------------------------------------------
@@ -252,7 +253,7 @@ class DynamicRows:
             old = found[self.seen[found] < self.clock() - self.spec.ttl]
             if old.size:
                 self._drop(old, "expirations")
-                self.free.extend(old.tolist())
+                self.free = np.concatenate([self.free, old])
                 slots[np.isin(slots, old)] = -1
         return slots
 
@@ -283,20 +284,22 @@ class DynamicRows:
         at capacity; -1 for the ids there was no room for (more new ids than the capacity)."""
         slots = np.full(ids.size, -1, np.int64)
         n = ids.size
-        from_free = min(n, len(self.free))
-        got = [self.free.pop() for _ in range(from_free)]
+        from_free = min(n, self.free.size)
+        parts = [self.free[self.free.size - from_free:]]
+        self.free = self.free[:self.free.size - from_free]
         cap = self.spec.capacity
         room = n - from_free if not cap else max(0, min(n - from_free, cap - self.used))
         if room:
             self._grow(self.used + room)
-            got.extend(range(self.used, self.used + room))
+            parts.append(np.arange(self.used, self.used + room, dtype=np.int64))
             self.used += room
-        short = n - len(got)
+        short = n - from_free - room
         if short:
-            got.extend(self._evict(short, keep).tolist())
-        slots[:len(got)] = got
-        made = slots[:len(got)]
-        placed = ids[:len(got)]
+            parts.append(self._evict(short, keep))
+        got = np.concatenate(parts)
+        slots[:got.size] = got
+        made = slots[:got.size]
+        placed = ids[:got.size]
         self.weight[made] = self.initial(placed)
         self.ids[made] = placed
         self.live[made] = True

@@ -39,6 +39,7 @@ def test_a_row_sparse_pull_stores_rows_only_when_admitted() -> None:
     kv.row_sparse_pull("d", row_ids=[4])
     stats = kv._table_stats()["dynamic_tables"]["d"]
     assert stats["rows"] == 2 and stats["pull_hits"] == 1 and stats["pull_rows"] == 5
+    assert stats["admissions"] == 2
 
 
 def test_what_a_dynamic_table_refuses() -> None:
