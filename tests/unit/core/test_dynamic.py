@@ -148,6 +148,20 @@ def test_ttl_drops_rows_untouched_for_longer_with_an_injected_clock() -> None:
     assert table.expire() == 1 and len(table) == 0
 
 
+def test_slots_freed_by_expiry_are_reused_before_anything_is_evicted() -> None:
+    """At capacity, rows made after an expiry take the expired rows' slots: nothing is evicted and
+    the pool does not grow."""
+    clock = Clock()
+    table = _table(clock, capacity=3, ttl=5.0)
+    _push(table, _ids(1, 2, 3))
+    clock.now = 10.0
+    _push(table, _ids(4, 5), 2.0)
+    stats = table.stats()
+    assert list(table.held()) == [4, 5] and stats["evictions"] == 0 and stats["expirations"] == 3
+    assert table.weight.shape[0] == 3
+    np.testing.assert_array_equal(table.read(_ids(4, 5)), np.full((2, W), 2.0, np.float32))
+
+
 def test_memory_stays_bounded_however_many_distinct_ids_arrive() -> None:
     """100k distinct ids through a table capped at 500 rows: 500 rows held, the pool never grows
     past the capacity, every extra row evicted."""
