@@ -115,6 +115,7 @@ class Server:
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
                               cluster.get("max_message_bytes", 0))
         self.meter.extra_held = self.sparse.nbytes
+        self.meter.extra_tables = self.sparse.dynamic_stats
         self.shards = shard_writer(cfg, rank, session.hex())  # KVSTORE_SNAPSHOT_EVERY
         self._unsettled: list[tuple[bytes, int]] = []  # optimizer changes acknowledged once in a shard
         handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push, Op.PULL: self._on_pull,
