@@ -194,10 +194,10 @@ class LocalKVStore(KVStore):
             table = self._dynamic.get(key)
             return self._store[key][ids] if table is None else table.read(ids, admit)
 
-    def _table_stats(self) -> dict[str, Any]:
+    def stats(self, cluster: bool = False) -> dict[str, Any]:
         """``{"dynamic_tables": {key: counters}}``: each dynamic table's rows, evictions, admissions,
-        expirations and hit rate (:meth:`DynamicRows.stats`).  Not public: the local store's surface is
-        pinned (tests/unit/client/test_store_surface.py); the dist stores report them in ``stats``."""
+        expirations and hit rate (:meth:`DynamicRows.stats`), the one kind of counter a local store
+        has (``cluster`` is accepted for the dist stores' signature: there is no other node)."""
         with self._lock:
             return {"dynamic_tables": {str(k): t.stats() for k, t in self._dynamic.items()}}
 

@@ -27,7 +27,7 @@ def test_uint64_ids_are_their_int64_bits_and_rows_come_back_sorted() -> None:
     got = kv.row_sparse_pull("d", row_ids=np.array([-1, 5], np.int64))
     assert list(got.indices) == [-1, 5] and got.shape[1:] == (W,)
     np.testing.assert_array_equal(got.rows, 1.0)
-    assert kv._table_stats()["dynamic_tables"]["d"]["rows"] == 2
+    assert kv.stats()["dynamic_tables"]["d"]["rows"] == 2
 
 
 def test_a_row_sparse_pull_stores_rows_only_when_admitted() -> None:
@@ -37,7 +37,7 @@ def test_a_row_sparse_pull_stores_rows_only_when_admitted() -> None:
     again = kv.row_sparse_pull("d", row_ids=[4, 8], admit=True)
     np.testing.assert_array_equal(first.rows, again.rows)
     kv.row_sparse_pull("d", row_ids=[4])
-    stats = kv._table_stats()["dynamic_tables"]["d"]
+    stats = kv.stats()["dynamic_tables"]["d"]
     assert stats["rows"] == 2 and stats["pull_hits"] == 1 and stats["pull_rows"] == 5
     assert stats["admissions"] == 2
 
@@ -64,7 +64,7 @@ def test_what_a_dynamic_table_refuses() -> None:
     kv.set_optimizer(kvstore.optimizer.create("sgd"))
     with pytest.raises(UnsupportedError, match="not saved yet"):
         kv.save_optimizer_states("/nonexistent/states")
-    assert kv._table_stats()["dynamic_tables"]["d"]["rows"] == 0
+    assert kv.stats()["dynamic_tables"]["d"]["rows"] == 0
 
 
 def test_rows_of_several_dims_and_a_sparse_tensor_push() -> None:
