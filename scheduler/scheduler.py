@@ -100,7 +100,7 @@ class Scheduler:
         # kvstore.status holds the secret, not the session: a STATUS sealed with the secret alone gets
         # the session (net/status_client.py), one sealed with its poll key the status, within a rate
         self.service.late_handlers = {Op.STATUS: lambda _, msg: self._session_offer()}
-        self.service.polled = self._own_channel()
+        self.service.polled = self._own_channel("polled")
         self.service.polled.set_session(poll_session(self.session))
         self.service.polled_handlers = {Op.STATUS: self._polled_status}
         self._pollers = PollGate()
@@ -147,12 +147,13 @@ class Scheduler:
         cmap = self._reregister(identity, msg.body, sender_label(msg))
         return Message(Op.MAP, dict(cmap, nonce=self.challenges.take(identity)))
 
-    def _own_channel(self) -> Channel:
+    def _own_channel(self, kind: str = "") -> Channel:
         """A channel addressed as ``scheduler`` that sends as ``scheduler`` (``scheduler.N`` in the N-th
-        restart: its message numbers start afresh, and nodes have seen the old ones')."""
+        restart, and ``scheduler.N.KIND`` for its late and polled channels: their message numbers start
+        afresh, and nodes have seen the old ones')."""
         channel = channel_for(self.cfg, "scheduler")
         if self.cfg.incarnation:
-            channel.label = f"scheduler.{self.cfg.incarnation}"
+            channel.label = ".".join(filter(None, ("scheduler", str(self.cfg.incarnation), kind)))
         return channel
 
     @staticmethod
@@ -247,7 +248,7 @@ class Scheduler:
                 nonce = self.challenges.take(node.identity)
                 self.service.reply(node.identity, Message(Op.MAP, dict(body, rank=rank, role=role,
                                                                        nonce=nonce)))
-        self.service.late = self._own_channel()  # still keyed without the session
+        self.service.late = self._own_channel("late")  # still keyed without the session
         self.service.channel.set_session(self.session)
         self.challenges.clear()
         self.map_sent = True
@@ -291,6 +292,10 @@ class Scheduler:
                                                wanted_rank=node.rank, label=node.label)
             log.info("%s %d (incarnation %d) re-registered from %s; still missing: %s", node.role,
                      node.rank, node.incarnation, node.host, _names(self._recovery.missing()) or "nobody")
+            self._rebind(node)
+            if self._recovery.complete:
+                self._rebuilt()
+            return {"session": self.session, "rebound": True}
         else:  # a live scheduler: the node's heartbeats went unanswered for a while, or its reply was lost
             if body.get("session") != self.session:
                 raise AuthenticationError("this re-registration carries another cluster's session: refused")
@@ -322,7 +327,7 @@ class Scheduler:
             return
         self.service.channel.set_session(self.session)
         self.service.polled.set_session(poll_session(self.session))
-        self.service.late = self._own_channel()
+        self.service.late = self._own_channel("late")
 
     def _rebuilt(self) -> None:
         """Every node that was alive is back: resume (heartbeats, barriers, restarts) where it was."""
@@ -360,7 +365,7 @@ class Scheduler:
                     "for the cluster's nodes to re-register", self.cfg.incarnation, self.port,
                     self.cfg.connect_timeout)
         deadline = self._started + self.cfg.connect_timeout
-        while not self._recovery.complete:
+        while not self.map_sent:
             if time.monotonic() > deadline:
                 missing = self._recovery.missing()
                 exc = DeadlineExceededError(
@@ -375,7 +380,6 @@ class Scheduler:
                     self._declare_lost(role, rank, str(exc), absorb=False)
                 return
             self.service.poll_once(0.1)
-        self._rebuilt()
 
     def _on_barrier(self, identity: bytes, msg: Message) -> None:
         rank = self._worker_rank(identity)
