@@ -74,14 +74,16 @@ class RoleGroup:
         ``scheduler``, a failed scheduler is restarted too (:meth:`_restart_scheduler`)."""
         left, used = workers, 0
         died: dict[str, float] = {}  # role name -> when it last failed
+        rebuilt = True  # no scheduler restart is rebuilding the cluster
         while left:
             role = self._exits.get()
             if role.state is RoleState.FAILED:
                 kind = role.spec.role
-                if scheduler is not None and (kind == "scheduler" or scheduler.rebuilding()):
+                rebuilt = rebuilt or scheduler is None or not scheduler.rebuilding()
+                if scheduler is not None and (kind == "scheduler" or not rebuilt):
                     if not self._restart_scheduler(role, scheduler, died, used, restarts):
                         return role
-                    used += 1
+                    used, rebuilt = used + 1, False
                     continue
                 died[role.name] = time.monotonic()
                 if used >= restarts or not (kind == "worker" or (kind == "server" and restartable is not None
