@@ -104,7 +104,7 @@ def check_map(cmap: Any, num_workers: int, num_servers: int) -> dict[str, Any]:
             and cmap.get("num_servers") == num_servers and isinstance(cmap.get("servers"), list)
             and len(cmap["servers"]) == num_servers and cmap.get("mode") in ("dist_sync", "dist_async")):
         raise ProtocolError("a re-registration's cluster map does not match this cluster's counts")
-    own = ("rank", "role", "nonce", "incarnation", "rejoin", "barriers", "left", "away")  # one node's, or stale
+    own = ("rank", "role", "nonce", "incarnation", "rejoin", "barriers", "left", "away")  # a node's, or stale
     return {k: v for k, v in cmap.items() if k not in own}
 
 

@@ -382,10 +382,10 @@ class Scheduler:
             self.service.poll_once(0.1)
 
     def _on_barrier(self, identity: bytes, msg: Message) -> None:
-        rank = self._worker_rank(identity)
-        if self._recovery is not None and not self.map_sent:
+        if self._recovery is not None and not self.map_sent:  # its sender may not be back yet
             self._deferred.append((identity, msg))
             return
+        rank = self._worker_rank(identity)
         self.stats.did("barrier", time.time())
         if msg.body.get("cancel"):
             released = not self.barrier.cancel(rank) and rank not in self.stalled

@@ -113,6 +113,25 @@ def test_a_restarted_scheduler_takes_its_nodes_back_and_repeats_only_the_open_ba
     assert sched.servers[0].identity == b"s0"  # SHUTDOWN and AWAY go to its connection
 
 
+def test_a_barrier_that_reaches_a_restarted_scheduler_before_its_sender_is_held_not_refused(tmp_path: Path):
+    """A worker's BARRIER queued across the death arrives before the worker re-registered (its label
+    not yet bound): held, then counted once the worker is back, not refused."""
+    sched = restarted(tmp_path)
+    w0, _ = reregister(sched, "w0", "worker", 0, passed=3)
+    w1 = Peer(sched, "w1")
+    w1.channel.set_session(SESSION)
+    assert w1.send(Op.BARRIER, {"after": 3}, sender=1) == []  # unbound yet: held
+    assert w0.send(Op.BARRIER, {"after": 3}, sender=0) == []
+    reregister(sched, "s0", "server", 0)
+    rebind = Peer(sched, "w1-rebind")  # its heartbeat's fresh socket, naming w1's request label
+    (challenge,) = rebind.send(Op.HELLO, {"nonce": "n"})
+    (reply,) = rebind.send(Op.REGISTER, dict(body("worker", 1, w1.channel.label, passed=3),
+                                             challenge=challenge.body["challenge"]))
+    assert reply.op is Op.MAP and sched.map_sent
+    (first,), (second,) = w0.replies(), w1.replies()
+    assert first.op is Op.OK and second.op is Op.OK and sched.barrier.generation == 4
+
+
 def test_a_live_scheduler_answers_a_barrier_it_released_already(tmp_path: Path):
     """A worker that resends a barrier whose release it did not see (after < barriers released) is
     answered at once, and nothing is counted twice."""
