@@ -24,10 +24,13 @@ ENV = {"KVSTORE_HEARTBEAT_TIMEOUT": "6", "KVSTORE_CONNECT_TIMEOUT": "30"}
 REBOUND = re.compile(r"\[(worker|server) (\d)\].*re-registered with the restarted scheduler ([\d.]+) s after")
 
 
-def _run(launches, tmp_path: Path, steps: int, die_at: str) -> tuple[str, list[dict[str, np.ndarray]]]:  # noqa: F811
-    """2 workers, 2 servers, --max-restarts 1, the scheduler SIGKILLed at ``die_at``: output and values."""
-    run = launches(["-n", str(WORKERS), "-s", "2", "--max-restarts", "1", str(SCRIPT), str(steps),
-                    str(tmp_path / "w"), "dist_sync"], {**ENV, "KVSTORE_TEST_SCHEDULER_DIE_AT": die_at})
+def _run(launches, tmp_path: Path, steps: int, die_at: str, restarts: int = 1,  # noqa: F811
+         extra: dict[str, str] | None = None) -> tuple[str, list[dict[str, np.ndarray]]]:
+    """2 workers, 2 servers, --max-restarts ``restarts``, the scheduler SIGKILLed at ``die_at``: the
+    output and every worker's final values."""
+    run = launches(["-n", str(WORKERS), "-s", "2", "--max-restarts", str(restarts), str(SCRIPT), str(steps),
+                    str(tmp_path / "w"), "dist_sync"],
+                   {**ENV, "KVSTORE_TEST_SCHEDULER_DIE_AT": die_at, **(extra or {})})
     assert run.finish(90) == 0, run.output
     output = run.output
     assert "scheduler exited with code 137; restarting it as incarnation 1" in output, output
@@ -70,6 +73,21 @@ def test_a_scheduler_sigkilled_while_a_barrier_is_open_repeats_only_that_barrier
     output, values = _run(launches, tmp_path, steps, "barrier:6")
     assert "KVSTORE_TEST_SCHEDULER_DIE_AT=barrier:6" in output, output
     assert "5 barriers passed" in output, output
+    _unbroken(values, steps)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_lost_after_the_schedulers_restart_is_restarted_and_rejoins(
+        launches, tmp_path: Path) -> None:  # noqa: F811
+    """Restarts go on after the rebuild: worker 1 SIGKILLed at its 1000th round, after the scheduler's
+    restart, rejoins the restarted scheduler (from the rebuilt budget: 2 of 2 used) and the job ends
+    with the unbroken weights (the rounds without it are scaled as a quorum's)."""
+    steps = 1200
+    output, values = _run(launches, tmp_path, steps, "beats:5", restarts=2,
+                          extra={"KVSTORE_TEST_DIE_AT_ROUND": "1:1000"})
+    assert output.index("cluster rebuilt") < output.index("killing worker 1 after round 1000"), output
+    assert "worker 1 exited with code 137; restarting it as incarnation 1 (2 of 2 restarts used)" in output
+    assert re.search(r"\[scheduler\].*worker 1 rejoined as incarnation 1", output), output
     _unbroken(values, steps)
 
 
