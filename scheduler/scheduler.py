@@ -84,7 +84,7 @@ class Scheduler:
                                                     curve=transport.curve_keys(cfg))
         self.service = RouterService(sock, self._own_channel(), endpoint=endpoint)
         self.session = secrets.token_bytes(16)  # keys every message once the map is out
-        self._recovery = self._recovery(cfg)  # a restarted scheduler's rebuild (scheduler/recovery.py)
+        self._recovery = self._recovery_of(cfg)  # a restarted scheduler's rebuild (scheduler/recovery.py)
         self._labels: dict[str, tuple[str, int]] = {}  # a node's request label -> (role, rank)
         self._deferred: list[tuple[bytes, Message]] = []  # barriers and leaves while rebuilding
         self.challenges = Challenges()  # HELLO's nonce and challenge per connection, until it registers
@@ -157,7 +157,7 @@ class Scheduler:
         return channel
 
     @staticmethod
-    def _recovery(cfg: kvconfig.Config) -> Recovery | None:
+    def _recovery_of(cfg: kvconfig.Config) -> Recovery | None:
         """A restarted scheduler's :class:`Recovery` (None in a first incarnation).  Raises ConfigError
         without the first incarnation's session digest next to ``KVSTORE_PORT_FILE``."""
         if not cfg.incarnation:
@@ -296,12 +296,12 @@ class Scheduler:
             if self._recovery.complete:
                 self._rebuilt()
             return {"session": self.session, "rebound": True}
-        else:  # a live scheduler: the node's heartbeats went unanswered for a while, or its reply was lost
-            if body.get("session") != self.session:
-                raise AuthenticationError("this re-registration carries another cluster's session: refused")
-            node = parse(body, self.cfg.num_workers, self.cfg.num_servers)
-            if self._labels.get(node.label) != (node.role, node.rank) or self._is_lost(node.role, node.rank):
-                raise ProtocolError(f"{node.role} {node.rank} is not this node's to take back: refused")
+        # a live scheduler: the node's heartbeats went unanswered for a while, or its reply was lost
+        if body.get("session") != self.session:
+            raise AuthenticationError("this re-registration carries another cluster's session: refused")
+        node = parse(body, self.cfg.num_workers, self.cfg.num_servers)
+        if self._labels.get(node.label) != (node.role, node.rank) or self._is_lost(node.role, node.rank):
+            raise ProtocolError(f"{node.role} {node.rank} is not this node's to take back: refused")
         self._rebind(node)
         return {"session": self.session, "rebound": True}
 

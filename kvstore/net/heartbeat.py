@@ -96,7 +96,6 @@ class Heartbeat(threading.Thread):
         self.session, self.rebinder = session, rebinder
         self._budget = [0, cfg.max_restarts]  # restarts [used, budget], as the replies last said
         self._refused = False  # the scheduler refused a beat unsigned (a restarted one, without the session)
-        self.rebound_after: float | None = None  # seconds the last gap lasted, once a scheduler took us back
         self._gap: float | None = None  # when the gap being ridden over began
 
     def stop(self) -> None:
@@ -173,9 +172,8 @@ class Heartbeat(threading.Thread):
         new = self._rebind(within)
         if new is not None:
             self._refused, self._gap = False, None
-            self.rebound_after = time.monotonic() - gap
             log.warning("re-registered with the restarted scheduler %.2f s after it fell silent",
-                        self.rebound_after)
+                        time.monotonic() - gap)
             self.rebinder.resumed()  # type: ignore[union-attr]
         return new
 
