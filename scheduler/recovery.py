@@ -75,6 +75,7 @@ class Rebound:
     left: frozenset[int]  # workers it knows have left
     away: frozenset[int]  # workers it knows are away (being restarted)
     used: int  # restarts it knows were used
+    counters: tuple[tuple[str, int], ...] = ()  # (label, number): its channels' numbers stand above these
 
 
 def parse(body: dict[str, Any], num_workers: int, num_servers: int) -> Rebound:
@@ -93,9 +94,15 @@ def parse(body: dict[str, Any], num_workers: int, num_servers: int) -> Rebound:
         raise ProtocolError("a re-registration must name the label its requests are sealed with")
     if not (type(passed) is int and passed >= 0 and type(used) is int and used >= 0):
         raise ProtocolError("a re-registration's passed barriers and used restarts must be ints >= 0")
+    counters = body.get("counters", [])
+    if not (isinstance(counters, list) and len(counters) <= 4 and all(
+            isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and 0 < len(c[0]) <= 64
+            and type(c[1]) is int and c[1] >= 0 for c in counters)):
+        raise ProtocolError("a re-registration's counters must be at most 4 [label, number >= 0] pairs")
     return Rebound(role, rank, incarnation, str(body.get("host"))[:256], port if role == "server" else None,
                    label, passed, _ranks(body.get("left", []), num_workers, "left"),
-                   _ranks(body.get("away", []), num_workers, "away"), used)
+                   _ranks(body.get("away", []), num_workers, "away"), used,
+                   tuple((c[0], c[1]) for c in counters))
 
 
 def check_map(cmap: Any, num_workers: int, num_servers: int) -> dict[str, Any]:

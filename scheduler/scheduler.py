@@ -306,7 +306,10 @@ class Scheduler:
         return {"session": self.session, "rebound": True}
 
     def _rebind(self, node: Rebound) -> None:
-        """Watch a re-registered node from now; its requests (by their label) are its rank's."""
+        """Watch a re-registered node from now; its requests (by their label) are its rank's, and a
+        number its channels used before (a replay) is refused."""
+        for label, number in node.counters:
+            self.service.channel.floor(label, number)
         self._labels[node.label] = (node.role, node.rank)
         self.hosts[(node.role, node.rank)] = node.host
         if (node.role, node.rank) in self.liveness.last or not self.map_sent:

@@ -69,7 +69,7 @@ class WorkerRebind:
         return {"role": "worker", "rank": self._io.rank, "incarnation": self._cfg.incarnation,
                 "host": address.advertised_host(self._cfg), "mode": self._mode,
                 "label": self._io.channel.label, "map": self._map, "passed": self._passed(),
-                "left": self._left()}
+                "left": self._left(), "counters": [[self._io.channel.label, self._io.channel.reserve()]]}
 
     def paused(self) -> None:
         """Hold what goes to the scheduler (its reply would never come)."""

@@ -191,6 +191,7 @@ class Heartbeat(threading.Thread):
         channel = channel_for(self.cfg, new_label(f"{self.role}{self.rank}-rebind"))
         body = dict(self.rebinder.identity(), session=self.session, used=self._budget[0],  # type: ignore[union-attr]
                     away=sorted(self._away))
+        body["counters"] = [*body.get("counters", []), [self.channel.label, self.channel.reserve()]]
         try:
             register(sock, channel, dataclasses.replace(self.cfg, connect_timeout=within), body, self.role)
         except DeadlineExceededError:

@@ -88,16 +88,17 @@ class ServerRebind:
     for the re-registration; once a restarted scheduler took it back, ``rebound`` is set and the serving
     loop beats once on its own connection, so SHUTDOWN and AWAY reach it there."""
 
-    def __init__(self, cfg: kvconfig.Config, rank: int, host: str, port: int, label: str,
+    def __init__(self, cfg: kvconfig.Config, rank: int, host: str, port: int, channel: Channel,
                  cmap: dict[str, Any], rebound: threading.Event) -> None:
+        label = channel.label
         self._body = {"role": "server", "rank": rank, "incarnation": cfg.incarnation, "host": host,
                       "port": port, "label": label,
                       "map": {k: v for k, v in cmap.items() if k not in ("nonce", "rank", "role")}}
-        self._rebound = rebound
+        self._rebound, self._channel = rebound, channel
 
     def identity(self) -> dict[str, Any]:
         """The server's re-registration (scheduler/recovery.py)."""
-        return dict(self._body)
+        return dict(self._body, counters=[[self._channel.label, self._channel.reserve()]])
 
     def paused(self) -> None:
         """Nothing to hold: workers' requests go on being served."""
@@ -584,7 +585,7 @@ def _serve(cfg: kvconfig.Config) -> int:
     rebound = threading.Event()
     heartbeat = Heartbeat(cfg, "server", rank, cmap.body["session"], lambda error: None,
                           report_peers=False, stats=meter.snapshot,
-                          rebinder=ServerRebind(cfg, rank, host, port, channel.label, cmap.body, rebound))
+                          rebinder=ServerRebind(cfg, rank, host, port, channel, cmap.body, rebound))
     heartbeat.start()  # beating while a restarted server installs its shard
     server = Server(cfg, service, cmap.body, image, meter)
     if not shm.unusable(cfg):  # workers on this host may offer segments

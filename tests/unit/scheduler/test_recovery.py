@@ -157,3 +157,22 @@ def test_a_live_scheduler_lets_a_member_take_its_own_rank_back_only():
         (reply,) = peer.send(Op.REGISTER, dict(body("worker", rank, label, session=sched.session),
                                                challenge=challenge.body["challenge"]))
         assert reply.op is expected, reply.body
+
+
+def test_a_restarted_scheduler_refuses_numbers_its_predecessor_may_have_seen(tmp_path: Path):
+    """A re-registration says where its channels' numbers stand: a message from that label numbered at
+    or below it (a replay of one the dead scheduler took) is refused; the next one is served."""
+    sched = restarted(tmp_path)
+    w0 = Peer(sched, "w0")
+    w0.channel.set_session(SESSION)
+    rebind = Peer(sched, "w0-rebind")
+    (challenge,) = rebind.send(Op.HELLO, {"nonce": "n"})
+    rebind.send(Op.REGISTER, dict(body("worker", 0, w0.channel.label, counters=[[w0.channel.label, 10]]),
+                                  challenge=challenge.body["challenge"]))
+    w0.post(Op.HEARTBEAT, {"role": "worker", "rank": 0})  # numbered 1: as if replayed
+    assert [frames[0] for frames in w0.raw()] == [b""]  # refused, unsigned
+    w0.seen = 1  # that refusal read
+    while w0.channel.reserve() < 10:
+        pass
+    (beat,) = w0.send(Op.HEARTBEAT, {"role": "worker", "rank": 0})
+    assert beat.op is Op.OK
