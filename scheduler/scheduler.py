@@ -276,6 +276,14 @@ class Scheduler:
         if bound is not None and bound[0] == "server" and bound[1] < len(self.servers) \
                 and self.servers[bound[1]].identity != identity:
             self.servers[bound[1]] = dataclasses.replace(self.servers[bound[1]], identity=identity)
+            self._rebuilt_if_complete()
+
+    def _rebuilt_if_complete(self) -> None:
+        """Resume once every node that was alive is back and every server's own connection is known
+        (its first beat on it after its re-registration: AWAY and SHUTDOWN must reach it)."""
+        if self._recovery is not None and not self.map_sent and self._recovery.complete \
+                and all(server.identity for server in self.servers):
+            self._rebuilt()
 
     def _reregister(self, identity: bytes, body: dict, label: str) -> dict:
         """A node that lost sight of the scheduler takes its place back (scheduler/recovery.py): checked
@@ -293,8 +301,7 @@ class Scheduler:
             log.info("%s %d (incarnation %d) re-registered from %s; still missing: %s", node.role,
                      node.rank, node.incarnation, node.host, _names(self._recovery.missing()) or "nobody")
             self._rebind(node)
-            if self._recovery.complete:
-                self._rebuilt()
+            self._rebuilt_if_complete()
             return {"session": self.session, "rebound": True}
         # a live scheduler: the node's heartbeats went unanswered for a while, or its reply was lost
         if body.get("session") != self.session:
@@ -369,8 +376,9 @@ class Scheduler:
                     self.cfg.connect_timeout)
         deadline = self._started + self.cfg.connect_timeout
         while not self.map_sent:
-            if time.monotonic() > deadline:
-                missing = self._recovery.missing()
+            if time.monotonic() > deadline:  # (or back, but a server's own connection unknown)
+                missing = self._recovery.missing() or [
+                    ("server", rank) for rank, server in enumerate(self.servers) if not server.identity]
                 exc = DeadlineExceededError(
                     f"the restarted scheduler's rebuild is incomplete: {_names(missing)} did not re-register "
                     f"within {self.cfg.connect_timeout:g} s (KVSTORE_CONNECT_TIMEOUT)")

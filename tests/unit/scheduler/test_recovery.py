@@ -100,6 +100,7 @@ def test_a_restarted_scheduler_takes_its_nodes_back_and_repeats_only_the_open_ba
     _, refused = reregister(sched, "stranger", "worker", 1, session=b"y" * 16)
     assert refused.op is Op.ERROR and refused.body["code"] == "AuthenticationError"
     s0, _ = reregister(sched, "s0", "server", 0)
+    s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})  # its own connection: AWAY and SHUTDOWN go there
     assert not sched.map_sent
     w1, _ = reregister(sched, "w1", "worker", 1, passed=2)  # its reply to barrier 3 was lost
     assert sched.map_sent and sched.barrier.generation == 3 and sched.restarts.book.used == 1
@@ -122,7 +123,8 @@ def test_a_barrier_that_reaches_a_restarted_scheduler_before_its_sender_is_held_
     w1.channel.set_session(SESSION)
     assert w1.send(Op.BARRIER, {"after": 3}, sender=1) == []  # unbound yet: held
     assert w0.send(Op.BARRIER, {"after": 3}, sender=0) == []
-    reregister(sched, "s0", "server", 0)
+    s0, _ = reregister(sched, "s0", "server", 0)
+    s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})
     rebind = Peer(sched, "w1-rebind")  # its heartbeat's fresh socket, naming w1's request label
     (challenge,) = rebind.send(Op.HELLO, {"nonce": "n"})
     (reply,) = rebind.send(Op.REGISTER, dict(body("worker", 1, w1.channel.label, passed=3),
