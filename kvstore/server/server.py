@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,32 @@ class SchedulerLink:
     sock: Any  # a zmq DEALER (kvstore.net.transport)
     channel: Channel
     heartbeat: Heartbeat
+    rebound: threading.Event = dataclasses.field(default_factory=threading.Event)  # see ServerRebind
+
+
+class ServerRebind:
+    """A server's side of a scheduler's restart (:class:`kvstore.net.heartbeat.Rebinder`): its identity
+    for the re-registration; once a restarted scheduler took it back, ``rebound`` is set and the serving
+    loop beats once on its own connection, so SHUTDOWN and AWAY reach it there."""
+
+    def __init__(self, cfg: kvconfig.Config, rank: int, host: str, port: int, channel: Channel,
+                 cmap: dict[str, Any], rebound: threading.Event) -> None:
+        label = channel.label
+        self._body = {"role": "server", "rank": rank, "incarnation": cfg.incarnation, "host": host,
+                      "port": port, "label": label,
+                      "map": {k: v for k, v in cmap.items() if k not in ("nonce", "rank", "role")}}
+        self._rebound, self._channel = rebound, channel
+
+    def identity(self) -> dict[str, Any]:
+        """The server's re-registration (scheduler/recovery.py)."""
+        return dict(self._body, counters=[[self._channel.label, self._channel.reserve()]])
+
+    def paused(self) -> None:
+        """Nothing to hold: workers' requests go on being served."""
+
+    def resumed(self) -> None:
+        """Make the serving loop introduce its connection to the restarted scheduler."""
+        self._rebound.set()
 
 
 class Server:
@@ -482,6 +509,11 @@ class Server:
                 if lost is not None:
                     log.error("exiting: %s", lost)
                     return 1
+                if scheduler.rebound.is_set():  # a restarted scheduler: SHUTDOWN and AWAY come on this link
+                    scheduler.rebound.clear()
+                    rank = self.service.rank
+                    beat = Message(Op.HEARTBEAT, {"role": "server", "rank": rank}, sender=rank)
+                    transport.send(scheduler.sock, scheduler.channel.seal(beat, "scheduler"))
                 ready = poller.wait(SETTLE_POLL if self._unsettled else self.cfg.heartbeat_interval)
                 if self.service.sock in ready:
                     self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
@@ -531,7 +563,8 @@ class Server:
             except (ProtocolError, ValueError) as exc:
                 log.warning("dropped a bad AWAY from the scheduler: %s", exc)
             return False
-        log.warning("ignored %s from the scheduler", msg.op.name)
+        if msg.op is not Op.OK:  # OK: the answer to the beat that introduced this link to a restart
+            log.warning("ignored %s from the scheduler", msg.op.name)
         return False
 
 
@@ -565,15 +598,17 @@ def _serve(cfg: kvconfig.Config) -> int:
     rank = cmap.body["rank"]
     meter = ServerMeter(host, cfg.stall_warn, cfg.stall_abort)
     meter.rank = rank
+    rebound = threading.Event()
     heartbeat = Heartbeat(cfg, "server", rank, cmap.body["session"], lambda error: None,
-                          report_peers=False, stats=meter.snapshot)
+                          report_peers=False, stats=meter.snapshot,
+                          rebinder=ServerRebind(cfg, rank, host, port, channel, cmap.body, rebound))
     heartbeat.start()  # beating while a restarted server installs its shard
     server = Server(cfg, service, cmap.body, image, meter)
     if not shm.unusable(cfg):  # workers on this host may offer segments
         service.shm = shm.ServerPeers(server.memory.checkpoint, cfg.max_message_bytes)
     logs.set_identity("server", rank)
     log.info("serving on %s:%d in %s mode", host, port, cmap.body["mode"])
-    return server.run(SchedulerLink(to_scheduler, channel, heartbeat))
+    return server.run(SchedulerLink(to_scheduler, channel, heartbeat, rebound))
 
 
 def main() -> int:
