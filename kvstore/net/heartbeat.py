@@ -12,6 +12,9 @@ the callback's business.  With ``stats``, each beat carries the node's snapshot
 fit a message is left out of that beat (logged once), never the beat itself.  Each reply carries
 the scheduler's clock: the round trip feeds :data:`kvstore.net.timeline.CLOCK` (the timeline's
 alignment).  On :meth:`stop` one last beat goes out, so the scheduler has the node's final snapshot.
+With ``links`` (a worker's :class:`kvstore.net.links.ServerLinks`), once per interval the thread
+also reads its liveness connections to the servers: a server partitioned from this node is reported
+to ``on_lost`` as one lost, and the thread keeps beating.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from kvstore import config as kvconfig
 from kvstore.errors import AuthenticationError, KVStoreError, NodeLostError, ProtocolError
 from kvstore.net import timeline, transport
 from kvstore.net.auth import channel_for, new_label
+from kvstore.net.links import ServerLinks
 from kvstore.net.protocol import Message, Op
 
 log = logging.getLogger("kvstore.heartbeat")
@@ -44,11 +48,13 @@ class Heartbeat(threading.Thread):
                  on_lost: Callable[[NodeLostError], None], report_peers: bool = True,
                  stats: Callable[[], dict] | None = None,
                  on_left: Callable[[list[int]], None] | None = None,
-                 on_restarted: Callable[[list], None] | None = None) -> None:
+                 on_restarted: Callable[[list], None] | None = None,
+                 links: ServerLinks | None = None) -> None:
         super().__init__(name=f"kvstore-heartbeat-{role}{rank}", daemon=True)
         self.cfg, self.role, self.rank, self.on_lost = cfg, role, rank, on_lost
         self.report_peers, self.stats, self.on_left = report_peers, stats, on_left
         self.on_restarted = on_restarted  # servers restarted from their shards (kvstore.client.realign)
+        self.links = links  # a worker's liveness connections to the servers (read by this thread only)
         self._stats_failed = False  # a failing snapshot is logged once
         self.channel = channel_for(cfg, new_label(f"{role}{rank}-heartbeat"))
         self.channel.set_session(session)
@@ -90,6 +96,10 @@ class Heartbeat(threading.Thread):
                         continue
                     if self._read(frames):
                         heard = time.monotonic()
+                if self.links is not None and self.lost is None:
+                    partitioned = self.links.check(heard)
+                    if partitioned is not None:
+                        self._report(partitioned)
                 if time.monotonic() - heard > timeout:
                     self._report(NodeLostError(
                         f"scheduler at {self.cfg.root_address} is lost: no heartbeat reply for "
@@ -103,6 +113,8 @@ class Heartbeat(threading.Thread):
                                        role="scheduler", rank=0, host=self.cfg.root_uri))
         finally:
             transport.close(sock)
+            if self.links is not None:
+                self.links.close()
 
     def _beat(self) -> list:
         """The sealed frames of one HEARTBEAT, with this node's snapshot when it builds and fits."""
