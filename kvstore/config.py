@@ -95,6 +95,7 @@ class Config:
     incarnation: int = 0  # KVSTORE_INCARNATION: this worker's restarts so far (set by the launcher)
     test_die_at_round: tuple[int | None, int] | None = None  # KVSTORE_TEST_DIE_AT_ROUND: (rank, round)
     test_server_die_at: tuple[int | None, int] | None = None  # KVSTORE_TEST_SERVER_DIE_AT_ROUND
+    test_server_stall: tuple[int, float] | None = None  # KVSTORE_TEST_SERVER_STALL: (Nth pull, seconds)
     snapshot_rounds: int = 0  # KVSTORE_SNAPSHOT_EVERY=N: a server writes its shard every N rounds (0: off)
     snapshot_seconds: float = 0.0  # KVSTORE_SNAPSHOT_EVERY=Ns: ... every N seconds instead (0: off)
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
@@ -237,7 +238,8 @@ def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
     return {"max_restarts": env_int(env, "KVSTORE_MAX_RESTARTS", minimum=0, default=0),
             "incarnation": env_int(env, "KVSTORE_INCARNATION", minimum=0, default=0),
             "test_die_at_round": _die_at(env, "KVSTORE_TEST_DIE_AT_ROUND"),
-            "test_server_die_at": _die_at(env, "KVSTORE_TEST_SERVER_DIE_AT_ROUND")}
+            "test_server_die_at": _die_at(env, "KVSTORE_TEST_SERVER_DIE_AT_ROUND"),
+            "test_server_stall": _stall(env, "KVSTORE_TEST_SERVER_STALL")}
 
 
 def _shards(env: Mapping[str, str]) -> dict[str, Any]:
@@ -272,6 +274,21 @@ def _die_at(env: Mapping[str, str], name: str) -> tuple[int | None, int] | None:
         raise ConfigError(f"{name}={raw!r} is not N or RANK:N") from None
     if parsed[1] < 1 or (parsed[0] is not None and parsed[0] < 0):
         raise ConfigError(f"{name}={raw!r}: N must be >= 1 and RANK >= 0")
+    return parsed
+
+
+def _stall(env: Mapping[str, str], name: str) -> tuple[int, float] | None:
+    """A test hook's ``N:SECONDS`` as ``(N, seconds)`` (N >= 1, seconds > 0)."""
+    raw = env_text(env, name)
+    if raw is None:
+        return None
+    number, _, seconds = raw.partition(":")
+    try:
+        parsed = (int(number), float(seconds))
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not N:SECONDS") from None
+    if parsed[0] < 1 or not 0 < parsed[1] < float("inf"):
+        raise ConfigError(f"{name}={raw!r}: N must be >= 1 and SECONDS > 0")
     return parsed
 
 
