@@ -83,6 +83,8 @@ class Heartbeat(threading.Thread):
         interval, timeout = self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout
         heard = time.monotonic()
         try:
+            if self.links is not None:
+                self.links.check(heard)  # makes the links: up before the first request is answered
             while not self._stop_event.is_set():
                 transport.send(sock, self._beat())
                 deadline = time.monotonic() + interval

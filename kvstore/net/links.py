@@ -71,16 +71,24 @@ class Link:
     """What a worker knows of its liveness connection to one server (pure logic: no sockets)."""
 
     address: str
+    opened: float = 0.0  # when it was made (monotonic)
     up: bool = False  # its handshake is done and it has not dropped since
-    down_at: float | None = None  # when its drop was seen (monotonic); None while up or never up
+    ever_up: bool = False
+    down_at: float | None = None  # when its drop was seen (monotonic); None while up or not yet judged
     gone: bool = False  # dropped with the server's port closed: its process is gone (the scheduler's)
 
     def saw(self, up: bool, now: float) -> None:
         """A monitor event: the connection ``up`` (handshake done) or dropped, seen at ``now``."""
         if up:
-            self.up, self.down_at, self.gone = True, None, False
-        elif self.up:  # a drop of a connection that never came up is no news
+            self.up, self.ever_up, self.down_at, self.gone = True, True, None, False
+        elif self.up:  # a drop of a connection that never came up is no news (see waited)
             self.up, self.down_at, self.gone = False, now, False
+
+    def waited(self, now: float, timeout: float) -> None:
+        """A link that has never come up within ``timeout`` s of being made counts as dropped now (a
+        partition from before it was made, or a server that never answered)."""
+        if not self.ever_up and self.down_at is None and now - self.opened >= timeout:
+            self.down_at = now
 
     def partitioned(self, probe: Callable[[], str], heard: float) -> bool:
         """Whether the server is partitioned from this worker: its link dropped (zmq heard nothing for
@@ -139,10 +147,11 @@ class ServerLinks:
                 except ConfigError as exc:  # never fails the heartbeat: the data path names the address
                     log.warning("server %d is not watched for partitions: %s", index, exc)
                     continue
-                watched = self._watched[index] = _Watched(Link(address), sock, monitor)
+                watched = self._watched[index] = _Watched(Link(address, time.monotonic()), sock, monitor)
             now = time.monotonic()
             for up in transport.watch_events(watched.monitor):
                 watched.link.saw(up, now)
+            watched.link.waited(now, self.timeout)
             was_gone = watched.link.gone
             probe = functools.partial(self.reach, address, min(self.interval, 0.5))
             if watched.link.partitioned(probe, heard):

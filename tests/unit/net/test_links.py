@@ -52,6 +52,22 @@ def test_a_reachable_server_or_a_link_never_up_is_no_partition() -> None:
     assert not link.partitioned(lambda: REACHABLE, heard=9.0) and not link.gone
 
 
+def test_a_link_that_never_came_up_within_the_timeout_counts_as_dropped() -> None:
+    """A partition from before the link was made: no handshake within the timeout counts as a drop
+    then (and is judged as one); a link that came up once is judged only by its events."""
+    link = Link("tcp://10.0.0.2:5000", opened=10.0)
+    link.waited(11.0, timeout=2.0)
+    assert link.down_at is None
+    link.waited(12.0, timeout=2.0)
+    assert link.down_at == 12.0 and link.partitioned(lambda: UNREACHABLE, heard=12.5)
+    seen = Link("tcp://10.0.0.2:5000", opened=10.0)
+    seen.saw(True, 10.1)
+    seen.saw(False, 10.2)
+    seen.saw(True, 10.3)
+    seen.waited(20.0, timeout=2.0)
+    assert seen.up and seen.down_at is None
+
+
 def test_reach_tells_listening_from_refused_from_malformed() -> None:
     """The probe: a listening port is reachable, a closed one refused, a malformed address unreachable."""
     listener = socket.create_server(("127.0.0.1", 0))
