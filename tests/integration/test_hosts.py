@@ -87,7 +87,9 @@ class _Job:
 
 def _launch(host: Host, args: list[str], tag: str, env: dict[str, str] | None = None) -> _Job:
     """``launch.py ARGS`` on ``host`` (in the repository), output merged, tagged for the leak check."""
-    argv = [sys.executable, str(REPO / "launch.py"), "--env", f"KVSTORE_TEST_TAG={tag}", *args]
+    # PYTHONPATH: roles started over ssh import this checkout's kvstore, not an installed one elsewhere
+    argv = [sys.executable, str(REPO / "launch.py"), "--env", f"KVSTORE_TEST_TAG={tag}",
+            "--env", f"PYTHONPATH={REPO}", *args]
     return _Job(host.popen(argv, {**ENV, **(env or {})}, cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True))
 
