@@ -25,10 +25,8 @@ No per-message work: a worker's requests never look at this.
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,34 +34,11 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError, NodeLostError
 from kvstore.net import transport
+from kvstore.net.address import REFUSED, UNREACHABLE, probe, zmq_host_port
 from kvstore.net.curve import CurveKeys
 
 log = logging.getLogger("kvstore.links")
-REACHABLE, REFUSED, UNREACHABLE = "reachable", "refused", "unreachable"
 Reach = Callable[[str, float], str]  # (address, timeout) -> REACHABLE, REFUSED or UNREACHABLE
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``tcp://host:port`` (or ``tcp://[v6]:port``) as ``(host, port)``; raises ValueError otherwise."""
-    rest = address.split("://", 1)[-1]
-    host, _, port = rest.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def reach(address: str, timeout: float) -> str:
-    """Whether a TCP connection to ``address`` opens within ``timeout`` s: REACHABLE; REFUSED (the host
-    answers, nothing listens); UNREACHABLE (no route, no answer in time, a malformed address).
-    Raises nothing."""
-    try:
-        host, port = split_address(address)
-        with socket.create_connection((host, port), timeout=timeout):
-            return REACHABLE
-    except ConnectionRefusedError:
-        return REFUSED
-    except OSError as exc:
-        return REFUSED if exc.errno == errno.ECONNREFUSED else UNREACHABLE
-    except ValueError:
-        return UNREACHABLE
 
 
 @dataclass
@@ -120,7 +95,7 @@ class ServerLinks:
     """
 
     def __init__(self, addresses: Sequence[str], interval: float, timeout: float,
-                 curve: CurveKeys | None = None, reach: Reach = reach) -> None:
+                 curve: CurveKeys | None = None, reach: Reach = probe) -> None:
         self.interval, self.timeout, self.curve, self.reach = interval, timeout, curve, reach
         self._targets = dict(enumerate(addresses))  # server index -> its address (moved() changes it)
         self._watched: dict[int, _Watched] = {}  # the heartbeat thread's
@@ -153,9 +128,9 @@ class ServerLinks:
                 watched.link.saw(up, now)
             watched.link.waited(now, self.timeout)
             was_gone = watched.link.gone
-            probe = functools.partial(self.reach, address, min(self.interval, 0.5))
-            if watched.link.partitioned(probe, heard):
-                host, _ = split_address(address)
+            probing = functools.partial(self.reach, address, min(self.interval, 0.5))
+            if watched.link.partitioned(probing, heard):
+                host, _ = zmq_host_port(address)
                 return NodeLostError(
                     f"server {index} at {address} is partitioned from this worker (the scheduler still "
                     f"hears both): its connection heard nothing for {self.timeout:g} s "

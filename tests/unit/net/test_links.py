@@ -9,8 +9,9 @@ import time
 import zmq
 
 from kvstore.net import transport
+from kvstore.net.address import REACHABLE, REFUSED, UNREACHABLE, probe, zmq_host_port
 from kvstore.net.curve import derive_keys
-from kvstore.net.links import REACHABLE, REFUSED, UNREACHABLE, Link, ServerLinks, reach, split_address
+from kvstore.net.links import Link, ServerLinks
 from tests.helpers import poll_for
 
 
@@ -68,17 +69,17 @@ def test_a_link_that_never_came_up_within_the_timeout_counts_as_dropped() -> Non
     assert seen.up and seen.down_at is None
 
 
-def test_reach_tells_listening_from_refused_from_malformed() -> None:
+def test_probe_tells_listening_from_refused_from_malformed() -> None:
     """The probe: a listening port is reachable, a closed one refused, a malformed address unreachable."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     try:
-        assert reach(f"tcp://127.0.0.1:{port}", 1.0) == REACHABLE
+        assert probe(f"tcp://127.0.0.1:{port}", 1.0) == REACHABLE
     finally:
         listener.close()
-    assert reach(f"tcp://127.0.0.1:{port}", 1.0) == REFUSED
-    assert reach("tcp://127.0.0.1:notaport", 1.0) == UNREACHABLE
-    assert split_address("tcp://[::1]:7") == ("::1", 7)
+    assert probe(f"tcp://127.0.0.1:{port}", 1.0) == REFUSED
+    assert probe("tcp://127.0.0.1:notaport", 1.0) == UNREACHABLE
+    assert zmq_host_port("tcp://[::1]:7") == ("::1", 7)
 
 
 def _router(curve: bool) -> tuple[zmq.Socket, str]:
