@@ -424,6 +424,33 @@ SERVER_PORT = 9200  # the server's port on host 0 (and the relay's on host 1)
 TRAINER_MODEL = "20m"  # benchmarks/trainer_step.py's model for the Trainer step over the link
 
 
+ECHO = ("import socket, sys\n"
+        "s = socket.create_server((sys.argv[1], int(sys.argv[2]))); print('up', flush=True)\n"
+        "c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+        "while (b := c.recv(1)):\n    c.sendall(b)\n")
+PING = ("import socket, statistics, sys, time\n"
+        "c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)\n"
+        "c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); times = []\n"
+        "for _ in range(300):\n"
+        "    t = time.perf_counter(); c.sendall(b'x'); c.recv(1); times.append(time.perf_counter() - t)\n"
+        "print(statistics.median(times[20:]) * 1e6)")
+
+
+def round_trip_us(made: Any, relayed: bool) -> float:
+    """The median round trip of one byte, host 1 to an echo on host 0's server port (through the relay
+    with ``relayed``), in us; the echo serves that one connection and exits."""
+    echo = made[0].popen([sys.executable, "-c", ECHO, made[0].address, str(SERVER_PORT)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        if echo.stdout.readline() != "up\n":
+            raise RuntimeError("the echo did not start")
+        target = "0.0.0.0" if relayed else made[0].address
+        done = made[1].run([sys.executable, "-c", PING, target, str(SERVER_PORT)], timeout=60, check=True)
+        return float(done.stdout)
+    finally:
+        echo.wait(10)
+
+
 def relay_to_server(made: Any, delay: float) -> Any:
     """The harness's relay on host 1, listening on every address at the server's port and forwarding
     to host 0's, ``delay`` s added each way; it runs until the hosts go."""
@@ -526,22 +553,24 @@ def part_link(args: argparse.Namespace) -> dict[str, Any]:
         raw = raw_rate(made[0], made[1], 512)
         out["veth_raw_MBps"] = raw
         print(f"{'raw TCP stream host 1 -> host 0 (the veth unshaped)':<58} {raw:>8.0f} MB/s", flush=True)
+        relay_to_server(made, 100e-6)  # on host 1 from now on; only the relayed runs connect to it
+        direct, relayed = round_trip_us(made, False), round_trip_us(made, True)
+        out.update(direct_rtt_us=direct, relay_rtt_us=relayed)
+        print(f"{'1-byte round trip, direct / through the relay (100 us each way)':<58} {direct:>8.0f} us  "
+              f"{relayed:>6.0f} us", flush=True)
         half = raw * 8 / 2
-        runs = (("unshaped", None, None), ("shaped", half, None), ("shaped_relay", half, 100e-6),
-                ("shaped_1gbit", 1000, None))
-        for label, mbit, delay in runs:
+        runs = (("unshaped", None, False), ("shaped", half, False), ("shaped_relay", half, True),
+                ("shaped_1gbit", 1000, False))
+        for label, mbit, through in runs:
             if mbit is not None:
                 made.link(made[0], made[1]).rate(round(mbit))
-            if delay is not None:
-                relay_to_server(made, delay)
-            rate = hosts_rate(made, args.mb, args.iters, delay is not None)
+            rate = hosts_rate(made, args.mb, args.iters, through)
             out[f"{label}_MBps"] = rate
             shaped = f" (htb {round(mbit)} Mbit/s each way)" if mbit else ""
-            relayed = " + relay 100 us" if delay else ""
-            what = f"2 hosts, {label.split('_')[0]}{shaped}{relayed}"
+            what = f"2 hosts, {label.split('_')[0]}{shaped}{' + relay 100 us' if through else ''}"
             line = f"{what:<58} {rate:>8.0f} MB/s  {rate / loop:.2f}x"
             if label in ("shaped", "shaped_relay"):
-                step = step_ms(hosts_job(made, trainer_argv(args.step_iters), delay is not None))
+                step = step_ms(hosts_job(made, trainer_argv(args.step_iters), through))
                 out[f"{label}_step_ms"] = step
                 line += f"  step {step:>7.1f} ms  {step / loop_step:.2f}x"
             print(line, flush=True)
