@@ -33,9 +33,11 @@ against up to 1,000 simulated nodes; a 64 MB push+pull over a shaped link agains
    worker on one, scheduler and server on the other.  The veth's unshaped rate (one raw TCP stream of
    512 MB), then the 64 MB push+pull rate unshaped, with ``tc htb`` at half that raw rate, and at
    1 Gbit/s (a rate the job cannot outrun), each against the same job on 127.0.0.1 over TCP
-   (``KVSTORE_SHM=0``: across hosts there is no shared memory).  Not measured: the relay's 100 us (a
-   server advertises the address it binds, so the harness's relay cannot stand in front of it without
-   DNAT, and there is no iptables nat or netem here) and the ``Trainer`` step over the link.
+   (``KVSTORE_SHM=0``: across hosts there is no shared memory); shaped at half the raw rate, also
+   through the harness's delay relay (100 us each way: the server binds and advertises 0.0.0.0, which
+   the worker's connect takes for its own host, where the relay listens on the server's port).  The
+   ``Trainer`` step (``benchmarks/trainer_step.py``'s 20m model, ``overlap``, one worker) on loopback,
+   shaped, and shaped with the relay.
 """
 
 from __future__ import annotations
@@ -418,21 +420,64 @@ def rate_worker(mb: int, iters: int) -> None:
     rates.worker(mb, iters)
 
 
-def hosts_job(made: Any, mb: int, iters: int) -> float:
-    """A 1w1s job: scheduler and server on host 0, the worker on host 1; the MB/s its worker prints."""
-    import re
+SERVER_PORT = 9200  # the server's port on host 0 (and the relay's on host 1)
+TRAINER_MODEL = "20m"  # benchmarks/trainer_step.py's model for the Trainer step over the link
 
+
+ECHO = ("import socket, sys\n"
+        "s = socket.create_server((sys.argv[1], int(sys.argv[2]))); print('up', flush=True)\n"
+        "c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+        "while (b := c.recv(1)):\n    c.sendall(b)\n")
+PING = ("import socket, statistics, sys, time\n"
+        "c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)\n"
+        "c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); times = []\n"
+        "for _ in range(300):\n"
+        "    t = time.perf_counter(); c.sendall(b'x'); c.recv(1); times.append(time.perf_counter() - t)\n"
+        "print(statistics.median(times[20:]) * 1e6)")
+
+
+def round_trip_us(made: Any, relayed: bool) -> float:
+    """The median round trip of one byte, host 1 to an echo on host 0's server port (through the relay
+    with ``relayed``), in us; the echo serves that one connection and exits."""
+    echo = made[0].popen([sys.executable, "-c", ECHO, made[0].address, str(SERVER_PORT)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        if echo.stdout.readline() != "up\n":
+            raise RuntimeError("the echo did not start")
+        target = "0.0.0.0" if relayed else made[0].address
+        done = made[1].run([sys.executable, "-c", PING, target, str(SERVER_PORT)], timeout=60, check=True)
+        return float(done.stdout)
+    finally:
+        echo.wait(10)
+
+
+def relay_to_server(made: Any, delay: float) -> Any:
+    """The harness's relay on host 1, listening on every address at the server's port and forwarding
+    to host 0's, ``delay`` s added each way; it runs until the hosts go."""
+    return made.relay(made[1], made[0], SERVER_PORT, delay, listen="0.0.0.0", port=SERVER_PORT)
+
+
+def hosts_job(made: Any, worker_argv: list[str], relayed: bool = False) -> str:
+    """A 1w1s job: scheduler and server on host 0, the worker (``worker_argv``) on host 1; its output.
+
+    ``relayed``: the worker's traffic to the server goes through :func:`relay_to_server`'s relay: the
+    server binds every address (``DMLC_NODE_HOST=0.0.0.0``) and advertises 0.0.0.0, which a worker's
+    connect takes for its own host, where the relay listens on the server's port (no DNAT needed).
+    The scheduler's traffic is direct."""
     server_host, worker_host = made[0], made[1]
     env = {"DMLC_PS_ROOT_URI": server_host.address, "DMLC_PS_ROOT_PORT": "9091",  # the netns's own ports
            "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "KVSTORE_SECRET": secrets.token_hex(16),
-           "KVSTORE_BIGARRAY_BOUND": str(1 << 40), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+           "KVSTORE_BIGARRAY_BOUND": str(1 << 40), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "KVSTORE_SHM": "0", "KVSTORE_REQUEST_TIMEOUT": "600"}
+    server_at = {"DMLC_NODE_HOST": "0.0.0.0" if relayed else server_host.address,
+                 "KVSTORE_NODE_PORT": str(SERVER_PORT)}
     roles = [server_host.popen([sys.executable, "-m", f"kvstore.{role}"],
-                               {**env, "DMLC_ROLE": role, "DMLC_NODE_HOST": server_host.address}, cwd=REPO)
+                               {**env, "DMLC_ROLE": role, "DMLC_NODE_HOST": server_host.address,
+                                **(server_at if role == "server" else {})}, cwd=REPO)
              for role in ("scheduler", "server")]
     try:
-        argv = [sys.executable, __file__, "--rate-worker", "--mb", str(mb), "--iters", str(iters)]
-        done = worker_host.run(argv, {**env, "DMLC_ROLE": "worker", "DMLC_NODE_HOST": worker_host.address},
-                               timeout=240, cwd=REPO)
+        done = worker_host.run(worker_argv, {**env, "DMLC_ROLE": "worker",
+                                             "DMLC_NODE_HOST": worker_host.address}, timeout=600, cwd=REPO)
     finally:
         for proc in roles:
             try:
@@ -440,19 +485,57 @@ def hosts_job(made: Any, mb: int, iters: int) -> float:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-    match = re.search(r"RATE ([\d.]+)", done.stdout + done.stderr)
-    if done.returncode != 0 or match is None:
+    if done.returncode != 0:
         raise RuntimeError(f"the job across hosts failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done.stdout + done.stderr
+
+
+def hosts_rate(made: Any, mb: int, iters: int, relayed: bool = False) -> float:
+    """The MB/s of :func:`rate_worker` in :func:`hosts_job`."""
+    import re
+
+    out = hosts_job(made, [sys.executable, __file__, "--rate-worker", "--mb", str(mb), "--iters", str(iters)],
+                    relayed)
+    match = re.search(r"RATE ([\d.]+)", out)
+    if match is None:
+        raise RuntimeError(f"no RATE in the worker's output:\n{out}")
     return float(match.group(1))
 
 
+def trainer_argv(iters: int) -> list[str]:
+    """benchmarks/trainer_step.py's worker: the ``overlap`` Trainer step of its 20m model, 1 worker."""
+    return [sys.executable, str(REPO / "benchmarks" / "trainer_step.py"), "--worker", TRAINER_MODEL,
+            "--variants", "overlap", "--iters", str(iters), "--blocks", "2"]
+
+
+def step_ms(out: str) -> float:
+    """The step ms a trainer_step.py worker printed."""
+    for line in out.splitlines():
+        if "RESULT " in line:
+            return float(json.loads(line.split("RESULT ", 1)[1])["ms"])
+    raise RuntimeError(f"no RESULT in the worker's output:\n{out}")
+
+
+def loopback_step(iters: int) -> float:
+    """The same Trainer step on a 1w1s job on 127.0.0.1 (TCP: KVSTORE_SHM=0)."""
+    env = {**os.environ, "KVSTORE_SECRET": secrets.token_hex(16), "KVSTORE_SHM": "0", "OMP_NUM_THREADS": "1",
+           "KVSTORE_BIGARRAY_BOUND": str(1 << 40), "KVSTORE_REQUEST_TIMEOUT": "600"}
+    done = subprocess.run([sys.executable, "launch.py", "-n", "1", "-s", "1", *trainer_argv(iters)[1:]],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"the loopback Trainer run failed:\n{done.stdout}\n{done.stderr}")
+    return step_ms(done.stdout + done.stderr)
+
+
 def part_link(args: argparse.Namespace) -> dict[str, Any]:
-    """Part 3: the 64 MB push+pull rate on loopback (TCP), across 2 namespaced hosts unshaped, and
-    shaped to half the veth's unshaped rate; skipped with the reason where the harness cannot run."""
+    """Part 3: the 64 MB push+pull rate and the Trainer step on loopback (TCP), across 2 namespaced
+    hosts unshaped, shaped to half the veth's unshaped rate, and shaped with the relay's 100 us each
+    way; skipped with the reason where the harness cannot run."""
     sys.path.insert(0, str(REPO))
     from tests.hosts import Hosts, unavailable
 
-    print(f"\n== a {args.mb} MB key, push+pull, {args.iters} round trips (MB/s, both directions counted)")
+    print(f"\n== a {args.mb} MB key, push+pull, {args.iters} round trips (MB/s, both directions counted), "
+          f"and the Trainer step ({TRAINER_MODEL} model, overlap, 1 worker, ms)")
     why = unavailable()
     if why:
         print(f"shaped link: skipped ({why})")
@@ -462,23 +545,35 @@ def part_link(args: argparse.Namespace) -> dict[str, Any]:
 
     loop = rates.launch_rate(str(REPO / "benchmarks" / "auth_cost.py"), "loopback", {"KVSTORE_SHM": "0"},
                              args.mb, args.iters)
-    print(f"{'loopback, 127.0.0.1, TCP (KVSTORE_SHM=0)':<52} {loop:>8.0f} MB/s  1.00x", flush=True)
-    out: dict[str, Any] = {"loopback_MBps": loop}
+    loop_step = loopback_step(args.step_iters)
+    print(f"{'loopback, 127.0.0.1, TCP (KVSTORE_SHM=0)':<58} {loop:>8.0f} MB/s  1.00x  "
+          f"step {loop_step:>7.1f} ms  1.00x", flush=True)
+    out: dict[str, Any] = {"loopback_MBps": loop, "loopback_step_ms": loop_step}
     with Hosts(2) as made:
         raw = raw_rate(made[0], made[1], 512)
         out["veth_raw_MBps"] = raw
-        print(f"{'raw TCP stream host 1 -> host 0 (the veth unshaped)':<52} {raw:>8.0f} MB/s", flush=True)
-        for label, mbit in (("unshaped", None), ("shaped", raw * 8 / 2), ("shaped_1gbit", 1000)):
+        print(f"{'raw TCP stream host 1 -> host 0 (the veth unshaped)':<58} {raw:>8.0f} MB/s", flush=True)
+        relay_to_server(made, 100e-6)  # on host 1 from now on; only the relayed runs connect to it
+        direct, relayed = round_trip_us(made, False), round_trip_us(made, True)
+        out.update(direct_rtt_us=direct, relay_rtt_us=relayed)
+        print(f"{'1-byte round trip, direct / through the relay (100 us each way)':<58} {direct:>8.0f} us  "
+              f"{relayed:>6.0f} us", flush=True)
+        half = raw * 8 / 2
+        runs = (("unshaped", None, False), ("shaped", half, False), ("shaped_relay", half, True),
+                ("shaped_1gbit", 1000, False))
+        for label, mbit, through in runs:
             if mbit is not None:
                 made.link(made[0], made[1]).rate(round(mbit))
-            rate = hosts_job(made, args.mb, args.iters)
+            rate = hosts_rate(made, args.mb, args.iters, through)
             out[f"{label}_MBps"] = rate
             shaped = f" (htb {round(mbit)} Mbit/s each way)" if mbit else ""
-            what = f"2 hosts, {label.split('_')[0]}{shaped}"
-            print(f"{what:<52} {rate:>8.0f} MB/s  {rate / loop:.2f}x", flush=True)
-    print("not measured: the relay's 100 us (a server advertises the address it binds, so a relay cannot "
-          "be put in front of it without DNAT, and this kernel has no iptables nat or netem); "
-          "the Trainer step")
+            what = f"2 hosts, {label.split('_')[0]}{shaped}{' + relay 100 us' if through else ''}"
+            line = f"{what:<58} {rate:>8.0f} MB/s  {rate / loop:.2f}x"
+            if label in ("shaped", "shaped_relay"):
+                step = step_ms(hosts_job(made, trainer_argv(args.step_iters), through))
+                out[f"{label}_step_ms"] = step
+                line += f"  step {step:>7.1f} ms  {step / loop_step:.2f}x"
+            print(line, flush=True)
     return out
 
 
@@ -542,6 +637,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=5.0, help="each simulated window, s")
     parser.add_argument("--mb", type=int, default=64, help="the shaped link's key, MB")
     parser.add_argument("--iters", type=int, default=5, help="push+pull round trips per link rate")
+    parser.add_argument("--step-iters", type=int, default=5, help="Trainer steps per timed block (2 blocks)")
     parser.add_argument("--parts", default="cluster,scheduler,link")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, metavar="JSON",

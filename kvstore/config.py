@@ -99,6 +99,7 @@ class Config:
     recover_left: tuple[int, ...] = ()  # KVSTORE_RECOVER_LEFT: a restarted scheduler's workers that exited 0
     restarts_used: int = 0  # KVSTORE_RESTARTS_USED: a restarted scheduler's restarts used so far
     test_scheduler_die_at: tuple[str, int] | None = None  # KVSTORE_TEST_SCHEDULER_DIE_AT: (beats|barrier, N)
+    test_server_stall: tuple[int, float] | None = None  # KVSTORE_TEST_SERVER_STALL: (Nth pull, seconds)
     snapshot_rounds: int = 0  # KVSTORE_SNAPSHOT_EVERY=N: a server writes its shard every N rounds (0: off)
     snapshot_seconds: float = 0.0  # KVSTORE_SNAPSHOT_EVERY=Ns: ... every N seconds instead (0: off)
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
@@ -246,7 +247,8 @@ def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
                                                default=0)),
             "recover_left": _ranks(env, "KVSTORE_RECOVER_LEFT"),
             "restarts_used": env_int(env, "KVSTORE_RESTARTS_USED", minimum=0, default=0),
-            "test_scheduler_die_at": _scheduler_die_at(env)}
+            "test_scheduler_die_at": _scheduler_die_at(env),
+            "test_server_stall": _stall(env, "KVSTORE_TEST_SERVER_STALL")}
 
 
 def _ranks(env: Mapping[str, str], name: str) -> tuple[int, ...]:
@@ -307,6 +309,21 @@ def _die_at(env: Mapping[str, str], name: str) -> tuple[int | None, int] | None:
         raise ConfigError(f"{name}={raw!r} is not N or RANK:N") from None
     if parsed[1] < 1 or (parsed[0] is not None and parsed[0] < 0):
         raise ConfigError(f"{name}={raw!r}: N must be >= 1 and RANK >= 0")
+    return parsed
+
+
+def _stall(env: Mapping[str, str], name: str) -> tuple[int, float] | None:
+    """A test hook's ``N:SECONDS`` as ``(N, seconds)`` (N >= 1, seconds > 0)."""
+    raw = env_text(env, name)
+    if raw is None:
+        return None
+    number, _, seconds = raw.partition(":")
+    try:
+        parsed = (int(number), float(seconds))
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not N:SECONDS") from None
+    if parsed[0] < 1 or not 0 < parsed[1] < float("inf"):
+        raise ConfigError(f"{name}={raw!r}: N must be >= 1 and SECONDS > 0")
     return parsed
 
 

@@ -336,18 +336,20 @@ class Hosts:
         _ip("-n", a.name, "route", "del", "blackhole", f"{b.address}/32", check=False)
         _ip("-n", b.name, "route", "del", "blackhole", f"{a.address}/32", check=False)
 
-    def relay(self, at: Host, to: Host, to_port: int, delay: float) -> Relay:
-        """Start a TCP relay on ``at`` (a free port of its address) forwarding to ``to.address:to_port``
-        with ``delay`` seconds added to each direction.  Raises RuntimeError if it does not start."""
-        argv = [sys.executable, "-m", "tests.hosts", "relay", at.address, to.address, str(to_port),
-                str(delay)]
+    def relay(self, at: Host, to: Host, to_port: int, delay: float, listen: str | None = None,
+              port: int = 0) -> Relay:
+        """Start a TCP relay on ``at`` (on ``listen``, default its address, and ``port``, default a free
+        one) forwarding to ``to.address:to_port`` with ``delay`` seconds added to each direction.
+        Raises RuntimeError if it does not start."""
+        argv = [sys.executable, "-m", "tests.hosts", "relay", listen or at.address, to.address, str(to_port),
+                str(delay), str(port)]
         proc = at.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                         cwd=Path(__file__).resolve().parent.parent)
         self._procs.append(proc)
         line = proc.stdout.readline()  # it prints its port, or dies (EOF) with its error
         if not line.startswith("PORT "):
             raise RuntimeError(f"the relay on {at} did not start: {line}{proc.stdout.read()}")
-        return Relay(at, at.address, int(line.split()[1]), proc)
+        return Relay(at, listen or at.address, int(line.split()[1]), proc)
 
     def sshd(self) -> str:
         """Start an sshd on port 22 of every host, accepting a key made for these hosts; return the
@@ -443,10 +445,10 @@ def _pump(src: socket.socket, dst: socket.socket, delay: float) -> None:
     sender.join()
 
 
-def relay_main(listen: str, target: str, target_port: int, delay: float) -> None:
-    """Accept on ``listen`` (a free port, printed as ``PORT n``); relay each connection to
+def relay_main(listen: str, target: str, target_port: int, delay: float, port: int = 0) -> None:
+    """Accept on ``listen:port`` (0: a free port; printed as ``PORT n``); relay each connection to
     ``target:target_port`` through two :func:`_pump` threads.  Runs until killed."""
-    server = socket.create_server((listen, 0))
+    server = socket.create_server((listen, port))
     print(f"PORT {server.getsockname()[1]}", flush=True)
     while True:
         client, _ = server.accept()
@@ -463,7 +465,8 @@ def relay_main(listen: str, target: str, target_port: int, delay: float) -> None
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "relay":
-        relay_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+    if len(sys.argv) in (6, 7) and sys.argv[1] == "relay":
+        relay_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]),
+                   int(sys.argv[6]) if len(sys.argv) == 7 else 0)
     else:
-        sys.exit("usage: python -m tests.hosts relay LISTEN_ADDRESS TARGET TARGET_PORT DELAY_S")
+        sys.exit("usage: python -m tests.hosts relay LISTEN_ADDRESS TARGET TARGET_PORT DELAY_S [PORT]")

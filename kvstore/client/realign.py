@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kvstore.client.datapath import DataPath
@@ -65,10 +66,12 @@ class Realigner:
     """Starts one alignment per restarted server incarnation the scheduler names (module docstring):
     over ``path`` (the store's data path), with ``cfg`` (this worker's settings), the cluster map ``cmap``
     it joined with, and ``rejoin``, this worker's own rejoin if it was restarted (its round, and which
-    servers have yet to count it)."""
+    servers have yet to count it).  ``moved(index, address)`` is told each restarted server's new
+    address once its socket is swapped in (the heartbeat's liveness links, kvstore.net.links)."""
 
-    def __init__(self, path: DataPath, cfg: Config, cmap: dict, rejoin: Rejoin) -> None:
-        self.path, self.cfg, self.rejoin = path, cfg, rejoin
+    def __init__(self, path: DataPath, cfg: Config, cmap: dict, rejoin: Rejoin,
+                 moved: Callable[[int, str], None] | None = None) -> None:
+        self.path, self.cfg, self.rejoin, self.moved = path, cfg, rejoin, moved
         # server index -> the incarnation aligned with (or being); the map's are connected already
         self.known: dict[int, int] = dict(enumerate(incarnations(cmap)))
         self.threads: list[threading.Thread] = []
@@ -97,6 +100,8 @@ class Realigner:
             sock = transport.connect_dealer(where, curve=transport.curve_keys(cfg))
             pushes = path.hold(rank)  # no push is counted but not yet held meanwhile
             io.swap(rank, sock, server_name(rank, incarnation))
+            if self.moved is not None:
+                self.moved(rank, where)
             keys, rounds = lowest_rounds(io.held(rank), pushes)
             body = {"incarnation": cfg.incarnation, "keys": keys, "rounds": rounds}
             if self.rejoin.pending(rank):  # its REJOIN (held, or still to be sent) comes after this

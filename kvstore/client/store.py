@@ -52,6 +52,7 @@ from kvstore.errors import (
 from kvstore.net import address, transport
 from kvstore.net.auth import Channel, channel_for, derive_key, new_label
 from kvstore.net.heartbeat import Heartbeat
+from kvstore.net.links import ServerLinks
 from kvstore.net.protocol import Message, Op
 from kvstore.sparse import SparseCalls
 
@@ -157,13 +158,16 @@ class DistKVStore(KVStore):
         self._heartbeat: Heartbeat | None = None
         self._rejoin = Rejoin(bool(body.get("rejoin")))  # a restarted worker: rejoined below
         if joined.heartbeat:  # restarted servers: realign
-            aligner = realign.Realigner(self._path, cfg, body, self._rejoin)
+            links = ServerLinks(cluster.servers, cfg.heartbeat_interval, cfg.heartbeat_timeout,
+                                transport.curve_keys(cfg))  # partitions from a server (net/links.py)
+            aligner = realign.Realigner(self._path, cfg, body, self._rejoin, moved=links.moved)
             self._heartbeat = Heartbeat(cfg, "worker", cluster.rank, cluster.session, self._io.fail,
                                         stats=self._snapshot, on_left=self._barriers.warn_left,
                                         on_restarted=aligner.on_restarted,
                                         rebinder=WorkerRebind(self._io, cfg, body, self._mode,
                                                               lambda: self._barriers.passed,
-                                                              lambda: self._barriers.left))
+                                                              lambda: self._barriers.left),
+                                        links=links)
             self._heartbeat.start()
             # after the first beat's thread is up: an offer to a server that died meanwhile waits for
             # the heartbeat to name its restart (the offer is sent again to it) or its loss

@@ -165,6 +165,27 @@ def parse_host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+REACHABLE, REFUSED, UNREACHABLE = "reachable", "refused", "unreachable"  # what probe() finds
+
+
+def zmq_host_port(address: str) -> tuple[str, int]:
+    """``tcp://host:port`` (or ``tcp://[v6]:port``) as ``(host, port)``; raises ValueError otherwise."""
+    return parse_host_port(address.split("://", 1)[-1])
+
+
+def probe(address: str, timeout: float) -> str:
+    """Whether a TCP connection to ``address`` (``tcp://host:port``) opens within ``timeout`` s:
+    REACHABLE; REFUSED (the host answers, nothing listens); UNREACHABLE (no route, no answer in time,
+    a malformed address).  Raises nothing."""
+    try:
+        with socket.create_connection(zmq_host_port(address), timeout=timeout):
+            return REACHABLE
+    except ConnectionRefusedError:
+        return REFUSED
+    except (OSError, ValueError):
+        return UNREACHABLE
+
+
 def split_login(entry: str) -> tuple[str, str | None]:
     """Split a hostfile entry into the host ssh is given and the port's text (None without one).
 

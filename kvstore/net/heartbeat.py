@@ -20,6 +20,10 @@ timeout, the thread re-registers with it (:class:`Rebinder` gives the node's ide
 REGISTER on a fresh socket) until one takes the node back, and beats on from there; the node's data
 path runs on meanwhile.  Only when none has taken it back within the heartbeat timeout is the scheduler
 reported lost, as without restarts.
+
+With ``links`` (a worker's :class:`kvstore.net.links.ServerLinks`), once per interval the thread
+also reads its liveness connections to the servers: a server partitioned from this node is reported
+to ``on_lost`` as one lost, and the thread keeps beating.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from kvstore.errors import (
 from kvstore.net import timeline, transport
 from kvstore.net.auth import channel_for, new_label
 from kvstore.net.handshake import register, unsigned_refusal
+from kvstore.net.links import ServerLinks
 from kvstore.net.protocol import Message, Op
 
 log = logging.getLogger("kvstore.heartbeat")
@@ -80,11 +85,13 @@ class Heartbeat(threading.Thread):
                  stats: Callable[[], dict] | None = None,
                  on_left: Callable[[list[int]], None] | None = None,
                  on_restarted: Callable[[list], None] | None = None,
-                 rebinder: Rebinder | None = None) -> None:
+                 rebinder: Rebinder | None = None,
+                 links: ServerLinks | None = None) -> None:
         super().__init__(name=f"kvstore-heartbeat-{role}{rank}", daemon=True)
         self.cfg, self.role, self.rank, self.on_lost = cfg, role, rank, on_lost
         self.report_peers, self.stats, self.on_left = report_peers, stats, on_left
         self.on_restarted = on_restarted  # servers restarted from their shards (kvstore.client.realign)
+        self.links = links  # a worker's liveness connections to the servers (read by this thread only)
         self._stats_failed = False  # a failing snapshot is logged once
         self.channel = channel_for(cfg, new_label(f"{role}{rank}-heartbeat"))
         self.channel.set_session(session)
@@ -118,6 +125,8 @@ class Heartbeat(threading.Thread):
         heard = time.monotonic()
         gap: float | None = None  # when the scheduler fell silent, while a restarted one is awaited
         try:
+            if self.links is not None:
+                self.links.check(heard)  # makes the links: up before the first request is answered
             while not self._stop_event.is_set():
                 transport.send(sock, self._beat())
                 if self._listen(sock, interval):
@@ -130,6 +139,10 @@ class Heartbeat(threading.Thread):
                         transport.close(sock)
                         sock, heard, gap = new, time.monotonic(), None
                         continue
+                if self.links is not None and self.lost is None:
+                    partitioned = self.links.check(heard)
+                    if partitioned is not None:
+                        self._report(partitioned)
                 if time.monotonic() - heard > timeout:
                     why = "" if gap is None else ", and no restarted scheduler took this node back"
                     self._report(NodeLostError(
@@ -144,6 +157,8 @@ class Heartbeat(threading.Thread):
                                        role="scheduler", rank=0, host=self.cfg.root_uri))
         finally:
             transport.close(sock)
+            if self.links is not None:
+                self.links.close()
 
     def _listen(self, sock: Any, interval: float) -> bool:
         """Read replies for one interval (in short slices: stop() is quick); True if the scheduler's came."""

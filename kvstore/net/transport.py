@@ -332,3 +332,56 @@ class Router:
 def close(sock: zmq.Socket, linger: float = 0.0) -> None:
     """Close ``sock``, giving unsent messages up to ``linger`` seconds to leave."""
     sock.close(linger=int(linger * 1000))
+
+
+def connect_watch(address: str, interval: float, timeout: float,
+                  curve: CurveKeys | None = None) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER to ``address`` that carries no message, only zmq's own heartbeats, and its monitor.
+
+    libzmq's I/O threads send a ZMTP PING every ``interval`` seconds and answer the peer's, outside
+    either side's Python (a server busy in its request loop still answers); a connection that hears
+    nothing for ``timeout`` seconds is dropped, and so is it on the peer's side (``HEARTBEAT_TTL``).
+    The monitor reports each handshake done and each drop: read it with :func:`watch_events`.
+    Raises :class:`ConfigError` when ``address`` cannot be connected to (malformed).
+    """
+    sock = _context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(100, int(timeout * 1000))))  # zmq's bounds
+    if curve is not None:
+        _curve.make_client(sock, curve)
+    if "[" in address:
+        sock.setsockopt(zmq.IPV6, 1)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    try:
+        sock.connect(address)
+    except zmq.ZMQError as exc:
+        close_watch(sock, monitor)
+        raise ConfigError(f"cannot connect to {address}: {exc.strerror}") from None
+    return sock, monitor
+
+
+def watch_events(monitor: zmq.Socket) -> list[bool]:
+    """The events waiting on a :func:`connect_watch` monitor, oldest first, without waiting: True for
+    a connection up (its handshake done), False for one dropped."""
+    events = []
+    while True:
+        try:
+            frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return events
+        if len(frames) >= 1 and len(frames[0]) >= 2:
+            event = int.from_bytes(frames[0][:2], "little")  # zmq's monitor frame: u16 event, u32 value
+            if event in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
+                events.append(event == zmq.EVENT_HANDSHAKE_SUCCEEDED)
+
+
+def close_watch(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Close a :func:`connect_watch` socket and its monitor."""
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    sock.close(linger=0)
+    monitor.close(linger=0)

@@ -15,8 +15,10 @@ a restart's alignment and the row-sparse handlers.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -153,6 +155,8 @@ class Server:
                     Op.SHM_ATTACH: self._on_shm_attach, Op.ROUND_ABORT: self._on_round_abort,
                     **self.sparse.handlers()}
         service.handlers = {op: self._metered(op, h) for op, h in handlers.items()}
+        if cfg.test_server_stall is not None:  # KVSTORE_TEST_SERVER_STALL: a busy server, tests only
+            service.handlers[Op.PULL] = _stalling(service.handlers[Op.PULL], *cfg.test_server_stall)
         self.restored: restore.Restored | None = None  # a restart from its shard (server/restore.py)
         if image is not None:
             self.restored = restore.Restored(self._requests, self.rejoins, image, cluster, session.hex())
@@ -566,6 +570,19 @@ class Server:
         if msg.op is not Op.OK:  # OK: the answer to the beat that introduced this link to a restart
             log.warning("ignored %s from the scheduler", msg.op.name)
         return False
+
+
+def _stalling(handler: Handler, nth: int, seconds: float) -> Handler:
+    """``handler``, blocking the request loop for ``seconds`` before the ``nth`` request it handles
+    (``KVSTORE_TEST_SERVER_STALL``: a server busy in Python, e.g. in a long optimizer step)."""
+    count = itertools.count(1)
+
+    def stalled(identity: bytes, msg: Message) -> None:
+        if next(count) == nth:
+            log.warning("KVSTORE_TEST_SERVER_STALL: the request loop blocks for %g s", seconds)
+            time.sleep(seconds)
+        handler(identity, msg)
+    return stalled
 
 
 def _rounds(msg: Message) -> list[int] | None:

@@ -115,12 +115,20 @@ def test_bad_mxnet_bigarray_bound_names_the_variable_that_was_set(raw):
     ("KVSTORE_SUM_ORDER", "random"), ("KVSTORE_NODE_PORT", "65536"), ("KVSTORE_NODE_PORT", "any"),
     ("KVSTORE_MAX_MESSAGE_BYTES", "-1"), ("KVSTORE_MAX_MESSAGE_BYTES", "16M"),
     ("KVSTORE_MAX_MESSAGE_BYTES", "1048575"),
+    ("KVSTORE_TEST_SERVER_STALL", "3"), ("KVSTORE_TEST_SERVER_STALL", "0:1"),
+    ("KVSTORE_TEST_SERVER_STALL", "2:0"), ("KVSTORE_TEST_SERVER_STALL", "2:inf"),
 ])
 def test_invalid_value_raises_config_error_naming_the_variable(name, raw):
     """A present but invalid value raises ConfigError whose message names the variable."""
     with pytest.raises(ConfigError) as info:
         kvconfig.load({name: raw})
     assert name in str(info.value)
+
+
+def test_the_server_stall_hook_reads_n_and_seconds():
+    """KVSTORE_TEST_SERVER_STALL=N:SECONDS is (N, seconds); unset, no hook."""
+    assert kvconfig.load({"KVSTORE_TEST_SERVER_STALL": "400:2.5"}).test_server_stall == (400, 2.5)
+    assert kvconfig.load({}).test_server_stall is None
 
 
 def test_config_error_is_a_value_error():

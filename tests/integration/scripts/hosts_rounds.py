@@ -3,7 +3,10 @@
 argv: MODE SECONDS.  ``shm``: one round of a 256 KiB key (big enough for same-host shared memory),
 checked, then ``LANES rank=R servers=[...] sent=N`` (the servers this worker's segment is mapped by,
 and the bytes it moved through them).  ``rounds``: rounds of a small key for up to SECONDS, printing
-``ROUNDS rank=R n=N`` every 10 rounds, so a test sees the job make progress.
+``ROUNDS rank=R n=N`` every 10 rounds, so a test sees the job make progress.  ``steps``: SECONDS is
+a count of steps instead, each a push of ``(step % 3 + 1) * (rank + 1)`` under sgd (lr 0.5) and a pull,
+at least 10 ms apart, printing ``ROUNDS`` as ``rounds`` does, then ``FINAL rank=R w=W`` (every element
+of the weight after a barrier: exact in float32, and what an unbroken run gives, see ``expected``).
 """
 
 import sys
@@ -27,6 +30,22 @@ if mode == "shm":
     sent = lanes.sent if lanes is not None else 0
     print(f"LANES rank={kv.rank} servers={segments} sent={sent}", flush=True)
     kv.barrier()
+elif mode == "steps":
+    steps = int(seconds)
+    kv.init("w", np.zeros(16, np.float32))
+    kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=0.5))
+    out = np.zeros(16, np.float32)
+    for step in range(steps):
+        started = time.monotonic()
+        kv.push("w", np.full(16, (step % 3 + 1) * (kv.rank + 1), np.float32))
+        kv.pull("w", out=out)
+        if (step + 1) % 10 == 0:
+            print(f"ROUNDS rank={kv.rank} n={step + 1}", flush=True)
+        time.sleep(max(0.0, 0.01 - (time.monotonic() - started)))  # pacing: the job spans a partition
+    kv.barrier()
+    kv.pull("w", out=out)
+    assert (out == out[0]).all(), out
+    print(f"FINAL rank={kv.rank} w={float(out[0])!r}", flush=True)
 else:
     kv.init("w", np.zeros(16, np.float32))
     deadline, rounds = time.monotonic() + seconds, 0
