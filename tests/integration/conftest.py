@@ -137,8 +137,10 @@ def make_cluster(tmp_path: Path, request: pytest.FixtureRequest):
 
 
 def _shared_cluster(tmp_path_factory: pytest.TempPathFactory, mode: str, workers: int,
-                    servers: int):
-    cluster = Cluster(tmp_path_factory.mktemp(f"{mode}-{workers}w{servers}s"), mode, workers, servers)
+                    servers: int, **env: Any):
+    """A connected cluster for a module's tests (``env``: extra settings); its logs printed if it fails
+    to come up."""
+    cluster = Cluster(tmp_path_factory.mktemp(f"{mode}-{workers}w{servers}s"), mode, workers, servers, **env)
     try:
         cluster.connect()
     except BaseException:

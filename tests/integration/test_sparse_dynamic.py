@@ -11,7 +11,7 @@ import kvstore
 from kvstore import RowSparse
 from kvstore.core import rowsparse as R
 from tests.helpers import poll_for
-from tests.integration.conftest import Cluster, unique_key
+from tests.integration.conftest import Cluster, _shared_cluster, unique_key
 
 pytestmark = pytest.mark.timeout(90)
 W = 4
@@ -19,14 +19,7 @@ INIT = {"type": "normal", "sigma": 0.5, "seed": 11}
 
 
 def _cluster(tmp_path_factory, mode: str) -> Cluster:
-    cluster = Cluster(tmp_path_factory.mktemp(f"dyn-{mode}"), mode, 2, 2, KVSTORE_HEARTBEAT_INTERVAL=0.2)
-    try:
-        cluster.connect()
-    except BaseException:
-        cluster.close()
-        print(cluster.procs.output())
-        raise
-    return cluster
+    return _shared_cluster(tmp_path_factory, mode, 2, 2, KVSTORE_HEARTBEAT_INTERVAL=0.2)
 
 
 @pytest.fixture(scope="module")
