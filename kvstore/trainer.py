@@ -125,6 +125,35 @@ def next_key_prefix() -> str:
     return f"trainer{next(_trainers)}"
 
 
+class ServerRescale:
+    """The ``rescale_grad`` of a dist store's servers when they run the optimizer, and each step's
+    gradient factor against it (the Trainer's and the SparseTrainer's one rule, docs/trainer.md).
+
+    The servers keep one value, agreed at the first step (rank 0's, in a collective), whatever the
+    batch size later; a step of another batch size multiplies the gradients it pushes by its own
+    rescale over the servers' (exact: the rescale multiplies the gradient first).  Sending each change
+    to the servers instead would apply it to every push around it (in dist_async one worker's last
+    batch of 1 sample made another's full batches 32 times too big)."""
+
+    def __init__(self, kv: KVStore) -> None:
+        self.kv = kv
+        self.agreed: float | None = None  # the servers' rescale_grad once agreed
+
+    def factor(self, rescale: float) -> float:
+        """What a step whose rescale is ``rescale`` multiplies its gradients by (the first call, on every
+        worker at once, agrees on the servers' value).  Raises what the collective raises."""
+        if self.agreed is None:
+            layer_calls(self.kv).collective("the servers' rescale_grad", lambda: self.kv.set_optimizer_params(
+                rescale_grad=rescale))
+            servers = self.kv.get_optimizer()
+            self.agreed = rescale if servers is None else float(servers.rescale_grad)
+        return rescale / self.agreed
+
+    def reset(self) -> None:
+        """The servers' optimizer was replaced (loaded states): agree again at the next step."""
+        self.agreed = None
+
+
 class Trainer:
     """Applies an optimizer to torch parameters, with gradients summed through a KVStore.
 
@@ -197,6 +226,7 @@ class Trainer:
         # Per-device optimizer state for replicas 1.. (states, counts), swapped in by _update.
         self._replica_states: list[tuple[dict, dict]] = [({}, {}) for _ in replicas[1:]]
         self._initialized = False
+        self._rescales = ServerRescale(self._kv)  # servers' rescale_grad (dist, update_on_kvstore)
         self._compression_params = None if compression_params is None else dict(compression_params)
         self._warned: set[str] = set()
         self._shares = itertools.count()  # numbers the state_dict broadcasts (their keys)
@@ -290,8 +320,6 @@ class Trainer:
         self._kv.pull(self._keys, out=self._per_key(self._replicas))
         if self._update_on_kvstore:
             self._kv.set_optimizer(self._optimizer)
-            if self._servers_keep_rescale():  # rank 0's, which _push_factor scales every push to
-                self._optimizer.rescale_grad = self._kv.get_optimizer().rescale_grad
         self._initialized = True
         self._mark_weights()
 
@@ -332,12 +360,12 @@ class Trainer:
 
     def _set_rescale(self, batch_size: float) -> None:
         """gluon's rule: rescale_grad = scale / batch_size, set when it changes; sent to a local store,
-        not to servers, which keep the one of the first use (see :meth:`_push_factor`)."""
+        not to servers, which keep an agreed one (see :meth:`gradient_factor`)."""
         if not batch_size > 0:
             raise ValueError(f"batch_size must be positive, got {batch_size!r}")
         rescale = self._scale / batch_size
         if rescale == self._optimizer.rescale_grad or (self._initialized and self._servers_keep_rescale()):
-            return
+            return  # servers keep theirs: gradient_factor
         self._optimizer.rescale_grad = rescale
         if self._update_on_kvstore and self._initialized:
             self._kv.set_optimizer_params(rescale_grad=rescale)
@@ -348,14 +376,16 @@ class Trainer:
         batch size is known: docs/trainer.md)."""
         return self._update_on_kvstore and self._overlap is None and self._kv.type.startswith("dist")
 
-    def _push_factor(self, batch_size: float) -> float:
-        """What this step's gradients are multiplied by before they are pushed: this step's rescale
-        over the servers' (exact: the rescale multiplies the gradient first).  A change of batch size
-        sent to the servers would also apply to other workers' pushes around it (in dist_async a last
-        batch of 1 sample made the other worker's batches 32 times too big)."""
-        if not self._servers_keep_rescale():
+    def gradient_factor(self, batch_size: float) -> float:
+        """What a step of ``batch_size`` multiplies the gradients it pushes by: 1.0, but where servers
+        run the optimizer of a dist store (without the overlap), its rescale over theirs
+        (:class:`ServerRescale`; the first call after the first use agrees on theirs, on every worker
+        at once).  A SparseTrainer scales its rows by it.  Raises ValueError for a batch_size <= 0."""
+        if not batch_size > 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size!r}")
+        if not (self._initialized and self._servers_keep_rescale()):
             return 1.0
-        return self._scale / batch_size / self._optimizer.rescale_grad
+        return self._rescales.factor(self._scale / batch_size)
 
     def _per_key(self, by_device: list[list[Any]]) -> list[list[Any]]:
         """``[device][parameter]`` lists regrouped as ``[parameter][device]``, as the store takes them."""
@@ -401,7 +431,7 @@ class Trainer:
         if self._update_on_kvstore:
             if not self._overlapped(not ignore_stale_grad):
                 grads = self._grads(not ignore_stale_grad)
-                factor = self._push_factor(batch_size)
+                factor = self.gradient_factor(batch_size)
                 if factor != 1.0:  # a batch size other than the first use's
                     grads = [[g * factor for g in row] for row in grads]
                 self._kv.pushpull(self._keys, self._per_key(grads), out=self._per_key(self._replicas))
@@ -537,6 +567,7 @@ class Trainer:
             remote = self._kv.get_optimizer()  # the loaded optimizer (a stateless copy in dist modes)
             if remote is not None:
                 self._optimizer = remote
+            self._rescales.reset()  # the file's rescale_grad is the servers' now
         else:
             states = checkpoint.read_states(str(fname))
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._weights())

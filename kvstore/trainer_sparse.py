@@ -34,7 +34,7 @@ from kvstore.core.rowsparse import RowSparse
 from kvstore.core.sparse_update import apply_rows
 from kvstore.sparse_reduce import RowReducer
 from kvstore.stores import create
-from kvstore.trainer import Trainer, next_key_prefix, resolve_update_on_kvstore
+from kvstore.trainer import ServerRescale, Trainer, next_key_prefix, resolve_update_on_kvstore
 
 TorchEmbedding = Any  # a torch.nn.Embedding; torch is not imported when this module loads
 
@@ -150,6 +150,7 @@ class SparseTrainer:
                 self._optimizer = kvoptimizer.create(optimizer, **dict(optimizer_params or {}))
             self._scale = float(self._optimizer.rescale_grad)
             self._kv = create(kvstore) if isinstance(kvstore, str) else kvstore
+        self._rescales = ServerRescale(self._kv)  # the embeddings alone on a dist store's servers
         self._keys = [e.key if isinstance(e, SparseEmbedding) else f"{prefix}/embedding{i}"
                       for i, e in enumerate(self.embeddings)]
         views += [(key, e.weight) for key, e in zip(self._keys, self.embeddings)]
@@ -233,16 +234,24 @@ class SparseTrainer:
         with torch.no_grad():
             embedding.weight[torch.from_numpy(pulled.indices)] = torch.from_numpy(pulled.rows)
 
-    def _set_rescale(self, batch_size: float) -> None:
-        """gluon's rule for the embeddings alone, as ``Trainer.step``: rescale_grad = scale / batch_size
-        (sent to the store when it runs the optimizer).  ValueError for a batch_size <= 0."""
+    def _gradient_factor(self, batch_size: float) -> float:
+        """gluon's rule, as ``Trainer.step``: rescale_grad = scale / batch_size.  Returns what this
+        step's rows are multiplied by before they are pushed: with a Trainer for the dense parameters,
+        its :meth:`Trainer.gradient_factor`; for the embeddings alone on a dist store's servers, this
+        step's rescale over the servers' agreed one (:class:`ServerRescale`); elsewhere 1.0, the
+        rescale set on the (local) optimizer.  ValueError for a batch_size <= 0."""
+        if self.trainer is not None:
+            return self.trainer.gradient_factor(batch_size)
         if not batch_size > 0:
             raise ValueError(f"batch_size must be positive, got {batch_size!r}")
         rescale = self._scale / batch_size
+        if self._on_store and self._kv.type.startswith("dist"):
+            return self._rescales.factor(rescale)
         if rescale != self._optimizer.rescale_grad:
             self._optimizer.rescale_grad = rescale
             if self._on_store:
                 self._kv.set_optimizer_params(rescale_grad=rescale)
+        return 1.0
 
     def _gradients(self) -> list[Any]:
         """Every embedding's row gradient of this step (an empty one when the batch did not use it);
@@ -273,17 +282,18 @@ class SparseTrainer:
         With update_on_kvstore=False the summed rows of every row some worker touched come back and
         the local optimizer updates those rows (lazily: other rows and their state stay)."""
         self._create()
-        if self.trainer is None:
-            self._set_rescale(batch_size)
         grads = self._gradients()
         if self._reducer is not None:
             self._reducer.push(grads)  # summed on the servers while the dense step runs
         if self.trainer is not None:
             self.trainer.step(batch_size)
         if self._reducer is None:
+            factor = self._gradient_factor(batch_size)
             for key, grad in zip(self._keys, grads):
-                self.kvstore.push(key, grad)
+                self.kvstore.push(key, grad if factor == 1.0 else _scaled(grad, factor))
             return
+        if self.trainer is None:
+            self._gradient_factor(batch_size)  # the local optimizer's rescale_grad
         opt = self.optimizer
         for key, e, summed in zip(self._keys, self.embeddings, self._reducer.pull()):
             apply_rows(opt, key, e.weight.detach().numpy(), summed.indices, np.ascontiguousarray(summed.rows))
@@ -312,9 +322,17 @@ class SparseTrainer:
             self.trainer.load_states(fname)
         elif self._on_store:
             self._kv.load_optimizer_states(str(fname))
+            self._rescales.reset()  # the file's rescale_grad is the servers' now
         else:
             states = checkpoint.read_states(str(fname))
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._table_weights())
+
+
+def _scaled(grad: Any, factor: float) -> Any:
+    """A row gradient (a RowSparse or a torch tensor, sparse or dense) times ``factor``, as a new value."""
+    if isinstance(grad, RowSparse):
+        return RowSparse(grad.indices, grad.rows * factor, grad.shape)
+    return grad * factor
 
 
 def _numpy_views(weights: Iterable[tuple[str, Any]]) -> dict[str, np.ndarray]:

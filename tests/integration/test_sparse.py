@@ -368,14 +368,16 @@ def test_snapshot_holds_row_sparse_tables_and_resumes_on_other_servers(make_clus
         np.testing.assert_allclose(got, want[key], rtol=1e-6, err_msg=key)
 
 
-def test_sparse_trainer_in_dist_sync_matches_torch_on_the_joint_batch(sync2) -> None:
+@pytest.mark.parametrize("sizes", [(6, 6, 6), (6, 3, 5)], ids=["one-batch-size", "changing-batch-size"])
+def test_sparse_trainer_in_dist_sync_matches_torch_on_the_joint_batch(sync2, sizes: tuple[int, ...]) -> None:
     """Two workers train nn.Embedding(sparse=True) + a head with SparseTrainer; the table and head equal
-    torch's SGD on both workers' batches together (the servers summed every worker's rows)."""
+    torch's SGD on both workers' batches together (the servers summed every worker's rows), also when
+    the batch size changes between steps (the servers keep one rescale_grad: the rows are scaled too)."""
     torch = pytest.importorskip("torch")
-    rows, dim, batch, prefix = 300, 4, 6, unique_key("st")
+    rows, dim, prefix = 300, 4, unique_key("st")
     gen = torch.Generator().manual_seed(4)
     data = [[(torch.randint(0, rows, (batch, 2), generator=gen), torch.randn(batch, 1, generator=gen))
-             for _ in range(3)] for _ in range(2)]
+             for batch in sizes] for _ in range(2)]
     torch.manual_seed(0)
     start_emb, start_head = torch.nn.Embedding(rows, dim, sparse=True), torch.nn.Linear(dim, 1)
 
@@ -389,7 +391,7 @@ def test_sparse_trainer_in_dist_sync_matches_torch_on_the_joint_batch(sync2) -> 
         for ids, y in data[kv.rank]:
             trainer.prefetch(emb, ids)
             ((head(emb(ids).sum(1)) - y) ** 2).sum().backward()
-            trainer.step(2 * batch)
+            trainer.step(2 * len(ids))
             head.zero_grad()
         trainer.prefetch(emb, torch.arange(rows))
         return emb.weight.detach().clone(), head.weight.detach().clone()
@@ -400,7 +402,7 @@ def test_sparse_trainer_in_dist_sync_matches_torch_on_the_joint_batch(sync2) -> 
     for (ids0, y0), (ids1, y1) in zip(*data):
         opt.zero_grad()
         ids, y = torch.cat([ids0, ids1]), torch.cat([y0, y1])
-        (((head(emb(ids).sum(1)) - y) ** 2).sum() / (2 * batch)).backward()
+        (((head(emb(ids).sum(1)) - y) ** 2).sum() / len(ids)).backward()
         opt.step()
     for table, weight in results:
         torch.testing.assert_close(table, emb.weight.detach(), rtol=1e-5, atol=1e-6)
@@ -450,7 +452,7 @@ def test_sparse_trainer_updating_locally_matches_one_process_and_is_lazy(sums2, 
         for step, (ids, y) in enumerate(data[kv.rank]):
             trainer.prefetch(emb, ids)
             ((head(emb(ids).sum(1)) - y) ** 2).sum().backward()
-            trainer.step(2 * batch)
+            trainer.step(2 * len(ids))
             head.zero_grad()
             if step == 0:
                 first = emb.weight.detach().clone(), {
