@@ -25,7 +25,7 @@ from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.rowsparse import DynamicSpec
 
-SLOT_BYTES = 8 + 1 + 8 + 8 + 8  # a slot's id, live flag, last tick, last time and use count
+SLOT_BYTES = 8 + 1 + 8 + 8 + 8 + 1  # a slot's id, live flag, last tick, last time, use count, unset flag
 GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by half of itself)
 PENDING_MIN = 1 << 16  # ids counted for admission: at least this many, else the capacity
 PLACEMENT_SALT = 0x5DEECE66D  # the seed of the id -> server hash (every worker uses the same)
@@ -147,6 +147,7 @@ class DynamicRows:
         self.last = np.zeros(0, np.int64)  # slot -> tick of its last use (LRU)
         self.seen = np.zeros(0, np.float64)  # slot -> clock of its last use (TTL)
         self.freq = np.zeros(0, np.int64)  # slot -> uses since made (LFU)
+        self.unset = np.zeros(0, bool)  # slot -> made, its optimizer state not reset since (admit does)
         self.free = np.zeros(0, np.int64)  # slots freed by expiry, reused first
         self.used = 0  # slots ever handed out: [0, used) are live or free
         self.tick = 0
@@ -162,7 +163,7 @@ class DynamicRows:
 
     def nbytes(self) -> int:
         """Bytes of the pool arrays and the id map (the optimizer's state is the optimizer's)."""
-        pool = (self.weight, self.ids, self.live, self.last, self.seen, self.freq)
+        pool = (self.weight, self.ids, self.live, self.last, self.seen, self.freq, self.unset)
         return sum(a.nbytes for a in pool) + self.map.nbytes()
 
     def stats(self) -> dict[str, Any]:
@@ -208,25 +209,27 @@ class DynamicRows:
 
     def admit(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Take a push of distinct int64 ``ids``: ``(keep, slots, fresh)``: the positions in ``ids`` of
-        the rows to update, their slots, and the slots made now (initial rows).  An id not held is
+        the rows to update, their slots, and the slots whose rows were made since their last update
+        (now, or by an admitting :meth:`read`): their optimizer state is to be reset.  An id not held is
         counted; it is made once counted ``admit_after`` times (room allowing), else its update is
         dropped."""
         self._begin()
         slots = self._lookup(ids)
         hit = slots >= 0
-        fresh = np.zeros(0, np.int64)
         if not hit.all():
             missing = np.flatnonzero(~hit)
             ready = self._count(ids[missing])
             if ready.any():
                 made = self._make(ids[missing[ready]], slots[hit])
                 slots[missing[ready]] = made
-                fresh = made[made >= 0]
-                self.counts["admissions"] += int(fresh.size)
+                self.counts["admissions"] += int(np.count_nonzero(made >= 0))
         keep = np.flatnonzero(slots >= 0)
         self.counts["dropped_updates"] += int(ids.size - keep.size)
         self._touch(slots[keep])
-        return keep, slots[keep], fresh
+        kept = slots[keep]
+        fresh = kept[self.unset[kept]]
+        self.unset[fresh] = False  # the caller resets their state now (fit_state)
+        return keep, kept, fresh
 
     def expire(self) -> int:
         """Drop every row untouched for longer than ``ttl``; how many were dropped."""
@@ -306,6 +309,7 @@ class DynamicRows:
         self.last[made] = self.tick
         self.seen[made] = self.clock()
         self.freq[made] = 0
+        self.unset[made] = True  # whatever state the slot's last row left is not this row's
         self.map.put(placed, made)
         return slots
 
@@ -347,6 +351,7 @@ class DynamicRows:
 
         self.weight, self.ids, self.live = grown(self.weight), grown(self.ids), grown(self.live)
         self.last, self.seen, self.freq = grown(self.last), grown(self.seen), grown(self.freq)
+        self.unset = grown(self.unset)
 
 
 def fit_state(optimizer: Optimizer, key: Key, weight: np.ndarray, fresh: np.ndarray) -> None:

@@ -143,3 +143,25 @@ def test_a_servers_dynamic_counters_reach_its_snapshot_and_tensorboard_tags() ->
     assert snap["dynamic_tables"] == {"emb": {"rows": 3, "evictions": 2, "hit_rate": 0.5}}
     tags = node_scalars(snap)
     assert tags["dynamic_tables/emb/rows"] == 3 and tags["dynamic_tables/emb/hit_rate"] == 0.5
+
+
+def test_a_server_row_made_by_an_admitting_pull_starts_with_fresh_momentum() -> None:
+    """SPARSE_PULL admit=True reusing an evicted row's slot, then SPARSE_PUSH of a zero gradient: the
+    new row starts with fresh momentum and stays at its initial value."""
+    server, replies = _sparse(kvstore.optimizer.create("sgd", learning_rate=1.0, momentum=0.9))
+    server.configure(1, True, 8)
+    server._on_init(b"w", _dynamic_init("d", capacity=1))
+
+    def push(rnd: int, id_: int, value: float) -> None:
+        server._on_push(b"w", Message(Op.SPARSE_PUSH, {"key": "d", "round": rnd, "last": True},
+                                      [np.array([id_], np.int64), np.full((1, 2), value, np.float32)],
+                                      seq=10 + rnd, sender=0))
+
+    for rnd in range(3):
+        push(rnd, 1, 1.0)
+    server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 3, "admit": True},
+                                  [np.array([2], np.int64)], seq=20, sender=0))
+    push(3, 2, 0.0)
+    server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 4}, [np.array([2], np.int64)],
+                                  seq=21, sender=0))
+    np.testing.assert_array_equal(replies.sent[-1].arrays[0], 0.0)

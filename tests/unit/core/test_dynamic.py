@@ -234,3 +234,26 @@ def test_parse_spec_refuses_bad_fields() -> None:
     for bad in ({"capacity": -1}, {"policy": "mru"}, {"admit_after": 0}, {"ttl": "x"}, {"size": 3}, 5):
         with pytest.raises(ValueError):
             R.parse_spec("t", bad)
+
+
+def test_a_row_made_by_an_admitting_read_after_expiry_starts_with_fresh_momentum() -> None:
+    """A slot freed by expiry and reused by read(admit=True) resets its optimizer state at the next
+    update: the expired row's momentum does not move the new row on a zero gradient."""
+    clock = Clock()
+    opt = O.create("sgd", learning_rate=1.0, momentum=0.9)
+    table = D.DynamicRows(W, np.dtype(np.float32), R.parse_init("t", "zeros"), R.DynamicSpec(ttl=1.0), clock)
+    for _ in range(3):
+        D.apply_dynamic(opt, "t", table, _ids(1), np.ones((1, W), np.float32))
+    clock.now = 10.0
+    table.read(_ids(2), admit=True)  # 1 expires, 2 reuses its slot
+    assert table.slot(2) == 0
+    D.apply_dynamic(opt, "t", table, _ids(2), np.zeros((1, W), np.float32))
+    np.testing.assert_array_equal(table.read(_ids(2)), 0.0)
+
+
+def test_admit_reports_a_slot_made_by_a_read_as_fresh_once() -> None:
+    """admit() returns a slot made by read(admit=True) as fresh at its first update only."""
+    table = _table(capacity=4)
+    table.read(_ids(9), admit=True)
+    assert table.admit(_ids(9))[2].tolist() == [table.slot(9)]
+    assert table.admit(_ids(9))[2].size == 0
