@@ -15,6 +15,7 @@ from the hash of ``(seed, id * width + c)`` in 64-bit arithmetic), whatever serv
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +28,20 @@ from kvstore.core.rowsparse import DynamicSpec
 
 SLOT_BYTES = 8 + 1 + 8 + 8 + 8 + 1  # a slot's id, live flag, last tick, last time, use count, unset flag
 GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by half of itself)
-PENDING_MIN = 1 << 16  # ids counted for admission: at least this many, else the capacity
+PENDING_MIN = 1 << 16  # ids counted for admission: at least this many, else the capacity ...
+PENDING_MAX = 1 << 20  # ... but never more than this many
+PENDING_BYTES = 160  # a counted id's memory (an ordered dict's entry, its int key; measured: ~140)
 PLACEMENT_SALT = 0x5DEECE66D  # the seed of the id -> server hash (every worker uses the same)
 MAP_SALT = 0x2545F4914F6CDD1D  # the seed of the id map's hash (apart from placement's)
 _RECENT = (1 << 40) - 1  # LFU ties are broken by recency: the tick's low 40 bits
+
+
+def pending_limit(spec: DynamicSpec) -> int:
+    """How many ids a table of ``spec`` counts for admission at most: ``capacity`` within
+    ``[PENDING_MIN, PENDING_MAX]``, none when every id is admitted at its first push."""
+    if spec.admit_after <= 1:
+        return 0
+    return min(max(PENDING_MIN, spec.capacity), PENDING_MAX)
 
 
 def servers_of(ids: np.ndarray, num_servers: int) -> np.ndarray:
@@ -151,8 +162,9 @@ class DynamicRows:
         self.free = np.zeros(0, np.int64)  # slots freed by expiry, reused first
         self.used = 0  # slots ever handed out: [0, used) are live or free
         self.tick = 0
-        self.pending: dict[int, int] = {}  # ids not yet admitted -> pushes counted
-        self.pending_limit = max(PENDING_MIN, spec.capacity)
+        self.pending: OrderedDict[int, int] = OrderedDict()  # ids not yet admitted -> pushes counted,
+        # the longest uncounted first
+        self.pending_limit = pending_limit(spec)
         self.swept = clock()
         self.counts = {"evictions": 0, "admissions": 0, "expirations": 0, "dropped_updates": 0,
                        "pull_rows": 0, "pull_hits": 0}
@@ -162,9 +174,10 @@ class DynamicRows:
         return len(self.map)
 
     def nbytes(self) -> int:
-        """Bytes of the pool arrays and the id map (the optimizer's state is the optimizer's)."""
+        """Bytes of the pool arrays, the id map and the admission counts (estimated: ``PENDING_BYTES``
+        each); the optimizer's state is the optimizer's."""
         pool = (self.weight, self.ids, self.live, self.last, self.seen, self.freq, self.unset)
-        return sum(a.nbytes for a in pool) + self.map.nbytes()
+        return sum(a.nbytes for a in pool) + self.map.nbytes() + len(self.pending) * PENDING_BYTES
 
     def stats(self) -> dict[str, Any]:
         """``rows`` held, ``capacity``, ``evictions``, ``admissions``, ``expirations``,
@@ -277,9 +290,9 @@ class DynamicRows:
             if seen >= need:
                 ready[i] = True
             else:
-                pending[id_] = seen  # re-inserted: the dict's order is the order of last counting
+                pending[id_] = seen  # re-inserted: the order is the order of last counting
         while len(pending) > self.pending_limit:  # bounded: the longest-uncounted ids forget their count
-            del pending[next(iter(pending))]
+            pending.popitem(last=False)  # O(1) (deleting a plain dict's first key rescans its holes)
         return ready
 
     def _make(self, ids: np.ndarray, keep: np.ndarray) -> np.ndarray:

@@ -257,3 +257,35 @@ def test_admit_reports_a_slot_made_by_a_read_as_fresh_once() -> None:
     table.read(_ids(9), admit=True)
     assert table.admit(_ids(9))[2].tolist() == [table.slot(9)]
     assert table.admit(_ids(9))[2].size == 0
+
+
+def test_admission_counting_at_its_bound_costs_what_it_costs_below_it() -> None:
+    """Pushes of new ids once the admission counts are at their bound (65,536) cost about what they
+    cost below it (forgetting the oldest count is O(1), not a scan of a dict's deleted entries)."""
+    import time
+
+    table = D.DynamicRows(16, np.dtype(np.float32), R.parse_init("d", "zeros"),
+                          R.DynamicSpec(capacity=1000, admit_after=2))
+    assert table.pending_limit == D.PENDING_MIN == 8 * 8192
+    times = []
+    for i in range(24):
+        ids = np.arange(i * 8192, (i + 1) * 8192, dtype=np.int64)
+        start = time.perf_counter()
+        table.admit(ids)
+        times.append(time.perf_counter() - start)
+    assert len(table.pending) == table.pending_limit and len(table) == 0
+    below, at = float(np.median(times[:8])), float(np.median(times[10:]))
+    assert at < 5 * below + 0.05, (below, at)  # the dict took ~100x (0.05 s -> 5 s per push)
+
+
+def test_admission_counts_are_bounded_whatever_the_capacity_and_counted_in_nbytes() -> None:
+    """The ids counted for admission stay within [PENDING_MIN, PENDING_MAX] (none without
+    admit_after), and nbytes() counts them."""
+    spec = R.DynamicSpec(capacity=2**39, admit_after=2)
+    assert D.pending_limit(spec) == D.PENDING_MAX
+    assert D.pending_limit(R.DynamicSpec(capacity=10, admit_after=2)) == D.PENDING_MIN
+    assert D.pending_limit(R.DynamicSpec(capacity=2**39)) == 0
+    table = _table(admit_after=3)
+    before = table.nbytes()
+    table.admit(_ids(*range(100)))
+    assert table.nbytes() == before + 100 * D.PENDING_BYTES
