@@ -33,6 +33,7 @@ PENDING_MAX = 1 << 20  # ... but never more than this many
 PENDING_BYTES = 160  # a counted id's memory (an ordered dict's entry, its int key; measured: ~140)
 PLACEMENT_SALT = 0x5DEECE66D  # the seed of the id -> server hash (every worker uses the same)
 MAP_SALT = 0x2545F4914F6CDD1D  # the seed of the id map's hash (apart from placement's)
+MAP_ENTRIES = 16 / 3  # the id map's entries per id at most (a rebuild fills it at most 3/8, a power of 2)
 _RECENT = (1 << 40) - 1  # LFU ties are broken by recency: the tick's low 40 bits
 
 
@@ -53,8 +54,9 @@ def servers_of(ids: np.ndarray, num_servers: int) -> np.ndarray:
 
 class IdMap:
     """int64 id -> slot, by open addressing with linear probing over three numpy arrays (keys, slots,
-    and a state: empty, full or deleted), at most half full: 17 bytes per entry, 2 to 4 entries per id.
-    Every call takes a batch of ids, probed together."""
+    and a state: empty, full or deleted), at most half full (ids and tombstones), at most 3/8 full of
+    ids after a rebuild (so the tombstones of evictions do not make every put rebuild it): 17 bytes
+    per entry, up to ``MAP_ENTRIES`` entries per id.  Every call takes a batch of ids, probed together."""
 
     EMPTY, FULL, DELETED = 0, 1, 2
 
@@ -107,9 +109,9 @@ class IdMap:
         if not ids.size:
             return
         size = self.keys.size
-        while (self.count + ids.size) * 2 > size:
-            size *= 2
-        if size != self.keys.size or (self.count + self.deleted + ids.size) * 2 > size:
+        if (self.count + self.deleted + ids.size) * 2 > size:  # past half full: rebuilt, its entries
+            while (self.count + ids.size) * 8 > size * 3:  # filling at most 3/8 (room for tombstones)
+                size *= 2
             self._rebuild(size)
         pos = self._home(ids)
         todo = np.arange(ids.size)

@@ -289,3 +289,48 @@ def test_admission_counts_are_bounded_whatever_the_capacity_and_counted_in_nbyte
     before = table.nbytes()
     table.admit(_ids(*range(100)))
     assert table.nbytes() == before + 100 * D.PENDING_BYTES
+
+
+def test_the_id_map_is_not_rebuilt_on_every_push_at_a_power_of_two_capacity(monkeypatch) -> None:
+    """At capacity 2**14 the tombstones of each evicting push no longer rebuild the whole map on every
+    push (a rebuild leaves it at most 3/8 full of ids)."""
+    rebuilds = [0]
+    original = D.IdMap._rebuild
+
+    def counted(self, size):
+        rebuilds[0] += 1
+        original(self, size)
+
+    monkeypatch.setattr(D.IdMap, "_rebuild", counted)
+    cap = 2**14
+    table = D.DynamicRows(4, np.dtype(np.float32), R.parse_init("d", "zeros"), R.DynamicSpec(capacity=cap))
+    table.admit(np.arange(cap, dtype=np.int64))
+    rebuilds[0] = 0
+    for step in range(1, 11):
+        table.admit(np.arange(step * 1024, dtype=np.int64)[-1024:] + 10**12)
+    assert rebuilds[0] <= 3, rebuilds[0]
+    assert len(table) == cap and table.map.keys.size <= D.MAP_ENTRIES * cap
+
+
+def test_idmap_matches_a_dict_under_puts_deletes_and_edge_ids() -> None:
+    """IdMap against a dict over random puts and deletes, edge ids (0, -1, int64's ends) included."""
+    rng = np.random.default_rng(0)
+    m, ref = D.IdMap(4), {}
+    edge = [0, -1, 1, np.iinfo(np.int64).min, np.iinfo(np.int64).max]
+    for step in range(400):
+        pool = np.concatenate([rng.integers(-50, 50, 20), rng.integers(-2**63, 2**63 - 1, 5), edge])
+        cand = np.unique(pool).astype(np.int64)
+        new = np.array([i for i in cand.tolist() if i not in ref], np.int64)
+        if step % 3 != 2:
+            take = new[rng.random(new.size) < 0.5]
+            slots = rng.integers(0, 1 << 40, take.size)
+            m.put(take, slots)
+            ref.update(zip(take.tolist(), slots.tolist()))
+        else:
+            gone = cand[rng.random(cand.size) < 0.5]
+            m.delete(gone)
+            for i in gone.tolist():
+                ref.pop(i, None)
+        got = m.get(cand)
+        np.testing.assert_array_equal(got, np.array([ref.get(i, -1) for i in cand.tolist()]))
+        assert len(m) == len(ref)
