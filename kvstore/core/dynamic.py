@@ -14,6 +14,7 @@ from the hash of ``(seed, id * width + c)`` in 64-bit arithmetic), whatever serv
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -35,6 +36,16 @@ PLACEMENT_SALT = 0x5DEECE66D  # the seed of the id -> server hash (every worker 
 MAP_SALT = 0x2545F4914F6CDD1D  # the seed of the id map's hash (apart from placement's)
 MAP_ENTRIES = 16 / 3  # the id map's entries per id at most (a rebuild fills it at most 3/8, a power of 2)
 _RECENT = (1 << 40) - 1  # LFU ties are broken by recency: the tick's low 40 bits
+
+
+def full_bytes(spec: DynamicSpec, width: int, dtype: np.dtype, state_bytes: int = 0) -> int:
+    """The bytes a table of ``spec`` holds when full (0 when it has no capacity): per row its values,
+    its slot's counters, its id map entries (``MAP_ENTRIES``) and ``state_bytes`` of optimizer state;
+    and its admission counts (``PENDING_BYTES`` each)."""
+    if not spec.capacity:
+        return 0
+    row = width * np.dtype(dtype).itemsize + SLOT_BYTES + math.ceil(MAP_ENTRIES * IdMap.ENTRY_BYTES)
+    return spec.capacity * (row + state_bytes) + pending_limit(spec) * PENDING_BYTES
 
 
 def pending_limit(spec: DynamicSpec) -> int:
@@ -59,6 +70,7 @@ class IdMap:
     per entry, up to ``MAP_ENTRIES`` entries per id.  Every call takes a batch of ids, probed together."""
 
     EMPTY, FULL, DELETED = 0, 1, 2
+    ENTRY_BYTES = 8 + 8 + 1
 
     def __init__(self, size: int = 1024) -> None:
         self._reset(size)

@@ -165,3 +165,47 @@ def test_a_server_row_made_by_an_admitting_pull_starts_with_fresh_momentum() -> 
     server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 4}, [np.array([2], np.int64)],
                                   seq=21, sender=0))
     np.testing.assert_array_equal(replies.sent[-1].arrays[0], 0.0)
+
+
+def test_a_dynamic_capacity_the_server_accepts_fits_its_memory_when_full(monkeypatch) -> None:
+    """The SPARSE_INIT memory check counts a full table's rows, slot counters, id map and optimizer
+    state (adam's two moments): a capacity over the memory is refused, and one accepted at the exact
+    memory, filled, holds no more than it."""
+    from kvstore.core import dynamic as D
+    from kvstore.core import rowsparse as R
+
+    def init(memory: int) -> S.SparseServer:
+        monkeypatch.setattr(S, "_physical_memory", lambda: memory)
+        server, _ = _sparse(kvstore.optimizer.create("adam", learning_rate=0.1))
+        server.configure(1, True, 4)
+        server._on_init(b"w", Message(Op.SPARSE_INIT, {"key": "d", "shape": [16], "dtype": "float32",
+                                                        "init": "zeros", "dynamic": {"capacity": 2000}},
+                                      seq=1, sender=0))
+        return server
+
+    with pytest.raises(ConfigError, match="lower its capacity"):
+        init(200_000)  # the rows alone (128,000 bytes) fit; with adam's state they do not
+    need = D.full_bytes(R.DynamicSpec(capacity=2000), 16, np.dtype(np.float32), 2 * 16 * 4)
+    server = init(need)
+    ids = np.arange(2000, dtype=np.int64)
+    server._on_push(b"w", Message(Op.SPARSE_PUSH, {"key": "d", "round": 0, "last": True},
+                                  [ids, np.ones((2000, 16), np.float32)], seq=2, sender=0))
+    assert server.dynamic_stats()["d"]["rows"] == 2000
+    assert server.nbytes() <= need, (server.nbytes(), need)
+
+
+def test_a_dynamic_tables_admission_counts_count_at_init(monkeypatch) -> None:
+    """With admit_after > 1 the memory check also counts the admission counts at their bound."""
+    from kvstore.core import dynamic as D
+    from kvstore.core.rowsparse import DynamicSpec
+
+    rows = D.full_bytes(DynamicSpec(capacity=10), 2, np.dtype(np.float32))
+    counted = D.full_bytes(DynamicSpec(capacity=10, admit_after=2), 2, np.dtype(np.float32))
+    assert counted == rows + D.PENDING_MIN * D.PENDING_BYTES
+    monkeypatch.setattr(S, "_physical_memory", lambda: counted - 1)
+    server, _ = _sparse()
+    server.configure(1, True, 2)
+    with pytest.raises(ConfigError, match="lower its capacity"):
+        server._on_init(b"w", _dynamic_init("b", capacity=10, admit_after=2))
+    server._on_init(b"w", _dynamic_init("a", capacity=10))
+    assert "a" in server and "b" not in server
