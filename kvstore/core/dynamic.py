@@ -38,6 +38,15 @@ MAP_ENTRIES = 16 / 3  # the id map's entries per id at most (a rebuild fills it 
 _RECENT = (1 << 40) - 1  # LFU ties are broken by recency: the tick's low 40 bits
 
 
+def table_label(key: Key) -> str:
+    """The name of table ``key`` in counters (``stats()``, snapshots): a str key as itself, an int key
+    as ``int:<key>``, so ``3`` and ``'3'`` keep their own; a str key starting ``int:`` or ``str:`` gets
+    ``str:`` before it (one label per key)."""
+    if isinstance(key, str):
+        return "str:" + key if key.startswith(("int:", "str:")) else key
+    return f"int:{key}"
+
+
 def full_bytes(spec: DynamicSpec, width: int, dtype: np.dtype, state_bytes: int = 0) -> int:
     """The bytes a table of ``spec`` holds when full (0 when it has no capacity): per row its values,
     its slot's counters, its id map entries (``MAP_ENTRIES``) and ``state_bytes`` of optimizer state;

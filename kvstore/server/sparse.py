@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from kvstore.core import rowsparse as R
-from kvstore.core.dynamic import DynamicRows, apply_dynamic, full_bytes
+from kvstore.core.dynamic import DynamicRows, apply_dynamic, full_bytes, table_label
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
@@ -76,8 +76,9 @@ class SparseServer:
         return self.tables.nbytes() + sum(held)
 
     def dynamic_stats(self) -> dict[str, dict]:
-        """Each dynamic table's counters here (:meth:`DynamicRows.stats`), by the key's str."""
-        return {str(k): t.dynamic.stats() for k, t in self.tables.tables.items() if t.dynamic is not None}
+        """Each dynamic table's counters here (:meth:`DynamicRows.stats`), by :func:`table_label`."""
+        return {table_label(k): t.dynamic.stats() for k, t in self.tables.tables.items()
+                if t.dynamic is not None}
 
     def _update(self, key: Key, weight: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         apply_rows(self.requests.optimizer, key, weight, ids, rows)

@@ -112,3 +112,12 @@ def test_a_float16_row_made_by_an_admitting_pull_does_not_take_the_evicted_rows_
     kv.row_sparse_pull("d", row_ids=[2], admit=True)  # slot 0 -> id 2 (initial 0)
     _push_all(kv, [2], 0.0, np.float16)
     np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=[2]).rows, 0.0)
+
+
+def test_a_local_int_key_and_its_str_keep_their_own_counters() -> None:
+    """stats() labels dynamic tables 3 and '3' apart: 'int:3' and '3'."""
+    kv = kvstore.create("local")
+    kv.init(3, width=W, dynamic={"capacity": 2})
+    kv.init("3", width=W, dynamic={"capacity": 5})
+    tables = kv.stats()["dynamic_tables"]
+    assert tables["int:3"]["capacity"] == 2 and tables["3"]["capacity"] == 5

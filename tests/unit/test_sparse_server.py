@@ -209,3 +209,45 @@ def test_a_dynamic_tables_admission_counts_count_at_init(monkeypatch) -> None:
         server._on_init(b"w", _dynamic_init("b", capacity=10, admit_after=2))
     server._on_init(b"w", _dynamic_init("a", capacity=10))
     assert "a" in server and "b" not in server
+
+
+def _checked_snapshot(tables: dict) -> dict:
+    """The snapshot of a meter whose server holds dynamic tables of these counters, as the scheduler
+    checks it (ValueError if it would refuse it)."""
+    from kvstore.core.stats import check_snapshot
+
+    meter = ServerMeter("", 10.0, None)
+    meter.extra_tables = lambda: tables
+    meter.tick(GroupedShardState(1, sync=True), lambda key, error: None, {})
+    snap = meter.snapshot()
+    check_snapshot(snap, "server", meter.rank)
+    return snap
+
+
+def test_a_long_dynamic_key_does_not_cost_the_server_its_whole_snapshot() -> None:
+    """A dynamic table named by a str over 1,024 characters (MAX_TEXT) is reported under a cut name
+    with a hash, and the snapshot passes the scheduler's check; two long names stay apart."""
+    snap = _checked_snapshot({"k" * 2000: {"rows": 1}, "k" * 1999: {"rows": 2}})
+    names = list(snap["dynamic_tables"])
+    assert len(names) == 2 and all(len(n) <= 64 and n.startswith("kkk") for n in names)
+    assert sorted(t["rows"] for t in snap["dynamic_tables"].values()) == [1, 2]
+
+
+def test_thirty_two_dynamic_tables_with_long_keys_fit_the_snapshot() -> None:
+    """32 tables (MAX_TABLES) of 500-character keys with every counter fit the 64 KiB snapshot."""
+    from kvstore.core import rowsparse as R
+    from kvstore.core.dynamic import DynamicRows
+
+    full = DynamicRows(2, np.dtype(np.float32), R.parse_init("d", "zeros"), R.DynamicSpec()).stats()
+    snap = _checked_snapshot({f"{i:03d}" + "k" * 497: dict(full) for i in range(32)})
+    assert len(snap["dynamic_tables"]) == 32
+
+
+def test_an_int_key_and_its_str_keep_their_own_counters() -> None:
+    """Dynamic tables 3 and '3' are two tables with two labels ('int:3' and '3') in the counters."""
+    server, _ = _sparse()
+    server.configure(1, True, 4)
+    for key in (3, "3"):
+        server._on_init(b"w", _dynamic_init(key, capacity=2 if key == 3 else 5))
+    stats = server.dynamic_stats()
+    assert stats["int:3"]["capacity"] == 2 and stats["3"]["capacity"] == 5

@@ -334,3 +334,11 @@ def test_idmap_matches_a_dict_under_puts_deletes_and_edge_ids() -> None:
         got = m.get(cand)
         np.testing.assert_array_equal(got, np.array([ref.get(i, -1) for i in cand.tolist()]))
         assert len(m) == len(ref)
+
+
+def test_table_labels_tell_int_and_str_keys_apart() -> None:
+    """table_label: a str key as itself, an int key as int:<key>, one label per key."""
+    keys = [3, "3", "int:3", "str:int:3", "emb", -1, "-1"]
+    labels = [D.table_label(k) for k in keys]
+    assert labels[:2] == ["int:3", "3"] and D.table_label("emb") == "emb"
+    assert len(set(labels)) == len(keys)
