@@ -121,3 +121,15 @@ def test_a_local_int_key_and_its_str_keep_their_own_counters() -> None:
     kv.init("3", width=W, dynamic={"capacity": 5})
     tables = kv.stats()["dynamic_tables"]
     assert tables["int:3"]["capacity"] == 2 and tables["3"]["capacity"] == 5
+
+
+def test_a_refused_admitting_pull_of_several_keys_stores_nothing() -> None:
+    """row_sparse_pull([dynamic, fixed], admit=True) is refused (admit on a fixed table) before the
+    dynamic table stores any id."""
+    kv = kvstore.create("local")
+    kv.init("d", width=W, dtype="float32", init="zeros", dynamic={"capacity": 4})
+    kv.init("f", shape=(4, W), stype="row_sparse")
+    with pytest.raises(ValueError, match="admit"):
+        kv.row_sparse_pull(["d", "f"], out=[None, None], row_ids=[[7], [1]], admit=True)
+    assert kv.stats()["dynamic_tables"]["d"]["rows"] == 0
+    assert kv.stats()["dynamic_tables"]["d"]["pull_rows"] == 0
