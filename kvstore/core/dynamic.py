@@ -324,12 +324,12 @@ class DynamicRows:
         slots = np.full(ids.size, -1, np.int64)
         n = ids.size
         from_free = min(n, self.free.size)
-        parts = [self.free[self.free.size - from_free:]]
-        self.free = self.free[:self.free.size - from_free]
         cap = self.spec.capacity
         room = n - from_free if not cap else max(0, min(n - from_free, cap - self.used))
+        self._grow(self.used + room)  # first: a MemoryError there leaves the table as it was
+        parts = [self.free[self.free.size - from_free:]]
+        self.free = self.free[:self.free.size - from_free]
         if room:
-            self._grow(self.used + room)
             parts.append(np.arange(self.used, self.used + room, dtype=np.int64))
             self.used += room
         short = n - from_free - room
@@ -385,9 +385,10 @@ class DynamicRows:
             out[:size] = a
             return out
 
-        self.weight, self.ids, self.live = grown(self.weight), grown(self.ids), grown(self.live)
-        self.last, self.seen, self.freq = grown(self.last), grown(self.seen), grown(self.freq)
-        self.unset = grown(self.unset)
+        # every array allocated before any is replaced: a MemoryError leaves the pool as it was
+        arrays = [grown(a) for a in (self.weight, self.ids, self.live, self.last, self.seen, self.freq,
+                                     self.unset)]
+        self.weight, self.ids, self.live, self.last, self.seen, self.freq, self.unset = arrays
 
 
 def fit_state(optimizer: Optimizer, key: Key, weight: np.ndarray, fresh: np.ndarray) -> None:

@@ -342,3 +342,29 @@ def test_table_labels_tell_int_and_str_keys_apart() -> None:
     labels = [D.table_label(k) for k in keys]
     assert labels[:2] == ["int:3", "3"] and D.table_label("emb") == "emb"
     assert len(set(labels)) == len(keys)
+
+
+@pytest.mark.parametrize("failing_call", range(1, 8))
+def test_a_pool_growth_that_runs_out_of_memory_leaves_the_table_usable(monkeypatch, failing_call) -> None:
+    """A MemoryError at any of the pool's allocations while it grows leaves every pool array as long
+    as before (no row made, none lost); once memory is back, pushes of new ids work."""
+    table = D.DynamicRows(2, np.dtype(np.float32), R.parse_init("d", "zeros"), R.DynamicSpec())
+    table.admit(np.arange(1024, dtype=np.int64))  # the first block, full
+    real, calls = np.zeros, [0]
+
+    def failing(*args, **kwargs):
+        if isinstance(args[0], tuple) and args[0][0] > 1024:  # one of the grown pool's 7 arrays
+            calls[0] += 1
+            if calls[0] == failing_call:
+                raise MemoryError("simulated")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(D.np, "zeros", failing)
+    with pytest.raises(MemoryError):
+        table.admit(_ids(5000))
+    monkeypatch.setattr(D.np, "zeros", real)
+    assert len(table) == 1024 and table.slot(5000) == -1
+    assert {a.shape[0] for a in (table.weight, table.ids, table.live, table.last, table.seen,
+                                 table.freq, table.unset)} == {1024}
+    table.admit(_ids(6000))  # memory is back: this works
+    assert table.slot(6000) == 1024 and len(table) == 1025
