@@ -9,7 +9,8 @@ per id) over a pool of numpy arrays grown in blocks (the rows, and per slot its
 id, its last use and its use count); the optimizer's state arrays are pool-sized too, their rows reset
 when a slot is (re)used.  Ids travel and are kept as int64; a uint64 id is its int64 bit pattern.
 A row's initial value is the fixed tables' rule with the id as the row number (element ``(id, c)``
-from the hash of ``(seed, id * width + c)`` in 64-bit arithmetic), whatever server makes it.
+from the hash of ``(seed, id * width + c)``) for ids in ``[0, 2**64 // width)``; other ids are hashed
+before (:func:`kvstore.core.rowsparse.generate_ids`), whatever server makes it.
 """
 
 from __future__ import annotations

@@ -368,3 +368,35 @@ def test_a_pool_growth_that_runs_out_of_memory_leaves_the_table_usable(monkeypat
                                  table.freq, table.unset)} == {1024}
     table.admit(_ids(6000))  # memory is back: this works
     assert table.slot(6000) == 1024 and len(table) == 1025
+
+
+def test_ids_that_differ_only_in_their_top_bits_start_from_different_rows() -> None:
+    """Feature ids laid out as (field << 60) | value start from different rows at width 16 (id * 16
+    would wrap modulo 2**64 onto value's row): ids from 2**64 // width on are hashed first."""
+    table = D.DynamicRows(16, np.dtype(np.float32), R.parse_init("d", {"type": "normal", "seed": 3}),
+                          R.DynamicSpec())
+    ids = np.array([(f << 60) | 12345 for f in range(4)], np.uint64).view(np.int64)
+    rows = table.read(ids)
+    assert len({r.tobytes() for r in rows}) == 4
+
+
+def test_ids_below_the_wrap_bound_keep_the_fixed_tables_rows() -> None:
+    """Ids in [0, 2**64 // width) are rows of a fixed table of the same seed, the last one included;
+    the first id past it is hashed (not the row it would wrap onto)."""
+    spec = R.parse_init("d", {"type": "uniform", "seed": 4})
+    width = 3
+    last = 2**64 // width - 1
+    ids = np.array([0, 5, last, last + 1], np.uint64).view(np.int64)
+    rows = R.generate_ids(spec, ids, width, np.dtype(np.float64))
+    np.testing.assert_array_equal(rows[:2], R.generate(spec, 0, 6, width, np.dtype(np.float64))[[0, 5]])
+    counters = (np.uint64(last) * np.uint64(width) + np.arange(width, dtype=np.uint64))
+    direct = np.zeros(width)
+    R._fill(spec, direct, counters)
+    np.testing.assert_array_equal(rows[2], direct)
+    with np.errstate(over="ignore"):  # (last + 1) * 3 + c: 2**64 - 1, then wrapped 0 and 1
+        unhashed = np.uint64(last + 1) * np.uint64(width) + np.arange(width, dtype=np.uint64)
+    assert unhashed[1] == 0
+    wrapped = np.zeros(width)
+    R._fill(spec, wrapped, unhashed)
+    assert not np.array_equal(rows[3], wrapped)
+    assert R.generate_ids(spec, ids[:1], 1, np.dtype(np.float64)).shape == (1, 1)
