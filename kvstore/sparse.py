@@ -120,7 +120,7 @@ class SparseCalls:
         if value is not None or shape is not None or width is None:
             raise ValueError(f"key {key!r}: a dynamic table takes width= (an int, or a row's shape), "
                              "dtype= and init=, and no value or shape")
-        row = (width,) if isinstance(width, int) else tuple(width)
+        row = (width,) if isinstance(width, (int, np.integer)) else tuple(width)
         full, dt = R.check_meta(key, (R.DYNAMIC_ROWS, *row), dtype)
         return key, SparseMeta(full, dt, dynamic=R.parse_spec(key, dynamic)), R.parse_init(key, init), None
 

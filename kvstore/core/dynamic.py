@@ -54,8 +54,9 @@ def full_bytes(spec: DynamicSpec, width: int, dtype: np.dtype, state_bytes: int 
     and its admission counts (``PENDING_BYTES`` each)."""
     if not spec.capacity:
         return 0
-    row = width * np.dtype(dtype).itemsize + SLOT_BYTES + math.ceil(MAP_ENTRIES * IdMap.ENTRY_BYTES)
-    return spec.capacity * (row + state_bytes) + pending_limit(spec) * PENDING_BYTES
+    row = width * np.dtype(dtype).itemsize + SLOT_BYTES + state_bytes
+    id_map = max(IdMap.MIN_SIZE, math.ceil(MAP_ENTRIES * spec.capacity)) * IdMap.ENTRY_BYTES
+    return spec.capacity * row + id_map + pending_limit(spec) * PENDING_BYTES
 
 
 def pending_limit(spec: DynamicSpec) -> int:
@@ -81,8 +82,9 @@ class IdMap:
 
     EMPTY, FULL, DELETED = 0, 1, 2
     ENTRY_BYTES = 8 + 8 + 1
+    MIN_SIZE = 1024  # entries of a new map
 
-    def __init__(self, size: int = 1024) -> None:
+    def __init__(self, size: int = MIN_SIZE) -> None:
         self._reset(size)
 
     def _reset(self, size: int) -> None:

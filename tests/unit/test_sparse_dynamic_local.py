@@ -133,3 +133,10 @@ def test_a_refused_admitting_pull_of_several_keys_stores_nothing() -> None:
         kv.row_sparse_pull(["d", "f"], out=[None, None], row_ids=[[7], [1]], admit=True)
     assert kv.stats()["dynamic_tables"]["d"]["rows"] == 0
     assert kv.stats()["dynamic_tables"]["d"]["pull_rows"] == 0
+
+
+def test_a_numpy_int_width_is_a_width() -> None:
+    """width= takes a numpy int as it takes a Python int (docs: 'an int')."""
+    kv = kvstore.create("local")
+    kv.init("d", width=np.int64(W), dynamic=True)
+    assert kv.row_sparse_pull("d", row_ids=[1]).rows.shape == (1, W)

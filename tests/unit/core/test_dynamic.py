@@ -400,3 +400,11 @@ def test_ids_below_the_wrap_bound_keep_the_fixed_tables_rows() -> None:
     R._fill(spec, wrapped, unhashed)
     assert not np.array_equal(rows[3], wrapped)
     assert R.generate_ids(spec, ids[:1], 1, np.dtype(np.float64)).shape == (1, 1)
+
+
+def test_a_small_full_table_holds_no_more_than_full_bytes() -> None:
+    """full_bytes counts a new id map's minimum size: a table of capacity 10, filled, holds no more."""
+    spec = R.DynamicSpec(capacity=10)
+    table = D.DynamicRows(W, np.dtype(np.float32), INIT, spec)
+    table.admit(np.arange(10, dtype=np.int64))
+    assert len(table) == 10 and table.nbytes() <= D.full_bytes(spec, W, np.dtype(np.float32))
