@@ -21,7 +21,7 @@ from kvstore.core import checkpoint, precision, snapshot, xp
 from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
 from kvstore.core.dtypes import BF16
-from kvstore.core.dynamic import DynamicRows, apply_dynamic
+from kvstore.core.dynamic import DynamicRows, apply_dynamic, table_label
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.sparse_update import apply_rows
@@ -195,11 +195,12 @@ class LocalKVStore(KVStore):
             return self._store[key][ids] if table is None else table.read(ids, admit)
 
     def stats(self, cluster: bool = False) -> dict[str, Any]:
-        """``{"dynamic_tables": {key: counters}}``: each dynamic table's rows, evictions, admissions,
-        expirations and hit rate (:meth:`DynamicRows.stats`), the one kind of counter a local store
-        has (``cluster`` is accepted for the dist stores' signature: there is no other node)."""
+        """``{"dynamic_tables": {label: counters}}`` (labels: :func:`table_label`): each dynamic table's
+        rows, evictions, admissions, expirations and hit rate (:meth:`DynamicRows.stats`), the one kind
+        of counter a local store has (``cluster`` is accepted for the dist stores' signature: there is
+        no other node)."""
         with self._lock:
-            return {"dynamic_tables": {str(k): t.stats() for k, t in self._dynamic.items()}}
+            return {"dynamic_tables": {table_label(k): t.stats() for k, t in self._dynamic.items()}}
 
     def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
         with self._lock:

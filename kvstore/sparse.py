@@ -120,7 +120,7 @@ class SparseCalls:
         if value is not None or shape is not None or width is None:
             raise ValueError(f"key {key!r}: a dynamic table takes width= (an int, or a row's shape), "
                              "dtype= and init=, and no value or shape")
-        row = (width,) if isinstance(width, int) else tuple(width)
+        row = (width,) if isinstance(width, (int, np.integer)) else tuple(width)
         full, dt = R.check_meta(key, (R.DYNAMIC_ROWS, *row), dtype)
         return key, SparseMeta(full, dt, dynamic=R.parse_spec(key, dynamic)), R.parse_init(key, init), None
 
@@ -169,10 +169,14 @@ class SparseCalls:
             ids_per_key = _as_list(row_ids)
             if len(outs) != len(keys) or len(ids_per_key) != len(keys):
                 raise ValueError(f"{len(keys)} keys need as many outs and row_ids")
-        results = [self._pull_key(k, o, r, admit) for k, o, r in zip(keys, outs, ids_per_key)]
+        checked = [self._check_pull(k, o, r, admit) for k, o, r in zip(keys, outs, ids_per_key)]
+        results = [self._pull_key(k, o, admit, *c) for k, o, c in zip(keys, outs, checked)]  # all checked
         return results[0] if single else results
 
-    def _pull_key(self, key: Key, out: Any, row_ids: Any, admit: bool) -> Any:
+    def _check_pull(self, key: Key, out: Any, row_ids: Any,
+                    admit: bool) -> tuple[SparseMeta, list[Any], list[np.ndarray]]:
+        """``key``'s meta, its outs and its row ids, checked (nothing pulled, nothing stored).  Raises
+        ValueError / ShapeMismatchError / TypeError as :meth:`row_sparse_pull`."""
         meta = self.meta(key)
         if meta.dynamic is None and admit:
             raise ValueError(f"row_sparse_pull of key {key!r}: admit applies to dynamic tables only")
@@ -184,7 +188,10 @@ class SparseCalls:
             if target is not None and tuple(target.shape) != meta.shape:
                 raise ShapeMismatchError(f"row_sparse_pull out of key {key!r} has shape "
                                          f"{tuple(target.shape)}; the table is {meta.shape}")
-        ids = R.pull_ids(key, meta, row_ids, len(targets))
+        return meta, targets, R.pull_ids(key, meta, row_ids, len(targets))
+
+    def _pull_key(self, key: Key, out: Any, admit: bool, meta: SparseMeta, targets: list[Any],
+                  ids: list[np.ndarray]) -> Any:
         wanted = np.unique(np.concatenate(ids)) if len(ids) > 1 else np.unique(ids[0])
         rows = self.pull_rows(key, meta, wanted, admit)
         results = []

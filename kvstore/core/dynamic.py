@@ -9,12 +9,15 @@ per id) over a pool of numpy arrays grown in blocks (the rows, and per slot its
 id, its last use and its use count); the optimizer's state arrays are pool-sized too, their rows reset
 when a slot is (re)used.  Ids travel and are kept as int64; a uint64 id is its int64 bit pattern.
 A row's initial value is the fixed tables' rule with the id as the row number (element ``(id, c)``
-from the hash of ``(seed, id * width + c)`` in 64-bit arithmetic), whatever server makes it.
+from the hash of ``(seed, id * width + c)``) for ids in ``[0, 2**64 // width)``; other ids are hashed
+before (:func:`kvstore.core.rowsparse.generate_ids`), whatever server makes it.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -25,12 +28,43 @@ from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.rowsparse import DynamicSpec
 
-SLOT_BYTES = 8 + 1 + 8 + 8 + 8  # a slot's id, live flag, last tick, last time and use count
+SLOT_BYTES = 8 + 1 + 8 + 8 + 8 + 1  # a slot's id, live flag, last tick, last time, use count, unset flag
 GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by half of itself)
-PENDING_MIN = 1 << 16  # ids counted for admission: at least this many, else the capacity
+PENDING_MIN = 1 << 16  # ids counted for admission: at least this many, else the capacity ...
+PENDING_MAX = 1 << 20  # ... but never more than this many
+PENDING_BYTES = 160  # a counted id's memory (an ordered dict's entry, its int key; measured: ~140)
 PLACEMENT_SALT = 0x5DEECE66D  # the seed of the id -> server hash (every worker uses the same)
 MAP_SALT = 0x2545F4914F6CDD1D  # the seed of the id map's hash (apart from placement's)
+MAP_ENTRIES = 16 / 3  # the id map's entries per id at most (a rebuild fills it at most 3/8, a power of 2)
 _RECENT = (1 << 40) - 1  # LFU ties are broken by recency: the tick's low 40 bits
+
+
+def table_label(key: Key) -> str:
+    """The name of table ``key`` in counters (``stats()``, snapshots): a str key as itself, an int key
+    as ``int:<key>``, so ``3`` and ``'3'`` keep their own; a str key starting ``int:`` or ``str:`` gets
+    ``str:`` before it (one label per key)."""
+    if isinstance(key, str):
+        return "str:" + key if key.startswith(("int:", "str:")) else key
+    return f"int:{key}"
+
+
+def full_bytes(spec: DynamicSpec, width: int, dtype: np.dtype, state_bytes: int = 0) -> int:
+    """The bytes a table of ``spec`` holds when full (0 when it has no capacity): per row its values,
+    its slot's counters, its id map entries (``MAP_ENTRIES``) and ``state_bytes`` of optimizer state;
+    and its admission counts (``PENDING_BYTES`` each)."""
+    if not spec.capacity:
+        return 0
+    row = width * np.dtype(dtype).itemsize + SLOT_BYTES + state_bytes
+    id_map = max(IdMap.MIN_SIZE, math.ceil(MAP_ENTRIES * spec.capacity)) * IdMap.ENTRY_BYTES
+    return spec.capacity * row + id_map + pending_limit(spec) * PENDING_BYTES
+
+
+def pending_limit(spec: DynamicSpec) -> int:
+    """How many ids a table of ``spec`` counts for admission at most: ``capacity`` within
+    ``[PENDING_MIN, PENDING_MAX]``, none when every id is admitted at its first push."""
+    if spec.admit_after <= 1:
+        return 0
+    return min(max(PENDING_MIN, spec.capacity), PENDING_MAX)
 
 
 def servers_of(ids: np.ndarray, num_servers: int) -> np.ndarray:
@@ -42,12 +76,15 @@ def servers_of(ids: np.ndarray, num_servers: int) -> np.ndarray:
 
 class IdMap:
     """int64 id -> slot, by open addressing with linear probing over three numpy arrays (keys, slots,
-    and a state: empty, full or deleted), at most half full: 17 bytes per entry, 2 to 4 entries per id.
-    Every call takes a batch of ids, probed together."""
+    and a state: empty, full or deleted), at most half full (ids and tombstones), at most 3/8 full of
+    ids after a rebuild (so the tombstones of evictions do not make every put rebuild it): 17 bytes
+    per entry, up to ``MAP_ENTRIES`` entries per id.  Every call takes a batch of ids, probed together."""
 
     EMPTY, FULL, DELETED = 0, 1, 2
+    ENTRY_BYTES = 8 + 8 + 1
+    MIN_SIZE = 1024  # entries of a new map
 
-    def __init__(self, size: int = 1024) -> None:
+    def __init__(self, size: int = MIN_SIZE) -> None:
         self._reset(size)
 
     def _reset(self, size: int) -> None:
@@ -96,9 +133,9 @@ class IdMap:
         if not ids.size:
             return
         size = self.keys.size
-        while (self.count + ids.size) * 2 > size:
-            size *= 2
-        if size != self.keys.size or (self.count + self.deleted + ids.size) * 2 > size:
+        if (self.count + self.deleted + ids.size) * 2 > size:  # past half full: rebuilt, its entries
+            while (self.count + ids.size) * 8 > size * 3:  # filling at most 3/8 (room for tombstones)
+                size *= 2
             self._rebuild(size)
         pos = self._home(ids)
         todo = np.arange(ids.size)
@@ -147,11 +184,13 @@ class DynamicRows:
         self.last = np.zeros(0, np.int64)  # slot -> tick of its last use (LRU)
         self.seen = np.zeros(0, np.float64)  # slot -> clock of its last use (TTL)
         self.freq = np.zeros(0, np.int64)  # slot -> uses since made (LFU)
+        self.unset = np.zeros(0, bool)  # slot -> made, its optimizer state not reset since (admit does)
         self.free = np.zeros(0, np.int64)  # slots freed by expiry, reused first
         self.used = 0  # slots ever handed out: [0, used) are live or free
         self.tick = 0
-        self.pending: dict[int, int] = {}  # ids not yet admitted -> pushes counted
-        self.pending_limit = max(PENDING_MIN, spec.capacity)
+        self.pending: OrderedDict[int, int] = OrderedDict()  # ids not yet admitted -> pushes counted,
+        # the longest uncounted first
+        self.pending_limit = pending_limit(spec)
         self.swept = clock()
         self.counts = {"evictions": 0, "admissions": 0, "expirations": 0, "dropped_updates": 0,
                        "pull_rows": 0, "pull_hits": 0}
@@ -161,9 +200,10 @@ class DynamicRows:
         return len(self.map)
 
     def nbytes(self) -> int:
-        """Bytes of the pool arrays and the id map (the optimizer's state is the optimizer's)."""
-        pool = (self.weight, self.ids, self.live, self.last, self.seen, self.freq)
-        return sum(a.nbytes for a in pool) + self.map.nbytes()
+        """Bytes of the pool arrays, the id map and the admission counts (estimated: ``PENDING_BYTES``
+        each); the optimizer's state is the optimizer's."""
+        pool = (self.weight, self.ids, self.live, self.last, self.seen, self.freq, self.unset)
+        return sum(a.nbytes for a in pool) + self.map.nbytes() + len(self.pending) * PENDING_BYTES
 
     def stats(self) -> dict[str, Any]:
         """``rows`` held, ``capacity``, ``evictions``, ``admissions``, ``expirations``,
@@ -208,25 +248,27 @@ class DynamicRows:
 
     def admit(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Take a push of distinct int64 ``ids``: ``(keep, slots, fresh)``: the positions in ``ids`` of
-        the rows to update, their slots, and the slots made now (initial rows).  An id not held is
+        the rows to update, their slots, and the slots whose rows were made since their last update
+        (now, or by an admitting :meth:`read`): their optimizer state is to be reset.  An id not held is
         counted; it is made once counted ``admit_after`` times (room allowing), else its update is
         dropped."""
         self._begin()
         slots = self._lookup(ids)
         hit = slots >= 0
-        fresh = np.zeros(0, np.int64)
         if not hit.all():
             missing = np.flatnonzero(~hit)
             ready = self._count(ids[missing])
             if ready.any():
                 made = self._make(ids[missing[ready]], slots[hit])
                 slots[missing[ready]] = made
-                fresh = made[made >= 0]
-                self.counts["admissions"] += int(fresh.size)
+                self.counts["admissions"] += int(np.count_nonzero(made >= 0))
         keep = np.flatnonzero(slots >= 0)
         self.counts["dropped_updates"] += int(ids.size - keep.size)
         self._touch(slots[keep])
-        return keep, slots[keep], fresh
+        kept = slots[keep]
+        fresh = kept[self.unset[kept]]
+        self.unset[fresh] = False  # the caller resets their state now (fit_state)
+        return keep, kept, fresh
 
     def expire(self) -> int:
         """Drop every row untouched for longer than ``ttl``; how many were dropped."""
@@ -274,9 +316,9 @@ class DynamicRows:
             if seen >= need:
                 ready[i] = True
             else:
-                pending[id_] = seen  # re-inserted: the dict's order is the order of last counting
+                pending[id_] = seen  # re-inserted: the order is the order of last counting
         while len(pending) > self.pending_limit:  # bounded: the longest-uncounted ids forget their count
-            del pending[next(iter(pending))]
+            pending.popitem(last=False)  # O(1) (deleting a plain dict's first key rescans its holes)
         return ready
 
     def _make(self, ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -285,12 +327,12 @@ class DynamicRows:
         slots = np.full(ids.size, -1, np.int64)
         n = ids.size
         from_free = min(n, self.free.size)
-        parts = [self.free[self.free.size - from_free:]]
-        self.free = self.free[:self.free.size - from_free]
         cap = self.spec.capacity
         room = n - from_free if not cap else max(0, min(n - from_free, cap - self.used))
+        self._grow(self.used + room)  # first: a MemoryError there leaves the table as it was
+        parts = [self.free[self.free.size - from_free:]]
+        self.free = self.free[:self.free.size - from_free]
         if room:
-            self._grow(self.used + room)
             parts.append(np.arange(self.used, self.used + room, dtype=np.int64))
             self.used += room
         short = n - from_free - room
@@ -306,6 +348,7 @@ class DynamicRows:
         self.last[made] = self.tick
         self.seen[made] = self.clock()
         self.freq[made] = 0
+        self.unset[made] = True  # whatever state the slot's last row left is not this row's
         self.map.put(placed, made)
         return slots
 
@@ -345,8 +388,10 @@ class DynamicRows:
             out[:size] = a
             return out
 
-        self.weight, self.ids, self.live = grown(self.weight), grown(self.ids), grown(self.live)
-        self.last, self.seen, self.freq = grown(self.last), grown(self.seen), grown(self.freq)
+        # every array allocated before any is replaced: a MemoryError leaves the pool as it was
+        arrays = [grown(a) for a in (self.weight, self.ids, self.live, self.last, self.seen, self.freq,
+                                     self.unset)]
+        self.weight, self.ids, self.live, self.last, self.seen, self.freq, self.unset = arrays
 
 
 def fit_state(optimizer: Optimizer, key: Key, weight: np.ndarray, fresh: np.ndarray) -> None:

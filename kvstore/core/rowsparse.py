@@ -32,6 +32,7 @@ INITIALIZERS = {"zeros": {}, "uniform": {"low": -0.07, "high": 0.07}, "normal": 
 BLOCK = 1 << 20  # elements generated at a time by the initializers (bounded scratch memory)
 POLICIES = ("lru", "lfu")  # a dynamic table's eviction policies
 DYNAMIC_ROWS = 2**64  # a dynamic table's shape[0]: the id space (its RowSparse values carry it)
+ID_SALT = 0x3C6EF372FE94F82B  # a dynamic table's ids past 2**64 // width are hashed with it (generate_ids)
 
 
 @dataclass(frozen=True, eq=False)
@@ -244,15 +245,23 @@ def generate(spec: dict[str, Any], lo: int, hi: int, width: int, dtype: np.dtype
 
 def generate_ids(spec: dict[str, Any], ids: np.ndarray, width: int, dtype: np.dtype) -> np.ndarray:
     """The rows of int64 row ids ``ids`` (any 64-bit values: a dynamic table's) by :func:`generate`'s
-    rule, the counter ``id * width + c`` taken modulo 2**64: row ``r`` of a fixed table of that seed."""
+    rule: an id in ``[0, 2**64 // width)`` is row ``id`` of a fixed table of that seed (counters
+    ``id * width + c``); any other (a negative one, one with high bits set) is hashed first
+    (``mix(id ^ ID_SALT) * width + c`` modulo 2**64), so ids differing only in their top bits do not
+    wrap onto one row."""
     out = np.zeros((ids.size, width), dtype)
     if spec["type"] == "zeros" or not ids.size:
         return out
     step = max(1, BLOCK // width)
     columns = np.arange(width, dtype=np.uint64)
+    bound = np.uint64(2**64 // width) if width > 1 else None  # ids from it on would wrap: hashed
     with np.errstate(over="ignore"):
         for first in range(0, ids.size, step):
             part = ids[first:first + step].astype(np.int64, copy=False).view(np.uint64)
+            wraps = None if bound is None else part >= bound
+            if wraps is not None and wraps.any():
+                part = part.copy()
+                part[wraps] = mix(part[wraps] ^ np.uint64(ID_SALT))
             counters = (part[:, None] * np.uint64(width) + columns).reshape(-1)
             _fill(spec, out[first:first + step].reshape(-1), counters)
     return out

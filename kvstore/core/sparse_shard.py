@@ -43,7 +43,21 @@ from kvstore.errors import (
 WAITING_RANGES = 8
 Updater = Callable[[Key, np.ndarray, np.ndarray, np.ndarray], None]  # (key, weight, local ids, rows)
 DynamicUpdater = Callable[[Key, DynamicRows, np.ndarray, np.ndarray], None]  # (key, table, ids, rows)
-DYNAMIC_ROUND_ROWS = 1 << 24  # a worker's rows in one push of a dynamic table (its range is unbounded)
+# A worker's rows in one push of a dynamic table (its range is unbounded): at most DYNAMIC_ROUND_ROWS and
+# DYNAMIC_ROUND_BYTES of rows, and with a capacity at most DYNAMIC_ROUND_CAPACITIES times it (or
+# DYNAMIC_ROUND_MIN rows, a batch's ids, for a small one): a server holds a bounded multiple of its table.
+DYNAMIC_ROUND_ROWS = 1 << 24
+DYNAMIC_ROUND_BYTES = 1 << 30
+DYNAMIC_ROUND_CAPACITIES = 4
+DYNAMIC_ROUND_MIN = 1 << 16
+
+
+def dynamic_round_rows(rows: DynamicRows) -> int:
+    """The most rows one worker's push of one round may carry to ``rows`` (see DYNAMIC_ROUND_ROWS)."""
+    limit = min(DYNAMIC_ROUND_ROWS, max(1, DYNAMIC_ROUND_BYTES // (rows.width * rows.dtype.itemsize)))
+    if rows.spec.capacity:
+        limit = min(limit, max(DYNAMIC_ROUND_MIN, DYNAMIC_ROUND_CAPACITIES * rows.spec.capacity))
+    return limit
 
 
 @dataclass
@@ -58,7 +72,8 @@ class _Round:
         carries each row at most once: what a server holds for a round stays bounded)."""
         count = self.sent.get(sender, 0) + local.size
         if count > limit:
-            raise ProtocolError(f"worker {sender} sent {count} rows in one push to a range of {limit} rows")
+            raise ProtocolError(f"worker {sender} sent {count} rows in one push to a range of {limit} rows "
+                                "(a dynamic table's: at most that many per push)")
         self.sent[sender] = count
         self.parts.append((local, rows))
         self.tokens.append(token)
@@ -92,7 +107,7 @@ class Table:
     @property
     def limit(self) -> int:
         """The most rows one worker's push of one round may carry here."""
-        return self.hi - self.lo if self.dynamic is None else DYNAMIC_ROUND_ROWS
+        return self.hi - self.lo if self.dynamic is None else dynamic_round_rows(self.dynamic)
 
     def read(self, local: np.ndarray, admit: bool = False) -> np.ndarray:
         """Rows ``local`` (positions in the range, or a dynamic table's ids) as they are now."""

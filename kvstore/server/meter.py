@@ -9,6 +9,7 @@ each last did here) or ``KVSTORE_STALL_ABORT`` (the pulls waiting on it are answ
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -18,14 +19,40 @@ from typing import Any
 
 from kvstore.core.partition import Key
 from kvstore.core.shard import ShardState
-from kvstore.core.stats import Counters, Histogram, node_snapshot
+from kvstore.core.stats import Counters, Histogram, node_snapshot, snapshot_size
 from kvstore.errors import StallError
 from kvstore.net import timeline
 
 log = logging.getLogger("kvstore.server")
 TICK = 1.0  # seconds between two looks at the gauges and the open rounds
 LATE_LOG_EVERY = 10.0  # seconds between two warnings about one worker's late pushes
-MAX_TABLES = 32  # dynamic tables whose counters a snapshot carries (it stays under its 64 KiB)
+MAX_TABLES = 32  # dynamic tables whose counters a snapshot carries at most ...
+MAX_TABLES_BYTES = 24 * 1024  # ... within this estimated size (the snapshot stays under its 64 KiB)
+MAX_NAME = 64  # characters of a table's name in a snapshot (a longer one is cut and given a hash)
+
+
+def short_name(name: str) -> str:
+    """``name`` as a snapshot carries it: itself up to ``MAX_NAME`` characters, else its first ones,
+    ``~`` and 16 hex digits of its hash (two long names stay apart)."""
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    return f"{name[:MAX_NAME - 17]}~{digest}"
+
+
+def bounded_tables(tables: dict[str, dict]) -> dict[str, dict]:
+    """The first of ``tables`` (counters by name) that fit a snapshot: at most ``MAX_TABLES``, names
+    cut by :func:`short_name`, within ``MAX_TABLES_BYTES`` estimated."""
+    out: dict[str, dict] = {}
+    left = MAX_TABLES_BYTES
+    for name, counters in tables.items():
+        name = short_name(name)
+        size = snapshot_size({name: counters}, left)
+        if len(out) == MAX_TABLES or size > left:
+            break
+        out[name] = counters
+        left -= size
+    return out
 
 
 class ServerMeter:
@@ -106,7 +133,7 @@ class ServerMeter:
         self.counters.set("open_rounds", state.open_rounds())
         self.counters.set("held_bytes", state.nbytes() + state.held_bytes() + self.extra_held())
         self.counters.set("max_lead", state.gate.max_lead if state.gate is not None else 0)
-        tables = dict(list(self.extra_tables().items())[:MAX_TABLES])
+        tables = bounded_tables(self.extra_tables())
         with self._lock:
             self.dynamic_tables = tables
         warned = {}

@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from kvstore.core import rowsparse as R
-from kvstore.core.dynamic import SLOT_BYTES, DynamicRows, apply_dynamic
+from kvstore.core.dynamic import DynamicRows, apply_dynamic, full_bytes, table_label
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
@@ -76,8 +76,9 @@ class SparseServer:
         return self.tables.nbytes() + sum(held)
 
     def dynamic_stats(self) -> dict[str, dict]:
-        """Each dynamic table's counters here (:meth:`DynamicRows.stats`), by the key's str."""
-        return {str(k): t.dynamic.stats() for k, t in self.tables.tables.items() if t.dynamic is not None}
+        """Each dynamic table's counters here (:meth:`DynamicRows.stats`), by :func:`table_label`."""
+        return {table_label(k): t.dynamic.stats() for k, t in self.tables.tables.items()
+                if t.dynamic is not None}
 
     def _update(self, key: Key, weight: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         apply_rows(self.requests.optimizer, key, weight, ids, rows)
@@ -144,10 +145,14 @@ class SparseServer:
         if self.requests.optimizer is not None and dtype.kind != "f":
             raise DTypeMismatchError(f"key {key!r}: the optimizer updates floating-point keys only")
         width = math.prod(shape[1:])
-        need = dynamic.capacity * (width * dtype.itemsize + SLOT_BYTES)  # 0: no bound to check here
+        opt = self.requests.optimizer  # its state per row, as it stands now (one set later: not counted)
+        one = np.zeros((1, width), dtype)
+        state = 0 if opt is None else sum(a.nbytes for a in opt.create_state(key, one).values())
+        need = full_bytes(dynamic, width, dtype, state)  # 0: no capacity, no bound to check here
         held = self.nbytes()
         if need + held > _physical_memory():
-            raise ConfigError(f"dynamic key {key!r}: {dynamic.capacity} rows take {need} bytes, more "
+            raise ConfigError(f"dynamic key {key!r}: {dynamic.capacity} rows (with their id map, counters "
+                              f"and optimizer state) take {need} bytes, more "
                               f"than this server's memory ({_physical_memory()} bytes) less the {held} "
                               "bytes of its row_sparse tables; lower its capacity or start more servers")
         self.tables.init_dynamic(key, (R.DYNAMIC_ROWS, *shape[1:]), DynamicRows(width, dtype, spec, dynamic))

@@ -128,7 +128,8 @@ def test_an_eviction_heavy_stream_keeps_each_server_at_its_capacity(sync2) -> No
     for table in tables:
         assert table["rows"] == capacity and table["capacity"] == capacity
         assert table["evictions"] == table["admissions"] - capacity
-    per_row = W * 4 * 3 + 8 + 1 + 8 + 8 + 8  # the row, adam's mean and var, the slot's id and counters
+    per_row = W * 4 * 3 + 8 + 1 + 8 + 8 + 8 + 1  # the row, adam's mean and var, the slot's id and
+    # counters (the last byte: its optimizer state still to be reset, review 46 #1)
     after = {n["rank"]: n["held_bytes"] for n in _servers(sync2.workers[0])}
     for server in before:
         assert after[server["rank"]] - server["held_bytes"] <= capacity * per_row

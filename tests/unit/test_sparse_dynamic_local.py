@@ -78,3 +78,65 @@ def test_rows_of_several_dims_and_a_sparse_tensor_push() -> None:
     got = kv.row_sparse_pull("d", row_ids=[7, 2**40])
     assert got.rows.shape == (2, 2, 2)
     np.testing.assert_array_equal(got.rows[0], 2.0)
+
+
+def _trained(opt, dtype: str = "float32", **spec):
+    kv = kvstore.create("local")
+    kv.init("d", width=W, dtype=dtype, init="zeros", dynamic=spec)
+    kv.set_optimizer(opt)
+    return kv
+
+
+def _push_all(kv, ids, value, dtype=np.float32) -> None:
+    ids = np.array(ids, np.int64)
+    kv.push("d", RowSparse(ids, np.full((ids.size, W), value, dtype), (0, W)))
+
+
+def test_a_row_made_by_an_admitting_pull_starts_with_fresh_momentum() -> None:
+    """A pull with admit=True that evicts a row and reuses its slot gives the new row fresh momentum:
+    a zero gradient then leaves it where it was made."""
+    kv = _trained(kvstore.optimizer.create("sgd", learning_rate=1.0, momentum=0.9), capacity=1)
+    for _ in range(3):
+        _push_all(kv, [1], 1.0)  # id 1 builds momentum in slot 0
+    kv.row_sparse_pull("d", row_ids=[2], admit=True)  # evicts 1, makes 2 in slot 0
+    _push_all(kv, [2], 0.0)
+    np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=[2]).rows, 0.0)
+
+
+def test_a_float16_row_made_by_an_admitting_pull_does_not_take_the_evicted_rows_master_copy() -> None:
+    """multi_precision: a slot reused by an admitting pull gets a float32 master copy of its new row,
+    not the evicted row's (the next push would write that row's value into the new id)."""
+    opt = kvstore.optimizer.create("sgd", learning_rate=1.0, multi_precision=True)
+    kv = _trained(opt, dtype="float16", capacity=1)
+    _push_all(kv, [1], -5.0, np.float16)  # id 1: 0 - 1.0 * -5 = 5
+    kv.row_sparse_pull("d", row_ids=[2], admit=True)  # slot 0 -> id 2 (initial 0)
+    _push_all(kv, [2], 0.0, np.float16)
+    np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=[2]).rows, 0.0)
+
+
+def test_a_local_int_key_and_its_str_keep_their_own_counters() -> None:
+    """stats() labels dynamic tables 3 and '3' apart: 'int:3' and '3'."""
+    kv = kvstore.create("local")
+    kv.init(3, width=W, dynamic={"capacity": 2})
+    kv.init("3", width=W, dynamic={"capacity": 5})
+    tables = kv.stats()["dynamic_tables"]
+    assert tables["int:3"]["capacity"] == 2 and tables["3"]["capacity"] == 5
+
+
+def test_a_refused_admitting_pull_of_several_keys_stores_nothing() -> None:
+    """row_sparse_pull([dynamic, fixed], admit=True) is refused (admit on a fixed table) before the
+    dynamic table stores any id."""
+    kv = kvstore.create("local")
+    kv.init("d", width=W, dtype="float32", init="zeros", dynamic={"capacity": 4})
+    kv.init("f", shape=(4, W), stype="row_sparse")
+    with pytest.raises(ValueError, match="admit"):
+        kv.row_sparse_pull(["d", "f"], out=[None, None], row_ids=[[7], [1]], admit=True)
+    assert kv.stats()["dynamic_tables"]["d"]["rows"] == 0
+    assert kv.stats()["dynamic_tables"]["d"]["pull_rows"] == 0
+
+
+def test_a_numpy_int_width_is_a_width() -> None:
+    """width= takes a numpy int as it takes a Python int (docs: 'an int')."""
+    kv = kvstore.create("local")
+    kv.init("d", width=np.int64(W), dynamic=True)
+    assert kv.row_sparse_pull("d", row_ids=[1]).rows.shape == (1, W)

@@ -143,3 +143,111 @@ def test_a_servers_dynamic_counters_reach_its_snapshot_and_tensorboard_tags() ->
     assert snap["dynamic_tables"] == {"emb": {"rows": 3, "evictions": 2, "hit_rate": 0.5}}
     tags = node_scalars(snap)
     assert tags["dynamic_tables/emb/rows"] == 3 and tags["dynamic_tables/emb/hit_rate"] == 0.5
+
+
+def test_a_server_row_made_by_an_admitting_pull_starts_with_fresh_momentum() -> None:
+    """SPARSE_PULL admit=True reusing an evicted row's slot, then SPARSE_PUSH of a zero gradient: the
+    new row starts with fresh momentum and stays at its initial value."""
+    server, replies = _sparse(kvstore.optimizer.create("sgd", learning_rate=1.0, momentum=0.9))
+    server.configure(1, True, 8)
+    server._on_init(b"w", _dynamic_init("d", capacity=1))
+
+    def push(rnd: int, id_: int, value: float) -> None:
+        server._on_push(b"w", Message(Op.SPARSE_PUSH, {"key": "d", "round": rnd, "last": True},
+                                      [np.array([id_], np.int64), np.full((1, 2), value, np.float32)],
+                                      seq=10 + rnd, sender=0))
+
+    for rnd in range(3):
+        push(rnd, 1, 1.0)
+    server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 3, "admit": True},
+                                  [np.array([2], np.int64)], seq=20, sender=0))
+    push(3, 2, 0.0)
+    server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 4}, [np.array([2], np.int64)],
+                                  seq=21, sender=0))
+    np.testing.assert_array_equal(replies.sent[-1].arrays[0], 0.0)
+
+
+def test_a_dynamic_capacity_the_server_accepts_fits_its_memory_when_full(monkeypatch) -> None:
+    """The SPARSE_INIT memory check counts a full table's rows, slot counters, id map and optimizer
+    state (adam's two moments): a capacity over the memory is refused, and one accepted at the exact
+    memory, filled, holds no more than it."""
+    from kvstore.core import dynamic as D
+    from kvstore.core import rowsparse as R
+
+    def init(memory: int) -> S.SparseServer:
+        monkeypatch.setattr(S, "_physical_memory", lambda: memory)
+        server, _ = _sparse(kvstore.optimizer.create("adam", learning_rate=0.1))
+        server.configure(1, True, 4)
+        server._on_init(b"w", Message(Op.SPARSE_INIT, {"key": "d", "shape": [16], "dtype": "float32",
+                                                        "init": "zeros", "dynamic": {"capacity": 2000}},
+                                      seq=1, sender=0))
+        return server
+
+    with pytest.raises(ConfigError, match="lower its capacity"):
+        init(200_000)  # the rows alone (128,000 bytes) fit; with adam's state they do not
+    need = D.full_bytes(R.DynamicSpec(capacity=2000), 16, np.dtype(np.float32), 2 * 16 * 4)
+    server = init(need)
+    ids = np.arange(2000, dtype=np.int64)
+    server._on_push(b"w", Message(Op.SPARSE_PUSH, {"key": "d", "round": 0, "last": True},
+                                  [ids, np.ones((2000, 16), np.float32)], seq=2, sender=0))
+    assert server.dynamic_stats()["d"]["rows"] == 2000
+    assert server.nbytes() <= need, (server.nbytes(), need)
+
+
+def test_a_dynamic_tables_admission_counts_count_at_init(monkeypatch) -> None:
+    """With admit_after > 1 the memory check also counts the admission counts at their bound."""
+    from kvstore.core import dynamic as D
+    from kvstore.core.rowsparse import DynamicSpec
+
+    rows = D.full_bytes(DynamicSpec(capacity=10), 2, np.dtype(np.float32))
+    counted = D.full_bytes(DynamicSpec(capacity=10, admit_after=2), 2, np.dtype(np.float32))
+    assert counted == rows + D.PENDING_MIN * D.PENDING_BYTES
+    monkeypatch.setattr(S, "_physical_memory", lambda: counted - 1)
+    server, _ = _sparse()
+    server.configure(1, True, 2)
+    with pytest.raises(ConfigError, match="lower its capacity"):
+        server._on_init(b"w", _dynamic_init("b", capacity=10, admit_after=2))
+    server._on_init(b"w", _dynamic_init("a", capacity=10))
+    assert "a" in server and "b" not in server
+
+
+def _checked_snapshot(tables: dict) -> dict:
+    """The snapshot of a meter whose server holds dynamic tables of these counters, as the scheduler
+    checks it (ValueError if it would refuse it)."""
+    from kvstore.core.stats import check_snapshot
+
+    meter = ServerMeter("", 10.0, None)
+    meter.extra_tables = lambda: tables
+    meter.tick(GroupedShardState(1, sync=True), lambda key, error: None, {})
+    snap = meter.snapshot()
+    check_snapshot(snap, "server", meter.rank)
+    return snap
+
+
+def test_a_long_dynamic_key_does_not_cost_the_server_its_whole_snapshot() -> None:
+    """A dynamic table named by a str over 1,024 characters (MAX_TEXT) is reported under a cut name
+    with a hash, and the snapshot passes the scheduler's check; two long names stay apart."""
+    snap = _checked_snapshot({"k" * 2000: {"rows": 1}, "k" * 1999: {"rows": 2}})
+    names = list(snap["dynamic_tables"])
+    assert len(names) == 2 and all(len(n) <= 64 and n.startswith("kkk") for n in names)
+    assert sorted(t["rows"] for t in snap["dynamic_tables"].values()) == [1, 2]
+
+
+def test_thirty_two_dynamic_tables_with_long_keys_fit_the_snapshot() -> None:
+    """32 tables (MAX_TABLES) of 500-character keys with every counter fit the 64 KiB snapshot."""
+    from kvstore.core import rowsparse as R
+    from kvstore.core.dynamic import DynamicRows
+
+    full = DynamicRows(2, np.dtype(np.float32), R.parse_init("d", "zeros"), R.DynamicSpec()).stats()
+    snap = _checked_snapshot({f"{i:03d}" + "k" * 497: dict(full) for i in range(32)})
+    assert len(snap["dynamic_tables"]) == 32
+
+
+def test_an_int_key_and_its_str_keep_their_own_counters() -> None:
+    """Dynamic tables 3 and '3' are two tables with two labels ('int:3' and '3') in the counters."""
+    server, _ = _sparse()
+    server.configure(1, True, 4)
+    for key in (3, "3"):
+        server._on_init(b"w", _dynamic_init(key, capacity=2 if key == 3 else 5))
+    stats = server.dynamic_stats()
+    assert stats["int:3"]["capacity"] == 2 and stats["3"]["capacity"] == 5

@@ -234,3 +234,177 @@ def test_parse_spec_refuses_bad_fields() -> None:
     for bad in ({"capacity": -1}, {"policy": "mru"}, {"admit_after": 0}, {"ttl": "x"}, {"size": 3}, 5):
         with pytest.raises(ValueError):
             R.parse_spec("t", bad)
+
+
+def test_a_row_made_by_an_admitting_read_after_expiry_starts_with_fresh_momentum() -> None:
+    """A slot freed by expiry and reused by read(admit=True) resets its optimizer state at the next
+    update: the expired row's momentum does not move the new row on a zero gradient."""
+    clock = Clock()
+    opt = O.create("sgd", learning_rate=1.0, momentum=0.9)
+    table = D.DynamicRows(W, np.dtype(np.float32), R.parse_init("t", "zeros"), R.DynamicSpec(ttl=1.0), clock)
+    for _ in range(3):
+        D.apply_dynamic(opt, "t", table, _ids(1), np.ones((1, W), np.float32))
+    clock.now = 10.0
+    table.read(_ids(2), admit=True)  # 1 expires, 2 reuses its slot
+    assert table.slot(2) == 0
+    D.apply_dynamic(opt, "t", table, _ids(2), np.zeros((1, W), np.float32))
+    np.testing.assert_array_equal(table.read(_ids(2)), 0.0)
+
+
+def test_admit_reports_a_slot_made_by_a_read_as_fresh_once() -> None:
+    """admit() returns a slot made by read(admit=True) as fresh at its first update only."""
+    table = _table(capacity=4)
+    table.read(_ids(9), admit=True)
+    assert table.admit(_ids(9))[2].tolist() == [table.slot(9)]
+    assert table.admit(_ids(9))[2].size == 0
+
+
+def test_admission_counting_at_its_bound_costs_what_it_costs_below_it() -> None:
+    """Pushes of new ids once the admission counts are at their bound (65,536) cost about what they
+    cost below it (forgetting the oldest count is O(1), not a scan of a dict's deleted entries)."""
+    import time
+
+    table = D.DynamicRows(16, np.dtype(np.float32), R.parse_init("d", "zeros"),
+                          R.DynamicSpec(capacity=1000, admit_after=2))
+    assert table.pending_limit == D.PENDING_MIN == 8 * 8192
+    times = []
+    for i in range(40):
+        ids = np.arange(i * 8192, (i + 1) * 8192, dtype=np.int64)
+        start = time.perf_counter()
+        table.admit(ids)
+        times.append(time.perf_counter() - start)
+    assert len(table.pending) == table.pending_limit and len(table) == 0
+    below, at = float(np.median(times[:8])), float(np.median(times[10:]))
+    assert at < 5 * below + 0.05, (below, at)  # the dict took ~100x (0.05 s -> 5 s per push)
+
+
+def test_admission_counts_are_bounded_whatever_the_capacity_and_counted_in_nbytes() -> None:
+    """The ids counted for admission stay within [PENDING_MIN, PENDING_MAX] (none without
+    admit_after), and nbytes() counts them."""
+    spec = R.DynamicSpec(capacity=2**39, admit_after=2)
+    assert D.pending_limit(spec) == D.PENDING_MAX
+    assert D.pending_limit(R.DynamicSpec(capacity=10, admit_after=2)) == D.PENDING_MIN
+    assert D.pending_limit(R.DynamicSpec(capacity=2**39)) == 0
+    table = _table(admit_after=3)
+    before = table.nbytes()
+    table.admit(_ids(*range(100)))
+    assert table.nbytes() == before + 100 * D.PENDING_BYTES
+
+
+def test_the_id_map_is_not_rebuilt_on_every_push_at_a_power_of_two_capacity(monkeypatch) -> None:
+    """At capacity 2**14 the tombstones of each evicting push no longer rebuild the whole map on every
+    push (a rebuild leaves it at most 3/8 full of ids)."""
+    rebuilds = [0]
+    original = D.IdMap._rebuild
+
+    def counted(self, size):
+        rebuilds[0] += 1
+        original(self, size)
+
+    monkeypatch.setattr(D.IdMap, "_rebuild", counted)
+    cap = 2**14
+    table = D.DynamicRows(4, np.dtype(np.float32), R.parse_init("d", "zeros"), R.DynamicSpec(capacity=cap))
+    table.admit(np.arange(cap, dtype=np.int64))
+    rebuilds[0] = 0
+    for step in range(1, 11):
+        table.admit(np.arange(step * 1024, dtype=np.int64)[-1024:] + 10**12)
+    assert rebuilds[0] <= 3, rebuilds[0]
+    assert len(table) == cap and table.map.keys.size <= D.MAP_ENTRIES * cap
+
+
+def test_idmap_matches_a_dict_under_puts_deletes_and_edge_ids() -> None:
+    """IdMap against a dict over random puts and deletes, edge ids (0, -1, int64's ends) included."""
+    rng = np.random.default_rng(0)
+    m, ref = D.IdMap(4), {}
+    edge = [0, -1, 1, np.iinfo(np.int64).min, np.iinfo(np.int64).max]
+    for step in range(400):
+        pool = np.concatenate([rng.integers(-50, 50, 20), rng.integers(-2**63, 2**63 - 1, 5), edge])
+        cand = np.unique(pool).astype(np.int64)
+        new = np.array([i for i in cand.tolist() if i not in ref], np.int64)
+        if step % 3 != 2:
+            take = new[rng.random(new.size) < 0.5]
+            slots = rng.integers(0, 1 << 40, take.size)
+            m.put(take, slots)
+            ref.update(zip(take.tolist(), slots.tolist()))
+        else:
+            gone = cand[rng.random(cand.size) < 0.5]
+            m.delete(gone)
+            for i in gone.tolist():
+                ref.pop(i, None)
+        got = m.get(cand)
+        np.testing.assert_array_equal(got, np.array([ref.get(i, -1) for i in cand.tolist()]))
+        assert len(m) == len(ref)
+
+
+def test_table_labels_tell_int_and_str_keys_apart() -> None:
+    """table_label: a str key as itself, an int key as int:<key>, one label per key."""
+    keys = [3, "3", "int:3", "str:int:3", "emb", -1, "-1"]
+    labels = [D.table_label(k) for k in keys]
+    assert labels[:2] == ["int:3", "3"] and D.table_label("emb") == "emb"
+    assert len(set(labels)) == len(keys)
+
+
+@pytest.mark.parametrize("failing_call", range(1, 8))
+def test_a_pool_growth_that_runs_out_of_memory_leaves_the_table_usable(monkeypatch, failing_call) -> None:
+    """A MemoryError at any of the pool's allocations while it grows leaves every pool array as long
+    as before (no row made, none lost); once memory is back, pushes of new ids work."""
+    table = D.DynamicRows(2, np.dtype(np.float32), R.parse_init("d", "zeros"), R.DynamicSpec())
+    table.admit(np.arange(1024, dtype=np.int64))  # the first block, full
+    real, calls = np.zeros, [0]
+
+    def failing(*args, **kwargs):
+        if isinstance(args[0], tuple) and args[0][0] > 1024:  # one of the grown pool's 7 arrays
+            calls[0] += 1
+            if calls[0] == failing_call:
+                raise MemoryError("simulated")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(D.np, "zeros", failing)
+    with pytest.raises(MemoryError):
+        table.admit(_ids(5000))
+    monkeypatch.setattr(D.np, "zeros", real)
+    assert len(table) == 1024 and table.slot(5000) == -1
+    assert {a.shape[0] for a in (table.weight, table.ids, table.live, table.last, table.seen,
+                                 table.freq, table.unset)} == {1024}
+    table.admit(_ids(6000))  # memory is back: this works
+    assert table.slot(6000) == 1024 and len(table) == 1025
+
+
+def test_ids_that_differ_only_in_their_top_bits_start_from_different_rows() -> None:
+    """Feature ids laid out as (field << 60) | value start from different rows at width 16 (id * 16
+    would wrap modulo 2**64 onto value's row): ids from 2**64 // width on are hashed first."""
+    table = D.DynamicRows(16, np.dtype(np.float32), R.parse_init("d", {"type": "normal", "seed": 3}),
+                          R.DynamicSpec())
+    ids = np.array([(f << 60) | 12345 for f in range(4)], np.uint64).view(np.int64)
+    rows = table.read(ids)
+    assert len({r.tobytes() for r in rows}) == 4
+
+
+def test_ids_below_the_wrap_bound_keep_the_fixed_tables_rows() -> None:
+    """Ids in [0, 2**64 // width) are rows of a fixed table of the same seed, the last one included;
+    the first id past it is hashed (not the row it would wrap onto)."""
+    spec = R.parse_init("d", {"type": "uniform", "seed": 4})
+    width = 3
+    last = 2**64 // width - 1
+    ids = np.array([0, 5, last, last + 1], np.uint64).view(np.int64)
+    rows = R.generate_ids(spec, ids, width, np.dtype(np.float64))
+    np.testing.assert_array_equal(rows[:2], R.generate(spec, 0, 6, width, np.dtype(np.float64))[[0, 5]])
+    counters = (np.uint64(last) * np.uint64(width) + np.arange(width, dtype=np.uint64))
+    direct = np.zeros(width)
+    R._fill(spec, direct, counters)
+    np.testing.assert_array_equal(rows[2], direct)
+    with np.errstate(over="ignore"):  # (last + 1) * 3 + c: 2**64 - 1, then wrapped 0 and 1
+        unhashed = np.uint64(last + 1) * np.uint64(width) + np.arange(width, dtype=np.uint64)
+    assert unhashed[1] == 0
+    wrapped = np.zeros(width)
+    R._fill(spec, wrapped, unhashed)
+    assert not np.array_equal(rows[3], wrapped)
+    assert R.generate_ids(spec, ids[:1], 1, np.dtype(np.float64)).shape == (1, 1)
+
+
+def test_a_small_full_table_holds_no_more_than_full_bytes() -> None:
+    """full_bytes counts a new id map's minimum size: a table of capacity 10, filled, holds no more."""
+    spec = R.DynamicSpec(capacity=10)
+    table = D.DynamicRows(W, np.dtype(np.float32), INIT, spec)
+    table.admit(np.arange(10, dtype=np.int64))
+    assert len(table) == 10 and table.nbytes() <= D.full_bytes(spec, W, np.dtype(np.float32))

@@ -118,3 +118,36 @@ def test_waiting_pulls_are_bounded_per_worker_and_dropped_when_it_leaves() -> No
     assert [w[1] for w in t.tables["e"].waiting] == [*range(WAITING_RANGES), "other"]
     t.leave(0)
     assert [w[1] for w in t.tables["e"].waiting] == ["other"]
+
+
+def _dynamic_tables(capacity: int, width: int = 64) -> RowTables:
+    from kvstore.core import rowsparse as R
+    from kvstore.core.dynamic import DynamicRows
+
+    tables = RowTables(2, True, 4)
+    tables.init_dynamic("d", (R.DYNAMIC_ROWS, width),
+                        DynamicRows(width, np.dtype(np.float32), R.parse_init("d", "zeros"),
+                                    R.DynamicSpec(capacity=capacity)))
+    return tables
+
+
+def test_a_pending_round_of_a_dynamic_table_is_bounded_by_a_multiple_of_its_capacity() -> None:
+    """A worker's unfinished push round of a dynamic table of capacity 8 may not buffer 200,000 rows:
+    a push carries at most max(DYNAMIC_ROUND_MIN, 4 x capacity) rows; nothing is kept of a refused one."""
+    from kvstore.core import sparse_shard as S
+
+    tables = _dynamic_tables(8)
+    assert tables.table("d").limit == S.DYNAMIC_ROUND_MIN
+    ids = np.arange(200_000, dtype=np.int64)
+    with pytest.raises(ProtocolError, match="in one push"):
+        tables.push(0, "d", 0, False, ids, np.zeros((ids.size, 64), np.float32), ("w", 1))
+    assert tables.table("d").rounds == {}
+    assert _dynamic_tables(10**6).table("d").limit == S.DYNAMIC_ROUND_CAPACITIES * 10**6
+
+
+def test_a_pending_round_of_a_wide_dynamic_table_is_bounded_by_bytes() -> None:
+    """Without a capacity a dynamic table's push carries at most DYNAMIC_ROUND_BYTES of rows."""
+    from kvstore.core import sparse_shard as S
+
+    assert _dynamic_tables(0, width=1 << 12).table("d").limit == S.DYNAMIC_ROUND_BYTES // (4 << 12)
+    assert _dynamic_tables(0, width=2).table("d").limit == S.DYNAMIC_ROUND_ROWS
