@@ -159,7 +159,7 @@ class DistKVStore(KVStore):
         if joined.heartbeat:  # restarted servers: realign
             aligner = realign.Realigner(self._path, cfg, body, self._rejoin)
             self._heartbeat = Heartbeat(cfg, "worker", cluster.rank, cluster.session, self._io.fail,
-                                        stats=self._snapshot, on_left=self._barriers.warn_left,
+                                        stats=self._beat, on_left=self._barriers.warn_left,
                                         on_restarted=aligner.on_restarted)
             self._heartbeat.start()
             # after the first beat's thread is up: an offer to a server that died meanwhile waits for
@@ -241,6 +241,12 @@ class DistKVStore(KVStore):
 
     def _snapshot(self) -> dict[str, Any]:
         return self._meter.snapshot(self._window.blocked_seconds)
+
+    def _beat(self) -> dict[str, Any]:
+        """Each heartbeat's snapshot; first the outbox's paced chunks are sent if no call has sent
+        anything since the last beat (``Mux.nudge``), so none waits more than two beats."""
+        self._io.nudge()
+        return self._snapshot()
 
     @public
     def stats(self, cluster: bool = False) -> dict[str, Any]:
@@ -338,16 +344,16 @@ class DistKVStore(KVStore):
         fast, values = self._fast.match(key, value)
         if fast is not None:
             self._pushed = True
-            self._fast.push(Op.PUSH, fast, values)
+            self._fast.push(Op.PUSH, fast, values, priority=priority)
             return
         groups = self._push_args(key, value)
         if groups is not None:
             self._push(groups, priority)
 
     def _push(self, groups: list[Pushed], priority: int) -> None:
-        started = self._meter.begin("push")  # priority is accepted for MXNet scripts; sends keep call order
+        started = self._meter.begin("push")
         try:
-            self._path.send(Op.PUSH, groups)
+            self._path.send(Op.PUSH, groups, priority)
         finally:
             self._meter.end("push", started)
 
@@ -368,7 +374,7 @@ class DistKVStore(KVStore):
         if out is not None:
             fast, outs = self._fast.match(key, out, writable=True)
             if fast is not None:
-                self._fast.pull(fast, outs)
+                self._fast.pull(fast, outs, priority)
                 return out
         single = not isinstance(key, (list, tuple))
         metas = self._meta
@@ -382,18 +388,20 @@ class DistKVStore(KVStore):
     def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pull")
         try:
-            return self._pull_keys(keys, outs)
+            return self._pull_keys(keys, outs, priority)
         finally:
             self._meter.end("pull", started)
             self._path.after_round()  # residuals, test hook
 
-    def _pull_keys(self, keys: list[Key], outs: list[list[Any]] | None = None) -> list[Any]:
+    def _pull_keys(self, keys: list[Key], outs: list[list[Any]] | None = None,
+                   priority: int = 0) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
         if len(unique) != len(keys):
-            found = dict(zip(unique, self._pull_keys(unique)))
+            found = dict(zip(unique, self._pull_keys(unique, priority=priority)))
             return [found[k] for k in keys]
         sends, _ = self._path.plan(keys, chunked=False)
-        return self._collect(keys, sends, [self._path.submit(Op.PULL, s, None) for s in sends], outs)
+        requests = [self._path.submit(Op.PULL, s, None, None, priority) for s in sends]
+        return self._collect(keys, sends, requests, outs)
 
     @public
     def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
@@ -406,7 +414,7 @@ class DistKVStore(KVStore):
             if fast_out is fast:
                 self._check_open()
                 self._pushed = True
-                self._fast.push(Op.PUSHPULL, fast, values, outs)
+                self._fast.push(Op.PUSHPULL, fast, values, outs, priority)
                 return target
         single = not isinstance(key, (list, tuple))
         if not single:
@@ -456,7 +464,7 @@ class DistKVStore(KVStore):
                   outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pushpull")
         try:
-            return self._collect(*self._path.send(Op.PUSHPULL, groups), outs, pushed=True)
+            return self._collect(*self._path.send(Op.PUSHPULL, groups, priority), outs, pushed=True)
         finally:
             self._meter.end("pushpull", started)
             self._path.after_round()  # residuals, test hook
