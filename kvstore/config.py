@@ -95,6 +95,7 @@ class Config:
     incarnation: int = 0  # KVSTORE_INCARNATION: this worker's restarts so far (set by the launcher)
     test_die_at_round: tuple[int | None, int] | None = None  # KVSTORE_TEST_DIE_AT_ROUND: (rank, round)
     test_server_die_at: tuple[int | None, int] | None = None  # KVSTORE_TEST_SERVER_DIE_AT_ROUND
+    test_arrivals: str | None = None  # KVSTORE_TEST_ARRIVALS: a file servers log each data request to
     snapshot_rounds: int = 0  # KVSTORE_SNAPSHOT_EVERY=N: a server writes its shard every N rounds (0: off)
     snapshot_seconds: float = 0.0  # KVSTORE_SNAPSHOT_EVERY=Ns: ... every N seconds instead (0: off)
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
@@ -233,11 +234,13 @@ def _shm(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
-    """Worker restarts (docs/failures.md): the job's budget, this process's incarnation, the test hook."""
+    """Worker restarts (docs/failures.md): the job's budget, this process's incarnation, the test hooks
+    (and ``KVSTORE_TEST_ARRIVALS``, the servers' arrival log of tests of ``priority``)."""
     return {"max_restarts": env_int(env, "KVSTORE_MAX_RESTARTS", minimum=0, default=0),
             "incarnation": env_int(env, "KVSTORE_INCARNATION", minimum=0, default=0),
             "test_die_at_round": _die_at(env, "KVSTORE_TEST_DIE_AT_ROUND"),
-            "test_server_die_at": _die_at(env, "KVSTORE_TEST_SERVER_DIE_AT_ROUND")}
+            "test_server_die_at": _die_at(env, "KVSTORE_TEST_SERVER_DIE_AT_ROUND"),
+            "test_arrivals": env_text(env, "KVSTORE_TEST_ARRIVALS")}
 
 
 def _shards(env: Mapping[str, str]) -> dict[str, Any]:
