@@ -469,13 +469,15 @@ class DistKVStore(KVStore):
             self._meter.end("pushpull", started)
             self._path.after_round()  # residuals, test hook
 
-    def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any]) -> Callable[[bool], None]:
-        """Send a PUSHPULL of ``keys`` (one value and one out each) now; return ``finish(write=True)``,
-        which waits for the replies and writes each key's result into its out (with ``write=False``
-        only waits, raising what failed).  The caller must make that call: a failure of the pushpull
-        is raised there and nowhere else.  Raises what ``pushpull`` raises for bad arguments, before
-        anything is sent.  The Trainer's overlap sends each bucket from its hook this way (one request
-        and one reply where a push then a pull took two of each; ``kvstore.overlap``)."""
+    def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any],
+                        priority: int = 0) -> Callable[[bool], None]:
+        """Send a PUSHPULL of ``keys`` (one value and one out each) at ``priority`` now; return
+        ``finish(write=True)``, which waits for the replies and writes each key's result into its out
+        (with ``write=False`` only waits, raising what failed).  The caller must make that call: a
+        failure of the pushpull is raised there and nowhere else.  Raises what ``pushpull`` raises for
+        bad arguments, before anything is sent.  The Trainer's overlap sends each bucket from its hook
+        this way (one request and one reply where a push then a pull took two of each;
+        ``kvstore.overlap``)."""
         once_each(keys)
         self._check_open()
         try:
@@ -487,7 +489,7 @@ class DistKVStore(KVStore):
         self._pushed = True
         started = self._meter.begin("pushpull")
         try:
-            sent = self._path.send(Op.PUSHPULL, groups)
+            sent = self._path.send(Op.PUSHPULL, groups, priority)
         finally:
             self._meter.end("pushpull", started)
 
