@@ -11,6 +11,14 @@ and take over when the leader is done.  Compared with a dedicated I/O thread thi
 saves two thread switches per request, which on a busy machine is most of a small
 request's round trip (docs/benchmarks.md).
 
+The outbox (:class:`~kvstore.client.sendqueue.SendQueue`) sends the highest ``priority`` first,
+never a request ahead of an earlier one sharing a key; messages are sealed as they leave it, so each
+receiver sees the channel's numbers rise.  A call that finds nothing queued and the lock free seals
+and sends at once (the common case, as cheap as before priorities).  A big push's chunks beyond the
+call's first :data:`PACE_BYTES` are queued without being sent (``defer``): each later call sends up to
+that much more, a waiting caller sends everything, and the heartbeat's :meth:`Mux.nudge` sends what
+nobody sent since its last beat; meanwhile a later call's message of higher priority goes first.
+
 Replies nobody waits for yet (a push's ack) stay in zmq's queue until the next call
 that sends or waits reads them.  :meth:`Mux.fail` (a lost peer, from the heartbeat
 thread) fails every request in flight at once, without the socket lock.
@@ -210,8 +218,8 @@ class Mux:
             seq = msg.seq = next(self._seq)
             try:
                 frames = self.channel.seal(msg, self._name(target))
-            except BaseException:
-                request.msg = None
+            except Exception as exc:  # nothing sent: the caller gets it; its shared memory is freed
+                _resolve(request, exc=exc)
                 raise
             self._inflight[seq] = request
         self._moved += 1
