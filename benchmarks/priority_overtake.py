@@ -2,12 +2,13 @@
 64 MB push, at priority 10 against priority 0, through a real 1-worker 1-server ``dist_async``
 cluster (shared memory on, as shipped).
 
-    python benchmarks/priority_overtake.py [--mb 64] [--rounds 7]
+    python benchmarks/priority_overtake.py [--mb 64] [--rounds 7] [--pace-mb 8]
 
 Each round pushes the big key, then times the small key's ``push`` + ``pull`` (4 bytes) from the
 moment it is issued until its pull returns, then pulls the big key (so every round starts with an
 empty outbox); the priorities alternate round by round.  Printed: the median and each round's ms per
-priority, and the big push + pull's own time.
+priority, and the big push + pull's own time.  ``--pace-mb`` sets the worker's
+``kvstore.client.mux.PACE_BYTES`` (how much of a call's chunks it sends itself) for the run.
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--pace-mb", type=float, help="the Mux's PACE_BYTES, in MiB (default: as shipped)")
     args = parser.parse_args()
+    if args.pace_mb is not None:
+        from kvstore.client import mux
+        mux.PACE_BYTES = int(args.pace_mb * (1 << 20))  # read when the stores' Muxes are made
     with tempfile.TemporaryDirectory() as tmp:
         clusters = Clusters(Path(tmp))
         try:
@@ -59,8 +64,9 @@ def main() -> None:
             out = measure(cluster.workers[0], args.mb, args.rounds)
         finally:
             clusters.close()
+    pace = "as shipped" if args.pace_mb is None else f"{args.pace_mb:g} MiB"
     print(f"1w1s dist_async, a 4-byte key's push + pull issued right after a {args.mb} MB push "
-          f"({args.rounds} rounds per priority, alternated)")
+          f"({args.rounds} rounds per priority, alternated; pace {pace})")
     for name in ("10", "0"):
         figures = ", ".join(f"{ms:.1f}" for ms in out[name])
         print(f"priority {name:>2}: median {statistics.median(out[name]):7.2f} ms  ({figures})")
