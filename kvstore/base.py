@@ -290,17 +290,19 @@ class KVStore(abc.ABC):
 
     @public
     def init(self, key: Any, value: Any = None, stype: str = "default", shape: Any = None, dtype: Any = None,
-             init: Any = None) -> None:
+             init: Any = None, dynamic: Any = None, width: Any = None) -> None:
         """Initialise one key or a list of keys (collective in dist modes: every worker calls it).
 
         Only rank 0's value is stored.  ``stype='row_sparse'``, or no value with ``shape``, ``dtype``
         and ``init`` (``'zeros'``, ``'uniform'``, ``'normal'``), makes row-sparse tables
-        (docs/sparse.md).  Raises :class:`DuplicateInitError` for a key that exists,
-        :class:`KeyTypeError` for a bad key, TypeError for a bad value.
+        (docs/sparse.md); ``dynamic=True`` (or a dict: capacity, policy, admit_after, ttl) with ``width``
+        makes dynamic tables, whose ids are any 64-bit value (docs/sparse.md, "Dynamic tables").
+        Raises :class:`DuplicateInitError` for a key that exists, :class:`KeyTypeError` for a bad key,
+        TypeError for a bad value.
         """
         self._check_open()
-        if self._sparse.wants_init(value, stype):
-            self._sparse.init(key, value, stype, shape, dtype, init)
+        if self._sparse.wants_init(value, stype, dynamic):
+            self._sparse.init(key, value, stype, shape, dtype, init, dynamic, width)
             return
         pairs = group(key, value)
         with self._lock:
@@ -420,13 +422,15 @@ class KVStore(abc.ABC):
         return None if out is None else self._outs(keys, out, single)
 
     @public
-    def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None) -> Any:
+    def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None,
+                        admit: bool = False) -> Any:
         """Pull the rows ``row_ids`` of row-sparse keys (MXNet's semantics, docs/sparse.md): ids unsorted
         and repeated as you like, one array or one per out; a dense ``out`` gets those rows and zeros
         elsewhere; without ``out`` a :class:`kvstore.RowSparse` of the distinct ids is returned.
+        A dynamic table answers ids it does not hold with their initial rows, stored only with ``admit``.
         Raises ShapeMismatchError for an id out of range, TypeError for a dense key."""
         self._check_open()
-        return self._sparse.row_sparse_pull(key, out, row_ids)
+        return self._sparse.row_sparse_pull(key, out, row_ids, admit)
 
     def _rows_init(self, items: list[tuple]) -> None:
         raise UnsupportedError(f"row_sparse keys are not supported by a {self._type} store")
@@ -434,7 +438,7 @@ class KVStore(abc.ABC):
     def _rows_push(self, items: list[tuple]) -> None:
         raise UnsupportedError(f"row_sparse keys are not supported by a {self._type} store")
 
-    def _rows_pull(self, key: Key, meta: SparseMeta, ids: np.ndarray) -> np.ndarray:
+    def _rows_pull(self, key: Key, meta: SparseMeta, ids: np.ndarray, admit: bool = False) -> np.ndarray:
         raise UnsupportedError(f"row_sparse keys are not supported by a {self._type} store")
 
     @public

@@ -96,6 +96,10 @@ class Config:
     test_die_at_round: tuple[int | None, int] | None = None  # KVSTORE_TEST_DIE_AT_ROUND: (rank, round)
     test_server_die_at: tuple[int | None, int] | None = None  # KVSTORE_TEST_SERVER_DIE_AT_ROUND
     test_arrivals: str | None = None  # KVSTORE_TEST_ARRIVALS: a file servers log each data request to
+    scheduler_restarts: bool = False  # KVSTORE_SCHEDULER_RESTARTS: the launcher restarts a lost scheduler
+    recover_left: tuple[int, ...] = ()  # KVSTORE_RECOVER_LEFT: a restarted scheduler's workers that exited 0
+    restarts_used: int = 0  # KVSTORE_RESTARTS_USED: a restarted scheduler's restarts used so far
+    test_scheduler_die_at: tuple[str, int] | None = None  # KVSTORE_TEST_SCHEDULER_DIE_AT: (beats|barrier, N)
     snapshot_rounds: int = 0  # KVSTORE_SNAPSHOT_EVERY=N: a server writes its shard every N rounds (0: off)
     snapshot_seconds: float = 0.0  # KVSTORE_SNAPSHOT_EVERY=Ns: ... every N seconds instead (0: off)
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
@@ -240,7 +244,38 @@ def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
             "incarnation": env_int(env, "KVSTORE_INCARNATION", minimum=0, default=0),
             "test_die_at_round": _die_at(env, "KVSTORE_TEST_DIE_AT_ROUND"),
             "test_server_die_at": _die_at(env, "KVSTORE_TEST_SERVER_DIE_AT_ROUND"),
+            "scheduler_restarts": bool(env_int(env, "KVSTORE_SCHEDULER_RESTARTS", minimum=0, maximum=1,
+                                               default=0)),
+            "recover_left": _ranks(env, "KVSTORE_RECOVER_LEFT"),
+            "restarts_used": env_int(env, "KVSTORE_RESTARTS_USED", minimum=0, default=0),
+            "test_scheduler_die_at": _scheduler_die_at(env),
             "test_arrivals": env_text(env, "KVSTORE_TEST_ARRIVALS")}
+
+
+def _ranks(env: Mapping[str, str], name: str) -> tuple[int, ...]:
+    """A comma-separated list of ranks >= 0 (empty when unset); ConfigError for anything else."""
+    raw = env_text(env, name)
+    if not raw:
+        return ()
+    try:
+        ranks = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a comma-separated list of ranks") from None
+    if any(rank < 0 for rank in ranks):
+        raise ConfigError(f"{name}={raw!r}: ranks must be >= 0")
+    return ranks
+
+
+def _scheduler_die_at(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """The test hook ``KVSTORE_TEST_SCHEDULER_DIE_AT``: ``beats:N`` (after N heartbeats) or
+    ``barrier:N`` (once the N-th barrier has its first worker) as ``(kind, N)``."""
+    raw = env_text(env, "KVSTORE_TEST_SCHEDULER_DIE_AT")
+    if raw is None:
+        return None
+    kind, _, number = raw.partition(":")
+    if kind not in ("beats", "barrier") or not number.isdigit() or int(number) < 1:
+        raise ConfigError(f"KVSTORE_TEST_SCHEDULER_DIE_AT={raw!r} is not beats:N or barrier:N (N >= 1)")
+    return kind, int(number)
 
 
 def _shards(env: Mapping[str, str]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import logging
 import platform
+import threading
 from collections.abc import Callable, Iterator
 
 log = logging.getLogger("kvstore.heap")
@@ -36,6 +37,8 @@ TRIM_THRESHOLD = 16 << 20
 
 _done: str | None = None
 _mallopt_fn: Callable[[int, int], int] | None = None  # set once tune() has fixed the thresholds
+_trim_lock = threading.Lock()
+_trimmers = 0  # threads inside trimming() now
 
 
 def tune(enabled: bool = True) -> str:
@@ -84,13 +87,21 @@ def trimming() -> Iterator[None]:
     """While inside, a block freed into any arena gives that arena's free top back to the OS at once
     (trim threshold 0); on leaving, the threshold is :func:`tune`'s again.  For dropping a refused
     message's big buffers, which zmq's I/O thread allocated.  Does nothing where :func:`tune` did not
-    fix the thresholds (glibc's adaptive ones are left alone).  Raises nothing."""
+    fix the thresholds (glibc's adaptive ones are left alone).  Threads may overlap: the threshold
+    comes back when the last of them leaves.  Raises nothing."""
+    global _trimmers
     mallopt = _mallopt_fn
     if mallopt is None:
         yield
         return
-    mallopt(M_TRIM_THRESHOLD, 0)
+    with _trim_lock:
+        _trimmers += 1
+        if _trimmers == 1:
+            mallopt(M_TRIM_THRESHOLD, 0)
     try:
         yield
     finally:
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        with _trim_lock:
+            _trimmers -= 1
+            if _trimmers == 0:
+                mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)

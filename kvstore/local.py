@@ -21,6 +21,7 @@ from kvstore.core import checkpoint, precision, snapshot, xp
 from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
 from kvstore.core.dtypes import BF16
+from kvstore.core.dynamic import DynamicRows, apply_dynamic
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.sparse_update import apply_rows
@@ -40,6 +41,7 @@ class LocalKVStore(KVStore):
         self._updater: LocalUpdater | None = None
         self._optimizer: Optimizer | None = None
         self._residuals: dict[tuple[Key, int], Any] = {}  # 'device' compression: one per (key, value)
+        self._dynamic: dict[Key, DynamicRows] = {}  # dynamic row-sparse tables (kvstore/core/dynamic.py)
 
     def _set_updater(self, updater: LocalUpdater) -> None:
         """Apply pushes with ``updater(key, pushed, stored)``, which updates ``stored`` in place.
@@ -73,7 +75,13 @@ class LocalKVStore(KVStore):
         holds (and the optimizer updates) their float32 master copies."""
         return {k: m.dtype for k, m in self._meta.items() if m.dtype == BF16}
 
+    def _refuse_dynamic(self, what: str) -> None:
+        if self._dynamic:
+            raise UnsupportedError(f"{what}: dynamic tables ({sorted(map(str, self._dynamic))}) are not "
+                                   "saved yet (docs/sparse.md, 'Dynamic tables')")
+
     def _save_states(self, fname: str, dump_optimizer: bool, collective: bool = True) -> None:
+        self._refuse_dynamic("save_optimizer_states")
         with self._lock:
             opt = self._need_optimizer("save_optimizer_states")
             states = checkpoint.optimizer_states(opt, self._store, dump_optimizer, self._declared())
@@ -87,6 +95,7 @@ class LocalKVStore(KVStore):
             self._updater = None
 
     def _save_checkpoint(self, directory: str) -> None:
+        self._refuse_dynamic("save_checkpoint")
         with self._lock:
             values = {k: self._outgoing(k, xp.to_numpy(v)) for k, v in self._store.items()}
             states = (None if self._optimizer is None
@@ -161,6 +170,9 @@ class LocalKVStore(KVStore):
     def _rows_init(self, items: list[tuple]) -> None:
         with self._lock:
             for key, meta, spec, array in items:
+                if meta.dynamic is not None:
+                    self._dynamic[key] = DynamicRows(meta.width, meta.dtype, spec, meta.dynamic)
+                    continue
                 shape = (meta.num_rows, meta.width)
                 self._store[key] = (R.generate(spec, 0, *shape, meta.dtype) if array is None
                                     else np.array(array, copy=True).reshape(shape))
@@ -171,11 +183,23 @@ class LocalKVStore(KVStore):
                 raise UnsupportedError("row-sparse pushes are applied by an optimizer (set_optimizer) or "
                                        "assigned, never given to an updater function")
             for key, _, ids, rows in items:
-                apply_rows(self._optimizer, key, self._store[key], ids, rows)
+                table = self._dynamic.get(key)
+                if table is not None:
+                    apply_dynamic(self._optimizer, key, table, ids, rows)
+                else:
+                    apply_rows(self._optimizer, key, self._store[key], ids, rows)
 
-    def _rows_pull(self, key: Key, meta: R.SparseMeta, ids: np.ndarray) -> np.ndarray:
+    def _rows_pull(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, admit: bool = False) -> np.ndarray:
         with self._lock:
-            return self._store[key][ids]
+            table = self._dynamic.get(key)
+            return self._store[key][ids] if table is None else table.read(ids, admit)
+
+    def stats(self, cluster: bool = False) -> dict[str, Any]:
+        """``{"dynamic_tables": {key: counters}}``: each dynamic table's rows, evictions, admissions,
+        expirations and hit rate (:meth:`DynamicRows.stats`), the one kind of counter a local store
+        has (``cluster`` is accepted for the dist stores' signature: there is no other node)."""
+        with self._lock:
+            return {"dynamic_tables": {str(k): t.stats() for k, t in self._dynamic.items()}}
 
     def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
         with self._lock:

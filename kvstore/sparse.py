@@ -34,7 +34,7 @@ def _as_list(obj: Any) -> list[Any]:
 
 InitRows = Callable[[list[tuple[Key, SparseMeta, dict, np.ndarray | None]]], None]
 PushRows = Callable[[list[tuple[Key, SparseMeta, np.ndarray, np.ndarray]]], None]
-PullRows = Callable[[Key, SparseMeta, np.ndarray], np.ndarray]
+PullRows = Callable[[Key, SparseMeta, np.ndarray, bool], np.ndarray]
 
 
 class SparseCalls:
@@ -42,7 +42,8 @@ class SparseCalls:
 
     ``dense`` is the store's dense keys' metas (a key is one or the other); ``init_rows(items)``
     creates tables (each item ``(key, meta, init spec, value or None)``), ``push_rows(items)`` sends
-    merged rows (``(key, meta, ids, rows)``), ``pull_rows(key, meta, ids)`` returns sorted distinct rows."""
+    merged rows (``(key, meta, ids, rows)``), ``pull_rows(key, meta, ids, admit)`` returns sorted distinct
+    rows (``admit``: a dynamic table stores the rows it did not hold)."""
 
     def __init__(self, dense: Mapping[Key, Meta], init_rows: InitRows, push_rows: PushRows,
                  pull_rows: PullRows) -> None:
@@ -74,19 +75,26 @@ class SparseCalls:
 
     # -- init -------------------------------------------------------------------------------------
     @staticmethod
-    def wants_init(value: Any, stype: str) -> bool:
+    def wants_init(value: Any, stype: str, dynamic: Any = None) -> bool:
         """Whether ``init(key, value, stype)`` makes row-sparse keys: ``stype='row_sparse'`` (or another
-        non-default one, refused later), no value, or a row-sparse value (RowSparse, sparse tensor)."""
-        if stype != "default" or value is None:
+        non-default one, refused later), no value, a row-sparse value (RowSparse, sparse tensor), or
+        ``dynamic``."""
+        if stype != "default" or value is None or dynamic is not None:
             return True
         return any(R.is_sparse_value(v) for v in _flat(value))
 
-    def init(self, key: Any, value: Any, stype: str, shape: Any, dtype: Any, init: Any) -> None:
+    def init(self, key: Any, value: Any, stype: str, shape: Any, dtype: Any, init: Any,
+             dynamic: Any = None, width: Any = None) -> None:
         """``init`` of row-sparse keys: from values (rank 0's), or from ``shape``/``dtype``/``init``
-        without any value (the table is generated on the servers).  Raises ValueError for a bad
-        stype or shape, DuplicateInitError for a key that exists, ShapeMismatchError for values."""
+        without any value (the table is generated on the servers), or a dynamic table of rows of
+        ``width`` (``dynamic``: True or a dict of :class:`kvstore.core.rowsparse.DynamicSpec`'s fields).
+        Raises ValueError for a bad stype, shape or dynamic spec, DuplicateInitError for a key that
+        exists, ShapeMismatchError for values."""
         if stype not in R.STYPES:
             raise ValueError(f"stype must be one of {R.STYPES}, not {stype!r}")
+        if width is not None and dynamic is None:
+            raise ValueError("width= makes a dynamic table (with dynamic=True or a dict); a fixed table "
+                             "takes shape=")
         keys = [check_key(k) for k in _as_list(key)]
         values = [None] * len(keys) if value is None else (
             _as_list(value) if isinstance(key, (list, tuple)) else [value])
@@ -96,7 +104,8 @@ class SparseCalls:
         for k, v in zip(keys, values):
             if k in self.metas or k in self.dense:
                 raise DuplicateInitError(f"key {k!r} is already initialised")
-            items.append(self._init_item(k, v, shape, dtype, init))
+            items.append(self._dynamic_item(k, v, shape, dtype, init, dynamic, width) if dynamic is not None
+                         else self._init_item(k, v, shape, dtype, init))
         self.metas.update((k, meta) for k, meta, _, _ in items)  # known during the init (its resume)
         try:
             self.init_rows(items)
@@ -104,6 +113,16 @@ class SparseCalls:
             for k, _, _, _ in items:
                 self.metas.pop(k, None)
             raise
+
+    @staticmethod
+    def _dynamic_item(key: Key, value: Any, shape: Any, dtype: Any, init: Any, dynamic: Any,
+                      width: Any) -> tuple:
+        if value is not None or shape is not None or width is None:
+            raise ValueError(f"key {key!r}: a dynamic table takes width= (an int, or a row's shape), "
+                             "dtype= and init=, and no value or shape")
+        row = (width,) if isinstance(width, int) else tuple(width)
+        full, dt = R.check_meta(key, (R.DYNAMIC_ROWS, *row), dtype)
+        return key, SparseMeta(full, dt, dynamic=R.parse_spec(key, dynamic)), R.parse_init(key, init), None
 
     def _init_item(self, key: Key, value: Any, shape: Any, dtype: Any, init: Any) -> tuple:
         if value is None:
@@ -134,10 +153,11 @@ class SparseCalls:
         self.push_rows(items)
 
     # -- pulls ------------------------------------------------------------------------------------
-    def row_sparse_pull(self, key: Any, out: Any, row_ids: Any) -> Any:
+    def row_sparse_pull(self, key: Any, out: Any, row_ids: Any, admit: bool = False) -> Any:
         """MXNet's ``row_sparse_pull``: the rows ``row_ids`` (unsorted, repeats allowed; one array, or
         one per out) into each dense ``out`` (the other rows zeroed), or, without ``out``, a
-        :class:`RowSparse` (a list of them for a list of keys)."""
+        :class:`RowSparse` (a list of them for a list of keys).  ``admit``: a dynamic table stores
+        the rows it did not hold (else they are answered with their initial value, not stored)."""
         if row_ids is None:
             raise ValueError("row_sparse_pull needs row_ids")
         single = not isinstance(key, (list, tuple))
@@ -149,11 +169,16 @@ class SparseCalls:
             ids_per_key = _as_list(row_ids)
             if len(outs) != len(keys) or len(ids_per_key) != len(keys):
                 raise ValueError(f"{len(keys)} keys need as many outs and row_ids")
-        results = [self._pull_key(k, o, r) for k, o, r in zip(keys, outs, ids_per_key)]
+        results = [self._pull_key(k, o, r, admit) for k, o, r in zip(keys, outs, ids_per_key)]
         return results[0] if single else results
 
-    def _pull_key(self, key: Key, out: Any, row_ids: Any) -> Any:
+    def _pull_key(self, key: Key, out: Any, row_ids: Any, admit: bool) -> Any:
         meta = self.meta(key)
+        if meta.dynamic is None and admit:
+            raise ValueError(f"row_sparse_pull of key {key!r}: admit applies to dynamic tables only")
+        if meta.dynamic is not None and out is not None:
+            raise ValueError(f"row_sparse_pull of dynamic key {key!r} takes no out (its ids are unbounded): "
+                             "it returns a RowSparse")
         targets = [None] if out is None else _as_list(out)
         for target in targets:
             if target is not None and tuple(target.shape) != meta.shape:
@@ -161,7 +186,7 @@ class SparseCalls:
                                          f"{tuple(target.shape)}; the table is {meta.shape}")
         ids = R.pull_ids(key, meta, row_ids, len(targets))
         wanted = np.unique(np.concatenate(ids)) if len(ids) > 1 else np.unique(ids[0])
-        rows = self.pull_rows(key, meta, wanted)
+        rows = self.pull_rows(key, meta, wanted, admit)
         results = []
         for target, asked in zip(targets, ids):
             mine = wanted if len(ids) == 1 else np.unique(asked)
@@ -181,7 +206,7 @@ class SparseCalls:
                 raise ValueError(f"pull of row_sparse key {k!r}: its table of {meta.nbytes} bytes is over "
                                  f"the {WHOLE_PULL_BYTES}-byte limit of a whole pull; use "
                                  "kv.row_sparse_pull(key, row_ids=...) for the rows you need")
-            rows = self.pull_rows(k, meta, np.arange(meta.num_rows, dtype=np.int64))
+            rows = self.pull_rows(k, meta, np.arange(meta.num_rows, dtype=np.int64), False)
             dense = rows.reshape(meta.shape)
             if meta.tensor and o is None:
                 dense = xp.from_numpy(np.ascontiguousarray(dense))

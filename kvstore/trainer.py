@@ -290,6 +290,8 @@ class Trainer:
         self._kv.pull(self._keys, out=self._per_key(self._replicas))
         if self._update_on_kvstore:
             self._kv.set_optimizer(self._optimizer)
+            if self._servers_keep_rescale():  # rank 0's, which _push_factor scales every push to
+                self._optimizer.rescale_grad = self._kv.get_optimizer().rescale_grad
         self._initialized = True
         self._mark_weights()
 
@@ -329,15 +331,31 @@ class Trainer:
         self._mark_weights()
 
     def _set_rescale(self, batch_size: float) -> None:
-        """gluon's rule: rescale_grad = scale / batch_size, sent to the store when it changes there."""
+        """gluon's rule: rescale_grad = scale / batch_size, set when it changes; sent to a local store,
+        not to servers, which keep the one of the first use (see :meth:`_push_factor`)."""
         if not batch_size > 0:
             raise ValueError(f"batch_size must be positive, got {batch_size!r}")
         rescale = self._scale / batch_size
-        if rescale == self._optimizer.rescale_grad:
+        if rescale == self._optimizer.rescale_grad or (self._initialized and self._servers_keep_rescale()):
             return
         self._optimizer.rescale_grad = rescale
         if self._update_on_kvstore and self._initialized:
             self._kv.set_optimizer_params(rescale_grad=rescale)
+
+    def _servers_keep_rescale(self) -> bool:
+        """Whether servers run the optimizer with the rescale_grad of the first use whatever the batch
+        size (a dist store with update_on_kvstore, without the overlap, whose hooks push before the
+        batch size is known: docs/trainer.md)."""
+        return self._update_on_kvstore and self._overlap is None and self._kv.type.startswith("dist")
+
+    def _push_factor(self, batch_size: float) -> float:
+        """What this step's gradients are multiplied by before they are pushed: this step's rescale
+        over the servers' (exact: the rescale multiplies the gradient first).  A change of batch size
+        sent to the servers would also apply to other workers' pushes around it (in dist_async a last
+        batch of 1 sample made the other worker's batches 32 times too big)."""
+        if not self._servers_keep_rescale():
+            return 1.0
+        return self._scale / batch_size / self._optimizer.rescale_grad
 
     def _per_key(self, by_device: list[list[Any]]) -> list[list[Any]]:
         """``[device][parameter]`` lists regrouped as ``[parameter][device]``, as the store takes them."""
@@ -382,8 +400,11 @@ class Trainer:
         self._init_kvstore()
         if self._update_on_kvstore:
             if not self._overlapped(not ignore_stale_grad):
-                self._kv.pushpull(self._keys, self._per_key(self._grads(not ignore_stale_grad)),
-                                  out=self._per_key(self._replicas))
+                grads = self._grads(not ignore_stale_grad)
+                factor = self._push_factor(batch_size)
+                if factor != 1.0:  # a batch size other than the first use's
+                    grads = [[g * factor for g in row] for row in grads]
+                self._kv.pushpull(self._keys, self._per_key(grads), out=self._per_key(self._replicas))
             self._mark_weights()
             self._steps_since_reload += 1
         else:

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from kvstore.errors import ProtocolError
+from kvstore.net.auth import sender_label
 from kvstore.net.protocol import Message, Op
 
 from .extension import SchedulerAPI
@@ -138,10 +139,28 @@ class RestartsExtension:
     def heartbeat_fields(self) -> dict[str, Any]:
         """What a worker's heartbeat reply says of restarts: the workers away, and where the servers
         restarted from their shards are now."""
-        fields: dict[str, Any] = {"away": sorted(self.book.away)}
+        fields: dict[str, Any] = {"away": sorted(self.book.away), **self.budget_fields()}
         if self.book.moved:
             fields["restarted"] = list(self.book.moved.values())
         return fields
+
+    def budget_fields(self) -> dict[str, Any]:
+        """What every heartbeat reply says of the budget (``restarts``: [used, budget]; none without
+        restarts): a node rides over a scheduler's death only while one is left (net/heartbeat.py)."""
+        return {"restarts": [self.book.used, self.book.budget]} if self.book.budget else {}
+
+    def adopt(self, used: int, incarnations: dict[tuple[str, int], int], away: set[int], now: float,
+              servers: list[list]) -> None:
+        """A restarted scheduler's book, rebuilt (scheduler/recovery.py): the restarts ``used``, each
+        node's ``incarnations`` by (role, rank), the workers ``away`` since ``now``, and the servers'
+        ``[host, port]`` (where a restarted one now is)."""
+        book = self.book
+        book.used = max(book.used, used)
+        for (role, rank), incarnation in incarnations.items():
+            (book.incarnation if role == "worker" else book.server_incarnation)[rank] = incarnation
+            if role == "server" and incarnation:
+                book.moved[rank] = [rank, incarnation, *servers[rank]]
+        book.away = dict.fromkeys(sorted(away), now)
 
     def worker_away(self, rank: int, why: str) -> None:
         """Declare worker ``rank`` away (see the module docstring): barriers release without it, every
@@ -184,7 +203,7 @@ class RestartsExtension:
             role, rank, host, _ = lost[0]
             raise ProtocolError(f"the job has lost {role} {rank} on {host} for good; restarts are refused")
         if body.get("role") == "server":
-            return self.late_server(identity, body)
+            return self.late_server(identity, body, sender_label(msg))
         if body.get("role") != "worker":
             raise ProtocolError("the cluster is already complete; only a restarted node may register late")
         rank, incarnation = self.book.check(body.get("rank"), body.get("incarnation"))
@@ -199,12 +218,13 @@ class RestartsExtension:
             self.worker_away(rank, f"replaced by its restart (incarnation {incarnation})")
         nonce = self.api.challenges.take(identity)
         self.book.admit(rank, incarnation)
-        node = Node(identity=identity, role="worker", host=str(body.get("host"))[:256], wanted_rank=rank)
+        node = Node(identity=identity, role="worker", host=str(body.get("host"))[:256], wanted_rank=rank,
+                    label=sender_label(msg))
         cmap = self.api.rejoin(node, rank, incarnation)
         log.warning("worker %d rejoined as incarnation %d from %s", rank, incarnation, node.host)
         return Message(Op.MAP, dict(cmap, nonce=nonce))
 
-    def late_server(self, identity: bytes, body: dict[str, Any]) -> Message:
+    def late_server(self, identity: bytes, body: dict[str, Any], label: str) -> Message:
         """A restarted server's REGISTER: its rank and a higher incarnation, budget left; its new address
         replaces the old one in the map and is named in workers' heartbeat replies from now on."""
         book, rank, incarnation = self.book, body.get("rank"), body.get("incarnation")
@@ -226,7 +246,7 @@ class RestartsExtension:
         book.server_incarnation[rank] = incarnation
         host = str(body.get("host"))[:256]
         book.moved[rank] = [rank, incarnation, host, port]
-        node = Node(identity=identity, role="server", host=host, port=port, wanted_rank=rank)
+        node = Node(identity=identity, role="server", host=host, port=port, wanted_rank=rank, label=label)
         cmap = self.api.rejoin(node, rank, incarnation)
         log.warning("server %d restarted as incarnation %d on %s:%d", rank, incarnation, host, port)
         return Message(Op.MAP, dict(cmap, nonce=nonce, away=sorted(book.away)))

@@ -10,6 +10,8 @@ workers are gone.  A worker that leaves (LEAVE) stops counting toward barriers
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import os
@@ -19,6 +21,8 @@ import time
 from kvstore import config as kvconfig
 from kvstore.core import stats as kvstats
 from kvstore.errors import (
+    AuthenticationError,
+    ConfigError,
     DeadlineExceededError,
     KVStoreError,
     NodeLostError,
@@ -27,7 +31,7 @@ from kvstore.errors import (
 )
 from kvstore.launch.portfile import write as write_port_file
 from kvstore.net import address, timeline, transport
-from kvstore.net.auth import channel_for
+from kvstore.net.auth import Channel, channel_for, sender_label
 from kvstore.net.heartbeat import lost_error
 from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
@@ -37,6 +41,7 @@ from kvstore.net.status_client import poll_session
 from .extension import SchedulerAPI
 from .observe import PollGate, SchedulerStats, node_rows, scheduler_snapshot
 from .pipes import PipesExtension
+from .recovery import Rebound, Recovery, die_hook, parse, read_digest, write_digest
 from .restarts import RestartsExtension
 from .state import Barrier, Challenges, Liveness, Node, Rendezvous, hello_nonce
 
@@ -77,8 +82,11 @@ class Scheduler:
             sock, self.port = transport.bind_router(host, cfg.root_port, inbound=INBOUND_MESSAGES,
                                                     max_frame_bytes=cfg.max_message_bytes,
                                                     curve=transport.curve_keys(cfg))
-        self.service = RouterService(sock, channel_for(cfg, "scheduler"), endpoint=endpoint)
+        self.service = RouterService(sock, self._own_channel(), endpoint=endpoint)
         self.session = secrets.token_bytes(16)  # keys every message once the map is out
+        self._recovery = self._recovery_of(cfg)  # a restarted scheduler's rebuild (scheduler/recovery.py)
+        self._labels: dict[str, tuple[str, int]] = {}  # a node's request label -> (role, rank)
+        self._deferred: list[tuple[bytes, Message]] = []  # barriers and leaves while rebuilding
         self.challenges = Challenges()  # HELLO's nonce and challenge per connection, until it registers
         self.rendezvous = Rendezvous(cfg.num_workers, cfg.num_servers)
         self.barrier = Barrier(cfg.num_workers)
@@ -87,12 +95,12 @@ class Scheduler:
         self.servers: list[Node] = []
         self.service.handlers = {Op.HELLO: self._on_hello, Op.REGISTER: self._on_register,
                                  Op.BARRIER: self._on_barrier,
-                                 Op.LEAVE: self._on_leave, Op.OK: self._on_server_stopped,
+                                 Op.LEAVE: self._deferring(self._on_leave), Op.OK: self._on_server_stopped,
                                  Op.HEARTBEAT: self._on_heartbeat, Op.STATUS: self._on_status}
         # kvstore.status holds the secret, not the session: a STATUS sealed with the secret alone gets
         # the session (net/status_client.py), one sealed with its poll key the status, within a rate
         self.service.late_handlers = {Op.STATUS: lambda _, msg: self._session_offer()}
-        self.service.polled = channel_for(self.cfg, "scheduler")
+        self.service.polled = self._own_channel("polled")
         self.service.polled.set_session(poll_session(self.session))
         self.service.polled_handlers = {Op.STATUS: self._polled_status}
         self._pollers = PollGate()
@@ -104,6 +112,9 @@ class Scheduler:
             away=self._away, rejoin=self._rejoin)
         self._pipes = PipesExtension(api)  # pipeline sockets (docs/pipeline.md)
         self.restarts = RestartsExtension(api, self._pipes)  # KVSTORE_MAX_RESTARTS (scheduler/restarts.py)
+        late_register = self.service.late_handlers.get(Op.REGISTER)
+        if late_register is not None:  # a node re-registering after a scheduler's restart comes late too
+            self.service.late_handlers[Op.REGISTER] = functools.partial(self._on_late_register, late_register)
         self.map_body: dict = {}  # the map every node got, but its own fields (a restart gets it too)
         self.status_asks = 0  # STATUS requests answered, and when the last came (monotonic)
         self.status_at = -math.inf
@@ -119,6 +130,52 @@ class Scheduler:
         self.map_sent = False
         self.failed: str | None = None
         self.timeline = timeline.recorder("scheduler", lambda: 0)  # KVSTORE_TIMELINE, else None
+        self._started = time.monotonic()
+        self._die = die_hook(cfg.test_scheduler_die_at, cfg.incarnation,  # KVSTORE_TEST_SCHEDULER_DIE_AT
+                             lambda: self.barrier.generation + 1 if self.barrier.waiting else None)
+
+    def _on_late_register(self, restart: LateHandler, identity: bytes, msg: Message) -> Message:
+        """A REGISTER sealed without the session after the map: a live node taking its place back
+        (:meth:`_reregister`), else a restarted node's (``restart``: the restarts extension's), which a
+        restarted scheduler refuses while it rebuilds the cluster."""
+        if "session" not in msg.body:
+            if self._recovery is not None and not self.map_sent:
+                raise ProtocolError("the restarted scheduler is still rebuilding the cluster from its nodes' "
+                                    "re-registrations; a restarted node cannot join it yet")
+            return restart(identity, msg)
+        self.challenges.check(identity, msg.body.get("challenge"))
+        cmap = self._reregister(identity, msg.body, sender_label(msg))
+        return Message(Op.MAP, dict(cmap, nonce=self.challenges.take(identity)))
+
+    def _own_channel(self, kind: str = "") -> Channel:
+        """A channel addressed as ``scheduler`` that sends as ``scheduler`` (``scheduler.N`` in the N-th
+        restart, and ``scheduler.N.KIND`` for its late and polled channels: their message numbers start
+        afresh, and nodes have seen the old ones')."""
+        channel = channel_for(self.cfg, "scheduler")
+        if self.cfg.incarnation:
+            channel.label = ".".join(filter(None, ("scheduler", str(self.cfg.incarnation), kind)))
+        return channel
+
+    @staticmethod
+    def _recovery_of(cfg: kvconfig.Config) -> Recovery | None:
+        """A restarted scheduler's :class:`Recovery` (None in a first incarnation).  Raises ConfigError
+        without the first incarnation's session digest next to ``KVSTORE_PORT_FILE``."""
+        if not cfg.incarnation:
+            return None
+        digest = read_digest(cfg.port_file) if cfg.port_file else None
+        if digest is None:
+            raise ConfigError("a restarted scheduler (KVSTORE_INCARNATION > 0) needs its first incarnation's "
+                              "session digest next to KVSTORE_PORT_FILE: only launch.py restarts a scheduler")
+        return Recovery(cfg.num_workers, cfg.num_servers, digest, cfg.recover_left, cfg.restarts_used)
+
+    def _deferring(self, handler: Handler) -> Handler:
+        """``handler``, but held back while a restarted scheduler rebuilds the cluster (then run)."""
+        def deferred(identity: bytes, msg: Message) -> None:
+            if self._recovery is not None and not self.map_sent:
+                self._deferred.append((identity, msg))
+                return
+            handler(identity, msg)
+        return deferred
 
     def _serve(self, op: Op, handler: Handler) -> None:
         """Serve ``op`` from registered nodes with ``handler`` (an extension's)."""
@@ -139,9 +196,19 @@ class Scheduler:
     def _on_register(self, identity: bytes, msg: Message) -> None:
         body = msg.body
         self.challenges.check(identity, body.get("challenge"))
+        label = self.service.peers.get(identity, "")
+        if "session" in body:  # a live node taking its place back after this scheduler's restart
+            cmap = self._reregister(identity, body, label)
+            self.service.reply(identity, Message(Op.MAP, dict(cmap, nonce=self.challenges.take(identity)),
+                                                 seq=msg.seq))
+            self._adopt_session()  # after the reply: it is sealed without the session, as the node expects
+            return
+        if self._recovery is not None:
+            raise ProtocolError("this scheduler was restarted: it takes back the running cluster's nodes "
+                                "only; a new node cannot register")
         node = Node(identity=identity, role=str(body.get("role")), host=str(body.get("host")),
                     port=body.get("port"), wanted_rank=body.get("rank"), mode=body.get("mode"),
-                    quorum=_quorum(body.get("quorum")))
+                    quorum=_quorum(body.get("quorum")), label=label)
         if self.map_sent:
             raise ProtocolError("the cluster is already complete; late registrations are refused")
         self.rendezvous.register(node)
@@ -175,12 +242,13 @@ class Scheduler:
             for rank, node in enumerate(nodes):
                 if role == "worker":
                     self.worker_ranks[node.identity] = rank
+                self._labels[node.label] = (role, rank)
                 self.hosts[(role, rank)] = node.host
                 self.liveness.watch(role, rank, now)
                 nonce = self.challenges.take(node.identity)
                 self.service.reply(node.identity, Message(Op.MAP, dict(body, rank=rank, role=role,
                                                                        nonce=nonce)))
-        self.service.late = channel_for(self.cfg, "scheduler")  # still keyed without the session
+        self.service.late = self._own_channel("late")  # still keyed without the session
         self.service.channel.set_session(self.session)
         self.challenges.clear()
         self.map_sent = True
@@ -196,10 +264,138 @@ class Scheduler:
 
     def _worker_rank(self, identity: bytes) -> int:
         if identity not in self.worker_ranks:
-            raise ProtocolError("only a registered worker may do this")
+            bound = self._labels.get(self.service.peers.get(identity, ""))  # a re-registered worker's
+            if bound is None or bound[0] != "worker":
+                raise ProtocolError("only a registered worker may do this")
+            self.worker_ranks[identity] = bound[1]
         return self.worker_ranks[identity]
 
+    def _bind_server(self, identity: bytes) -> None:
+        """A re-registered server's first message on its own connection: SHUTDOWN and AWAY go there."""
+        bound = self._labels.get(self.service.peers.get(identity, ""))
+        if bound is not None and bound[0] == "server" and bound[1] < len(self.servers) \
+                and self.servers[bound[1]].identity != identity:
+            self.servers[bound[1]] = dataclasses.replace(self.servers[bound[1]], identity=identity)
+            self._rebuilt_if_complete()
+
+    def _rebuilt_if_complete(self) -> None:
+        """Resume once every node that was alive is back and every server's own connection is known
+        (its first beat on it after its re-registration: AWAY and SHUTDOWN must reach it)."""
+        if self._recovery is not None and not self.map_sent and self._recovery.complete \
+                and all(server.identity for server in self.servers):
+            self._rebuilt()
+
+    def _reregister(self, identity: bytes, body: dict, label: str) -> dict:
+        """A node that lost sight of the scheduler takes its place back (scheduler/recovery.py): checked
+        against the old session (a restarted scheduler: its digest), its rank bound to its request label.
+        Returns the MAP body (but its nonce).  Raises AuthenticationError for another cluster's session,
+        ProtocolError for a rank that is not its own."""
+        if self._recovery is not None and not self.map_sent:
+            first = self._recovery.map is None
+            node = self._recovery.admit(body)
+            if first:
+                self._adopt_map()
+            elif node.role == "server":
+                self.servers[node.rank] = Node(identity=b"", role="server", host=node.host, port=node.port,
+                                               wanted_rank=node.rank, label=node.label)
+            log.info("%s %d (incarnation %d) re-registered from %s; still missing: %s", node.role,
+                     node.rank, node.incarnation, node.host, _names(self._recovery.missing()) or "nobody")
+            self._rebind(node)
+            self._rebuilt_if_complete()
+            return {"session": self.session, "rebound": True}
+        # a live scheduler: the node's heartbeats went unanswered for a while, or its reply was lost
+        if body.get("session") != self.session:
+            raise AuthenticationError("this re-registration carries another cluster's session: refused")
+        node = parse(body, self.cfg.num_workers, self.cfg.num_servers)
+        if self._labels.get(node.label) != (node.role, node.rank) or self._is_lost(node.role, node.rank):
+            raise ProtocolError(f"{node.role} {node.rank} is not this node's to take back: refused")
+        self._rebind(node)
+        return {"session": self.session, "rebound": True}
+
+    def _rebind(self, node: Rebound) -> None:
+        """Watch a re-registered node from now; its requests (by their label) are its rank's, and a
+        number its channels used before (a replay) is refused."""
+        for label, number in node.counters:
+            self.service.channel.floor(label, number)
+        self._labels[node.label] = (node.role, node.rank)
+        self.hosts[(node.role, node.rank)] = node.host
+        if (node.role, node.rank) in self.liveness.last or not self.map_sent:
+            self.liveness.watch(node.role, node.rank, time.monotonic())
+
+    def _adopt_map(self) -> None:
+        """The first re-registration's session and map become this restarted scheduler's."""
+        assert self._recovery is not None and self._recovery.map is not None and self._recovery.session
+        self.session, self.map_body = self._recovery.session, self._recovery.map
+        self.mode = self.map_body["mode"]
+        self.servers = [Node(identity=b"", role="server", host=str(h), port=p, wanted_rank=r)
+                        for r, (h, p) in enumerate(self.map_body["servers"])]
+
+    def _adopt_session(self) -> None:
+        """Key this scheduler to the adopted session (once): nodes' messages verify from now on, and a
+        HELLO sealed with the secret alone goes to the late handlers."""
+        if self._recovery is None or self.service.late is not None or self._recovery.session is None:
+            return
+        self.service.channel.set_session(self.session)
+        self.service.polled.set_session(poll_session(self.session))
+        self.service.late = self._own_channel("late")
+
+    def _rebuilt(self) -> None:
+        """Every node that was alive is back: resume (heartbeats, barriers, restarts) where it was."""
+        rec, now = self._recovery, time.monotonic()
+        assert rec is not None
+        self.left = rec.left
+        away = rec.away
+        self.restarts.adopt(rec.used, {key: n.incarnation for key, n in rec.nodes.items()}, away, now,
+                            self.map_body["servers"])
+        self.barrier.num_workers = self.cfg.num_workers - len(self.left) - len(away)
+        self.barrier.generation = rec.generation
+        self.map_at, self.map_sent = now, True
+        log.warning("cluster rebuilt %.2f s after this scheduler started: %d workers (left %s, away %s), "
+                    "%d servers, %d barriers passed, %d of %d restarts used", now - self._started,
+                    self.cfg.num_workers, sorted(self.left), sorted(away), self.cfg.num_servers,
+                    rec.generation, self.restarts.book.used, self.restarts.book.budget)
+        if self.cfg.port_file:
+            write_port_file(self.cfg.port_file, self.port)  # the launcher: no longer rebuilding
+        self._replay_deferred()
+
+    def _replay_deferred(self) -> None:
+        """Handle the barriers and leaves held back while rebuilding, in order."""
+        deferred, self._deferred = self._deferred, []
+        for identity, msg in deferred:
+            try:
+                self.service.handlers[msg.op](identity, msg)
+            except KVStoreError as exc:
+                self.service.reply_error(identity, msg.seq, exc)
+
+    def _await_rebuild(self) -> None:
+        """Serve re-registrations until every node that was alive is back, or KVSTORE_CONNECT_TIMEOUT has
+        passed: then each missing one is lost (DeadlineExceededError's text names them)."""
+        assert self._recovery is not None
+        log.warning("restarted (incarnation %d) on port %d: waiting up to %g s (KVSTORE_CONNECT_TIMEOUT) "
+                    "for the cluster's nodes to re-register", self.cfg.incarnation, self.port,
+                    self.cfg.connect_timeout)
+        deadline = self._started + self.cfg.connect_timeout
+        while not self.map_sent:
+            if time.monotonic() > deadline:  # (or back, but a server's own connection unknown)
+                missing = self._recovery.missing() or [
+                    ("server", rank) for rank, server in enumerate(self.servers) if not server.identity]
+                exc = DeadlineExceededError(
+                    f"the restarted scheduler's rebuild is incomplete: {_names(missing)} did not re-register "
+                    f"within {self.cfg.connect_timeout:g} s (KVSTORE_CONNECT_TIMEOUT)")
+                log.error("%s", exc)
+                if self._recovery.map is None:  # nobody came back: nothing to rebuild
+                    self.failed = str(exc)
+                    return
+                self._rebuilt()
+                for role, rank in missing:
+                    self._declare_lost(role, rank, str(exc), absorb=False)
+                return
+            self.service.poll_once(0.1)
+
     def _on_barrier(self, identity: bytes, msg: Message) -> None:
+        if self._recovery is not None and not self.map_sent:  # its sender may not be back yet
+            self._deferred.append((identity, msg))
+            return
         rank = self._worker_rank(identity)
         self.stats.did("barrier", time.time())
         if msg.body.get("cancel"):
@@ -219,9 +415,18 @@ class Scheduler:
         digest = msg.body.get("digest")
         if digest is not None and not isinstance(digest, str):
             raise ProtocolError("a barrier's digest must be a str")
+        after = msg.body.get("after")  # the barriers this worker has passed
+        if after is not None and not (type(after) is int and after >= 0):
+            raise ProtocolError("a barrier's 'after' must be an int >= 0")
+        if after is not None and after < self.barrier.generation:  # released before a scheduler's death:
+            body = {"failures": [], "left": sorted(self.left)}  # its reply was lost: answered now
+            self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
+            return
         self.stalled.discard(rank)
         self.stats.arrive(rank, time.monotonic())
         self._release(self.barrier.arrive(rank, identity, msg.seq, failure, digest))
+        if self._die is not None:
+            self._die("barrier")
 
     def _release(self, released: list[tuple[bytes, int]]) -> None:
         """Answer released barrier waiters: the failures reported at it, and who has left."""
@@ -264,7 +469,11 @@ class Scheduler:
         role, rank = msg.body.get("role"), msg.body.get("rank")
         if role not in ("worker", "server") or not isinstance(rank, int) or isinstance(rank, bool):
             raise ProtocolError('a heartbeat needs {"role": "worker" | "server", "rank": int}')
+        if self._recovery is not None and not self.map_sent and (role, rank) not in self._recovery.nodes:
+            raise ProtocolError("this scheduler was restarted: re-register first")  # its beats would pass
         now = time.monotonic()
+        if role == "server":
+            self._bind_server(identity)
         self.liveness.beat(role, rank, now)
         known = (role, rank) in self.hosts
         refused = self.stats.heartbeat(role, rank, msg.body.get("stats"), known, now)
@@ -274,8 +483,12 @@ class Scheduler:
         body = {"lost": self.lost}
         if role == "worker":  # so a worker learns within a beat who has left, not at its next barrier
             body["left"] = sorted(self.left)
-            body.update(self.restarts.heartbeat_fields())  # away, being restarted; servers restarted
+            body.update(self.restarts.heartbeat_fields())  # away, being restarted; servers restarted; budget
+        else:
+            body.update(self.restarts.budget_fields())
         self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
+        if self._die is not None:
+            self._die("beat")
 
     def _on_status(self, identity: bytes, msg: Message) -> None:
         """STATUS from a node (sealed with the session, once the map is out), or sealed with the secret
@@ -435,11 +648,14 @@ class Scheduler:
             self.hosts[("worker", rank)] = node.host
             self.liveness.watch("worker", rank, now)
             self.barrier.num_workers += 1
-            return dict(self.map_body, rank=rank, role="worker", incarnation=incarnation, rejoin=True)
+            self._labels[node.label] = ("worker", rank)
+            return dict(self.map_body, rank=rank, role="worker", incarnation=incarnation, rejoin=True,
+                        barriers=self.barrier.generation)
         self.servers[rank] = node
         self.map_body["servers"][rank] = [node.host, node.port]  # a worker restarted later connects to it
         self.map_body.setdefault("server_incarnations", [0] * len(self.servers))[rank] = incarnation
         self.hosts[("server", rank)] = node.host
+        self._labels[node.label] = ("server", rank)
         self.liveness.watch("server", rank, now)
         return dict(self.map_body, rank=rank, role="server", incarnation=incarnation, left=sorted(self.left))
 
@@ -447,16 +663,22 @@ class Scheduler:
         return len(self.left | {rank for role, rank, _, _ in self.lost if role == "worker"})
 
     def _on_server_stopped(self, identity: bytes, msg: Message) -> None:
+        self._bind_server(identity)
         if not any(node.identity == identity for node in self.servers):
             raise ProtocolError("only a server confirms a shutdown")
         self.stopped_servers.add(identity)
 
     def run(self) -> int:
         """Serve until every worker has left and the servers are stopped; return the exit code."""
-        if self.cfg.port_file:
+        if self._recovery is not None:
+            self._await_rebuild()
+        elif self.cfg.port_file:
+            if self.cfg.scheduler_restarts:  # a restart checks re-registrations against it
+                write_digest(self.cfg.port_file, self.session)
             write_port_file(self.cfg.port_file, self.port)
-        log.info("listening on port %d for %d workers and %d servers", self.port,
-                 self.cfg.num_workers, self.cfg.num_servers)
+        if self._recovery is None:
+            log.info("listening on port %d for %d workers and %d servers", self.port,
+                     self.cfg.num_workers, self.cfg.num_servers)
         deadline = time.monotonic() + self.cfg.connect_timeout
         while not self.map_sent and self.failed is None:
             if time.monotonic() > deadline:
@@ -495,6 +717,11 @@ class Scheduler:
         self._linger_for_status()
         self.service.close()
         return 0
+
+
+def _names(nodes: list[tuple[str, int]]) -> str:
+    """'server 1, worker 0': the nodes a rebuild waits for."""
+    return ", ".join(f"{role} {rank}" for role, rank in nodes)
 
 
 def main() -> int:

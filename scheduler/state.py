@@ -20,6 +20,7 @@ class Node:
     wanted_rank: int | None = None
     mode: str | None = None
     quorum: int | None = None  # a worker's create(..., quorum=N) or KVSTORE_SYNC_QUORUM
+    label: str = ""  # the label its requests are sealed with (a restarted scheduler rebinds by it)
 
 
 def hello_nonce(body: dict[str, Any]) -> str:
@@ -150,6 +151,7 @@ class Barrier:
         self.released_failures: dict[int, Any] = {}  # the failures of the last released generation
         self.digests: dict[int, str] = {}  # rank -> digest of its collective's arguments, this generation
         self.released_digests: dict[int, str] = {}  # the digests of the last released generation
+        self.generation = 0  # barriers released so far: a worker says which it passed (a restart's resend)
 
     def arrive(self, rank: int, identity: bytes, seq: int,
                failure: Any = None, digest: str | None = None) -> list[tuple[bytes, int]]:
@@ -177,6 +179,7 @@ class Barrier:
     def _released(self) -> list[tuple[bytes, int]]:
         """End the generation: every waiter, its failures and digests kept as the released ones."""
         released, self.waiting = list(self.waiting.values()), {}
+        self.generation += 1
         self.released_failures, self.failures = self.failures, {}
         self.released_digests, self.digests = self.digests, {}
         return released

@@ -26,8 +26,10 @@ class Barriers:
     deadline-bounded wait for replies; ``pushes`` counts this worker's pushes so far."""
 
     def __init__(self, io: Mux, cfg: Config, mode: str, rank: int, num_workers: int,
-                 wait: Callable[[list, float, str], list], pushes: Callable[[], int] = lambda: 0) -> None:
+                 wait: Callable[[list, float, str], list], pushes: Callable[[], int] = lambda: 0,
+                 passed: int = 0) -> None:
         self._io, self._cfg, self._mode, self._rank, self._num_workers = io, cfg, mode, rank, num_workers
+        self.passed = passed  # barriers released so far (a restarted scheduler repeats only an open one)
         self._wait, self._pushes = wait, pushes
         self._lock = threading.Lock()
         self._left: set[int] = {rank}  # workers known to have left, and us
@@ -97,9 +99,11 @@ class Barriers:
         body: dict[str, Any] = {} if failure is None else {"failure": failure}
         if digest is not None:
             body["digest"] = digest
+        body["after"] = self.passed
         request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
         try:
             body = self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
+            self._passed()
             self.warn_left(body.get("left", []))
             return body
         except DeadlineExceededError:
@@ -110,7 +114,19 @@ class Barriers:
             reply = self._wait([cancel], self._cfg.shutdown_timeout, "KVSTORE_SHUTDOWN_TIMEOUT")[0]
             if not reply.body.get("released"):
                 raise
+            self._passed()
             return {}  # it completed, but its reply (and any failure in it) was given up on
+
+    def _passed(self) -> None:
+        """Count one more barrier passed (every worker passes the same ones, in order)."""
+        with self._lock:
+            self.passed += 1
+
+    @property
+    def left(self) -> list[int]:
+        """The other workers known to have left."""
+        with self._lock:
+            return sorted(self._left - {self._rank})
 
     def warn_left(self, left: list[int]) -> None:
         """Note the workers a barrier or heartbeat reply says have left (called with each).  dist_sync:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from kvstore import config as kvconfig
 from kvstore.client.compress import WorkerCompression
-from kvstore.client.mux import Mux, Request
+from kvstore.client.mux import SCHEDULER, Mux, Request
 from kvstore.core.partition import Key
 from kvstore.errors import ConfigError, ProtocolError
 from kvstore.net import address, transport
@@ -51,6 +51,33 @@ def join(scheduler: transport.Socket, channel: Channel, cfg: kvconfig.Config, mo
             transport.close(scheduler, linger=1.0)  # the LEAVE may still leave
         raise
     return body
+
+
+class WorkerRebind:
+    """A worker's side of a scheduler's restart (:class:`kvstore.net.heartbeat.Rebinder`): its identity
+    for the re-registration, and its requests to the scheduler held (a barrier, a LEAVE) while no
+    scheduler answers, sent again once a restarted one took the worker back (a barrier carries the
+    number it passed, so the scheduler answers one released before its death at once)."""
+
+    def __init__(self, io: Mux, cfg: kvconfig.Config, cmap: dict, mode: str,
+                 passed: Callable[[], int], left: Callable[[], list[int]]) -> None:
+        self._io, self._cfg, self._mode, self._passed, self._left = io, cfg, mode, passed, left
+        self._map = {k: v for k, v in cmap.items() if k not in ("nonce", "rank", "role")}
+
+    def identity(self) -> dict:
+        """The worker's re-registration (scheduler/recovery.py)."""
+        return {"role": "worker", "rank": self._io.rank, "incarnation": self._cfg.incarnation,
+                "host": address.advertised_host(self._cfg), "mode": self._mode,
+                "label": self._io.channel.label, "map": self._map, "passed": self._passed(),
+                "left": self._left(), "counters": [[self._io.channel.label, self._io.channel.reserve()]]}
+
+    def paused(self) -> None:
+        """Hold what goes to the scheduler (its reply would never come)."""
+        self._io.hold(SCHEDULER)
+
+    def resumed(self) -> None:
+        """Send what was held again, sealed anew, to the restarted scheduler."""
+        self._io.release(SCHEDULER)
 
 
 class Rejoin:

@@ -2,6 +2,9 @@
 servers by row ranges, pushes that carry only the rows present (each to the server holding it, cut
 into messages of at most the cluster's chunk size), and pulls of the rows asked for.
 
+A dynamic table's rows are placed by a seeded hash of the id over every server
+(:func:`kvstore.core.dynamic.servers_of`), each server's ids kept sorted.
+
 Every push of a key goes to every server holding a range of it, with no rows when this worker has none
 for that range: a dist_sync round counts one push per worker, as for dense keys.  Pushes share the
 store's push window (``KVSTORE_PUSH_WINDOW``), so ``barrier()`` and ``close()`` wait for them and a
@@ -21,6 +24,7 @@ from kvstore.client.datapath import DataPath
 from kvstore.client.mux import Request
 from kvstore.core import rowsparse as R
 from kvstore.core.dtypes import dtype_name
+from kvstore.core.dynamic import servers_of
 from kvstore.core.partition import Key
 from kvstore.errors import ProtocolError, from_cluster
 from kvstore.net.protocol import Message, Op
@@ -69,6 +73,9 @@ class DistRows:
         def send_all() -> None:
             requests = []
             for key, meta, spec, _ in items:
+                if meta.dynamic is not None:
+                    requests.extend(self._init_dynamic(key, meta, meta.dynamic, spec))
+                    continue
                 for server, lo, hi in self.ranges(meta):
                     body = {"key": key, "shape": list(meta.shape), "dtype": dtype_name(meta.dtype),
                             "lo": lo, "hi": hi, "init": spec}
@@ -76,6 +83,8 @@ class DistRows:
                                                      f"row_sparse init of key {key!r} to server {server}"))
             self.link.path.wait(requests)
             for key, meta, _, array in items:
+                if meta.dynamic is not None:
+                    continue  # rows made on first touch; nothing of it in a KVSTORE_RESUME snapshot
                 saved = self.link.resumed(key, meta.shape, meta.dtype)  # KVSTORE_RESUME's table
                 array = array if saved is None else saved
                 if array is not None:
@@ -83,6 +92,25 @@ class DistRows:
 
         self.link.collective(f"row_sparse init of {len(items)} key(s)", send_all)
         self.link.initialised([key for key, _, _, _ in items])
+
+    def _init_dynamic(self, key: Key, meta: R.SparseMeta, dynamic: R.DynamicSpec,
+                      spec: dict) -> list[Request]:
+        """SPARSE_INIT of a dynamic table to every server: a row's shape and the table's DynamicSpec."""
+        body = {"key": key, "shape": list(meta.shape[1:]), "dtype": dtype_name(meta.dtype), "init": spec,
+                "dynamic": dynamic.wire()}
+        return [self._submit(server, Message(Op.SPARSE_INIT, body),
+                             f"dynamic row_sparse init of key {key!r} to server {server}")
+                for server in range(self.link.path.cluster.num_servers)]
+
+    def _dynamic_cuts(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """For sorted distinct ``ids`` of a dynamic table: each server's positions in ``ids`` (sorted)."""
+        num = self.link.path.cluster.num_servers
+        if num == 1:
+            return [(0, np.arange(ids.size))]
+        where = servers_of(ids, num)
+        order = np.argsort(where, kind="stable")
+        edges = np.searchsorted(where[order], np.arange(num + 1))
+        return [(s, order[edges[s]:edges[s + 1]]) for s in range(num)]
 
     def _set(self, key: Key, meta: R.SparseMeta, table: np.ndarray) -> None:
         step, requests = self.rows_per_message(meta), []
@@ -117,6 +145,11 @@ class DistRows:
 
     def _send(self, key: Key, meta: R.SparseMeta, rnd: int, ids: np.ndarray,
               rows: np.ndarray) -> list[Request]:
+        if meta.dynamic is not None:
+            requests = []
+            for server, where in self._dynamic_cuts(ids):
+                requests.extend(self._send_to(key, meta, rnd, server, ids[where], rows[where]))
+            return requests
         ranges = self.ranges(meta)
         cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
         step, requests = self.rows_per_message(meta), []
@@ -130,12 +163,28 @@ class DistRows:
                                                               f"({end - first} rows) to server {server}"))
         return requests
 
-    def pull(self, key: Key, meta: R.SparseMeta, ids: np.ndarray) -> np.ndarray:
+    def _send_to(self, key: Key, meta: R.SparseMeta, rnd: int, server: int, ids: np.ndarray,
+                 rows: np.ndarray) -> list[Request]:
+        """One server's part of a round of a dynamic table's push, in chunks (one, empty, at least)."""
+        step, requests = self.rows_per_message(meta), []
+        pieces = list(range(0, ids.size, step)) or [0]
+        for i, first in enumerate(pieces):
+            end = min(ids.size, first + step)
+            body = {"key": key, "round": rnd, "last": i == len(pieces) - 1}
+            msg = Message(Op.SPARSE_PUSH, body, [ids[first:end], rows[first:end]])
+            requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
+                                                      f"({end - first} rows) to server {server}"))
+        return requests
+
+    def pull(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, admit: bool = False) -> np.ndarray:
         """The current rows ``ids`` (sorted, distinct) of ``key`` as ``(n, width)``, after this worker's
-        earlier pushes of it are applied (read-your-writes).  Raises what the servers raise."""
+        earlier pushes of it are applied (read-your-writes); ``admit``: a dynamic table stores the
+        rows it did not hold.  Raises what the servers raise."""
         error = self.link.path.window.take_failure([key])
         if error is not None:
             raise from_cluster(error)
+        if meta.dynamic is not None:
+            return self._pull_dynamic(key, meta, ids, admit)
         ranges = self.ranges(meta)
         cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
         step, requests, spans = self.rows_per_message(meta), [], []
@@ -154,4 +203,25 @@ class DistRows:
                 raise from_cluster(ProtocolError(f"row_sparse_pull of key {key!r}: a server answered "
                                               "rows of the wrong shape"))
             out[first:end] = got
+        return out
+
+    def _pull_dynamic(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, admit: bool) -> np.ndarray:
+        step, requests, spans = self.rows_per_message(meta), [], []
+        body = {"key": key, "after": self._pushes.get(key, 0)}
+        if admit:
+            body["admit"] = True
+        for server, where in self._dynamic_cuts(ids):
+            for first in range(0, where.size, step):
+                part = where[first:first + step]
+                msg = Message(Op.SPARSE_PULL, body, [np.ascontiguousarray(ids[part])])
+                requests.append(self._submit(server, msg, f"row_sparse_pull of key {key!r} "
+                                                          f"({part.size} rows) from server {server}"))
+                spans.append(part)
+        out = np.empty((ids.size, meta.width), meta.dtype)
+        for part, reply in zip(spans, self.link.path.wait(requests)):
+            got = reply.arrays[0] if reply.arrays else None
+            if got is None or got.shape != (part.size, meta.width) or got.dtype != meta.dtype:
+                raise from_cluster(ProtocolError(f"row_sparse_pull of key {key!r}: a server answered "
+                                                 "rows of the wrong shape"))
+            out[part] = got
         return out

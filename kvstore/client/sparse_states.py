@@ -12,7 +12,7 @@ from kvstore.core import checkpoint
 from kvstore.core import rowsparse as R
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
-from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError
+from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError, UnsupportedError
 from kvstore.net.protocol import Message, Op
 
 
@@ -24,8 +24,17 @@ def _cuts(rows: DistRows, meta: R.SparseMeta, names: int = 1) -> list[tuple[int,
             for start in range(lo, hi, step)]
 
 
+def _refuse_dynamic(what: str, metas: dict[Key, R.SparseMeta]) -> None:
+    dynamic = sorted(str(k) for k, m in metas.items() if m.dynamic is not None)
+    if dynamic:
+        raise UnsupportedError(f"{what}: dynamic tables ({dynamic}) are not saved yet (docs/sparse.md, "
+                               "'Dynamic tables')")
+
+
 def gather(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> list[checkpoint.StateEntry]:
-    """Every row-sparse key's state, whole (keys never updated have none and are left out)."""
+    """Every row-sparse key's state, whole (keys never updated have none and are left out);
+    UnsupportedError for a dynamic table (not saved yet)."""
+    _refuse_dynamic("save_optimizer_states", metas)
     entries = []
     for key, meta in metas.items():
         cuts = _cuts(rows, meta, 4)  # adam keeps two arrays, mixed precision three: a reply stays small
@@ -49,7 +58,9 @@ def gather(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> list[checkpoint.St
 
 
 def tables(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> dict[Key, np.ndarray]:
-    """Every row-sparse table, whole, for a snapshot (the writing worker holds them while it writes)."""
+    """Every row-sparse table, whole, for a snapshot (the writing worker holds them while it writes);
+    UnsupportedError for a dynamic table (not saved yet)."""
+    _refuse_dynamic("save_checkpoint", metas)
     return {key: rows.pull(key, meta, np.arange(meta.num_rows, dtype=np.int64)).reshape(meta.shape)
             for key, meta in metas.items()}
 

@@ -29,7 +29,7 @@ from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
 from kvstore.client.datapath import ClusterView, DataPath, FastPath
-from kvstore.client.joining import Rejoin, join, rejoin
+from kvstore.client.joining import Rejoin, WorkerRebind, join, rejoin
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Mux, Request, Tamper
 from kvstore.client.sparse import DistRows, RowsLink
@@ -141,7 +141,7 @@ class DistKVStore(KVStore):
         self._fast = FastPath(self._path, self._meta, self._lock, self._meter,  # known lists of small keys
                               self._compress, self._device_mode)
         self._barriers = Barriers(self._io, cfg, self._mode, cluster.rank, cluster.num_workers,
-                                  self._path.wait, self._meter.pushes)
+                                  self._path.wait, self._meter.pushes, passed=body.get("barriers", 0))
         self._rows = DistRows(RowsLink(  # row_sparse keys (client/sparse.py)
             self._path, self._collective, cfg.request_timeout,
             lambda *a: self._collective_calls.resumed_table(*a),
@@ -160,7 +160,10 @@ class DistKVStore(KVStore):
             aligner = realign.Realigner(self._path, cfg, body, self._rejoin)
             self._heartbeat = Heartbeat(cfg, "worker", cluster.rank, cluster.session, self._io.fail,
                                         stats=self._beat, on_left=self._barriers.warn_left,
-                                        on_restarted=aligner.on_restarted)
+                                        on_restarted=aligner.on_restarted,
+                                        rebinder=WorkerRebind(self._io, cfg, body, self._mode,
+                                                              lambda: self._barriers.passed,
+                                                              lambda: self._barriers.left))
             self._heartbeat.start()
             # after the first beat's thread is up: an offer to a server that died meanwhile waits for
             # the heartbeat to name its restart (the offer is sent again to it) or its loss

@@ -30,6 +30,8 @@ STYPES = ("default", "row_sparse")
 SPARSE_DTYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
 INITIALIZERS = {"zeros": {}, "uniform": {"low": -0.07, "high": 0.07}, "normal": {"mean": 0.0, "sigma": 0.01}}
 BLOCK = 1 << 20  # elements generated at a time by the initializers (bounded scratch memory)
+POLICIES = ("lru", "lfu")  # a dynamic table's eviction policies
+DYNAMIC_ROWS = 2**64  # a dynamic table's shape[0]: the id space (its RowSparse values carry it)
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,6 +73,47 @@ class RowSparse:
 
 
 @dataclass(frozen=True)
+class DynamicSpec:
+    """How a dynamic table forgets, per server: at most ``capacity`` rows (0: no bound), evicting the
+    least recently (``'lru'``) or least frequently (``'lfu'``, ties least recent) used; a row is stored
+    once pushed ``admit_after`` times; a row untouched for ``ttl`` seconds (0: never) is dropped."""
+
+    capacity: int = 0
+    policy: str = "lru"
+    admit_after: int = 1
+    ttl: float = 0.0
+
+    def wire(self) -> dict[str, Any]:
+        """The spec as a msgpack-safe dict (what SPARSE_INIT carries)."""
+        return {"capacity": self.capacity, "policy": self.policy, "admit_after": self.admit_after,
+                "ttl": self.ttl}
+
+
+def parse_spec(key: Any, given: Any) -> DynamicSpec:
+    """``dynamic=`` of ``init``: True (no forgetting) or a dict of :class:`DynamicSpec`'s fields.
+    ValueError for anything else."""
+    if given is True:
+        return DynamicSpec()
+    if not isinstance(given, Mapping):
+        raise ValueError(f"key {key!r}: dynamic must be True or a dict of {sorted(DynamicSpec().wire())}, "
+                         f"not {given!r}")
+    unknown = sorted(set(given) - set(DynamicSpec().wire()))
+    if unknown:
+        raise ValueError(f"key {key!r}: dynamic takes {sorted(DynamicSpec().wire())}, not {unknown}")
+    capacity, admit = given.get("capacity", 0), given.get("admit_after", 1)
+    policy, ttl = given.get("policy", "lru"), given.get("ttl", 0.0)
+    if type(capacity) is not int or not 0 <= capacity < 2**40:
+        raise ValueError(f"key {key!r}: dynamic capacity must be an int in [0, 2**40), not {capacity!r}")
+    if type(admit) is not int or not 1 <= admit < 2**31:
+        raise ValueError(f"key {key!r}: dynamic admit_after must be an int >= 1, not {admit!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"key {key!r}: dynamic policy must be one of {POLICIES}, not {policy!r}")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl < float("inf"):
+        raise ValueError(f"key {key!r}: dynamic ttl must be seconds >= 0, not {ttl!r}")
+    return DynamicSpec(capacity, policy, admit, float(ttl))
+
+
+@dataclass(frozen=True)
 class SparseMeta:
     """What a row-sparse key was initialised with: the table's shape and dtype, whether it came as a
     tensor (pulls then give tensors)."""
@@ -78,6 +121,7 @@ class SparseMeta:
     shape: tuple[int, ...]
     dtype: np.dtype
     tensor: bool = False
+    dynamic: DynamicSpec | None = None  # a dynamic table (ids any 64-bit value, shape[0] DYNAMIC_ROWS)
 
     @property
     def num_rows(self) -> int:
@@ -166,7 +210,7 @@ def parse_init(key: Any, init: Any, seed: int | None = None) -> dict[str, Any]:
     return out
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser over uint64 counters (wrapping arithmetic, in place)."""
     x ^= x >> np.uint64(30)
     x *= np.uint64(0xBF58476D1CE4E5B9)
@@ -179,8 +223,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def _uniform01(counters: np.ndarray, seed: int, stream: int) -> np.ndarray:
     """Doubles in (0, 1) from the hash of ``(seed, stream, counter)``."""
     with np.errstate(over="ignore"):
-        salt = _mix(np.array([seed * 2 + stream], np.uint64) + np.uint64(0x632BE59BD9B4E019))[0]
-        bits = _mix((counters + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15) + salt)
+        salt = mix(np.array([seed * 2 + stream], np.uint64) + np.uint64(0x632BE59BD9B4E019))[0]
+        bits = mix((counters + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15) + salt)
     return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
 
 
@@ -188,22 +232,41 @@ def generate(spec: dict[str, Any], lo: int, hi: int, width: int, dtype: np.dtype
     """Rows ``[lo, hi)`` of a table of rows of ``width`` elements, as ``spec`` (:func:`parse_init`)
     initialises it: element ``(r, c)`` depends only on the seed, ``r * width + c`` and the spec."""
     out = np.zeros((hi - lo, width), dtype)
-    kind = spec["type"]
-    if kind == "zeros" or hi <= lo:
+    if spec["type"] == "zeros" or hi <= lo:
         return out
     flat = out.reshape(-1)
     start = lo * width
     for offset in range(0, flat.size, BLOCK):
         n = min(BLOCK, flat.size - offset)
-        counters = np.arange(start + offset, start + offset + n, dtype=np.uint64)
-        u = _uniform01(counters, spec["seed"], 0)
-        if kind == "uniform":
-            flat[offset:offset + n] = spec["low"] + (spec["high"] - spec["low"]) * u
-        else:  # Box-Muller over two independent streams
-            v = _uniform01(counters, spec["seed"], 1)
-            z = np.sqrt(-2.0 * np.log(u)) * np.cos(2.0 * np.pi * v)
-            flat[offset:offset + n] = spec["mean"] + spec["sigma"] * z
+        _fill(spec, flat[offset:offset + n], np.arange(start + offset, start + offset + n, dtype=np.uint64))
     return out
+
+
+def generate_ids(spec: dict[str, Any], ids: np.ndarray, width: int, dtype: np.dtype) -> np.ndarray:
+    """The rows of int64 row ids ``ids`` (any 64-bit values: a dynamic table's) by :func:`generate`'s
+    rule, the counter ``id * width + c`` taken modulo 2**64: row ``r`` of a fixed table of that seed."""
+    out = np.zeros((ids.size, width), dtype)
+    if spec["type"] == "zeros" or not ids.size:
+        return out
+    step = max(1, BLOCK // width)
+    columns = np.arange(width, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for first in range(0, ids.size, step):
+            part = ids[first:first + step].astype(np.int64, copy=False).view(np.uint64)
+            counters = (part[:, None] * np.uint64(width) + columns).reshape(-1)
+            _fill(spec, out[first:first + step].reshape(-1), counters)
+    return out
+
+
+def _fill(spec: dict[str, Any], flat: np.ndarray, counters: np.ndarray) -> None:
+    """Write ``spec``'s values for uint64 ``counters`` into ``flat`` (a 1-d view)."""
+    u = _uniform01(counters, spec["seed"], 0)
+    if spec["type"] == "uniform":
+        flat[:] = spec["low"] + (spec["high"] - spec["low"]) * u
+    else:  # Box-Muller over two independent streams
+        v = _uniform01(counters, spec["seed"], 1)
+        z = np.sqrt(-2.0 * np.log(u)) * np.cos(2.0 * np.pi * v)
+        flat[:] = spec["mean"] + spec["sigma"] * z
 
 
 def merge(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -230,17 +293,22 @@ def _parts(key: Any, meta: SparseMeta, value: Any) -> tuple[np.ndarray, np.ndarr
         if value.shape[1:] != meta.shape[1:]:
             raise ShapeMismatchError(f"pushed rows of key {key!r} are {value.shape[1:]} wide; the table's "
                                      f"rows are {meta.shape[1:]}")
-        if value.shape != meta.shape:
+        if value.shape != meta.shape and meta.dynamic is None:  # a dynamic table takes any shape[0]
             raise ShapeMismatchError(f"pushed RowSparse of key {key!r} has shape {value.shape}, but the "
                                      f"table is {meta.shape}")
         ids, rows = value.indices, value.rows
     elif is_sparse_value(value):
-        if tuple(value.shape) != meta.shape or value.sparse_dim() != 1:
+        shape = tuple(value.shape)
+        same = shape[1:] == meta.shape[1:] if meta.dynamic is not None else shape == meta.shape
+        if not same or value.sparse_dim() != 1:
             raise ShapeMismatchError(f"pushed sparse tensor of key {key!r} has shape {tuple(value.shape)} "
                                      f"({value.sparse_dim()} sparse dims); the table is {meta.shape} "
                                      "with sparse rows")
         value = value.detach()
         ids, rows = xp.to_numpy(value._indices()[0]), xp.to_numpy(value._values())
+    elif meta.dynamic is not None:
+        raise ShapeMismatchError(f"pushed value of dynamic key {key!r} must be a RowSparse or a sparse COO "
+                                 f"tensor (a dense table of every id cannot be), not {type(value).__name__}")
     else:
         array = xp.to_numpy(value) if xp.is_tensor(value) else value
         if not isinstance(array, np.ndarray) or array.shape != meta.shape:
@@ -264,6 +332,8 @@ def check_ids(key: Any, meta: SparseMeta, ids: Any) -> np.ndarray:
         return array.astype(np.int64)
     if array.dtype.kind not in "iu":
         raise TypeError(f"row ids of key {key!r} must be integers, not {array.dtype}")
+    if meta.dynamic is not None:  # any 64-bit id; a uint64 one keeps its bits
+        return array.view(np.int64) if array.dtype == np.uint64 else array.astype(np.int64, copy=False)
     low, high = int(array.min()), int(array.max())
     if low < 0 or high >= meta.num_rows:
         bad = low if low < 0 else high

@@ -11,6 +11,10 @@ count one contribution per worker as dense keys do (MXNet's workers push every k
   (read-your-writes).  Rounds more than ``window`` ahead of the applied ones are refused.
 * ``dist_async``: a worker's chunks are gathered until its last one, then applied and acked.
 
+A dynamic table (``init_dynamic``) has the same rounds over a :class:`kvstore.core.dynamic.DynamicRows`
+instead of a row range: any int64 id is its own, pushes are applied by ``dynamic_updater`` and pulls
+read (or, with ``admit``, store) through it.
+
 Every check runs before anything changes; errors are the kvstore tree's.
 """
 
@@ -23,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.core import rowsparse as R
+from kvstore.core.dynamic import DynamicRows
 from kvstore.core.partition import Key
 from kvstore.core.replies import Completion
 from kvstore.errors import (
@@ -37,6 +42,8 @@ from kvstore.errors import (
 # pull asks each row once; this many threads of one worker may each wait for the whole range).
 WAITING_RANGES = 8
 Updater = Callable[[Key, np.ndarray, np.ndarray, np.ndarray], None]  # (key, weight, local ids, rows)
+DynamicUpdater = Callable[[Key, DynamicRows, np.ndarray, np.ndarray], None]  # (key, table, ids, rows)
+DYNAMIC_ROUND_ROWS = 1 << 24  # a worker's rows in one push of a dynamic table (its range is unbounded)
 
 
 @dataclass
@@ -68,16 +75,37 @@ class Table:
     applied: int = 0
     rounds: dict[int, _Round] = field(default_factory=dict)  # dist_sync: open rounds by number
     pending: dict[int, _Round] = field(default_factory=dict)  # dist_async: a worker's chunks so far
-    waiting: list[tuple[int, Any, np.ndarray, int]] = field(default_factory=list)  # after, token, ids, sender
+    waiting: list[tuple[int, Any, np.ndarray, int, bool]] = field(default_factory=list)  # after, token,
+    # ids, sender, admit
+    dynamic: DynamicRows | None = None  # a dynamic table's rows (lo, hi and weight unused)
 
     @property
     def width(self) -> int:
         """Elements per row."""
-        return self.weight.shape[1]
+        return self.weight.shape[1] if self.dynamic is None else self.dynamic.width
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The rows' dtype."""
+        return self.weight.dtype if self.dynamic is None else self.dynamic.dtype
+
+    @property
+    def limit(self) -> int:
+        """The most rows one worker's push of one round may carry here."""
+        return self.hi - self.lo if self.dynamic is None else DYNAMIC_ROUND_ROWS
+
+    def read(self, local: np.ndarray, admit: bool = False) -> np.ndarray:
+        """Rows ``local`` (positions in the range, or a dynamic table's ids) as they are now."""
+        return self.weight[local] if self.dynamic is None else self.dynamic.read(local, admit)
 
 
 def _apply_default(key: Key, weight: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
     weight[ids] = rows
+
+
+def _apply_dynamic_default(key: Key, table: DynamicRows, ids: np.ndarray, rows: np.ndarray) -> None:
+    keep, slots, _ = table.admit(ids)
+    table.weight[slots] = rows[keep]
 
 
 class RowTables:
@@ -88,6 +116,7 @@ class RowTables:
         self.live = set(range(num_workers))
         self.tables: dict[Key, Table] = {}
         self.updater: Updater = _apply_default
+        self.dynamic_updater: DynamicUpdater = _apply_dynamic_default
 
     def __contains__(self, key: object) -> bool:
         return key in self.tables
@@ -96,8 +125,8 @@ class RowTables:
         return len(self.tables)
 
     def nbytes(self) -> int:
-        """Bytes of the row ranges held."""
-        return sum(t.weight.nbytes for t in self.tables.values())
+        """Bytes of the row ranges (and dynamic tables' pools) held."""
+        return sum(t.weight.nbytes if t.dynamic is None else t.dynamic.nbytes() for t in self.tables.values())
 
     def table(self, key: Key) -> Table:
         """``key``'s table; KeyNotInitializedError when this server holds no rows of it."""
@@ -116,21 +145,31 @@ class RowTables:
         weight = R.generate(spec, lo, hi, width, dtype)
         self.tables[key] = Table(tuple(shape), lo, hi, weight)
 
+    def init_dynamic(self, key: Key, shape: tuple[int, ...], rows: DynamicRows) -> None:
+        """Hold ``rows``, this server's part of dynamic table ``key`` of ``shape``."""
+        if key in self.tables:
+            raise DuplicateInitError(f"key {key!r} is already initialised on this server")
+        self.tables[key] = Table(tuple(shape), 0, 0, np.zeros((0, rows.width), rows.dtype), dynamic=rows)
+
     def local_ids(self, key: Key, ids: np.ndarray) -> tuple[Table, np.ndarray]:
         """``key``'s table and ``ids`` (global row ids, int64, 1-d) as positions in its row range;
         ProtocolError / ShapeMismatchError when they are not ids of rows held here."""
         table = self.table(key)
         if ids.dtype != np.int64 or ids.ndim != 1:
             raise ProtocolError(f"row ids of key {key!r} must be one flat int64 array")
+        if table.dynamic is not None:
+            if ids.size > 1 and not np.all(ids[1:] > ids[:-1]):
+                raise ProtocolError(f"row ids of dynamic key {key!r} must be sorted and distinct")
+            return table, ids
         if ids.size and (int(ids.min()) < table.lo or int(ids.max()) >= table.hi):
             raise ShapeMismatchError(f"row ids of key {key!r} outside this server's rows "
                                      f"[{table.lo}, {table.hi})")
         return table, ids - table.lo
 
     def _rows(self, key: Key, table: Table, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        if rows.dtype != table.weight.dtype:
+        if rows.dtype != table.dtype:
             raise DTypeMismatchError(f"rows of key {key!r} are {rows.dtype}; the table holds "
-                                     f"{table.weight.dtype}")
+                                     f"{table.dtype}")
         if rows.ndim != 2 or rows.shape != (ids.size, table.width):
             raise ShapeMismatchError(f"rows of key {key!r} must be ({ids.size}, {table.width}), "
                                      f"got {rows.shape}")
@@ -139,6 +178,8 @@ class RowTables:
     def set_rows(self, key: Key, ids: np.ndarray, rows: np.ndarray) -> None:
         """Overwrite rows ``ids`` of ``key`` (an init from a value, a restore)."""
         table, local = self.local_ids(key, ids)
+        if table.dynamic is not None:
+            raise ProtocolError(f"SPARSE_SET of dynamic key {key!r}: its rows are made on first touch")
         table.weight[local] = self._rows(key, table, ids, rows)
 
     def push(self, sender: int, key: Key, rnd: int, last: bool, ids: np.ndarray, rows: np.ndarray,
@@ -150,7 +191,7 @@ class RowTables:
             raise ProtocolError(f"worker {sender} has left; its push of key {key!r} is refused")
         if not self.sync:
             gathering = table.pending.get(sender) or _Round()
-            gathering.add(sender, local, rows, token, table.hi - table.lo)  # raises before it is kept
+            gathering.add(sender, local, rows, token, table.limit)  # raises before it is kept
             table.pending[sender] = gathering
             if not last:
                 return []
@@ -163,7 +204,7 @@ class RowTables:
         current = table.rounds.get(rnd) or _Round()
         if sender in current.done:
             raise ProtocolError(f"worker {sender} pushed round {rnd} of key {key!r} twice")
-        current.add(sender, local, rows, token, table.hi - table.lo)  # a refused chunk opens no round
+        current.add(sender, local, rows, token, table.limit)  # a refused chunk opens no round
         table.rounds[rnd] = current
         if last:
             current.done.add(sender)
@@ -176,7 +217,10 @@ class RowTables:
             ids = np.concatenate([p[0] for p in contribution.parts])
             rows = np.concatenate([p[1] for p in contribution.parts])
         ids, rows = R.merge(ids, rows)
-        self.updater(key, table.weight, ids, rows)
+        if table.dynamic is not None:
+            self.dynamic_updater(key, table.dynamic, ids, rows)
+        else:
+            self.updater(key, table.weight, ids, rows)
 
     def _close(self, key: Key, table: Table) -> list[Completion]:
         """Apply every complete round in order; the acks and pulls that are answered then."""
@@ -192,23 +236,25 @@ class RowTables:
         if done and table.waiting:
             ready = [w for w in table.waiting if w[0] <= table.applied]
             table.waiting = [w for w in table.waiting if w[0] > table.applied]
-            done.extend(Completion(token, table.weight[local]) for _, token, local, _ in ready)
+            done.extend(Completion(token, table.read(local, admit)) for _, token, local, _, admit in ready)
         return done
 
-    def pull(self, sender: int, key: Key, after: int, ids: np.ndarray, token: Any) -> list[Completion]:
-        """Answer a pull of rows ``ids`` of ``key`` once ``after`` rounds are applied (dist_sync)."""
+    def pull(self, sender: int, key: Key, after: int, ids: np.ndarray, token: Any,
+             admit: bool = False) -> list[Completion]:
+        """Answer a pull of rows ``ids`` of ``key`` once ``after`` rounds are applied (dist_sync);
+        ``admit``: a dynamic table stores the rows it did not hold."""
         table, local = self.local_ids(key, ids)
         if self.sync and after > table.applied:
             if after > table.applied + self.window:
                 raise ProtocolError(f"pull of key {key!r} after round {after}: only {table.applied} "
                                     "applied")
             held = local.size + sum(w[2].size for w in table.waiting if w[3] == sender)
-            if held > WAITING_RANGES * (table.hi - table.lo):  # what waits stays bounded
+            if held > WAITING_RANGES * table.limit:  # what waits stays bounded
                 raise ProtocolError(f"worker {sender} has pulls of {held} rows of key {key!r} waiting, more "
-                                    f"than {WAITING_RANGES} times the {table.hi - table.lo} rows held here")
-            table.waiting.append((after, token, local, sender))
+                                    f"than {WAITING_RANGES} times the {table.limit} rows of a push here")
+            table.waiting.append((after, token, local, sender, admit))
             return []
-        return [Completion(token, table.weight[local])]
+        return [Completion(token, table.read(local, admit))]
 
     def leave(self, sender: int) -> list[Completion]:
         """``sender`` is done: rounds no longer wait for it, its unfinished async chunks and its waiting

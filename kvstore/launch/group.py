@@ -7,13 +7,16 @@ against one shared deadline.  The one exception is the restart policy (``--max-r
 worker that fails while restarts are left is reaped, what it left in its process group killed, and
 started again from its spec (:meth:`RoleProcess.restart`) with the next ``KVSTORE_INCARNATION``;
 so is a server that has written a shard (``KVSTORE_SNAPSHOT_EVERY``: the caller's ``restartable``),
-which starts from it (kvstore/server/restore.py).  A scheduler that fails still fails the launch.
+which starts from it (kvstore/server/restore.py); and so, with a :class:`SchedulerRestart` (the local
+launcher), is the scheduler, at its port, unless another role died with it or dies while the restarted
+scheduler rebuilds the cluster (docs/failures.md): that is not survivable and fails the launch, named.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -21,6 +24,25 @@ from collections.abc import Callable
 from kvstore.launch.roleprocess import Killed, RoleProcess, RoleState
 
 log = logging.getLogger("kvstore.launcher")
+
+
+TOGETHER_S = 0.3  # seconds the launcher waits, once the scheduler died, for another role's death with it
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerRestart:
+    """How the local launcher restarts a lost scheduler: at ``port``, with the same ``port_file``,
+    which a restarted scheduler writes again once it has rebuilt the cluster (until then the launcher
+    takes any other death as not survivable).  ``window``: a role that died this many seconds before
+    the scheduler died with it (KVSTORE_HEARTBEAT_TIMEOUT)."""
+
+    port: int
+    port_file: str
+    window: float
+
+    def rebuilding(self) -> bool:
+        """Whether a restarted scheduler has not yet rebuilt the cluster (no port file yet)."""
+        return not os.path.exists(self.port_file)
 
 
 class RoleGroup:
@@ -41,18 +63,29 @@ class RoleGroup:
         return next((role for role in self.roles if role.state is RoleState.FAILED), None)
 
     def supervise(self, workers: int, grace: float, restarts: int = 0,
-                  restartable: Callable[[RoleProcess], bool] | None = None) -> RoleProcess | None:
+                  restartable: Callable[[RoleProcess], bool] | None = None,
+                  scheduler: SchedulerRestart | None = None) -> RoleProcess | None:
         """Wait until ``workers`` workers have SUCCEEDED (return None) or any role has FAILED (return
         the first one to fail: fail fast, the caller then stops the rest), but a worker that fails
         while any of ``restarts`` are left is restarted (:meth:`restart`), and so is a server for which
         ``restartable`` says yes (it has a shard to start from).  After the last worker,
         the other roles get ``grace`` seconds, one deadline for all, to exit by themselves (a
-        scheduler and servers do once every worker has left); each still running is logged."""
+        scheduler and servers do once every worker has left); each still running is logged.  With
+        ``scheduler``, a failed scheduler is restarted too (:meth:`_restart_scheduler`)."""
         left, used = workers, 0
+        died: dict[str, float] = {}  # role name -> when it last failed
+        rebuilt = True  # no scheduler restart is rebuilding the cluster
         while left:
             role = self._exits.get()
             if role.state is RoleState.FAILED:
                 kind = role.spec.role
+                rebuilt = rebuilt or scheduler is None or not scheduler.rebuilding()
+                if scheduler is not None and (kind == "scheduler" or not rebuilt):
+                    if not self._restart_scheduler(role, scheduler, died, used, restarts):
+                        return role
+                    used, rebuilt = used + 1, False
+                    continue
+                died[role.name] = time.monotonic()
                 if used >= restarts or not (kind == "worker" or (kind == "server" and restartable is not None
                                                                   and restartable(role))):
                     if restarts and kind in ("worker", "server"):
@@ -72,16 +105,60 @@ class RoleGroup:
                 log.warning("%s did not exit within %g s of the workers; stopping it", role.name, grace)
         return None
 
-    def restart(self, role: RoleProcess, why: str) -> bool:
-        """Start the FAILED ``role`` again with the next ``KVSTORE_INCARNATION``, once its process is
-        reaped and what it left in its group killed; False when it cannot be started (it is then
-        FAILED again).  ``why`` goes into the log line."""
+    def _restart_scheduler(self, role: RoleProcess, policy: SchedulerRestart, died: dict[str, float],
+                           used: int, restarts: int) -> bool:
+        """``role`` failed while the scheduler can be restarted: restart the scheduler (it is ``role``,
+        killed by a signal) at its port and return True, or log why that is not survivable and return
+        False: it exited by itself, no budget left, another role died with it (within
+        ``policy.window`` before, or :data:`TOGETHER_S` after), or ``role`` died while a restarted
+        scheduler rebuilds the cluster."""
+        if role.spec.role != "scheduler":
+            log.error("%s died while the restarted scheduler was rebuilding the cluster: not survivable "
+                      "(docs/failures.md)", role.name)
+            return False
+        if (role.exit_code or 0) <= 128:  # it exited by itself: the job failed (it lost a node for good)
+            return False
+        if used >= restarts:
+            log.error("scheduler failed: all %d restarts (--max-restarts) are used", restarts)
+            return False
+        deadline, seen = time.monotonic() + TOGETHER_S, []
+        while (wait := deadline - time.monotonic()) > 0:
+            try:
+                other = self._exits.get(timeout=wait)
+            except queue.Empty:
+                break
+            seen.append(other)
+            if other.state is RoleState.FAILED:
+                died[other.name] = time.monotonic()
+                break
+        for other in seen:
+            self._exits.put(other)  # seen again by the supervision loop
+        now = time.monotonic()
+        together = sorted(name for name, at in died.items() if now - at <= policy.window + TOGETHER_S)
+        if together:
+            log.error("the scheduler and %s died together: not survivable, the restarted scheduler could "
+                      "not rebuild the cluster without them (docs/failures.md)", ", ".join(together))
+            return False
+        others = [r for r in self.roles if r.spec.role == "worker" and r.state is RoleState.SUCCEEDED]
+        env = {"DMLC_PS_ROOT_PORT": str(policy.port), "KVSTORE_RESTARTS_USED": str(used + 1),
+               "KVSTORE_RECOVER_LEFT": ",".join(str(r.spec.rank) for r in others)}
+        try:
+            os.remove(policy.port_file)  # written again once the cluster is rebuilt
+        except FileNotFoundError:
+            pass
+        return self.restart(role, f"{used + 1} of {restarts} restarts used; at the same port {policy.port}",
+                            env)
+
+    def restart(self, role: RoleProcess, why: str, env: dict[str, str] | None = None) -> bool:
+        """Start the FAILED ``role`` again with the next ``KVSTORE_INCARNATION`` (and ``env``), once its
+        process is reaped and what it left in its group killed; False when it cannot be started (it is
+        then FAILED again).  ``why`` goes into the log line."""
         role.stop(0.0)  # exited already: reaped, its group's leftovers SIGKILLed, its output read
         incarnation = int(role.spec.env.get("KVSTORE_INCARNATION", "0")) + 1
         log.warning("%s exited with code %s; restarting it as incarnation %d (%s)", role.name,
                     role.exit_code, incarnation, why)
         role.restart()
-        role.spec = dataclasses.replace(role.spec, env={**role.spec.env,
+        role.spec = dataclasses.replace(role.spec, env={**role.spec.env, **(env or {}),
                                                         "KVSTORE_INCARNATION": str(incarnation)})
         try:
             role.start()

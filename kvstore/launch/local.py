@@ -31,7 +31,7 @@ from kvstore.errors import ChildFailed, ConfigError, StartFailed, SyncFailed
 from kvstore.launch import envrules as roles
 from kvstore.launch import gpus, tether
 from kvstore.launch import tensorboard as kvtensorboard
-from kvstore.launch.group import RoleGroup
+from kvstore.launch.group import RoleGroup, SchedulerRestart
 from kvstore.launch.interrupts import held_interrupts
 from kvstore.launch.node import python_if_script
 from kvstore.launch.options import LaunchConfig
@@ -122,6 +122,7 @@ class Cluster:
         self.no_gpu = dict(gpus.NO_GPU) if self.gpu_env is not None else {}
         # last: nothing above may fail after it is made; run() removes it however the launch ends
         self.shard_dir = default_shards(cfg, self.base_env, self.inherited)
+        self.scheduler_restart: SchedulerRestart | None = None  # --max-restarts, local: set by start()
 
     @property
     def children(self) -> list[RoleProcess]:
@@ -202,10 +203,14 @@ class Cluster:
                 node_name(self.cfg.hosts[0][0]), hint="fix the hostfile or give --host-ip")
         root = self.base_env["DMLC_PS_ROOT_URI"]
         port_file = os.path.join(workdir, "scheduler.port")
+        if self.cfg.max_restarts > 0 and not remote:  # every node may ride over a scheduler's restart
+            self.base_env["KVSTORE_SCHEDULER_RESTARTS"] = "1"
         scheduler = self._start("scheduler", None, [sys.executable, "-m", "kvstore.scheduler"],
                                 {"DMLC_PS_ROOT_PORT": "0", "KVSTORE_PORT_FILE": port_file, **self.no_gpu})
         port = self._wait_port(port_file, scheduler)
         self.base_env["DMLC_PS_ROOT_PORT"] = str(port)
+        if "KVSTORE_SCHEDULER_RESTARTS" in self.base_env:
+            self.scheduler_restart = SchedulerRestart(port, port_file, self.settings.heartbeat_timeout)
         count = len(set(self.cfg.hosts))
         where = f" on {count} host{'s' * (count != 1)} over ssh" if remote else ""
         log.info("scheduler on %s:%d; starting %d servers and %d workers%s",
@@ -248,7 +253,8 @@ class Cluster:
     def supervise(self) -> int:
         """Wait until every worker exits 0 (return 0) or any process fails (raise ChildFailed)."""
         failed = self.group.supervise(self.cfg.num_workers, self.settings.shutdown_timeout,
-                                      restarts=self.cfg.max_restarts, restartable=self._has_shard)
+                                      restarts=self.cfg.max_restarts, restartable=self._has_shard,
+                                      scheduler=self.scheduler_restart)
         if failed is not None:
             raise failure(failed)
         return 0

@@ -109,6 +109,17 @@ class Channel:
         """Send as ``label`` and accept messages addressed to it (a server once it knows its rank)."""
         self.label, self.names = label, {label}
 
+    def reserve(self) -> int:
+        """Take the next message number without sealing anything: every later message is numbered
+        above it (a node telling a restarted scheduler where its numbers stand)."""
+        return next(self._counter)
+
+    def floor(self, label: str, n: int) -> None:
+        """Refuse from ``label`` every number up to ``n`` from now on, as if seen (a restarted scheduler:
+        the numbers its predecessor may have taken from that sender)."""
+        with self._lock:
+            self._last[label] = max(self._last.get(label, 0), n)
+
     def set_session(self, session: bytes) -> None:
         """Key every later message to the cluster's ``session`` id (from the cluster map)."""
         self._session_key = self._keyed(session)

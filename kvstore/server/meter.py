@@ -27,6 +27,7 @@ from kvstore.net.protocol import Op
 log = logging.getLogger("kvstore.server")
 TICK = 1.0  # seconds between two looks at the gauges and the open rounds
 LATE_LOG_EVERY = 10.0  # seconds between two warnings about one worker's late pushes
+MAX_TABLES = 32  # dynamic tables whose counters a snapshot carries (it stays under its 64 KiB)
 
 
 class ServerMeter:
@@ -43,6 +44,8 @@ class ServerMeter:
         self.last_by_worker: dict[int, tuple[str, float]] = {}  # worker -> (op, unix time)
         self._warned: dict[Key, float] = {}  # stalled key -> how long its round had waited last tick
         self.extra_held: Callable[[], int] = lambda: 0  # bytes held outside the shard (row-sparse tables)
+        self.extra_tables: Callable[[], dict[str, dict]] = dict  # dynamic tables' counters, by key
+        self.dynamic_tables: dict[str, dict] = {}  # their copy at the last tick
         self._next_tick = 0.0
         self.dropped: dict[str, int] = {}  # refusals of the request loop (authentication, ...)
         self._late_logged: dict[int, tuple[float, int]] = {}  # worker -> (last warning, late since)
@@ -105,6 +108,9 @@ class ServerMeter:
         self.counters.set("open_rounds", state.open_rounds())
         self.counters.set("held_bytes", state.nbytes() + state.held_bytes() + self.extra_held())
         self.counters.set("max_lead", state.gate.max_lead if state.gate is not None else 0)
+        tables = dict(list(self.extra_tables().items())[:MAX_TABLES])
+        with self._lock:
+            self.dynamic_tables = tables
         warned = {}
         for key, waited, late in state.stalled(self.stall_warn):
             before = self._warned.get(key)
@@ -134,6 +140,7 @@ class ServerMeter:
         with self._lock:
             last_round = None if self.last_round is None else dict(self.last_round)
             recent = max(self.last_by_worker.values(), key=lambda seen: seen[1], default=None)
+            tables = self.dynamic_tables
         snap = node_snapshot("server", self.rank, self.host, os.getpid(), self.started, time.time(),
                              *(recent if recent is not None else (None, None)))
         snap.update({
@@ -146,6 +153,8 @@ class ServerMeter:
             "max_lead": int(counts.get("max_lead", 0)),
             "refused": {**self.dropped, **{r: int(n) for r, n in counts.get("refused", {}).items()}},
         })
+        if tables:  # only a server holding dynamic tables reports them
+            snap["dynamic_tables"] = tables
         return snap
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,7 @@ MB = 1 << 20
 INBOUND_MESSAGES = 8
 BOUND_CONNECTIONS = 4  # connections a worker rank is bound to (its LEAVE must come from one of them)
 MAX_REASON = 160  # characters of a refused pushpull's reason quoted in its round's abort error
+SETTLE_POLL = 0.01  # seconds between looks at a shard write an optimizer change waits for
 
 
 def _widened(msg: Message) -> tuple[Message, bool]:
@@ -79,6 +81,32 @@ class SchedulerLink:
     sock: Any  # a zmq DEALER (kvstore.net.transport)
     channel: Channel
     heartbeat: Heartbeat
+    rebound: threading.Event = dataclasses.field(default_factory=threading.Event)  # see ServerRebind
+
+
+class ServerRebind:
+    """A server's side of a scheduler's restart (:class:`kvstore.net.heartbeat.Rebinder`): its identity
+    for the re-registration; once a restarted scheduler took it back, ``rebound`` is set and the serving
+    loop beats once on its own connection, so SHUTDOWN and AWAY reach it there."""
+
+    def __init__(self, cfg: kvconfig.Config, rank: int, host: str, port: int, channel: Channel,
+                 cmap: dict[str, Any], rebound: threading.Event) -> None:
+        label = channel.label
+        self._body = {"role": "server", "rank": rank, "incarnation": cfg.incarnation, "host": host,
+                      "port": port, "label": label,
+                      "map": {k: v for k, v in cmap.items() if k not in ("nonce", "rank", "role")}}
+        self._rebound, self._channel = rebound, channel
+
+    def identity(self) -> dict[str, Any]:
+        """The server's re-registration (scheduler/recovery.py)."""
+        return dict(self._body, counters=[[self._channel.label, self._channel.reserve()]])
+
+    def paused(self) -> None:
+        """Nothing to hold: workers' requests go on being served."""
+
+    def resumed(self) -> None:
+        """Make the serving loop introduce its connection to the restarted scheduler."""
+        self._rebound.set()
 
 
 class Server:
@@ -114,7 +142,9 @@ class Server:
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
                               cluster.get("max_message_bytes", 0))
         self.meter.extra_held = self.sparse.nbytes
+        self.meter.extra_tables = self.sparse.dynamic_stats
         self.shards = shard_writer(cfg, rank, session.hex())  # KVSTORE_SNAPSHOT_EVERY
+        self._unsettled: list[tuple[bytes, int]] = []  # optimizer changes acknowledged once in a shard
         handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push, Op.PULL: self._on_pull,
                     Op.PUSHPULL: self._on_pushpull, Op.OPTIMIZER_SET: self._on_optimizer_set,
                     Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
@@ -420,14 +450,23 @@ class Server:
         self._requests.set_optimizer(optimizer)
         self.state.drop_staged_states()  # chunks of states of the optimizer it replaces
         log.info("optimizer set: %s", optimizer.spec()["name"])
-        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        self._ack_when_settled(identity, msg)
 
     def _on_optimizer_params(self, identity: bytes, msg: Message) -> None:
         params = msg.body.get("params")
         if not (isinstance(params, dict) and all(isinstance(name, str) for name in params)):
             raise ProtocolError("OPTIMIZER_PARAMS needs a map of parameter names to values")
         self._need_optimizer("changing optimizer parameters").set_params(**params)
-        self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        self._ack_when_settled(identity, msg)
+
+    def _ack_when_settled(self, identity: bytes, msg: Message) -> None:
+        """Acknowledge a change of optimizer now, or, with shards, once a shard holding it is written:
+        a restart from an earlier shard would apply the old optimizer silently; unanswered, the
+        change is sent again after the restart (kvstore/server/restore.py) instead."""
+        if self.shards is None:
+            self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        else:
+            self._unsettled.append((identity, msg.seq))
 
     def _on_optimizer_info(self, identity: bytes, msg: Message) -> None:
         opt = self._requests.optimizer
@@ -472,7 +511,12 @@ class Server:
                 if lost is not None:
                     log.error("exiting: %s", lost)
                     return 1
-                ready = poller.wait(self.cfg.heartbeat_interval)
+                if scheduler.rebound.is_set():  # a restarted scheduler: SHUTDOWN and AWAY come on this link
+                    scheduler.rebound.clear()
+                    rank = self.service.rank
+                    beat = Message(Op.HEARTBEAT, {"role": "server", "rank": rank}, sender=rank)
+                    transport.send(scheduler.sock, scheduler.channel.seal(beat, "scheduler"))
+                ready = poller.wait(SETTLE_POLL if self._unsettled else self.cfg.heartbeat_interval)
                 if self.service.sock in ready:
                     self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
                 if scheduler.sock in ready and self._from_scheduler(scheduler):
@@ -494,6 +538,10 @@ class Server:
             log.info("unmapped the shared-memory segment(s) of %d peer process(es) that are gone", gone)
         if self.shards is not None:
             self.shards.tick(self.state, self._requests.optimizer, self._requests.bf16_keys)
+            if self._unsettled and self.shards.settled(self._requests.optimizer):
+                for identity, seq in self._unsettled:
+                    self.service.reply(identity, Message(Op.OK, seq=seq))
+                self._unsettled = []
 
     def _from_scheduler(self, scheduler: SchedulerLink) -> bool:
         """Handle one message from the scheduler; True when it is SHUTDOWN (after confirming it)."""
@@ -517,7 +565,8 @@ class Server:
             except (ProtocolError, ValueError) as exc:
                 log.warning("dropped a bad AWAY from the scheduler: %s", exc)
             return False
-        log.warning("ignored %s from the scheduler", msg.op.name)
+        if msg.op is not Op.OK:  # OK: the answer to the beat that introduced this link to a restart
+            log.warning("ignored %s from the scheduler", msg.op.name)
         return False
 
 
@@ -551,15 +600,17 @@ def _serve(cfg: kvconfig.Config) -> int:
     rank = cmap.body["rank"]
     meter = ServerMeter(host, cfg.stall_warn, cfg.stall_abort)
     meter.rank = rank
+    rebound = threading.Event()
     heartbeat = Heartbeat(cfg, "server", rank, cmap.body["session"], lambda error: None,
-                          report_peers=False, stats=meter.snapshot)
+                          report_peers=False, stats=meter.snapshot,
+                          rebinder=ServerRebind(cfg, rank, host, port, channel, cmap.body, rebound))
     heartbeat.start()  # beating while a restarted server installs its shard
     server = Server(cfg, service, cmap.body, image, meter)
     if not shm.unusable(cfg):  # workers on this host may offer segments
         service.shm = shm.ServerPeers(server.memory.checkpoint, cfg.max_message_bytes)
     logs.set_identity("server", rank)
     log.info("serving on %s:%d in %s mode", host, port, cmap.body["mode"])
-    return server.run(SchedulerLink(to_scheduler, channel, heartbeat))
+    return server.run(SchedulerLink(to_scheduler, channel, heartbeat, rebound))
 
 
 def main() -> int:

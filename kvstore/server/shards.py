@@ -91,6 +91,7 @@ class ShardWriter:
         self.written = self.failed = 0
         self.keys_written = 0  # keys in the last image written
         self.optimizer_written: tuple[Optimizer | None, int] = (None, 0)  # its optimizer and params
+        self.optimizer_failed: tuple[Optimizer | None, int] = (None, 0)  # those of the last failed write
         self.last_written: ShardImage | None = None  # the last image written (its buffers are reused)
         self.keys_seen: int | None = None  # keys in the last image (None: none taken by this process)
         self.optimizer_seen: tuple[Optimizer | None, int] = (None, 0)  # the last image's, and its params
@@ -145,6 +146,7 @@ class ShardWriter:
                 storage.remove(old)
         except (OSError, ValueError, TypeError, ConfigError) as exc:
             self.failed += 1
+            self.optimizer_failed = optimizer_at
             log.error("server %d could not write shard %d (%s): the previous one stays in effect",
                       self.rank, image.number, exc)
             return
@@ -158,9 +160,18 @@ class ShardWriter:
     def holds_all(self, keys: int, optimizer: Optimizer | None) -> bool:
         """Whether the last shard written holds ``keys`` keys and ``optimizer`` with its current
         hyper-parameters (for the test hook that kills a server once a restart from its shard is whole)."""
-        written, written_version = self.optimizer_written
-        now, version = _optimizer_at(optimizer)
-        return self.keys_written >= keys and written is now and written_version == version
+        return self.keys_written >= keys and self.holds_optimizer(optimizer)
+
+    def holds_optimizer(self, optimizer: Optimizer | None) -> bool:
+        """Whether the last shard written holds ``optimizer`` with its current hyper-parameters."""
+        return _same(self.optimizer_written, _optimizer_at(optimizer))
+
+    def settled(self, optimizer: Optimizer | None) -> bool:
+        """Whether a shard of ``optimizer`` at its current hyper-parameters has been written, or its
+        write failed (logged): a server acknowledges a change of optimizer only then, so a restart
+        from its shard cannot lose an acknowledged one (docs/failures.md)."""
+        now = _optimizer_at(optimizer)
+        return _same(self.optimizer_written, now) or _same(self.optimizer_failed, now)
 
     def look_now(self) -> None:
         """Look at the rounds at the next tick, whenever the last look was (the test hook
@@ -174,6 +185,11 @@ class ShardWriter:
             if self.thread.is_alive():
                 log.warning("server %d: a shard write still runs after %.1f s; leaving it", self.rank,
                             timeout)
+
+
+def _same(a: tuple[Optimizer | None, int], b: tuple[Optimizer | None, int]) -> bool:
+    """Whether two :func:`_optimizer_at` results name the same optimizer object at the same version."""
+    return a[0] is b[0] and a[1] == b[1]
 
 
 def _optimizer_at(optimizer: Optimizer | None) -> tuple[Optimizer | None, int]:

@@ -13,11 +13,12 @@ import os
 import numpy as np
 
 from kvstore.core import rowsparse as R
+from kvstore.core.dynamic import SLOT_BYTES, DynamicRows, apply_dynamic
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
 from kvstore.core.sparse_update import apply_rows
-from kvstore.errors import ConfigError, DTypeMismatchError, OptimizerError, ProtocolError
+from kvstore.errors import ConfigError, DTypeMismatchError, OptimizerError, ProtocolError, UnsupportedError
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import Handler
 from kvstore.server.requests import Requests
@@ -48,6 +49,7 @@ class SparseServer:
         self.requests = requests  # its replies, and the server's optimizer
         self.tables = RowTables()
         self.tables.updater = self._update
+        self.tables.dynamic_updater = self._update_dynamic
         self.max_bytes = 0
 
     def configure(self, num_workers: int, sync: bool, window: int, max_bytes: int = 0) -> None:
@@ -56,6 +58,7 @@ class SparseServer:
         self.tables = RowTables(num_workers, sync, window or (1 << 30))  # 0: no limit
         self.max_bytes = max_bytes
         self.tables.updater = self._update
+        self.tables.dynamic_updater = self._update_dynamic
 
     def handlers(self) -> dict[Op, Handler]:
         """The ops this part serves."""
@@ -72,8 +75,15 @@ class SparseServer:
         held = (a.nbytes for k in self.tables.tables for a in states.get(k, {}).values())
         return self.tables.nbytes() + sum(held)
 
+    def dynamic_stats(self) -> dict[str, dict]:
+        """Each dynamic table's counters here (:meth:`DynamicRows.stats`), by the key's str."""
+        return {str(k): t.dynamic.stats() for k, t in self.tables.tables.items() if t.dynamic is not None}
+
     def _update(self, key: Key, weight: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         apply_rows(self.requests.optimizer, key, weight, ids, rows)
+
+    def _update_dynamic(self, key: Key, table: DynamicRows, ids: np.ndarray, rows: np.ndarray) -> None:
+        apply_dynamic(self.requests.optimizer, key, table, ids, rows)
 
     def _sender(self, msg: Message) -> int:
         if not (type(msg.sender) is int and 0 <= msg.sender < self.tables.num_workers):
@@ -97,6 +107,9 @@ class SparseServer:
     def _on_init(self, identity: bytes, msg: Message) -> None:
         key = check_key(msg.body.get("key"))
         self._sender(msg)
+        if msg.body.get("dynamic") is not None:
+            self._init_dynamic(identity, msg, key)
+            return
         shape, dtype = R.wire_meta(key, msg.body.get("shape"), msg.body.get("dtype"))
         lo, hi = _int(msg.body, "lo"), _int(msg.body, "hi")
         if not lo < hi <= shape[0]:
@@ -115,6 +128,30 @@ class SparseServer:
             raise DTypeMismatchError(f"key {key!r}: the optimizer updates floating-point keys only")
         self.tables.init(key, shape, dtype, lo, hi, spec)
         log.debug("row_sparse key %r: rows [%d, %d) of %s", key, lo, hi, shape)
+        self.requests.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _init_dynamic(self, identity: bytes, msg: Message, key: Key) -> None:
+        """A dynamic table's SPARSE_INIT: ``shape`` is a row's shape, ``dynamic`` its DynamicSpec."""
+        row = msg.body.get("shape")
+        if not isinstance(row, list):
+            raise ProtocolError(f"SPARSE_INIT of dynamic key {key!r} needs a row's shape (a list of ints)")
+        shape, dtype = R.wire_meta(key, [1, *row], msg.body.get("dtype"))
+        try:
+            spec = R.parse_init(key, msg.body.get("init"))
+            dynamic = R.parse_spec(key, msg.body.get("dynamic"))
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(str(exc)) from None
+        if self.requests.optimizer is not None and dtype.kind != "f":
+            raise DTypeMismatchError(f"key {key!r}: the optimizer updates floating-point keys only")
+        width = math.prod(shape[1:])
+        need = dynamic.capacity * (width * dtype.itemsize + SLOT_BYTES)  # 0: no bound to check here
+        held = self.nbytes()
+        if need + held > _physical_memory():
+            raise ConfigError(f"dynamic key {key!r}: {dynamic.capacity} rows take {need} bytes, more "
+                              f"than this server's memory ({_physical_memory()} bytes) less the {held} "
+                              "bytes of its row_sparse tables; lower its capacity or start more servers")
+        self.tables.init_dynamic(key, (R.DYNAMIC_ROWS, *shape[1:]), DynamicRows(width, dtype, spec, dynamic))
+        log.debug("dynamic row_sparse key %r: rows of %s, %s", key, shape[1:], dynamic)
         self.requests.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def _on_set(self, identity: bytes, msg: Message) -> None:
@@ -136,6 +173,8 @@ class SparseServer:
         if opt is None:
             raise OptimizerError(f"setting the optimizer state of key {key!r}: no optimizer is set")
         table, local = self.tables.local_ids(key, ids)
+        if table.dynamic is not None:
+            raise UnsupportedError(f"dynamic key {key!r}: its optimizer state is not loaded from a file yet")
         state = opt.states.get(key)
         if state is None or any(a.shape != table.weight.shape for a in state.values()):
             state = opt.create_state(key, table.weight)
@@ -161,13 +200,16 @@ class SparseServer:
         key, ids, _ = self._rows(msg, False)
         after = _int(msg.body, "after")
         table = self.tables.table(key)
-        if self.max_bytes and ids.size * table.weight[:1].nbytes * 3 > self.max_bytes:  # adam: 2 states
+        admit = msg.body.get("admit", False)
+        if type(admit) is not bool:
+            raise ProtocolError(f"SPARSE_PULL of key {key!r}: 'admit' must be a bool, not {admit!r}")
+        if self.max_bytes and ids.size * table.width * table.dtype.itemsize * 3 > self.max_bytes:  # adam
             raise ProtocolError(f"SPARSE_PULL of {ids.size} rows of key {key!r}: the reply could exceed "
                                 f"KVSTORE_MAX_MESSAGE_BYTES={self.max_bytes}; ask in smaller messages")
         if msg.body.get("state") is True:  # the optimizer's state rows (save_optimizer_states)
             self.requests.reply(identity, self._state_rows(key, ids, msg.seq))
             return
-        self._reply_all(self.tables.pull(msg.sender, key, after, ids, (identity, msg.seq)))
+        self._reply_all(self.tables.pull(msg.sender, key, after, ids, (identity, msg.seq), admit))
 
     def _state_rows(self, key: Key, ids: np.ndarray, seq: int) -> Message:
         """The reply to a state pull: ``{count, names}`` and the rows ``ids`` of each state array
@@ -175,6 +217,8 @@ class SparseServer:
         updates) answers the fresh state its first update would make, as the other ranges' servers
         answer their state."""
         table, local = self.tables.local_ids(key, ids)
+        if table.dynamic is not None:
+            raise UnsupportedError(f"dynamic key {key!r}: its optimizer state is not saved yet")
         opt = self.requests.optimizer
         state = None if opt is None else opt.states.get(key)
         if state is not None:

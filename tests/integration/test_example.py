@@ -166,11 +166,11 @@ def test_pipeline_example_two_stages_two_replicas_through_launcher() -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.seeds) for s in (1, 2))])
 def test_pipeline_example_pipedream_trains_like_the_synchronous_schedules(seed: int) -> None:
     """launch.py -n 2 -s 1 --schedule pipedream at its default epochs (an update per micro-batch, the whole
     model gathered through the store for rank 0's evaluation) ends >= 0.95 and within 0.01 of 1f1b's
-    accuracy over the same 2 stages, at the default seed and two others (both runs side by side)."""
+    accuracy over the same 2 stages, at the default seed and two others (marked ``seeds``: second tier)."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
     common = ["-n", "2", "-s", "1", "examples/pipeline_digits.py", "--seed", str(seed), "--schedule"]

@@ -134,3 +134,27 @@ def test_a_server_that_holds_no_key_restarts_empty(launches, tmp_path: Path) -> 
     instead of failing the job with no shard to restart from."""
     output = _kill_server_then_go(launches, tmp_path, holder=False)
     assert "no shard to restart from" not in output, output
+
+
+@pytest.mark.timeout(120)
+def test_a_server_killed_right_after_set_optimizer_returns_restarts_with_the_optimizer(
+        launches, tmp_path: Path) -> None:  # noqa: F811
+    """A server acknowledges set_optimizer once a shard holding it is written: SIGKILLed the moment the
+    call returns (its shard of the freshly initialised 64 MB key may still be in flight), it restarts
+    with sgd and every later push is an sgd step (-1 each), never a value stored as pushed (+1)."""
+    ready, go, out = tmp_path / "ready", tmp_path / "go", tmp_path / "w"
+    env = {"KVSTORE_SNAPSHOT_EVERY": "3600s", "KVSTORE_SNAPSHOT_DIR": str(tmp_path / "shards")}
+    run = launches(["-n", "1", "-s", "1", "--max-restarts", "1", str(OPTIMIZER_SCRIPT), "3", str(16 << 20),
+                    str(ready), str(go), str(out)], env)
+    poll_for(ready.exists, 60, f"set_optimizer to return:\n{run.output}")
+    (pid,) = role_pids(run.tag, "DMLC_ROLE=server")
+    os.kill(pid, signal.SIGKILL)
+    go.write_text("go")
+    assert run.finish(90) == 0, run.output
+    assert "server 0 exited with code -9; restarting it as incarnation 1" in run.output or \
+        "server 0 exited with code 137; restarting it as incarnation 1" in run.output, run.output
+    value = load_arrays(str(out))["w"]
+    assert set(np.unique(value).tolist()) == {-3.0}, (np.unique(value), run.output[-3000:])
+
+
+OPTIMIZER_SCRIPT = Path(__file__).parent / "scripts" / "optimizer_restart_train.py"

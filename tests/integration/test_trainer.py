@@ -143,3 +143,32 @@ def test_weights_loaded_on_two_workers_are_rank_0s_start_of_the_next_step(make_c
 
     for seen in cluster.run(work):
         assert seen == pytest.approx([-0.2, 0.8])
+
+
+@pytest.mark.parametrize("mode", ["dist_sync", "dist_async"])
+def test_a_step_of_another_batch_size_scales_its_own_pushes_not_the_servers_rescale(make_cluster,
+                                                                                   mode: str) -> None:
+    """update_on_kvstore on 2 workers, rank 0 stepping with batch 1 and rank 1 with batch 4 (a gradient
+    of 1 each): the servers keep rank 0's first rescale (1.0) and rank 1's pushes carry its own 1/4, so
+    3 steps of sgd (lr 0.1) move the weight by 3 x 0.1 x (1 + 0.25) in both modes; before, rank 1's
+    gradients were applied with rank 0's rescale (-0.6), and in dist_async a change of batch size on one
+    worker rescaled the other's pushes in flight."""
+    torch = pytest.importorskip("torch")
+    from kvstore.trainer import Trainer
+
+    cluster = make_cluster(mode, 2, 1)
+
+    def work(kv):
+        model = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        trainer = Trainer(model.named_parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                          update_on_kvstore=True, key_prefix=f"batches-{mode}")
+        for _ in range(3):
+            model.weight.grad = torch.ones(1, 1)
+            trainer.step(1 if kv.rank == 0 else 4)
+        kv.barrier()  # dist_async: every push applied before the pull
+        kv.pull(f"batches-{mode}/weight", out=model.weight.data)
+        return model.weight.item(), kv.get_optimizer().rescale_grad
+
+    for weight, rescale in cluster.run(work):
+        assert weight == pytest.approx(-0.375) and rescale == 1.0

@@ -133,3 +133,17 @@ def test_blocks_freed_while_trimming_leave_no_top_in_another_threads_arena() -> 
     assert plain["said"].startswith("mmap threshold 32 MiB") and trimmed["said"] == plain["said"]
     assert plain["kept"] > 8, plain  # the control: the freed block stays resident
     assert trimmed["kept"] < 1, trimmed
+
+
+def test_overlapping_trimmings_restore_the_threshold_when_the_last_one_leaves(monkeypatch) -> None:
+    """Two users overlap (one enters, the other enters, the first leaves): the threshold stays 0 until
+    the second leaves too, then is tune()'s again, once (a recording mallopt stands in for glibc's)."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(heap, "_mallopt_fn", lambda option, value: calls.append((option, value)) or 1)
+    first, second = heap.trimming(), heap.trimming()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert calls == [(heap.M_TRIM_THRESHOLD, 0)]  # the second is still freeing with threshold 0
+    second.__exit__(None, None, None)
+    assert calls == [(heap.M_TRIM_THRESHOLD, 0), (heap.M_TRIM_THRESHOLD, heap.TRIM_THRESHOLD)]

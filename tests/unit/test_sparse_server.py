@@ -84,3 +84,62 @@ def test_a_state_set_with_a_bad_name_or_count_is_refused_and_changes_nothing(sta
     with pytest.raises(ProtocolError, match="'state' must be a state's name|'count' must be an int"):
         server._on_set(b"w", msg)
     assert opt.states == {} and opt.counts == {} and opt.num_update == 0
+
+
+def _dynamic_init(key: str, **spec) -> Message:
+    return Message(Op.SPARSE_INIT, {"key": key, "shape": [2], "dtype": "float32", "init": "zeros",
+                                    "dynamic": spec}, seq=1, sender=0)
+
+
+def test_a_dynamic_table_is_made_on_first_touch_and_held_at_its_capacity() -> None:
+    """SPARSE_INIT with ``dynamic`` holds no rows; pushes make rows (any int64 id) up to the capacity,
+    a pull of ids never pushed answers zeros without storing them unless it says admit."""
+    server, replies = _sparse()
+    server.configure(1, True, 4)
+    server._on_init(b"w", _dynamic_init("d", capacity=2))
+    assert server.dynamic_stats()["d"]["rows"] == 0
+    for rnd, ids in enumerate(([-9, 5], [2**62])):
+        ids = np.array(ids, np.int64)
+        server._on_push(b"w", Message(Op.SPARSE_PUSH, {"key": "d", "round": rnd, "last": True},
+                                      [ids, np.ones((ids.size, 2), np.float32)], seq=2, sender=0))
+    stats = server.dynamic_stats()["d"]
+    assert stats["rows"] == 2 and stats["evictions"] == 1
+    pull = Message(Op.SPARSE_PULL, {"key": "d", "after": 2}, [np.array([3, 2**62], np.int64)], seq=3,
+                   sender=0)
+    server._on_pull(b"w", pull)
+    np.testing.assert_array_equal(replies.sent[-1].arrays[0], [[0, 0], [1, 1]])
+    assert server.dynamic_stats()["d"]["rows"] == 2 and server.dynamic_stats()["d"]["pull_hits"] == 1
+    with pytest.raises(ProtocolError, match="sorted and distinct"):
+        server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 2}, [np.array([4, 3], np.int64)],
+                                      seq=4, sender=0))
+    with pytest.raises(ProtocolError, match="dynamic"):
+        server._on_init(b"w", _dynamic_init("e", capacity=-1))
+
+
+def test_a_dynamic_tables_capacity_beyond_the_memory_is_refused(monkeypatch) -> None:
+    """SPARSE_INIT of a dynamic table whose capacity could not fit this server's memory is refused
+    (ConfigError), nothing held; one without a capacity is taken."""
+    monkeypatch.setattr(S, "_physical_memory", lambda: 10_000)
+    server, _ = _sparse()
+    server.configure(1, True, 2)
+    with pytest.raises(ConfigError, match="lower its capacity"):
+        server._on_init(b"w", _dynamic_init("big", capacity=1000))
+    assert "big" not in server
+    server._on_init(b"w", _dynamic_init("open"))
+    assert "open" in server
+
+
+def test_a_servers_dynamic_counters_reach_its_snapshot_and_tensorboard_tags() -> None:
+    """The meter copies the tables' counters at its tick into the snapshot's dynamic_tables, which
+    node_scalars flattens into dynamic_tables/<key>/<counter> tags; a server without them has none."""
+    from kvstore.core.scalars import node_scalars
+
+    meter = ServerMeter("", 10.0, None)
+    state = GroupedShardState(1, sync=True)
+    assert "dynamic_tables" not in meter.snapshot()
+    meter.extra_tables = lambda: {"emb": {"rows": 3, "evictions": 2, "hit_rate": 0.5}}
+    meter.tick(state, lambda key, error: None, {})
+    snap = meter.snapshot()
+    assert snap["dynamic_tables"] == {"emb": {"rows": 3, "evictions": 2, "hit_rate": 0.5}}
+    tags = node_scalars(snap)
+    assert tags["dynamic_tables/emb/rows"] == 3 and tags["dynamic_tables/emb/hit_rate"] == 0.5

@@ -1,0 +1,379 @@
+"""Dynamic row-sparse tables, pure (docs/sparse.md, "Dynamic tables"): ids are any 64-bit value, a row
+is made on first touch from the table's initialiser, and a table may forget (a capacity with an
+eviction policy, an admission count, a time-to-live).  The local store and every server hold their
+part of a dynamic table as one :class:`DynamicRows`, and update it with :func:`apply_dynamic`, so both
+follow one set of rules.
+
+Storage: an ``id -> slot`` map (:class:`IdMap`, open addressing over numpy arrays: no Python object
+per id) over a pool of numpy arrays grown in blocks (the rows, and per slot its
+id, its last use and its use count); the optimizer's state arrays are pool-sized too, their rows reset
+when a slot is (re)used.  Ids travel and are kept as int64; a uint64 id is its int64 bit pattern.
+A row's initial value is the fixed tables' rule with the id as the row number (element ``(id, c)``
+from the hash of ``(seed, id * width + c)`` in 64-bit arithmetic), whatever server makes it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvstore.core import rowsparse as R
+from kvstore.core.optimizer import Optimizer
+from kvstore.core.partition import Key
+from kvstore.core.rowsparse import DynamicSpec
+
+SLOT_BYTES = 8 + 1 + 8 + 8 + 8  # a slot's id, live flag, last tick, last time and use count
+GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by half of itself)
+PENDING_MIN = 1 << 16  # ids counted for admission: at least this many, else the capacity
+PLACEMENT_SALT = 0x5DEECE66D  # the seed of the id -> server hash (every worker uses the same)
+MAP_SALT = 0x2545F4914F6CDD1D  # the seed of the id map's hash (apart from placement's)
+_RECENT = (1 << 40) - 1  # LFU ties are broken by recency: the tick's low 40 bits
+
+
+def servers_of(ids: np.ndarray, num_servers: int) -> np.ndarray:
+    """The server of each id (int64): a seeded 64-bit hash of the id, modulo ``num_servers``."""
+    with np.errstate(over="ignore"):
+        mixed = R.mix(ids.view(np.uint64) ^ np.uint64(PLACEMENT_SALT))
+    return (mixed % np.uint64(num_servers)).astype(np.int64)
+
+
+class IdMap:
+    """int64 id -> slot, by open addressing with linear probing over three numpy arrays (keys, slots,
+    and a state: empty, full or deleted), at most half full: 17 bytes per entry, 2 to 4 entries per id.
+    Every call takes a batch of ids, probed together."""
+
+    EMPTY, FULL, DELETED = 0, 1, 2
+
+    def __init__(self, size: int = 1024) -> None:
+        self._reset(size)
+
+    def _reset(self, size: int) -> None:
+        self.keys = np.zeros(size, np.int64)
+        self.slots = np.zeros(size, np.int64)
+        self.state = np.zeros(size, np.uint8)
+        self.count = self.deleted = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def nbytes(self) -> int:
+        """Bytes of its arrays."""
+        return self.keys.nbytes + self.slots.nbytes + self.state.nbytes
+
+    def _home(self, ids: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            mixed = R.mix(ids.view(np.uint64) ^ np.uint64(MAP_SALT))
+        return (mixed & np.uint64(self.keys.size - 1)).astype(np.int64)
+
+    def _find(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's position in the arrays, -1 when absent."""
+        where = np.full(ids.size, -1, np.int64)
+        pos = self._home(ids)
+        todo = np.arange(ids.size)
+        mask = self.keys.size - 1
+        while todo.size:
+            p = pos[todo]
+            state = self.state[p]
+            hit = (state == self.FULL) & (self.keys[p] == ids[todo])
+            where[todo[hit]] = p[hit]
+            todo = todo[~(hit | (state == self.EMPTY))]
+            pos[todo] = (pos[todo] + 1) & mask
+        return where
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        """The slots of int64 ``ids``, -1 for those absent."""
+        where = self._find(ids)
+        out = np.full(ids.size, -1, np.int64)
+        found = where >= 0
+        out[found] = self.slots[where[found]]
+        return out
+
+    def put(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Map distinct int64 ``ids``, none of them present, to ``slots``."""
+        if not ids.size:
+            return
+        size = self.keys.size
+        while (self.count + ids.size) * 2 > size:
+            size *= 2
+        if size != self.keys.size or (self.count + self.deleted + ids.size) * 2 > size:
+            self._rebuild(size)
+        pos = self._home(ids)
+        todo = np.arange(ids.size)
+        mask = size - 1
+        while todo.size:
+            p = pos[todo]
+            free = self.state[p] != self.FULL
+            at, first = np.unique(p[free], return_index=True)  # one id per free place: the first
+            won = todo[free][first]
+            self.deleted -= int(np.count_nonzero(self.state[at] == self.DELETED))
+            self.keys[at], self.slots[at], self.state[at] = ids[won], slots[won], self.FULL
+            placed = np.zeros(ids.size, bool)
+            placed[won] = True
+            todo = todo[~placed[todo]]
+            pos[todo] = (pos[todo] + 1) & mask
+        self.count += ids.size
+
+    def delete(self, ids: np.ndarray) -> None:
+        """Unmap ``ids`` (those present)."""
+        where = self._find(ids)
+        where = where[where >= 0]
+        self.state[where] = self.DELETED
+        self.count -= where.size
+        self.deleted += where.size
+
+    def _rebuild(self, size: int) -> None:
+        full = self.state == self.FULL
+        keys, slots = self.keys[full], self.slots[full]
+        self._reset(size)
+        self.put(keys, slots)
+
+
+class DynamicRows:
+    """One server's (or the local store's) rows of a dynamic table, and its counters.
+
+    ``clock`` gives seconds (``time.monotonic``; tests inject one).  Calls are not thread-safe: the
+    owner (a server's request loop, the local store's lock) serialises them."""
+
+    def __init__(self, width: int, dtype: np.dtype, init: dict[str, Any], spec: DynamicSpec,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.width, self.dtype, self.init, self.spec, self.clock = width, np.dtype(dtype), init, spec, clock
+        self.map = IdMap()  # id -> slot
+        self.weight = np.zeros((0, width), self.dtype)  # the pool: slot -> row
+        self.ids = np.zeros(0, np.int64)  # slot -> its id
+        self.live = np.zeros(0, bool)  # slot -> holds a row
+        self.last = np.zeros(0, np.int64)  # slot -> tick of its last use (LRU)
+        self.seen = np.zeros(0, np.float64)  # slot -> clock of its last use (TTL)
+        self.freq = np.zeros(0, np.int64)  # slot -> uses since made (LFU)
+        self.free = np.zeros(0, np.int64)  # slots freed by expiry, reused first
+        self.used = 0  # slots ever handed out: [0, used) are live or free
+        self.tick = 0
+        self.pending: dict[int, int] = {}  # ids not yet admitted -> pushes counted
+        self.pending_limit = max(PENDING_MIN, spec.capacity)
+        self.swept = clock()
+        self.counts = {"evictions": 0, "admissions": 0, "expirations": 0, "dropped_updates": 0,
+                       "pull_rows": 0, "pull_hits": 0}
+
+    # -- what it holds ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.map)
+
+    def nbytes(self) -> int:
+        """Bytes of the pool arrays and the id map (the optimizer's state is the optimizer's)."""
+        pool = (self.weight, self.ids, self.live, self.last, self.seen, self.freq)
+        return sum(a.nbytes for a in pool) + self.map.nbytes()
+
+    def stats(self) -> dict[str, Any]:
+        """``rows`` held, ``capacity``, ``evictions``, ``admissions``, ``expirations``,
+        ``dropped_updates`` (rows of pushes not stored), ``pull_rows``/``pull_hits`` and ``hit_rate``."""
+        out: dict[str, Any] = {"rows": len(self.map), "capacity": self.spec.capacity, **self.counts}
+        asked = self.counts["pull_rows"]
+        out["hit_rate"] = self.counts["pull_hits"] / asked if asked else 0.0
+        return out
+
+    def initial(self, ids: np.ndarray) -> np.ndarray:
+        """The initial rows of ``ids`` (what a row is made with, and what a forgotten row reads as)."""
+        return R.generate_ids(self.init, ids, self.width, self.dtype)
+
+    def held(self) -> np.ndarray:
+        """The ids held, sorted (no use counted)."""
+        return np.sort(self.ids[:self.used][self.live[:self.used]])
+
+    def slot(self, id_: int) -> int:
+        """The slot of ``id_``, -1 when it is not held (no use counted)."""
+        return int(self.map.get(np.array([id_], np.int64))[0])
+
+    # -- reads and updates --------------------------------------------------------------------------
+    def read(self, ids: np.ndarray, admit: bool = False) -> np.ndarray:
+        """The rows of distinct int64 ``ids``: held ones (their use counted), the others their initial
+        rows, made and held only with ``admit`` (as room allows)."""
+        self._begin()
+        slots = self._lookup(ids)
+        hit = slots >= 0
+        self.counts["pull_rows"] += int(ids.size)
+        self.counts["pull_hits"] += int(hit.sum())
+        if admit and not hit.all():
+            made = self._make(ids[~hit], slots[hit])
+            slots[np.flatnonzero(~hit)[made >= 0]] = made[made >= 0]
+            self.counts["admissions"] += int(np.count_nonzero(made >= 0))
+            hit = slots >= 0
+        self._touch(slots[hit])
+        out = np.empty((ids.size, self.width), self.dtype)
+        out[hit] = self.weight[slots[hit]]
+        if not hit.all():
+            out[~hit] = self.initial(ids[~hit])
+        return out
+
+    def admit(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Take a push of distinct int64 ``ids``: ``(keep, slots, fresh)``: the positions in ``ids`` of
+        the rows to update, their slots, and the slots made now (initial rows).  An id not held is
+        counted; it is made once counted ``admit_after`` times (room allowing), else its update is
+        dropped."""
+        self._begin()
+        slots = self._lookup(ids)
+        hit = slots >= 0
+        fresh = np.zeros(0, np.int64)
+        if not hit.all():
+            missing = np.flatnonzero(~hit)
+            ready = self._count(ids[missing])
+            if ready.any():
+                made = self._make(ids[missing[ready]], slots[hit])
+                slots[missing[ready]] = made
+                fresh = made[made >= 0]
+                self.counts["admissions"] += int(fresh.size)
+        keep = np.flatnonzero(slots >= 0)
+        self.counts["dropped_updates"] += int(ids.size - keep.size)
+        self._touch(slots[keep])
+        return keep, slots[keep], fresh
+
+    def expire(self) -> int:
+        """Drop every row untouched for longer than ``ttl``; how many were dropped."""
+        if not self.spec.ttl:
+            return 0
+        now = self.clock()
+        self.swept = now
+        old = np.flatnonzero(self.live[:self.used] & (self.seen[:self.used] < now - self.spec.ttl))
+        self._drop(old, "expirations")
+        self.free = np.concatenate([self.free, old])
+        return int(old.size)
+
+    # -- the pool -----------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        self.tick += 1
+        if self.spec.ttl and self.clock() - self.swept > self.spec.ttl / 4:
+            self.expire()
+
+    def _lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's slot, -1 when not held (a row past its ttl is dropped here: never read stale)."""
+        slots = self.map.get(ids)
+        if self.spec.ttl and slots.size:
+            found = slots[slots >= 0]
+            old = found[self.seen[found] < self.clock() - self.spec.ttl]
+            if old.size:
+                self._drop(old, "expirations")
+                self.free = np.concatenate([self.free, old])
+                slots[np.isin(slots, old)] = -1
+        return slots
+
+    def _touch(self, slots: np.ndarray) -> None:
+        self.last[slots] = self.tick
+        self.seen[slots] = self.clock()
+        self.freq[slots] += 1
+
+    def _count(self, ids: np.ndarray) -> np.ndarray:
+        """Count one push of each id not held; which ones reach ``admit_after`` (their count dropped)."""
+        need = self.spec.admit_after
+        if need <= 1:
+            return np.ones(ids.size, bool)
+        ready = np.zeros(ids.size, bool)
+        pending = self.pending
+        for i, id_ in enumerate(ids.tolist()):
+            seen = pending.pop(id_, 0) + 1
+            if seen >= need:
+                ready[i] = True
+            else:
+                pending[id_] = seen  # re-inserted: the dict's order is the order of last counting
+        while len(pending) > self.pending_limit:  # bounded: the longest-uncounted ids forget their count
+            del pending[next(iter(pending))]
+        return ready
+
+    def _make(self, ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """Slots for new rows ``ids`` (initial values, fresh counters), evicting (never ``keep``) when
+        at capacity; -1 for the ids there was no room for (more new ids than the capacity)."""
+        slots = np.full(ids.size, -1, np.int64)
+        n = ids.size
+        from_free = min(n, self.free.size)
+        parts = [self.free[self.free.size - from_free:]]
+        self.free = self.free[:self.free.size - from_free]
+        cap = self.spec.capacity
+        room = n - from_free if not cap else max(0, min(n - from_free, cap - self.used))
+        if room:
+            self._grow(self.used + room)
+            parts.append(np.arange(self.used, self.used + room, dtype=np.int64))
+            self.used += room
+        short = n - from_free - room
+        if short:
+            parts.append(self._evict(short, keep))
+        got = np.concatenate(parts)
+        slots[:got.size] = got
+        made = slots[:got.size]
+        placed = ids[:got.size]
+        self.weight[made] = self.initial(placed)
+        self.ids[made] = placed
+        self.live[made] = True
+        self.last[made] = self.tick
+        self.seen[made] = self.clock()
+        self.freq[made] = 0
+        self.map.put(placed, made)
+        return slots
+
+    def _evict(self, n: int, keep: np.ndarray) -> np.ndarray:
+        """Free up to ``n`` slots by the policy, never one of ``keep``; the slots freed."""
+        if self.spec.policy == "lru":
+            score = self.last[:self.used].copy()
+        else:
+            uses = np.minimum(self.freq[:self.used], (1 << 22) - 1)
+            score = (uses << 40) | (self.last[:self.used] & _RECENT)
+        high = np.iinfo(np.int64).max
+        score[~self.live[:self.used]] = high
+        score[keep] = high
+        n = min(n, int((score < high).sum()))
+        if n <= 0:
+            return np.zeros(0, np.int64)
+        victims = np.argpartition(score, n - 1)[:n] if n < score.size else np.arange(score.size)
+        victims = victims.astype(np.int64)
+        self._drop(victims, "evictions")
+        return victims
+
+    def _drop(self, slots: np.ndarray, why: str) -> None:
+        self.map.delete(self.ids[slots])
+        self.live[slots] = False
+        self.counts[why] += int(slots.size)
+
+    def _grow(self, need: int) -> None:
+        size = self.weight.shape[0]
+        if need <= size:
+            return
+        new = max(need, size + max(GROW_BLOCK, size // 2))
+        if self.spec.capacity:
+            new = max(need, min(new, self.spec.capacity))
+
+        def grown(a: np.ndarray) -> np.ndarray:
+            out = np.zeros((new, *a.shape[1:]), a.dtype)
+            out[:size] = a
+            return out
+
+        self.weight, self.ids, self.live = grown(self.weight), grown(self.ids), grown(self.live)
+        self.last, self.seen, self.freq = grown(self.last), grown(self.seen), grown(self.freq)
+
+
+def fit_state(optimizer: Optimizer, key: Key, weight: np.ndarray, fresh: np.ndarray) -> None:
+    """Make ``key``'s optimizer state (if any) as long as the pool ``weight`` (fresh rows for the
+    slots the pool grew by) and reset the rows of ``fresh`` slots (a row made now starts anew)."""
+    state = optimizer.states.get(key)
+    if state is None:
+        return
+    size = weight.shape[0]
+    for name, array in list(state.items()):
+        if array.shape[0] < size:
+            tail = optimizer.create_state(key, weight[array.shape[0]:])
+            state[name] = np.concatenate([array, tail[name]])
+    if fresh.size:
+        new = optimizer.create_state(key, weight[fresh])
+        for name, array in state.items():
+            array[fresh] = new[name]
+
+
+def apply_dynamic(optimizer: Optimizer | None, key: Key, table: DynamicRows, ids: np.ndarray,
+                  rows: np.ndarray) -> None:
+    """Apply one summed push (distinct int64 ``ids``, their rows) to ``table``: admission first, then
+    the rows stored are assigned (no optimizer) or stepped lazily (only those rows, whatever the
+    optimizer's ``lazy_update``; the key's count counts every push, as for fixed tables)."""
+    keep, slots, fresh = table.admit(ids)
+    if optimizer is None:
+        table.weight[slots] = rows[keep]
+        return
+    fit_state(optimizer, key, table.weight, fresh)
+    optimizer.update_rows(key, table.weight, slots, rows[keep] if keep.size != ids.size else rows)

@@ -1,0 +1,216 @@
+"""A restarted scheduler's rebuild of the running cluster from its nodes' re-registrations.
+
+Under ``launch.py --max-restarts K`` the launcher restarts a lost scheduler at the same address and
+port (``KVSTORE_INCARNATION`` >= 1).  The new one starts knowing only its environment (the counts, the
+workers that have exited, the restarts used) and the digest of the old one's session, which the first
+incarnation wrote next to its port file (:func:`write_digest`).  Each live node, once its heartbeats
+fail, re-registers (HELLO, CHALLENGE, REGISTER sealed with the secret) with its current identity:
+role, rank, incarnation, address, the label its requests are sealed with, the cluster session and map
+it holds, the barriers it has passed, and what it knows of left and away workers.  A re-registration
+whose session does not match the digest is refused, and so is a second claim on a rank from another
+connection: only a member of the old cluster can take a rank back, and only its own.
+
+:class:`Recovery` is the pure bookkeeping (no sockets, no clock): it checks each re-registration and
+says who is still missing; the scheduler resumes once every node that was alive is back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import AuthenticationError, ProtocolError
+
+log = logging.getLogger("scheduler")
+DIGEST_SUFFIX = ".session"  # the session digest's file: the port file's path and this
+
+
+def session_digest(session: bytes) -> str:
+    """The digest of a cluster session a restarted scheduler checks re-registrations against."""
+    return hashlib.sha256(b"kvstore scheduler session\0" + session).hexdigest()
+
+
+def write_digest(port_file: str, session: bytes) -> None:
+    """Write ``session``'s digest next to ``port_file`` (atomically, owner-only).  Raises OSError."""
+    path = port_file + DIGEST_SUFFIX
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(session_digest(session) + "\n")
+    os.replace(tmp, path)
+
+
+def read_digest(port_file: str) -> str | None:
+    """The session digest the first incarnation wrote next to ``port_file``; None when there is none."""
+    try:
+        with open(port_file + DIGEST_SUFFIX) as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return text or None
+
+
+def _ranks(value: Any, bound: int, what: str) -> frozenset[int]:
+    if not (isinstance(value, list) and all(type(r) is int and 0 <= r < bound for r in value)):
+        raise ProtocolError(f"a re-registration's {what} must be a list of ranks below {bound}")
+    return frozenset(value)
+
+
+@dataclass(frozen=True)
+class Rebound:
+    """One node's re-registration, checked: who it is, where, and what it knows of the cluster."""
+
+    role: str
+    rank: int
+    incarnation: int
+    host: str
+    port: int | None  # a server's data port
+    label: str  # the label its requests to the scheduler are sealed with
+    passed: int  # barriers this worker has passed (0 for a server)
+    left: frozenset[int]  # workers it knows have left
+    away: frozenset[int]  # workers it knows are away (being restarted)
+    used: int  # restarts it knows were used
+    counters: tuple[tuple[str, int], ...] = ()  # (label, number): its channels' numbers stand above these
+
+
+def parse(body: dict[str, Any], num_workers: int, num_servers: int) -> Rebound:
+    """The :class:`Rebound` in a re-registration's REGISTER ``body``; ProtocolError when malformed."""
+    role, rank, incarnation = body.get("role"), body.get("rank"), body.get("incarnation")
+    count = {"worker": num_workers, "server": num_servers}.get(role)  # type: ignore[call-overload]
+    if count is None or not (type(rank) is int and 0 <= rank < count) \
+            or not (type(incarnation) is int and incarnation >= 0):
+        raise ProtocolError("a re-registration must name its role (worker or server), its rank within "
+                            "the cluster's counts and its incarnation")
+    port, label = body.get("port"), body.get("label")
+    passed, used = body.get("passed", 0), body.get("used", 0)
+    if role == "server" and not (type(port) is int and 0 < port < 65536):
+        raise ProtocolError("a server's re-registration must name its port")
+    if not (isinstance(label, str) and 0 < len(label) <= 64):
+        raise ProtocolError("a re-registration must name the label its requests are sealed with")
+    if not (type(passed) is int and passed >= 0 and type(used) is int and used >= 0):
+        raise ProtocolError("a re-registration's passed barriers and used restarts must be ints >= 0")
+    counters = body.get("counters", [])
+    if not (isinstance(counters, list) and len(counters) <= 4 and all(
+            isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and 0 < len(c[0]) <= 64
+            and type(c[1]) is int and c[1] >= 0 for c in counters)):
+        raise ProtocolError("a re-registration's counters must be at most 4 [label, number >= 0] pairs")
+    return Rebound(role, rank, incarnation, str(body.get("host"))[:256], port if role == "server" else None,
+                   label, passed, _ranks(body.get("left", []), num_workers, "left"),
+                   _ranks(body.get("away", []), num_workers, "away"), used,
+                   tuple((c[0], c[1]) for c in counters))
+
+
+def check_map(cmap: Any, num_workers: int, num_servers: int) -> dict[str, Any]:
+    """The cluster map a re-registration carries, checked against the counts; ProtocolError if not."""
+    if not (isinstance(cmap, dict) and cmap.get("num_workers") == num_workers
+            and cmap.get("num_servers") == num_servers and isinstance(cmap.get("servers"), list)
+            and len(cmap["servers"]) == num_servers and cmap.get("mode") in ("dist_sync", "dist_async")):
+        raise ProtocolError("a re-registration's cluster map does not match this cluster's counts")
+    own = ("rank", "role", "nonce", "incarnation", "rejoin", "barriers", "left", "away")  # a node's, or stale
+    return {k: v for k, v in cmap.items() if k not in own}
+
+
+class Recovery:
+    """Who has re-registered with a restarted scheduler, checked against the old session's digest.
+
+    ``left``: workers the launcher saw exit 0 (``KVSTORE_RECOVER_LEFT``); ``used``: restarts the
+    launcher has used (``KVSTORE_RESTARTS_USED``).  The cluster is rebuilt (:attr:`complete`) once every
+    server and every worker that has neither left nor is away has re-registered.
+    """
+
+    def __init__(self, num_workers: int, num_servers: int, digest: str, left: Iterable[int] = (),
+                 used: int = 0) -> None:
+        self.num_workers, self.num_servers, self.digest = num_workers, num_servers, digest
+        self.nodes: dict[tuple[str, int], Rebound] = {}
+        self.map: dict[str, Any] | None = None  # the first member's map: servers' addresses updated
+        self.session: bytes | None = None
+        self._left, self._used = set(left), used
+
+    def admit(self, body: dict[str, Any]) -> Rebound:
+        """Check a re-registration and record it; raise AuthenticationError when it does not carry the
+        old cluster's session, ProtocolError when it is malformed or its rank is claimed by another
+        connection or incarnation.  Nothing changes when it raises."""
+        session = body.get("session")
+        if not isinstance(session, bytes) or session_digest(session) != self.digest:
+            raise AuthenticationError("this re-registration does not carry the session of the cluster the "
+                                      "scheduler is rebuilding: refused (only its members may take a rank)")
+        node = parse(body, self.num_workers, self.num_servers)
+        prior = self.nodes.get((node.role, node.rank))
+        if prior is not None and (prior.label, prior.incarnation) != (node.label, node.incarnation):
+            raise ProtocolError(f"{node.role} {node.rank} has re-registered already (incarnation "
+                                f"{prior.incarnation}) from another connection; refused")
+        cmap = check_map(body.get("map"), self.num_workers, self.num_servers) if self.map is None else None
+        if node.role == "worker" and node.rank in self.left:
+            raise ProtocolError(f"worker {node.rank} has left the cluster; it cannot re-register")
+        if cmap is not None:
+            self.map, self.session = cmap, session
+        self.nodes[(node.role, node.rank)] = node
+        if node.role == "server":
+            assert self.map is not None
+            self.map["servers"][node.rank] = [node.host, node.port]
+            if node.incarnation:
+                incarnations = self.map.setdefault("server_incarnations", [0] * self.num_servers)
+                incarnations[node.rank] = node.incarnation
+        return node
+
+    @property
+    def left(self) -> set[int]:
+        """Workers that have left: those the launcher saw exit 0 and those any member knows of."""
+        return self._left.union(*(n.left for n in self.nodes.values()))
+
+    @property
+    def away(self) -> set[int]:
+        """Workers away (being restarted) by any member's word, less those back and those that left."""
+        back = {rank for role, rank in self.nodes if role == "worker"}
+        return set().union(*(n.away for n in self.nodes.values())) - back - self.left
+
+    @property
+    def used(self) -> int:
+        """Restarts used: the most anyone knows of (the launcher's count includes this scheduler's)."""
+        return max([self._used, *(n.used for n in self.nodes.values())])
+
+    @property
+    def generation(self) -> int:
+        """Barriers released before the death: the most any worker has passed."""
+        return max([n.passed for n in self.nodes.values() if n.role == "worker"], default=0)
+
+    def missing(self) -> list[tuple[str, int]]:
+        """``(role, rank)`` of every node that was alive and has not re-registered, servers first."""
+        gone = self.left | self.away
+        wanted = [("server", r) for r in range(self.num_servers)] + \
+                 [("worker", r) for r in range(self.num_workers) if r not in gone]
+        return [key for key in wanted if key not in self.nodes]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every node that was alive is back."""
+        return self.map is not None and not self.missing()
+
+
+def die_hook(spec: tuple[str, int] | None, incarnation: int, barrier_open: Callable[[], int | None]
+             ) -> Callable[[str], None] | None:
+    """The test hook ``KVSTORE_TEST_SCHEDULER_DIE_AT`` for a first incarnation (None otherwise): a
+    callable the scheduler calls with ``"beat"`` after each heartbeat and ``"barrier"`` after each
+    arrival; it SIGKILLs the process after the N-th heartbeat (``beats:N``), or once the N-th barrier
+    has a worker in it (``barrier:N``; ``barrier_open()`` is the open barrier's number, or None)."""
+    if spec is None or incarnation:
+        return None
+    kind, number = spec
+    beats = [0]
+
+    def hook(event: str) -> None:
+        if kind == "beats" and event == "beat":
+            beats[0] += 1
+            due = beats[0] >= number
+        else:
+            due = kind == "barrier" and event == "barrier" and barrier_open() == number
+        if due:
+            log.warning("KVSTORE_TEST_SCHEDULER_DIE_AT=%s:%d: killing the scheduler (SIGKILL)", kind, number)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook

@@ -1,0 +1,177 @@
+"""Dynamic row-sparse tables (docs/sparse.md, "Dynamic tables") in dist_sync and dist_async clusters:
+the same rows as the 'local' store, ids of any 64-bit value, servers held at their capacity with their
+counters in ``stats(cluster=True)``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import RowSparse
+from kvstore.core import rowsparse as R
+from tests.helpers import poll_for
+from tests.integration.conftest import Cluster, unique_key
+
+pytestmark = pytest.mark.timeout(90)
+W = 4
+INIT = {"type": "normal", "sigma": 0.5, "seed": 11}
+
+
+def _cluster(tmp_path_factory, mode: str) -> Cluster:
+    cluster = Cluster(tmp_path_factory.mktemp(f"dyn-{mode}"), mode, 2, 2, KVSTORE_HEARTBEAT_INTERVAL=0.2)
+    try:
+        cluster.connect()
+    except BaseException:
+        cluster.close()
+        print(cluster.procs.output())
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def sync2(tmp_path_factory):
+    """A dist_sync cluster of 2 workers and 2 servers, heartbeats every 0.2 s (stats)."""
+    cluster = _cluster(tmp_path_factory, "dist_sync")
+    yield cluster
+    cluster.close()
+
+
+def _step_ids(rank: int, step: int) -> np.ndarray:
+    """A worker's ids of one step: any 64-bit values (negative, huge), some shared, some repeated."""
+    rng = np.random.default_rng(100 * step + rank)
+    ids = rng.integers(-(2**63), 2**63 - 1, size=6, dtype=np.int64)
+    return np.concatenate([ids, [7, 7, 2**40 + step]]).astype(np.int64)
+
+
+def _grad(rank: int, step: int) -> RowSparse:
+    ids = _step_ids(rank, step)
+    rows = np.random.default_rng(7 + 10 * step + rank).normal(size=(ids.size, W)).astype(np.float32)
+    return RowSparse(ids, rows, (0, W))
+
+
+def _servers(kv) -> list[dict]:
+    return [n for n in kv.stats(cluster=True)["nodes"] if n["role"] == "server"]
+
+
+def test_sync_2w2s_equals_the_local_store_and_unseen_pulls_store_nothing(sync2) -> None:
+    """dist_sync with adam over 2 servers gives the 'local' store's rows (same pushes, summed per
+    round) to 1e-6; ids never pushed read as their initial rows and are not stored (admit=True
+    stores them); every server holds some rows and the rows held add up."""
+    key = unique_key("dyn")
+    steps = 3
+    asked = np.concatenate([_step_ids(r, s) for r in range(2) for s in range(steps)])
+    unseen = np.array([123456789, -5, 2**62], np.int64)
+
+    def work(kv):
+        kv.init(key, width=W, dtype="float32", init=INIT, dynamic=True)
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.05))
+        for step in range(steps):
+            kv.push(key, _grad(kv.rank, step))
+        got = kv.row_sparse_pull(key, row_ids=asked)
+        fresh = kv.row_sparse_pull(key, row_ids=unseen)
+        kv.barrier()
+        return got, fresh
+
+    results = sync2.run(work)
+    local = kvstore.create("local")
+    local.init(key, width=W, dtype="float32", init=INIT, dynamic=True)
+    local.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.05))
+    for step in range(steps):
+        local.push(key, [_grad(0, step), _grad(1, step)])
+    want = local.row_sparse_pull(key, row_ids=asked)
+    initial = R.generate_ids(R.parse_init(key, INIT), np.sort(unseen), W, np.dtype(np.float32))
+    for got, fresh in results:
+        np.testing.assert_array_equal(got.indices, want.indices)
+        np.testing.assert_allclose(got.rows, want.rows, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(fresh.rows, initial)
+    held = np.unique(asked).size
+
+    def counted():
+        tables = [s.get("dynamic_tables", {}).get(key) for s in _servers(sync2.workers[0])]
+        return tables if all(tables) and sum(t["rows"] for t in tables) == held else None
+
+    tables = poll_for(counted, 10, "both servers' counters of the dynamic table")
+    assert all(t["rows"] > 0 for t in tables)
+    sync2.run(lambda kv: kv.row_sparse_pull(key, row_ids=unseen[:1], admit=kv.rank == 0))
+    poll_for(lambda: sum(s["dynamic_tables"][key]["rows"] for s in _servers(sync2.workers[0])) == held + 1,
+             10, "the admitted row counted")
+
+
+def test_an_eviction_heavy_stream_keeps_each_server_at_its_capacity(sync2) -> None:
+    """Far more distinct ids than 2 servers x 40 rows: each server holds 40 rows, counts its
+    evictions, and its bytes held stay those of 40 rows (pool and adam's state)."""
+    key = unique_key("dyn")
+    capacity, steps, per_step = 40, 15, 60
+
+    def init(kv):
+        kv.init(key, width=W, dtype="float32", init=INIT, dynamic={"capacity": capacity, "policy": "lfu"})
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.05))
+
+    def work(kv):
+        for step in range(steps):
+            ids = np.arange(per_step, dtype=np.int64) + (step * 2 + kv.rank) * per_step
+            kv.push(key, RowSparse(ids * 977, np.ones((per_step, W), np.float32), (0, W)))
+        kv.barrier()
+
+    sync2.run(init)
+
+    def made():
+        servers = _servers(sync2.workers[0])
+        return servers if all(key in n.get("dynamic_tables", {}) for n in servers) else None
+
+    before = poll_for(made, 10, "the servers' snapshots with the new table")
+    sync2.run(work)
+    distinct = 2 * steps * per_step
+
+    def settled():
+        tables = [s.get("dynamic_tables", {}).get(key) for s in _servers(sync2.workers[0])]
+        if not all(tables):
+            return None
+        done = sum(t["admissions"] + t["dropped_updates"] for t in tables) == distinct
+        return tables if done else None
+
+    tables = poll_for(settled, 10, "the servers' counters after the stream")
+    for table in tables:
+        assert table["rows"] == capacity and table["capacity"] == capacity
+        assert table["evictions"] == table["admissions"] - capacity
+    per_row = W * 4 * 3 + 8 + 1 + 8 + 8 + 8  # the row, adam's mean and var, the slot's id and counters
+    after = {n["rank"]: n["held_bytes"] for n in _servers(sync2.workers[0])}
+    for server in before:
+        assert after[server["rank"]] - server["held_bytes"] <= capacity * per_row
+
+
+@pytest.fixture(scope="module")
+def async2(tmp_path_factory):
+    """A dist_async cluster of 2 workers and 2 servers."""
+    cluster = _cluster(tmp_path_factory, "dist_async")
+    yield cluster
+    cluster.close()
+
+
+def test_dist_async_pushes_apply_as_in_the_local_store(async2) -> None:
+    """dist_async: both workers' pushes (plain sgd: their order does not matter) leave the rows a
+    'local' store gets from the same pushes, over ids of any 64-bit value."""
+    key = unique_key("dyn")
+    steps = 4
+    asked = np.concatenate([_step_ids(r, s) for r in range(2) for s in range(steps)])
+
+    def work(kv):
+        kv.init(key, width=W, dtype="float32", init=INIT, dynamic=True)
+        kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=0.25))
+        for step in range(steps):
+            kv.push(key, _grad(kv.rank, step))
+        kv.barrier()
+        return kv.row_sparse_pull(key, row_ids=asked)
+
+    results = async2.run(work)
+    local = kvstore.create("local")
+    local.init(key, width=W, dtype="float32", init=INIT, dynamic=True)
+    local.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=0.25))
+    for step in range(steps):
+        for rank in range(2):
+            local.push(key, _grad(rank, step))
+    want = local.row_sparse_pull(key, row_ids=asked)
+    for got in results:
+        np.testing.assert_array_equal(got.indices, want.indices)
+        np.testing.assert_allclose(got.rows, want.rows, rtol=1e-6, atol=1e-6)

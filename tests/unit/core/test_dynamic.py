@@ -1,0 +1,236 @@
+"""kvstore.core.dynamic: a dynamic table's rows made on first touch, placement, eviction (LRU, LFU),
+admission, time-to-live with an injected clock, and the optimizer's lazy per-row state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.core import dynamic as D
+from kvstore.core import optimizer as O
+from kvstore.core import rowsparse as R
+
+INIT = R.parse_init("t", {"type": "normal", "sigma": 1.0, "seed": 5})
+W = 3
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _table(clock: Clock | None = None, **spec) -> D.DynamicRows:
+    return D.DynamicRows(W, np.dtype(np.float32), INIT, R.parse_spec("t", spec or True),
+                         clock or Clock())
+
+
+def _ids(*values: int) -> np.ndarray:
+    return np.array(values, np.int64)
+
+
+def _push(table: D.DynamicRows, ids: np.ndarray, value: float = 1.0) -> None:
+    D.apply_dynamic(None, "t", table, ids, np.full((ids.size, W), value, np.float32))
+
+
+def test_initial_rows_are_the_fixed_tables_rows_and_any_64_bit_id_has_one() -> None:
+    """A row's first value is row ``id`` of a fixed table of the same seed; huge and negative ids
+    (uint64 bit patterns) get rows too, the same ones every time."""
+    table = _table()
+    fixed = R.generate(INIT, 0, 10, W, np.dtype(np.float32))
+    np.testing.assert_array_equal(table.initial(np.arange(10)), fixed)
+    big = _ids(-1, 2**62, -(2**63))
+    first = table.read(big)
+    np.testing.assert_array_equal(first, table.initial(big))
+    assert np.isfinite(first).all() and len({r.tobytes() for r in first}) == 3
+
+
+def test_a_pull_never_seen_answers_initial_rows_without_storing_unless_admitted() -> None:
+    """read() of unknown ids gives their initial rows and stores nothing; with admit it stores them."""
+    table = _table()
+    table.read(_ids(4, 9))
+    assert len(table) == 0 and table.stats()["pull_hits"] == 0
+    table.read(_ids(4), admit=True)
+    assert len(table) == 1
+    table.read(_ids(4, 9))
+    stats = table.stats()
+    assert stats["pull_rows"] == 5 and stats["pull_hits"] == 1 and stats["hit_rate"] == pytest.approx(0.2)
+
+
+def test_a_push_without_optimizer_replaces_rows_and_makes_them() -> None:
+    """Without an optimizer a push's rows replace the stored rows (made on first touch)."""
+    table = _table()
+    _push(table, _ids(3, 7), 2.0)
+    np.testing.assert_array_equal(table.read(_ids(3, 7, 8))[:2], np.full((2, W), 2.0, np.float32))
+    assert len(table) == 2 and table.stats()["admissions"] == 2
+
+
+def test_placement_is_a_seeded_hash_spreading_ids_over_every_server() -> None:
+    """servers_of is deterministic, in range, and gives every server a share of many ids."""
+    ids = np.arange(-5000, 5000, dtype=np.int64) * 7919
+    where = D.servers_of(ids, 3)
+    np.testing.assert_array_equal(where, D.servers_of(ids.copy(), 3))
+    counts = np.bincount(where, minlength=3)
+    assert where.min() >= 0 and where.max() < 3 and counts.min() > 3000
+
+
+def test_lru_evicts_the_least_recently_used_row_and_it_comes_back_initial() -> None:
+    """At capacity a new row evicts the least recently used one, which reads as its initial row."""
+    table = _table(capacity=3, policy="lru")
+    _push(table, _ids(1, 2, 3), 5.0)
+    table.read(_ids(1))  # 1 is used again: 2 is now the least recent
+    _push(table, _ids(4), 5.0)
+    assert list(table.held()) == [1, 3, 4] and table.stats()["evictions"] == 1
+    np.testing.assert_array_equal(table.read(_ids(2)), table.initial(_ids(2)))
+
+
+def test_lfu_evicts_the_least_frequently_used_row_ties_by_recency() -> None:
+    """LFU evicts the row used least often; among equals the least recent."""
+    table = _table(capacity=3, policy="lfu")
+    _push(table, _ids(1, 2, 3))
+    _push(table, _ids(1, 3))
+    _push(table, _ids(1))  # uses: 1 three times, 3 twice, 2 once
+    _push(table, _ids(4))
+    assert list(table.held()) == [1, 3, 4]
+    _push(table, _ids(5))  # 4 (once) goes, not 3 (twice)
+    assert list(table.held()) == [1, 3, 5]
+
+
+def test_a_push_never_evicts_its_own_rows_and_drops_what_does_not_fit() -> None:
+    """A push of more new ids than the capacity stores as many as fit; the rest are dropped (counted)."""
+    table = _table(capacity=2)
+    _push(table, _ids(1, 2, 3, 4), 1.0)
+    stats = table.stats()
+    assert len(table) == 2 and stats["dropped_updates"] == 2 and stats["evictions"] == 0
+    _push(table, _ids(1, 9))  # 2 is evicted, never 1 (pushed now)
+    assert list(table.held()) == [1, 9]
+
+
+def test_admission_stores_a_row_only_at_its_kth_push() -> None:
+    """admit_after=3: the first two pushes of an id are counted and dropped; the third makes the row
+    from its initial value and applies that push."""
+    table = _table(admit_after=3)
+    _push(table, _ids(7), 1.0)
+    _push(table, _ids(7), 1.0)
+    assert len(table) == 0 and table.stats()["dropped_updates"] == 2
+    _push(table, _ids(7), 4.0)
+    np.testing.assert_array_equal(table.read(_ids(7)), np.full((1, W), 4.0, np.float32))
+    assert table.stats()["admissions"] == 1
+
+
+def test_the_admission_counts_stay_bounded() -> None:
+    """Ids counted but not admitted are forgotten oldest first beyond the pending limit."""
+    table = _table(capacity=4, admit_after=2)
+    table.pending_limit = 10
+    for start in range(0, 100, 5):
+        _push(table, np.arange(start, start + 5, dtype=np.int64))
+    assert len(table.pending) <= 10 and len(table) == 0
+
+
+def test_ttl_drops_rows_untouched_for_longer_with_an_injected_clock() -> None:
+    """A row untouched longer than ttl reads as its initial value and is counted as expired; a
+    touched one stays."""
+    clock = Clock()
+    table = _table(clock, ttl=10.0)
+    _push(table, _ids(1, 2), 3.0)
+    clock.now = 6.0
+    table.read(_ids(1))
+    clock.now = 12.0
+    rows = table.read(_ids(1, 2))
+    np.testing.assert_array_equal(rows[0], np.full(W, 3.0, np.float32))
+    np.testing.assert_array_equal(rows[1], table.initial(_ids(2))[0])
+    assert list(table.held()) == [1] and table.stats()["expirations"] == 1
+    clock.now = 30.0
+    assert table.expire() == 1 and len(table) == 0
+
+
+def test_slots_freed_by_expiry_are_reused_before_anything_is_evicted() -> None:
+    """At capacity, rows made after an expiry take the expired rows' slots: nothing is evicted and
+    the pool does not grow."""
+    clock = Clock()
+    table = _table(clock, capacity=3, ttl=5.0)
+    _push(table, _ids(1, 2, 3))
+    clock.now = 10.0
+    _push(table, _ids(4, 5), 2.0)
+    stats = table.stats()
+    assert list(table.held()) == [4, 5] and stats["evictions"] == 0 and stats["expirations"] == 3
+    assert table.weight.shape[0] == 3
+    np.testing.assert_array_equal(table.read(_ids(4, 5)), np.full((2, W), 2.0, np.float32))
+
+
+def test_memory_stays_bounded_however_many_distinct_ids_arrive() -> None:
+    """100k distinct ids through a table capped at 500 rows: 500 rows held, the pool never grows
+    past the capacity, every extra row evicted."""
+    table = _table(capacity=500)
+    for start in range(0, 100_000, 1000):
+        _push(table, np.arange(start, start + 1000, dtype=np.int64) * 31)
+        assert len(table) <= 500 and table.weight.shape[0] <= 500
+    stats = table.stats()
+    assert stats["rows"] == 500 and stats["evictions"] == 100_000 - 500 - stats["dropped_updates"]
+
+
+def test_the_id_map_agrees_with_a_dict_through_puts_deletes_growth_and_reuse() -> None:
+    """IdMap (open addressing over numpy) answers as a dict does over random batches of puts and
+    deletes of any int64 ids, through growth and tombstone rebuilds, staying at most half full."""
+    rng = np.random.default_rng(3)
+    idmap, ref = D.IdMap(size=8), {}
+    pool = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64), np.arange(-50, 50)])
+    for _ in range(200):
+        absent = np.array([i for i in rng.choice(pool, 40, replace=False) if int(i) not in ref], np.int64)
+        slots = rng.integers(0, 10**9, absent.size)
+        idmap.put(absent, slots)
+        ref.update(zip(absent.tolist(), slots.tolist()))
+        gone = rng.choice(np.array(list(ref), np.int64), min(len(ref), 25), replace=False)
+        idmap.delete(gone)
+        for i in gone.tolist():
+            del ref[i]
+        asked = rng.choice(pool, 200)
+        np.testing.assert_array_equal(idmap.get(asked), [ref.get(int(i), -1) for i in asked])
+        assert len(idmap) == len(ref) and 2 * len(idmap) <= idmap.keys.size
+
+
+@pytest.mark.parametrize("name, params, names", [
+    ("sgd", {"learning_rate": 0.1, "momentum": 0.9}, ["mom"]),
+    ("adagrad", {"learning_rate": 0.1}, ["history"]),
+    ("adam", {"learning_rate": 0.1}, ["mean", "var"]),
+])
+def test_optimizer_state_is_per_row_lazy_and_reset_with_the_row(name, params, names) -> None:
+    """Each row steps as a fixed table's row would (state made with it, kept through pool growth),
+    rows not pushed keep weight and state, and an evicted row comes back with fresh state."""
+    opt = O.create(name, **params)
+    ref = O.create(name, **params)
+    table = _table(capacity=2000)
+    grads = [(_ids(5, 9), 1.0), (np.arange(100, 1600, dtype=np.int64), 0.5), (_ids(5), 2.0)]
+    fixed = R.generate(INIT, 0, 1600, W, np.dtype(np.float32))
+    for ids, value in grads:
+        rows = np.full((ids.size, W), value, np.float32)
+        D.apply_dynamic(opt, "t", table, ids, rows)
+        ref.update_rows("t", fixed, ids, rows)
+    got = table.read(np.arange(1600, dtype=np.int64))
+    np.testing.assert_allclose(got, fixed, rtol=1e-6, atol=1e-7)
+    assert sorted(opt.states["t"]) == sorted(names) and opt.states["t"][names[0]].shape == table.weight.shape
+    state = opt.states["t"][names[0]]
+    assert np.any(state[table.slot(5)] != 0)
+    small = _table(capacity=1)
+    opt2 = O.create(name, **params)
+    D.apply_dynamic(opt2, "t", small, _ids(1), np.ones((1, W), np.float32))
+    D.apply_dynamic(opt2, "t", small, _ids(2), np.ones((1, W), np.float32))  # 1 evicted
+    D.apply_dynamic(opt2, "t", small, _ids(1), np.ones((1, W), np.float32))  # 1 again: fresh state
+    fresh = O.create(name, **params)
+    fresh.counts["t"] = 2  # the key's third step (adam's bias correction counts the key's steps)
+    expected = small.initial(_ids(1))
+    fresh.update_rows("t", expected, np.zeros(1, np.int64), np.ones((1, W), np.float32))
+    np.testing.assert_allclose(small.read(_ids(1)), expected, rtol=1e-6)
+
+
+def test_parse_spec_refuses_bad_fields() -> None:
+    """dynamic= takes True or a dict of capacity, policy, admit_after, ttl, each checked."""
+    assert R.parse_spec("t", True) == R.DynamicSpec()
+    assert R.parse_spec("t", {"capacity": 5, "policy": "lfu", "admit_after": 2, "ttl": 1}).ttl == 1.0
+    for bad in ({"capacity": -1}, {"policy": "mru"}, {"admit_after": 0}, {"ttl": "x"}, {"size": 3}, 5):
+        with pytest.raises(ValueError):
+            R.parse_spec("t", bad)

@@ -1,0 +1,180 @@
+"""A restarted scheduler's rebuild (scheduler/recovery.py): the pure bookkeeping, and the scheduler
+taking the cluster's nodes back over the in-memory ROUTER."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import AuthenticationError, ProtocolError
+from kvstore.net.protocol import Message, Op
+from kvstore.scheduler.recovery import Recovery, session_digest, write_digest
+from kvstore.scheduler.scheduler import Scheduler
+from tests.unit.scheduler.test_scheduler import Peer, complete, make_scheduler
+
+SESSION = b"s" * 16
+MAP = {"num_workers": 2, "num_servers": 1, "servers": [["h", 9000]], "mode": "dist_sync", "seed": 7,
+       "session": SESSION, "chunk_bytes": 1 << 20}
+
+
+def body(role: str, rank: int, label: str, session: bytes = SESSION, **extra: object) -> dict:
+    """A re-registration's REGISTER body."""
+    return {"role": role, "rank": rank, "incarnation": 0, "host": f"host-{role}{rank}", "label": label,
+            "session": session, "map": dict(MAP), "port": 9100 + rank, **extra}
+
+
+def test_a_re_registration_without_the_old_session_is_refused_and_changes_nothing():
+    """A holder of the secret but not the session (a stranger) cannot take a rank, even first."""
+    book = Recovery(2, 1, session_digest(SESSION))
+    with pytest.raises(AuthenticationError, match="does not carry the session"):
+        book.admit(body("worker", 0, "w0", session=b"x" * 16))
+    assert book.nodes == {} and book.map is None and book.session is None
+
+
+def test_a_rank_taken_back_by_one_connection_is_refused_to_another():
+    """A second claim on worker 1 from another label (or incarnation) is refused; the same node's retry
+    is accepted."""
+    book = Recovery(2, 1, session_digest(SESSION))
+    book.admit(body("worker", 1, "w1"))
+    with pytest.raises(ProtocolError, match="another connection"):
+        book.admit(body("worker", 1, "intruder"))
+    with pytest.raises(ProtocolError, match="another connection"):
+        book.admit(body("worker", 1, "w1", incarnation=2))
+    assert book.admit(body("worker", 1, "w1")).label == "w1"
+    assert book.nodes[("worker", 1)].label == "w1"
+
+
+def test_the_rebuild_waits_for_every_node_that_was_alive_and_takes_what_they_know():
+    """Workers that left (the launcher's word or a member's) or are away are not waited for; barriers
+    passed is the most any worker passed; a server's address replaces the map's."""
+    book = Recovery(3, 1, session_digest(SESSION), left=[2], used=1)
+    assert not book.complete
+    book.admit(body("worker", 0, "w0", passed=4, away=[1], used=2, map=dict(MAP, num_workers=3)))
+    assert book.missing() == [("server", 0)] and book.away == {1} and book.left == {2}
+    book.admit(body("server", 0, "s0", incarnation=1))
+    assert book.complete and book.generation == 4 and book.used == 2
+    assert book.map is not None and book.map["servers"] == [["host-server0", 9100]]
+    assert book.map["server_incarnations"] == [1]
+    with pytest.raises(ProtocolError, match="has left"):
+        book.admit(body("worker", 2, "w2"))
+
+
+def test_a_malformed_re_registration_is_refused():
+    """A rank outside the counts, a server without a port, or a map of other counts: ProtocolError."""
+    book = Recovery(2, 1, session_digest(SESSION))
+    for bad in (body("worker", 2, "w"), body("server", 0, "s", port=None),
+                body("worker", 0, "w", map=dict(MAP, num_workers=3)), body("worker", 0, "w", left=[5])):
+        with pytest.raises(ProtocolError):
+            book.admit(bad)
+    assert book.nodes == {}
+
+
+def restarted(tmp_path: Path) -> Scheduler:
+    """A second incarnation of a scheduler for 2 workers and 1 server whose first one had SESSION."""
+    port_file = str(tmp_path / "scheduler.port")
+    write_digest(port_file, SESSION)
+    return make_scheduler(KVSTORE_INCARNATION="1", KVSTORE_PORT_FILE=port_file, KVSTORE_MAX_RESTARTS="2",
+                          KVSTORE_RESTARTS_USED="1")
+
+
+def reregister(sched: Scheduler, name: str, role: str, rank: int, **extra: object) -> tuple[Peer, Message]:
+    """HELLO then a re-registering REGISTER; the peer (its channel keyed to the session) and the reply."""
+    peer = Peer(sched, name)
+    (challenge,) = peer.send(Op.HELLO, {"nonce": f"n-{name}"})
+    (reply,) = peer.send(Op.REGISTER, dict(body(role, rank, peer.channel.label, **extra),
+                                           challenge=challenge.body["challenge"]))
+    peer.channel.set_session(SESSION)
+    return peer, reply
+
+
+def test_a_restarted_scheduler_takes_its_nodes_back_and_repeats_only_the_open_barrier(tmp_path: Path):
+    """Each node re-registers (a stranger is refused meanwhile); a BARRIER held while rebuilding is
+    answered after; a barrier released before the death is answered at once, the open one counted."""
+    sched = restarted(tmp_path)
+    w0, reply = reregister(sched, "w0", "worker", 0, passed=3)
+    assert reply.op is Op.MAP and reply.body["session"] == SESSION and not sched.map_sent
+    (early,) = w0.send(Op.HEARTBEAT, {"role": "worker", "rank": 1})  # worker 1 is not back yet: refused
+    assert early.op is Op.ERROR
+    assert w0.send(Op.BARRIER, {"after": 3}, sender=0) == []  # held back while rebuilding
+    _, refused = reregister(sched, "stranger", "worker", 1, session=b"y" * 16)
+    assert refused.op is Op.ERROR and refused.body["code"] == "AuthenticationError"
+    s0, _ = reregister(sched, "s0", "server", 0)
+    s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})  # its own connection: AWAY and SHUTDOWN go there
+    assert not sched.map_sent
+    w1, _ = reregister(sched, "w1", "worker", 1, passed=2)  # its reply to barrier 3 was lost
+    assert sched.map_sent and sched.barrier.generation == 3 and sched.restarts.book.used == 1
+    (late,) = w1.send(Op.BARRIER, {"after": 2}, sender=1)  # barrier 3: released before the death
+    assert late.op is Op.OK and late.body == {"failures": [], "left": []}
+    (second,) = w1.send(Op.BARRIER, {"after": 3}, sender=1)  # barrier 4 with w0's held one: released
+    (first,) = w0.replies()
+    assert first.op is Op.OK and second.op is Op.OK and sched.barrier.generation == 4
+    (beat,) = s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})
+    assert beat.op is Op.OK and beat.body["restarts"] == [1, 2]
+    assert sched.servers[0].identity == b"s0"  # SHUTDOWN and AWAY go to its connection
+
+
+def test_a_barrier_that_reaches_a_restarted_scheduler_before_its_sender_is_held_not_refused(tmp_path: Path):
+    """A worker's BARRIER queued across the death arrives before the worker re-registered (its label
+    not yet bound): held, then counted once the worker is back, not refused."""
+    sched = restarted(tmp_path)
+    w0, _ = reregister(sched, "w0", "worker", 0, passed=3)
+    w1 = Peer(sched, "w1")
+    w1.channel.set_session(SESSION)
+    assert w1.send(Op.BARRIER, {"after": 3}, sender=1) == []  # unbound yet: held
+    assert w0.send(Op.BARRIER, {"after": 3}, sender=0) == []
+    s0, _ = reregister(sched, "s0", "server", 0)
+    s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})
+    rebind = Peer(sched, "w1-rebind")  # its heartbeat's fresh socket, naming w1's request label
+    (challenge,) = rebind.send(Op.HELLO, {"nonce": "n"})
+    (reply,) = rebind.send(Op.REGISTER, dict(body("worker", 1, w1.channel.label, passed=3),
+                                             challenge=challenge.body["challenge"]))
+    assert reply.op is Op.MAP and sched.map_sent
+    (first,), (second,) = w0.replies(), w1.replies()
+    assert first.op is Op.OK and second.op is Op.OK and sched.barrier.generation == 4
+
+
+def test_a_live_scheduler_answers_a_barrier_it_released_already(tmp_path: Path):
+    """A worker that resends a barrier whose release it did not see (after < barriers released) is
+    answered at once, and nothing is counted twice."""
+    sched = make_scheduler()
+    peers = complete(sched)
+    peers["w0"].send(Op.BARRIER, {"after": 0}, sender=0)
+    peers["w1"].send(Op.BARRIER, {"after": 0}, sender=1)
+    peers["w0"].replies()  # its release
+    assert sched.barrier.generation == 1
+    (again,) = peers["w0"].send(Op.BARRIER, {"after": 0}, sender=0)
+    assert again.op is Op.OK and sched.barrier.waiting == {} and sched.barrier.generation == 1
+
+
+def test_a_live_scheduler_lets_a_member_take_its_own_rank_back_only():
+    """A re-registration on a live scheduler (its beats went unanswered a while) is accepted for the
+    node's own rank and label, refused for another's."""
+    sched = make_scheduler(KVSTORE_MAX_RESTARTS="1")
+    peers = complete(sched)
+    label = peers["w0"].channel.label
+    for rank, expected in ((0, Op.MAP), (1, Op.ERROR)):
+        peer = Peer(sched, f"again{rank}")
+        (challenge,) = peer.send(Op.HELLO, {"nonce": "n"})
+        (reply,) = peer.send(Op.REGISTER, dict(body("worker", rank, label, session=sched.session),
+                                               challenge=challenge.body["challenge"]))
+        assert reply.op is expected, reply.body
+
+
+def test_a_restarted_scheduler_refuses_numbers_its_predecessor_may_have_seen(tmp_path: Path):
+    """A re-registration says where its channels' numbers stand: a message from that label numbered at
+    or below it (a replay of one the dead scheduler took) is refused; the next one is served."""
+    sched = restarted(tmp_path)
+    w0 = Peer(sched, "w0")
+    w0.channel.set_session(SESSION)
+    rebind = Peer(sched, "w0-rebind")
+    (challenge,) = rebind.send(Op.HELLO, {"nonce": "n"})
+    rebind.send(Op.REGISTER, dict(body("worker", 0, w0.channel.label, counters=[[w0.channel.label, 10]]),
+                                  challenge=challenge.body["challenge"]))
+    w0.post(Op.HEARTBEAT, {"role": "worker", "rank": 0})  # numbered 1: as if replayed
+    assert [frames[0] for frames in w0.raw()] == [b""]  # refused, unsigned
+    w0.seen = 1  # that refusal read
+    while w0.channel.reserve() < 10:
+        pass
+    (beat,) = w0.send(Op.HEARTBEAT, {"role": "worker", "rank": 0})
+    assert beat.op is Op.OK

@@ -1,0 +1,80 @@
+"""Dynamic row-sparse tables in the 'local' store (docs/sparse.md, "Dynamic tables"): the API's
+arguments, uint64 ids, what is refused, and the counters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import RowSparse
+from kvstore.errors import ShapeMismatchError, UnsupportedError
+
+W = 3
+
+
+def _store(**spec):
+    kv = kvstore.create("local")
+    kv.init("d", width=W, dtype="float32", init={"type": "uniform", "seed": 2}, dynamic=spec or True)
+    return kv
+
+
+def test_uint64_ids_are_their_int64_bits_and_rows_come_back_sorted() -> None:
+    """A uint64 id past 2**63 is the int64 of its bits: pushed as one, pulled as the other."""
+    kv = _store()
+    big = np.array([2**64 - 1, 5], np.uint64)
+    kv.push("d", RowSparse(big, np.ones((2, W), np.float32), (0, W)))
+    got = kv.row_sparse_pull("d", row_ids=np.array([-1, 5], np.int64))
+    assert list(got.indices) == [-1, 5] and got.shape[1:] == (W,)
+    np.testing.assert_array_equal(got.rows, 1.0)
+    assert kv.stats()["dynamic_tables"]["d"]["rows"] == 2
+
+
+def test_a_row_sparse_pull_stores_rows_only_when_admitted() -> None:
+    """Pulls of ids never pushed store nothing; admit=True stores them; hits are counted."""
+    kv = _store(capacity=10)
+    first = kv.row_sparse_pull("d", row_ids=[4, 8])
+    again = kv.row_sparse_pull("d", row_ids=[4, 8], admit=True)
+    np.testing.assert_array_equal(first.rows, again.rows)
+    kv.row_sparse_pull("d", row_ids=[4])
+    stats = kv.stats()["dynamic_tables"]["d"]
+    assert stats["rows"] == 2 and stats["pull_hits"] == 1 and stats["pull_rows"] == 5
+    assert stats["admissions"] == 2
+
+
+def test_what_a_dynamic_table_refuses() -> None:
+    """A dense push, a dense out, a whole pull, admit on a fixed table, a value or shape at init and a
+    save are refused, naming why; the table is unchanged."""
+    kv = _store()
+    with pytest.raises(ShapeMismatchError, match="dynamic"):
+        kv.push("d", np.ones((4, W), np.float32))
+    with pytest.raises(ValueError, match="takes no out"):
+        kv.row_sparse_pull("d", out=np.zeros((4, W), np.float32), row_ids=[1])
+    with pytest.raises(ValueError, match="row_sparse_pull"):
+        kv.pull("d")
+    kv.init("f", shape=(4, W))
+    with pytest.raises(ValueError, match="admit"):
+        kv.row_sparse_pull("f", row_ids=[1], admit=True)
+    with pytest.raises(ValueError, match="width"):
+        kv.init("g", shape=(4, W), dynamic=True)
+    with pytest.raises(ValueError, match="dynamic"):
+        kv.init("h", width=W, dynamic={"policy": "fifo"})
+    with pytest.raises(ValueError, match="dynamic=True"):
+        kv.init("i", width=W)
+    kv.set_optimizer(kvstore.optimizer.create("sgd"))
+    with pytest.raises(UnsupportedError, match="not saved yet"):
+        kv.save_optimizer_states("/nonexistent/states")
+    assert kv.stats()["dynamic_tables"]["d"]["rows"] == 0
+
+
+def test_rows_of_several_dims_and_a_sparse_tensor_push() -> None:
+    """A table of (2, 2) rows takes an nn.Embedding-style sparse COO gradient of any first dim."""
+    torch = pytest.importorskip("torch")
+    kv = kvstore.create("local")
+    kv.init("d", width=(2, 2), dtype="float32", dynamic=True)
+    grad = torch.sparse_coo_tensor(torch.tensor([[7, 2**40, 7]]), torch.ones(3, 2, 2), (2**41, 2, 2),
+                                   check_invariants=True)
+    kv.push("d", grad)
+    got = kv.row_sparse_pull("d", row_ids=[7, 2**40])
+    assert got.rows.shape == (2, 2, 2)
+    np.testing.assert_array_equal(got.rows[0], 2.0)
