@@ -16,7 +16,10 @@ mean cross-entropy of a batch of 64 random samples (per worker), and the update 
   ``plain`` (update_on_kvstore=True, overlap=False: the Trainer before issue 24),
   ``overlap`` (update_on_kvstore=False: the overlap's default), ``overlap-kv`` (update_on_kvstore=True,
   overlap=True: the servers run SGD), ``plain-local`` (update_on_kvstore=False, overlap=False: the
-  overlap's counterpart without hooks; only with ``--variants``).
+  overlap's counterpart without hooks; only with ``--variants``); ``overlap-fifo`` and
+  ``overlap-kv-fifo``: the overlap variants with every bucket at priority 0 (call order) instead of
+  the first layers first (``kvstore.overlap.bucket_priority``), to say what ``priority`` changes in
+  step time (only with ``--variants``).
 
 Each figure is the best of ``--blocks`` timed blocks of ``--iters`` steps (after 3 warm-up steps), the
 workers starting each block together; per side the mean over its workers; the whole comparison runs
@@ -43,7 +46,7 @@ DEFAULT_BUCKET_BYTES = 1 << 20  # kvstore.overlap's default (not imported: the p
 BATCH = 64
 MODELS = {"670k": (784, 512, 512, 10), "20m": (784, 4096, 4096, 10)}  # 669,706 and 20,037,642 parameters
 VARIANTS = {"overlap": (False, None), "plain": (True, False), "overlap-kv": (True, True),  # uok, overlap
-            "plain-local": (False, False)}
+            "plain-local": (False, False), "overlap-fifo": (False, None), "overlap-kv-fifo": (True, True)}
 
 
 def model(name: str) -> Any:
@@ -140,6 +143,7 @@ def worker(name: str, variants: list[str], iters: int, blocks: int, bucket_bytes
     import torch
 
     import kvstore
+    import kvstore.overlap
 
     torch.set_num_threads(1)
     kv = kvstore.create("dist_sync")
@@ -147,9 +151,15 @@ def worker(name: str, variants: list[str], iters: int, blocks: int, bucket_bytes
         # servers hold no optimizer yet
         uok, overlap = VARIANTS[variant]
         net = model(name)
-        trainer = kvstore.Trainer(list(net.parameters()), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
-                                  kvstore=kv, update_on_kvstore=uok, overlap=overlap,
-                                  bucket_bytes=bucket_bytes, key_prefix=f"{name}-{variant}")
+        prioritised = kvstore.overlap.bucket_priority
+        if variant.endswith("-fifo"):  # every bucket at priority 0: call order
+            kvstore.overlap.bucket_priority = lambda indexes: 0
+        try:
+            trainer = kvstore.Trainer(list(net.parameters()), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
+                                      kvstore=kv, update_on_kvstore=uok, overlap=overlap,
+                                      bucket_bytes=bucket_bytes, key_prefix=f"{name}-{variant}")
+        finally:
+            kvstore.overlap.bucket_priority = prioritised
         ms = timed(net, lambda t=trainer: t.step(kv.num_workers), kv.rank, iters, blocks, kv.barrier)
         trainer.close()
         print("RESULT " + json.dumps({"variant": variant, "rank": kv.rank, "ms": ms}), flush=True)

@@ -100,7 +100,7 @@ class LayerCalls:
     :func:`layer_calls` gives a store's; it holds the store weakly."""
 
     def __init__(self, collective: Callable[[str, Callable[[], Any]], None],
-                 pushpull_begin: Callable[[list, list, list], Callable[[bool], None]],
+                 pushpull_begin: Callable[[list, list, list, int], Callable[[bool], None]],
                  agree: Callable[[str, str], None]) -> None:
         self._collective = weakref.WeakMethod(collective)  # type: ignore[arg-type]
         self._begin = weakref.WeakMethod(pushpull_begin)  # type: ignore[arg-type]
@@ -116,10 +116,11 @@ class LayerCalls:
         """Run ``action()`` once for all workers (on the leader) and raise its failure on every worker."""
         self._collective()(what, action)  # type: ignore[misc]
 
-    def pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any]) -> Callable[[bool], None]:
-        """Start a pushpull of ``keys`` (one value and one out each); return ``finish(write=True)``, which
-        completes it (see :meth:`KVStore._pushpull_begin`)."""
-        return self._begin()(keys, values, outs)  # type: ignore[misc]
+    def pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any],
+                       priority: int = 0) -> Callable[[bool], None]:
+        """Start a pushpull of ``keys`` (one value and one out each) at ``priority``; return
+        ``finish(write=True)``, which completes it (see :meth:`KVStore._pushpull_begin`)."""
+        return self._begin()(keys, values, outs, priority)  # type: ignore[misc]
 
 
 _LAYERS: weakref.WeakKeyDictionary[KVStore, LayerCalls] = weakref.WeakKeyDictionary()
@@ -209,16 +210,17 @@ class KVStore(abc.ABC):
         self._push(groups, priority)
         return self._pull([k for k, _, _ in groups], priority, outs)
 
-    def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any]) -> Callable[[bool], None]:
-        """Start a pushpull of ``keys`` (one value and one out each); return ``finish(write=True)``, which
-        completes it (``write=False``: its result is not wanted).  Here all of it runs in ``finish``;
-        a dist store sends at once.  Part of the store's API for the library's own layers: the
-        Trainer's overlap calls it through :func:`layer_calls`."""
+    def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any],
+                        priority: int = 0) -> Callable[[bool], None]:
+        """Start a pushpull of ``keys`` (one value and one out each) at ``priority``; return
+        ``finish(write=True)``, which completes it (``write=False``: its result is not wanted).  Here
+        all of it runs in ``finish``; a dist store sends at once.  Part of the store's API for the
+        library's own layers: the Trainer's overlap calls it through :func:`layer_calls`."""
         once_each(keys)
 
         def finish(write: bool = True) -> None:
             if write:
-                self.pushpull(keys, values, out=outs)
+                self.pushpull(keys, values, out=outs, priority=priority)
         return finish
 
     def _agree(self, what: str, digest: str) -> None:

@@ -95,6 +95,7 @@ class Config:
     incarnation: int = 0  # KVSTORE_INCARNATION: this worker's restarts so far (set by the launcher)
     test_die_at_round: tuple[int | None, int] | None = None  # KVSTORE_TEST_DIE_AT_ROUND: (rank, round)
     test_server_die_at: tuple[int | None, int] | None = None  # KVSTORE_TEST_SERVER_DIE_AT_ROUND
+    test_arrivals: str | None = None  # KVSTORE_TEST_ARRIVALS: a file servers log each data request to
     scheduler_restarts: bool = False  # KVSTORE_SCHEDULER_RESTARTS: the launcher restarts a lost scheduler
     recover_left: tuple[int, ...] = ()  # KVSTORE_RECOVER_LEFT: a restarted scheduler's workers that exited 0
     restarts_used: int = 0  # KVSTORE_RESTARTS_USED: a restarted scheduler's restarts used so far
@@ -238,7 +239,8 @@ def _shm(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
-    """Worker restarts (docs/failures.md): the job's budget, this process's incarnation, the test hook."""
+    """Worker restarts (docs/failures.md): the job's budget, this process's incarnation, the test hooks
+    (and ``KVSTORE_TEST_ARRIVALS``, the servers' arrival log of tests of ``priority``)."""
     return {"max_restarts": env_int(env, "KVSTORE_MAX_RESTARTS", minimum=0, default=0),
             "incarnation": env_int(env, "KVSTORE_INCARNATION", minimum=0, default=0),
             "test_die_at_round": _die_at(env, "KVSTORE_TEST_DIE_AT_ROUND"),
@@ -248,7 +250,8 @@ def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
             "recover_left": _ranks(env, "KVSTORE_RECOVER_LEFT"),
             "restarts_used": env_int(env, "KVSTORE_RESTARTS_USED", minimum=0, default=0),
             "test_scheduler_die_at": _scheduler_die_at(env),
-            "test_server_stall": _stall(env, "KVSTORE_TEST_SERVER_STALL")}
+            "test_server_stall": _stall(env, "KVSTORE_TEST_SERVER_STALL"),
+            "test_arrivals": env_text(env, "KVSTORE_TEST_ARRIVALS")}
 
 
 def _ranks(env: Mapping[str, str], name: str) -> tuple[int, ...]:

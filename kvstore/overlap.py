@@ -6,7 +6,9 @@ Parameters are grouped into *buckets* in reverse order (the order backward produ
 first bucket = last layers); as in DDP, a bucket is closed once it holds ``bucket_bytes`` or more, so
 small parameters ride with the next large one instead of travelling alone; ``bucket_bytes=0`` gives
 one bucket per parameter.  When every parameter of a
-bucket has its gradient, the hook pushes the bucket as one pushpull of its keys, sent now and collected
+bucket has its gradient, the hook pushes the bucket as one pushpull of its keys, at the priority
+:func:`bucket_priority` gives it (first layers highest: they overtake what waits of the later layers'
+big values, ``kvstore.client.sendqueue``), sent now and collected
 by ``step`` (``layer_calls(kv).pushpull_begin``; the store batches the small keys per server into one
 message, and the server answers as soon as the round is applied: one request and one reply where a
 push then a pull took two of each).  ``step`` then sends the buckets still waiting (a parameter that
@@ -63,6 +65,13 @@ def make_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def bucket_priority(indexes: list[int]) -> int:
+    """The ``priority`` of a bucket's pushpull: minus its first parameter's index, so the first layers
+    (which the next forward needs first) go first among the requests waiting to be sent (MXNet's Gluon
+    Trainer gives parameter ``i`` priority ``-i`` likewise)."""
+    return -min(indexes)
+
+
 def _on_grad(ref: weakref.ref, index: int, param: Any) -> None:
     """The hook of parameter ``index``: tell the Overlap, if it still exists."""
     overlap = ref()
@@ -86,6 +95,7 @@ class Overlap:
         self._uok = update_on_kvstore
         self.buckets = make_buckets([p.numel() * p.element_size() for p in params], bucket_bytes)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self.priorities = [bucket_priority(b) for b in self.buckets]  # each bucket's pushpull's
         self._armed = False     # set by the first reduce: keys initialised, rescale known
         self._paused = 0        # no_sync() depth
         self._scale: float | None = None  # the rescale the servers hold for this step's pushes
@@ -160,7 +170,8 @@ class Overlap:
         indexes = self.buckets[bucket]
         targets = [outs[i] for i in indexes]
         self._pending[bucket] = (self._calls.pushpull_begin(
-            [self._keys[i] for i in indexes], [grads[i] for i in indexes], targets), targets)
+            [self._keys[i] for i in indexes], [grads[i] for i in indexes], targets,
+            self.priorities[bucket]), targets)
 
     def reduce(self, grads: Any, scale: float) -> bool:
         """Finish the step's communication: push the buckets not pushed yet, pull every key in

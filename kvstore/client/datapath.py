@@ -154,10 +154,13 @@ class DataPath:
         return found
 
     # -- requests -----------------------------------------------------------------------------------
-    def submit(self, op: Op, send: Send, array: np.ndarray | None, extra: dict | None = None) -> Request:
+    def submit(self, op: Op, send: Send, array: np.ndarray | None, extra: dict | None = None,
+               priority: int = 0, defer: bool = False) -> Request:
         """Queue one data message (a batch, a whole piece or a chunk) to its server; an INIT's body is
         the init body of ``send``, a PUSH's or PUSHPULL's carries each key's round (its pushes so far),
-        and so does a ROUND_ABORT's: the round the refused pushpull would have carried."""
+        and so does a ROUND_ABORT's: the round the refused pushpull would have carried.  ``priority``
+        orders it among the messages waiting to be sent, after every earlier one of its keys;
+        ``defer``: a paced chunk, left in the outbox (``Mux.submit``)."""
         first, more = send.parts[0].key, len(send.parts) - 1
         keys = f"key {first!r}" + (f" and {more} more" if more else "")
         what = f"{op.name.lower()} of {keys} to server {send.server} ({self.cluster.servers[send.server]})"
@@ -171,10 +174,11 @@ class DataPath:
         if array is not None:
             self._meter.sent(array.nbytes)
         msg = Message(op, body, [] if array is None else [array])
+        keys = send.body()["keys"]  # computed once per planned message
         if self.mux.lanes is None:
-            return self.mux.submit(send.server, msg, what)
+            return self.mux.submit(send.server, msg, what, priority=priority, keys=keys, defer=defer)
         hints = shmlanes.hints(op, send, self._metas, array)  # a same-host server's shared memory
-        return self.mux.submit(send.server, msg, what, **hints)
+        return self.mux.submit(send.server, msg, what, priority=priority, keys=keys, defer=defer, **hints)
 
     def wait(self, requests: list[Request], timeout: float | None = None,
              knob: str = REQUEST_KNOB) -> list[Message]:
@@ -233,11 +237,14 @@ class DataPath:
             raise from_cluster(error)
 
     # -- sending pushes ------------------------------------------------------------------------------
-    def send(self, op: Op, groups: list[Pushed]) -> tuple[list[Key], list[Send], list[Request]]:
-        """Sum every group (all before anything is sent), then send the call's PUSH or PUSHPULL
-        messages as one run: another thread's messages cannot come between them, so a key's chunks
-        reach its server in order.  Waits for room in the push window first; raises the failure of an
-        earlier push of these keys (nothing sent).  Returns the keys, the messages and their requests."""
+    def send(self, op: Op, groups: list[Pushed],
+             priority: int = 0) -> tuple[list[Key], list[Send], list[Request]]:
+        """Sum every group (all before anything is sent), then queue the call's PUSH or PUSHPULL
+        messages at ``priority`` as one run: another thread's messages cannot come between them in
+        call order, so a key's chunks reach its server in order.  Chunks beyond the first
+        ``Mux.pace_bytes`` of the call are paced (:func:`_paced`).  Waits for room in the push window
+        first; raises the failure of an earlier push of these keys (nothing sent).  Returns the keys,
+        the messages and their requests."""
         todo = {k: (meta, vs) for k, meta, vs in groups}
         deadline = time.monotonic() + self._cfg.request_timeout
         self.window.wait_room(todo, deadline, self.mux.wait)  # KVSTORE_PUSH_WINDOW
@@ -250,8 +257,11 @@ class DataPath:
                 if self.window.has_room(todo):
                     for key in todo:  # this call's round of each key (docs/protocol.md)
                         self._pushes[key] = self._pushes.get(key, 0) + 1
-                    requests = [self.submit(op, send, pack(send, flats)) if encode is None
-                                else self.submit(op, send, *encode(send, flats)) for send in sends]
+                    paced = _paced(sends, flats, self.mux.pace_bytes)
+                    requests = [self.submit(op, send, pack(send, flats), None, priority, later)
+                                if encode is None else
+                                self.submit(op, send, *encode(send, flats), priority=priority, defer=later)
+                                for send, later in zip(sends, paced)]
                     carriers: dict[Key, list[Request]] = {}
                     for send, request in zip(sends, requests):
                         for part in send.parts:
@@ -282,9 +292,10 @@ class DataPath:
         return self._sum(key, meta, values, out=buffer, host=True).reshape(-1)  # a GPU sum comes to host
 
     def send_planned(self, op: Op, keys: tuple, sends: list[Send], arrays: list[np.ndarray],
-                     send_keys: list[list[Key]]) -> list[Request]:
+                     send_keys: list[list[Key]], priority: int = 0) -> list[Request]:
         """Send a fast plan's messages (``sends[i]`` carrying ``arrays[i]``, the whole values of
-        ``send_keys[i]``) as one run under the push window, as :meth:`send` does; return their requests.
+        ``send_keys[i]``) at ``priority`` as one run under the push window, as :meth:`send` does;
+        return their requests.
         An INIT's messages (``keys`` and ``send_keys`` unused) leave as one run, so a key's chunks do."""
         if op is Op.INIT:
             with self._send_lock:
@@ -298,7 +309,7 @@ class DataPath:
                 if window.has_room(keys):
                     for key in keys:  # this call's round of each key (docs/protocol.md)
                         pushes[key] = pushes.get(key, 0) + 1
-                    requests = [self.submit(op, s, a) for s, a in zip(sends, arrays)]
+                    requests = [self.submit(op, s, a, None, priority) for s, a in zip(sends, arrays)]
                     window.add_sends(send_keys, requests, failures=op is Op.PUSH)
                     return requests
             window.wait_room(keys, deadline, self.mux.wait)
@@ -317,6 +328,19 @@ class DataPath:
         with self._send_lock:
             self.mux.hold(server)
             return dict(self._pushes)
+
+
+def _paced(sends: list[Send], flats: dict[Key, np.ndarray], pace: int) -> list[bool]:
+    """For each of a call's messages, whether it is a chunk beyond the call's first ``pace`` bytes: it
+    waits in the outbox (``Mux.submit``'s ``defer``), so a later call's message of higher priority can
+    go before it; whole pieces and batches are never paced."""
+    spent, paced = 0, []
+    for send in sends:
+        paced.append(send.lo is not None and spent >= pace)
+        if send.lo is not None:
+            part = send.parts[0]
+            spent += (part.stop - part.start) * flats[part.key].itemsize
+    return paced
 
 
 class KeyList:
@@ -426,14 +450,14 @@ class FastPath:
         return (plan if plan is not None and plan.takes(arrays, writable) else None), arrays
 
     def push(self, op: Op, plan: KeyList, values: list[np.ndarray],
-             outs: list[np.ndarray] | None = None) -> None:
+             outs: list[np.ndarray] | None = None, priority: int = 0) -> None:
         """A PUSH of ``values`` (``outs`` None), or a PUSHPULL whose result is written into ``outs``, of
-        a matched plan.  Raises what the generic push or pushpull raises."""
+        a matched plan, at ``priority``.  Raises what the generic push or pushpull raises."""
         name = op.name.lower()
         started = self.meter.begin(name)
         try:
             requests = self.path.send_planned(op, plan.keys, plan.push_sends, _gathered(plan, values),
-                                              plan.send_keys)
+                                              plan.send_keys, priority)
             if outs is not None:
                 self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs, True)
         finally:
@@ -441,12 +465,12 @@ class FastPath:
             if outs is not None:
                 self.path.after_round()  # KVSTORE_TEST_DIE_AT_ROUND
 
-    def pull(self, plan: KeyList, outs: list[np.ndarray]) -> None:
-        """Pull a matched plan into ``outs``.  Raises what the generic pull raises (a failed earlier push,
-        a timeout)."""
+    def pull(self, plan: KeyList, outs: list[np.ndarray], priority: int = 0) -> None:
+        """Pull a matched plan into ``outs`` at ``priority``.  Raises what the generic pull raises (a
+        failed earlier push, a timeout)."""
         started = self.meter.begin("pull")
         try:
-            requests = [self.path.submit(Op.PULL, send, None) for send in plan.pull_sends]
+            requests = [self.path.submit(Op.PULL, send, None, None, priority) for send in plan.pull_sends]
             self._receive(plan, plan.pull_sends, plan.pull_dtypes, plan.slots, requests, outs)
         finally:
             self.meter.end("pull", started)

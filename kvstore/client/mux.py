@@ -11,6 +11,14 @@ and take over when the leader is done.  Compared with a dedicated I/O thread thi
 saves two thread switches per request, which on a busy machine is most of a small
 request's round trip (docs/benchmarks.md).
 
+The outbox (:class:`~kvstore.client.sendqueue.SendQueue`) sends the highest ``priority`` first,
+never a request ahead of an earlier one sharing a key; messages are sealed as they leave it, so each
+receiver sees the channel's numbers rise.  A call that finds nothing queued and the lock free seals
+and sends at once (the common case, as cheap as before priorities).  A big push's chunks beyond the
+call's first :data:`PACE_BYTES` are queued without being sent (``defer``): each later call sends up to
+that much more, a waiting caller sends everything, and the heartbeat's :meth:`Mux.nudge` sends what
+nobody sent since its last beat; meanwhile a later call's message of higher priority goes first.
+
 Replies nobody waits for yet (a push's ack) stay in zmq's queue until the next call
 that sends or waits reads them.  :meth:`Mux.fail` (a lost peer, from the heartbeat
 thread) fails every request in flight at once, without the socket lock.
@@ -23,9 +31,9 @@ chosen once, when the Mux is made: without ``tamper`` it is ``transport.send`` i
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
+import math
 import socket
 import threading
 import time
@@ -35,6 +43,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvstore.client.sendqueue import SendQueue
 from kvstore.errors import (
     AuthenticationError,
     IntegrityError,
@@ -52,6 +61,10 @@ SCHEDULER = -1  # target index of the scheduler socket; servers are 0..S-1
 _SLICE = 0.05  # a leader re-checks closing and its deadline at least this often (seconds)
 _FOLLOW = 0.002  # a waiting non-leader checks whether it may lead this often (seconds)
 _READ_AHEAD = 256  # with this many requests in flight, a sender also reads the replies that are in
+# A call that sends hands at most this many bytes of arrays to the sockets itself (at least one message);
+# the rest of its messages (a big value's chunks) wait in the outbox for the next call, a thread that
+# waits for a reply, or the next heartbeat, so a later request of higher priority can go between them.
+PACE_BYTES = 8 << 20
 Tamper = Callable[[list], list]  # tests only: a message's sealed frames -> the frames sent instead
 
 
@@ -99,7 +112,10 @@ class Mux:
         self._send = transport.send if tamper is None else _tampered(tamper)  # tests only: the docstring
         self._io = threading.Lock()  # the sockets (and the outbox's order on the wire)
         self._lock = threading.Lock()  # seq, sealing order, the in-flight table, failure, closing
-        self._outbox: collections.deque = collections.deque()  # (target, frames), sealed, in order
+        self._outbox = SendQueue()  # (target, request, seq, nbytes), unsealed, by priority (_lock)
+        self.pace_bytes = PACE_BYTES  # a sending call's share of the outbox (the module constant)
+        self._moved = 0  # messages sent so far (nudge: was anything sent since the last beat?)
+        self._nudged = -1  # _moved at the last nudge
         self._inflight: dict[int, Request] = {}
         self._seq = itertools.count(1)
         self.failure: BaseException | None = None  # set by fail(): the cluster is broken (read it only)
@@ -128,8 +144,16 @@ class Mux:
 
     # -- sending ----------------------------------------------------------------------------------
     def submit(self, target: int, msg: Message, what: str, after_failure: bool = False,
-               reply_bytes: int = 0, chunk: tuple[int, int] | None = None, bypass: bool = False) -> Request:
+               reply_bytes: int = 0, chunk: tuple[int, int] | None = None, bypass: bool = False,
+               priority: int = 0, keys: tuple | None = None, defer: bool = False) -> Request:
         """Send ``msg`` to ``target`` (a server index or SCHEDULER); return its request.
+
+        ``priority`` orders it among the requests waiting to be sent; ``keys`` (the keys it carries;
+        None: a control message) keeps call order per key (``kvstore.client.sendqueue``); ``defer``
+        leaves it in the outbox (a paced chunk, sent by the next call, a waiting thread or the
+        heartbeat's :meth:`nudge`).  When nothing waits to be sent and the sockets are free, it is
+        sealed and sent at once; otherwise it is sealed when it leaves the outbox, and an error
+        sealing it then fails the request.
 
         After :meth:`fail`, the request is failed at once with that error, unless
         ``after_failure`` (a LEAVE still goes out, so the scheduler can finish).  ``reply_bytes``: the
@@ -145,30 +169,82 @@ class Mux:
             raise ProtocolError(f"{what}: an array of {big} bytes exceeds the cluster's "
                                 f"KVSTORE_MAX_MESSAGE_BYTES={limit}; it was not sent")
         request = Request(what, target=target, msg=msg)
+        nbytes = sum(a.nbytes for a in msg.arrays) if msg.arrays else 0  # before place() moves them
         release = None if self.lanes is None else self.lanes.place(target, msg, reply_bytes, chunk)
         if release is not None:  # the ranges stay reserved until the request is answered
             request.future.add_done_callback(release)
         msg.sender = self.rank
-        with self._lock:  # sealed in queue order: each receiver must see the channel's numbers rise
-            if self._closed:
-                raise StoreClosedError(f"{what}: the store is closed")
-            if self.failure is not None and not after_failure:
-                _resolve(request, exc=self.failure)
-                return request
-            if target in self._held and not bypass:
-                self._held[target].append(request)
-                return request
-            self._enqueue(target, request)
-        self._pump()
+        if not defer and not self._outbox and self._io.acquire(blocking=False):
+            try:  # nothing waits to be sent: seal and send it now, in this thread (the common case)
+                self._send_now(target, request, what, after_failure, bypass, nbytes, priority, keys)
+            finally:
+                self._io.release()
+            if self._outbox or self._swaps:  # another thread's, queued while we held the sockets
+                self._pump()
+            return request
+        with self._lock:
+            if self._admit(target, request, what, after_failure, bypass):
+                self._enqueue(target, request, nbytes, priority, keys)
+        if not defer:
+            self._pump()
         return request
 
-    def _enqueue(self, target: int, request: Request) -> None:
-        """Seal ``request``'s message with the next number and queue it (the caller holds ``_lock``)."""
-        msg = request.msg
-        msg.seq = next(self._seq)
-        name = "scheduler" if target == SCHEDULER else self.names.get(target) or f"server{target}"
-        self._inflight[msg.seq] = request
-        self._outbox.append((target, self.channel.seal(msg, name), msg.seq))
+    def _admit(self, target: int, request: Request, what: str, after_failure: bool, bypass: bool) -> bool:
+        """Whether ``request`` may be sent now (the caller holds ``_lock``): else it is failed (after
+        :meth:`fail`) or held (:meth:`hold`).  Raises StoreClosedError after :meth:`stop`."""
+        if self._closed:
+            raise StoreClosedError(f"{what}: the store is closed")
+        if self.failure is not None and not after_failure:
+            _resolve(request, exc=self.failure)
+            return False
+        if target in self._held and not bypass:
+            self._held[target].append(request)
+            return False
+        return True
+
+    def _send_now(self, target: int, request: Request, what: str, after_failure: bool, bypass: bool,
+                  nbytes: int, priority: int, keys: tuple | None) -> None:
+        """Seal and send ``request`` at once, or queue it if another thread queued one meanwhile (the
+        caller holds ``_io``).  Raises what sealing raises (nothing sent) and StoreClosedError."""
+        if self._swaps:
+            self._apply_swaps()
+        with self._lock:
+            if not self._admit(target, request, what, after_failure, bypass):
+                return
+            if self._outbox:  # queued by another thread since we looked: it goes first
+                self._enqueue(target, request, nbytes, priority, keys)
+                return
+            msg = request.msg
+            seq = msg.seq = next(self._seq)
+            try:
+                frames = self.channel.seal(msg, self._name(target))
+            except Exception as exc:  # nothing sent: the caller gets it; its shared memory is freed
+                _resolve(request, exc=exc)
+                raise
+            self._inflight[seq] = request
+        self._moved += 1
+        try:
+            self._send(self.sockets[target], frames)
+        except Exception as exc:  # surface to the waiting caller
+            with self._lock:
+                found = self._inflight.pop(seq, None)
+            if found is not None:
+                _resolve(found, exc=exc)
+        if len(self._inflight) > _READ_AHEAD:  # a long run of pushes nobody waits for
+            for sock in self.sockets.values():
+                self._receive(sock)
+
+    def _name(self, target: int) -> str:
+        """The name ``target`` is sealed for (the scheduler, or a server's current name)."""
+        return "scheduler" if target == SCHEDULER else self.names.get(target) or f"server{target}"
+
+    def _enqueue(self, target: int, request: Request, nbytes: int = 0, priority: int = 0,
+                 keys: tuple | None = None) -> None:
+        """Number ``request`` and queue it, unsealed (the caller holds ``_lock``): it is sealed when
+        sent (:meth:`_flush`), so each receiver sees the channel's numbers rise in the order sent."""
+        seq = request.msg.seq = next(self._seq)
+        self._inflight[seq] = request
+        self._outbox.put((target, request, seq, nbytes), priority, keys)
 
     # -- a restarted server (kvstore.client.realign) ------------------------------------------------
     def hold(self, target: int) -> None:
@@ -223,41 +299,75 @@ class Mux:
             held = [r for r in held if r.msg is not None and not r.future.done()]
             for request in held:
                 request.msg.shm = request.msg.reply_at = None  # inline: the new server has no segment
-                self._enqueue(target, request)
+                self._enqueue(target, request, sum(a.nbytes for a in request.msg.arrays))
         self._pump()
         return len(held)
 
     def _pump(self) -> None:
-        """Send the outbox now if the sockets are free, else make their holder send it."""
-        while self._outbox:
+        """Send from the outbox now, up to :attr:`pace_bytes` of arrays, if the sockets are free; else
+        make their holder send it."""
+        budget: float = self.pace_bytes
+        while self._outbox or self._swaps:
             if not self._io.acquire(blocking=False):
                 self._wake()  # the holder sends it: it flushes when woken and before it lets go
                 return
             try:
-                self._flush()
+                budget = self._flush(budget)
                 if len(self._inflight) > _READ_AHEAD:  # a long run of pushes nobody waits for
                     for sock in self.sockets.values():
                         self._receive(sock)
             finally:
                 self._io.release()
+            if budget <= 0:
+                return  # the rest waits for the next call, a waiting thread or the heartbeat
             # a message queued while we held the lock is sent by the next turn of this loop
 
-    def _flush(self) -> None:
-        """Send every queued message, in order (the caller holds ``_io``)."""
+    def nudge(self) -> None:
+        """Send everything the outbox holds if nothing was sent since the last nudge (a paced big
+        value's chunks nobody called to send).  The heartbeat calls this each beat."""
+        idle, self._nudged = self._nudged == self._moved, self._moved
+        if not idle or not self._outbox:
+            return
+        if not self._io.acquire(blocking=False):
+            self._wake()  # its holder flushes
+            return
+        try:
+            self._flush()
+        finally:
+            self._io.release()
+
+    def _flush(self, budget: float = math.inf) -> float:
+        """Send queued messages, highest priority first, sealing each as it leaves (the caller holds
+        ``_io``), until the outbox is empty or ``budget`` bytes of arrays are sent; returns the budget
+        left (at most 0: spent)."""
         if self._swaps:
             self._apply_swaps()
-        while True:
-            try:
-                target, frames, seq = self._outbox.popleft()
-            except IndexError:  # empty (stop() may have cleared it meanwhile)
-                return
+        while budget > 0:
+            with self._lock:
+                try:
+                    target, request, seq, nbytes = self._outbox.pop()
+                except IndexError:  # empty (stop() may have cleared it meanwhile)
+                    return budget
+                if request.msg is None or self._inflight.get(seq) is not request:
+                    continue  # answered, failed, or held for a restarted server meanwhile
+                try:
+                    frames = self.channel.seal(request.msg, self._name(target))
+                except Exception as exc:  # noqa: BLE001 - it fails its request, not the sender
+                    self._inflight.pop(seq, None)
+                    frames = exc
+            if isinstance(frames, Exception):
+                _resolve(request, exc=frames)
+                continue
+            self._moved += 1
             try:
                 self._send(self.sockets[target], frames)
             except Exception as exc:  # surface to the waiting caller
                 with self._lock:
-                    request = self._inflight.pop(seq, None)
-                if request is not None:
-                    _resolve(request, exc=exc)
+                    found = self._inflight.pop(seq, None)
+                if found is not None:
+                    _resolve(found, exc=exc)
+            budget -= nbytes
+        return budget
 
     def _wake(self) -> None:
         try:

@@ -162,7 +162,7 @@ class DistKVStore(KVStore):
                                 transport.curve_keys(cfg))  # partitions from a server (net/links.py)
             aligner = realign.Realigner(self._path, cfg, body, self._rejoin, moved=links.moved)
             self._heartbeat = Heartbeat(cfg, "worker", cluster.rank, cluster.session, self._io.fail,
-                                        stats=self._snapshot, on_left=self._barriers.warn_left,
+                                        stats=self._beat, on_left=self._barriers.warn_left,
                                         on_restarted=aligner.on_restarted,
                                         rebinder=WorkerRebind(self._io, cfg, body, self._mode,
                                                               lambda: self._barriers.passed,
@@ -248,6 +248,12 @@ class DistKVStore(KVStore):
 
     def _snapshot(self) -> dict[str, Any]:
         return self._meter.snapshot(self._window.blocked_seconds)
+
+    def _beat(self) -> dict[str, Any]:
+        """Each heartbeat's snapshot; first the outbox's paced chunks are sent if no call has sent
+        anything since the last beat (``Mux.nudge``), so none waits more than two beats."""
+        self._io.nudge()
+        return self._snapshot()
 
     @public
     def stats(self, cluster: bool = False) -> dict[str, Any]:
@@ -345,16 +351,16 @@ class DistKVStore(KVStore):
         fast, values = self._fast.match(key, value)
         if fast is not None:
             self._pushed = True
-            self._fast.push(Op.PUSH, fast, values)
+            self._fast.push(Op.PUSH, fast, values, priority=priority)
             return
         groups = self._push_args(key, value)
         if groups is not None:
             self._push(groups, priority)
 
     def _push(self, groups: list[Pushed], priority: int) -> None:
-        started = self._meter.begin("push")  # priority is accepted for MXNet scripts; sends keep call order
+        started = self._meter.begin("push")
         try:
-            self._path.send(Op.PUSH, groups)
+            self._path.send(Op.PUSH, groups, priority)
         finally:
             self._meter.end("push", started)
 
@@ -375,7 +381,7 @@ class DistKVStore(KVStore):
         if out is not None:
             fast, outs = self._fast.match(key, out, writable=True)
             if fast is not None:
-                self._fast.pull(fast, outs)
+                self._fast.pull(fast, outs, priority)
                 return out
         single = not isinstance(key, (list, tuple))
         metas = self._meta
@@ -389,18 +395,20 @@ class DistKVStore(KVStore):
     def _pull(self, keys: list[Key], priority: int, outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pull")
         try:
-            return self._pull_keys(keys, outs)
+            return self._pull_keys(keys, outs, priority)
         finally:
             self._meter.end("pull", started)
             self._path.after_round()  # residuals, test hook
 
-    def _pull_keys(self, keys: list[Key], outs: list[list[Any]] | None = None) -> list[Any]:
+    def _pull_keys(self, keys: list[Key], outs: list[list[Any]] | None = None,
+                   priority: int = 0) -> list[Any]:
         unique = list(dict.fromkeys(keys))  # a message names each key once
         if len(unique) != len(keys):
-            found = dict(zip(unique, self._pull_keys(unique)))
+            found = dict(zip(unique, self._pull_keys(unique, priority=priority)))
             return [found[k] for k in keys]
         sends, _ = self._path.plan(keys, chunked=False)
-        return self._collect(keys, sends, [self._path.submit(Op.PULL, s, None) for s in sends], outs)
+        requests = [self._path.submit(Op.PULL, s, None, None, priority) for s in sends]
+        return self._collect(keys, sends, requests, outs)
 
     @public
     def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
@@ -413,7 +421,7 @@ class DistKVStore(KVStore):
             if fast_out is fast:
                 self._check_open()
                 self._pushed = True
-                self._fast.push(Op.PUSHPULL, fast, values, outs)
+                self._fast.push(Op.PUSHPULL, fast, values, outs, priority)
                 return target
         single = not isinstance(key, (list, tuple))
         if not single:
@@ -463,18 +471,20 @@ class DistKVStore(KVStore):
                   outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pushpull")
         try:
-            return self._collect(*self._path.send(Op.PUSHPULL, groups), outs, pushed=True)
+            return self._collect(*self._path.send(Op.PUSHPULL, groups, priority), outs, pushed=True)
         finally:
             self._meter.end("pushpull", started)
             self._path.after_round()  # residuals, test hook
 
-    def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any]) -> Callable[[bool], None]:
-        """Send a PUSHPULL of ``keys`` (one value and one out each) now; return ``finish(write=True)``,
-        which waits for the replies and writes each key's result into its out (with ``write=False``
-        only waits, raising what failed).  The caller must make that call: a failure of the pushpull
-        is raised there and nowhere else.  Raises what ``pushpull`` raises for bad arguments, before
-        anything is sent.  The Trainer's overlap sends each bucket from its hook this way (one request
-        and one reply where a push then a pull took two of each; ``kvstore.overlap``)."""
+    def _pushpull_begin(self, keys: list[Key], values: list[Any], outs: list[Any],
+                        priority: int = 0) -> Callable[[bool], None]:
+        """Send a PUSHPULL of ``keys`` (one value and one out each) at ``priority`` now; return
+        ``finish(write=True)``, which waits for the replies and writes each key's result into its out
+        (with ``write=False`` only waits, raising what failed).  The caller must make that call: a
+        failure of the pushpull is raised there and nowhere else.  Raises what ``pushpull`` raises for
+        bad arguments, before anything is sent.  The Trainer's overlap sends each bucket from its hook
+        this way (one request and one reply where a push then a pull took two of each;
+        ``kvstore.overlap``)."""
         once_each(keys)
         self._check_open()
         try:
@@ -486,7 +496,7 @@ class DistKVStore(KVStore):
         self._pushed = True
         started = self._meter.begin("pushpull")
         try:
-            sent = self._path.send(Op.PUSHPULL, groups)
+            sent = self._path.send(Op.PUSHPULL, groups, priority)
         finally:
             self._meter.end("pushpull", started)
 

@@ -10,6 +10,7 @@ each last did here) or ``KVSTORE_STALL_ABORT`` (the pulls waiting on it are answ
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -22,6 +23,7 @@ from kvstore.core.shard import ShardState
 from kvstore.core.stats import Counters, Histogram, node_snapshot, snapshot_size
 from kvstore.errors import StallError
 from kvstore.net import timeline
+from kvstore.net.protocol import Op
 
 log = logging.getLogger("kvstore.server")
 TICK = 1.0  # seconds between two looks at the gauges and the open rounds
@@ -181,3 +183,23 @@ class ServerMeter:
         if tables:  # only a server holding dynamic tables reports them
             snap["dynamic_tables"] = tables
         return snap
+
+
+def record_arrivals(path: str, rank: int, handlers: dict[Op, Any]) -> dict[Op, Any]:
+    """``handlers`` with each INIT, PUSH, PULL and PUSHPULL request appended, as it arrives, to the file
+    ``path`` as one JSON line (server, op, sender, keys, chunk offset ``lo``).  A test hook
+    (``KVSTORE_TEST_ARRIVALS``), installed at start only when set: the order a worker's ``priority``
+    gave its requests (tests/integration/test_priority.py)."""
+    out = open(path, "a", buffering=1)  # noqa: SIM115 - one line per request until the process ends
+
+    def wrap(op: Op, handler: Any) -> Any:
+        def recorded(identity: bytes, msg: Any) -> None:
+            body = msg.body if isinstance(msg.body, dict) else {}
+            keys = body.get("keys", [body["key"]] if "key" in body else [])
+            line = {"server": rank, "op": op.name, "sender": msg.sender,
+                    "keys": [str(k) for k in keys] if isinstance(keys, list) else [], "lo": body.get("lo")}
+            out.write(json.dumps(line) + "\n")
+            handler(identity, msg)
+        return recorded
+    data = (Op.INIT, Op.PUSH, Op.PULL, Op.PUSHPULL)
+    return {op: wrap(op, h) if op in data else h for op, h in handlers.items()}

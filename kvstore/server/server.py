@@ -50,7 +50,7 @@ from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
 from kvstore.net.router import Handler, RouterService
 from kvstore.server import decompress, fastpath, restore
-from kvstore.server.meter import ServerMeter
+from kvstore.server.meter import ServerMeter, record_arrivals
 from kvstore.server.peakmem import PeakMemory
 from kvstore.server.requests import Batch, Requests
 from kvstore.server.shards import shard_writer
@@ -154,6 +154,8 @@ class Server:
                     Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave, Op.REJOIN: self._on_rejoin,
                     Op.SHM_ATTACH: self._on_shm_attach, Op.ROUND_ABORT: self._on_round_abort,
                     **self.sparse.handlers()}
+        if cfg.test_arrivals:  # tests only: the order data requests arrive in (KVSTORE_TEST_ARRIVALS)
+            handlers = record_arrivals(cfg.test_arrivals, rank, handlers)
         service.handlers = {op: self._metered(op, h) for op, h in handlers.items()}
         if cfg.test_server_stall is not None:  # KVSTORE_TEST_SERVER_STALL: a busy server, tests only
             service.handlers[Op.PULL] = _stalling(service.handlers[Op.PULL], *cfg.test_server_stall)

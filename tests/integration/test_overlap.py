@@ -218,8 +218,8 @@ def test_every_pushpull_the_hooks_send_is_collected_even_when_step_refuses(make_
     calls = layer_calls(kv)  # what the Trainer's overlap calls
     original = calls.pushpull_begin
 
-    def counted(keys, values, outs):
-        finish = original(keys, values, outs)
+    def counted(keys, values, outs, priority=0):
+        finish = original(keys, values, outs, priority)
         begun.append(keys)
         return lambda write=True: (finished.append(keys), finish(write))[1]
 

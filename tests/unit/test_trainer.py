@@ -381,6 +381,32 @@ def test_buckets_group_parameters_in_backward_order_up_to_the_size() -> None:
         make_buckets([10], -1)
 
 
+def test_overlap_gives_the_first_layers_buckets_the_highest_priority() -> None:
+    """The hooks send each bucket's pushpull at minus its first parameter's index: backward sends the
+    last layers first at the lowest priority, and the first layer's bucket at the highest (0)."""
+    from kvstore.local import LocalKVStore
+    from kvstore.overlap import bucket_priority
+
+    class Recording(LocalKVStore):
+        def __init__(self) -> None:
+            super().__init__("local")
+            self.priorities: list[tuple[list, int]] = []
+
+        def _pushpull_begin(self, keys, values, outs, priority=0):
+            self.priorities.append((list(keys), priority))
+            return super()._pushpull_begin(keys, values, outs, priority)
+
+    assert bucket_priority([3, 2, 1]) == -1 and bucket_priority([0]) == 0
+    kv = Recording()
+    model = make_model()
+    trainer = Trainer(model.parameters(), "sgd", dict(SGD), kvstore=kv, update_on_kvstore=False,
+                      overlap=True, bucket_bytes=0)
+    run(model, trainer.step, batches(2))  # the first step takes the plain path; the second, the hooks
+    trainer.close()
+    assert [p for _, p in kv.priorities] == [-3, -2, -1, 0]
+    assert kv.priorities[-1][0] == [trainer._keys[0]]
+
+
 def test_overlap_is_on_by_default_only_where_it_keeps_todays_semantics() -> None:
     """A local store gets no hooks unless asked; overlap=True on one replica installs one per parameter."""
     model = make_model()

@@ -30,6 +30,7 @@ class FakeMux(Mux):
 
     def __init__(self, servers: int) -> None:  # no sockets, so no Mux.__init__
         self.rank, self.lanes, self.names, self.channel = 0, None, {}, None
+        self.pace_bytes = 1 << 62  # answered at once: nothing is paced
         self.slices: list[dict[Any, np.ndarray]] = [{} for _ in range(servers)]  # each server's slices
         self.sent: list[tuple[int, Message]] = []
         self.silent: set[Op] = set()  # ops left unanswered
@@ -39,8 +40,10 @@ class FakeMux(Mux):
         self._open: list[Request] = []  # unanswered
 
     def submit(self, target: int, msg: Message, what: str, after_failure: bool = False,
-               reply_bytes: int = 0, chunk: tuple[int, int] | None = None, bypass: bool = False) -> Request:
-        """Record ``msg`` and answer it at once (unless its op is ``silent``), as Mux.submit resolves."""
+               reply_bytes: int = 0, chunk: tuple[int, int] | None = None, bypass: bool = False,
+               priority: int = 0, keys: Any = None, defer: bool = False) -> Request:
+        """Record ``msg`` and answer it at once (unless its op is ``silent``), as Mux.submit resolves;
+        nothing waits, so ``priority``, ``keys`` and ``defer`` change nothing."""
         if self._closed:
             raise StoreClosedError(f"{what}: the store is closed")
         request = Request(what, target=target, msg=msg)
