@@ -348,6 +348,12 @@ class Trainer:
         batch size is known: docs/trainer.md)."""
         return self._update_on_kvstore and self._overlap is None and self._kv.type.startswith("dist")
 
+    def push_factor(self, batch_size: float) -> float:
+        """What a gradient pushed for this step beside the Trainer's own (SparseTrainer's embedding rows)
+        is multiplied by, so that the store's optimizer applies this step's ``scale / batch_size``: 1.0
+        unless the servers keep the first use's rescale_grad.  Meaningful after the first use."""
+        return self._push_factor(batch_size)
+
     def _push_factor(self, batch_size: float) -> float:
         """What this step's gradients are multiplied by before they are pushed: this step's rescale
         over the servers' (exact: the rescale multiplies the gradient first).  A change of batch size

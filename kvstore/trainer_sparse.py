@@ -288,6 +288,10 @@ class SparseTrainer:
         if self.trainer is None:
             self._set_rescale(batch_size)
         grads = self._gradients()
+        if self.trainer is not None and self._on_store:
+            factor = self.trainer.push_factor(batch_size)
+            if factor != 1.0:  # the servers keep the dense Trainer's first rescale_grad: scale as it does
+                grads = [_scaled(grad, factor) for grad in grads]
         if self._reducer is not None:
             self._reducer.push(grads)  # summed on the servers while the dense step runs
         if self.trainer is not None:
@@ -327,6 +331,14 @@ class SparseTrainer:
         else:
             states = checkpoint.read_states(str(fname))
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._table_weights())
+
+
+def _scaled(grad: Any, factor: float) -> Any:
+    """A row gradient (a RowSparse or a torch tensor, sparse or dense) times ``factor``, its dtype kept."""
+    if isinstance(grad, RowSparse):
+        rows = np.asarray(grad.rows)
+        return RowSparse(grad.indices, rows * rows.dtype.type(factor), grad.shape)
+    return grad * factor
 
 
 def _numpy_views(weights: Iterable[tuple[str, Any]]) -> dict[str, np.ndarray]:
