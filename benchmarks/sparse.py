@@ -244,7 +244,8 @@ def storage_cost(rows: int, width: int) -> tuple[float, float]:
     grad = np.ones((FILL, width), np.float32)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    for part in np.array_split(ids, max(1, rows // FILL)):
+    for start in range(0, rows, FILL):
+        part = ids[start:start + FILL]
         kv.push("t", kvstore.RowSparse(part, grad[:len(part)], (0, width)))
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
