@@ -295,12 +295,25 @@ def _launch_lines(args: list[str], workers: int, servers: int) -> tuple[list[str
 def dyn_main(args: argparse.Namespace) -> None:
     """The dynamic-table suite: clusters per config, the torch baseline, storage and memory."""
     rows, width = args.dyn_rows, args.dyn_width
+    parts = set(args.parts.split(","))
+    if "rates" in parts:
+        _rates(args.configs, rows, width)
+    if "storage" in parts:
+        per_row, bound = storage_cost(rows, width)
+        print(f"storage: {per_row:.0f} bytes per row at {rows:,} rows with adam (bound {bound:.0f}): "
+              f"{per_row / bound:.2f} of the bound")
+    if "stream" in parts:
+        _stream(args.stream_ids, rows, width)
+
+
+def _rates(configs: str, rows: int, width: int) -> None:
+    """The rows/s table: clusters per config against the fixed table and torch's EmbeddingBag."""
     print(f"dynamic tables: width {width} float32, adam; {rows:,} rows (fixed, dyn1m); dyn100m: ids from "
           f"{ID_SPACE:,}, capacity {rows:,} rows in all; steps per timing {DYN_STEPS} (+1 warm-up)")
     print(f"{'config':>7} {'batch':>6} {'table':>8} {'push rows/s/w':>14} {'pull rows/s/w':>14} "
           f"{'push/fixed':>10} {'pull/fixed':>10} {'push/torch':>10} {'pull/torch':>10}")
     base = torch_baseline(rows, width)
-    for config in args.configs.split(","):
+    for config in configs.split(","):
         workers, servers = (int(n) for n in config.split("x"))
         lines, rss = _launch_lines(["--dyn-worker", "--dyn-rows", str(rows), "--dyn-width", str(width)],
                                    workers, servers)
@@ -321,10 +334,11 @@ def dyn_main(args: argparse.Namespace) -> None:
     for batch in DYN_BATCHES:
         print(f"  torch EmbeddingBag(sparse=True) one process, batch {batch}: update (SparseAdam) "
               f"{base[('push', batch)]:,.0f} rows/s, lookup {base[('pull', batch)]:,.0f} rows/s")
-    per_row, bound = storage_cost(rows, width)
-    print(f"storage: {per_row:.0f} bytes per row at {rows:,} rows with adam (bound {bound:.0f}): "
-          f"{per_row / bound:.2f} of the bound")
-    lines, rss = _launch_lines(["--stream-worker", "--stream-ids", str(args.stream_ids), "--dyn-rows",
+
+
+def _stream(total: int, rows: int, width: int) -> None:
+    """The memory part: ``total`` distinct ids through a table capped at ``rows`` on one server."""
+    lines, rss = _launch_lines(["--stream-worker", "--stream-ids", str(total), "--dyn-rows",
                                 str(rows), "--dyn-width", str(width)], 1, 1)
     samples = [line.split()[1:] for line in lines if line.startswith("STREAM ")]
     for ids, server_rss, seconds in samples:
@@ -332,7 +346,7 @@ def dyn_main(args: argparse.Namespace) -> None:
               f"{seconds} s")
     full = [int(r) for ids, r, _ in samples if int(ids) >= 2 * rows]  # the table full for a while
     if full:
-        print(f"stream of {args.stream_ids:,} ids through {rows:,} rows: server RSS after "
+        print(f"stream of {total:,} ids through {rows:,} rows: server RSS after "
               f"{2 * rows:,} ids {min(full) / 2**20:.1f}-{max(full) / 2**20:.1f} MiB "
               f"(spread {(max(full) - min(full)) / 2**20:.1f} MiB); peak {max(rss, default=0):.0f} MB")
     for line in lines:
@@ -352,6 +366,7 @@ def main() -> None:
     parser.add_argument("--dyn-rows", type=int, default=1_000_000, help="--dynamic: rows of the tables")
     parser.add_argument("--dyn-width", type=int, default=16, help="--dynamic: row width")
     parser.add_argument("--stream-ids", type=int, default=5_000_000, help="--dynamic: ids of the stream")
+    parser.add_argument("--parts", default="rates,storage,stream", help="--dynamic: which parts to run")
     parser.add_argument("--dyn-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stream-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
