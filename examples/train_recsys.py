@@ -16,7 +16,7 @@ slice of every batch, so a run on any number of workers follows the one-process 
 
     python launch.py -n 2 -s 2 examples/train_recsys.py              # dist_sync, the default run
     python examples/train_recsys.py --kvstore local                  # the same training in one process
-    python launch.py -n 2 -s 2 examples/train_recsys.py --capacity 4000   # tables that evict
+    python launch.py -n 2 -s 2 examples/train_recsys.py --capacity 1000   # tables that evict
 
 Rank 0 prints the held-out AUC, and (unless ``--no-baseline``) the AUC of a logistic regression over
 the same features (one weight per id and per dense feature, trained in one process); the exit code is
