@@ -49,23 +49,35 @@ class SparseEmbedding:
 
     Call it on a tensor of row ids (after :meth:`prefetch` of them, or it prefetches them itself) to
     get their vectors; after ``backward()``, :meth:`gradient` is the batch's row-sparse gradient.
+    With ``dynamic`` (True or a dict of capacity, policy, admit_after, ttl: docs/sparse.md, "Dynamic
+    tables") the table is a dynamic one: ids are any int64 (or uint64 bits) value, ``num_rows`` is None,
+    and a row is made on the servers when its gradient is first pushed.  Raises ValueError for
+    ``num_rows`` given with ``dynamic`` or missing without it.
     """
 
-    def __init__(self, num_rows: int, dim: int, init: Any = "normal", dtype: str = "float32",
-                 key: str | None = None) -> None:
-        self.num_rows, self.dim, self.init, self.dtype = int(num_rows), int(dim), init, np.dtype(dtype)
+    def __init__(self, num_rows: int | None, dim: int, init: Any = "normal", dtype: str = "float32",
+                 key: str | None = None, dynamic: Any = None) -> None:
+        if (num_rows is None) == (dynamic is None or dynamic is False):
+            raise ValueError("SparseEmbedding takes num_rows for a fixed table, or num_rows=None and "
+                             "dynamic= for a dynamic one")
+        self.dynamic = None if dynamic is False else dynamic
+        self.num_rows = 0 if num_rows is None else int(num_rows)  # 0: a dynamic table's ids are unbounded
+        self.dim, self.init, self.dtype = int(dim), init, np.dtype(dtype)
         self.key = f"embedding{next(_tables)}" if key is None else key
         self.ids = np.zeros(0, np.int64)  # the rows held now, sorted
         self.weight: Any = None  # a (len(ids), dim) leaf tensor that requires grad
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The table's shape."""
+        """The table's shape (a dynamic table's first dim is 0: its ids are not bounded)."""
         return (self.num_rows, self.dim)
 
     def create(self, kv: KVStore) -> None:
         """Create the table in ``kv`` (collective; on the servers in dist modes)."""
-        kv.init(self.key, shape=self.shape, dtype=self.dtype, init=self.init)
+        if self.dynamic is not None:
+            kv.init(self.key, width=self.dim, dtype=self.dtype, init=self.init, dynamic=self.dynamic)
+        else:
+            kv.init(self.key, shape=self.shape, dtype=self.dtype, init=self.init)
 
     def prefetch(self, kv: KVStore, row_ids: Any) -> None:
         """Pull the rows ``row_ids`` (any ints, any order, repeats allowed) from ``kv``; they replace the
@@ -329,9 +341,10 @@ class SparseTrainer:
 
 
 def _scaled(grad: Any, factor: float) -> Any:
-    """A row gradient (a RowSparse or a torch tensor, sparse or dense) times ``factor``, as a new value."""
+    """A row gradient (a RowSparse or a torch tensor, sparse or dense) times ``factor``, its dtype kept."""
     if isinstance(grad, RowSparse):
-        return RowSparse(grad.indices, grad.rows * factor, grad.shape)
+        rows = np.asarray(grad.rows)
+        return RowSparse(grad.indices, rows * rows.dtype.type(factor), grad.shape)
     return grad * factor
 
 

@@ -232,3 +232,37 @@ def test_update_on_kvstore_false_refuses_async_stores_and_store_held_tables() ->
     with pytest.raises(ValueError, match="update_on_kvstore=True"):
         kvstore.SparseTrainer(None, "sgd", embeddings=[kvstore.SparseEmbedding(ROWS, DIM)], kvstore="local",
                               update_on_kvstore=False)
+
+
+def test_dynamic_sparse_embedding_trains_as_the_fixed_table_of_the_same_init() -> None:
+    """A SparseEmbedding over a dynamic table (ids any int64) trains step for step as a fixed one of
+    the same init on the same ids, holds only the batch's rows, and a fixed/dynamic mix-up is refused."""
+    torch.manual_seed(0)
+    heads = [torch.nn.Linear(DIM, 1) for _ in range(2)]
+    heads[1].load_state_dict(heads[0].state_dict())
+    init = {"type": "uniform", "seed": 5}
+    fixed = kvstore.SparseEmbedding(ROWS, DIM, init=init)
+    dynamic = kvstore.SparseEmbedding(None, DIM, init=init, dynamic={"capacity": 10_000})
+    trainers = [kvstore.SparseTrainer(h.named_parameters(), "adam", {"learning_rate": 0.1},
+                                      embeddings=[e], kvstore="local")
+                for h, e in zip(heads, (fixed, dynamic))]
+    for ids, y in _batches(3):
+        for head, emb, trainer in zip(heads, (fixed, dynamic), trainers):
+            trainer.prefetch(emb, ids)
+            assert emb.weight.shape == (len(np.unique(ids.numpy())), DIM)
+            loss = ((head(emb(ids).sum(1)) - y) ** 2).sum()
+            loss.backward()
+            trainer.step(BATCH)
+            head.zero_grad()
+    every = np.arange(ROWS)
+    got = trainers[1].kvstore.row_sparse_pull(dynamic.key, row_ids=every)
+    want = trainers[0].kvstore.row_sparse_pull(fixed.key, row_ids=every)
+    np.testing.assert_allclose(got.rows, want.rows, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(heads[1].weight, heads[0].weight)
+    big = np.array([-(2**62), 2**62 + 1], np.int64)  # ids far outside any fixed range
+    trainers[1].prefetch(dynamic, torch.from_numpy(big))
+    assert list(dynamic.ids) == sorted(big.tolist())
+    with pytest.raises(ValueError, match="num_rows"):
+        kvstore.SparseEmbedding(None, DIM)
+    with pytest.raises(ValueError, match="num_rows"):
+        kvstore.SparseEmbedding(ROWS, DIM, dynamic=True)
