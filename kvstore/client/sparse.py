@@ -102,7 +102,7 @@ class DistRows:
                              f"dynamic row_sparse init of key {key!r} to server {server}")
                 for server in range(self.link.path.cluster.num_servers)]
 
-    def _dynamic_cuts(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    def dynamic_cuts(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """For sorted distinct ``ids`` of a dynamic table: each server's positions in ``ids`` (sorted)."""
         num = self.link.path.cluster.num_servers
         if num == 1:
@@ -147,7 +147,7 @@ class DistRows:
               rows: np.ndarray) -> list[Request]:
         if meta.dynamic is not None:
             requests = []
-            for server, where in self._dynamic_cuts(ids):
+            for server, where in self.dynamic_cuts(ids):
                 requests.extend(self._send_to(key, meta, rnd, server, ids[where], rows[where]))
             return requests
         ranges = self.ranges(meta)
@@ -210,7 +210,7 @@ class DistRows:
         body = {"key": key, "after": self._pushes.get(key, 0)}
         if admit:
             body["admit"] = True
-        for server, where in self._dynamic_cuts(ids):
+        for server, where in self.dynamic_cuts(ids):
             for first in range(0, where.size, step):
                 part = where[first:first + step]
                 msg = Message(Op.SPARSE_PULL, body, [np.ascontiguousarray(ids[part])])

@@ -5,6 +5,8 @@ servers.  The file holds them as it holds a dense key's state (docs/formats.md).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from kvstore.client.sparse import DistRows
@@ -31,12 +33,54 @@ def _refuse_dynamic(what: str, metas: dict[Key, R.SparseMeta]) -> None:
                                "'Dynamic tables')")
 
 
+def walk_dynamic(rows: DistRows, key: Key, meta: R.SparseMeta,
+                 state: bool) -> Iterator[tuple[int, Message]]:
+    """Each server's rows of dynamic table ``key``, one reply of at most a chunk at a time
+    (``(server, reply)``: arrays ``[ids, rows, *states]``, ``state``: with the optimizer's rows)."""
+    limit = max(1, rows.rows_per_message(meta) // 4)
+    for server in range(rows.link.path.cluster.num_servers):
+        start = 0
+        while start >= 0:
+            body = {"key": key, "after": 0, "held": start, "limit": limit, "state": state}
+            msg = Message(Op.SPARSE_PULL, body, [np.zeros(0, np.int64)])
+            what = f"rows held of dynamic key {key!r} from slot {start} of server {server}"
+            (reply,) = rows.link.path.wait([rows.link.path.mux.submit(server, msg, what)])
+            yield server, reply
+            start = int(reply.body["next"])
+
+
+def _gather_dynamic(rows: DistRows, key: Key, meta: R.SparseMeta) -> checkpoint.StateEntry | None:
+    """Dynamic ``key``'s state rows held on every server, sorted by id (None: never updated)."""
+    ids, parts, names, count = [], [], set(), 0
+    for _, reply in walk_dynamic(rows, key, meta, True):
+        names.add(tuple(reply.body.get("names", ())))
+        count = max(count, int(reply.body.get("count", 0)))
+        ids.append(reply.arrays[0])
+        parts.append(reply.arrays[2:])
+    names.discard(())  # a server without rows answers no state
+    if len(names) > 1:
+        raise OptimizerError(f"the servers disagree on the optimizer state of key {key!r}: {names}")
+    if not names:
+        return None
+    (state_names,) = names
+    all_ids = np.concatenate(ids)
+    order = np.argsort(all_ids, kind="stable")
+    n = all_ids.size
+    arrays = {name: np.concatenate([p[i] for p in parts if p]).reshape(n, meta.width)[order]
+              .reshape(n, *meta.shape[1:]) for i, name in enumerate(state_names)}
+    return checkpoint.StateEntry(key, (n, *meta.shape[1:]), meta.dtype, count, arrays, all_ids[order])
+
+
 def gather(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> list[checkpoint.StateEntry]:
-    """Every row-sparse key's state, whole (keys never updated have none and are left out);
-    UnsupportedError for a dynamic table (not saved yet)."""
-    _refuse_dynamic("save_optimizer_states", metas)
+    """Every row-sparse key's state, whole (keys never updated have none and are left out); a dynamic
+    table's is the rows its servers hold, with their ids."""
     entries = []
     for key, meta in metas.items():
+        if meta.dynamic is not None:
+            entry = _gather_dynamic(rows, key, meta)
+            if entry is not None:
+                entries.append(entry)
+            continue
         cuts = _cuts(rows, meta, 4)  # adam keeps two arrays, mixed precision three: a reply stays small
         submit = rows.link.path.mux.submit
         requests = [submit(server, Message(Op.SPARSE_PULL, {"key": key, "after": 0, "state": True},
@@ -71,6 +115,9 @@ def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], 
     DTypeMismatchError for another dtype (of the table, or of a state array)."""
     for entry in entries:
         meta = metas[entry.key]
+        if (meta.dynamic is None) != (entry.ids is None):
+            kind = "a fixed" if entry.ids is None else "a dynamic"
+            raise ShapeMismatchError(f"key {entry.key!r}: the saved state is {kind} table's; the key is not")
         mixed = "weight32" in optimizer.state_names(meta.dtype)  # a float32 master copy
         dtype = np.dtype(np.float32) if mixed else meta.dtype  # as create_state
         bad = [f"{n} {a.dtype}" for n, a in entry.arrays.items() if a.dtype != dtype]
@@ -82,6 +129,13 @@ def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], 
         if set(entry.arrays) != want:
             raise OptimizerError(f"key {entry.key!r}: {optimizer.name} state needs arrays {sorted(want)}, "
                                  f"got {sorted(entry.arrays)}")
+        if entry.ids is not None:
+            if np.unique(entry.ids).size != entry.ids.size:
+                raise OptimizerError(f"key {entry.key!r}: saved row ids repeat")
+            if tuple(entry.shape[1:]) != tuple(meta.shape[1:]):
+                raise ShapeMismatchError(f"key {entry.key!r}: saved state rows of {entry.shape[1:]} do not "
+                                         f"fit rows of {meta.shape[1:]}")
+            continue
         for name, array in entry.arrays.items():
             if array.size != meta.num_rows * meta.width:
                 raise ShapeMismatchError(f"key {entry.key!r}: saved state {name!r} of {array.size} elements "
@@ -93,6 +147,9 @@ def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Ke
     requests = []
     for entry in entries:
         meta = metas[entry.key]
+        if entry.ids is not None:
+            _scatter_dynamic(rows, entry, meta)
+            continue
         for name, array in entry.arrays.items():
             table = np.ascontiguousarray(array).reshape(meta.num_rows, meta.width)
             for server, start, stop in _cuts(rows, meta):
@@ -100,6 +157,28 @@ def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Ke
                 ids = np.arange(start, stop, dtype=np.int64)
                 msg = Message(Op.SPARSE_SET, body, [ids, table[start:stop]])
                 what = f"state {name!r} of key {entry.key!r} rows [{start}, {stop}) to server {server}"
+                requests.append(rows.link.path.mux.submit(server, msg, what))
+                if len(requests) >= 8:
+                    rows.link.path.wait(requests)
+                    requests = []
+    rows.link.path.wait(requests)
+
+
+def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.SparseMeta) -> None:
+    """Send a dynamic table's saved state rows to the servers their ids hash to, in chunks."""
+    assert entry.ids is not None
+    order = np.argsort(entry.ids, kind="stable")
+    ids = entry.ids[order]
+    step = max(1, rows.rows_per_message(meta))
+    requests = []
+    for name, array in entry.arrays.items():
+        table = np.ascontiguousarray(array).reshape(ids.size, meta.width)[order]
+        for server, where in rows.dynamic_cuts(ids):
+            for start in range(0, where.size, step):
+                part = where[start:start + step]
+                body = {"key": entry.key, "state": name, "count": entry.count}
+                msg = Message(Op.SPARSE_SET, body, [ids[part], table[part]])
+                what = f"state {name!r} of {part.size} rows of dynamic key {entry.key!r} to server {server}"
                 requests.append(rows.link.path.mux.submit(server, msg, what))
                 if len(requests) >= 8:
                     rows.link.path.wait(requests)

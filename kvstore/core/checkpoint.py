@@ -225,6 +225,7 @@ class StateEntry:
     dtype: np.dtype
     count: int
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    ids: np.ndarray | None = None  # a dynamic table's: the row ids (int64) of the arrays' rows
 
 
 @dataclass
@@ -265,8 +266,14 @@ def write_states(path: str | os.PathLike, states: StatesFile) -> None:
                                  f"elements of shape {shape}")
             names[state] = f"{index}/{state}"
             arrays[names[state]] = array
-        entries.append({"key": key, "shape": list(shape), "dtype": name, "count": entry.count,
-                        "states": names})
+        item = {"key": key, "shape": list(shape), "dtype": name, "count": entry.count, "states": names}
+        if entry.ids is not None:  # a dynamic table's rows: shape[0] of them, by id
+            ids = entry.ids
+            if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.shape == shape[:1]):
+                raise ValueError(f"row ids of key {key!r} must be int64 of shape {shape[:1]}")
+            item["ids"] = f"{index}:ids"  # ':' is never in a state's member name
+            arrays[item["ids"]] = ids
+        entries.append(item)
     if not _is_int(states.num_update) or states.num_update < 0:
         raise ValueError(f"num_update must be a non-negative int, not {states.num_update!r}")
     manifest = {"kind": "optimizer_states", "optimizer": states.optimizer, "num_update": states.num_update,
@@ -321,7 +328,12 @@ def _entry(item: Any, arrays: Mapping[str, np.ndarray], where: str) -> StateEntr
             raise FormatError(f"{where}: state {state!r} of key {key!r} is {array.dtype}{list(array.shape)}, "
                               f"which does not fit shape {shape}")
         out[state] = array.reshape(shape)
-    return StateEntry(key, tuple(shape), BY_NAME[dtype], count, out)
+    ids = None
+    if "ids" in item:  # a dynamic table's rows
+        ids = arrays.get(item["ids"]) if isinstance(item["ids"], str) else None
+        if ids is None or ids.dtype != np.int64 or list(ids.shape) != shape[:1]:
+            raise FormatError(f"{where}: key {key!r} has 'ids' that are not int64 of shape {shape[:1]}")
+    return StateEntry(key, tuple(shape), BY_NAME[dtype], count, out, ids)
 
 
 def _key_order(key: Key) -> tuple[bool, Any]:
@@ -363,7 +375,8 @@ def restore_optimizer(states: StatesFile, optimizer: Optimizer | None, weights: 
     changes.  Raises OptimizerError for a bad spec, no spec and no optimizer, or states
     that do not fit the optimizer; KeyNotInitializedError for a key not in ``weights``;
     ShapeMismatchError / DTypeMismatchError when an entry's shape or dtype differs from
-    the weight's (``declared[key]`` when given, as for :func:`optimizer_states`).
+    the weight's (``declared[key]`` when given, as for :func:`optimizer_states`), or the entry is a
+    dynamic table's (with row ids).
     """
     if states.optimizer is not None:
         target = scratch = from_spec(states.optimizer)
@@ -379,6 +392,9 @@ def restore_optimizer(states: StatesFile, optimizer: Optimizer | None, weights: 
             raise KeyNotInitializedError(f"the file has optimizer state for key {entry.key!r}, which is "
                                          "not initialised")
         weight = weights[entry.key]
+        if entry.ids is not None:
+            raise ShapeMismatchError(f"optimizer state of key {entry.key!r} is a dynamic table's (rows by "
+                                     "id); the key is not a dynamic table")
         if tuple(weight.shape) != tuple(entry.shape):
             raise ShapeMismatchError(f"optimizer state of key {entry.key!r} is for shape "
                                      f"{tuple(entry.shape)}, but the key has shape {tuple(weight.shape)}")

@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from kvstore.core import rowsparse as R
-from kvstore.core.dynamic import SLOT_BYTES, DynamicRows, apply_dynamic
+from kvstore.core.dynamic import SLOT_BYTES, DynamicRows, apply_dynamic, load_state, state_of
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
@@ -174,7 +174,10 @@ class SparseServer:
             raise OptimizerError(f"setting the optimizer state of key {key!r}: no optimizer is set")
         table, local = self.tables.local_ids(key, ids)
         if table.dynamic is not None:
-            raise UnsupportedError(f"dynamic key {key!r}: its optimizer state is not loaded from a file yet")
+            lost = load_state(opt, key, table.dynamic, ids, {name: rows}, count, whole=False)
+            if lost:
+                log.warning("dynamic key %r: no room for %d rows of loaded optimizer state", key, lost)
+            return
         state = opt.states.get(key)
         if state is None or any(a.shape != table.weight.shape for a in state.values()):
             state = opt.create_state(key, table.weight)
@@ -206,10 +209,35 @@ class SparseServer:
         if self.max_bytes and ids.size * table.width * table.dtype.itemsize * 3 > self.max_bytes:  # adam
             raise ProtocolError(f"SPARSE_PULL of {ids.size} rows of key {key!r}: the reply could exceed "
                                 f"KVSTORE_MAX_MESSAGE_BYTES={self.max_bytes}; ask in smaller messages")
+        if msg.body.get("held") is not None:  # a dynamic table's rows held, by slots (a save)
+            self.requests.reply(identity, self._held_rows(key, msg))
+            return
         if msg.body.get("state") is True:  # the optimizer's state rows (save_optimizer_states)
             self.requests.reply(identity, self._state_rows(key, ids, msg.seq))
             return
         self._reply_all(self.tables.pull(msg.sender, key, after, ids, (identity, msg.seq), admit))
+
+    def _held_rows(self, key: Key, msg: Message) -> Message:
+        """The reply to a walk of dynamic ``key``'s pool: the rows held in slots ``[held, held +
+        limit)`` as ``{next, count, names}`` (``next``: the next call's start, -1 when done) and arrays
+        ``[ids, rows, *states]`` (with ``state``: the optimizer's rows of each state array, ``names``
+        naming them; none when the key was never updated).  Counts no use."""
+        table = self.tables.table(key)
+        if table.dynamic is None:
+            raise ProtocolError(f"SPARSE_PULL of key {key!r}: 'held' walks dynamic tables only")
+        start, limit = _int(msg.body, "held"), _int(msg.body, "limit", 1)
+        row = table.width * max(table.dtype.itemsize, 4)
+        if self.max_bytes:  # ids, rows, and adam's (or mixed precision's) three state arrays
+            limit = max(1, min(limit, self.max_bytes // (5 * row + 8)))
+        slots, after = table.dynamic.live_slots(start, limit)
+        arrays = [table.dynamic.ids[slots], table.dynamic.weight[slots]]
+        opt = self.requests.optimizer
+        states = None
+        if msg.body.get("state") is True and opt is not None:
+            states = state_of(opt, key, table.dynamic, slots)
+        names = [] if states is None else list(states)
+        body = {"next": after, "count": 0 if opt is None else opt.counts.get(key, 0), "names": names}
+        return Message(Op.OK, body, arrays + [states[n] for n in names], seq=msg.seq)
 
     def _state_rows(self, key: Key, ids: np.ndarray, seq: int) -> Message:
         """The reply to a state pull: ``{count, names}`` and the rows ``ids`` of each state array

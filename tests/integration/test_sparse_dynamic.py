@@ -175,3 +175,45 @@ def test_dist_async_pushes_apply_as_in_the_local_store(async2) -> None:
     for got in results:
         np.testing.assert_array_equal(got.indices, want.indices)
         np.testing.assert_allclose(got.rows, want.rows, rtol=1e-6, atol=1e-6)
+
+
+def test_optimizer_states_of_a_dynamic_table_save_and_load_as_in_the_local_store(sync2, tmp_path,
+                                                                                monkeypatch) -> None:
+    """save_optimizer_states walks each server's rows a few at a time (2 per message here) and writes
+    the 'local' store's entry (ids sorted, adam's rows, count); load_optimizer_states after another
+    step sends each row's state back to its server, so the next step gives the local store's rows."""
+    from kvstore.client.sparse import DistRows
+    from kvstore.core import checkpoint
+
+    monkeypatch.setattr(DistRows, "rows_per_message", lambda self, meta: 8)  # 2 rows a reply, 8 a set
+    key = unique_key("dyn")
+    asked = np.concatenate([_step_ids(r, s) for r in range(2) for s in range(4)])
+    path = str(tmp_path / "states")
+
+    def sequence(kv, pushes) -> None:
+        kv.init(key, width=W, dtype="float32", init=INIT, dynamic=True)
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.05))
+        for step in range(2):
+            pushes(kv, step)
+        kv.save_optimizer_states(path + f".{kv.type}")
+        pushes(kv, 2)
+        kv.load_optimizer_states(path + f".{kv.type}")
+        pushes(kv, 3)
+
+    def work(kv):
+        sequence(kv, lambda k, step: k.push(key, _grad(k.rank, step)))
+        return kv.row_sparse_pull(key, row_ids=asked)
+
+    results = sync2.run(work)
+    local = kvstore.create("local")
+    sequence(local, lambda k, step: k.push(key, [_grad(0, step), _grad(1, step)]))
+    want = local.row_sparse_pull(key, row_ids=asked)
+    (saved,) = checkpoint.read_states(path + ".dist_sync").entries
+    (expected,) = checkpoint.read_states(path + ".local").entries
+    np.testing.assert_array_equal(saved.ids, expected.ids)
+    assert saved.count == expected.count == 2 and saved.shape == expected.shape
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(saved.arrays[name], expected.arrays[name], rtol=1e-6, atol=1e-7)
+    for got in results:
+        np.testing.assert_array_equal(got.indices, want.indices)
+        np.testing.assert_allclose(got.rows, want.rows, rtol=1e-6, atol=1e-6)

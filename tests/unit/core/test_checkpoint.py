@@ -561,3 +561,25 @@ def test_restore_with_a_bad_spec_raises_optimizer_error():
     with pytest.raises(OptimizerError):
         C.restore_optimizer(C.StatesFile({"name": "nope", "params": {}}, 0, []), target, {})
     assert target.states == {} and target.num_update == 0
+
+
+def test_a_dynamic_tables_state_entry_keeps_its_row_ids(tmp_path) -> None:
+    """An entry with ids (a dynamic table's rows) round-trips them as int64 next to its state rows;
+    entries without ids read back with none; ids of another length or dtype are refused both ways."""
+    ids = np.array([-3, 7, 2**40], np.int64)
+    mom = np.arange(6, dtype=np.float32).reshape(3, 2)
+    states = C.StatesFile(None, 4, [C.StateEntry("d", (3, 2), np.float32, 4, {"mom": mom}, ids),
+                                    C.StateEntry(1, (2,), np.float32, 4, {"mom": np.ones(2, np.float32)})])
+    C.write_states(tmp_path / "s", states)
+    back = C.read_states(tmp_path / "s")
+    np.testing.assert_array_equal(back.entries[0].ids, ids)
+    np.testing.assert_array_equal(back.entries[0].arrays["mom"], mom)
+    assert back.entries[1].ids is None
+    with pytest.raises(ValueError, match="row ids"):
+        C.write_states(tmp_path / "bad", C.StatesFile(None, 4, [C.StateEntry("d", (3, 2), np.float32, 4,
+                                                                              {"mom": mom}, ids[:2])]))
+    manifest, arrays = C.read(tmp_path / "s")
+    manifest["keys"][0]["ids"] = manifest["keys"][1]["states"]["mom"]  # 2 float32, not 3 int64
+    C.write(tmp_path / "damaged", manifest, arrays)
+    with pytest.raises(FormatError, match="ids"):
+        C.read_states(tmp_path / "damaged")
