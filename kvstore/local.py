@@ -76,11 +76,6 @@ class LocalKVStore(KVStore):
         holds (and the optimizer updates) their float32 master copies."""
         return {k: m.dtype for k, m in self._meta.items() if m.dtype == BF16}
 
-    def _refuse_dynamic(self, what: str) -> None:
-        if self._dynamic:
-            raise UnsupportedError(f"{what}: dynamic tables ({sorted(map(str, self._dynamic))}) are not "
-                                   "saved yet (docs/sparse.md, 'Dynamic tables')")
-
     def _states_file(self, opt: Optimizer, dump_optimizer: bool) -> checkpoint.StatesFile:
         """``opt``'s state of every key: the fixed keys' whole, each dynamic table's held rows by id."""
         fixed = copy.copy(opt)  # the dynamic tables' pool-sized state has no weight in _store
@@ -120,11 +115,16 @@ class LocalKVStore(KVStore):
             self._updater = None
 
     def _save_checkpoint(self, directory: str) -> None:
-        self._refuse_dynamic("save_checkpoint")
         with self._lock:
-            values = {k: self._outgoing(k, xp.to_numpy(v)) for k, v in self._store.items()}
-            states = (None if self._optimizer is None
-                      else checkpoint.optimizer_states(self._optimizer, self._store, True, self._declared()))
+            values: dict[Key, Any] = {k: self._outgoing(k, xp.to_numpy(v)) for k, v in self._store.items()}
+            for key, table in self._dynamic.items():  # the rows held, by id
+                slots, _ = table.live_slots(0, table.used)
+                ids = table.ids[slots]
+                order = np.argsort(ids, kind="stable")
+                shape = self._sparse.metas[key].shape
+                rows = table.weight[slots[order]].reshape(-1, *shape[1:])
+                values[key] = R.RowSparse(ids[order], rows, shape)
+            states = None if self._optimizer is None else self._states_file(self._optimizer, True)
         snapshot.write(directory, values, states)
 
     def _view(self, key: Key, array: Any) -> Any:
@@ -234,7 +234,8 @@ class LocalKVStore(KVStore):
 
     def _outgoing(self, key: Key, value: Any) -> Any:
         """``value`` as it leaves the store: a bfloat16 key's float32 master copy rounded to bfloat16."""
-        if self._meta[key].dtype != BF16:
+        meta = self._meta.get(key)  # a row-sparse table has none here: never bfloat16
+        if meta is None or meta.dtype != BF16:
             return value
         return precision.narrow(xp.to_numpy(value))
 

@@ -40,7 +40,8 @@ class RowsLink:
     path: DataPath
     collective: Callable[[str, Callable[[], None]], None]
     request_timeout: float
-    resumed: Callable[[Key, tuple, np.dtype], np.ndarray | None] = lambda key, shape, dtype: None
+    resumed: Callable[[Key, tuple, np.dtype], np.ndarray | R.RowSparse | None] = (
+        lambda key, shape, dtype: None)
     initialised: Callable[[list[Key]], None] = lambda keys: None  # KVSTORE_RESUME: restore their states
     sent: Callable[[int], None] = lambda nbytes: None  # counts bytes of arrays sent (stats' bytes_out)
 
@@ -83,9 +84,12 @@ class DistRows:
                                                      f"row_sparse init of key {key!r} to server {server}"))
             self.link.path.wait(requests)
             for key, meta, _, array in items:
-                if meta.dynamic is not None:
-                    continue  # rows made on first touch; nothing of it in a KVSTORE_RESUME snapshot
                 saved = self.link.resumed(key, meta.shape, meta.dtype)  # KVSTORE_RESUME's table
+                if meta.dynamic is not None:  # rows made on first touch, or the snapshot's rows
+                    if isinstance(saved, R.RowSparse):
+                        self.set_dynamic(key, meta, saved.indices, saved.rows)
+                    continue
+                assert not isinstance(saved, R.RowSparse)  # snapshot.check_fits refuses it
                 array = array if saved is None else saved
                 if array is not None:
                     self._set(key, meta, array.reshape(meta.num_rows, meta.width))
@@ -122,6 +126,23 @@ class DistRows:
                 requests.append(self._submit(server, msg, f"row_sparse init of key {key!r} rows "
                                                               f"[{start}, {stop}) to server {server}"))
                 if len(requests) >= 8:  # a few in flight: what the value's rows take on the wire stays small
+                    self.link.path.wait(requests)
+                    requests = []
+        self.link.path.wait(requests)
+
+    def set_dynamic(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Store ``rows`` (one per distinct int64 id of ``ids``) in dynamic table ``key``: each id's rows
+        to its server in chunks, made there (capacity allowing) or overwritten."""
+        order = np.argsort(ids, kind="stable")
+        ids, flat = ids[order], np.ascontiguousarray(rows.reshape(ids.size, meta.width)[order])
+        step, requests = self.rows_per_message(meta), []
+        for server, where in self.dynamic_cuts(ids):
+            for start in range(0, where.size, step):
+                part = where[start:start + step]
+                msg = Message(Op.SPARSE_SET, {"key": key}, [ids[part], flat[part]])
+                requests.append(self._submit(server, msg, f"{part.size} rows of dynamic key {key!r} to "
+                                                              f"server {server}"))
+                if len(requests) >= 8:
                     self.link.path.wait(requests)
                     requests = []
         self.link.path.wait(requests)

@@ -14,7 +14,7 @@ from kvstore.core import checkpoint
 from kvstore.core import rowsparse as R
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
-from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError, UnsupportedError
+from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError
 from kvstore.net.protocol import Message, Op
 
 
@@ -24,13 +24,6 @@ def _cuts(rows: DistRows, meta: R.SparseMeta, names: int = 1) -> list[tuple[int,
     step = max(1, rows.rows_per_message(meta) // max(1, names))
     return [(server, start, min(hi, start + step)) for server, lo, hi in rows.ranges(meta)
             for start in range(lo, hi, step)]
-
-
-def _refuse_dynamic(what: str, metas: dict[Key, R.SparseMeta]) -> None:
-    dynamic = sorted(str(k) for k, m in metas.items() if m.dynamic is not None)
-    if dynamic:
-        raise UnsupportedError(f"{what}: dynamic tables ({dynamic}) are not saved yet (docs/sparse.md, "
-                               "'Dynamic tables')")
 
 
 def walk_dynamic(rows: DistRows, key: Key, meta: R.SparseMeta,
@@ -101,11 +94,23 @@ def gather(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> list[checkpoint.St
     return entries
 
 
-def tables(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> dict[Key, np.ndarray]:
-    """Every row-sparse table, whole, for a snapshot (the writing worker holds them while it writes);
-    UnsupportedError for a dynamic table (not saved yet)."""
-    _refuse_dynamic("save_checkpoint", metas)
-    return {key: rows.pull(key, meta, np.arange(meta.num_rows, dtype=np.int64)).reshape(meta.shape)
+def _dynamic_rows(rows: DistRows, key: Key, meta: R.SparseMeta) -> R.RowSparse:
+    """Dynamic ``key``'s rows held on every server, sorted by id."""
+    ids, parts = [], []
+    for _, reply in walk_dynamic(rows, key, meta, False):
+        ids.append(reply.arrays[0])
+        parts.append(reply.arrays[1])
+    all_ids = np.concatenate(ids)
+    order = np.argsort(all_ids, kind="stable")
+    held = np.concatenate(parts)[order].reshape(all_ids.size, *meta.shape[1:])
+    return R.RowSparse(all_ids[order], held, meta.shape)
+
+
+def tables(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> dict[Key, np.ndarray | R.RowSparse]:
+    """Every row-sparse table for a snapshot (the writing worker holds them while it writes): a fixed
+    table whole, a dynamic table as a RowSparse of the rows its servers hold."""
+    return {key: _dynamic_rows(rows, key, meta) if meta.dynamic is not None
+            else rows.pull(key, meta, np.arange(meta.num_rows, dtype=np.int64)).reshape(meta.shape)
             for key, meta in metas.items()}
 
 

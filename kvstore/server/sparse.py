@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from kvstore.core import rowsparse as R
-from kvstore.core.dynamic import SLOT_BYTES, DynamicRows, apply_dynamic, load_state, state_of
+from kvstore.core.dynamic import SLOT_BYTES, DynamicRows, apply_dynamic, fit_state, load_state, state_of
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
@@ -157,7 +157,9 @@ class SparseServer:
     def _on_set(self, identity: bytes, msg: Message) -> None:
         key, ids, rows = self._rows(msg, True)
         name = msg.body.get("state")
-        if name is None:
+        if name is None and self.tables.table(key).dynamic is not None:
+            self._set_dynamic_rows(key, ids, rows)
+        elif name is None:
             self.tables.set_rows(key, ids, rows)
         else:
             if not isinstance(name, str):
@@ -165,6 +167,23 @@ class SparseServer:
                                     f"not {name!r}")
             self._set_state(key, name, _int(msg.body, "count"), ids, rows)
         self.requests.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _set_dynamic_rows(self, key: Key, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Store rows of distinct ``ids`` in dynamic ``key`` (a resumed snapshot): made (their state
+        fresh) or overwritten; rows there is no room for are dropped, and logged."""
+        table, _ = self.tables.local_ids(key, ids)
+        dynamic = table.dynamic
+        assert dynamic is not None
+        if rows.dtype != dynamic.dtype or rows.shape != (ids.size, dynamic.width):
+            raise ProtocolError(f"SPARSE_SET of dynamic key {key!r}: rows must be {dynamic.dtype}"
+                                f"({ids.size}, {dynamic.width}), got {rows.dtype}{rows.shape}")
+        slots, fresh = dynamic.put(ids)
+        if self.requests.optimizer is not None:
+            fit_state(self.requests.optimizer, key, dynamic.weight, fresh)
+        keep = slots >= 0
+        dynamic.weight[slots[keep]] = rows[keep]
+        if not keep.all():
+            log.warning("dynamic key %r: no room for %d of the rows set", key, int((~keep).sum()))
 
     def _set_state(self, key: Key, name: str, count: int, ids: np.ndarray, rows: np.ndarray) -> None:
         """Overwrite rows ``ids`` of state array ``name`` of ``key`` (a load_optimizer_states), making

@@ -8,7 +8,7 @@ import pytest
 
 import kvstore
 from kvstore import RowSparse
-from kvstore.errors import ShapeMismatchError, UnsupportedError
+from kvstore.errors import ShapeMismatchError
 
 W = 3
 
@@ -62,8 +62,6 @@ def test_what_a_dynamic_table_refuses() -> None:
     with pytest.raises(ValueError, match="dynamic=True"):
         kv.init("i", width=W)
     kv.set_optimizer(kvstore.optimizer.create("sgd"))
-    with pytest.raises(UnsupportedError, match="not saved yet"):
-        kv.save_checkpoint("/nonexistent/snapshot")
     assert kv._table_stats()["dynamic_tables"]["d"]["rows"] == 0
 
 
@@ -112,3 +110,23 @@ def test_optimizer_states_of_a_dynamic_table_save_and_load_by_row_id(tmp_path) -
     other.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
     with pytest.raises(ShapeMismatchError, match="dynamic"):
         other.load_optimizer_states(str(tmp_path / "s"))
+
+
+def test_save_checkpoint_writes_a_dynamic_tables_rows_by_id_and_their_state(tmp_path) -> None:
+    """save_checkpoint of a local store writes a dynamic table as a RowSparse of the rows it holds
+    (sorted ids, their current rows) and their sgd momentum by id; a fixed table stays whole."""
+    kv = kvstore.create("local")
+    kv.init("d", width=W, dtype="float32", init={"type": "normal", "seed": 3}, dynamic=True)
+    kv.init("f", shape=(4, W))
+    kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=0.1, momentum=0.9))
+    ids = np.array([2**40, -9, 5], np.int64)
+    kv.push("d", RowSparse(ids, np.ones((3, W), np.float32), (0, W)))
+    kv.save_checkpoint(str(tmp_path / "snap"))
+    values, states = kvstore.snapshot.read(str(tmp_path / "snap"))
+    table = values["d"]
+    assert isinstance(table, RowSparse) and list(table.indices) == [-9, 5, 2**40]
+    np.testing.assert_array_equal(table.rows, kv.row_sparse_pull("d", row_ids=ids).rows)
+    assert values["f"].shape == (4, W)
+    (entry,) = [e for e in states.entries if e.key == "d"]
+    assert list(entry.ids) == [-9, 5, 2**40]
+    np.testing.assert_allclose(entry.arrays["mom"], np.full((3, W), -0.1, np.float32), rtol=1e-6)
