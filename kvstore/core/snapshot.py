@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvstore.core import checkpoint, storage
-from kvstore.core.checkpoint import StatesFile
+from kvstore.core.checkpoint import Chunked, StatesFile
 from kvstore.core.partition import Key, check_key
 from kvstore.core.rowsparse import DYNAMIC_ROWS, RowSparse
 from kvstore.errors import FormatError, KeyTypeError
 
-__all__ = ["POINTER", "newest", "read", "read_generation", "write"]
+__all__ = ["HeldRows", "POINTER", "newest", "read", "read_generation", "write"]
 
 POINTER = "LATEST"
 VALUES = "values.arrays"
@@ -40,16 +41,30 @@ STATES = "optimizer.states"
 _GENERATION = re.compile(r"snapshot-(\d{6,})")
 
 
-def write_values(path: str, values: Mapping[Key, np.ndarray | RowSparse]) -> None:
+@dataclass(frozen=True)
+class HeldRows:
+    """A dynamic table's rows as a writer streams them (ids and rows in the same order, neither held
+    whole); read back as a :class:`RowSparse`."""
+
+    indices: Chunked
+    rows: Chunked
+
+
+Value = np.ndarray | Chunked | RowSparse | HeldRows  # what write_values takes for a key
+
+
+def write_values(path: str, values: Mapping[Key, Value]) -> None:
     """Write every key's value to ``path`` atomically (kind ``"values"``); a dynamic table's value is a
-    :class:`RowSparse` of the rows it holds, written as its rows and (``row_ids``) their ids.
-    KeyTypeError for a bad key."""
+    :class:`RowSparse` (or :class:`HeldRows`) of the rows it holds, written as its rows and
+    (``row_ids``) their ids; a :class:`Chunked` value is streamed.  KeyTypeError for a bad key."""
     keys = [check_key(k) for k in values]
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, np.ndarray | Chunked] = {}
     row_ids: dict[str, str] = {}
     for i, k in enumerate(keys):
         value = values[k]
-        if isinstance(value, RowSparse):
+        if isinstance(value, Chunked):
+            arrays[str(i)] = value
+        elif isinstance(value, (RowSparse, HeldRows)):
             arrays[str(i)] = value.rows
             row_ids[str(i)] = f"ids:{i}"
             arrays[row_ids[str(i)]] = value.indices
@@ -87,7 +102,8 @@ def read_values(path: str) -> dict[Key, np.ndarray | RowSparse]:
             continue
         if ids.dtype != np.int64 or ids.shape != value.shape[:1] or value.ndim < 2:
             raise FormatError(f"{path}: the row ids of key {k!r} are not int64, one per row")
-        out[k] = RowSparse(ids, value, (DYNAMIC_ROWS, *value.shape[1:]))
+        order = np.argsort(ids, kind="stable")  # written as the servers held them: read sorted
+        out[k] = RowSparse(ids[order], value[order], (DYNAMIC_ROWS, *value.shape[1:]))
     return out
 
 
@@ -104,7 +120,7 @@ def _pointed(directory: str) -> str | None:
     return name if _GENERATION.fullmatch(name) else None
 
 
-def write(directory: str, values: Mapping[Key, np.ndarray | RowSparse], states: StatesFile | None) -> str:
+def write(directory: str, values: Mapping[Key, Value], states: StatesFile | None) -> str:
     """Write a new generation of ``values`` (and ``states``) under ``directory``; return its path.
 
     ``directory`` is a local path or a storage URL (:mod:`kvstore.core.storage`).  ``LATEST``

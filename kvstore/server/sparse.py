@@ -240,7 +240,8 @@ class SparseServer:
         """The reply to a walk of dynamic ``key``'s pool: the rows held in slots ``[held, held +
         limit)`` as ``{next, count, names}`` (``next``: the next call's start, -1 when done) and arrays
         ``[ids, rows, *states]`` (with ``state``: the optimizer's rows of each state array, ``names``
-        naming them; none when the key was never updated).  Counts no use."""
+        naming them; none when the key was never updated); ``rows``: how many it holds in all.
+        Counts no use."""
         table = self.tables.table(key)
         if table.dynamic is None:
             raise ProtocolError(f"SPARSE_PULL of key {key!r}: 'held' walks dynamic tables only")
@@ -255,7 +256,8 @@ class SparseServer:
         if msg.body.get("state") is True and opt is not None:
             states = state_of(opt, key, table.dynamic, slots)
         names = [] if states is None else list(states)
-        body = {"next": after, "count": 0 if opt is None else opt.counts.get(key, 0), "names": names}
+        body = {"next": after, "count": 0 if opt is None else opt.counts.get(key, 0), "names": names,
+                "rows": len(table.dynamic)}
         return Message(Op.OK, body, arrays + [states[n] for n in names], seq=msg.seq)
 
     def _state_rows(self, key: Key, ids: np.ndarray, seq: int) -> Message:

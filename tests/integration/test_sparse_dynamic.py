@@ -259,3 +259,61 @@ def test_a_snapshot_holds_a_dynamic_table_and_resumes_on_another_server_count(ma
         got = resumed.row_sparse_pull(key, row_ids=asked)
         np.testing.assert_array_equal(got.indices, want[key].indices)
         np.testing.assert_allclose(got.rows, want[key].rows, rtol=1e-6, atol=1e-7, err_msg=key)
+
+
+def test_saves_stream_tables_bigger_than_a_chunk_server_by_server(sync2, tmp_path, monkeypatch) -> None:
+    """With 8 rows a message, save_checkpoint and save_optimizer_states of a 200-row fixed table and a
+    dynamic table of ~70 rows never ask a server for more than 8 fixed rows or 2 dynamic rows at a
+    time, and the files hold every row and its adam state as the servers do."""
+    from kvstore.client import sparse_states
+    from kvstore.client.sparse import DistRows
+
+    monkeypatch.setattr(DistRows, "rows_per_message", lambda self, meta: 8)
+    asked: list[int] = []
+    pull, walk = DistRows.pull, sparse_states.walk_dynamic
+
+    def spy_pull(self, key, meta, ids, admit=False):
+        asked.append(ids.size)
+        return pull(self, key, meta, ids, admit)
+
+    def spy_walk(*args, **kwargs):
+        for server, reply in walk(*args, **kwargs):
+            asked.append(reply.arrays[0].size)
+            yield server, reply
+
+    fixed, dyn = unique_key("fix"), unique_key("dyn")
+    ids = np.concatenate([_step_ids(r, s) for r in range(2) for s in range(8)])
+
+    def work(kv):
+        kv.init(fixed, shape=(200, W), init={"type": "uniform", "seed": 2})
+        kv.init(dyn, width=W, dtype="float32", init=INIT, dynamic=True)
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.05))
+        for step in range(8):
+            touched = np.arange(step, 200, 7)
+            fixed_grad = RowSparse(touched, np.ones((touched.size, W), np.float32), (200, W))
+            kv.push([fixed, dyn], [fixed_grad, _grad(kv.rank, step)])
+        kv.barrier()
+        if kv.rank == 0:  # the writer: only its pulls are watched
+            monkeypatch.setattr(DistRows, "pull", spy_pull)
+            monkeypatch.setattr(sparse_states, "walk_dynamic", spy_walk)
+        kv.save_checkpoint(str(tmp_path / "snap"))
+        kv.save_optimizer_states(str(tmp_path / "states"))
+        kv.barrier()
+        if kv.rank == 0:
+            monkeypatch.setattr(DistRows, "pull", pull)
+        return kv.row_sparse_pull(fixed, row_ids=np.arange(200)).rows, kv.row_sparse_pull(dyn, row_ids=ids)
+
+    (table, rows), _ = sync2.run(work)
+    assert len(asked) >= 200 // 8 and max(asked) <= 8, asked
+    values, states = kvstore.snapshot.read(str(tmp_path / "snap"))
+    np.testing.assert_array_equal(values[fixed], table)
+    np.testing.assert_array_equal(values[dyn].indices, rows.indices)
+    np.testing.assert_array_equal(values[dyn].rows, rows.rows)
+    saved = {e.key: e for e in kvstore.checkpoint.read_states(str(tmp_path / "states")).entries}
+    assert saved[fixed].count == saved[dyn].count == 8 and saved[fixed].arrays["mean"].shape == (200, W)
+    np.testing.assert_array_equal(saved[dyn].ids, rows.indices)
+    in_snapshot = {e.key: e for e in states.entries}
+    for name in ("mean", "var"):
+        np.testing.assert_array_equal(saved[dyn].arrays[name], in_snapshot[dyn].arrays[name])
+        np.testing.assert_array_equal(saved[fixed].arrays[name], in_snapshot[fixed].arrays[name])
+    assert np.abs(saved[fixed].arrays["mean"]).sum() > 0
