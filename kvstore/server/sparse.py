@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
 from kvstore.core.dynamic import SLOT_BYTES, DynamicRows, apply_dynamic, fit_state, load_state, state_of
 from kvstore.core.partition import Key, check_key
@@ -216,6 +217,11 @@ class SparseServer:
         rnd, last = _int(msg.body, "round"), msg.body.get("last")
         if type(last) is not bool:
             raise ProtocolError(f"SPARSE_PUSH of key {key!r} needs 'last' (a bool)")
+        half = msg.body.get("half")
+        if half is not None:  # fp16 / bf16 compression: float32 rows again (the table's check follows)
+            if half not in C.CASTS or rows.dtype != np.float16:  # bf16: its bits, in a 2-byte dtype
+                raise ProtocolError(f"SPARSE_PUSH of key {key!r}: 'half' {half!r} with {rows.dtype} rows")
+            rows = C.from_half(half, np.ascontiguousarray(rows).reshape(-1)).reshape(rows.shape)
         self._reply_all(self.tables.push(msg.sender, key, rnd, last, ids, rows, (identity, msg.seq)))
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:

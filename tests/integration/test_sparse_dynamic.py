@@ -317,3 +317,23 @@ def test_saves_stream_tables_bigger_than_a_chunk_server_by_server(sync2, tmp_pat
         np.testing.assert_array_equal(saved[dyn].arrays[name], in_snapshot[dyn].arrays[name])
         np.testing.assert_array_equal(saved[fixed].arrays[name], in_snapshot[fixed].arrays[name])
     assert np.abs(saved[fixed].arrays["mean"]).sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_half_precision_compression_casts_the_rows_a_push_carries(make_cluster, kind) -> None:
+    """Under fp16/bf16 compression a push's rows travel cast (then float32 again on the servers), for a
+    fixed and a dynamic table: the stored rows are the cast values, not the float32 ones."""
+    from kvstore.core import compression as C
+
+    cluster = make_cluster("dist_sync", 1, 2)
+    (kv,) = cluster.workers
+    kv.set_gradient_compression({"type": kind})
+    kv.init("f", shape=(50, W))
+    kv.init("d", width=W, dtype="float32", dynamic=True)
+    ids = np.array([3, 17, 41], np.int64)
+    rows = (1 + np.arange(3 * W, dtype=np.float32).reshape(3, W) * 1e-3) / 3
+    kv.push(["f", "d"], [RowSparse(ids, rows, (50, W)), RowSparse(ids * 2**33, rows, (0, W))])
+    cast = C.from_half(kind, C.to_half(kind, rows.reshape(-1), None)).reshape(3, W)
+    assert not np.array_equal(cast, rows)
+    np.testing.assert_array_equal(kv.row_sparse_pull("f", row_ids=ids).rows, cast)
+    np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=ids * 2**33).rows, cast)
