@@ -9,7 +9,9 @@ count one contribution per worker as dense keys do (MXNet's workers push every k
   (repeats summed) and applied once (``updater``), and its acks go out.  A pull carries how many
   rounds its worker has pushed (``after``) and is answered once that many are applied
   (read-your-writes).  Rounds more than ``window`` ahead of the applied ones are refused.
-* ``dist_async``: a worker's chunks are gathered until its last one, then applied and acked.
+* ``dist_async``: a worker's chunks are gathered until its last one, then applied and acked; with a
+  staleness ``gate`` (``KVSTORE_STALENESS``) the ack of a worker too many pushes of the key ahead of
+  the slowest live worker is withheld, as for dense keys (:mod:`kvstore.core.staleness`).
 
 A dynamic table (``init_dynamic``) has the same rounds over a :class:`kvstore.core.dynamic.DynamicRows`
 instead of a row range: any int64 id is its own, pushes are applied by ``dynamic_updater`` and pulls
@@ -30,6 +32,7 @@ from kvstore.core import rowsparse as R
 from kvstore.core.dynamic import DynamicRows
 from kvstore.core.partition import Key
 from kvstore.core.replies import Completion
+from kvstore.core.staleness import StalenessGate
 from kvstore.errors import (
     DTypeMismatchError,
     DuplicateInitError,
@@ -78,6 +81,7 @@ class Table:
     waiting: list[tuple[int, Any, np.ndarray, int, bool]] = field(default_factory=list)  # after, token,
     # ids, sender, admit
     dynamic: DynamicRows | None = None  # a dynamic table's rows (lo, hi and weight unused)
+    pushed: dict[int, int] = field(default_factory=dict)  # dist_async: worker -> its pushes applied
 
     @property
     def width(self) -> int:
@@ -117,6 +121,7 @@ class RowTables:
         self.tables: dict[Key, Table] = {}
         self.updater: Updater = _apply_default
         self.dynamic_updater: DynamicUpdater = _apply_dynamic_default
+        self.gate: StalenessGate | None = None  # dist_async's KVSTORE_STALENESS, as the dense keys'
 
     def __contains__(self, key: object) -> bool:
         return key in self.tables
@@ -197,7 +202,11 @@ class RowTables:
                 return []
             del table.pending[sender]
             self._apply(key, table, gathering)
-            return [Completion(t) for t in gathering.tokens]
+            table.pushed[sender] = table.pushed.get(sender, 0) + 1
+            acks = [Completion(t) for t in gathering.tokens]
+            if self.gate is None:
+                return acks
+            return self.gate.applied(key, sender, table.pushed, self.live, acks)
         if not table.applied <= rnd < table.applied + self.window:
             raise ProtocolError(f"push of key {key!r} for round {rnd}: this server has applied "
                                 f"{table.applied} rounds and takes {self.window} ahead (KVSTORE_PUSH_WINDOW)")
@@ -268,4 +277,6 @@ class RowTables:
                 done.extend(Completion(t) for t in dropped.tokens)
             if self.sync:
                 done.extend(self._close(key, table))
+            elif self.gate is not None:  # it no longer counts as the slowest
+                done.extend(self.gate.release(key, table.pushed, self.live))
         return done

@@ -19,6 +19,7 @@ from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
 from kvstore.core.sparse_update import apply_rows
+from kvstore.core.staleness import StalenessGate
 from kvstore.errors import ConfigError, DTypeMismatchError, OptimizerError, ProtocolError, UnsupportedError
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import Handler
@@ -53,10 +54,13 @@ class SparseServer:
         self.tables.dynamic_updater = self._update_dynamic
         self.max_bytes = 0
 
-    def configure(self, num_workers: int, sync: bool, window: int, max_bytes: int = 0) -> None:
-        """Set the cluster's worker count and mode (from the map), and the largest reply of rows
-        (``KVSTORE_MAX_MESSAGE_BYTES``, 0: no limit)."""
+    def configure(self, num_workers: int, sync: bool, window: int, max_bytes: int = 0,
+                  staleness: int | None = None) -> None:
+        """Set the cluster's worker count and mode (from the map), the largest reply of rows
+        (``KVSTORE_MAX_MESSAGE_BYTES``, 0: no limit) and dist_async's ``staleness`` bound (None: none)."""
         self.tables = RowTables(num_workers, sync, window or (1 << 30))  # 0: no limit
+        if not sync and staleness is not None:
+            self.tables.gate = StalenessGate(staleness, window)
         self.max_bytes = max_bytes
         self.tables.updater = self._update
         self.tables.dynamic_updater = self._update_dynamic

@@ -337,3 +337,33 @@ def test_half_precision_compression_casts_the_rows_a_push_carries(make_cluster, 
     assert not np.array_equal(cast, rows)
     np.testing.assert_array_equal(kv.row_sparse_pull("f", row_ids=ids).rows, cast)
     np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=ids * 2**33).rows, cast)
+
+
+def test_staleness_holds_a_fast_worker_within_s_pushes_of_the_slowest(make_cluster) -> None:
+    """dist_async, s=2: worker 0 pushes a dynamic table 6 times as fast as it can, worker 1 only when
+    the test says; worker 0 never gets more than 2 pushes past worker 1 (its window waits)."""
+    import threading
+
+    steps = 6
+    cluster = make_cluster("dist_async", num_workers=2, num_servers=1, KVSTORE_STALENESS=2)
+    kv0, kv1 = cluster.workers
+    key = unique_key("dyn")
+    cluster.run(lambda kv: kv.init(key, width=W, dtype="float32", dynamic=True))
+    sent = [0]
+
+    def run() -> None:
+        for step in range(steps):
+            kv0.push(key, _grad(0, step))
+            sent[0] += 1
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    for slow in range(steps + 1):
+        expect = min(steps, slow + 2)
+        poll_for(lambda e=expect: sent[0] == e and (e == steps or kv0._window.waiting), 15,
+                 f"worker 0 to stop at {expect} pushes")
+        assert sent[0] == expect  # held: no further push got out
+        if slow < steps:
+            kv1.push(key, _grad(1, slow))
+    thread.join(15)
+    cluster.run(lambda kv: kv.barrier())

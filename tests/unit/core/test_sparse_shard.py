@@ -118,3 +118,20 @@ def test_waiting_pulls_are_bounded_per_worker_and_dropped_when_it_leaves() -> No
     assert [w[1] for w in t.tables["e"].waiting] == [*range(WAITING_RANGES), "other"]
     t.leave(0)
     assert [w[1] for w in t.tables["e"].waiting] == ["other"]
+
+
+def test_a_staleness_gate_withholds_acks_of_a_worker_too_far_ahead_on_a_row_sparse_key() -> None:
+    """dist_async with a gate (s=1, window 1: threshold 0): worker 0's second push is applied but
+    its ack waits until worker 1 pushes (or leaves); worker 1, the slowest, is always answered."""
+    from kvstore.core.staleness import StalenessGate
+
+    tables = RowTables(2, sync=False, window=1)
+    tables.gate = StalenessGate(1, 1)
+    tables.init("k", (4, 2), np.dtype(np.float32), 0, 4, {"type": "zeros"})
+    ids, rows = np.array([1], np.int64), np.ones((1, 2), np.float32)
+    first = tables.push(0, "k", 0, True, ids, rows, "a")
+    assert first == []  # 1 ahead of worker 1's 0: held
+    assert [c.token for c in tables.push(1, "k", 0, True, ids, rows, "b")] == ["b", "a"]
+    assert tables.push(0, "k", 1, True, ids, rows, "c") == []
+    assert [c.token for c in tables.leave(1)] == ["c"]  # the slowest left: released
+    np.testing.assert_array_equal(tables.tables["k"].weight[1], [1, 1])  # applied on arrival (assigned)
