@@ -22,6 +22,7 @@ Every check runs before anything changes; errors are the kvstore tree's.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,7 @@ class _Round:
     done: set[int] = field(default_factory=set)
     tokens: list[Any] = field(default_factory=list)
     sent: dict[int, int] = field(default_factory=dict)  # rows each worker has sent in this round
+    opened: float = 0.0  # the clock when its first chunk came (the stall inspector's wait)
 
     def add(self, sender: int, local: np.ndarray, rows: np.ndarray, token: Any, limit: int) -> None:
         """Take a chunk; ProtocolError when ``sender``'s rows in this round would pass ``limit`` (a push
@@ -115,8 +117,10 @@ def _apply_dynamic_default(key: Key, table: DynamicRows, ids: np.ndarray, rows: 
 class RowTables:
     """The row-sparse keys a server holds."""
 
-    def __init__(self, num_workers: int = 1, sync: bool = True, window: int = 4) -> None:
+    def __init__(self, num_workers: int = 1, sync: bool = True, window: int = 4,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.num_workers, self.sync, self.window = num_workers, sync, max(1, window)
+        self.clock = clock
         self.live = set(range(num_workers))
         self.tables: dict[Key, Table] = {}
         self.updater: Updater = _apply_default
@@ -210,7 +214,7 @@ class RowTables:
         if not table.applied <= rnd < table.applied + self.window:
             raise ProtocolError(f"push of key {key!r} for round {rnd}: this server has applied "
                                 f"{table.applied} rounds and takes {self.window} ahead (KVSTORE_PUSH_WINDOW)")
-        current = table.rounds.get(rnd) or _Round()
+        current = table.rounds.get(rnd) or _Round(opened=self.clock())
         if sender in current.done:
             raise ProtocolError(f"worker {sender} pushed round {rnd} of key {key!r} twice")
         current.add(sender, local, rows, token, table.limit)  # a refused chunk opens no round
@@ -264,6 +268,22 @@ class RowTables:
             table.waiting.append((after, token, local, sender, admit))
             return []
         return [Completion(token, table.read(local, admit))]
+
+    def stalled(self, older_than: float) -> list[tuple[Key, float, list[int]]]:
+        """``(key, seconds open, live workers it waits for)`` of each table whose next round (dist_sync)
+        has been open longer than ``older_than`` seconds (the stall inspector, as ShardState's)."""
+        now, found = self.clock(), []
+        for key, table in self.tables.items():
+            current = table.rounds.get(table.applied)
+            if current is not None and now - current.opened > older_than:
+                found.append((key, now - current.opened, sorted(self.live - current.done)))
+        return found
+
+    def drop_waiting(self, key: Key) -> list[Any]:
+        """Forget the pulls of ``key`` waiting for a round (a stall aborts them); return their tokens."""
+        table = self.table(key)
+        tokens, table.waiting = [w[1] for w in table.waiting], []
+        return tokens
 
     def leave(self, sender: int) -> list[Completion]:
         """``sender`` is done: rounds no longer wait for it, its unfinished async chunks and its waiting

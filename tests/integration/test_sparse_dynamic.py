@@ -367,3 +367,25 @@ def test_staleness_holds_a_fast_worker_within_s_pushes_of_the_slowest(make_clust
             kv1.push(key, _grad(1, slow))
     thread.join(15)
     cluster.run(lambda kv: kv.barrier())
+
+
+def test_stall_abort_answers_a_pull_waiting_on_a_row_sparse_round(make_cluster) -> None:
+    """KVSTORE_STALL_ABORT=2: a pull waiting on a dynamic table's round that worker 1 never joins gets
+    StallError naming worker 1; worker 1's push then closes the round with both pushes."""
+    import time
+
+    from kvstore.errors import StallError
+
+    cluster = make_cluster("dist_sync", num_workers=2, num_servers=1, KVSTORE_STALL_WARN=1,
+                           KVSTORE_STALL_ABORT=2)
+    kv0, kv1 = cluster.workers
+    key = unique_key("dyn")
+    cluster.run(lambda kv: kv.init(key, width=W, dtype="float32", dynamic=True))
+    ids = np.array([5], np.int64)
+    kv0.push(key, RowSparse(ids, np.ones((1, W), np.float32), (0, W)))
+    started = time.monotonic()
+    with pytest.raises(StallError, match=r"worker 1 .*KVSTORE_STALL_ABORT=2"):
+        kv0.row_sparse_pull(key, row_ids=ids)
+    assert time.monotonic() - started < 10
+    kv1.push(key, RowSparse(ids, np.ones((1, W), np.float32), (0, W)))
+    np.testing.assert_array_equal(kv1.row_sparse_pull(key, row_ids=ids).rows, np.full((1, W), 2.0))

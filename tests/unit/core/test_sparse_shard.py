@@ -135,3 +135,19 @@ def test_a_staleness_gate_withholds_acks_of_a_worker_too_far_ahead_on_a_row_spar
     assert tables.push(0, "k", 1, True, ids, rows, "c") == []
     assert [c.token for c in tables.leave(1)] == ["c"]  # the slowest left: released
     np.testing.assert_array_equal(tables.tables["k"].weight[1], [1, 1])  # applied on arrival (assigned)
+
+
+def test_stalled_names_a_row_sparse_round_open_too_long_and_the_workers_it_waits_for() -> None:
+    """dist_sync: a round open longer than the bound is reported with its wait and the live workers
+    that have not pushed; drop_waiting hands back the pulls waiting on it."""
+    now = [100.0]
+    tables = RowTables(3, sync=True, window=4, clock=lambda: now[0])
+    tables.init("k", (4, 2), np.dtype(np.float32), 0, 4, {"type": "zeros"})
+    ids, rows = np.array([1], np.int64), np.ones((1, 2), np.float32)
+    tables.push(0, "k", 0, True, ids, rows, "p0")
+    assert tables.pull(0, "k", 1, ids, "wait") == []
+    now[0] = 102.5
+    assert tables.stalled(5.0) == []
+    assert tables.stalled(2.0) == [("k", 2.5, [1, 2])]
+    assert tables.drop_waiting("k") == ["wait"]
+    assert tables.tables["k"].waiting == []
