@@ -41,7 +41,7 @@ def walk_dynamic(rows: DistRows, key: Key, meta: R.SparseMeta, state: bool,
             what = f"rows held of dynamic key {key!r} from slot {start} of server {server}"
             (reply,) = rows.link.path.wait([rows.link.path.mux.submit(server, msg, what)])
             yield server, reply
-            start = int(reply.body["next"]) if limit > 0 else -1
+            start = int(reply.body["next"])
 
 
 def _probe_dynamic(rows: DistRows, key: Key, meta: R.SparseMeta) -> tuple[int, int, dict[str, np.dtype]]:
