@@ -583,3 +583,20 @@ def test_a_dynamic_tables_state_entry_keeps_its_row_ids(tmp_path) -> None:
     C.write(tmp_path / "damaged", manifest, arrays)
     with pytest.raises(FormatError, match="ids"):
         C.read_states(tmp_path / "damaged")
+
+
+def test_a_chunked_array_is_written_as_it_comes_and_must_fill_its_shape(tmp_path) -> None:
+    """A Chunked array's chunks become one .npy member read back as the whole array; chunks that
+    hold fewer or more elements than its shape raise ValueError and leave no file."""
+    whole = np.arange(24, dtype=np.float32).reshape(6, 4)
+
+    def chunks(parts):
+        return lambda: iter(parts)
+
+    streamed = C.Chunked((6, 4), np.dtype(np.float32), chunks([whole[:4], whole[4:]]))
+    C.write(tmp_path / "ok", {}, {"t": streamed})
+    np.testing.assert_array_equal(C.read(tmp_path / "ok")[1]["t"], whole)
+    for parts in ([whole[:4]], [whole, whole[:1]]):
+        with pytest.raises(ValueError, match="elements"):
+            C.write(tmp_path / "bad", {}, {"t": C.Chunked((6, 4), np.dtype(np.float32), chunks(parts))})
+        assert not (tmp_path / "bad").exists()
