@@ -84,6 +84,7 @@ class Table:
     # ids, sender, admit
     dynamic: DynamicRows | None = None  # a dynamic table's rows (lo, hi and weight unused)
     pushed: dict[int, int] = field(default_factory=dict)  # dist_async: worker -> its pushes applied
+    offset: dict[int, int] = field(default_factory=dict)  # quorum: worker -> rounds it was shifted by
 
     @property
     def width(self) -> int:
@@ -126,6 +127,9 @@ class RowTables:
         self.updater: Updater = _apply_default
         self.dynamic_updater: DynamicUpdater = _apply_dynamic_default
         self.gate: StalenessGate | None = None  # dist_async's KVSTORE_STALENESS, as the dense keys'
+        self.quorum: int | None = None  # dist_sync's KVSTORE_SYNC_QUORUM (None: every live worker)
+        self.on_late: Callable[[Key, int, int], None] | None = None  # (key, worker, round) dropped late
+        self.late: dict[int, int] = {}  # worker -> late pushes dropped (quorum)
 
     def __contains__(self, key: object) -> bool:
         return key in self.tables
@@ -211,6 +215,9 @@ class RowTables:
             if self.gate is None:
                 return acks
             return self.gate.applied(key, sender, table.pushed, self.live, acks)
+        rnd += table.offset.get(sender, 0)  # a worker that was late joins the oldest open round
+        if rnd < table.applied and self.quorum is not None:  # its round closed without it: late
+            return self._late(key, table, sender, rnd, last, token)
         if not table.applied <= rnd < table.applied + self.window:
             raise ProtocolError(f"push of key {key!r} for round {rnd}: this server has applied "
                                 f"{table.applied} rounds and takes {self.window} ahead (KVSTORE_PUSH_WINDOW)")
@@ -223,6 +230,23 @@ class RowTables:
             current.done.add(sender)
         return self._close(key, table)
 
+    def _late(self, key: Key, table: Table, sender: int, rnd: int, last: bool,
+              token: Any) -> list[Completion]:
+        """Drop a chunk of a push whose round ``rnd`` closed by quorum: ack it; at its last chunk count
+        it and shift the worker's rounds so its next push joins the oldest round still open."""
+        if last:
+            table.offset[sender] = table.offset.get(sender, 0) + table.applied - rnd - 1
+            self.late[sender] = self.late.get(sender, 0) + 1
+            if self.on_late is not None:
+                self.on_late(key, sender, rnd)
+        return [Completion(token)]
+
+    def _closes(self, current: _Round) -> bool:
+        """Whether a round is complete: every live worker's push is in, or (quorum) that many."""
+        if self.live <= current.done:
+            return True
+        return self.quorum is not None and len(current.done & self.live) >= self.quorum
+
     def _apply(self, key: Key, table: Table, contribution: _Round) -> None:
         if len(contribution.parts) == 1:  # one worker's one message: merged on the worker already
             ids, rows = contribution.parts[0]
@@ -230,6 +254,9 @@ class RowTables:
             ids = np.concatenate([p[0] for p in contribution.parts])
             rows = np.concatenate([p[1] for p in contribution.parts])
         ids, rows = R.merge(ids, rows)
+        pushed = len(contribution.done)
+        if self.sync and self.quorum is not None and 0 < pushed < self.num_workers:
+            rows = rows * rows.dtype.type(self.num_workers / pushed)  # as if every worker had pushed
         if table.dynamic is not None:
             self.dynamic_updater(key, table.dynamic, ids, rows)
         else:
@@ -240,7 +267,7 @@ class RowTables:
         done: list[Completion] = []
         while True:
             current = table.rounds.get(table.applied)
-            if current is None or not self.live <= current.done:
+            if current is None or not self._closes(current):
                 break
             self._apply(key, table, current)  # an updater's error leaves the round open
             del table.rounds[table.applied]
@@ -257,6 +284,8 @@ class RowTables:
         """Answer a pull of rows ``ids`` of ``key`` once ``after`` rounds are applied (dist_sync);
         ``admit``: a dynamic table stores the rows it did not hold."""
         table, local = self.local_ids(key, ids)
+        if self.sync:
+            after += table.offset.get(sender, 0)  # a late worker's pushes were shifted
         if self.sync and after > table.applied:
             if after > table.applied + self.window:
                 raise ProtocolError(f"pull of key {key!r} after round {after}: only {table.applied} "

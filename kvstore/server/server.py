@@ -113,7 +113,9 @@ class Server:
         self._refused_left: set[int] = set()  # workers whose push after their LEAVE was logged
         self.sparse = SparseServer(self._requests)  # row-sparse keys (server/sparse.py)
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
-                              cluster.get("max_message_bytes", 0), cluster.get("staleness"))
+                              cluster.get("max_message_bytes", 0), cluster.get("staleness"),
+                              cluster.get("sync_quorum"))
+        self.sparse.tables.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self.meter.extra_held = self.sparse.nbytes
         self.meter.extra_tables = self.sparse.dynamic_stats
         self.meter.extra_stalled = lambda older_than: self.sparse.tables.stalled(older_than)

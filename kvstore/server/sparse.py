@@ -55,12 +55,15 @@ class SparseServer:
         self.max_bytes = 0
 
     def configure(self, num_workers: int, sync: bool, window: int, max_bytes: int = 0,
-                  staleness: int | None = None) -> None:
+                  staleness: int | None = None, quorum: int | None = None) -> None:
         """Set the cluster's worker count and mode (from the map), the largest reply of rows
-        (``KVSTORE_MAX_MESSAGE_BYTES``, 0: no limit) and dist_async's ``staleness`` bound (None: none)."""
+        (``KVSTORE_MAX_MESSAGE_BYTES``, 0: no limit), dist_async's ``staleness`` bound and dist_sync's
+        ``quorum`` (None: none)."""
         self.tables = RowTables(num_workers, sync, window or (1 << 30))  # 0: no limit
         if not sync and staleness is not None:
             self.tables.gate = StalenessGate(staleness, window)
+        if sync and quorum is not None and quorum < num_workers:
+            self.tables.quorum = quorum
         self.max_bytes = max_bytes
         self.tables.updater = self._update
         self.tables.dynamic_updater = self._update_dynamic

@@ -389,3 +389,29 @@ def test_stall_abort_answers_a_pull_waiting_on_a_row_sparse_round(make_cluster) 
     assert time.monotonic() - started < 10
     kv1.push(key, RowSparse(ids, np.ones((1, W), np.float32), (0, W)))
     np.testing.assert_array_equal(kv1.row_sparse_pull(key, row_ids=ids).rows, np.full((1, W), 2.0))
+
+
+def test_a_quorum_closes_row_sparse_rounds_without_the_backup_worker(make_cluster) -> None:
+    """KVSTORE_SYNC_QUORUM=2 of 3: workers 0 and 1's pushes of a fixed and a dynamic table close the
+    round, summed and scaled by 3/2; worker 2's push of that round comes late: acked, dropped, and its
+    pull reads the round the others made."""
+    cluster = make_cluster("dist_sync", num_workers=3, num_servers=2, KVSTORE_SYNC_QUORUM=2)
+    kv0, kv1, kv2 = cluster.workers
+    fixed, dyn = unique_key("fix"), unique_key("dyn")
+    cluster.run(lambda kv: (kv.init(fixed, shape=(20, W)),
+                            kv.init(dyn, width=W, dtype="float32", dynamic=True)))
+    ids = np.array([2, 13], np.int64)
+
+    def grads(value: float) -> list[RowSparse]:
+        rows = np.full((2, W), value, np.float32)
+        return [RowSparse(ids, rows, (20, W)), RowSparse(ids * 2**35, rows, (0, W))]
+
+    for kv, value in ((kv0, 1.0), (kv1, 3.0)):
+        kv.push([fixed, dyn], grads(value))
+    want = np.full((2, W), 6.0, np.float32)  # (1 + 3) * 3/2
+    for kv in (kv0, kv1):
+        np.testing.assert_array_equal(kv.row_sparse_pull(fixed, row_ids=ids).rows, want)
+        np.testing.assert_array_equal(kv.row_sparse_pull(dyn, row_ids=ids * 2**35).rows, want)
+    kv2.push([fixed, dyn], grads(100.0))  # late: dropped
+    np.testing.assert_array_equal(kv2.row_sparse_pull(fixed, row_ids=ids).rows, want)
+    np.testing.assert_array_equal(kv2.row_sparse_pull(dyn, row_ids=ids * 2**35).rows, want)

@@ -151,3 +151,28 @@ def test_stalled_names_a_row_sparse_round_open_too_long_and_the_workers_it_waits
     assert tables.stalled(2.0) == [("k", 2.5, [1, 2])]
     assert tables.drop_waiting("k") == ["wait"]
     assert tables.tables["k"].waiting == []
+
+
+def test_a_quorum_closes_a_row_sparse_round_scaled_and_drops_the_late_push() -> None:
+    """Quorum 2 of 3: a round closes with 2 pushes, their sum scaled by 3/2; the third worker's push
+    of that round is acked, dropped and counted, and its next push joins the oldest open round."""
+    tables = RowTables(3, sync=True, window=4)
+    tables.quorum = 2
+    late = []
+    tables.on_late = lambda key, worker, rnd: late.append((key, worker, rnd))
+    tables.init("k", (4, 1), np.dtype(np.float32), 0, 4, {"type": "zeros"})
+    ids = np.array([1], np.int64)
+
+    def push(worker: int, rnd: int, value: float) -> list:
+        return [c.token for c in tables.push(worker, "k", rnd, True, ids, np.full((1, 1), value, np.float32),
+                                             f"{worker}:{rnd}")]
+
+    assert push(0, 0, 1.0) == []
+    assert push(1, 0, 1.0) == ["0:0", "1:0"]
+    assert tables.tables["k"].weight[1, 0] == 3.0  # (1 + 1) * 3/2, assigned (no optimizer)
+    assert push(2, 0, 100.0) == ["2:0"]  # late: acked, never applied
+    assert tables.tables["k"].weight[1, 0] == 3.0 and late == [("k", 2, 0)] and tables.late == {2: 1}
+    assert push(2, 1, 2.0) == []  # its next push joins round 1, the oldest open one
+    assert push(0, 1, 2.0) == ["2:1", "0:1"]
+    assert tables.tables["k"].weight[1, 0] == 6.0
+    assert [c.token for c in tables.pull(2, "k", 2, ids, "p")] == ["p"]  # its pushes are applied
