@@ -10,6 +10,7 @@ store's lock, so threads on different CUDA streams can share one store.
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -21,13 +22,13 @@ from kvstore.core import checkpoint, precision, snapshot, xp
 from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
 from kvstore.core.dtypes import BF16
-from kvstore.core.dynamic import DynamicRows, apply_dynamic, table_label
-from kvstore.core.optimizer import Optimizer
+from kvstore.core.dynamic import DynamicRows, apply_dynamic, check_state, load_state, state_entry, table_label
+from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import Key
 from kvstore.core.sparse_update import apply_rows
 from kvstore.core.values import Meta
 from kvstore.device import settle
-from kvstore.errors import DTypeMismatchError, OptimizerError, UnsupportedError
+from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError, UnsupportedError
 
 LocalUpdater = Callable[[Key, Any, Any], None]
 
@@ -75,31 +76,55 @@ class LocalKVStore(KVStore):
         holds (and the optimizer updates) their float32 master copies."""
         return {k: m.dtype for k, m in self._meta.items() if m.dtype == BF16}
 
-    def _refuse_dynamic(self, what: str) -> None:
-        if self._dynamic:
-            raise UnsupportedError(f"{what}: dynamic tables ({sorted(map(str, self._dynamic))}) are not "
-                                   "saved yet (docs/sparse.md, 'Dynamic tables')")
+    def _states_file(self, opt: Optimizer, dump_optimizer: bool) -> checkpoint.StatesFile:
+        """``opt``'s state of every key: the fixed keys' whole, each dynamic table's held rows by id."""
+        fixed = copy.copy(opt)  # the dynamic tables' pool-sized state has no weight in _store
+        fixed.states = {k: v for k, v in opt.states.items() if k not in self._dynamic}
+        states = checkpoint.optimizer_states(fixed, self._store, dump_optimizer, self._declared())
+        for key, table in self._dynamic.items():
+            entry = state_entry(opt, key, table, self._sparse.metas[key].shape[1:])
+            if entry is not None:
+                states.entries.append(entry)
+        return states
 
     def _save_states(self, fname: str, dump_optimizer: bool, collective: bool = True) -> None:
-        self._refuse_dynamic("save_optimizer_states")
         with self._lock:
             opt = self._need_optimizer("save_optimizer_states")
-            states = checkpoint.optimizer_states(opt, self._store, dump_optimizer, self._declared())
+            states = self._states_file(opt, dump_optimizer)
         checkpoint.write_states(fname, states)
 
     def _load_states(self, fname: str) -> None:
         states = checkpoint.read_states(fname)
         with self._lock:
-            self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._store,
+            dynamic = [e for e in states.entries if e.key in self._dynamic]
+            fixed = checkpoint.StatesFile(states.optimizer, states.num_update,
+                                          [e for e in states.entries if e.key not in self._dynamic])
+            check = from_spec(states.optimizer) if states.optimizer is not None else self._optimizer
+            for entry in dynamic:  # checked before anything changes
+                if check is None:
+                    break  # restore_optimizer raises
+                if entry.ids is None:
+                    raise ShapeMismatchError(f"the file's state of key {entry.key!r} is a fixed table's; "
+                                             "the key is a dynamic table")
+                check_state(check, entry.key, self._dynamic[entry.key], entry.ids, entry.arrays)
+            self._optimizer = checkpoint.restore_optimizer(fixed, self._optimizer, self._store,
                                                            self._declared())
+            for entry in dynamic:
+                load_state(self._optimizer, entry.key, self._dynamic[entry.key], entry.ids, entry.arrays,
+                           entry.count)
             self._updater = None
 
     def _save_checkpoint(self, directory: str) -> None:
-        self._refuse_dynamic("save_checkpoint")
         with self._lock:
-            values = {k: self._outgoing(k, xp.to_numpy(v)) for k, v in self._store.items()}
-            states = (None if self._optimizer is None
-                      else checkpoint.optimizer_states(self._optimizer, self._store, True, self._declared()))
+            values: dict[Key, Any] = {k: self._outgoing(k, xp.to_numpy(v)) for k, v in self._store.items()}
+            for key, table in self._dynamic.items():  # the rows held, by id
+                slots, _ = table.live_slots(0, table.used)
+                ids = table.ids[slots]
+                order = np.argsort(ids, kind="stable")
+                shape = self._sparse.metas[key].shape
+                rows = table.weight[slots[order]].reshape(-1, *shape[1:])
+                values[key] = R.RowSparse(ids[order], rows, shape)
+            states = None if self._optimizer is None else self._states_file(self._optimizer, True)
         snapshot.write(directory, values, states)
 
     def _view(self, key: Key, array: Any) -> Any:
@@ -210,7 +235,8 @@ class LocalKVStore(KVStore):
 
     def _outgoing(self, key: Key, value: Any) -> Any:
         """``value`` as it leaves the store: a bfloat16 key's float32 master copy rounded to bfloat16."""
-        if self._meta[key].dtype != BF16:
+        meta = self._meta.get(key)  # a row-sparse table has none here: never bfloat16
+        if meta is None or meta.dtype != BF16:
             return value
         return precision.narrow(xp.to_numpy(value))
 

@@ -19,6 +19,7 @@ from kvstore.client.mux import Request
 from kvstore.client.sparse import DistRows
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import optimizer as kvoptimizer
+from kvstore.core import rowsparse as R
 from kvstore.core.dtypes import BF16
 from kvstore.core.partition import Key, Piece
 from kvstore.core.plan import plan
@@ -91,9 +92,10 @@ class CollectiveCalls:
             resumed.append((key, array))
         return resumed
 
-    def resumed_table(self, key: Key, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
-        """Under ``KVSTORE_RESUME``, the snapshot's value of row-sparse ``key`` (None when it has none);
-        raises like :meth:`resumed`."""
+    def resumed_table(self, key: Key, shape: tuple[int, ...],
+                      dtype: np.dtype) -> np.ndarray | R.RowSparse | None:
+        """Under ``KVSTORE_RESUME``, the snapshot's value of row-sparse ``key`` (None when it has none; a
+        dynamic table's is a RowSparse of its rows); raises like :meth:`resumed`."""
         if self._link.resume is None:
             return None
         values, _ = self._snapshot()

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvstore.client.datapath import DataPath
 from kvstore.client.mux import Request
+from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
 from kvstore.core.dtypes import dtype_name
 from kvstore.core.dynamic import servers_of
@@ -40,9 +41,11 @@ class RowsLink:
     path: DataPath
     collective: Callable[[str, Callable[[], None]], None]
     request_timeout: float
-    resumed: Callable[[Key, tuple, np.dtype], np.ndarray | None] = lambda key, shape, dtype: None
+    resumed: Callable[[Key, tuple, np.dtype], np.ndarray | R.RowSparse | None] = (
+        lambda key, shape, dtype: None)
     initialised: Callable[[list[Key]], None] = lambda keys: None  # KVSTORE_RESUME: restore their states
     sent: Callable[[int], None] = lambda nbytes: None  # counts bytes of arrays sent (stats' bytes_out)
+    compression: Callable[[], C.Spec | None] = lambda: None  # set_gradient_compression's setting
 
 
 class DistRows:
@@ -83,9 +86,12 @@ class DistRows:
                                                      f"row_sparse init of key {key!r} to server {server}"))
             self.link.path.wait(requests)
             for key, meta, _, array in items:
-                if meta.dynamic is not None:
-                    continue  # rows made on first touch; nothing of it in a KVSTORE_RESUME snapshot
                 saved = self.link.resumed(key, meta.shape, meta.dtype)  # KVSTORE_RESUME's table
+                if meta.dynamic is not None:  # rows made on first touch, or the snapshot's rows
+                    if isinstance(saved, R.RowSparse):
+                        self.set_dynamic(key, meta, saved.indices, saved.rows)
+                    continue
+                assert not isinstance(saved, R.RowSparse)  # snapshot.check_fits refuses it
                 array = array if saved is None else saved
                 if array is not None:
                     self._set(key, meta, array.reshape(meta.num_rows, meta.width))
@@ -102,7 +108,7 @@ class DistRows:
                              f"dynamic row_sparse init of key {key!r} to server {server}")
                 for server in range(self.link.path.cluster.num_servers)]
 
-    def _dynamic_cuts(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    def dynamic_cuts(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """For sorted distinct ``ids`` of a dynamic table: each server's positions in ``ids`` (sorted)."""
         num = self.link.path.cluster.num_servers
         if num == 1:
@@ -126,6 +132,23 @@ class DistRows:
                     requests = []
         self.link.path.wait(requests)
 
+    def set_dynamic(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Store ``rows`` (one per distinct int64 id of ``ids``) in dynamic table ``key``: each id's rows
+        to its server in chunks, made there (capacity allowing) or overwritten."""
+        order = np.argsort(ids, kind="stable")
+        ids, flat = ids[order], np.ascontiguousarray(rows.reshape(ids.size, meta.width)[order])
+        step, requests = self.rows_per_message(meta), []
+        for server, where in self.dynamic_cuts(ids):
+            for start in range(0, where.size, step):
+                part = where[start:start + step]
+                msg = Message(Op.SPARSE_SET, {"key": key}, [ids[part], flat[part]])
+                requests.append(self._submit(server, msg, f"{part.size} rows of dynamic key {key!r} to "
+                                                              f"server {server}"))
+                if len(requests) >= 8:
+                    self.link.path.wait(requests)
+                    requests = []
+        self.link.path.wait(requests)
+
     def push(self, items: list[tuple[Key, R.SparseMeta, np.ndarray, np.ndarray]]) -> None:
         """Send one round of each key's merged rows to the servers; returns without waiting for acks.
         Raises the failure of an earlier push of these keys first."""
@@ -143,12 +166,27 @@ class DistRows:
                 held[key] = self._send(key, meta, rnd, ids, rows)
             self.link.path.window.add(held, failures=True)
 
+    def _half(self, meta: R.SparseMeta, rows: np.ndarray) -> tuple[np.ndarray, dict]:
+        """``rows`` as they travel, and the push body's field saying so: fp16 or bf16 (bits) under that
+        compression for a float32 table of at least ``size_lower_bound`` elements (a dynamic table's
+        count is unbounded); otherwise as they are (2bit and 1bit do not apply to rows yet)."""
+        spec = self.link.compression()
+        if spec is None or spec.type not in C.CASTS or meta.dtype != np.float32:
+            return rows, {}
+        if meta.dynamic is None and meta.num_rows * meta.width < spec.size_lower_bound:
+            return rows, {}
+        half = C.to_half(spec.type, np.ascontiguousarray(rows).reshape(-1), None)
+        if spec.type == "bf16":
+            half = half.view(np.float16)  # bfloat16 bits travel in a 2-byte wire dtype (as dense keys')
+        return half.reshape(rows.shape[0], -1), {"half": spec.type}
+
     def _send(self, key: Key, meta: R.SparseMeta, rnd: int, ids: np.ndarray,
               rows: np.ndarray) -> list[Request]:
+        rows, wire = self._half(meta, rows)
         if meta.dynamic is not None:
             requests = []
-            for server, where in self._dynamic_cuts(ids):
-                requests.extend(self._send_to(key, meta, rnd, server, ids[where], rows[where]))
+            for server, where in self.dynamic_cuts(ids):
+                requests.extend(self._send_to(key, meta, rnd, server, ids[where], rows[where], wire))
             return requests
         ranges = self.ranges(meta)
         cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
@@ -157,20 +195,20 @@ class DistRows:
             pieces = list(range(start, stop, step)) or [start]
             for i, first in enumerate(pieces):
                 end = min(stop, first + step)
-                body = {"key": key, "round": rnd, "last": i == len(pieces) - 1}
+                body = {"key": key, "round": rnd, "last": i == len(pieces) - 1, **wire}
                 msg = Message(Op.SPARSE_PUSH, body, [ids[first:end], rows[first:end]])
                 requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
                                                               f"({end - first} rows) to server {server}"))
         return requests
 
     def _send_to(self, key: Key, meta: R.SparseMeta, rnd: int, server: int, ids: np.ndarray,
-                 rows: np.ndarray) -> list[Request]:
+                 rows: np.ndarray, wire: dict) -> list[Request]:
         """One server's part of a round of a dynamic table's push, in chunks (one, empty, at least)."""
         step, requests = self.rows_per_message(meta), []
         pieces = list(range(0, ids.size, step)) or [0]
         for i, first in enumerate(pieces):
             end = min(ids.size, first + step)
-            body = {"key": key, "round": rnd, "last": i == len(pieces) - 1}
+            body = {"key": key, "round": rnd, "last": i == len(pieces) - 1, **wire}
             msg = Message(Op.SPARSE_PUSH, body, [ids[first:end], rows[first:end]])
             requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
                                                       f"({end - first} rows) to server {server}"))
@@ -210,7 +248,7 @@ class DistRows:
         body = {"key": key, "after": self._pushes.get(key, 0)}
         if admit:
             body["admit"] = True
-        for server, where in self._dynamic_cuts(ids):
+        for server, where in self.dynamic_cuts(ids):
             for first in range(0, where.size, step):
                 part = where[first:first + step]
                 msg = Message(Op.SPARSE_PULL, body, [np.ascontiguousarray(ids[part])])

@@ -1,18 +1,21 @@
-"""The optimizer state of row-sparse keys in ``save_optimizer_states`` / ``load_optimizer_states`` of a
-dist store: gathered whole from the servers' row ranges (SPARSE_PULL with ``state``) by the worker
-that writes the file, and scattered back in row messages (SPARSE_SET with ``state``) to any number of
+"""Row-sparse keys in ``save_optimizer_states`` / ``load_optimizer_states`` and ``save_checkpoint`` of a
+dist store: tables and their optimizer state streamed from the servers (SPARSE_PULL of row ranges, or
+a walk of a dynamic table's pool) a chunk at a time while the worker that writes the file writes it,
+and states scattered back in row messages (SPARSE_SET with ``state``) to any number of
 servers.  The file holds them as it holds a dense key's state (docs/formats.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from kvstore.client.sparse import DistRows
-from kvstore.core import checkpoint
+from kvstore.core import checkpoint, snapshot
 from kvstore.core import rowsparse as R
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
-from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError, UnsupportedError
+from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError
 from kvstore.net.protocol import Message, Op
 
 
@@ -24,45 +27,134 @@ def _cuts(rows: DistRows, meta: R.SparseMeta, names: int = 1) -> list[tuple[int,
             for start in range(lo, hi, step)]
 
 
-def _refuse_dynamic(what: str, metas: dict[Key, R.SparseMeta]) -> None:
-    dynamic = sorted(str(k) for k, m in metas.items() if m.dynamic is not None)
-    if dynamic:
-        raise UnsupportedError(f"{what}: dynamic tables ({dynamic}) are not saved yet (docs/sparse.md, "
-                               "'Dynamic tables')")
+def walk_dynamic(rows: DistRows, key: Key, meta: R.SparseMeta, state: bool,
+                 limit: int = 0) -> Iterator[tuple[int, Message]]:
+    """Each server's rows of dynamic table ``key``, one reply of at most a chunk (or ``limit`` rows)
+    at a time (``(server, reply)``: arrays ``[ids, rows, *states]``, ``state``: with the optimizer's
+    rows; ``rows`` in the body: how many that server holds)."""
+    limit = limit or max(1, rows.rows_per_message(meta) // 4)
+    for server in range(rows.link.path.cluster.num_servers):
+        start = 0
+        while start >= 0:
+            body = {"key": key, "after": 0, "held": start, "limit": limit, "state": state}
+            msg = Message(Op.SPARSE_PULL, body, [np.zeros(0, np.int64)])
+            what = f"rows held of dynamic key {key!r} from slot {start} of server {server}"
+            (reply,) = rows.link.path.wait([rows.link.path.mux.submit(server, msg, what)])
+            yield server, reply
+            start = int(reply.body["next"])
+
+
+def _probe_dynamic(rows: DistRows, key: Key, meta: R.SparseMeta) -> tuple[int, int, dict[str, np.dtype]]:
+    """``(rows held, update count, {state name: dtype})`` of dynamic ``key`` over every server (one
+    row asked of each)."""
+    held, count, names = 0, 0, set()
+    dtypes: dict[str, np.dtype] = {}
+    for server in range(rows.link.path.cluster.num_servers):
+        body = {"key": key, "after": 0, "held": 0, "limit": 1, "state": True}
+        msg = Message(Op.SPARSE_PULL, body, [np.zeros(0, np.int64)])
+        (reply,) = rows.link.path.wait([rows.link.path.mux.submit(server, msg, f"rows held of {key!r}")])
+        held += int(reply.body["rows"])
+        count = max(count, int(reply.body.get("count", 0)))
+        got = tuple(reply.body.get("names", ()))
+        names.add(got)
+        dtypes.update((n, a.dtype) for n, a in zip(got, reply.arrays[2:]))
+    names.discard(())  # a server without rows answers no state
+    if len(names) > 1:
+        raise OptimizerError(f"the servers disagree on the optimizer state of key {key!r}: {names}")
+    return held, count, dtypes
+
+
+def _walked(rows: DistRows, key: Key, meta: R.SparseMeta, index: int, state: bool,
+            held: int) -> checkpoint.Chunked:
+    """Array ``index`` of every walk reply of dynamic ``key`` (0: ids, 1: rows, 2...: states), streamed;
+    ValueError (the file is not written) when the servers' rows changed since they were counted."""
+    def chunks() -> Iterator[np.ndarray]:
+        for _, reply in walk_dynamic(rows, key, meta, state):
+            yield reply.arrays[index]
+    if index == 0:
+        return checkpoint.Chunked((held,), np.dtype(np.int64), chunks)
+    return checkpoint.Chunked((held, *meta.shape[1:]), np.dtype(meta.dtype), chunks)
+
+
+def _gather_dynamic(rows: DistRows, key: Key, meta: R.SparseMeta) -> checkpoint.StateEntry | None:
+    """Dynamic ``key``'s state rows held on every server, with their ids, streamed server by server
+    when written (None: never updated)."""
+    held, count, dtypes = _probe_dynamic(rows, key, meta)
+    if not dtypes:
+        return None
+    arrays = {}
+    for i, (name, dtype) in enumerate(dtypes.items()):
+        stream = _walked(rows, key, meta, 2 + i, True, held)
+        arrays[name] = checkpoint.Chunked(stream.shape, dtype, stream.chunks)
+    ids = _walked(rows, key, meta, 0, False, held)
+    return checkpoint.StateEntry(key, (held, *meta.shape[1:]), meta.dtype, count, arrays, ids)
+
+
+def _gather_fixed(rows: DistRows, key: Key, meta: R.SparseMeta) -> checkpoint.StateEntry | None:
+    """Fixed ``key``'s state arrays, each streamed a chunk of rows at a time when written (None:
+    never updated)."""
+    submit = rows.link.path.mux.submit
+    probes = [submit(server, Message(Op.SPARSE_PULL, {"key": key, "after": 0, "state": True},
+                                     [np.arange(lo, lo + 1, dtype=np.int64)]),
+                     f"state of key {key!r} from server {server}")
+              for server, lo, _ in rows.ranges(meta)]
+    replies = rows.link.path.wait(probes)
+    names = {tuple(r.body.get("names", ())) for r in replies}
+    if len(names) != 1:
+        raise OptimizerError(f"the servers disagree on the optimizer state of key {key!r}: {names}")
+    (state_names,) = names
+    if not state_names:
+        return None
+    count = max(int(r.body.get("count", 0)) for r in replies)
+    cuts = _cuts(rows, meta, 4)  # adam keeps two arrays, mixed precision three: a reply stays small
+
+    def stream(index: int) -> Iterator[np.ndarray]:
+        for server, start, stop in cuts:
+            msg = Message(Op.SPARSE_PULL, {"key": key, "after": 0, "state": True},
+                          [np.arange(start, stop, dtype=np.int64)])
+            what = f"state rows [{start}, {stop}) of key {key!r} from server {server}"
+            (reply,) = rows.link.path.wait([submit(server, msg, what)])
+            yield reply.arrays[index]
+
+    arrays = {name: checkpoint.Chunked(meta.shape, replies[0].arrays[i].dtype,
+                                       lambda i=i: stream(i))
+              for i, name in enumerate(state_names)}
+    return checkpoint.StateEntry(key, meta.shape, meta.dtype, count, arrays)
 
 
 def gather(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> list[checkpoint.StateEntry]:
-    """Every row-sparse key's state, whole (keys never updated have none and are left out);
-    UnsupportedError for a dynamic table (not saved yet)."""
-    _refuse_dynamic("save_optimizer_states", metas)
+    """Every row-sparse key's state (keys never updated have none and are left out), as arrays the
+    file writer streams from the servers a chunk at a time: the writing worker never holds a table's
+    state whole.  A dynamic table's is the rows its servers hold, with their ids."""
     entries = []
     for key, meta in metas.items():
-        cuts = _cuts(rows, meta, 4)  # adam keeps two arrays, mixed precision three: a reply stays small
-        submit = rows.link.path.mux.submit
-        requests = [submit(server, Message(Op.SPARSE_PULL, {"key": key, "after": 0, "state": True},
-                                                     [np.arange(start, stop, dtype=np.int64)]),
-                                     f"state rows [{start}, {stop}) of key {key!r} from server {server}")
-                    for server, start, stop in cuts]
-        replies = rows.link.path.wait(requests)
-        names = {tuple(r.body.get("names", ())) for r in replies}
-        if len(names) != 1:
-            raise OptimizerError(f"the servers disagree on the optimizer state of key {key!r}: {names}")
-        (state_names,) = names
-        if not state_names:
-            continue
-        arrays = {name: np.concatenate([r.arrays[i] for r in replies]).reshape(meta.shape)
-                  for i, name in enumerate(state_names)}
-        count = max(int(r.body.get("count", 0)) for r in replies)
-        entries.append(checkpoint.StateEntry(key, meta.shape, meta.dtype, count, arrays))
+        gathered = _gather_dynamic if meta.dynamic is not None else _gather_fixed
+        entry = gathered(rows, key, meta)
+        if entry is not None:
+            entries.append(entry)
     return entries
 
 
-def tables(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> dict[Key, np.ndarray]:
-    """Every row-sparse table, whole, for a snapshot (the writing worker holds them while it writes);
-    UnsupportedError for a dynamic table (not saved yet)."""
-    _refuse_dynamic("save_checkpoint", metas)
-    return {key: rows.pull(key, meta, np.arange(meta.num_rows, dtype=np.int64)).reshape(meta.shape)
-            for key, meta in metas.items()}
+def tables(rows: DistRows, metas: dict[Key, R.SparseMeta]) -> dict[Key, snapshot.Value]:
+    """Every row-sparse table for a snapshot, streamed from the servers a chunk of rows at a time as
+    the file is written (the writing worker never holds one whole): a fixed table as its whole value,
+    a dynamic table as the rows its servers hold and their ids."""
+    out: dict[Key, snapshot.Value] = {}
+    for key, meta in metas.items():
+        if meta.dynamic is not None:
+            held, _, _ = _probe_dynamic(rows, key, meta)
+            out[key] = snapshot.HeldRows(_walked(rows, key, meta, 0, False, held),
+                                         _walked(rows, key, meta, 1, False, held))
+            continue
+        step = rows.rows_per_message(meta)
+
+        def chunks(key: Key = key, meta: R.SparseMeta = meta, step: int = step) -> Iterator[np.ndarray]:
+            for start in range(0, meta.num_rows, step):
+                ids = np.arange(start, min(meta.num_rows, start + step), dtype=np.int64)
+                yield rows.pull(key, meta, ids)
+
+        out[key] = checkpoint.Chunked(meta.shape, np.dtype(meta.dtype), chunks)
+    return out
 
 
 def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], optimizer: Optimizer) -> None:
@@ -71,6 +163,9 @@ def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], 
     DTypeMismatchError for another dtype (of the table, or of a state array)."""
     for entry in entries:
         meta = metas[entry.key]
+        if (meta.dynamic is None) != (entry.ids is None):
+            kind = "a fixed" if entry.ids is None else "a dynamic"
+            raise ShapeMismatchError(f"key {entry.key!r}: the saved state is {kind} table's; the key is not")
         mixed = "weight32" in optimizer.state_names(meta.dtype)  # a float32 master copy
         dtype = np.dtype(np.float32) if mixed else meta.dtype  # as create_state
         bad = [f"{n} {a.dtype}" for n, a in entry.arrays.items() if a.dtype != dtype]
@@ -82,6 +177,13 @@ def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], 
         if set(entry.arrays) != want:
             raise OptimizerError(f"key {entry.key!r}: {optimizer.name} state needs arrays {sorted(want)}, "
                                  f"got {sorted(entry.arrays)}")
+        if entry.ids is not None:
+            if np.unique(entry.ids).size != entry.ids.size:
+                raise OptimizerError(f"key {entry.key!r}: saved row ids repeat")
+            if tuple(entry.shape[1:]) != tuple(meta.shape[1:]):
+                raise ShapeMismatchError(f"key {entry.key!r}: saved state rows of {entry.shape[1:]} do not "
+                                         f"fit rows of {meta.shape[1:]}")
+            continue
         for name, array in entry.arrays.items():
             if array.size != meta.num_rows * meta.width:
                 raise ShapeMismatchError(f"key {entry.key!r}: saved state {name!r} of {array.size} elements "
@@ -93,6 +195,9 @@ def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Ke
     requests = []
     for entry in entries:
         meta = metas[entry.key]
+        if entry.ids is not None:
+            _scatter_dynamic(rows, entry, meta)
+            continue
         for name, array in entry.arrays.items():
             table = np.ascontiguousarray(array).reshape(meta.num_rows, meta.width)
             for server, start, stop in _cuts(rows, meta):
@@ -100,6 +205,28 @@ def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Ke
                 ids = np.arange(start, stop, dtype=np.int64)
                 msg = Message(Op.SPARSE_SET, body, [ids, table[start:stop]])
                 what = f"state {name!r} of key {entry.key!r} rows [{start}, {stop}) to server {server}"
+                requests.append(rows.link.path.mux.submit(server, msg, what))
+                if len(requests) >= 8:
+                    rows.link.path.wait(requests)
+                    requests = []
+    rows.link.path.wait(requests)
+
+
+def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.SparseMeta) -> None:
+    """Send a dynamic table's saved state rows to the servers their ids hash to, in chunks."""
+    assert entry.ids is not None
+    order = np.argsort(entry.ids, kind="stable")
+    ids = entry.ids[order]
+    step = max(1, rows.rows_per_message(meta))
+    requests = []
+    for name, array in entry.arrays.items():
+        table = np.ascontiguousarray(array).reshape(ids.size, meta.width)[order]
+        for server, where in rows.dynamic_cuts(ids):
+            for start in range(0, where.size, step):
+                part = where[start:start + step]
+                body = {"key": entry.key, "state": name, "count": entry.count}
+                msg = Message(Op.SPARSE_SET, body, [ids[part], table[part]])
+                what = f"state {name!r} of {part.size} rows of dynamic key {entry.key!r} to server {server}"
                 requests.append(rows.link.path.mux.submit(server, msg, what))
                 if len(requests) >= 8:
                     rows.link.path.wait(requests)

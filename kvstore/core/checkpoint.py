@@ -19,7 +19,7 @@ import math
 import os
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -39,7 +39,7 @@ from kvstore.errors import (
     ShapeMismatchError,
 )
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "StateEntry", "StatesFile", "load_arrays", "read",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Chunked", "StateEntry", "StatesFile", "load_arrays", "read",
            "read_states", "save_arrays", "write", "write_states"]
 
 FORMAT_VERSION = 1
@@ -54,7 +54,47 @@ _DAMAGE = (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, KeyError, EOFEr
 
 # -- the container ------------------------------------------------------------------------------------
 
-def write(path: str | os.PathLike, manifest: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+@dataclass(frozen=True)
+class Chunked:
+    """An array written without being held whole: ``shape`` and ``dtype`` up front, then its rows
+    from ``chunks()`` in order (each a C-contiguous array of that dtype; their elements must add up to
+    the shape's).  The file holds it as one ``.npy`` member like any array (a table streamed server by
+    server)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: Callable[[], Iterator[np.ndarray]]
+
+    @property
+    def size(self) -> int:
+        """Elements in all."""
+        return math.prod(self.shape)
+
+
+def _write_chunked(out: IO[bytes], array: Chunked, name: str) -> None:
+    """One ``.npy`` member of ``array``'s chunks; ValueError when they do not fill its shape exactly."""
+    header = {"descr": npy.dtype_to_descr(np.dtype(array.dtype)), "fortran_order": False,
+              "shape": tuple(array.shape)}
+    try:
+        npy.write_array_header_1_0(out, header)
+    except ValueError:  # a header too long for format 1.0 (as npy.write_array does)
+        npy.write_array_header_2_0(out, header)
+    written = 0
+    for chunk in array.chunks():
+        if chunk.dtype != array.dtype:
+            raise ValueError(f"array {name!r}: a chunk of {chunk.dtype}, not {array.dtype}")
+        written += chunk.size
+        if written > array.size:
+            raise ValueError(f"array {name!r}: its chunks hold more than the {array.size} elements of "
+                             f"{array.shape}")
+        out.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+    if written != array.size:
+        raise ValueError(f"array {name!r}: its chunks hold {written} of the {array.size} elements of "
+                         f"{array.shape}")
+
+
+def write(path: str | os.PathLike, manifest: Mapping[str, Any],
+          arrays: Mapping[str, np.ndarray | Chunked]) -> None:
     """Write ``arrays`` and the JSON-safe ``manifest`` fields to ``path``, atomically.
 
     The stored manifest is ``{"format": "kvstore", "version": FORMAT_VERSION, "arrays":
@@ -65,8 +105,10 @@ def write(path: str | os.PathLike, manifest: Mapping[str, Any], arrays: Mapping[
     file at ``path`` is left as it was.
     Raises ValueError when ``manifest`` uses a reserved key (format, version, arrays) or an
     array needs pickle (object dtype), TypeError for names that are not strs, values that are
-    not numpy arrays or a manifest JSON cannot hold, OSError from the file system or store, and
-    ConfigError for a storage URL without its packages (the ``kvstore-ps[storage]`` extra).
+    not numpy arrays (or :class:`Chunked`) or a manifest JSON cannot hold, OSError from the file
+    system or store, and ConfigError for a storage URL without its packages (the
+    ``kvstore-ps[storage]`` extra).  A :class:`Chunked` array's chunks are written as they come (a
+    failure while producing them, or chunks that do not fill its shape, leave no file).
     """
     reserved = sorted(set(manifest) & set(RESERVED))
     if reserved:
@@ -75,7 +117,7 @@ def write(path: str | os.PathLike, manifest: Mapping[str, Any], arrays: Mapping[
     for index, (name, array) in enumerate(arrays.items()):
         if not isinstance(name, str):
             raise TypeError(f"array names must be strs, not {type(name).__name__} {name!r}")
-        if not isinstance(array, np.ndarray):
+        if not isinstance(array, (np.ndarray, Chunked)):
             raise TypeError(f"array {name!r} must be a numpy array, not {type(array).__name__}")
         if array.dtype.hasobject:
             raise ValueError(f"array {name!r} has dtype {array.dtype}, which would need pickle")
@@ -93,12 +135,16 @@ def _member_info(name: str) -> zipfile.ZipInfo:
 
 
 def _write_zip(f: IO[bytes], manifest: bytes, members: Mapping[str, str],
-               arrays: Mapping[str, np.ndarray]) -> None:
+               arrays: Mapping[str, np.ndarray | Chunked]) -> None:
     with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         zf.writestr(_member_info(MANIFEST), manifest)
         for name, member in members.items():
             with zf.open(_member_info(member), "w", force_zip64=True) as out:
-                npy.write_array(out, arrays[name], allow_pickle=False)
+                array = arrays[name]
+                if isinstance(array, Chunked):
+                    _write_chunked(out, array, name)
+                else:
+                    npy.write_array(out, array, allow_pickle=False)
 
 
 def read(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -225,6 +271,8 @@ class StateEntry:
     dtype: np.dtype
     count: int
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    ids: np.ndarray | None = None  # a dynamic table's: the row ids (int64) of the arrays' rows
+    # (arrays and ids may be Chunked when written: streamed, never held whole)
 
 
 @dataclass
@@ -260,13 +308,20 @@ def write_states(path: str | os.PathLike, states: StatesFile) -> None:
         for state, array in entry.arrays.items():
             if not isinstance(state, str):
                 raise TypeError(f"state names of key {key!r} must be strs, not {type(state).__name__}")
-            if not isinstance(array, np.ndarray) or array.size != math.prod(shape):
+            if not isinstance(array, (np.ndarray, Chunked)) or array.size != math.prod(shape):
                 raise ValueError(f"state {state!r} of key {key!r} does not have the {math.prod(shape)} "
                                  f"elements of shape {shape}")
             names[state] = f"{index}/{state}"
             arrays[names[state]] = array
-        entries.append({"key": key, "shape": list(shape), "dtype": name, "count": entry.count,
-                        "states": names})
+        item = {"key": key, "shape": list(shape), "dtype": name, "count": entry.count, "states": names}
+        if entry.ids is not None:  # a dynamic table's rows: shape[0] of them, by id
+            ids = entry.ids
+            if not (isinstance(ids, (np.ndarray, Chunked)) and ids.dtype == np.int64
+                    and tuple(ids.shape) == shape[:1]):
+                raise ValueError(f"row ids of key {key!r} must be int64 of shape {shape[:1]}")
+            item["ids"] = f"{index}:ids"  # ':' is never in a state's member name
+            arrays[item["ids"]] = ids
+        entries.append(item)
     if not _is_int(states.num_update) or states.num_update < 0:
         raise ValueError(f"num_update must be a non-negative int, not {states.num_update!r}")
     manifest = {"kind": "optimizer_states", "optimizer": states.optimizer, "num_update": states.num_update,
@@ -321,7 +376,14 @@ def _entry(item: Any, arrays: Mapping[str, np.ndarray], where: str) -> StateEntr
             raise FormatError(f"{where}: state {state!r} of key {key!r} is {array.dtype}{list(array.shape)}, "
                               f"which does not fit shape {shape}")
         out[state] = array.reshape(shape)
-    return StateEntry(key, tuple(shape), BY_NAME[dtype], count, out)
+    ids = None
+    if "ids" in item:  # a dynamic table's rows
+        ids = arrays.get(item["ids"]) if isinstance(item["ids"], str) else None
+        if ids is None or ids.dtype != np.int64 or list(ids.shape) != shape[:1]:
+            raise FormatError(f"{where}: key {key!r} has 'ids' that are not int64 of shape {shape[:1]}")
+        order = np.argsort(ids, kind="stable")  # written as the servers held them: read sorted
+        ids, out = ids[order], {name: array[order] for name, array in out.items()}
+    return StateEntry(key, tuple(shape), BY_NAME[dtype], count, out, ids)
 
 
 def _key_order(key: Key) -> tuple[bool, Any]:
@@ -363,7 +425,8 @@ def restore_optimizer(states: StatesFile, optimizer: Optimizer | None, weights: 
     changes.  Raises OptimizerError for a bad spec, no spec and no optimizer, or states
     that do not fit the optimizer; KeyNotInitializedError for a key not in ``weights``;
     ShapeMismatchError / DTypeMismatchError when an entry's shape or dtype differs from
-    the weight's (``declared[key]`` when given, as for :func:`optimizer_states`).
+    the weight's (``declared[key]`` when given, as for :func:`optimizer_states`), or the entry is a
+    dynamic table's (with row ids).
     """
     if states.optimizer is not None:
         target = scratch = from_spec(states.optimizer)
@@ -379,6 +442,9 @@ def restore_optimizer(states: StatesFile, optimizer: Optimizer | None, weights: 
             raise KeyNotInitializedError(f"the file has optimizer state for key {entry.key!r}, which is "
                                          "not initialised")
         weight = weights[entry.key]
+        if entry.ids is not None:
+            raise ShapeMismatchError(f"optimizer state of key {entry.key!r} is a dynamic table's (rows by "
+                                     "id); the key is not a dynamic table")
         if tuple(weight.shape) != tuple(entry.shape):
             raise ShapeMismatchError(f"optimizer state of key {entry.key!r} is for shape "
                                      f"{tuple(entry.shape)}, but the key has shape {tuple(weight.shape)}")

@@ -24,9 +24,11 @@ from typing import Any
 import numpy as np
 
 from kvstore.core import rowsparse as R
+from kvstore.core.checkpoint import StateEntry
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.rowsparse import DynamicSpec
+from kvstore.errors import OptimizerError
 
 SLOT_BYTES = 8 + 1 + 8 + 8 + 8 + 1  # a slot's id, live flag, last tick, last time, use count, unset flag
 GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by half of itself)
@@ -221,6 +223,28 @@ class DynamicRows:
         """The ids held, sorted (no use counted)."""
         return np.sort(self.ids[:self.used][self.live[:self.used]])
 
+    def live_slots(self, start: int, limit: int) -> tuple[np.ndarray, int]:
+        """The slots holding a row among ``[start, start + limit)`` of the pool, and where the next
+        call starts (-1: the pool is done).  Reads no row and counts no use (a save walks the pool)."""
+        stop = min(self.used, start + max(1, limit))
+        slots = (start + np.flatnonzero(self.live[start:stop])).astype(np.int64)
+        return slots, (stop if stop < self.used else -1)
+
+    def put(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, fresh)`` of distinct int64 ``ids``: held ones keep their slot, the others are made
+        (initial rows; a restore, so counted neither as admissions nor as uses) as room allows (-1
+        where there was none); ``fresh``: the slots made now, whose optimizer state the caller resets
+        or installs (:func:`fit_state`, :func:`load_state`): a later push does not reset it again."""
+        slots = self._lookup(ids)
+        miss = np.flatnonzero(slots < 0)
+        fresh = np.zeros(0, np.int64)
+        if miss.size:
+            made = self._make(ids[miss], slots[slots >= 0])
+            slots[miss] = made
+            fresh = made[made >= 0]
+            self.unset[fresh] = False
+        return slots, fresh
+
     def slot(self, id_: int) -> int:
         """The slot of ``id_``, -1 when it is not held (no use counted)."""
         return int(self.map.get(np.array([id_], np.int64))[0])
@@ -409,6 +433,75 @@ def fit_state(optimizer: Optimizer, key: Key, weight: np.ndarray, fresh: np.ndar
         new = optimizer.create_state(key, weight[fresh])
         for name, array in state.items():
             array[fresh] = new[name]
+
+
+def state_of(optimizer: Optimizer, key: Key, table: DynamicRows,
+             slots: np.ndarray) -> dict[str, np.ndarray] | None:
+    """The optimizer state rows of ``slots`` of ``key`` (copies, by state name); None when the key was
+    never updated (nothing to save).  A key stepped with none of these slots' rows yet answers the
+    fresh state its first update would make."""
+    state = optimizer.states.get(key)
+    if state is None:
+        if key not in optimizer.counts:
+            return None
+        return optimizer.create_state(key, table.weight[slots])
+    fit_state(optimizer, key, table.weight, np.zeros(0, np.int64))
+    return {name: array[slots] for name, array in state.items()}
+
+
+def check_state(optimizer: Optimizer, key: Key, table: DynamicRows, ids: np.ndarray,
+                arrays: dict[str, np.ndarray], whole: bool = True) -> None:
+    """Raise OptimizerError unless ``arrays`` are the states ``optimizer`` keeps for ``key`` (all of
+    them with ``whole``, else some), each ``(ids.size, width)`` rows of its dtype, and ``ids`` distinct
+    int64."""
+    if ids.dtype != np.int64 or ids.ndim != 1 or np.unique(ids).size != ids.size:
+        raise OptimizerError(f"key {key!r}: saved row ids must be distinct int64")
+    probe = optimizer.create_state(key, table.weight[:0])
+    if set(arrays) != set(probe) if whole else not set(arrays) <= set(probe):
+        raise OptimizerError(f"key {key!r}: {optimizer.name} state needs arrays {sorted(probe)}, got "
+                             f"{sorted(arrays)}")
+    for name, rows in arrays.items():
+        if rows.size != ids.size * table.width or rows.dtype != probe[name].dtype:
+            raise OptimizerError(f"key {key!r}: state {name!r} rows must be {probe[name].dtype}"
+                                 f"({ids.size}, {table.width}), got {rows.dtype}{rows.shape}")
+
+
+def load_state(optimizer: Optimizer, key: Key, table: DynamicRows, ids: np.ndarray,
+               arrays: dict[str, np.ndarray], count: int, whole: bool = True) -> int:
+    """Install saved optimizer state rows ``arrays`` (name -> ``ids.size`` rows) of distinct int64
+    ``ids`` of ``key``: rows not held are made first (their initial value), as room allows; the key's
+    update count becomes ``count`` (``whole``: ``arrays`` holds every state array, else some of them).
+    Returns how many ids found no room (their state is dropped).
+    Raises OptimizerError as :func:`check_state` (before anything changes)."""
+    check_state(optimizer, key, table, ids, arrays, whole)
+    slots, fresh = table.put(ids)
+    if key not in optimizer.states:
+        optimizer.states[key] = optimizer.create_state(key, table.weight)
+    fit_state(optimizer, key, table.weight, fresh)
+    keep = slots >= 0
+    state = optimizer.states[key]
+    for name, rows in arrays.items():
+        state[name][slots[keep]] = rows.reshape(ids.size, table.width)[keep]
+    table.unset[slots[keep]] = False  # a row an admitting pull made: its loaded state is its own now
+    optimizer.counts[key] = count
+    optimizer.num_update = max(optimizer.num_update, count)
+    return int(ids.size - np.count_nonzero(keep))
+
+
+def state_entry(optimizer: Optimizer, key: Key, table: DynamicRows,
+                row_shape: tuple[int, ...]) -> StateEntry | None:
+    """Every held row's optimizer state of ``key`` as a file entry (rows sorted by id, ``ids`` set);
+    None when the key was never updated."""
+    slots, _ = table.live_slots(0, table.used)
+    ids = table.ids[slots]
+    order = np.argsort(ids, kind="stable")
+    slots, ids = slots[order], ids[order]
+    arrays = state_of(optimizer, key, table, slots)
+    if arrays is None:
+        return None
+    n = slots.size
+    return StateEntry(key, (n, *row_shape), table.dtype, int(optimizer.counts.get(key, 0)),
+                      {name: a.reshape(n, *row_shape) for name, a in arrays.items()}, ids)
 
 
 def apply_dynamic(optimizer: Optimizer | None, key: Key, table: DynamicRows, ids: np.ndarray,

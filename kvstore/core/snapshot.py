@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvstore.core import checkpoint, storage
-from kvstore.core.checkpoint import StatesFile
+from kvstore.core.checkpoint import Chunked, StatesFile
 from kvstore.core.partition import Key, check_key
+from kvstore.core.rowsparse import DYNAMIC_ROWS, RowSparse
 from kvstore.errors import FormatError, KeyTypeError
 
-__all__ = ["POINTER", "newest", "read", "read_generation", "write"]
+__all__ = ["HeldRows", "POINTER", "newest", "read", "read_generation", "write"]
 
 POINTER = "LATEST"
 VALUES = "values.arrays"
@@ -39,15 +41,44 @@ STATES = "optimizer.states"
 _GENERATION = re.compile(r"snapshot-(\d{6,})")
 
 
-def write_values(path: str, values: Mapping[Key, np.ndarray]) -> None:
-    """Write every key's value to ``path`` atomically (kind ``"values"``); KeyTypeError for a bad key."""
+@dataclass(frozen=True)
+class HeldRows:
+    """A dynamic table's rows as a writer streams them (ids and rows in the same order, neither held
+    whole); read back as a :class:`RowSparse`."""
+
+    indices: Chunked
+    rows: Chunked
+
+
+Value = np.ndarray | Chunked | RowSparse | HeldRows  # what write_values takes for a key
+
+
+def write_values(path: str, values: Mapping[Key, Value]) -> None:
+    """Write every key's value to ``path`` atomically (kind ``"values"``); a dynamic table's value is a
+    :class:`RowSparse` (or :class:`HeldRows`) of the rows it holds, written as its rows and
+    (``row_ids``) their ids; a :class:`Chunked` value is streamed.  KeyTypeError for a bad key."""
     keys = [check_key(k) for k in values]
-    checkpoint.write(path, {"kind": "values", "keys": keys},
-                     {str(i): np.asarray(values[k]) for i, k in enumerate(keys)})
+    arrays: dict[str, np.ndarray | Chunked] = {}
+    row_ids: dict[str, str] = {}
+    for i, k in enumerate(keys):
+        value = values[k]
+        if isinstance(value, Chunked):
+            arrays[str(i)] = value
+        elif isinstance(value, (RowSparse, HeldRows)):
+            arrays[str(i)] = value.rows
+            row_ids[str(i)] = f"ids:{i}"
+            arrays[row_ids[str(i)]] = value.indices
+        else:
+            arrays[str(i)] = np.asarray(value)
+    manifest: dict[str, Any] = {"kind": "values", "keys": keys}
+    if row_ids:
+        manifest["row_ids"] = row_ids
+    checkpoint.write(path, manifest, arrays)
 
 
-def read_values(path: str) -> dict[Key, np.ndarray]:
-    """Read what :func:`write_values` wrote; FormatError when it is damaged or of another kind."""
+def read_values(path: str) -> dict[Key, np.ndarray | RowSparse]:
+    """Read what :func:`write_values` wrote (a dynamic table as a :class:`RowSparse` of shape
+    ``(DYNAMIC_ROWS, *row)``); FormatError when it is damaged or of another kind."""
     manifest, arrays = checkpoint.read(path)
     if manifest.get("kind") != "values" or not isinstance(manifest.get("keys"), list):
         raise FormatError(f"{path} holds {manifest.get('kind')!r}, not a snapshot's values")
@@ -55,9 +86,25 @@ def read_values(path: str) -> dict[Key, np.ndarray]:
         keys = [check_key(k) for k in manifest["keys"]]
     except KeyTypeError as exc:
         raise FormatError(f"{path}: {exc}") from None
-    if len(set(keys)) != len(keys) or set(arrays) != {str(i) for i in range(len(keys))}:
+    row_ids = manifest.get("row_ids", {})
+    names = {str(i) for i in range(len(keys))}
+    if not (isinstance(row_ids, dict) and set(row_ids) <= names
+            and all(isinstance(v, str) and v not in names for v in row_ids.values())):
+        raise FormatError(f"{path}: 'row_ids' must map value names to other arrays' names")
+    if len(set(keys)) != len(keys) or set(arrays) != names | set(row_ids.values()):
         raise FormatError(f"{path}: the keys and the arrays do not match")
-    return {k: arrays[str(i)] for i, k in enumerate(keys)}
+    out: dict[Key, np.ndarray | RowSparse] = {}
+    for i, k in enumerate(keys):
+        value = arrays[str(i)]
+        ids = arrays.get(row_ids.get(str(i), ""))
+        if ids is None:
+            out[k] = value
+            continue
+        if ids.dtype != np.int64 or ids.shape != value.shape[:1] or value.ndim < 2:
+            raise FormatError(f"{path}: the row ids of key {k!r} are not int64, one per row")
+        order = np.argsort(ids, kind="stable")  # written as the servers held them: read sorted
+        out[k] = RowSparse(ids[order], value[order], (DYNAMIC_ROWS, *value.shape[1:]))
+    return out
 
 
 def _generations(names: list[str]) -> list[int]:
@@ -73,7 +120,7 @@ def _pointed(directory: str) -> str | None:
     return name if _GENERATION.fullmatch(name) else None
 
 
-def write(directory: str, values: Mapping[Key, np.ndarray], states: StatesFile | None) -> str:
+def write(directory: str, values: Mapping[Key, Value], states: StatesFile | None) -> str:
     """Write a new generation of ``values`` (and ``states``) under ``directory``; return its path.
 
     ``directory`` is a local path or a storage URL (:mod:`kvstore.core.storage`).  ``LATEST``
@@ -139,7 +186,7 @@ def newest(directory: str) -> str:
     return storage.join(directory, name)
 
 
-def read_generation(generation: str) -> tuple[dict[Key, np.ndarray], StatesFile | None]:
+def read_generation(generation: str) -> tuple[dict[Key, np.ndarray | RowSparse], StatesFile | None]:
     """The values and optimizer states of the generation at ``generation`` (from :func:`newest`).
     Raises OSError (FileNotFoundError once a later write removed it), FormatError when it is damaged."""
     values = read_values(storage.join(generation, VALUES))
@@ -148,7 +195,7 @@ def read_generation(generation: str) -> tuple[dict[Key, np.ndarray], StatesFile 
     return values, states
 
 
-def read(directory: str) -> tuple[dict[Key, np.ndarray], StatesFile | None]:
+def read(directory: str) -> tuple[dict[Key, np.ndarray | RowSparse], StatesFile | None]:
     """The values and optimizer states of the generation ``LATEST`` names.
 
     ``directory`` is a local path or a storage URL.  Raises FileNotFoundError when it holds
@@ -158,14 +205,23 @@ def read(directory: str) -> tuple[dict[Key, np.ndarray], StatesFile | None]:
     return read_generation(newest(directory))
 
 
-def check_fits(values: Mapping[Key, np.ndarray], key: Key, shape: tuple[int, ...], dtype: Any) -> None:
-    """Raise a shape or dtype error when the snapshot's value of ``key`` cannot serve that key."""
+def check_fits(values: Mapping[Key, np.ndarray | RowSparse], key: Key, shape: tuple[int, ...],
+               dtype: Any) -> None:
+    """Raise a shape or dtype error when the snapshot's value of ``key`` cannot serve that key (a
+    dynamic table's rows, a :class:`RowSparse`, serve a dynamic table of the same rows only)."""
     from kvstore.errors import DTypeMismatchError, ShapeMismatchError
 
     value = values[key]
-    if tuple(value.shape) != tuple(shape):
-        raise ShapeMismatchError(f"the snapshot holds key {key!r} with shape {tuple(value.shape)}, but it "
+    dynamic = len(shape) > 1 and shape[0] == DYNAMIC_ROWS
+    if isinstance(value, RowSparse) != dynamic:
+        saved = "a dynamic table's rows" if isinstance(value, RowSparse) else "a whole value"
+        raise ShapeMismatchError(f"the snapshot holds {saved} for key {key!r}, but it is initialised "
+                                 f"{'as' if dynamic else 'not as'} a dynamic table")
+    held = value.rows if isinstance(value, RowSparse) else value
+    got = tuple(value.shape) if isinstance(value, RowSparse) else tuple(held.shape)
+    if got != tuple(shape):
+        raise ShapeMismatchError(f"the snapshot holds key {key!r} with shape {got}, but it "
                                  f"is initialised with shape {tuple(shape)}")
-    if value.dtype != np.dtype(dtype):
-        raise DTypeMismatchError(f"the snapshot holds key {key!r} as {value.dtype}, but it is initialised "
+    if held.dtype != np.dtype(dtype):
+        raise DTypeMismatchError(f"the snapshot holds key {key!r} as {held.dtype}, but it is initialised "
                                  f"as {np.dtype(dtype)}")

@@ -9,7 +9,9 @@ count one contribution per worker as dense keys do (MXNet's workers push every k
   (repeats summed) and applied once (``updater``), and its acks go out.  A pull carries how many
   rounds its worker has pushed (``after``) and is answered once that many are applied
   (read-your-writes).  Rounds more than ``window`` ahead of the applied ones are refused.
-* ``dist_async``: a worker's chunks are gathered until its last one, then applied and acked.
+* ``dist_async``: a worker's chunks are gathered until its last one, then applied and acked; with a
+  staleness ``gate`` (``KVSTORE_STALENESS``) the ack of a worker too many pushes of the key ahead of
+  the slowest live worker is withheld, as for dense keys (:mod:`kvstore.core.staleness`).
 
 A dynamic table (``init_dynamic``) has the same rounds over a :class:`kvstore.core.dynamic.DynamicRows`
 instead of a row range: any int64 id is its own, pushes are applied by ``dynamic_updater`` and pulls
@@ -20,6 +22,7 @@ Every check runs before anything changes; errors are the kvstore tree's.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +33,7 @@ from kvstore.core import rowsparse as R
 from kvstore.core.dynamic import DynamicRows
 from kvstore.core.partition import Key
 from kvstore.core.replies import Completion
+from kvstore.core.staleness import StalenessGate
 from kvstore.errors import (
     DTypeMismatchError,
     DuplicateInitError,
@@ -66,6 +70,7 @@ class _Round:
     done: set[int] = field(default_factory=set)
     tokens: list[Any] = field(default_factory=list)
     sent: dict[int, int] = field(default_factory=dict)  # rows each worker has sent in this round
+    opened: float = 0.0  # the clock when its first chunk came (the stall inspector's wait)
 
     def add(self, sender: int, local: np.ndarray, rows: np.ndarray, token: Any, limit: int) -> None:
         """Take a chunk; ProtocolError when ``sender``'s rows in this round would pass ``limit`` (a push
@@ -93,6 +98,8 @@ class Table:
     waiting: list[tuple[int, Any, np.ndarray, int, bool]] = field(default_factory=list)  # after, token,
     # ids, sender, admit
     dynamic: DynamicRows | None = None  # a dynamic table's rows (lo, hi and weight unused)
+    pushed: dict[int, int] = field(default_factory=dict)  # dist_async: worker -> its pushes applied
+    offset: dict[int, int] = field(default_factory=dict)  # quorum: worker -> rounds it was shifted by
 
     @property
     def width(self) -> int:
@@ -126,12 +133,18 @@ def _apply_dynamic_default(key: Key, table: DynamicRows, ids: np.ndarray, rows: 
 class RowTables:
     """The row-sparse keys a server holds."""
 
-    def __init__(self, num_workers: int = 1, sync: bool = True, window: int = 4) -> None:
+    def __init__(self, num_workers: int = 1, sync: bool = True, window: int = 4,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.num_workers, self.sync, self.window = num_workers, sync, max(1, window)
+        self.clock = clock
         self.live = set(range(num_workers))
         self.tables: dict[Key, Table] = {}
         self.updater: Updater = _apply_default
         self.dynamic_updater: DynamicUpdater = _apply_dynamic_default
+        self.gate: StalenessGate | None = None  # dist_async's KVSTORE_STALENESS, as the dense keys'
+        self.quorum: int | None = None  # dist_sync's KVSTORE_SYNC_QUORUM (None: every live worker)
+        self.on_late: Callable[[Key, int, int], None] | None = None  # (key, worker, round) dropped late
+        self.late: dict[int, int] = {}  # worker -> late pushes dropped (quorum)
 
     def __contains__(self, key: object) -> bool:
         return key in self.tables
@@ -212,11 +225,18 @@ class RowTables:
                 return []
             del table.pending[sender]
             self._apply(key, table, gathering)
-            return [Completion(t) for t in gathering.tokens]
+            table.pushed[sender] = table.pushed.get(sender, 0) + 1
+            acks = [Completion(t) for t in gathering.tokens]
+            if self.gate is None:
+                return acks
+            return self.gate.applied(key, sender, table.pushed, self.live, acks)
+        rnd += table.offset.get(sender, 0)  # a worker that was late joins the oldest open round
+        if rnd < table.applied and self.quorum is not None:  # its round closed without it: late
+            return self._late(key, table, sender, rnd, last, token)
         if not table.applied <= rnd < table.applied + self.window:
             raise ProtocolError(f"push of key {key!r} for round {rnd}: this server has applied "
                                 f"{table.applied} rounds and takes {self.window} ahead (KVSTORE_PUSH_WINDOW)")
-        current = table.rounds.get(rnd) or _Round()
+        current = table.rounds.get(rnd) or _Round(opened=self.clock())
         if sender in current.done:
             raise ProtocolError(f"worker {sender} pushed round {rnd} of key {key!r} twice")
         current.add(sender, local, rows, token, table.limit)  # a refused chunk opens no round
@@ -225,6 +245,23 @@ class RowTables:
             current.done.add(sender)
         return self._close(key, table)
 
+    def _late(self, key: Key, table: Table, sender: int, rnd: int, last: bool,
+              token: Any) -> list[Completion]:
+        """Drop a chunk of a push whose round ``rnd`` closed by quorum: ack it; at its last chunk count
+        it and shift the worker's rounds so its next push joins the oldest round still open."""
+        if last:
+            table.offset[sender] = table.offset.get(sender, 0) + table.applied - rnd - 1
+            self.late[sender] = self.late.get(sender, 0) + 1
+            if self.on_late is not None:
+                self.on_late(key, sender, rnd)
+        return [Completion(token)]
+
+    def _closes(self, current: _Round) -> bool:
+        """Whether a round is complete: every live worker's push is in, or (quorum) that many."""
+        if self.live <= current.done:
+            return True
+        return self.quorum is not None and len(current.done & self.live) >= self.quorum
+
     def _apply(self, key: Key, table: Table, contribution: _Round) -> None:
         if len(contribution.parts) == 1:  # one worker's one message: merged on the worker already
             ids, rows = contribution.parts[0]
@@ -232,6 +269,9 @@ class RowTables:
             ids = np.concatenate([p[0] for p in contribution.parts])
             rows = np.concatenate([p[1] for p in contribution.parts])
         ids, rows = R.merge(ids, rows)
+        pushed = len(contribution.done)
+        if self.sync and self.quorum is not None and 0 < pushed < self.num_workers:
+            rows = rows * rows.dtype.type(self.num_workers / pushed)  # as if every worker had pushed
         if table.dynamic is not None:
             self.dynamic_updater(key, table.dynamic, ids, rows)
         else:
@@ -242,7 +282,7 @@ class RowTables:
         done: list[Completion] = []
         while True:
             current = table.rounds.get(table.applied)
-            if current is None or not self.live <= current.done:
+            if current is None or not self._closes(current):
                 break
             self._apply(key, table, current)  # an updater's error leaves the round open
             del table.rounds[table.applied]
@@ -259,6 +299,8 @@ class RowTables:
         """Answer a pull of rows ``ids`` of ``key`` once ``after`` rounds are applied (dist_sync);
         ``admit``: a dynamic table stores the rows it did not hold."""
         table, local = self.local_ids(key, ids)
+        if self.sync:
+            after += table.offset.get(sender, 0)  # a late worker's pushes were shifted
         if self.sync and after > table.applied:
             if after > table.applied + self.window:
                 raise ProtocolError(f"pull of key {key!r} after round {after}: only {table.applied} "
@@ -270,6 +312,22 @@ class RowTables:
             table.waiting.append((after, token, local, sender, admit))
             return []
         return [Completion(token, table.read(local, admit))]
+
+    def stalled(self, older_than: float) -> list[tuple[Key, float, list[int]]]:
+        """``(key, seconds open, live workers it waits for)`` of each table whose next round (dist_sync)
+        has been open longer than ``older_than`` seconds (the stall inspector, as ShardState's)."""
+        now, found = self.clock(), []
+        for key, table in self.tables.items():
+            current = table.rounds.get(table.applied)
+            if current is not None and now - current.opened > older_than:
+                found.append((key, now - current.opened, sorted(self.live - current.done)))
+        return found
+
+    def drop_waiting(self, key: Key) -> list[Any]:
+        """Forget the pulls of ``key`` waiting for a round (a stall aborts them); return their tokens."""
+        table = self.table(key)
+        tokens, table.waiting = [w[1] for w in table.waiting], []
+        return tokens
 
     def leave(self, sender: int) -> list[Completion]:
         """``sender`` is done: rounds no longer wait for it, its unfinished async chunks and its waiting
@@ -283,4 +341,6 @@ class RowTables:
                 done.extend(Completion(t) for t in dropped.tokens)
             if self.sync:
                 done.extend(self._close(key, table))
+            elif self.gate is not None:  # it no longer counts as the slowest
+                done.extend(self.gate.release(key, table.pushed, self.live))
         return done

@@ -72,6 +72,8 @@ class ServerMeter:
         self._warned: dict[Key, float] = {}  # stalled key -> how long its round had waited last tick
         self.extra_held: Callable[[], int] = lambda: 0  # bytes held outside the shard (row-sparse tables)
         self.extra_tables: Callable[[], dict[str, dict]] = dict  # dynamic tables' counters, by key
+        # rounds open outside the shard (row-sparse tables): as ShardState.stalled
+        self.extra_stalled: Callable[[float], list[tuple[Key, float, list[int]]]] = lambda older_than: []
         self.dynamic_tables: dict[str, dict] = {}  # their copy at the last tick
         self._next_tick = 0.0
         self.dropped: dict[str, int] = {}  # refusals of the request loop (authentication, ...)
@@ -139,7 +141,7 @@ class ServerMeter:
         with self._lock:
             self.dynamic_tables = tables
         warned = {}
-        for key, waited, late in state.stalled(self.stall_warn):
+        for key, waited, late in [*state.stalled(self.stall_warn), *self.extra_stalled(self.stall_warn)]:
             before = self._warned.get(key)
             warned[key] = waited
             if before is None or waited < before:  # once per round: a shorter wait is a newer round
@@ -147,7 +149,8 @@ class ServerMeter:
                             key, waited, self.stall_warn, self.describe(late))
         self._warned = warned
         if self.stall_abort is not None:
-            for key, waited, late in state.stalled(self.stall_abort):
+            for key, waited, late in [*state.stalled(self.stall_abort),
+                                      *self.extra_stalled(self.stall_abort)]:
                 abort(key, StallError(f"the sync round of key {key!r} waited {waited:.0f} s for "
                                       f"{self.describe(late)} (KVSTORE_STALL_ABORT={self.stall_abort:g})"))
 

@@ -142,9 +142,12 @@ class Server:
         self._refused_left: set[int] = set()  # workers whose push after their LEAVE was logged
         self.sparse = SparseServer(self._requests)  # row-sparse keys (server/sparse.py)
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
-                              cluster.get("max_message_bytes", 0))
+                              cluster.get("max_message_bytes", 0), cluster.get("staleness"),
+                              cluster.get("sync_quorum"))
+        self.sparse.tables.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self.meter.extra_held = self.sparse.nbytes
         self.meter.extra_tables = self.sparse.dynamic_stats
+        self.meter.extra_stalled = lambda older_than: self.sparse.tables.stalled(older_than)
         self.shards = shard_writer(cfg, rank, session.hex())  # KVSTORE_SNAPSHOT_EVERY
         self._unsettled: list[tuple[bytes, int]] = []  # optimizer changes acknowledged once in a shard
         handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push, Op.PULL: self._on_pull,
@@ -190,6 +193,10 @@ class Server:
 
     def _abort_pulls(self, key: Key, error: StallError) -> None:
         """Answer the requests waiting on ``key``'s stalled round with ``error`` (KVSTORE_STALL_ABORT)."""
+        if key in self.sparse:  # a row-sparse table's round: its waiting pulls
+            for identity, seq in self.sparse.tables.drop_waiting(key):
+                self.service.reply_error(identity, seq, error)
+            return
         batches = {id(batch): batch for batch, _ in self.state.drop_waiting_pulls(key)}
         for batch in batches.values():
             batch.left = -1  # its other entries may complete: it is answered already

@@ -12,12 +12,22 @@ import os
 
 import numpy as np
 
+from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
-from kvstore.core.dynamic import DynamicRows, apply_dynamic, full_bytes, table_label
+from kvstore.core.dynamic import (
+    DynamicRows,
+    apply_dynamic,
+    fit_state,
+    full_bytes,
+    load_state,
+    state_of,
+    table_label,
+)
 from kvstore.core.partition import Key, check_key
 from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
 from kvstore.core.sparse_update import apply_rows
+from kvstore.core.staleness import StalenessGate
 from kvstore.errors import ConfigError, DTypeMismatchError, OptimizerError, ProtocolError, UnsupportedError
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import Handler
@@ -52,10 +62,16 @@ class SparseServer:
         self.tables.dynamic_updater = self._update_dynamic
         self.max_bytes = 0
 
-    def configure(self, num_workers: int, sync: bool, window: int, max_bytes: int = 0) -> None:
-        """Set the cluster's worker count and mode (from the map), and the largest reply of rows
-        (``KVSTORE_MAX_MESSAGE_BYTES``, 0: no limit)."""
+    def configure(self, num_workers: int, sync: bool, window: int, max_bytes: int = 0,
+                  staleness: int | None = None, quorum: int | None = None) -> None:
+        """Set the cluster's worker count and mode (from the map), the largest reply of rows
+        (``KVSTORE_MAX_MESSAGE_BYTES``, 0: no limit), dist_async's ``staleness`` bound and dist_sync's
+        ``quorum`` (None: none)."""
         self.tables = RowTables(num_workers, sync, window or (1 << 30))  # 0: no limit
+        if not sync and staleness is not None:
+            self.tables.gate = StalenessGate(staleness, window)
+        if sync and quorum is not None and quorum < num_workers:
+            self.tables.quorum = quorum
         self.max_bytes = max_bytes
         self.tables.updater = self._update
         self.tables.dynamic_updater = self._update_dynamic
@@ -162,7 +178,9 @@ class SparseServer:
     def _on_set(self, identity: bytes, msg: Message) -> None:
         key, ids, rows = self._rows(msg, True)
         name = msg.body.get("state")
-        if name is None:
+        if name is None and self.tables.table(key).dynamic is not None:
+            self._set_dynamic_rows(key, ids, rows)
+        elif name is None:
             self.tables.set_rows(key, ids, rows)
         else:
             if not isinstance(name, str):
@@ -170,6 +188,23 @@ class SparseServer:
                                     f"not {name!r}")
             self._set_state(key, name, _int(msg.body, "count"), ids, rows)
         self.requests.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _set_dynamic_rows(self, key: Key, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Store rows of distinct ``ids`` in dynamic ``key`` (a resumed snapshot): made (their state
+        fresh) or overwritten; rows there is no room for are dropped, and logged."""
+        table, _ = self.tables.local_ids(key, ids)
+        dynamic = table.dynamic
+        assert dynamic is not None
+        if rows.dtype != dynamic.dtype or rows.shape != (ids.size, dynamic.width):
+            raise ProtocolError(f"SPARSE_SET of dynamic key {key!r}: rows must be {dynamic.dtype}"
+                                f"({ids.size}, {dynamic.width}), got {rows.dtype}{rows.shape}")
+        slots, fresh = dynamic.put(ids)
+        if self.requests.optimizer is not None:
+            fit_state(self.requests.optimizer, key, dynamic.weight, fresh)
+        keep = slots >= 0
+        dynamic.weight[slots[keep]] = rows[keep]
+        if not keep.all():
+            log.warning("dynamic key %r: no room for %d of the rows set", key, int((~keep).sum()))
 
     def _set_state(self, key: Key, name: str, count: int, ids: np.ndarray, rows: np.ndarray) -> None:
         """Overwrite rows ``ids`` of state array ``name`` of ``key`` (a load_optimizer_states), making
@@ -179,7 +214,10 @@ class SparseServer:
             raise OptimizerError(f"setting the optimizer state of key {key!r}: no optimizer is set")
         table, local = self.tables.local_ids(key, ids)
         if table.dynamic is not None:
-            raise UnsupportedError(f"dynamic key {key!r}: its optimizer state is not loaded from a file yet")
+            lost = load_state(opt, key, table.dynamic, ids, {name: rows}, count, whole=False)
+            if lost:
+                log.warning("dynamic key %r: no room for %d rows of loaded optimizer state", key, lost)
+            return
         state = opt.states.get(key)
         if state is None or any(a.shape != table.weight.shape for a in state.values()):
             state = opt.create_state(key, table.weight)
@@ -199,6 +237,11 @@ class SparseServer:
         rnd, last = _int(msg.body, "round"), msg.body.get("last")
         if type(last) is not bool:
             raise ProtocolError(f"SPARSE_PUSH of key {key!r} needs 'last' (a bool)")
+        half = msg.body.get("half")
+        if half is not None:  # fp16 / bf16 compression: float32 rows again (the table's check follows)
+            if half not in C.CASTS or rows.dtype != np.float16:  # bf16: its bits, in a 2-byte dtype
+                raise ProtocolError(f"SPARSE_PUSH of key {key!r}: 'half' {half!r} with {rows.dtype} rows")
+            rows = C.from_half(half, np.ascontiguousarray(rows).reshape(-1)).reshape(rows.shape)
         self._reply_all(self.tables.push(msg.sender, key, rnd, last, ids, rows, (identity, msg.seq)))
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
@@ -211,10 +254,37 @@ class SparseServer:
         if self.max_bytes and ids.size * table.width * table.dtype.itemsize * 3 > self.max_bytes:  # adam
             raise ProtocolError(f"SPARSE_PULL of {ids.size} rows of key {key!r}: the reply could exceed "
                                 f"KVSTORE_MAX_MESSAGE_BYTES={self.max_bytes}; ask in smaller messages")
+        if msg.body.get("held") is not None:  # a dynamic table's rows held, by slots (a save)
+            self.requests.reply(identity, self._held_rows(key, msg))
+            return
         if msg.body.get("state") is True:  # the optimizer's state rows (save_optimizer_states)
             self.requests.reply(identity, self._state_rows(key, ids, msg.seq))
             return
         self._reply_all(self.tables.pull(msg.sender, key, after, ids, (identity, msg.seq), admit))
+
+    def _held_rows(self, key: Key, msg: Message) -> Message:
+        """The reply to a walk of dynamic ``key``'s pool: the rows held in slots ``[held, held +
+        limit)`` as ``{next, count, names}`` (``next``: the next call's start, -1 when done) and arrays
+        ``[ids, rows, *states]`` (with ``state``: the optimizer's rows of each state array, ``names``
+        naming them; none when the key was never updated); ``rows``: how many it holds in all.
+        Counts no use."""
+        table = self.tables.table(key)
+        if table.dynamic is None:
+            raise ProtocolError(f"SPARSE_PULL of key {key!r}: 'held' walks dynamic tables only")
+        start, limit = _int(msg.body, "held"), _int(msg.body, "limit", 1)
+        row = table.width * max(table.dtype.itemsize, 4)
+        if self.max_bytes:  # ids, rows, and adam's (or mixed precision's) three state arrays
+            limit = max(1, min(limit, self.max_bytes // (5 * row + 8)))
+        slots, after = table.dynamic.live_slots(start, limit)
+        arrays = [table.dynamic.ids[slots], table.dynamic.weight[slots]]
+        opt = self.requests.optimizer
+        states = None
+        if msg.body.get("state") is True and opt is not None:
+            states = state_of(opt, key, table.dynamic, slots)
+        names = [] if states is None else list(states)
+        body = {"next": after, "count": 0 if opt is None else opt.counts.get(key, 0), "names": names,
+                "rows": len(table.dynamic)}
+        return Message(Op.OK, body, arrays + [states[n] for n in names], seq=msg.seq)
 
     def _state_rows(self, key: Key, ids: np.ndarray, seq: int) -> Message:
         """The reply to a state pull: ``{count, names}`` and the rows ``ids`` of each state array

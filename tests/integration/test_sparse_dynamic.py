@@ -169,3 +169,243 @@ def test_dist_async_pushes_apply_as_in_the_local_store(async2) -> None:
     for got in results:
         np.testing.assert_array_equal(got.indices, want.indices)
         np.testing.assert_allclose(got.rows, want.rows, rtol=1e-6, atol=1e-6)
+
+
+def test_optimizer_states_of_a_dynamic_table_save_and_load_as_in_the_local_store(sync2, tmp_path,
+                                                                                monkeypatch) -> None:
+    """save_optimizer_states walks each server's rows a few at a time (2 per message here) and writes
+    the 'local' store's entry (ids sorted, adam's rows, count); load_optimizer_states after another
+    step sends each row's state back to its server, so the next step gives the local store's rows."""
+    from kvstore.client.sparse import DistRows
+    from kvstore.core import checkpoint
+
+    monkeypatch.setattr(DistRows, "rows_per_message", lambda self, meta: 8)  # 2 rows a reply, 8 a set
+    key = unique_key("dyn")
+    asked = np.concatenate([_step_ids(r, s) for r in range(2) for s in range(4)])
+    path = str(tmp_path / "states")
+
+    def sequence(kv, pushes) -> None:
+        kv.init(key, width=W, dtype="float32", init=INIT, dynamic=True)
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.05))
+        for step in range(2):
+            pushes(kv, step)
+        kv.save_optimizer_states(path + f".{kv.type}")
+        pushes(kv, 2)
+        kv.load_optimizer_states(path + f".{kv.type}")
+        pushes(kv, 3)
+
+    def work(kv):
+        sequence(kv, lambda k, step: k.push(key, _grad(k.rank, step)))
+        return kv.row_sparse_pull(key, row_ids=asked)
+
+    results = sync2.run(work)
+    local = kvstore.create("local")
+    sequence(local, lambda k, step: k.push(key, [_grad(0, step), _grad(1, step)]))
+    want = local.row_sparse_pull(key, row_ids=asked)
+    (saved,) = checkpoint.read_states(path + ".dist_sync").entries
+    (expected,) = checkpoint.read_states(path + ".local").entries
+    np.testing.assert_array_equal(saved.ids, expected.ids)
+    assert saved.count == expected.count == 2 and saved.shape == expected.shape
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(saved.arrays[name], expected.arrays[name], rtol=1e-6, atol=1e-7)
+    for got in results:
+        np.testing.assert_array_equal(got.indices, want.indices)
+        np.testing.assert_allclose(got.rows, want.rows, rtol=1e-6, atol=1e-6)
+
+
+def test_a_snapshot_holds_a_dynamic_table_and_resumes_on_another_server_count(make_cluster, tmp_path,
+                                                                               monkeypatch) -> None:
+    """save_checkpoint writes a dynamic table's held rows by id (walked 2 per reply) and their adam
+    state; a resumed cluster of 2 servers instead of 1 (the table initialised before or after
+    set_optimizer) continues the unbroken run: same rows after one more step."""
+    import dataclasses
+
+    from kvstore.client.sparse import DistRows
+    from kvstore.client.store import DistKVStore
+
+    monkeypatch.setattr(DistRows, "rows_per_message", lambda self, meta: 8)
+    asked = np.concatenate([_step_ids(0, s) for s in range(3)])
+    keys = [unique_key("dyn"), unique_key("dyn")]
+    first = make_cluster("dist_sync", 1, 1)
+    (kv,) = first.workers
+    for key in keys:
+        kv.init(key, width=W, dtype="float32", init=INIT, dynamic=True)
+    kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+    for step in range(2):
+        kv.push(keys, [_grad(0, step), _grad(0, step)])
+    kv.save_checkpoint(tmp_path / "snap")
+    kv.push(keys, [_grad(0, 2), _grad(0, 2)])
+    want = {key: kv.row_sparse_pull(key, row_ids=asked) for key in keys}
+
+    saved, _ = kvstore.snapshot.read(str(tmp_path / "snap"))
+    held = np.unique(np.concatenate([_step_ids(0, s) for s in range(2)]))
+    np.testing.assert_array_equal(saved[keys[0]].indices, held)
+
+    second = make_cluster("dist_sync", 1, 2, connect=False)
+    cfg = dataclasses.replace(second.cfg, resume=str(tmp_path / "snap"))
+    resumed = DistKVStore("dist_sync", cfg)
+    second.workers = [resumed]
+    resumed.init(keys[0], width=W, dtype="float32", init=INIT, dynamic=True)  # the snapshot's rows
+    resumed.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+    resumed.init(keys[1], width=W, dtype="float32", init=INIT, dynamic=True)  # state comes back too
+    resumed.push(keys, [_grad(0, 2), _grad(0, 2)])
+    for key in keys:
+        got = resumed.row_sparse_pull(key, row_ids=asked)
+        np.testing.assert_array_equal(got.indices, want[key].indices)
+        np.testing.assert_allclose(got.rows, want[key].rows, rtol=1e-6, atol=1e-7, err_msg=key)
+
+
+def test_saves_stream_tables_bigger_than_a_chunk_server_by_server(sync2, tmp_path, monkeypatch) -> None:
+    """With 8 rows a message, save_checkpoint and save_optimizer_states of a 200-row fixed table and a
+    dynamic table of ~70 rows never ask a server for more than 8 fixed rows or 2 dynamic rows at a
+    time, and the files hold every row and its adam state as the servers do."""
+    from kvstore.client import sparse_states
+    from kvstore.client.sparse import DistRows
+
+    monkeypatch.setattr(DistRows, "rows_per_message", lambda self, meta: 8)
+    asked: list[int] = []
+    pull, walk = DistRows.pull, sparse_states.walk_dynamic
+
+    def spy_pull(self, key, meta, ids, admit=False):
+        asked.append(ids.size)
+        return pull(self, key, meta, ids, admit)
+
+    def spy_walk(*args, **kwargs):
+        for server, reply in walk(*args, **kwargs):
+            asked.append(reply.arrays[0].size)
+            yield server, reply
+
+    fixed, dyn = unique_key("fix"), unique_key("dyn")
+    ids = np.concatenate([_step_ids(r, s) for r in range(2) for s in range(8)])
+
+    def work(kv):
+        kv.init(fixed, shape=(200, W), init={"type": "uniform", "seed": 2})
+        kv.init(dyn, width=W, dtype="float32", init=INIT, dynamic=True)
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.05))
+        for step in range(8):
+            touched = np.arange(step, 200, 7)
+            fixed_grad = RowSparse(touched, np.ones((touched.size, W), np.float32), (200, W))
+            kv.push([fixed, dyn], [fixed_grad, _grad(kv.rank, step)])
+        kv.barrier()
+        if kv.rank == 0:  # the writer: only its pulls are watched
+            monkeypatch.setattr(DistRows, "pull", spy_pull)
+            monkeypatch.setattr(sparse_states, "walk_dynamic", spy_walk)
+        kv.save_checkpoint(str(tmp_path / "snap"))
+        kv.save_optimizer_states(str(tmp_path / "states"))
+        kv.barrier()
+        if kv.rank == 0:
+            monkeypatch.setattr(DistRows, "pull", pull)
+        return kv.row_sparse_pull(fixed, row_ids=np.arange(200)).rows, kv.row_sparse_pull(dyn, row_ids=ids)
+
+    (table, rows), _ = sync2.run(work)
+    assert len(asked) >= 200 // 8 and max(asked) <= 8, asked
+    values, states = kvstore.snapshot.read(str(tmp_path / "snap"))
+    np.testing.assert_array_equal(values[fixed], table)
+    np.testing.assert_array_equal(values[dyn].indices, rows.indices)
+    np.testing.assert_array_equal(values[dyn].rows, rows.rows)
+    saved = {e.key: e for e in kvstore.checkpoint.read_states(str(tmp_path / "states")).entries}
+    assert saved[fixed].count == saved[dyn].count == 8 and saved[fixed].arrays["mean"].shape == (200, W)
+    np.testing.assert_array_equal(saved[dyn].ids, rows.indices)
+    in_snapshot = {e.key: e for e in states.entries}
+    for name in ("mean", "var"):
+        np.testing.assert_array_equal(saved[dyn].arrays[name], in_snapshot[dyn].arrays[name])
+        np.testing.assert_array_equal(saved[fixed].arrays[name], in_snapshot[fixed].arrays[name])
+    assert np.abs(saved[fixed].arrays["mean"]).sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_half_precision_compression_casts_the_rows_a_push_carries(make_cluster, kind) -> None:
+    """Under fp16/bf16 compression a push's rows travel cast (then float32 again on the servers), for a
+    fixed and a dynamic table: the stored rows are the cast values, not the float32 ones."""
+    from kvstore.core import compression as C
+
+    cluster = make_cluster("dist_sync", 1, 2)
+    (kv,) = cluster.workers
+    kv.set_gradient_compression({"type": kind})
+    kv.init("f", shape=(50, W))
+    kv.init("d", width=W, dtype="float32", dynamic=True)
+    ids = np.array([3, 17, 41], np.int64)
+    rows = (1 + np.arange(3 * W, dtype=np.float32).reshape(3, W) * 1e-3) / 3
+    kv.push(["f", "d"], [RowSparse(ids, rows, (50, W)), RowSparse(ids * 2**33, rows, (0, W))])
+    cast = C.from_half(kind, C.to_half(kind, rows.reshape(-1), None)).reshape(3, W)
+    assert not np.array_equal(cast, rows)
+    np.testing.assert_array_equal(kv.row_sparse_pull("f", row_ids=ids).rows, cast)
+    np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=ids * 2**33).rows, cast)
+
+
+def test_staleness_holds_a_fast_worker_within_s_pushes_of_the_slowest(make_cluster) -> None:
+    """dist_async, s=2: worker 0 pushes a dynamic table 4 times as fast as it can, worker 1 only when
+    the test says; worker 0 never gets more than 2 pushes past worker 1 (its window waits)."""
+    import threading
+
+    steps = 4
+    cluster = make_cluster("dist_async", num_workers=2, num_servers=1, KVSTORE_STALENESS=2)
+    kv0, kv1 = cluster.workers
+    key = unique_key("dyn")
+    cluster.run(lambda kv: kv.init(key, width=W, dtype="float32", dynamic=True))
+    sent = [0]
+
+    def run() -> None:
+        for step in range(steps):
+            kv0.push(key, _grad(0, step))
+            sent[0] += 1
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    for slow in range(steps + 1):
+        expect = min(steps, slow + 2)
+        poll_for(lambda e=expect: sent[0] == e and (e == steps or kv0._window.waiting), 15,
+                 f"worker 0 to stop at {expect} pushes")
+        assert sent[0] == expect  # held: no further push got out
+        if slow < steps:
+            kv1.push(key, _grad(1, slow))
+    thread.join(15)
+    cluster.run(lambda kv: kv.barrier())
+
+
+def test_stall_abort_answers_a_pull_waiting_on_a_row_sparse_round(make_cluster) -> None:
+    """KVSTORE_STALL_ABORT=2: a pull waiting on a dynamic table's round that worker 1 never joins gets
+    StallError naming worker 1; worker 1's push then closes the round with both pushes."""
+    import time
+
+    from kvstore.errors import StallError
+
+    cluster = make_cluster("dist_sync", num_workers=2, num_servers=1, KVSTORE_STALL_WARN=1,
+                           KVSTORE_STALL_ABORT=2)
+    kv0, kv1 = cluster.workers
+    key = unique_key("dyn")
+    cluster.run(lambda kv: kv.init(key, width=W, dtype="float32", dynamic=True))
+    ids = np.array([5], np.int64)
+    kv0.push(key, RowSparse(ids, np.ones((1, W), np.float32), (0, W)))
+    started = time.monotonic()
+    with pytest.raises(StallError, match=r"worker 1 .*KVSTORE_STALL_ABORT=2"):
+        kv0.row_sparse_pull(key, row_ids=ids)
+    assert time.monotonic() - started < 10
+    kv1.push(key, RowSparse(ids, np.ones((1, W), np.float32), (0, W)))
+    np.testing.assert_array_equal(kv1.row_sparse_pull(key, row_ids=ids).rows, np.full((1, W), 2.0))
+
+
+def test_a_quorum_closes_row_sparse_rounds_without_the_backup_worker(make_cluster) -> None:
+    """KVSTORE_SYNC_QUORUM=2 of 3: workers 0 and 1's pushes of a fixed and a dynamic table close the
+    round, summed and scaled by 3/2; worker 2's push of that round comes late: acked, dropped, and its
+    pull reads the round the others made."""
+    cluster = make_cluster("dist_sync", num_workers=3, num_servers=1, KVSTORE_SYNC_QUORUM=2)
+    kv0, kv1, kv2 = cluster.workers
+    fixed, dyn = unique_key("fix"), unique_key("dyn")
+    cluster.run(lambda kv: (kv.init(fixed, shape=(20, W)),
+                            kv.init(dyn, width=W, dtype="float32", dynamic=True)))
+    ids = np.array([2, 13], np.int64)
+
+    def grads(value: float) -> list[RowSparse]:
+        rows = np.full((2, W), value, np.float32)
+        return [RowSparse(ids, rows, (20, W)), RowSparse(ids * 2**35, rows, (0, W))]
+
+    for kv, value in ((kv0, 1.0), (kv1, 3.0)):
+        kv.push([fixed, dyn], grads(value))
+    want = np.full((2, W), 6.0, np.float32)  # (1 + 3) * 3/2
+    for kv in (kv0, kv1):
+        np.testing.assert_array_equal(kv.row_sparse_pull(fixed, row_ids=ids).rows, want)
+        np.testing.assert_array_equal(kv.row_sparse_pull(dyn, row_ids=ids * 2**35).rows, want)
+    kv2.push([fixed, dyn], grads(100.0))  # late: dropped
+    np.testing.assert_array_equal(kv2.row_sparse_pull(fixed, row_ids=ids).rows, want)
+    np.testing.assert_array_equal(kv2.row_sparse_pull(dyn, row_ids=ids * 2**35).rows, want)

@@ -8,7 +8,7 @@ import pytest
 
 import kvstore
 from kvstore import RowSparse
-from kvstore.errors import ShapeMismatchError, UnsupportedError
+from kvstore.errors import ShapeMismatchError
 
 W = 3
 
@@ -62,8 +62,6 @@ def test_what_a_dynamic_table_refuses() -> None:
     with pytest.raises(ValueError, match="dynamic=True"):
         kv.init("i", width=W)
     kv.set_optimizer(kvstore.optimizer.create("sgd"))
-    with pytest.raises(UnsupportedError, match="not saved yet"):
-        kv.save_optimizer_states("/nonexistent/states")
     assert kv.stats()["dynamic_tables"]["d"]["rows"] == 0
 
 
@@ -140,3 +138,82 @@ def test_a_numpy_int_width_is_a_width() -> None:
     kv = kvstore.create("local")
     kv.init("d", width=np.int64(W), dynamic=True)
     assert kv.row_sparse_pull("d", row_ids=[1]).rows.shape == (1, W)
+
+
+def test_optimizer_states_of_a_dynamic_table_save_and_load_by_row_id(tmp_path) -> None:
+    """save_optimizer_states writes a dynamic table's adam state per held row with its ids; after more
+    steps, load_optimizer_states brings back exactly those rows' state and count, so the next step
+    equals the one taken right after the save; a fixed table's state in place of it is refused."""
+    def store() -> kvstore.KVStore:
+        kv = kvstore.create("local")
+        kv.init("d", width=W, dtype="float32", init={"type": "normal", "seed": 3}, dynamic=True)
+        kv.init("f", shape=(4, W))
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+        return kv
+
+    ids = np.array([2**40, -9, 5], np.int64)
+    grad = RowSparse(ids, np.arange(3 * W, dtype=np.float32).reshape(3, W), (0, W))
+    kv, twin = store(), store()
+    for k in (kv, twin):
+        k.push("d", grad)
+    kv.save_optimizer_states(str(tmp_path / "s"))
+    kv.push("d", grad)  # moves the state on; the load takes it back
+    kv.load_optimizer_states(str(tmp_path / "s"))
+    for k in (kv, twin):
+        k.push("d", grad)
+    # the rows were stepped once more in kv (before the load), so compare the state, then the update
+    a, b = kv._optimizer.get_state("d")[1], twin._optimizer.get_state("d")[1]
+    ka, kb = kv._dynamic["d"], twin._dynamic["d"]
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(a[name][ka.map.get(ids)], b[name][kb.map.get(ids)], rtol=1e-6)
+    assert kv._optimizer.counts["d"] == twin._optimizer.counts["d"] == 2
+    other = kvstore.create("local")
+    other.init("d", shape=(3, W))  # a fixed table named like the dynamic one, of as many rows
+    other.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+    with pytest.raises(ShapeMismatchError, match="dynamic"):
+        other.load_optimizer_states(str(tmp_path / "s"))
+
+
+def test_save_checkpoint_writes_a_dynamic_tables_rows_by_id_and_their_state(tmp_path) -> None:
+    """save_checkpoint of a local store writes a dynamic table as a RowSparse of the rows it holds
+    (sorted ids, their current rows) and their sgd momentum by id; a fixed table stays whole."""
+    kv = kvstore.create("local")
+    kv.init("d", width=W, dtype="float32", init={"type": "normal", "seed": 3}, dynamic=True)
+    kv.init("f", shape=(4, W))
+    kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=0.1, momentum=0.9))
+    ids = np.array([2**40, -9, 5], np.int64)
+    kv.push("d", RowSparse(ids, np.ones((3, W), np.float32), (0, W)))
+    kv.save_checkpoint(str(tmp_path / "snap"))
+    values, states = kvstore.snapshot.read(str(tmp_path / "snap"))
+    table = values["d"]
+    assert isinstance(table, RowSparse) and list(table.indices) == [-9, 5, 2**40]
+    np.testing.assert_array_equal(table.rows, kv.row_sparse_pull("d", row_ids=ids).rows)
+    assert values["f"].shape == (4, W)
+    (entry,) = [e for e in states.entries if e.key == "d"]
+    assert list(entry.ids) == [-9, 5, 2**40]
+    np.testing.assert_allclose(entry.arrays["mom"], np.full((3, W), -0.1, np.float32), rtol=1e-6)
+
+
+def test_state_loaded_into_rows_a_store_does_not_hold_survives_their_next_push(tmp_path) -> None:
+    """load_optimizer_states into a fresh store makes the saved rows (initial values) with their loaded
+    adam state; their next push steps from that state (mean and var as after two pushes), not from a
+    state reset as for a row made by a pull."""
+    ids = np.array([2**40, -9, 5], np.int64)
+    grad = RowSparse(ids, np.arange(3 * W, dtype=np.float32).reshape(3, W), (0, W))
+
+    def store() -> kvstore.KVStore:
+        kv = kvstore.create("local")
+        kv.init("d", width=W, dtype="float32", dynamic=True)
+        kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
+        return kv
+
+    saved, fresh = store(), store()
+    saved.push("d", grad)
+    saved.save_optimizer_states(str(tmp_path / "s"))
+    saved.push("d", grad)
+    fresh.load_optimizer_states(str(tmp_path / "s"))
+    fresh.push("d", grad)
+    a, b = saved._optimizer.get_state("d")[1], fresh._optimizer.get_state("d")[1]
+    ka, kb = saved._dynamic["d"], fresh._dynamic["d"]
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(b[name][kb.map.get(ids)], a[name][ka.map.get(ids)], rtol=1e-6)

@@ -561,3 +561,42 @@ def test_restore_with_a_bad_spec_raises_optimizer_error():
     with pytest.raises(OptimizerError):
         C.restore_optimizer(C.StatesFile({"name": "nope", "params": {}}, 0, []), target, {})
     assert target.states == {} and target.num_update == 0
+
+
+def test_a_dynamic_tables_state_entry_keeps_its_row_ids(tmp_path) -> None:
+    """An entry with ids (a dynamic table's rows) round-trips them as int64 next to its state rows;
+    entries without ids read back with none; ids of another length or dtype are refused both ways."""
+    ids = np.array([-3, 7, 2**40], np.int64)
+    mom = np.arange(6, dtype=np.float32).reshape(3, 2)
+    states = C.StatesFile(None, 4, [C.StateEntry("d", (3, 2), np.float32, 4, {"mom": mom}, ids),
+                                    C.StateEntry(1, (2,), np.float32, 4, {"mom": np.ones(2, np.float32)})])
+    C.write_states(tmp_path / "s", states)
+    back = C.read_states(tmp_path / "s")
+    np.testing.assert_array_equal(back.entries[0].ids, ids)
+    np.testing.assert_array_equal(back.entries[0].arrays["mom"], mom)
+    assert back.entries[1].ids is None
+    with pytest.raises(ValueError, match="row ids"):
+        C.write_states(tmp_path / "bad", C.StatesFile(None, 4, [C.StateEntry("d", (3, 2), np.float32, 4,
+                                                                              {"mom": mom}, ids[:2])]))
+    manifest, arrays = C.read(tmp_path / "s")
+    manifest["keys"][0]["ids"] = manifest["keys"][1]["states"]["mom"]  # 2 float32, not 3 int64
+    C.write(tmp_path / "damaged", manifest, arrays)
+    with pytest.raises(FormatError, match="ids"):
+        C.read_states(tmp_path / "damaged")
+
+
+def test_a_chunked_array_is_written_as_it_comes_and_must_fill_its_shape(tmp_path) -> None:
+    """A Chunked array's chunks become one .npy member read back as the whole array; chunks that
+    hold fewer or more elements than its shape raise ValueError and leave no file."""
+    whole = np.arange(24, dtype=np.float32).reshape(6, 4)
+
+    def chunks(parts):
+        return lambda: iter(parts)
+
+    streamed = C.Chunked((6, 4), np.dtype(np.float32), chunks([whole[:4], whole[4:]]))
+    C.write(tmp_path / "ok", {}, {"t": streamed})
+    np.testing.assert_array_equal(C.read(tmp_path / "ok")[1]["t"], whole)
+    for parts in ([whole[:4]], [whole, whole[:1]]):
+        with pytest.raises(ValueError, match="elements"):
+            C.write(tmp_path / "bad", {}, {"t": C.Chunked((6, 4), np.dtype(np.float32), chunks(parts))})
+        assert not (tmp_path / "bad").exists()

@@ -408,3 +408,60 @@ def test_a_small_full_table_holds_no_more_than_full_bytes() -> None:
     table = D.DynamicRows(W, np.dtype(np.float32), INIT, spec)
     table.admit(np.arange(10, dtype=np.int64))
     assert len(table) == 10 and table.nbytes() <= D.full_bytes(spec, W, np.dtype(np.float32))
+
+
+def _adam_stepped(ids: np.ndarray) -> tuple[O.Optimizer, D.DynamicRows]:
+    opt = O.create("adam", learning_rate=0.1)
+    table = _table(capacity=4)
+    D.apply_dynamic(opt, "t", table, ids, np.ones((ids.size, W), np.float32))
+    return opt, table
+
+
+def test_live_slots_walk_the_pool_in_steps_and_put_makes_rows_without_counting_them() -> None:
+    """live_slots gives held slots in [start, start+limit) and where to go on (-1 at the end); put makes
+    absent ids from their initial rows, counts no admission, and gives -1 past the capacity."""
+    table = _table(capacity=3)
+    _push(table, _ids(10, 20, 30))
+    table.expire()  # no ttl: nothing dropped
+    first, after = table.live_slots(0, 2)
+    rest, end = table.live_slots(after, 2)
+    assert first.size == 2 and after == 2 and rest.size == 1 and end == -1
+    slots, fresh = D.DynamicRows(W, np.dtype(np.float32), INIT, R.parse_spec("t", {"capacity": 2}),
+                                 Clock()).put(_ids(5, 6, 7))
+    assert list(slots[:2]) == [0, 1] and slots[2] == -1 and list(fresh) == [0, 1]
+    before = dict(table.counts)
+    slots, fresh = table.put(_ids(10, 99))
+    assert slots[0] >= 0 and slots[1] >= 0 and fresh.size == 1  # 99 evicted one to fit
+    assert table.counts["admissions"] == before["admissions"]
+    np.testing.assert_array_equal(table.weight[slots[1]], table.initial(_ids(99))[0])
+
+
+def test_state_entry_and_load_state_round_trip_adam_rows_by_id() -> None:
+    """state_entry saves each held row's adam state sorted by id with its ids; load_state into a fresh
+    table makes those rows and installs their state and the key's count."""
+    opt, table = _adam_stepped(_ids(30, -5, 7))
+    entry = D.state_entry(opt, "t", table, (W,))
+    assert entry is not None and list(entry.ids) == [-5, 7, 30] and entry.shape == (3, W)
+    assert entry.count == 1 and set(entry.arrays) == {"mean", "var"}
+    fresh_opt, fresh = O.create("adam", learning_rate=0.1), _table(capacity=4)
+    assert D.load_state(fresh_opt, "t", fresh, entry.ids, entry.arrays, entry.count) == 0
+    again = D.state_entry(fresh_opt, "t", fresh, (W,))
+    assert again is not None and list(again.ids) == [-5, 7, 30] and again.count == 1
+    for name in entry.arrays:
+        np.testing.assert_array_equal(again.arrays[name], entry.arrays[name])
+    assert D.state_entry(O.create("adam"), "t", _table(), (W,)) is None  # never updated: nothing
+
+
+def test_load_state_refuses_other_names_shapes_and_repeated_ids_before_changing_anything() -> None:
+    """A state name the optimizer does not keep, rows of another width or repeated ids raise
+    OptimizerError and leave the table and the optimizer as they were."""
+    from kvstore.errors import OptimizerError
+
+    opt, table = _adam_stepped(_ids(1, 2))
+    rows = np.zeros((2, W), np.float32)
+    held = len(table)
+    for ids, arrays in [(_ids(3, 4), {"mom": rows}), (_ids(3, 4), {"mean": rows, "var": rows[:, :1]}),
+                        (_ids(3, 3), {"mean": rows, "var": rows}), (_ids(3, 4), {"mean": rows})]:
+        with pytest.raises(OptimizerError):
+            D.load_state(opt, "t", table, ids, arrays, 5)
+    assert len(table) == held and opt.counts["t"] == 1

@@ -102,3 +102,27 @@ def test_stale_temporary_generations_are_cleaned_and_binary_pointers_refused(tmp
     (tmp_path / "LATEST").write_bytes(b"\xff\xfe")
     with pytest.raises(FormatError, match="not text"):
         snapshot.read(str(tmp_path))
+
+
+def test_a_dynamic_tables_rows_round_trip_with_their_ids_and_fit_only_a_dynamic_table(tmp_path) -> None:
+    """write_values keeps a RowSparse value as its rows and int64 ids (row_ids); read_values gives it
+    back; check_fits refuses it for a fixed key and a whole value for a dynamic key, and ids of another
+    length are a FormatError."""
+    from kvstore.core.rowsparse import DYNAMIC_ROWS, RowSparse
+
+    rows = RowSparse(np.array([-4, 9], np.int64), np.ones((2, 3), np.float32), (DYNAMIC_ROWS, 3))
+    path = str(tmp_path / "v")
+    snapshot.write_values(path, {"d": rows, "w": np.zeros(2, np.float32)})
+    back = snapshot.read_values(path)
+    assert isinstance(back["d"], RowSparse) and list(back["d"].indices) == [-4, 9]
+    np.testing.assert_array_equal(back["d"].rows, rows.rows)
+    snapshot.check_fits(back, "d", (DYNAMIC_ROWS, 3), np.float32)
+    with pytest.raises(ShapeMismatchError, match="dynamic"):
+        snapshot.check_fits(back, "d", (5, 3), np.float32)
+    with pytest.raises(ShapeMismatchError, match="dynamic"):
+        snapshot.check_fits(back, "w", (DYNAMIC_ROWS, 2), np.float32)
+    manifest, arrays = checkpoint.read(path)
+    arrays[manifest["row_ids"]["0"]] = np.arange(3, dtype=np.int64)
+    checkpoint.write(str(tmp_path / "bad"), manifest, arrays)
+    with pytest.raises(FormatError, match="row ids"):
+        snapshot.read_values(str(tmp_path / "bad"))

@@ -151,3 +151,61 @@ def test_a_pending_round_of_a_wide_dynamic_table_is_bounded_by_bytes() -> None:
 
     assert _dynamic_tables(0, width=1 << 12).table("d").limit == S.DYNAMIC_ROUND_BYTES // (4 << 12)
     assert _dynamic_tables(0, width=2).table("d").limit == S.DYNAMIC_ROUND_ROWS
+
+
+def test_a_staleness_gate_withholds_acks_of_a_worker_too_far_ahead_on_a_row_sparse_key() -> None:
+    """dist_async with a gate (s=1, window 1: threshold 0): worker 0's second push is applied but
+    its ack waits until worker 1 pushes (or leaves); worker 1, the slowest, is always answered."""
+    from kvstore.core.staleness import StalenessGate
+
+    tables = RowTables(2, sync=False, window=1)
+    tables.gate = StalenessGate(1, 1)
+    tables.init("k", (4, 2), np.dtype(np.float32), 0, 4, {"type": "zeros"})
+    ids, rows = np.array([1], np.int64), np.ones((1, 2), np.float32)
+    first = tables.push(0, "k", 0, True, ids, rows, "a")
+    assert first == []  # 1 ahead of worker 1's 0: held
+    assert [c.token for c in tables.push(1, "k", 0, True, ids, rows, "b")] == ["b", "a"]
+    assert tables.push(0, "k", 1, True, ids, rows, "c") == []
+    assert [c.token for c in tables.leave(1)] == ["c"]  # the slowest left: released
+    np.testing.assert_array_equal(tables.tables["k"].weight[1], [1, 1])  # applied on arrival (assigned)
+
+
+def test_stalled_names_a_row_sparse_round_open_too_long_and_the_workers_it_waits_for() -> None:
+    """dist_sync: a round open longer than the bound is reported with its wait and the live workers
+    that have not pushed; drop_waiting hands back the pulls waiting on it."""
+    now = [100.0]
+    tables = RowTables(3, sync=True, window=4, clock=lambda: now[0])
+    tables.init("k", (4, 2), np.dtype(np.float32), 0, 4, {"type": "zeros"})
+    ids, rows = np.array([1], np.int64), np.ones((1, 2), np.float32)
+    tables.push(0, "k", 0, True, ids, rows, "p0")
+    assert tables.pull(0, "k", 1, ids, "wait") == []
+    now[0] = 102.5
+    assert tables.stalled(5.0) == []
+    assert tables.stalled(2.0) == [("k", 2.5, [1, 2])]
+    assert tables.drop_waiting("k") == ["wait"]
+    assert tables.tables["k"].waiting == []
+
+
+def test_a_quorum_closes_a_row_sparse_round_scaled_and_drops_the_late_push() -> None:
+    """Quorum 2 of 3: a round closes with 2 pushes, their sum scaled by 3/2; the third worker's push
+    of that round is acked, dropped and counted, and its next push joins the oldest open round."""
+    tables = RowTables(3, sync=True, window=4)
+    tables.quorum = 2
+    late = []
+    tables.on_late = lambda key, worker, rnd: late.append((key, worker, rnd))
+    tables.init("k", (4, 1), np.dtype(np.float32), 0, 4, {"type": "zeros"})
+    ids = np.array([1], np.int64)
+
+    def push(worker: int, rnd: int, value: float) -> list:
+        return [c.token for c in tables.push(worker, "k", rnd, True, ids, np.full((1, 1), value, np.float32),
+                                             f"{worker}:{rnd}")]
+
+    assert push(0, 0, 1.0) == []
+    assert push(1, 0, 1.0) == ["0:0", "1:0"]
+    assert tables.tables["k"].weight[1, 0] == 3.0  # (1 + 1) * 3/2, assigned (no optimizer)
+    assert push(2, 0, 100.0) == ["2:0"]  # late: acked, never applied
+    assert tables.tables["k"].weight[1, 0] == 3.0 and late == [("k", 2, 0)] and tables.late == {2: 1}
+    assert push(2, 1, 2.0) == []  # its next push joins round 1, the oldest open one
+    assert push(0, 1, 2.0) == ["2:1", "0:1"]
+    assert tables.tables["k"].weight[1, 0] == 6.0
+    assert [c.token for c in tables.pull(2, "k", 2, ids, "p")] == ["p"]  # its pushes are applied
