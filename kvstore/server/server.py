@@ -468,12 +468,13 @@ class Server:
         if not (isinstance(params, dict) and all(isinstance(name, str) for name in params)):
             raise ProtocolError("OPTIMIZER_PARAMS needs a map of parameter names to values")
         self._need_optimizer("changing optimizer parameters").set_params(**params)
-        self._ack_when_settled(identity, msg)
+        self.service.reply(identity, Message(Op.OK, seq=msg.seq))  # not waiting: a schedule sends one a step
 
     def _ack_when_settled(self, identity: bytes, msg: Message) -> None:
-        """Acknowledge a change of optimizer now, or, with shards, once a shard holding it is written:
-        a restart from an earlier shard would apply the old optimizer silently; unanswered, the
-        change is sent again after the restart (kvstore/server/restore.py) instead."""
+        """Acknowledge a new optimizer now, or, with shards, once a shard holding it is written: a
+        restart from an earlier shard would apply the old one (or none) silently; unanswered, it is sent
+        again after the restart (kvstore/server/restore.py) instead.  A change of hyper-parameters is
+        answered at once (a learning-rate schedule sends one a step, a shard write would hold each)."""
         if self.shards is None:
             self.service.reply(identity, Message(Op.OK, seq=msg.seq))
         else:

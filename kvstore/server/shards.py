@@ -144,8 +144,8 @@ class ShardWriter:
             checkpoint.write(path, *to_file(image))
             for _, old in shard_files(self.directory, self.rank)[:-KEEP]:
                 storage.remove(old)
-        except (OSError, ValueError, TypeError, ConfigError) as exc:
-            self.failed += 1
+        except Exception as exc:  # noqa: BLE001 -- any failure (a store backend's own errors, MemoryError):
+            self.failed += 1  # counted, so a change of optimizer waiting for this write is answered
             self.optimizer_failed = optimizer_at
             log.error("server %d could not write shard %d (%s): the previous one stays in effect",
                       self.rank, image.number, exc)

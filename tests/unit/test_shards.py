@@ -193,3 +193,26 @@ def test_an_optimizer_set_or_its_parameters_changed_make_the_next_shard_due(tmp_
     assert writer.tick(shard, sgd, set())
     written(writer)
     assert read_latest(str(tmp_path), 0).optimizer["params"]["learning_rate"] == 0.0
+
+
+def test_a_shard_write_that_raises_any_error_settles_the_optimizer(tmp_path, monkeypatch) -> None:
+    """A write failing with an error no storage rule names (a backend's own, MemoryError) is counted as
+    failed and settles the optimizer it held, as an OSError does: else a set_optimizer waiting for it
+    (server.py) would be answered only by a later shard, which a blocked collective never brings."""
+    from kvstore.core import checkpoint
+    from kvstore.core.optimizer import create
+
+    shard = ShardState(1, sync=True)
+    shard.init("w", np.zeros(2))
+    writer = ShardWriter(str(tmp_path), 0, rounds=1000)
+    assert writer.tick(shard, None, set())
+    writer.close(10)
+    opt = create("sgd", learning_rate=0.1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the storage backend's own error")
+
+    monkeypatch.setattr(checkpoint, "write", broken)
+    assert writer.tick(shard, opt, set())  # due: an optimizer was set
+    writer.close(10)
+    assert writer.failed == 1 and writer.settled(opt) and not writer.holds_optimizer(opt)
