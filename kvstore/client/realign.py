@@ -103,7 +103,10 @@ class Realigner:
             if self.moved is not None:
                 self.moved(rank, where)
             keys, rounds = lowest_rounds(io.held(rank), pushes)
-            body = {"incarnation": cfg.incarnation, "keys": keys, "rounds": rounds}
+            # each key's next round once the held pushes are sent again: a rejoiner's first push may
+            # belong beyond the rounds they open (kvstore/core/shard.py, ShardState.promise)
+            nexts = [max(pushes.get(key, rnd), rnd) for key, rnd in zip(keys, rounds)]
+            body = {"incarnation": cfg.incarnation, "keys": keys, "rounds": rounds, "next": nexts}
             if self.rejoin.pending(rank):  # its REJOIN (held, or still to be sent) comes after this
                 body.update(origin=0, rejoining=True)
             else:

@@ -108,6 +108,7 @@ class _KeyState:
     waiting_pulls: list[tuple[Any, int, int, int, int]] = field(default_factory=list)
     # ^ token, worker, target (contributions that must be applied first), lo, hi
     debts: dict[int, deque[_Debt]] = field(default_factory=dict)  # worker -> its owed aborted rounds
+    promised: int = 0  # a restarted server: rounds the workers' retries will have opened (promise)
 
 
 @dataclass
@@ -493,6 +494,14 @@ class ShardState:
             state.base = floor
             state.next_round = dict.fromkeys(self.active, floor)
 
+    def promise(self, key: Key, rounds: int) -> None:
+        """A restored ``key`` (dist_sync): the workers' retried pushes will have opened its rounds up to
+        ``rounds`` (each worker's next round after its retries, from its ALIGN).  A push numbered up
+        to there joins its own round even before the retries of the rounds below it have come (a
+        rejoined worker's first push, at its job step), the rounds between opened empty meanwhile.
+        Raises :class:`KeyNotInitializedError`."""
+        self._get(key).promised = rounds
+
     def mark_away(self, worker: int, incarnation: int) -> list[Completion]:
         """Incarnation ``incarnation`` of ``worker`` is lost and will be restarted: rounds close without
         it, each sum scaled as a quorum of the rest (as :meth:`leave`, :mod:`kvstore.core.rejoin`);
@@ -592,9 +601,9 @@ class ShardState:
             if number < state.base:  # its round closed by quorum: dropped, whatever its offset
                 return state, lo, hi, -1 - number
             # A round beyond the next one: an earlier push of it was refused (damaged, over the
-            # window), so the worker counted a round the server never saw; it joins the next one.
-            # Not below a rejoined worker's own round, which others may not have opened here yet.
-            number = min(number, max(state.base + len(state.rounds), self.joins.get(worker, 0)))
+            # window), so the worker counted a round the server never saw; it joins the next one,
+            # or one the others' retries to a restarted server will open first (promise).
+            number = min(number, max(state.base + len(state.rounds), state.promised))
             owed = state.debts.get(worker)
             if owed and owed[0].round == number and owed[0].covered == lo:
                 return state, lo, hi, None  # the rest of its contribution to an aborted round

@@ -108,6 +108,16 @@ def _align_body(body: Any) -> tuple[int, int, list[Key], list[int]]:
         raise ProtocolError(f"ALIGN: {exc}") from None
 
 
+def _align_nexts(body: Any, rounds: list[int]) -> list[int]:
+    """An ALIGN's ``next`` (each key's next round once its held pushes are sent again; its ``rounds``
+    when absent), checked: one int >= its round per key; raises ProtocolError otherwise."""
+    nexts = body.get("next", rounds)
+    if not (isinstance(nexts, list) and len(nexts) == len(rounds)
+            and all(type(n) is int and n >= r for n, r in zip(nexts, rounds))):
+        raise ProtocolError("ALIGN's next needs one round per key, each at least the key's round")
+    return nexts
+
+
 class Restored:
     """A restarted server's side of the workers' alignment, then of their retried pushes."""
 
@@ -128,6 +138,7 @@ class Restored:
                 rejoins.away(worker, 0)
         self.expected = set(state.active)  # the workers that must align
         self.aligned: dict[int, dict[Key, int]] = {}  # worker -> key -> its oldest unanswered round
+        self.nexts: dict[int, dict[Key, int]] = {}  # worker -> key -> its next round after its retries
         self.origins: dict[int, int] = {}
         self.waiting: list[tuple[bytes, int]] = []  # ALIGN requests answered once all are in
         self.floors: dict[Key, int] = {}  # dist_sync: the round each key goes on from
@@ -159,6 +170,7 @@ class Restored:
         """A worker's ALIGN: recorded; every ALIGN is answered once all expected workers have sent one."""
         worker = self.requests.sender(msg)
         incarnation, origin, keys, rounds = _align_body(msg.body)
+        nexts = _align_nexts(msg.body, rounds)
         rejoining = msg.body.get("rejoining", False)
         if type(rejoining) is not bool:
             raise ProtocolError("ALIGN's rejoining must be a bool")
@@ -177,6 +189,7 @@ class Restored:
             self.rejoins.current[worker] = incarnation
         self.origins[worker] = origin
         self.aligned[worker] = {k: r + origin for k, r in zip(keys, rounds) if k in state}
+        self.nexts[worker] = {k: n + origin for k, n in zip(keys, nexts) if k in state}
         self.waiting.append((identity, msg.seq))
         if worker in state.active:
             self.expected.add(worker)
@@ -200,6 +213,7 @@ class Restored:
                 continue
             floor = max([held.round] + [lows[key] for lows in self.aligned.values() if key in lows])
             state.realign(key, self.origins, floor)
+            state.promise(key, max([floor] + [n[key] for n in self.nexts.values() if key in n]))
             self.floors[key] = floor
             losses.append(floor - held.round)
         self.done = True

@@ -60,13 +60,14 @@ def test_join_at_a_later_round_releases_the_rounds_before_it() -> None:
     np.testing.assert_array_equal(shard.value("w"), [2.0, 2.0])  # scaled as a quorum of the rest: 1 * 2 / 1
 
 
-def test_a_rejoiners_push_before_anyone_opened_the_rounds_below_its_own_joins_its_own_round() -> None:
-    """Joined at round r + 1 on a server where nobody has opened round r yet (a server restarted from
-    its shard, whose other workers' retried pushes are still on their way): the rejoiner's first push
+def test_a_rejoiners_push_before_the_retries_opened_the_rounds_below_its_own_joins_its_own_round() -> None:
+    """Joined at round r + 1 on a server restarted from its shard, where worker 0's retried push of round
+    r is still on its way (its ALIGN promised round r + 1: ShardState.promise): the rejoiner's first push
     belongs to round r + 1, not to round r, so the rounds it pushes are the rounds the others push."""
     shard, rejoins = make(2)
     rejoins.away(1, 0)
     first, _ = rejoins.begin(1, 1)
+    shard.promise("w", first + 1)
     assert first == 0 and rejoins.join_at(1, 1, first + 1) == []
     assert push(shard, 1, 10.0, "w1") == []  # round 1: waits for worker 0's push of round 1
     assert push(shard, 0, 1.0, "r0") == ["r0"]  # round 0 closes with worker 0 alone, scaled 2 / 1
@@ -74,6 +75,27 @@ def test_a_rejoiners_push_before_anyone_opened_the_rounds_below_its_own_joins_it
     assert sorted(push(shard, 0, 1.0, "r1")) == ["r1", "w1"]  # round 1: both
     np.testing.assert_array_equal(shard.value("w"), [11.0, 11.0])  # no updater: the sum is stored
     assert shard.open_rounds() == 0
+
+
+def test_a_key_with_fewer_rounds_than_the_rejoin_round_meets_the_others_in_its_own_next_round() -> None:
+    """Key 'b' is pushed every other step (2 rounds while 'a' has 4): with no retries promised, the
+    rejoiner's next push of 'b' joins the round worker 0 pushes next (b's round 2), not round 4, which
+    worker 0 reaches two of its pushes later (found by review: a clamp to the join round broke this)."""
+    shard = ShardState(2, sync=True, ordered=True, window=2)
+    shard.init("a", np.zeros(2))
+    shard.init("b", np.zeros(2))
+    rejoins = Rejoins(shard)
+    for step in range(4):
+        for w in (0, 1):
+            shard.push(f"a{step}.{w}", w, "a", np.ones(2))
+            if step % 2 == 0:
+                shard.push(f"b{step}.{w}", w, "b", np.ones(2))
+    rejoins.away(1, 0)
+    first, _ = rejoins.begin(1, 1)
+    assert first == 4 and rejoins.join_at(1, 1, first) == []
+    assert [c.token for c in shard.push("b4.1", 1, "b", np.full(2, 10.0))] == []
+    assert sorted(c.token for c in shard.push("b4.0", 0, "b", np.ones(2))) == ["b4.0", "b4.1"]
+    np.testing.assert_array_equal(shard.value("b"), [11.0, 11.0])  # no updater: the round's sum is stored
 
 
 def test_begin_without_away_makes_the_old_incarnation_away_first() -> None:
