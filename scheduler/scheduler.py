@@ -226,6 +226,9 @@ class Scheduler:
             self._fail_all(exc)
             return
         ranked = self.rendezvous.ranked()
+        if self._recovery is None and self.cfg.port_file and self.cfg.scheduler_restarts:
+            # a restart checks re-registrations against it; none before the map (nothing to rebuild)
+            write_digest(self.cfg.port_file, self.session)
         self.servers = ranked["server"]
         self.mode, self.map_at = mode, time.monotonic()
         body = {"num_workers": self.cfg.num_workers, "num_servers": self.cfg.num_servers,
@@ -673,8 +676,6 @@ class Scheduler:
         if self._recovery is not None:
             self._await_rebuild()
         elif self.cfg.port_file:
-            if self.cfg.scheduler_restarts:  # a restart checks re-registrations against it
-                write_digest(self.cfg.port_file, self.session)
             write_port_file(self.cfg.port_file, self.port)
         if self._recovery is None:
             log.info("listening on port %d for %d workers and %d servers", self.port,

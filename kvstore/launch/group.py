@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from kvstore.launch.roleprocess import Killed, RoleProcess, RoleState
+from kvstore.scheduler.recovery import read_digest
 
 log = logging.getLogger("kvstore.launcher")
 
@@ -120,6 +121,10 @@ class RoleGroup:
             return False
         if used >= restarts:
             log.error("scheduler failed: all %d restarts (--max-restarts) are used", restarts)
+            return False
+        if read_digest(policy.port_file) is None:  # written once the cluster map is out
+            log.error("the scheduler died before the cluster was complete: nothing to rebuild from, not "
+                      "restarted (docs/failures.md)")
             return False
         deadline, seen = time.monotonic() + TOGETHER_S, []
         while (wait := deadline - time.monotonic()) > 0:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError, NodeLostError
 from kvstore.net import transport
-from kvstore.net.address import REFUSED, UNREACHABLE, probe, zmq_host_port
+from kvstore.net.address import REACHABLE, REFUSED, UNREACHABLE, probe, zmq_host_port
 from kvstore.net.curve import CurveKeys
 
 log = logging.getLogger("kvstore.links")
@@ -69,13 +69,13 @@ class Link:
         """Whether the server is partitioned from this worker: its link dropped (zmq heard nothing for
         the heartbeat timeout), ``probe()`` finds it unreachable, and the scheduler's last reply
         (``heard``, monotonic) came after the drop was seen.  A refused probe marks it gone."""
-        if self.down_at is None or self.gone:
-            return False
+        if self.down_at is None or self.gone or heard <= self.down_at:
+            return False  # no scheduler reply since the drop: nothing to judge yet, and no probe to wait on
         found = probe()
         if found == REFUSED:
             self.gone = True
             return False
-        return found == UNREACHABLE and heard > self.down_at
+        return found == UNREACHABLE
 
 
 @dataclass
@@ -111,6 +111,13 @@ class ServerLinks:
         monotonic); the error naming the first partitioned server, or None."""
         with self._lock:
             targets = dict(self._targets)
+        probes = [0]  # one probe (at most 0.5 s) per check: many dropped links must not hold the beats
+
+        def budgeted(address: str) -> str:
+            if probes[0]:
+                return REACHABLE  # judged at a later check: its drop stays recorded
+            probes[0] += 1
+            return self.reach(address, min(self.interval, 0.5))
         for index, address in targets.items():
             watched = self._watched.get(index)
             if watched is None or watched.link.address != address:
@@ -128,7 +135,7 @@ class ServerLinks:
                 watched.link.saw(up, now)
             watched.link.waited(now, self.timeout)
             was_gone = watched.link.gone
-            probing = functools.partial(self.reach, address, min(self.interval, 0.5))
+            probing = functools.partial(budgeted, address)
             if watched.link.partitioned(probing, heard):
                 host, _ = zmq_host_port(address)
                 return NodeLostError(

@@ -110,3 +110,21 @@ def test_the_scheduler_and_a_server_dying_together_fail_the_launch_fast_and_name
     assert time.monotonic() - killed < 30, run.output  # with the stop's grace (KVSTORE_SHUTDOWN_TIMEOUT)
     assert re.search(r"the scheduler and server 1 died together: not survivable", run.output), run.output
     assert "restarting it as incarnation 1 (1 of 2 restarts used; at the same port" not in run.output
+
+
+@pytest.mark.timeout(120)
+def test_a_scheduler_killed_before_the_cluster_is_complete_fails_the_launch_named(
+        launches, tmp_path: Path) -> None:  # noqa: F811
+    """The scheduler SIGKILLed while the workers are still starting (no cluster map yet, so nothing to
+    rebuild from): not restarted, the launch fails at once and names why (found by review: a restart
+    then refused every first registration and the job failed later, unnamed)."""
+    run = launches(["-n", "2", "-s", "1", "--max-restarts", "1", str(SLOW_START), str(tmp_path)], ENV)
+    poll_for(lambda: len(role_pids(run.tag, "DMLC_ROLE=worker")) >= 2, 60, "the workers to start")
+    (pid,) = role_pids(run.tag, "DMLC_ROLE=scheduler")
+    os.kill(pid, signal.SIGKILL)
+    assert run.finish(60) != 0, run.output
+    assert "the scheduler died before the cluster was complete" in run.output, run.output
+    assert "restarting it as incarnation 1" not in run.output, run.output
+
+
+SLOW_START = Path(__file__).parent / "scripts" / "slow_start_train.py"

@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.launch.group import RoleGroup, SchedulerRestart
 from kvstore.launch.roleprocess import RoleProcess, RoleSpec, RoleState
+from kvstore.scheduler.recovery import write_digest
 
 # a scheduler's first incarnation SIGKILLs itself; its restart writes the port file back and stays up
 SCHEDULER = ("import os, signal, sys, time\n"
@@ -32,10 +33,12 @@ def _start(group: RoleGroup, role: str, code: str, *args: str) -> RoleProcess:
 
 @pytest.mark.timeout(30)
 def test_a_scheduler_killed_by_a_signal_is_restarted_at_its_port(tmp_path: Path) -> None:
-    """SIGKILLed, the scheduler runs again as incarnation 1 with its port and the restarts used; the
-    launch goes on (the worker sees the port file written again) and succeeds."""
+    """SIGKILLed after its cluster map went out (its session's digest is written), the scheduler runs
+    again as incarnation 1 with its port and the restarts used; the launch goes on (the worker sees the
+    port file written again) and succeeds."""
     port_file = tmp_path / "scheduler.port"
     port_file.write_text("4242\n")
+    write_digest(str(port_file), b"the cluster's session")  # the first incarnation sent its map
     group = RoleGroup()
     scheduler = _start(group, "scheduler", SCHEDULER, str(port_file))
     worker = _start(group, "worker", WORKER, str(port_file))

@@ -135,3 +135,38 @@ def test_a_moved_server_is_watched_at_its_new_address() -> None:
         links.close()
         first.close(linger=0)
         second.close(linger=0)
+
+
+def _closed_ports(n: int) -> list[str]:
+    """``n`` loopback addresses nothing listens at (their links never come up)."""
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        out.append(transport.address("127.0.0.1", s.getsockname()[1]))
+        s.close()
+    return out
+
+
+def test_one_check_probes_at_most_one_dropped_link() -> None:
+    """With 8 servers whose links dropped (they never came up), a check probes none of them before the
+    scheduler has replied since the drop, and at most one after (a probe may wait 0.5 s on the heartbeat
+    thread, whose beats must go on: found by review, a check took 4 s with 8 unanswered probes)."""
+    calls: list[str] = []
+
+    def answered(address: str, wait: float) -> str:
+        calls.append(address)
+        return REACHABLE  # the path is back: nothing named, the next check may probe another
+
+    links = ServerLinks(_closed_ports(8), 0.5, 0.05, reach=answered)
+    try:
+        links.check(heard=0.0)  # makes the links
+        deadline = time.monotonic() + 10
+        while not calls:  # once they count as dropped (0.05 s after being made), a check after a reply probes
+            assert time.monotonic() < deadline, "no dropped link was ever probed"
+            assert links.check(heard=0.0) is None and not calls  # no reply since the drop: no probe
+            assert links.check(heard=time.monotonic() + 1) is None
+        assert len(calls) == 1
+        assert links.check(heard=time.monotonic() + 1) is None and len(calls) == 2
+    finally:
+        links.close()
