@@ -141,10 +141,12 @@ class ServerRescale:
 
     def factor(self, rescale: float) -> float:
         """What a step whose rescale is ``rescale`` multiplies its gradients by (the first call, on every
-        worker at once, agrees on the servers' value).  Raises what the collective raises."""
+        worker at once, agrees on the servers' value; a restarted worker's reads the value the others
+        agreed on long ago).  Raises what the collective raises."""
         if self.agreed is None:
-            layer_calls(self.kv).collective("the servers' rescale_grad", lambda: self.kv.set_optimizer_params(
-                rescale_grad=rescale))
+            if getattr(self.kv, "rejoined_at", None) is None:  # a restarted worker: the others agreed
+                layer_calls(self.kv).collective("the servers' rescale_grad",
+                                                lambda: self.kv.set_optimizer_params(rescale_grad=rescale))
             servers = self.kv.get_optimizer()
             self.agreed = rescale if servers is None else float(servers.rescale_grad)
         return rescale / self.agreed

@@ -559,6 +559,12 @@ class DistKVStore(KVStore):
         """
         self._close(None)
 
+    def _stop_heartbeat(self, timeout: float) -> None:
+        """Stop the heartbeat thread (its last beat carries the final snapshot) and wait for it."""
+        assert self._heartbeat is not None
+        self._heartbeat.stop()
+        self._heartbeat.join(timeout)
+
     def _leave_servers(self, timeout: float) -> KVStoreError | None:
         """Send LEAVE to every server after this worker's pushes, on the same connections, and wait
         for the replies: then every push has been taken in (applied, or waiting in a sync round that
@@ -583,18 +589,24 @@ class DistKVStore(KVStore):
         timeout = self._cfg.shutdown_timeout
         if failure is None:
             error = self._leave_servers(timeout)
-        if self._heartbeat is not None:
-            self._heartbeat.stop()  # the last beat before LEAVE: after the last LEAVE no scheduler answers it
-            self._heartbeat.join(timeout)
+        # Under scheduler restarts the heartbeat runs until the LEAVE is answered: a LEAVE sent while the
+        # scheduler is down is held until the heartbeat has re-registered this worker with its restart,
+        # then sent again (else the restarted scheduler waits for this worker and declares it lost).
+        riding = self._cfg.scheduler_restarts and self._heartbeat is not None
+        if self._heartbeat is not None and not riding:
+            self._stop_heartbeat(timeout)  # the last beat before LEAVE: after the last LEAVE none is answered
         lost = self._io.failure
         if not isinstance(lost, NodeLostError) or lost.role != "scheduler":
             body = {} if failure is None else {"failure": failure}
+            wait = timeout + (self._cfg.heartbeat_timeout if riding else 0.0)  # a restart's gap, the reply
             try:  # after a lost peer too: the scheduler counts this worker out and can finish
                 leave = self._io.submit(SCHEDULER, Message(Op.LEAVE, body), "leave message to the scheduler",
                                         after_failure=True)
-                self._path.wait([leave], timeout, "KVSTORE_SHUTDOWN_TIMEOUT")
+                self._path.wait([leave], wait, "KVSTORE_SHUTDOWN_TIMEOUT")
             except KVStoreError as exc:
                 log.warning("%s", exc)
+        if riding:
+            self._stop_heartbeat(timeout)
         self._io.stop(timeout)
         if error is not None:
             raise error

@@ -128,3 +128,22 @@ def test_a_scheduler_killed_before_the_cluster_is_complete_fails_the_launch_name
 
 
 SLOW_START = Path(__file__).parent / "scripts" / "slow_start_train.py"
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_closing_while_the_scheduler_is_down_counts_as_left(launches, tmp_path: Path) -> None:  # noqa: F811
+    """Worker 1 closes in the scheduler's gap: its LEAVE waits until its heartbeat has re-registered it
+    with the restarted scheduler, which counts it as left; worker 0's barrier is released alone and the
+    job ends 0 (found by review: the closing worker's heartbeat stopped first, the rebuild waited for it
+    and declared it lost)."""
+    run = launches(["-n", "2", "-s", "1", "--max-restarts", "1", str(LEAVE_IN_GAP), str(tmp_path)], ENV)
+    poll_for(lambda: all((tmp_path / f"ready.{r}").exists() for r in (0, 1)), 60, "both workers ready")
+    (pid,) = role_pids(run.tag, "DMLC_ROLE=scheduler")
+    os.kill(pid, signal.SIGKILL)
+    (tmp_path / "go").write_text("1")
+    assert run.finish(120) == 0, run.output
+    assert "cluster rebuilt" in run.output and "worker 0 passed its barrier" in run.output, run.output
+    assert "leave message to the scheduler: no reply" not in run.output, run.output
+
+
+LEAVE_IN_GAP = Path(__file__).parent / "scripts" / "leave_in_gap_train.py"
