@@ -324,11 +324,11 @@ class Scheduler:
 
     def _adopt_map(self) -> None:
         """The first re-registration's session and map become this restarted scheduler's."""
-        assert self._recovery is not None and self._recovery.map is not None and self._recovery.session
-        self.session, self.map_body = self._recovery.session, self._recovery.map
-        self.mode = self.map_body["mode"]
-        self.servers = [Node(identity=b"", role="server", host=str(h), port=p, wanted_rank=r)
-                        for r, (h, p) in enumerate(self.map_body["servers"])]
+        rec = self._recovery
+        assert rec is not None and rec.map is not None and rec.session
+        servers = [Node(identity=b"", role="server", host=h, port=p, wanted_rank=r)  # (checked: check_map)
+                   for r, (h, p) in enumerate(rec.map["servers"])]
+        self.session, self.map_body, self.mode, self.servers = rec.session, rec.map, rec.map["mode"], servers
 
     def _adopt_session(self) -> None:
         """Key this scheduler to the adopted session (once): nodes' messages verify from now on, and a

@@ -178,3 +178,41 @@ def test_a_restarted_scheduler_refuses_numbers_its_predecessor_may_have_seen(tmp
         pass
     (beat,) = w0.send(Op.HEARTBEAT, {"role": "worker", "rank": 0})
     assert beat.op is Op.OK
+
+
+def test_a_malformed_first_map_does_not_wedge_the_rebuild(tmp_path: Path):
+    """A first re-registration whose map's server entry is malformed is refused and changes nothing:
+    the real nodes that follow still rebuild the cluster."""
+    sched = restarted(tmp_path)
+    _, bad = reregister(sched, "bad", "worker", 0, map=dict(MAP, servers=[5]))
+    assert bad.op is Op.ERROR
+    assert sched._recovery is not None and sched._recovery.nodes == {} and sched._recovery.map is None
+    reregister(sched, "w0", "worker", 0)
+    s0, r1 = reregister(sched, "s0", "server", 0)
+    w1, r2 = reregister(sched, "w1", "worker", 1)
+    assert r1.op is Op.MAP and r2.op is Op.MAP, (r1.body, r2.body)
+    s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})
+    assert sched.map_sent and sched.map_body["servers"] == [["host-server0", 9100]]
+
+
+def test_a_server_incarnations_field_of_another_shape_is_refused_before_anything_changes(tmp_path: Path):
+    """A map carrying server_incarnations of the wrong shape (a str, the wrong length, not ints) is
+    refused, not half-admitted."""
+    sched = restarted(tmp_path)
+    for i, bad in enumerate(("x", [1, 2], ["1"])):
+        _, reply = reregister(sched, f"bad{i}", "server", 0, incarnation=1,
+                              map=dict(MAP, server_incarnations=bad))
+        assert reply.op is Op.ERROR, bad
+        assert sched._recovery is not None and sched._recovery.nodes == {} and sched._recovery.map is None
+    _, good = reregister(sched, "s0", "server", 0, incarnation=1, map=dict(MAP, server_incarnations=[0]))
+    assert good.op is Op.MAP and sched.map_body["server_incarnations"] == [1]
+
+
+def test_a_map_with_servers_of_another_shape_is_refused():
+    """Each server entry of a first re-registration's map must be [host (str), port (int)]: else
+    ProtocolError, and nothing is recorded."""
+    book = Recovery(2, 1, session_digest(SESSION))
+    for servers in ([5], [["h"]], [[1, 9000]], [["h", "9000"]], [["h", 0]], [("h", 9000, 1)]):
+        with pytest.raises(ProtocolError, match="server"):
+            book.admit(body("worker", 0, "w0", map=dict(MAP, servers=servers)))
+    assert book.nodes == {} and book.map is None and book.session is None
