@@ -16,6 +16,7 @@ says who is still missing; the scheduler resumes once every node that was alive 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import AuthenticationError, ProtocolError
+from kvstore.net.auth import is_heartbeat_label
 
 log = logging.getLogger("scheduler")
 DIGEST_SUFFIX = ".session"  # the session digest's file: the port file's path and this
@@ -111,6 +113,19 @@ def _server_entry(entry: Any) -> bool:
         and type(entry[1]) is int and 0 < entry[1] < 65536
 
 
+def own_counters(node: Rebound, taken: set[str]) -> Rebound:
+    """``node`` with only its own labels' counters: its request label's and its heartbeat's
+    (:func:`is_heartbeat_label`), none in ``taken`` (other nodes' labels).  Another's are dropped (logged):
+    flooring them would refuse that node's next messages as replays."""
+    own = tuple((label, n) for label, n in node.counters if label not in taken and (
+        label == node.label or is_heartbeat_label(label, node.role, node.rank)))
+    dropped = [label for label, n in node.counters if (label, n) not in own]
+    if dropped:
+        log.warning("%s %d's re-registration names labels not its own in its counters: ignored (%s)",
+                    node.role, node.rank, ", ".join(map(repr, dropped)))
+    return dataclasses.replace(node, counters=own)
+
+
 def check_map(cmap: Any, num_workers: int, num_servers: int) -> dict[str, Any]:
     """The cluster map a re-registration carries, checked against the counts: every server's address
     ``[host, port]`` and, when present, ``server_incarnations`` (``num_servers`` ints >= 0).  Returns a
@@ -150,9 +165,10 @@ class Recovery:
         self._left, self._used = set(left), used
 
     def admit(self, body: dict[str, Any]) -> Rebound:
-        """Check a re-registration and record it; raise AuthenticationError when it does not carry the
-        old cluster's session, ProtocolError when it is malformed (its map too, when it is the first) or
-        its rank is claimed by another connection or incarnation.  Nothing changes when it raises."""
+        """Check a re-registration and record it (its counters only for its own labels: :func:`own_counters`);
+        raise AuthenticationError when it does not carry the old cluster's session, ProtocolError when it is
+        malformed (its map too, when it is the first), its rank is claimed by another connection or
+        incarnation, or its label is another node's.  Nothing changes when it raises."""
         session = body.get("session")
         if not isinstance(session, bytes) or session_digest(session) != self.digest:
             raise AuthenticationError("this re-registration does not carry the session of the cluster the "
@@ -164,6 +180,12 @@ class Recovery:
                                 f"{prior.incarnation}) from another connection; refused")
         if node.role == "worker" and node.rank in self.left:
             raise ProtocolError(f"worker {node.rank} has left the cluster; it cannot re-register")
+        others = {n.label: key for key, n in self.nodes.items() if key != (node.role, node.rank)}
+        if node.label in others:
+            role, rank = others[node.label]
+            raise ProtocolError(f"{node.role} {node.rank}'s re-registration names the label {role} {rank} "
+                                "re-registered with; refused")
+        node = own_counters(node, set(others))
         cmap = self.map if self.map is not None else check_map(body.get("map"), self.num_workers,
                                                                self.num_servers)
         # checked: nothing below raises, so a refusal above changed nothing
