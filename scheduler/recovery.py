@@ -16,6 +16,7 @@ says who is still missing; the scheduler resumes once every node that was alive 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import AuthenticationError, ProtocolError
+from kvstore.net.auth import is_heartbeat_label
 
 log = logging.getLogger("scheduler")
 DIGEST_SUFFIX = ".session"  # the session digest's file: the port file's path and this
@@ -105,14 +107,45 @@ def parse(body: dict[str, Any], num_workers: int, num_servers: int) -> Rebound:
                    tuple((c[0], c[1]) for c in counters))
 
 
+def _server_entry(entry: Any) -> bool:
+    """Whether ``entry`` is a map's server address: ``[host (str), port (int in 1..65535)]``."""
+    return isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) \
+        and type(entry[1]) is int and 0 < entry[1] < 65536
+
+
+def own_counters(node: Rebound, taken: set[str]) -> Rebound:
+    """``node`` with only its own labels' counters: its request label's and its heartbeat's
+    (:func:`is_heartbeat_label`), none in ``taken`` (other nodes' labels).  Another's are dropped (logged):
+    flooring them would refuse that node's next messages as replays."""
+    own = tuple((label, n) for label, n in node.counters if label not in taken and (
+        label == node.label or is_heartbeat_label(label, node.role, node.rank)))
+    dropped = [label for label, n in node.counters if (label, n) not in own]
+    if dropped:
+        log.warning("%s %d's re-registration names labels not its own in its counters: ignored (%s)",
+                    node.role, node.rank, ", ".join(map(repr, dropped)))
+    return dataclasses.replace(node, counters=own)
+
+
 def check_map(cmap: Any, num_workers: int, num_servers: int) -> dict[str, Any]:
-    """The cluster map a re-registration carries, checked against the counts; ProtocolError if not."""
+    """The cluster map a re-registration carries, checked against the counts: every server's address
+    ``[host, port]`` and, when present, ``server_incarnations`` (``num_servers`` ints >= 0).  Returns a
+    copy of it without a node's own fields (its lists its own too); ProtocolError when malformed."""
     if not (isinstance(cmap, dict) and cmap.get("num_workers") == num_workers
             and cmap.get("num_servers") == num_servers and isinstance(cmap.get("servers"), list)
             and len(cmap["servers"]) == num_servers and cmap.get("mode") in ("dist_sync", "dist_async")):
         raise ProtocolError("a re-registration's cluster map does not match this cluster's counts")
+    if not all(_server_entry(entry) for entry in cmap["servers"]):
+        raise ProtocolError("a re-registration's cluster map must list each server as [host, port]")
+    incarnations = cmap.get("server_incarnations")
+    if incarnations is not None and not (isinstance(incarnations, list) and len(incarnations) == num_servers
+                                         and all(type(n) is int and n >= 0 for n in incarnations)):
+        raise ProtocolError(f"a re-registration's server_incarnations must be {num_servers} ints >= 0")
     own = ("rank", "role", "nonce", "incarnation", "rejoin", "barriers", "left", "away")  # a node's, or stale
-    return {k: v for k, v in cmap.items() if k not in own}
+    checked = {k: v for k, v in cmap.items() if k not in own}
+    checked["servers"] = [list(entry) for entry in cmap["servers"]]
+    if incarnations is not None:
+        checked["server_incarnations"] = list(incarnations)
+    return checked
 
 
 class Recovery:
@@ -132,9 +165,10 @@ class Recovery:
         self._left, self._used = set(left), used
 
     def admit(self, body: dict[str, Any]) -> Rebound:
-        """Check a re-registration and record it; raise AuthenticationError when it does not carry the
-        old cluster's session, ProtocolError when it is malformed or its rank is claimed by another
-        connection or incarnation.  Nothing changes when it raises."""
+        """Check a re-registration and record it (its counters only for its own labels: :func:`own_counters`);
+        raise AuthenticationError when it does not carry the old cluster's session, ProtocolError when it is
+        malformed (its map too, when it is the first), its rank is claimed by another connection or
+        incarnation, or its label is another node's.  Nothing changes when it raises."""
         session = body.get("session")
         if not isinstance(session, bytes) or session_digest(session) != self.digest:
             raise AuthenticationError("this re-registration does not carry the session of the cluster the "
@@ -144,17 +178,24 @@ class Recovery:
         if prior is not None and (prior.label, prior.incarnation) != (node.label, node.incarnation):
             raise ProtocolError(f"{node.role} {node.rank} has re-registered already (incarnation "
                                 f"{prior.incarnation}) from another connection; refused")
-        cmap = check_map(body.get("map"), self.num_workers, self.num_servers) if self.map is None else None
         if node.role == "worker" and node.rank in self.left:
             raise ProtocolError(f"worker {node.rank} has left the cluster; it cannot re-register")
-        if cmap is not None:
+        others = {n.label: key for key, n in self.nodes.items() if key != (node.role, node.rank)}
+        if node.label in others:
+            role, rank = others[node.label]
+            raise ProtocolError(f"{node.role} {node.rank}'s re-registration names the label {role} {rank} "
+                                "re-registered with; refused")
+        node = own_counters(node, set(others))
+        cmap = self.map if self.map is not None else check_map(body.get("map"), self.num_workers,
+                                                               self.num_servers)
+        # checked: nothing below raises, so a refusal above changed nothing
+        if self.map is None:
             self.map, self.session = cmap, session
         self.nodes[(node.role, node.rank)] = node
         if node.role == "server":
-            assert self.map is not None
-            self.map["servers"][node.rank] = [node.host, node.port]
+            cmap["servers"][node.rank] = [node.host, node.port]
             if node.incarnation:
-                incarnations = self.map.setdefault("server_incarnations", [0] * self.num_servers)
+                incarnations = cmap.setdefault("server_incarnations", [0] * self.num_servers)
                 incarnations[node.rank] = node.incarnation
         return node
 

@@ -291,11 +291,14 @@ class Scheduler:
     def _reregister(self, identity: bytes, body: dict, label: str) -> dict:
         """A node that lost sight of the scheduler takes its place back (scheduler/recovery.py): checked
         against the old session (a restarted scheduler: its digest), its rank bound to its request label.
-        Returns the MAP body (but its nonce).  Raises AuthenticationError for another cluster's session,
-        ProtocolError for a rank that is not its own."""
+        A restarted scheduler refuses from now on the numbers its own labels' counters name (a replay of
+        what its predecessor took); a live one has seen them, and floors nothing.  Returns the MAP body
+        (but its nonce).  Raises AuthenticationError for another cluster's session, ProtocolError for a
+        rank or label that is not its own, or on a live scheduler nodes never re-register with (no
+        KVSTORE_SCHEDULER_RESTARTS).  Nothing changes when it raises."""
         if self._recovery is not None and not self.map_sent:
             first = self._recovery.map is None
-            node = self._recovery.admit(body)
+            node = self._recovery.admit(body)  # its counters its own labels' only
             if first:
                 self._adopt_map()
             elif node.role == "server":
@@ -303,10 +306,15 @@ class Scheduler:
                                                wanted_rank=node.rank, label=node.label)
             log.info("%s %d (incarnation %d) re-registered from %s; still missing: %s", node.role,
                      node.rank, node.incarnation, node.host, _names(self._recovery.missing()) or "nobody")
+            for counter_label, number in node.counters:
+                self.service.channel.floor(counter_label, number)
             self._rebind(node)
             self._rebuilt_if_complete()
             return {"session": self.session, "rebound": True}
         # a live scheduler: the node's heartbeats went unanswered for a while, or its reply was lost
+        if not self.cfg.scheduler_restarts:
+            raise ProtocolError("a re-registration is refused: this cluster's scheduler is not restarted "
+                                "(KVSTORE_SCHEDULER_RESTARTS), so its nodes never re-register")
         if body.get("session") != self.session:
             raise AuthenticationError("this re-registration carries another cluster's session: refused")
         node = parse(body, self.cfg.num_workers, self.cfg.num_servers)
@@ -316,10 +324,7 @@ class Scheduler:
         return {"session": self.session, "rebound": True}
 
     def _rebind(self, node: Rebound) -> None:
-        """Watch a re-registered node from now; its requests (by their label) are its rank's, and a
-        number its channels used before (a replay) is refused."""
-        for label, number in node.counters:
-            self.service.channel.floor(label, number)
+        """Watch a re-registered node from now; its requests (by their label) are its rank's."""
         self._labels[node.label] = (node.role, node.rank)
         self.hosts[(node.role, node.rank)] = node.host
         if (node.role, node.rank) in self.liveness.last or not self.map_sent:
@@ -327,11 +332,11 @@ class Scheduler:
 
     def _adopt_map(self) -> None:
         """The first re-registration's session and map become this restarted scheduler's."""
-        assert self._recovery is not None and self._recovery.map is not None and self._recovery.session
-        self.session, self.map_body = self._recovery.session, self._recovery.map
-        self.mode = self.map_body["mode"]
-        self.servers = [Node(identity=b"", role="server", host=str(h), port=p, wanted_rank=r)
-                        for r, (h, p) in enumerate(self.map_body["servers"])]
+        rec = self._recovery
+        assert rec is not None and rec.map is not None and rec.session
+        servers = [Node(identity=b"", role="server", host=h, port=p, wanted_rank=r)  # (checked: check_map)
+                   for r, (h, p) in enumerate(rec.map["servers"])]
+        self.session, self.map_body, self.mode, self.servers = rec.session, rec.map, rec.map["mode"], servers
 
     def _adopt_session(self) -> None:
         """Key this scheduler to the adopted session (once): nodes' messages verify from now on, and a

@@ -85,6 +85,17 @@ def new_label(role: str) -> str:
     return f"{role}-{secrets.token_hex(4)}"
 
 
+def heartbeat_label(role: str, rank: int) -> str:
+    """A fresh label for ``role rank``'s heartbeat channel, e.g. ``worker0-heartbeat-3fa9c1d2``: it names
+    its node, so a restarted scheduler lets only that node say where its numbers stand."""
+    return new_label(f"{role}{rank}-heartbeat")
+
+
+def is_heartbeat_label(label: str, role: str, rank: int) -> bool:
+    """Whether ``label`` is one :func:`heartbeat_label` makes for ``role rank``."""
+    return label.startswith(f"{role}{rank}-heartbeat-")
+
+
 class Channel:
     """Seals messages sent from ``label`` and opens messages addressed to one of ``names``."""
 

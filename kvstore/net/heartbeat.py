@@ -45,7 +45,7 @@ from kvstore.errors import (
     ProtocolError,
 )
 from kvstore.net import timeline, transport
-from kvstore.net.auth import channel_for, new_label
+from kvstore.net.auth import channel_for, heartbeat_label, new_label
 from kvstore.net.handshake import register, unsigned_refusal
 from kvstore.net.links import ServerLinks
 from kvstore.net.protocol import Message, Op
@@ -93,7 +93,7 @@ class Heartbeat(threading.Thread):
         self.on_restarted = on_restarted  # servers restarted from their shards (kvstore.client.realign)
         self.links = links  # a worker's liveness connections to the servers (read by this thread only)
         self._stats_failed = False  # a failing snapshot is logged once
-        self.channel = channel_for(cfg, new_label(f"{role}{rank}-heartbeat"))
+        self.channel = channel_for(cfg, heartbeat_label(role, rank))
         self.channel.set_session(session)
         self._stop_event = threading.Event()
         self.lost: NodeLostError | None = None  # what was reported, if anything

@@ -38,6 +38,7 @@ def _run(launches, tmp_path: Path, steps: int, die_at: str, restarts: int = 1,  
     rebound = {(role, int(rank)) for role, rank, _ in REBOUND.findall(output)}
     assert rebound == {("worker", 0), ("worker", 1), ("server", 0), ("server", 1)}, output
     assert "cluster rebuilt" in output and "did not confirm shutdown" not in output, output
+    assert "not its own in its counters" not in output, output  # every node's replay floors were taken
     return output, [load_arrays(str(tmp_path / f"w.{rank}")) for rank in range(WORKERS)]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import AuthenticationError, ProtocolError
+from kvstore.net.auth import heartbeat_label, is_heartbeat_label
 from kvstore.net.protocol import Message, Op
 from kvstore.scheduler.recovery import Recovery, session_digest, write_digest
 from kvstore.scheduler.scheduler import Scheduler
@@ -150,7 +151,7 @@ def test_a_live_scheduler_answers_a_barrier_it_released_already(tmp_path: Path):
 def test_a_live_scheduler_lets_a_member_take_its_own_rank_back_only():
     """A re-registration on a live scheduler (its beats went unanswered a while) is accepted for the
     node's own rank and label, refused for another's."""
-    sched = make_scheduler(KVSTORE_MAX_RESTARTS="1")
+    sched = make_scheduler(KVSTORE_MAX_RESTARTS="1", KVSTORE_SCHEDULER_RESTARTS="1")
     peers = complete(sched)
     label = peers["w0"].channel.label
     for rank, expected in ((0, Op.MAP), (1, Op.ERROR)):
@@ -177,4 +178,121 @@ def test_a_restarted_scheduler_refuses_numbers_its_predecessor_may_have_seen(tmp
     while w0.channel.reserve() < 10:
         pass
     (beat,) = w0.send(Op.HEARTBEAT, {"role": "worker", "rank": 0})
+    assert beat.op is Op.OK
+
+
+def test_a_malformed_first_map_does_not_wedge_the_rebuild(tmp_path: Path):
+    """A first re-registration whose map's server entry is malformed is refused and changes nothing:
+    the real nodes that follow still rebuild the cluster."""
+    sched = restarted(tmp_path)
+    _, bad = reregister(sched, "bad", "worker", 0, map=dict(MAP, servers=[5]))
+    assert bad.op is Op.ERROR
+    assert sched._recovery is not None and sched._recovery.nodes == {} and sched._recovery.map is None
+    reregister(sched, "w0", "worker", 0)
+    s0, r1 = reregister(sched, "s0", "server", 0)
+    w1, r2 = reregister(sched, "w1", "worker", 1)
+    assert r1.op is Op.MAP and r2.op is Op.MAP, (r1.body, r2.body)
+    s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})
+    assert sched.map_sent and sched.map_body["servers"] == [["host-server0", 9100]]
+
+
+def test_a_server_incarnations_field_of_another_shape_is_refused_before_anything_changes(tmp_path: Path):
+    """A map carrying server_incarnations of the wrong shape (a str, the wrong length, not ints) is
+    refused, not half-admitted."""
+    sched = restarted(tmp_path)
+    for i, bad in enumerate(("x", [1, 2], ["1"])):
+        _, reply = reregister(sched, f"bad{i}", "server", 0, incarnation=1,
+                              map=dict(MAP, server_incarnations=bad))
+        assert reply.op is Op.ERROR, bad
+        assert sched._recovery is not None and sched._recovery.nodes == {} and sched._recovery.map is None
+    _, good = reregister(sched, "s0", "server", 0, incarnation=1, map=dict(MAP, server_incarnations=[0]))
+    assert good.op is Op.MAP and sched.map_body["server_incarnations"] == [1]
+
+
+def test_a_map_with_servers_of_another_shape_is_refused():
+    """Each server entry of a first re-registration's map must be [host (str), port (int)]: else
+    ProtocolError, and nothing is recorded."""
+    book = Recovery(2, 1, session_digest(SESSION))
+    for servers in ([5], [["h"]], [[1, 9000]], [["h", "9000"]], [["h", 0]], [("h", 9000, 1)]):
+        with pytest.raises(ProtocolError, match="server"):
+            book.admit(body("worker", 0, "w0", map=dict(MAP, servers=servers)))
+    assert book.nodes == {} and book.map is None and book.session is None
+
+
+def test_a_re_registration_cannot_floor_another_nodes_label(tmp_path: Path):
+    """A re-registration's counters may floor only the labels of the node re-registering: worker 0
+    naming worker 1's request label with a huge number must not cut worker 1 off the scheduler."""
+    sched = restarted(tmp_path)
+    w1 = Peer(sched, "w1")
+    w1.channel.set_session(SESSION)
+    reregister(sched, "w0", "worker", 0, counters=[[w1.channel.label, 10**15]])
+    s0, _ = reregister(sched, "s0", "server", 0)
+    s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})
+    rebind = Peer(sched, "w1-rebind")
+    (challenge,) = rebind.send(Op.HELLO, {"nonce": "n"})
+    (reply,) = rebind.send(Op.REGISTER, dict(body("worker", 1, w1.channel.label),
+                                             challenge=challenge.body["challenge"]))
+    assert reply.op is Op.MAP and sched.map_sent
+    w1.post(Op.HEARTBEAT, {"role": "worker", "rank": 1})
+    assert w1.raw()[-1][0] != b"", "worker 1's beat was refused as a replay (unsigned refusal)"
+
+
+def test_a_re_registration_keeps_only_its_own_labels_counters():
+    """Counters are kept for the node's request label and its own heartbeat label only: another rank's
+    heartbeat label or a label another node re-registered with are dropped; a label another node
+    re-registered with is refused as the node's own."""
+    beat0, beat1 = heartbeat_label("worker", 0), heartbeat_label("worker", 1)
+    assert not is_heartbeat_label(heartbeat_label("worker", 10), "worker", 1)
+    book = Recovery(2, 1, session_digest(SESSION))
+    book.admit(body("worker", 1, "w1"))
+    node = book.admit(body("worker", 0, "w0", counters=[["w0", 5], [beat0, 6], [beat1, 7], ["w1", 8]]))
+    assert node.counters == (("w0", 5), (beat0, 6))
+    assert book.nodes[("worker", 0)].counters == node.counters
+    with pytest.raises(ProtocolError, match="label"):
+        book.admit(body("server", 0, "w1"))
+    assert ("server", 0) not in book.nodes
+
+
+def test_a_live_scheduler_does_not_let_one_member_take_anothers_rank_by_naming_its_label():
+    """Without KVSTORE_SCHEDULER_RESTARTS (nodes never re-register), a live scheduler refuses a
+    re-registration: a member naming worker 0's label (sent in clear) cannot take its rank back."""
+    sched = make_scheduler(KVSTORE_MAX_RESTARTS="1")
+    peers = complete(sched)
+    victim = peers["w0"].channel.label
+    peer = Peer(sched, "w1-rebind")
+    (challenge,) = peer.send(Op.HELLO, {"nonce": "n"})
+    (reply,) = peer.send(Op.REGISTER, dict(body("worker", 0, victim, session=sched.session,
+                                                counters=[[victim, 10**15]]),
+                                           challenge=challenge.body["challenge"]))
+    assert reply.op is Op.ERROR, "another connection re-registered as worker 0 by naming its label"
+
+
+def test_without_scheduler_restarts_a_member_cannot_cut_another_worker_off():
+    """Under a worker/server restart budget only (no KVSTORE_SCHEDULER_RESTARTS: behaviour must not
+    change), a re-registration naming worker 0's label must not floor its numbers: worker 0's next
+    heartbeat is still served."""
+    sched = make_scheduler(KVSTORE_MAX_RESTARTS="1")
+    peers = complete(sched)
+    victim = peers["w0"].channel.label
+    peer = Peer(sched, "w1-again")
+    (challenge,) = peer.send(Op.HELLO, {"nonce": "n"})
+    peer.send(Op.REGISTER, dict(body("worker", 0, victim, session=sched.session,
+                                     counters=[[victim, 10**15]]), challenge=challenge.body["challenge"]))
+    peers["w0"].post(Op.HEARTBEAT, {"role": "worker", "rank": 0})
+    assert peers["w0"].raw()[-1][0] != b"", "worker 0's beat was refused as a replay: cut off"
+
+
+def test_a_live_scheduler_that_can_be_restarted_floors_nothing_on_a_re_registration():
+    """With KVSTORE_SCHEDULER_RESTARTS, a live scheduler's re-registration (its own rank and label) sets
+    no floor: it has seen every number itself, so naming a huge one cannot cut the node off."""
+    sched = make_scheduler(KVSTORE_MAX_RESTARTS="1", KVSTORE_SCHEDULER_RESTARTS="1")
+    peers = complete(sched)
+    label = peers["w0"].channel.label
+    peer = Peer(sched, "w0-rebind")
+    (challenge,) = peer.send(Op.HELLO, {"nonce": "n"})
+    (reply,) = peer.send(Op.REGISTER, dict(body("worker", 0, label, session=sched.session,
+                                                counters=[[label, 10**15]]),
+                                           challenge=challenge.body["challenge"]))
+    assert reply.op is Op.MAP
+    (beat,) = peers["w0"].send(Op.HEARTBEAT, {"role": "worker", "rank": 0})
     assert beat.op is Op.OK
