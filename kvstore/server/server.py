@@ -430,8 +430,8 @@ class Server:
             if self.restored is not None:  # its pushes count from round ``at`` now
                 self.restored.origins[worker] = body["at"]
             self.service.reply(identity, Message(Op.OK, seq=msg.seq))
-            log.warning("worker %d rejoined (incarnation %s) at round %d", worker, body["incarnation"],
-                        body["at"])
+            log.warning("worker %d %s (incarnation %s) at round %d", worker,
+                        "joined" if body.get("join") else "rejoined", body["incarnation"], body["at"])
         self._requests.reply_all(done)
 
     def _on_away(self, body: dict) -> None:
