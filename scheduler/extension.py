@@ -34,4 +34,5 @@ class SchedulerAPI:
     live_servers: Callable[[], list[Node]]  # the servers in rank order, less the lost ones
     declare_lost: Callable[[str, int, str], None]  # lose (role, rank) for good: barriers fail, job fails
     away: Callable[[str, int], str | None]  # stop counting (role, rank) (see Scheduler); returns its host
-    rejoin: Callable[[Node, int, int], dict]  # admit a restarted (node, rank, incarnation); its MAP body
+    rejoin: Callable[[Node, int, int, bool], dict]  # admit a restarted (node, rank, incarnation), or with
+    # the last True a new member to an absent slot (elastic, docs/elastic.md); its MAP body

@@ -101,7 +101,7 @@ class RestartsExtension:
     def __init__(self, api: SchedulerAPI, pipes: PipesExtension) -> None:
         self.api, self.pipes = api, pipes  # pipeline stages are never restarted
         self.book = Restarts(api.cfg.max_restarts, api.cfg.num_workers)
-        if api.cfg.max_restarts:  # a restarted node registers after the map
+        if api.cfg.max_restarts or api.cfg.elastic_workers is not None:  # restarts and joins come late
             api.handle_late(Op.HELLO, self.late_hello)
             api.handle_late(Op.REGISTER, self.late_register)
 
@@ -187,7 +187,7 @@ class RestartsExtension:
 
     def late_hello(self, identity: bytes, msg: Message) -> Message:
         """A HELLO after the map: challenged only when restarts are on (else refused as late)."""
-        if self.book.budget == 0:
+        if self.book.budget == 0 and self.api.cfg.elastic_workers is None:
             raise ProtocolError("the cluster is already complete; late registrations are refused")
         nonce = hello_nonce(msg.body)
         challenge = self.api.challenges.issue(identity, nonce, bound=4 * self.api.cfg.num_workers)
@@ -206,6 +206,8 @@ class RestartsExtension:
             return self.late_server(identity, body, sender_label(msg))
         if body.get("role") != "worker":
             raise ProtocolError("the cluster is already complete; only a restarted node may register late")
+        if body.get("join"):
+            return self.late_join(identity, body, sender_label(msg))
         rank, incarnation = self.book.check(body.get("rank"), body.get("incarnation"))
         if self.pipes.is_stage(rank):  # a stage's restart proves it died: the pipeline fails now
             self.api.declare_lost("worker", rank, STAGE)
@@ -220,9 +222,34 @@ class RestartsExtension:
         self.book.admit(rank, incarnation)
         node = Node(identity=identity, role="worker", host=str(body.get("host"))[:256], wanted_rank=rank,
                     label=sender_label(msg))
-        cmap = self.api.rejoin(node, rank, incarnation)
+        cmap = self.api.rejoin(node, rank, incarnation, False)
         log.warning("worker %d rejoined as incarnation %d from %s", rank, incarnation, node.host)
         return Message(Op.MAP, dict(cmap, nonce=nonce))
+
+    def late_join(self, identity: bytes, body: dict[str, Any], label: str) -> Message:
+        """A new worker's REGISTER in an elastic job (docs/elastic.md): an absent slot (``rank``) and an
+        incarnation above the slot's last; admitted as a new member, no restart budget used.  Raises
+        ProtocolError (nothing changes) for a job that is not elastic, a slot not absent, an old
+        incarnation or another mode."""
+        rank, incarnation = body.get("rank"), body.get("incarnation")
+        if self.api.cfg.elastic_workers is None:
+            raise ProtocolError("this job is not elastic (KVSTORE_ELASTIC_WORKERS, launch.py --max-workers): "
+                                "a worker cannot join it")
+        if not (type(rank) is int and 0 <= rank < self.api.cfg.num_workers and type(incarnation) is int):
+            raise ProtocolError("a joining worker's REGISTER must name a worker slot (DMLC_WORKER_ID) and "
+                                "its incarnation (KVSTORE_INCARNATION)")
+        if incarnation <= self.book.incarnation.get(rank, 0):
+            raise ProtocolError(f"worker {rank} joins as incarnation {incarnation}, not above the slot's "
+                                f"last ({self.book.incarnation.get(rank, 0)}); refused")
+        if body.get("mode") != self.api.mode():
+            raise ProtocolError(f"worker {rank} joins asking for {body.get('mode')!r}; the cluster runs "
+                                f"{self.api.mode()}")
+        node = Node(identity=identity, role="worker", host=str(body.get("host"))[:256], wanted_rank=rank,
+                    label=label)
+        cmap = self.api.rejoin(node, rank, incarnation, True)  # raises for a slot that is not absent
+        self.book.admit(rank, incarnation)
+        log.warning("worker %d joined as incarnation %d from %s", rank, incarnation, node.host)
+        return Message(Op.MAP, dict(cmap, nonce=self.api.challenges.take(identity)))
 
     def late_server(self, identity: bytes, body: dict[str, Any], label: str) -> Message:
         """A restarted server's REGISTER: its rank and a higher incarnation, budget left; its new address
@@ -247,6 +274,6 @@ class RestartsExtension:
         host = str(body.get("host"))[:256]
         book.moved[rank] = [rank, incarnation, host, port]
         node = Node(identity=identity, role="server", host=host, port=port, wanted_rank=rank, label=label)
-        cmap = self.api.rejoin(node, rank, incarnation)
+        cmap = self.api.rejoin(node, rank, incarnation, False)
         log.warning("server %d restarted as incarnation %d on %s:%d", rank, incarnation, host, port)
         return Message(Op.MAP, dict(cmap, nonce=nonce, away=sorted(book.away)))

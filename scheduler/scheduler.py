@@ -88,10 +88,11 @@ class Scheduler:
         self._labels: dict[str, tuple[str, int]] = {}  # a node's request label -> (role, rank)
         self._deferred: list[tuple[bytes, Message]] = []  # barriers and leaves while rebuilding
         self.challenges = Challenges()  # HELLO's nonce and challenge per connection, until it registers
-        self.rendezvous = Rendezvous(cfg.num_workers, cfg.num_servers)
-        self.barrier = Barrier(cfg.num_workers)
+        present = _present(cfg)  # an elastic job's slots beyond it start absent (docs/elastic.md)
+        self.rendezvous = Rendezvous(present, cfg.num_servers)
+        self.barrier = Barrier(present)
         self.worker_ranks: dict[bytes, int] = {}
-        self.left: set[int] = set()
+        self.left: set[int] = set(range(present, cfg.num_workers))  # absent slots count as left
         self.servers: list[Node] = []
         self.service.handlers = {Op.HELLO: self._on_hello, Op.REGISTER: self._on_register,
                                  Op.BARRIER: self._on_barrier,
@@ -109,7 +110,7 @@ class Scheduler:
             reply=self.service.reply, worker_rank=self._worker_rank, mode=lambda: self.mode,
             lost=lambda: list(self.lost), live_servers=self._live_servers,
             declare_lost=lambda role, rank, why: self._declare_lost(role, rank, why, absorb=False),
-            away=self._away, rejoin=self._rejoin)
+            away=self._away, rejoin=self._admit)
         self._pipes = PipesExtension(api)  # pipeline sockets (docs/pipeline.md)
         self.restarts = RestartsExtension(api, self._pipes)  # KVSTORE_MAX_RESTARTS (scheduler/restarts.py)
         late_register = self.service.late_handlers.get(Op.REGISTER)
@@ -239,6 +240,8 @@ class Scheduler:
                 "push_window": self.cfg.push_window,  # one window for all: servers refuse beyond it
                 "sync_quorum": quorum,  # stragglers (issue 25): None is plain sync/async
                 "staleness": self.cfg.staleness}
+        if self.left:  # elastic: the slots nobody holds yet
+            body["absent"] = sorted(self.left)
         self.map_body = body
         now = time.monotonic()
         for role, nodes in ranked.items():
@@ -667,6 +670,21 @@ class Scheduler:
         self.liveness.watch("server", rank, now)
         return dict(self.map_body, rank=rank, role="server", incarnation=incarnation, left=sorted(self.left))
 
+    def _admit(self, node: Node, rank: int, incarnation: int, join: bool) -> dict:
+        """The extensions' ``rejoin``: :meth:`_join` when ``join``, else :meth:`_rejoin`."""
+        return self._join(node, rank, incarnation) if join else self._rejoin(node, rank, incarnation)
+
+    def _join(self, node: Node, rank: int, incarnation: int) -> dict:
+        """Admit ``node``, a new member of an elastic job, to worker slot ``rank`` (absent: never held,
+        or left) as ``incarnation``: it counts toward barriers and is watched from now.  Returns the MAP
+        body it gets (but its nonce).  Raises ProtocolError for a slot that is not absent."""
+        if rank not in self.left or self._is_lost("worker", rank):
+            raise ProtocolError(f"worker slot {rank} is not absent (docs/elastic.md): a new worker joins "
+                                "only a slot nobody holds")
+        self.left.discard(rank)
+        self.map_body["absent"] = sorted(self.left)  # what a server restarted later starts with
+        return dict(self._rejoin(node, rank, incarnation), join=True)
+
     def _workers_gone(self) -> int:
         return len(self.left | {rank for role, rank, _, _ in self.lost if role == "worker"})
 
@@ -723,6 +741,18 @@ class Scheduler:
         self._linger_for_status()
         self.service.close()
         return 0
+
+
+def _present(cfg: kvconfig.Config) -> int:
+    """The workers that register at the start: ``KVSTORE_ELASTIC_WORKERS`` of an elastic job's
+    ``DMLC_NUM_WORKER`` slots, else all.  Raises ConfigError when it exceeds the slots."""
+    present = cfg.elastic_workers
+    if present is None:
+        return cfg.num_workers
+    if present > cfg.num_workers:
+        raise ConfigError(f"KVSTORE_ELASTIC_WORKERS={present} exceeds the {cfg.num_workers} worker slots "
+                          "(DMLC_NUM_WORKER, launch.py --max-workers)")
+    return present
 
 
 def _names(nodes: list[tuple[str, int]]) -> str:

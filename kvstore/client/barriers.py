@@ -27,12 +27,13 @@ class Barriers:
 
     def __init__(self, io: Mux, cfg: Config, mode: str, rank: int, num_workers: int,
                  wait: Callable[[list, float, str], list], pushes: Callable[[], int] = lambda: 0,
-                 passed: int = 0) -> None:
+                 passed: int = 0, absent: list[int] | None = None) -> None:
         self._io, self._cfg, self._mode, self._rank, self._num_workers = io, cfg, mode, rank, num_workers
         self.passed = passed  # barriers released so far (a restarted scheduler repeats only an open one)
         self._wait, self._pushes = wait, pushes
         self._lock = threading.Lock()
-        self._left: set[int] = {rank}  # workers known to have left, and us
+        # workers known to have left, and us; an elastic job's slots absent at the start (not warned of)
+        self._left: set[int] = {rank, *(absent or ())}
         self._unwarned: dict[int, int] = {}  # left, not warned about yet -> this worker's pushes then
 
     def collective(self, what: str, action: Callable[[], Any], digest: str | None = None) -> None:

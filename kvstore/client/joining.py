@@ -35,7 +35,8 @@ def join(scheduler: transport.Socket, channel: Channel, cfg: kvconfig.Config, mo
         body = register(scheduler, channel, cfg, {"role": "worker", "host": address.advertised_host(cfg),
                                                   "rank": cfg.worker_id, "mode": mode,
                                                   "quorum": cfg.sync_quorum,
-                                                  "incarnation": cfg.incarnation}, "worker").body
+                                                  "incarnation": cfg.incarnation,
+                                                  **({"join": True} if cfg.join else {})}, "worker").body
     except BaseException:
         transport.close(scheduler)
         raise
@@ -109,18 +110,20 @@ def rejoin(io: Mux, servers: int, cmap: dict, request_all: Callable[[list[Reques
         return None
     progress = Rejoin(True) if progress is None else progress
     incarnation = cmap.get("incarnation")
-    what = f"rejoin of incarnation {incarnation} to server"
-    replies = request_all([io.submit(i, Message(Op.REJOIN, {"incarnation": incarnation}), f"{what} {i}")
-                           for i in range(servers)])
+    joining = {"join": True} if cmap.get("join") else {}  # a new member of an elastic job: never scaled for
+    what = f"{'join' if joining else 'rejoin'} of incarnation {incarnation} to server"
+    replies = request_all([io.submit(i, Message(Op.REJOIN, {"incarnation": incarnation, **joining}),
+                                     f"{what} {i}") for i in range(servers)])
     rounds = [reply.body.get("round") for reply in replies]
     if not all(type(r) is int and r >= 0 for r in rounds):
         raise ProtocolError(f"a server answered a REJOIN without a round: {rounds!r}"[:200])
     progress.at = at = max(rounds, default=0)  # set before any server can answer the second step
     for i in range(servers):
-        progress.second[i] = io.submit(i, Message(Op.REJOIN, {"incarnation": incarnation, "at": at}),
-                                       f"{what} {i}")
+        progress.second[i] = io.submit(i, Message(Op.REJOIN, {"incarnation": incarnation, "at": at,
+                                                              **joining}), f"{what} {i}")
     request_all(list(progress.second.values()))
-    log.warning("rejoined the cluster as incarnation %s at round %d", incarnation, at)
+    log.warning("%s the cluster as incarnation %s at round %d", "joined" if joining else "rejoined",
+                incarnation, at)
     return at
 
 

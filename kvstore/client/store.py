@@ -142,7 +142,8 @@ class DistKVStore(KVStore):
         self._fast = FastPath(self._path, self._meta, self._lock, self._meter,  # known lists of small keys
                               self._compress, self._device_mode)
         self._barriers = Barriers(self._io, cfg, self._mode, cluster.rank, cluster.num_workers,
-                                  self._path.wait, self._meter.pushes, passed=body.get("barriers", 0))
+                                  self._path.wait, self._meter.pushes, passed=body.get("barriers", 0),
+                                  absent=body.get("absent"))
         self._rows = DistRows(RowsLink(  # row_sparse keys (client/sparse.py)
             self._path, self._collective, cfg.request_timeout,
             lambda *a: self._collective_calls.resumed_table(*a),

@@ -56,22 +56,27 @@ class Rejoins:
             return []
         return self.shard.mark_away(worker, incarnation)
 
-    def begin(self, worker: int, incarnation: object) -> tuple[int, list[Completion]]:
+    def begin(self, worker: int, incarnation: object, joining: bool = False) -> tuple[int, list[Completion]]:
         """A restarted ``worker`` (a new ``incarnation``) counts again from the first round no key has
-        opened here; return that round and what making the old incarnation away answered.  Raises,
-        changing nothing: ProtocolError for an incarnation not above the one counted now, ValueError
-        for a worker that is not a rank."""
+        opened here; return that round and what making the old incarnation away answered.  With
+        ``joining``, a new member takes the absent slot ``worker`` (elastic: no round is scaled for
+        it).  Raises, changing nothing: ProtocolError for an incarnation not above the one counted now,
+        or a join of a slot that is not absent; ValueError for a worker that is not a rank."""
         incarnation = _incarnation(incarnation, "REJOIN")
         if incarnation <= self.current.get(worker, 0):
             raise ProtocolError(f"worker {worker} rejoins as incarnation {incarnation}, but incarnation "
                                 f"{self.current.get(worker, 0)} is counted already")
+        if joining and (worker in self.shard.active or worker in self.shard.away):
+            raise ProtocolError(f"worker {worker} joins as incarnation {incarnation}, but its slot is "
+                                "not absent")
         done = self.away(worker, incarnation - 1) if worker in self.shard.active else []
-        first = self.shard.readmit(worker)
+        first = self.shard.readmit(worker, joining)
         self.current[worker] = incarnation
         self.begun[worker] = first
         return first, done
 
-    def join_at(self, worker: int, incarnation: object, at: object) -> list[Completion]:
+    def join_at(self, worker: int, incarnation: object, at: object,
+                joining: bool = False) -> list[Completion]:
         """``worker`` (after :meth:`begin` as ``incarnation``, or with no begin at all as a newer
         incarnation: see the module docstring) counts from round ``at`` of every key: rounds before it
         close without it; return what closing them answers.  Raises ProtocolError, changing nothing, for
@@ -89,6 +94,6 @@ class Rejoins:
                                 f"{'opens next' if unbegun else 'answered'}")
         done: list[Completion] = []
         if unbegun:
-            done = self.begin(worker, incarnation)[1]
+            done = self.begin(worker, incarnation, joining)[1]
         del self.begun[worker]
         return done + self.shard.rejoin_at(worker, at)

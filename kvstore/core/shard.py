@@ -126,7 +126,7 @@ class ShardState:
     def __init__(self, num_workers: int, sync: bool, updater: Updater | None = None,
                  ordered: bool = True, window: int = 0,
                  clock: Callable[[], float] = time.monotonic, quorum: int | None = None,
-                 staleness: int | None = None) -> None:
+                 staleness: int | None = None, present: Iterable[int] | None = None) -> None:
         self.num_workers = num_workers
         self.quorum = quorum if sync and quorum is not None and quorum < num_workers else None
         self.gate = StalenessGate(staleness, window) if not sync and staleness is not None else None
@@ -135,9 +135,12 @@ class ShardState:
         self.window = window  # unapplied contributions per worker and key (0: no limit)
         self.clock = clock    # stamps a round's opening (its wait is reported when it closes)
         self.on_close: Callable[[Key, float, int], None] | None = None  # (key, waited s, last worker)
-        self.active = set(range(num_workers))  # workers that have not left
+        # workers that have not left; an elastic job's slots start absent beyond ``present``
+        self.active = set(range(num_workers)) if present is None else set(present)
+        self._check_present()
         self.away: dict[int, int] = {}  # lost workers to be restarted -> incarnation (core/rejoin.py)
         self.joins: dict[int, int] = {}  # rejoined worker -> first round of every key it counts in
+        self.newcomers: set[int] = set()  # joined an absent slot (elastic): never a reason to scale
         self._ranks = sorted(self.active)       # the same, sorted: what a new round expects
         self.sync = sync
         self.updater = updater
@@ -509,16 +512,24 @@ class ShardState:
         self._check_worker(worker)
         self.away[worker] = incarnation  # first: the rounds leave() closes are scaled
         self.joins.pop(worker, None)
+        self.newcomers.discard(worker)  # its restart rejoins as a restart
         return self.leave(worker)
 
-    def readmit(self, worker: int) -> int:
+    def readmit(self, worker: int, joining: bool = False) -> int:
         """A restarted ``worker`` counts again, from the first round no key has opened yet (dist_sync:
         rounds open before do not wait for it, its pulls wait for them); return that round, or in
         dist_async the most contributions of one key its earlier incarnations had applied.  Its lost
-        incarnation's contributions in open rounds are applied when they close.  Raises
-        ``ValueError`` for a worker that is not a rank."""
+        incarnation's contributions in open rounds are applied when they close.  With ``joining``, a
+        new member takes an absent slot (elastic, docs/elastic.md): the same, but no round is scaled
+        for it.  Raises ``ValueError`` for a worker that is not a rank, or, joining, is not absent."""
         self._check_worker(worker)
+        if joining and (worker in self.active or worker in self.away):
+            raise ValueError(f"worker {worker} is present (or away); a new member joins an absent slot")
         self.settle()
+        if joining:
+            self.newcomers.add(worker)
+        else:
+            self.newcomers.discard(worker)
         first = self.first_round(worker)
         self.away.pop(worker, None)
         self.active.add(worker)
@@ -688,17 +699,30 @@ class ShardState:
             return []  # nothing applied: no pull can be released
         done: list[Completion] = []
         while rounds and self._closes(rounds[0], size, state.base):
-            rnd = rounds.popleft()
+            rnd, number = rounds.popleft(), state.base
             state.base += 1
             total = rnd.total(size)  # scaled by quorum, or as a quorum of the rest while a worker is away
-            scale = self.num_workers if self.quorum is not None else len(self.active) + len(self.away)
-            self._apply(state, key, total if self.quorum is None and not self.away and not self.joins
-                        else rnd.scaled(total, scale), rnd.covered)
+            unscaled = self.quorum is None and not self.away and self.joins.keys() <= self.newcomers
+            self._apply(state, key, total if unscaled else rnd.scaled(total, self._members(number)),
+                        rnd.covered)
             if self.on_close is not None:
                 self.on_close(key, self.clock() - rnd.opened, rnd.last)
             for tokens in rnd.tokens.values():
                 done.extend(_acks(tokens))
         return done + self._release_pulls(state)
+
+    def _members(self, number: int) -> int:
+        """The workers a quorum-scaled round ``number`` stands for: every worker under a quorum, else
+        the active and away ones but newcomers that joined after it (a join is not an absence)."""
+        if self.quorum is not None:
+            return self.num_workers
+        late = sum(1 for w in self.newcomers if w in self.active and self.joins.get(w, 0) > number)
+        return len(self.active) + len(self.away) - late
+
+    def _check_present(self) -> None:
+        if not all(isinstance(w, int) and 0 <= w < self.num_workers for w in self.active):
+            raise ValueError(f"present workers {sorted(self.active)!r} are not all in "
+                             f"[0, {self.num_workers})")
 
     def _closes(self, rnd: Round, size: int, number: int) -> bool:
         """Whether round ``number`` may close: every live worker's contribution is in, or a quorum's."""

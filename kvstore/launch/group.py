@@ -27,6 +27,7 @@ from kvstore.scheduler.recovery import read_digest
 log = logging.getLogger("kvstore.launcher")
 
 
+JOIN_POLL_S = 0.1  # how often an elastic job's control file is read (docs/elastic.md)
 TOGETHER_S = 0.3  # seconds the launcher waits, once the scheduler died, for another role's death with it
 
 
@@ -65,19 +66,29 @@ class RoleGroup:
 
     def supervise(self, workers: int, grace: float, restarts: int = 0,
                   restartable: Callable[[RoleProcess], bool] | None = None,
-                  scheduler: SchedulerRestart | None = None) -> RoleProcess | None:
+                  scheduler: SchedulerRestart | None = None,
+                  joins: Callable[[], int] | None = None) -> RoleProcess | None:
         """Wait until ``workers`` workers have SUCCEEDED (return None) or any role has FAILED (return
         the first one to fail: fail fast, the caller then stops the rest), but a worker that fails
         while any of ``restarts`` are left is restarted (:meth:`restart`), and so is a server for which
         ``restartable`` says yes (it has a shard to start from).  After the last worker,
         the other roles get ``grace`` seconds, one deadline for all, to exit by themselves (a
         scheduler and servers do once every worker has left); each still running is logged.  With
-        ``scheduler``, a failed scheduler is restarted too (:meth:`_restart_scheduler`)."""
+        ``scheduler``, a failed scheduler is restarted too (:meth:`_restart_scheduler`).  With
+        ``joins`` (an elastic job), it is called every :data:`JOIN_POLL_S` and returns the workers it
+        started, who are waited for too."""
         left, used = workers, 0
         died: dict[str, float] = {}  # role name -> when it last failed
         rebuilt = True  # no scheduler restart is rebuilding the cluster
         while left:
-            role = self._exits.get()
+            if joins is not None:
+                left += joins()
+                try:
+                    role = self._exits.get(timeout=JOIN_POLL_S)
+                except queue.Empty:
+                    continue
+            else:
+                role = self._exits.get()
             if role.state is RoleState.FAILED:
                 kind = role.spec.role
                 rebuilt = rebuilt or scheduler is None or not scheduler.rebuilding()

@@ -31,6 +31,7 @@ from kvstore.errors import ChildFailed, ConfigError, StartFailed, SyncFailed
 from kvstore.launch import envrules as roles
 from kvstore.launch import gpus, tether
 from kvstore.launch import tensorboard as kvtensorboard
+from kvstore.launch.elastic import CONTROL_VARIABLE, JoinControl, control_path
 from kvstore.launch.group import RoleGroup, SchedulerRestart
 from kvstore.launch.interrupts import held_interrupts
 from kvstore.launch.node import python_if_script
@@ -123,6 +124,11 @@ class Cluster:
         # last: nothing above may fail after it is made; run() removes it however the launch ends
         self.shard_dir = default_shards(cfg, self.base_env, self.inherited)
         self.scheduler_restart: SchedulerRestart | None = None  # --max-restarts, local: set by start()
+        self.control: JoinControl | None = None  # --max-workers: the elastic control file, set by start()
+        self.worker_argv: list[str] = []  # what every worker runs (a joining one too)
+        if cfg.max_workers is not None:  # B slots, -n present at the start (docs/elastic.md)
+            self.base_env["DMLC_NUM_WORKER"] = str(cfg.max_workers)
+            self.base_env["KVSTORE_ELASTIC_WORKERS"] = str(cfg.num_workers)
 
     @property
     def children(self) -> list[RoleProcess]:
@@ -203,6 +209,11 @@ class Cluster:
                 node_name(self.cfg.hosts[0][0]), hint="fix the hostfile or give --host-ip")
         root = self.base_env["DMLC_PS_ROOT_URI"]
         port_file = os.path.join(workdir, "scheduler.port")
+        if self.cfg.max_workers is not None:
+            self.control = JoinControl(control_path(workdir), self.cfg.max_workers)
+            self.base_env[CONTROL_VARIABLE] = self.control.path
+            log.info("elastic job of %d worker slots: append a line 'join' to %s to add a worker",
+                     self.cfg.max_workers, self.control.path)
         if self.cfg.max_restarts > 0 and not remote:  # every node may ride over a scheduler's restart
             self.base_env["KVSTORE_SCHEDULER_RESTARTS"] = "1"
         scheduler = self._start("scheduler", None, [sys.executable, "-m", "kvstore.scheduler"],
@@ -216,7 +227,7 @@ class Cluster:
         log.info("scheduler on %s:%d; starting %d servers and %d workers%s",
                  bracketed(root), port, self.cfg.num_servers, self.cfg.num_workers, where)
         python = (self.cfg.remote_python or sys.executable) if remote else sys.executable
-        worker_argv = python_if_script(self.cfg.command, python)
+        worker_argv = self.worker_argv = python_if_script(self.cfg.command, python)
         hosts = self.cfg.hosts if remote else [None]
         for role, rank, host in placement(self.cfg.num_servers, self.cfg.num_workers, hosts):
             if role == "server":
@@ -226,6 +237,33 @@ class Cluster:
                 gpu = self.gpu_env[rank] if self.gpu_env is not None else {}
                 self._start("worker", rank, list(worker_argv), {"DMLC_WORKER_ID": str(rank), **gpu},
                             defaults={"OMP_NUM_THREADS": "1"}, host=host)
+
+    def join_workers(self) -> int:
+        """Start a worker for each join asked in the control file since the last call (an elastic job;
+        none otherwise), each in the lowest slot no live worker holds; return how many started.  A
+        join with every slot held is logged and refused.  Raises StartFailed."""
+        if self.control is None:
+            return 0
+        started = 0
+        for _ in range(self.control.asked()):
+            workers = [c for c in self.children if c.spec.role == "worker"]
+            held = {c.spec.rank for c in workers if c.state in (RoleState.STARTING, RoleState.RUNNING)}
+            incarnations: dict[int, int] = {}
+            for c in workers:
+                n = int(c.spec.env.get("KVSTORE_INCARNATION", "0"))
+                incarnations[c.spec.rank] = max(n, incarnations.get(c.spec.rank, 0))
+            found = self.control.slot({r for r in held if r is not None}, incarnations)
+            if found is None:
+                log.error("a worker's join was asked, but all %d worker slots (--max-workers) are held: "
+                          "refused", self.control.slots)
+                continue
+            slot, incarnation = found
+            log.info("starting worker %d (incarnation %d) to join the running job", slot, incarnation)
+            self._start("worker", slot, list(self.worker_argv),
+                        {"DMLC_WORKER_ID": str(slot), "KVSTORE_JOIN": "1",
+                         "KVSTORE_INCARNATION": str(incarnation)}, defaults={"OMP_NUM_THREADS": "1"})
+            started += 1
+        return started
 
     def _has_shard(self, role: RoleProcess) -> bool:
         """Whether server ``role`` has written a shard it can be restarted from (here, not over ssh)."""
@@ -254,7 +292,8 @@ class Cluster:
         """Wait until every worker exits 0 (return 0) or any process fails (raise ChildFailed)."""
         failed = self.group.supervise(self.cfg.num_workers, self.settings.shutdown_timeout,
                                       restarts=self.cfg.max_restarts, restartable=self._has_shard,
-                                      scheduler=self.scheduler_restart)
+                                      scheduler=self.scheduler_restart,
+                                      joins=self.join_workers if self.control is not None else None)
         if failed is not None:
             raise failure(failed)
         return 0

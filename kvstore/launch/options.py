@@ -54,6 +54,8 @@ class LaunchConfig:
     tensorboard: str | None = None  # --tensorboard DIR: TensorBoard over DIR, the job's scalars under it
     tensorboard_keep: bool = False  # --tensorboard-keep: leave TensorBoard running after the job
     max_restarts: int = 0  # --max-restarts K: restart dead workers, at most K times in all
+    min_workers: int | None = None  # --min-workers A: an elastic job's fewest workers (docs/elastic.md)
+    max_workers: int | None = None  # --max-workers B: an elastic job's worker slots
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> LaunchConfig:
@@ -83,7 +85,8 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> Launch
                         remote_python=args.remote_python, host_ip=args.host_ip,
                         ray_address=args.ray_address, ray_options=ray_options,
                         gpus_per_worker=args.gpus_per_worker, tensorboard=args.tensorboard,
-                        tensorboard_keep=args.tensorboard_keep, max_restarts=args.max_restarts)
+                        tensorboard_keep=args.tensorboard_keep, max_restarts=args.max_restarts,
+                        min_workers=args.min_workers, max_workers=args.max_workers)
 
 
 def _parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -133,6 +136,11 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="local, ray: restart a worker that dies (same rank, a new incarnation), at "
                         "most K times in all; the others go on without it meanwhile (docs/failures.md)")
+    parser.add_argument("--min-workers", type=int, metavar="A",
+                        help="local: an elastic job (with --max-workers): A workers at least")
+    parser.add_argument("--max-workers", type=int, metavar="B",
+                        help="local: an elastic job of B worker slots, -n of them started; a line 'join' "
+                        "appended to $KVSTORE_ELASTIC_CONTROL starts one more (docs/elastic.md)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker's command")
     return parser
 
@@ -210,7 +218,25 @@ def _extra_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
                      "restarts are not supported yet (docs/failures.md)")
     if args.max_restarts:
         extra["KVSTORE_MAX_RESTARTS"] = str(args.max_restarts)  # the scheduler's budget too
+    _check_elastic(parser, args)
     return extra
+
+
+def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--min-workers A --max-workers B``: A <= -n <= B, the local launcher, no --max-restarts yet.
+    Raises SystemExit (through ``parser.error``) otherwise."""
+    if args.min_workers is None and args.max_workers is None:
+        return
+    low = args.num_workers if args.min_workers is None else args.min_workers
+    high = args.num_workers if args.max_workers is None else args.max_workers
+    if not 1 <= low <= args.num_workers <= high:
+        parser.error(f"--min-workers {low} <= -n {args.num_workers} <= --max-workers {high} must hold "
+                     "(and at least 1)")
+    if args.launcher != "local":
+        parser.error(f"--min-workers and --max-workers apply to --launcher local only, not {args.launcher} "
+                     "(docs/elastic.md)")
+    if args.max_restarts:
+        parser.error("--max-workers with --max-restarts is not supported yet (docs/elastic.md)")
 
 
 def _ssh_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, int | None]]:

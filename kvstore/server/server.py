@@ -133,7 +133,8 @@ class Server:
                                        ordered=cfg.sum_order == "rank",
                                        window=cluster.get("push_window", cfg.push_window),
                                        quorum=cluster.get("sync_quorum"),
-                                       staleness=cluster.get("staleness"), split=lambda t, i: (t[0], i))
+                                       staleness=cluster.get("staleness"), split=lambda t, i: (t[0], i),
+                                       present=_present(cluster))
         self.state.on_close = self.meter.round_closed
         self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self._requests = Requests(service, self.state, self.meter)
@@ -430,15 +431,16 @@ class Server:
         worker, body = self._requests.sender(msg), msg.body
         self._bind(worker, identity)  # its new incarnation's connection
         if "at" not in body:
-            first, done = self.rejoins.begin(worker, body.get("incarnation"))
+            first, done = self.rejoins.begin(worker, body.get("incarnation"), bool(body.get("join")))
             self.service.reply(identity, Message(Op.OK, {"round": first}, seq=msg.seq))
         else:
-            done = self.rejoins.join_at(worker, body.get("incarnation"), body.get("at"))
+            done = self.rejoins.join_at(worker, body.get("incarnation"), body.get("at"),
+                                        bool(body.get("join")))
             if self.restored is not None:  # its pushes count from round ``at`` now
                 self.restored.origins[worker] = body["at"]
             self.service.reply(identity, Message(Op.OK, seq=msg.seq))
-            log.warning("worker %d rejoined (incarnation %s) at round %d", worker, body["incarnation"],
-                        body["at"])
+            log.warning("worker %d %s (incarnation %s) at round %d", worker,
+                        "joined" if body.get("join") else "rejoined", body["incarnation"], body["at"])
         self._requests.reply_all(done)
 
     def _on_away(self, body: dict) -> None:
@@ -593,6 +595,15 @@ def _stalling(handler: Handler, nth: int, seconds: float) -> Handler:
             time.sleep(seconds)
         handler(identity, msg)
     return stalled
+
+
+def _present(cluster: dict) -> list[int] | None:
+    """The worker slots present in the map ``cluster`` (all but its ``absent``: an elastic job's,
+    docs/elastic.md); None when every slot is."""
+    absent = cluster.get("absent")
+    if not absent:
+        return None
+    return [w for w in range(cluster["num_workers"]) if w not in set(absent)]
 
 
 def _rounds(msg: Message) -> list[int] | None:

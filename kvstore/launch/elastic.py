@@ -1,0 +1,60 @@
+"""Elastic membership under the local launcher (``launch.py --min-workers A --max-workers B -n N``,
+docs/elastic.md): the job has B worker slots, N of them started; a worker is added while it runs by a
+line ``join`` appended to the control file, whose path every role gets as ``KVSTORE_ELASTIC_CONTROL``.
+
+Pure bookkeeping here (:class:`JoinControl`): the lines asked since the last look, and which slot a new
+worker takes (the lowest no live worker holds) with which incarnation (one above any the slot had).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("kvstore.launcher")
+CONTROL_VARIABLE = "KVSTORE_ELASTIC_CONTROL"
+
+
+class JoinControl:
+    """The control file of an elastic job (``path``, created empty) and its ``slots`` worker slots."""
+
+    def __init__(self, path: str, slots: int) -> None:
+        self.path, self.slots = path, slots
+        self._offset = 0
+        with open(path, "w"):
+            pass
+
+    def asked(self) -> int:
+        """The joins asked since the last call: complete lines ``join`` appended to the file (any
+        other complete line is logged and ignored).  Raises nothing; an unreadable file asks none."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError as exc:
+            log.error("cannot read the elastic control file %s: %s", self.path, exc)
+            return 0
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        self._offset += end
+        count = 0
+        for line in data[:end].decode("utf-8", "replace").splitlines():
+            if line.strip() == "join":
+                count += 1
+            elif line.strip():
+                log.warning("elastic control file %s: ignored %r (only 'join' lines are understood)",
+                            self.path, line[:80])
+        return count
+
+    def slot(self, held: set[int], incarnations: dict[int, int]) -> tuple[int, int] | None:
+        """The slot a new worker takes, and its incarnation: the lowest not ``held`` by a live worker,
+        one above the highest incarnation it had (``incarnations``: slot -> highest; 1 for a slot never
+        held).  None when all ``slots`` are held."""
+        free = [s for s in range(self.slots) if s not in held]
+        if not free:
+            return None
+        return free[0], incarnations.get(free[0], 0) + 1
+
+
+def control_path(workdir: str) -> str:
+    """Where a launch in ``workdir`` keeps its control file."""
+    return os.path.join(workdir, "elastic.control")

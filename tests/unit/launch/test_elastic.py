@@ -1,0 +1,43 @@
+"""Unit tests of the local launcher's elastic control (kvstore.launch.elastic) and its options."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.launch.elastic import JoinControl
+from kvstore.launch.options import parse_args
+
+
+def test_complete_join_lines_are_counted_once(tmp_path: Path) -> None:
+    """Each complete line 'join' asks one join, once; a partial line waits; other lines are ignored."""
+    control = JoinControl(str(tmp_path / "c"), 4)
+    assert control.asked() == 0
+    with open(control.path, "a") as f:
+        f.write("join\nhello\njo")
+    assert control.asked() == 1
+    with open(control.path, "a") as f:
+        f.write("in\njoin\n")
+    assert control.asked() == 2
+    assert control.asked() == 0
+
+
+def test_a_joiner_takes_the_lowest_free_slot_one_incarnation_up() -> None:
+    """The lowest slot no live worker holds, incarnation one above its last; None when all are held."""
+    control = JoinControl("/dev/null", 4)
+    assert control.slot({0, 1}, {0: 0, 1: 0}) == (2, 1)
+    assert control.slot({0, 2, 3}, {0: 0, 1: 0, 2: 1, 3: 1}) == (1, 1)
+    assert control.slot({0, 1, 3}, {2: 1, 3: 1}) == (2, 2)
+    assert control.slot({0, 1, 2, 3}, {}) is None
+
+
+def test_elastic_options_are_checked() -> None:
+    """--min-workers <= -n <= --max-workers, the local launcher only, not with --max-restarts."""
+    cfg = parse_args(["-n", "2", "--min-workers", "1", "--max-workers", "4", "x.py"])
+    assert (cfg.min_workers, cfg.max_workers, cfg.num_workers) == (1, 4, 2)
+    for bad in (["-n", "5", "--max-workers", "4"], ["-n", "2", "--min-workers", "3"],
+                ["-n", "2", "--max-workers", "4", "--max-restarts", "1"],
+                ["-n", "2", "--max-workers", "4", "--launcher", "mpi"]):
+        with pytest.raises(SystemExit):
+            parse_args([*bad, "x.py"])

@@ -1,0 +1,67 @@
+"""The scheduler's side of an elastic job (docs/elastic.md) over the fake transport: slots and joins."""
+
+from __future__ import annotations
+
+from kvstore.net.protocol import Message, Op
+from kvstore.scheduler.scheduler import Scheduler
+from tests.unit.scheduler.test_scheduler import Peer, make_scheduler, register
+
+
+def elastic() -> tuple[Scheduler, dict[str, Peer]]:
+    """A scheduler of 4 worker slots, 2 present (KVSTORE_ELASTIC_WORKERS=2), and 1 server, all registered."""
+    sched = make_scheduler(DMLC_NUM_WORKER="4", KVSTORE_ELASTIC_WORKERS="2")
+    peers = {}
+    for name, role, rank in (("s0", "server", 0), ("w0", "worker", 0), ("w1", "worker", 1)):
+        peers[name], _ = register(sched, name, role, rank)
+    for peer in peers.values():
+        peer.replies()
+        peer.channel.set_session(sched.session)
+    return sched, peers
+
+
+def join(sched: Scheduler, name: str, rank: int, incarnation: int, flag: bool = True) -> Message:
+    """A late HELLO and REGISTER of a joining worker; the REGISTER's reply."""
+    peer = Peer(sched, name)
+    (challenge,) = peer.send(Op.HELLO, {"nonce": f"n-{name}"})
+    assert challenge.op is Op.CHALLENGE, challenge.body
+    body = {"role": "worker", "host": "h", "rank": rank, "mode": "dist_sync", "incarnation": incarnation,
+            "challenge": challenge.body["challenge"], **({"join": True} if flag else {})}
+    (reply,) = peer.send(Op.REGISTER, body)
+    return reply
+
+
+def test_two_of_four_slots_complete_the_rendezvous_and_the_rest_are_absent() -> None:
+    """The map goes out at 2 workers; it names slots 2 and 3 absent, which count as left."""
+    sched, _ = elastic()
+    assert sched.map_sent and sched.map_body["absent"] == [2, 3] and sched.left == {2, 3}
+    assert sched.barrier.num_workers == 2
+
+
+def test_a_join_takes_an_absent_slot_and_counts_in_barriers() -> None:
+    """A joining worker of slot 2 gets the map with join and rejoin; it is no longer absent."""
+    sched, peers = elastic()
+    reply = join(sched, "w2", 2, 1)
+    assert reply.op is Op.MAP and reply.body["join"] and reply.body["rejoin"], reply.body
+    assert reply.body["rank"] == 2 and reply.body["incarnation"] == 1
+    assert sched.left == {3} and sched.barrier.num_workers == 3 and sched.map_body["absent"] == [3]
+    assert peers["w0"].send(Op.BARRIER, {}, sender=0) == []  # the barrier now waits for worker 2 too
+    assert peers["w1"].send(Op.BARRIER, {}, sender=1) == []
+
+
+def test_a_join_of_a_present_slot_an_old_incarnation_or_a_plain_late_worker_is_refused() -> None:
+    """A join names an absent slot with an incarnation above its last; a late REGISTER that is no join
+    is a restart, refused without a budget; nothing changes."""
+    sched, _ = elastic()
+    assert join(sched, "x1", 1, 1).op is Op.ERROR
+    assert join(sched, "x2", 2, 0).op is Op.ERROR
+    assert join(sched, "x3", 3, 1, flag=False).op is Op.ERROR
+    assert sched.left == {2, 3} and sched.barrier.num_workers == 2
+
+
+def test_a_job_that_is_not_elastic_refuses_a_join() -> None:
+    """Without KVSTORE_ELASTIC_WORKERS a late HELLO is told the cluster is complete."""
+    sched = make_scheduler()
+    for name, role, rank in (("s0", "server", 0), ("w0", "worker", 0), ("w1", "worker", 1)):
+        register(sched, name, role, rank)
+    (reply,) = Peer(sched, "late").send(Op.HELLO, {"nonce": "n"})
+    assert reply.op is Op.ERROR and "already complete" in reply.body["message"]
