@@ -26,35 +26,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import AuthenticationError, ProtocolError
+from kvstore.launch import portfile
 from kvstore.net.auth import is_heartbeat_label
 
 log = logging.getLogger("scheduler")
-DIGEST_SUFFIX = ".session"  # the session digest's file: the port file's path and this
-
-
 def session_digest(session: bytes) -> str:
     """The digest of a cluster session a restarted scheduler checks re-registrations against."""
     return hashlib.sha256(b"kvstore scheduler session\0" + session).hexdigest()
 
 
 def write_digest(port_file: str, session: bytes) -> None:
-    """Write ``session``'s digest next to ``port_file`` (atomically, owner-only).  Raises OSError."""
-    path = port_file + DIGEST_SUFFIX
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(session_digest(session) + "\n")
-    os.replace(tmp, path)
+    """Write ``session``'s digest next to ``port_file`` (kvstore.launch.portfile).  Raises OSError."""
+    portfile.write_digest(port_file, session_digest(session))
 
 
-def read_digest(port_file: str) -> str | None:
-    """The session digest the first incarnation wrote next to ``port_file``; None when there is none."""
-    try:
-        with open(port_file + DIGEST_SUFFIX) as fh:
-            text = fh.read().strip()
-    except OSError:
-        return None
-    return text or None
+read_digest = portfile.read_digest  # the digest written next to a port file, or None
 
 
 def _ranks(value: Any, bound: int, what: str) -> frozenset[int]:

@@ -21,8 +21,8 @@ import queue
 import time
 from collections.abc import Callable
 
+from kvstore.launch.portfile import read_digest
 from kvstore.launch.roleprocess import Killed, RoleProcess, RoleState
-from kvstore.scheduler.recovery import read_digest
 
 log = logging.getLogger("kvstore.launcher")
 

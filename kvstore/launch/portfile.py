@@ -13,6 +13,29 @@ import time
 from collections.abc import Callable
 
 POLL_INTERVAL = 0.05  # seconds between two reads of a port file not written yet
+DIGEST_SUFFIX = ".session"  # a restartable scheduler's session digest: the port file's path and this
+
+
+def write_digest(path: str, digest: str) -> None:
+    """Write a scheduler's session ``digest`` next to the port file ``path`` (atomically, owner-only),
+    as it sends its cluster map: the launcher restarts a lost scheduler only once there is one
+    (kvstore/scheduler/recovery.py checks re-registrations against it).  Raises OSError."""
+    target = path + DIGEST_SUFFIX
+    tmp = f"{target}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(digest + "\n")
+    os.replace(tmp, target)
+
+
+def read_digest(path: str) -> str | None:
+    """The session digest written next to the port file ``path``; None when there is none."""
+    try:
+        with open(path + DIGEST_SUFFIX) as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return text or None
 
 
 def write(path: str, port: int) -> None:
