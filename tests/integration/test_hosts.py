@@ -24,6 +24,7 @@ from kvstore.core import checkpoint
 from tests.helpers import REPO, finish, launch, poll_for, tagged_pids
 from tests.hosts import Host, Hosts, unavailable
 
+pytestmark = pytest.mark.hosts  # the second tier (about a minute of namespaced jobs)
 SCRIPTS = Path(__file__).parent / "scripts"
 ROUNDS = str(SCRIPTS / "hosts_rounds.py")
 TRAINER = str(SCRIPTS / "trainer_equiv.py")
