@@ -222,6 +222,14 @@ class Mux:
                 _resolve(request, exc=exc)
                 raise
             self._inflight[seq] = request
+        self._send_or_fail(target, frames, seq)
+        if len(self._inflight) > _READ_AHEAD:  # a long run of pushes nobody waits for
+            for sock in self.sockets.values():
+                self._receive(sock)
+
+    def _send_or_fail(self, target: int, frames: list[Any], seq: int) -> None:
+        """Send sealed ``frames`` of request ``seq`` to ``target``; a failure fails that request (its
+        waiting caller gets it), never the sender."""
         self._moved += 1
         try:
             self._send(self.sockets[target], frames)
@@ -230,9 +238,6 @@ class Mux:
                 found = self._inflight.pop(seq, None)
             if found is not None:
                 _resolve(found, exc=exc)
-        if len(self._inflight) > _READ_AHEAD:  # a long run of pushes nobody waits for
-            for sock in self.sockets.values():
-                self._receive(sock)
 
     def _name(self, target: int) -> str:
         """The name ``target`` is sealed for (the scheduler, or a server's current name)."""
@@ -358,14 +363,7 @@ class Mux:
             if isinstance(frames, Exception):
                 _resolve(request, exc=frames)
                 continue
-            self._moved += 1
-            try:
-                self._send(self.sockets[target], frames)
-            except Exception as exc:  # surface to the waiting caller
-                with self._lock:
-                    found = self._inflight.pop(seq, None)
-                if found is not None:
-                    _resolve(found, exc=exc)
+            self._send_or_fail(target, frames, seq)
             budget -= nbytes
         return budget
 
