@@ -112,23 +112,38 @@ def own_counters(node: Rebound, taken: set[str]) -> Rebound:
     return dataclasses.replace(node, counters=own)
 
 
-def check_map(cmap: Any, num_workers: int, num_servers: int) -> dict[str, Any]:
-    """The cluster map a re-registration carries, checked against the counts: every server's address
-    ``[host, port]`` and, when present, ``server_incarnations`` (``num_servers`` ints >= 0).  Returns a
-    copy of it without a node's own fields (its lists its own too); ProtocolError when malformed."""
+def check_map(cmap: Any, num_workers: int, num_servers: int, session: bytes,
+              settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The cluster map a re-registration carries, checked against the counts and ``session``: every
+    server's address ``[host, port]``, the placement seed, the quorum, the absent slots and, when
+    present, ``server_incarnations`` (``num_servers`` ints >= 0).  Returns the map a restarted scheduler
+    sends: those fields, with ``settings`` (its own configuration's fields) in place of the member's,
+    and nothing else (a node's own fields, or any it does not know, are dropped).  ProtocolError when
+    malformed."""
     if not (isinstance(cmap, dict) and cmap.get("num_workers") == num_workers
             and cmap.get("num_servers") == num_servers and isinstance(cmap.get("servers"), list)
             and len(cmap["servers"]) == num_servers and cmap.get("mode") in ("dist_sync", "dist_async")):
         raise ProtocolError("a re-registration's cluster map does not match this cluster's counts")
     if not all(_server_entry(entry) for entry in cmap["servers"]):
         raise ProtocolError("a re-registration's cluster map must list each server as [host, port]")
+    if cmap.get("session") != session:
+        raise ProtocolError("a re-registration's cluster map names another session than its own")
+    seed, quorum = cmap.get("seed"), cmap.get("sync_quorum")
+    if not (type(seed) is int and 0 <= seed < 1 << 63):
+        raise ProtocolError("a re-registration's cluster map must carry the placement seed (an int >= 0)")
+    if not (quorum is None or (type(quorum) is int and 1 <= quorum <= num_workers)):
+        raise ProtocolError(f"a re-registration's sync_quorum must be None or an int in [1, {num_workers}]")
     incarnations = cmap.get("server_incarnations")
     if incarnations is not None and not (isinstance(incarnations, list) and len(incarnations) == num_servers
                                          and all(type(n) is int and n >= 0 for n in incarnations)):
         raise ProtocolError(f"a re-registration's server_incarnations must be {num_servers} ints >= 0")
-    own = ("rank", "role", "nonce", "incarnation", "rejoin", "barriers", "left", "away")  # a node's, or stale
-    checked = {k: v for k, v in cmap.items() if k not in own}
+    kept = ("num_workers", "num_servers", "mode", "seed", "session", "sync_quorum",
+            "chunk_bytes", "max_message_bytes", "push_window", "staleness")
+    checked = {k: cmap[k] for k in kept if k in cmap}
+    checked.update(settings or {})
     checked["servers"] = [list(entry) for entry in cmap["servers"]]
+    if "absent" in cmap:
+        checked["absent"] = sorted(_ranks(cmap["absent"], num_workers, "absent slots"))
     if incarnations is not None:
         checked["server_incarnations"] = list(incarnations)
     return checked
@@ -138,13 +153,15 @@ class Recovery:
     """Who has re-registered with a restarted scheduler, checked against the old session's digest.
 
     ``left``: workers the launcher saw exit 0 (``KVSTORE_RECOVER_LEFT``); ``used``: restarts the
-    launcher has used (``KVSTORE_RESTARTS_USED``).  The cluster is rebuilt (:attr:`complete`) once every
+    launcher has used (``KVSTORE_RESTARTS_USED``); ``settings``: the map's fields the scheduler's own
+    configuration sets (:func:`check_map`).  The cluster is rebuilt (:attr:`complete`) once every
     server and every worker that has neither left nor is away has re-registered.
     """
 
     def __init__(self, num_workers: int, num_servers: int, digest: str, left: Iterable[int] = (),
-                 used: int = 0) -> None:
+                 used: int = 0, settings: dict[str, Any] | None = None) -> None:
         self.num_workers, self.num_servers, self.digest = num_workers, num_servers, digest
+        self.settings = dict(settings or {})  # the map's fields the scheduler's configuration sets
         self.nodes: dict[tuple[str, int], Rebound] = {}
         self.map: dict[str, Any] | None = None  # the first member's map: servers' addresses updated
         self.session: bytes | None = None
@@ -173,7 +190,7 @@ class Recovery:
                                 "re-registered with; refused")
         node = own_counters(node, set(others))
         cmap = self.map if self.map is not None else check_map(body.get("map"), self.num_workers,
-                                                               self.num_servers)
+                                                               self.num_servers, session, self.settings)
         # checked: nothing below raises, so a refusal above changed nothing
         if self.map is None:
             self.map, self.session = cmap, session

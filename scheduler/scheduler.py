@@ -17,6 +17,7 @@ import math
 import os
 import secrets
 import time
+from typing import Any
 
 from kvstore import config as kvconfig
 from kvstore.core import stats as kvstats
@@ -61,6 +62,15 @@ def _quorum(value: object) -> int | None:
 
 STATUS_LINGER = 2.5  # seconds the scheduler waits at exit for a STATUS poller's last request
 
+
+
+def map_settings(cfg: kvconfig.Config) -> dict[str, Any]:
+    """The cluster map's fields set by the scheduler's own configuration (the same in a restarted
+    scheduler, which takes them from here rather than from a member's map)."""
+    return {"chunk_bytes": cfg.chunk_bytes,  # one chunk size for all: servers check boundaries
+            "max_message_bytes": cfg.max_message_bytes,  # every frame a worker sends fits
+            "push_window": cfg.push_window,  # one window for all: servers refuse beyond it
+            "staleness": cfg.staleness}
 
 class Scheduler:
     """Rendezvous of every node, worker barriers, and shutdown once every worker has left.
@@ -167,7 +177,8 @@ class Scheduler:
         if digest is None:
             raise ConfigError("a restarted scheduler (KVSTORE_INCARNATION > 0) needs its first incarnation's "
                               "session digest next to KVSTORE_PORT_FILE: only launch.py restarts a scheduler")
-        return Recovery(cfg.num_workers, cfg.num_servers, digest, cfg.recover_left, cfg.restarts_used)
+        return Recovery(cfg.num_workers, cfg.num_servers, digest, cfg.recover_left, cfg.restarts_used,
+                        settings=map_settings(cfg))
 
     def _deferring(self, handler: Handler) -> Handler:
         """``handler``, but held back while a restarted scheduler rebuilds the cluster (then run)."""
@@ -235,11 +246,8 @@ class Scheduler:
         body = {"num_workers": self.cfg.num_workers, "num_servers": self.cfg.num_servers,
                 "servers": [[n.host, n.port] for n in self.servers], "mode": mode,
                 "seed": secrets.randbits(63), "session": self.session,
-                "chunk_bytes": self.cfg.chunk_bytes,  # one chunk size for all: servers check boundaries
-                "max_message_bytes": self.cfg.max_message_bytes,  # every frame a worker sends fits
-                "push_window": self.cfg.push_window,  # one window for all: servers refuse beyond it
                 "sync_quorum": quorum,  # stragglers (issue 25): None is plain sync/async
-                "staleness": self.cfg.staleness}
+                **map_settings(self.cfg)}
         if self.left:  # elastic: the slots nobody holds yet
             body["absent"] = sorted(self.left)
         self.map_body = body

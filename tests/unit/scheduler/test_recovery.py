@@ -296,3 +296,31 @@ def test_a_live_scheduler_that_can_be_restarted_floors_nothing_on_a_re_registrat
     assert reply.op is Op.MAP
     (beat,) = peers["w0"].send(Op.HEARTBEAT, {"role": "worker", "rank": 0})
     assert beat.op is Op.OK
+
+
+def test_the_rebuilt_map_takes_the_schedulers_own_settings_not_the_first_members():
+    """A first re-registration's map claiming other settings (chunk size, message limit, window,
+    staleness) and carrying unknown fields: the rebuilt map has the scheduler's own settings and only the
+    fields it knows."""
+    settings = {"chunk_bytes": 1 << 20, "max_message_bytes": 64 << 20, "push_window": 32, "staleness": None}
+    book = Recovery(2, 1, session_digest(SESSION), settings=settings)
+    claimed = dict(MAP, chunk_bytes=1, max_message_bytes=1 << 40, push_window=0, staleness=0, extra="x",
+                   rank=1, absent=[1])
+    book.admit(body("worker", 0, "w0", map=claimed))
+    assert book.map is not None
+    assert {k: book.map[k] for k in settings} == settings
+    assert "extra" not in book.map and "rank" not in book.map and book.map["absent"] == [1]
+    assert book.map["seed"] == MAP["seed"] and book.map["servers"] == [["h", 9000]]
+
+
+@pytest.mark.parametrize("change", [{"session": b"t" * 16}, {"seed": -1}, {"seed": "7"}, {"seed": None},
+                                    {"sync_quorum": 0}, {"sync_quorum": 3}, {"sync_quorum": "2"},
+                                    {"absent": [2]}, {"absent": "1"}])
+def test_a_first_map_with_a_bad_seed_quorum_session_or_absent_slots_is_refused(change: dict) -> None:
+    """The member-held fields a rebuilt map keeps are checked: another session, a seed that is not an
+    int in [0, 2**63), a quorum outside [1, workers], absent slots that are not ranks: ProtocolError, and
+    nothing is recorded."""
+    book = Recovery(2, 1, session_digest(SESSION))
+    with pytest.raises(ProtocolError):
+        book.admit(body("worker", 0, "w0", map={**MAP, **change}))
+    assert book.nodes == {} and book.map is None and book.session is None
