@@ -80,7 +80,10 @@ def epoch_ids(feed) -> dict:
 
 def epoch_counts(feed, total: int) -> dict:
     """How often each id came per epoch (uint8 counts), the rows and first ids per epoch, and this
-    worker's peak memory growth while it streamed (clear_refs restarts the peak)."""
+    worker's peak memory growth while it streamed (clear_refs restarts the peak).  The worker registers
+    first, as a training function does: one that never creates its store fails the job once the
+    scheduler's rendezvous deadline passes (KVSTORE_CONNECT_TIMEOUT; CI's 3 epochs took 89 s once)."""
+    kv = kvstore.create("dist_sync")
     counts = [np.zeros(total, np.uint8) for _ in range(feed.epochs)]
     for bits in counts:
         bits[:] = 0  # touched before the peak restarts
@@ -96,7 +99,9 @@ def epoch_counts(feed, total: int) -> dict:
             head = batch["id"][:20].tolist() if head is None else head
         rows.append(seen)
         heads.append(head)
-    return {"counts": counts, "rows": rows, "heads": heads, "growth_kib": _vm_kib("VmHWM") - start}
+    growth = _vm_kib("VmHWM") - start
+    kv.close()
+    return {"counts": counts, "rows": rows, "heads": heads, "growth_kib": growth}
 
 
 def check_epochs(results: list[dict], total: int, epochs: int, batch_size: int) -> None:
