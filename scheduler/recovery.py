@@ -126,7 +126,8 @@ def check_map(cmap: Any, num_workers: int, num_servers: int) -> dict[str, Any]:
     if incarnations is not None and not (isinstance(incarnations, list) and len(incarnations) == num_servers
                                          and all(type(n) is int and n >= 0 for n in incarnations)):
         raise ProtocolError(f"a re-registration's server_incarnations must be {num_servers} ints >= 0")
-    own = ("rank", "role", "nonce", "incarnation", "rejoin", "barriers", "left", "away")  # a node's, or stale
+    own = ("rank", "role", "nonce", "incarnation", "rejoin", "barriers", "left", "away",  # a node's, or stale
+           "view")
     checked = {k: v for k, v in cmap.items() if k not in own}
     checked["servers"] = [list(entry) for entry in cmap["servers"]]
     if incarnations is not None:
