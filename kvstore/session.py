@@ -13,6 +13,9 @@ last), and starts by itself from where the job is:
 
 Each epoch's order is a pure function of ``(seed, epoch, rank)`` (:mod:`kvstore.core.progress`), so
 any of these draws exactly the batches an unbroken run draws.  docs/failures.md, "One resume path".
+With ``run(..., split=True)`` the whole dataset is split anew at each epoch's start over the workers
+of the membership view agreed then (``kv.membership``), so workers may join and leave an elastic job
+and every sample is still seen once per epoch (docs/elastic.md).
 """
 
 from __future__ import annotations

@@ -312,3 +312,37 @@ def test_a_split_session_needs_updates_on_the_store() -> None:
     _, session, step = _job(None, False)
     with pytest.raises(ConfigError, match="update_on_kvstore"):
         session.run(step, SAMPLES, BATCH, EPOCHS, split=True)
+
+
+class _Comer:
+    """A stand-in Trainer of a worker that joined or restarted (pure placement: ``_split_start``): its
+    store's ``view`` is the map's last tagged view; nothing is sent."""
+
+    update_on_kvstore = True
+
+    def __init__(self, rank: int, view) -> None:
+        self.kvstore = type("Store", (), {"rank": rank, "view": view, "num_workers": 4, "rejoined_at": 0})()
+
+
+def test_a_worker_that_comes_in_places_itself_by_the_jobs_last_tagged_view() -> None:
+    """Epoch 1 began at step 14 over ranks (0, 1): 25 samples each, 7 steps.  A worker coming in at
+    step 17 goes on in it (a joiner owns no part of it, a restarted rank 1 its own); at 21 it is at
+    epoch 2's start; past it, or with an untagged view after the first round, it cannot place itself."""
+    from kvstore.core.membership import Membership
+
+    view = Membership(5, (0, 1), 4, (1, 14))
+    for rank in (2, 1):
+        session = kvstore.Session(_Comer(rank, view))
+        session.rejoined, session.step = True, 17
+        assert session._split_start(50, 4, 1) == (1, 3, view)
+        session.step = 21
+        assert session._split_start(50, 4, 1) == (2, 0, None)
+    session.step = 22
+    with pytest.raises(ConfigError, match="cannot place this worker"):
+        session._split_start(50, 4, 1)
+    untagged = kvstore.Session(_Comer(2, Membership(0, (0, 1), 4)))
+    untagged.rejoined, untagged.step = True, 0
+    assert untagged._split_start(50, 4, 1) == (0, 0, None)
+    untagged.step = 3
+    with pytest.raises(ConfigError, match="names no epoch"):
+        untagged._split_start(50, 4, 1)
