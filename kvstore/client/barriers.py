@@ -16,7 +16,13 @@ from kvstore.client.mux import SCHEDULER, Mux
 from kvstore.config import Config
 from kvstore.core import agreement
 from kvstore.core.membership import Membership, view_of
-from kvstore.errors import DeadlineExceededError, error_code, error_from_code, from_cluster
+from kvstore.errors import (
+    DeadlineExceededError,
+    TooFewWorkersError,
+    error_code,
+    error_from_code,
+    from_cluster,
+)
 from kvstore.net.protocol import Message, Op
 
 log = logging.getLogger("kvstore.dist")
@@ -110,7 +116,11 @@ class Barriers:
         body["after"] = self.passed
         request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
         try:
-            body = self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
+            try:
+                body = self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
+            except TooFewWorkersError:
+                self._passed()  # released, with the error: the scheduler counted it
+                raise
             self._passed()
             with self._lock:
                 self.view = view_of(body, self._num_workers, self.passed)

@@ -190,3 +190,17 @@ def test_a_joined_worker_starts_from_the_map_s_last_tagged_view() -> None:
     view = joined_view({"view": {"view": 4, "left": [1], "tag": [2, 30]}, "absent": [3]}, 4)
     assert (view.number, view.ranks, view.tag) == (4, (0, 2, 3), (2, 30))
     assert joined_view({"absent": [2, 3], "barriers": 0}, 4).ranks == (0, 1)
+
+
+def test_a_barrier_failed_below_min_workers_counts_as_passed(store) -> None:
+    """A barrier the scheduler released with TooFewWorkersError is counted as passed: the next barrier
+    says one more was passed, so the scheduler does not answer it as a repeat of the failed one."""
+    from kvstore.errors import TooFewWorkersError
+
+    kv, mux = store
+    mux.refuse[Op.BARRIER] = TooFewWorkersError("the job has 1 worker(s) present")
+    with pytest.raises(TooFewWorkersError):
+        kv.membership()
+    del mux.refuse[Op.BARRIER]
+    kv.barrier()
+    assert [m.body["after"] for t, m in mux.sent if m.op is Op.BARRIER] == [0, 1]
