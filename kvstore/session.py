@@ -250,8 +250,9 @@ class Session:
             raise ConfigError("Session.run(split=True) needs update_on_kvstore=True: a worker without a "
                               "batch in a step pushes zeros and takes the servers' weights (docs/elastic.md)")
         kv = self.trainer.kvstore
+        # no worker count: each epoch's split follows its view (a mid-epoch resume checks the epoch's)
         self._settings_now = {"samples": samples, "batch_size": batch_size, "min_batch": min_batch,
-                              "seed": self.seed, "num_workers": kv.num_workers, "split": True}
+                              "seed": self.seed, "split": True}
         self.step = self.start_step = self._begin(None)
         epoch, index, view = self._split_start(samples, batch_size, min_batch)
         self._saved_step, self._saved_time = self.step, time.monotonic()
