@@ -51,6 +51,7 @@ from kvstore.errors import (
     StoreClosedError,
     SyncFailed,
     TaskFailed,
+    TooFewWorkersError,
     UnknownModeError,
     UnsupportedError,
 )
@@ -78,7 +79,7 @@ __all__ = [
     "DuplicateInitError", "ShapeMismatchError", "DTypeMismatchError", "KeyTypeError",
     "DeadlineExceededError", "NodeLostError", "ProtocolError", "AuthenticationError",
     "RemoteError", "StoreClosedError", "OptimizerError", "FormatError",
-    "UnsupportedError", "StallError", "IntegrityError", "CollectiveMismatchError",
+    "UnsupportedError", "StallError", "IntegrityError", "CollectiveMismatchError", "TooFewWorkersError",
     # the launchers' (launch.py, kvstore.ray.run, kvstore.spark.run)
     "ChildFailed", "StartFailed", "SyncFailed", "PlacementError", "RoleFailed", "SparkJobFailed",
     "NotEnoughSlotsError", "TaskFailed", "FeedError",

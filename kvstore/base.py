@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import threading
 import weakref
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,6 +20,7 @@ import numpy as np
 from kvstore.core import compression as C
 from kvstore.core import values as V
 from kvstore.core import xp
+from kvstore.core.membership import Membership, check_tag
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
 from kvstore.errors import (
@@ -167,6 +168,27 @@ class KVStore(abc.ABC):
     def num_servers(self) -> int:
         """Number of servers in the cluster (0 for a local store)."""
         return 0
+
+    @property
+    def view(self) -> Membership:
+        """The membership the last barrier this worker passed agreed, without asking anyone (a local
+        store: itself alone).  :meth:`membership` agrees a new one."""
+        return Membership(0, tuple(range(self.num_workers)), self.num_workers)
+
+    @property
+    def num_present(self) -> int:
+        """The workers present as :attr:`view` says: ``num_workers`` but in an elastic job, where
+        ``num_workers`` is MXNet's count of worker slots, some of them absent (docs/elastic.md)."""
+        return self.view.size
+
+    def membership(self, tag: Sequence[int] = ()) -> Membership:
+        """Collective (a barrier): the workers present now, the same view on every worker, numbered by
+        the barriers passed; ``tag`` (at most 8 ints) travels with it and is kept as the job's last view's
+        (a worker that joins later reads it in :attr:`view`).  Raises TypeError or ValueError for a bad
+        tag; in a dist store what a barrier raises, and TooFewWorkersError below ``--min-workers``."""
+        ints = check_tag(tag)
+        self.barrier()
+        return Membership(self.view.number, self.view.ranks, self.view.slots, ints)
 
     def is_capable(self, capability: str) -> bool:
         """Whether the store supports ``capability``: only ``'optimizer'`` (updates run in the store)."""

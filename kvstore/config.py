@@ -100,6 +100,7 @@ class Config:
     recover_left: tuple[int, ...] = ()  # KVSTORE_RECOVER_LEFT: a restarted scheduler's workers that exited 0
     restarts_used: int = 0  # KVSTORE_RESTARTS_USED: a restarted scheduler's restarts used so far
     elastic_workers: int | None = None  # KVSTORE_ELASTIC_WORKERS: workers present at the start (elastic)
+    min_workers: int | None = None  # KVSTORE_MIN_WORKERS: a barrier with fewer present fails (elastic)
     join: bool = False  # KVSTORE_JOIN: this worker joins a running elastic job (set by the launcher)
     test_scheduler_die_at: tuple[str, int] | None = None  # KVSTORE_TEST_SCHEDULER_DIE_AT: (beats|barrier, N)
     test_server_stall: tuple[int, float] | None = None  # KVSTORE_TEST_SERVER_STALL: (Nth pull, seconds)
@@ -252,6 +253,7 @@ def _restarts(env: Mapping[str, str]) -> dict[str, Any]:
             "recover_left": _ranks(env, "KVSTORE_RECOVER_LEFT"),
             "restarts_used": env_int(env, "KVSTORE_RESTARTS_USED", minimum=0, default=0),
             "elastic_workers": env_int(env, "KVSTORE_ELASTIC_WORKERS", minimum=1, default=None),
+            "min_workers": env_int(env, "KVSTORE_MIN_WORKERS", minimum=1, default=None),
             "join": bool(env_int(env, "KVSTORE_JOIN", minimum=0, maximum=1, default=0)),
             "test_scheduler_die_at": _scheduler_die_at(env),
             "test_server_stall": _stall(env, "KVSTORE_TEST_SERVER_STALL"),

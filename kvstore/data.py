@@ -1,6 +1,7 @@
 """Data helpers for data-parallel training: shard a dataset per worker, split a batch per device.
 
-:func:`split` gives worker ``rank`` of ``num_workers`` its contiguous shard;
+:func:`split` gives worker ``rank`` of ``num_workers`` its contiguous shard; :func:`share` gives a
+worker its shard under an agreed membership view (an elastic job, docs/elastic.md);
 :func:`split_and_load` is MXNet's ``gluon.utils.split_and_load`` for torch.
 torch is imported only inside :func:`split_and_load`.
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.core.membership import Membership
 from kvstore.core.values import is_tensor
 
 
@@ -102,6 +104,16 @@ def split(dataset: Any, num_parts: int, part_index: int, even: bool = True) -> A
     if isinstance(dataset, (np.ndarray, list, tuple, range, Window)) or is_tensor(dataset):
         return dataset[start:stop]
     return Window(dataset, start, stop)
+
+
+def share(dataset: Any, view: Membership, rank: int, even: bool = False) -> Any:
+    """Worker ``rank``'s share of ``dataset`` under the membership ``view`` (``kv.membership()``, agreed
+    at an epoch's start, docs/elastic.md): part ``view.index(rank)`` of ``view.size`` (:func:`split`),
+    so the workers of one view, in rank order, hold every item once.  ``even=False`` (the default
+    here) keeps every item, the parts differing by one at most; ``even=True`` is :func:`split`'s.
+    Raises ValueError when ``rank`` is not in the view (it joined after it: no share until the next),
+    and what :func:`split` raises."""
+    return split(dataset, view.size, view.index(operator.index(rank)), even)
 
 
 def split_and_load(batch: Any, devices: Sequence[Any], batch_axis: int = 0,

@@ -32,6 +32,8 @@ due, a number of values that does not match the number of keys, a read-only
      +-- CollectiveMismatchError(ValueError) the workers called a collective with arguments that
                                            differ (shapes, dtypes, root rank, keys); raised on every
                                            worker, naming the ranks and what differs
+     +-- TooFewWorkersError                an elastic job shrank below launch.py --min-workers: the
+                                           first barrier after it fails on every worker
 
 The launchers' errors are KVStoreErrors too, defined here as well (this module imports neither Ray
 nor Spark; ``kvstore.ray`` and ``kvstore.spark`` re-export theirs)::
@@ -165,6 +167,12 @@ class CollectiveMismatchError(KVStoreError, ValueError):
         self.ranks = list(ranks or [])
 
 
+class TooFewWorkersError(KVStoreError):
+    """An elastic job has fewer workers present than ``launch.py --min-workers`` (``KVSTORE_MIN_WORKERS``):
+    the first barrier after it shrank (a Session's next epoch, ``kv.membership()``, ``kv.barrier()``, a
+    collective) fails with it on every worker, naming the present workers and the minimum."""
+
+
 class ChildFailed(KVStoreError):
     """A process ``launch.py`` started exited when it should not have (or with a non-zero code).
 
@@ -245,7 +253,8 @@ _CODES: dict[str, type[KVStoreError]] = {
     for cls in (ConfigError, UnknownModeError, KeyNotInitializedError, DuplicateInitError,
                 ShapeMismatchError, DTypeMismatchError, KeyTypeError, DeadlineExceededError, StallError,
                 NodeLostError, ProtocolError, AuthenticationError, IntegrityError, RemoteError,
-                StoreClosedError, OptimizerError, FormatError, UnsupportedError, CollectiveMismatchError)
+                StoreClosedError, OptimizerError, FormatError, UnsupportedError, CollectiveMismatchError,
+                TooFewWorkersError)
 }
 
 

@@ -13,6 +13,9 @@ last), and starts by itself from where the job is:
 
 Each epoch's order is a pure function of ``(seed, epoch, rank)`` (:mod:`kvstore.core.progress`), so
 any of these draws exactly the batches an unbroken run draws.  docs/failures.md, "One resume path".
+With ``run(..., split=True)`` the whole dataset is split anew at each epoch's start over the workers
+of the membership view agreed then (``kv.membership``), so workers may join and leave an elastic job
+and every sample is still seen once per epoch (docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,6 +32,7 @@ import numpy as np
 from kvstore import config as kvconfig
 from kvstore.client.meter import log_scalar
 from kvstore.core import checkpoint, progress, storage
+from kvstore.core.membership import EpochSplit, Membership
 from kvstore.errors import ConfigError, FormatError
 from kvstore.trainer import Trainer
 
@@ -47,6 +52,17 @@ class Batch(NamedTuple):
     epoch: int
     index: int
     rows: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Epoch:
+    """A split epoch in progress (``run(..., split=True)``): its number, the job's step it began at, the
+    workers it is split over and its steps."""
+
+    epoch: int
+    start: int
+    workers: int
+    steps: int
 
 
 class Hook:
@@ -156,6 +172,8 @@ class Session:
         self.epoch_loss = 0.0  # the sum of the step function's losses in this epoch, in this process
         self._stopped = False
         self._schedule: progress.Schedule | None = None
+        self._settings_now: dict[str, Any] = {}  # what a checkpoint of this run records of its schedule
+        self._epoch: _Epoch | None = None  # split=True: the epoch in progress
         self._saved_step, self._saved_time = 0, time.monotonic()
         self._cluster_start = 0  # the job's step at which this cluster started (in each checkpoint)
 
@@ -165,20 +183,28 @@ class Session:
         return self.trainer.kvstore.rank
 
     def stop(self) -> None:
-        """Stop after the current step (its hooks still run; the checkpoint is saved)."""
+        """Stop after the current step (its hooks still run; the checkpoint is saved); with
+        ``run(..., split=True)``, after the current epoch's last step, so this worker's share of it is
+        done (docs/elastic.md)."""
         self._stopped = True
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, step_fn: Callable[[Batch], float | None], samples: int, batch_size: int, epochs: int,
-            min_batch: int = 1) -> int:
+            min_batch: int = 1, *, split: bool = False) -> int:
         """Call ``step_fn(batch)`` for every step of ``epochs`` epochs over this worker's ``samples``
         samples in batches of ``batch_size`` (a last one shorter than ``min_batch`` dropped), from
         where the job is (see the class), running the hooks and saving checkpoints; return the steps
-        done.  Raises ConfigError for a checkpoint of another schedule, seed or worker count, or with
+        done.  With ``split=True``, ``samples`` is the whole dataset's size instead, split anew at
+        each epoch's start over the workers present then (:meth:`_run_split`, docs/elastic.md).
+        Raises ConfigError for a checkpoint of another schedule, seed or worker count, or with
         ``launch.py --resume``; FormatError for a damaged checkpoint; what ``step_fn`` raises."""
+        if split:
+            return self._run_split(step_fn, samples, batch_size, epochs, min_batch)
         schedule = progress.Schedule(samples, batch_size, epochs, min_batch)
         self._schedule = schedule
-        self.step = self.start_step = self._begin(schedule)
+        self._settings_now = {**schedule.settings(), "seed": self.seed,
+                              "num_workers": self.trainer.kvstore.num_workers}
+        self.step = self.start_step = self._begin(schedule.total_steps)
         self._saved_step, self._saved_time = self.step, time.monotonic()
         for hook in self.hooks:
             hook.begin(self)
@@ -197,17 +223,110 @@ class Session:
             if at.index == schedule.steps_per_epoch - 1:
                 for hook in self.hooks:
                     hook.after_epoch(self, at.epoch)
-            if progress.due(self.step - self._saved_step, time.monotonic() - self._saved_time,
-                            self.every_steps, self.every_seconds):
-                self.save()
+            self._save_if_due()
         if self.step != self._saved_step:
             self.save()
         return self.step
 
-    def _begin(self, schedule: progress.Schedule) -> int:
-        """The step to start at, with the weights and states in place (see the class).  Raises
-        ConfigError for a restarted worker whose Trainer updates locally (the servers hold gradient
-        sums, not the job's weights)."""
+    def _save_if_due(self) -> None:
+        """Save a checkpoint when ``every_steps`` / ``every_seconds`` says one is due."""
+        if progress.due(self.step - self._saved_step, time.monotonic() - self._saved_time,
+                        self.every_steps, self.every_seconds):
+            self.save()
+
+    def _run_split(self, step_fn: Callable[[Batch], float | None], samples: int, batch_size: int,
+                   epochs: int, min_batch: int) -> int:
+        """``run(..., split=True)``: each epoch starts with ``kv.membership((epoch, step))``, and the
+        epoch's shuffle of all ``samples`` (:func:`progress.split_order`) is cut over the workers of
+        that view in rank order (:class:`EpochSplit`), so every sample is in one worker's batches per
+        epoch whoever joins or leaves.  A worker without a batch in a step (a part one batch short, or
+        one that joined mid-epoch and so owns none of it) pushes zeros (``Trainer.step_without_data``);
+        :meth:`stop` takes effect at the epoch's end.  Raises ConfigError without update_on_kvstore,
+        for a checkpoint of another schedule, or a mid-epoch one resumed with another worker count."""
+        if int(epochs) < 1:
+            raise ValueError(f"epochs must be at least 1, got {epochs!r}")
+        EpochSplit(samples, 1, batch_size, min_batch)  # the counts' checks
+        if not self.trainer.update_on_kvstore:
+            raise ConfigError("Session.run(split=True) needs update_on_kvstore=True: a worker without a "
+                              "batch in a step pushes zeros and takes the servers' weights (docs/elastic.md)")
+        kv = self.trainer.kvstore
+        # no worker count: each epoch's split follows its view (a mid-epoch resume checks the epoch's)
+        self._settings_now = {"samples": samples, "batch_size": batch_size, "min_batch": min_batch,
+                              "seed": self.seed, "split": True}
+        self.step = self.start_step = self._begin(None)
+        epoch, index, view = self._split_start(samples, batch_size, min_batch)
+        self._saved_step, self._saved_time = self.step, time.monotonic()
+        for hook in self.hooks:
+            hook.begin(self)
+        while epoch < epochs:
+            if index == 0 or view is None:
+                view = kv.membership((epoch, self.step))
+            plan = EpochSplit(samples, view.size, batch_size, min_batch)
+            self._epoch = _Epoch(epoch, self.step - index, view.size, plan.steps)
+            order = progress.split_order(self.seed, epoch, samples)
+            part = view.index(self.rank) if self.rank in view else None  # None: joined mid-epoch
+            self.epoch_loss = 0.0
+            for at in range(index, plan.steps):
+                lo, hi = (0, 0) if part is None else plan.rows(part, at)
+                loss = None
+                if hi > lo:
+                    loss = step_fn(Batch(self.step, epoch, at, order[lo:hi]))
+                else:
+                    self.trainer.step_without_data()
+                if loss is not None:
+                    self.epoch_loss += float(loss)
+                self.step += 1
+                for hook in self.hooks:
+                    hook.after_step(self, loss)
+                self._save_if_due()
+            for hook in self.hooks:
+                hook.after_epoch(self, epoch)
+            epoch, index = epoch + 1, 0
+            if self._stopped:
+                break
+        if self.step != self._saved_step:
+            self.save()
+        return self.step
+
+    def _split_start(self, samples: int, batch_size: int,
+                     min_batch: int) -> tuple[int, int, Membership | None]:
+        """Where a split run starts at ``self.step``: ``(epoch, index, view)``, view None at an epoch's
+        start (the loop agrees one).  A worker that joined or restarted reads the job's last view (its
+        tag: the epoch and the step it began at); a resumed checkpoint's mid-epoch position agrees a
+        view of as many workers as that epoch had.  Raises ConfigError when neither places it."""
+        kv = self.trainer.kvstore
+        if self.rejoined:
+            view = kv.view
+            if len(view.tag) != 2:
+                if self.step == 0:  # came before the first epoch's view: it joins that one
+                    return 0, 0, None
+                raise ConfigError(f"this worker came into the job at step {self.step}, but the job's last "
+                                  "membership view names no epoch: a split Session joins only a job whose "
+                                  "workers run a split Session")
+            first, start = view.tag
+            steps = EpochSplit(samples, view.size, batch_size, min_batch).steps
+            try:
+                epoch, index = progress.split_position(self.step, first, start, steps)
+            except ValueError as exc:
+                raise ConfigError(f"cannot place this worker in the job's epochs: {exc}") from None
+            return epoch, index, (view if index else None)
+        if self.resumed_from is None:
+            return 0, 0, None
+        meta = self._meta(self.resumed_from)
+        epoch, index = int(meta["epoch"]), int(meta["index"])
+        if index == 0:
+            return epoch, 0, None
+        view = kv.membership((epoch, int(meta["epoch_start"])))
+        if view.size != meta["epoch_workers"]:
+            raise ConfigError(f"{self.resumed_from} is in the middle of epoch {epoch}, split over "
+                              f"{meta['epoch_workers']} workers, but {view.size} are present: resume with "
+                              "as many, or from a checkpoint at an epoch's end")
+        return epoch, index, view
+
+    def _begin(self, total: int | None) -> int:
+        """The step to start at (at most ``total``, the schedule's steps, when known), with the weights
+        and states in place (see the class).  Raises ConfigError for a restarted worker whose Trainer
+        updates locally (the servers hold gradient sums, not the job's weights)."""
         kv = self.trainer.kvstore
         rejoined = getattr(kv, "rejoined_at", None)
         if rejoined is not None:  # a restarted worker: the servers hold the job's weights and states
@@ -220,7 +339,7 @@ class Session:
             base = self._cluster_start = self._started_here()  # this cluster's rounds count from there
             self.rejoined = True
             log.info("session: rejoined at step %d (the job's)", base + int(rejoined))
-            return min(base + int(rejoined), schedule.total_steps)
+            return base + int(rejoined) if total is None else min(base + int(rejoined), total)
         found = self.latest()
         if found is None:
             self.trainer.init_kvstore()
@@ -229,8 +348,8 @@ class Session:
             raise ConfigError(f"launch.py --resume (KVSTORE_RESUME) and the session's checkpoint {found} "
                               "both hold the weights: use one (remove the checkpoint folder, or --resume)")
         meta = self._meta(found)
-        mine = self._settings(schedule)
-        theirs = {k: meta.get(k) for k in mine}
+        mine = {**self._settings_now, "split": bool(self._settings_now.get("split"))}
+        theirs = {**{k: meta.get(k) for k in mine}, "split": bool(meta.get("split"))}
         if theirs != mine:
             raise ConfigError(f"cannot resume from {found}: it was saved with {theirs}, this run has {mine} "
                               "(the data order depends on them)")
@@ -238,7 +357,7 @@ class Session:
         self.trainer.load_states(storage.join(found, STATES))
         self.resumed_from = found
         log.info("session: resumed from %s at step %d", found, meta["step"])
-        self._cluster_start = min(int(meta["step"]), schedule.total_steps)
+        self._cluster_start = int(meta["step"]) if total is None else min(int(meta["step"]), total)
         return self._cluster_start
 
     def _started_here(self) -> int:
@@ -253,11 +372,6 @@ class Session:
         if meta.get("cluster") == getattr(self.trainer.kvstore, "cluster_id", None):
             return int(meta["cluster_start"])
         return int(meta["step"])
-
-    def _settings(self, schedule: progress.Schedule) -> dict[str, Any]:
-        """What a checkpoint must share with this run to replay its data order."""
-        kv = self.trainer.kvstore
-        return {**schedule.settings(), "seed": self.seed, "num_workers": kv.num_workers}
 
     # -- checkpoints -----------------------------------------------------------------------------
     def latest(self) -> str | None:
@@ -297,15 +411,22 @@ class Session:
         ``session.json``) and removes all but the newest ``keep``; return its URL (None on other ranks
         or without a URL).  Not collective.  A failed write is logged and the previous one stays."""
         self._saved_step, self._saved_time = self.step, time.monotonic()
-        if self.url is None or self.rank != 0 or self._schedule is None:
+        if self.url is None or self.rank != 0 or (self._schedule is None and self._epoch is None):
             return None
         folder = storage.join(self.url, progress.checkpoint_name(self.step))
-        at = self._schedule.position(self.step)
-        meta = {"format": FORMAT, "version": 1, "step": self.step, "epoch": at.epoch, "index": at.index,
+        if self._epoch is not None:  # split=True: the epoch's start and workers place a mid-epoch resume
+            e = self._epoch
+            epoch, index = progress.split_position(self.step, e.epoch, e.start, e.steps)
+            where = {"epoch": epoch, "index": index, "epoch_start": e.start, "epoch_workers": e.workers,
+                     "order": "numpy default_rng([seed, epoch]).permutation(samples), split over the "
+                              "epoch's workers in rank order"}
+        else:
+            at = self._schedule.position(self.step)
+            where = {"epoch": at.epoch, "index": at.index,
+                     "order": "numpy default_rng([seed, epoch, rank]).permutation(samples)"}
+        meta = {"format": FORMAT, "version": 1, "step": self.step, **where,
                 "cluster": getattr(self.trainer.kvstore, "cluster_id", None),
-                "cluster_start": self._cluster_start,
-                "order": "numpy default_rng([seed, epoch, rank]).permutation(samples)",
-                **self._settings(self._schedule), "time": time.time()}
+                "cluster_start": self._cluster_start, **self._settings_now, "time": time.time()}
         try:
             storage.makedirs(folder)
             checkpoint.save_arrays(storage.join(folder, WEIGHTS),

@@ -445,6 +445,24 @@ class Trainer:
         trainer_step(began, batch_size)
         self._histograms.step()
 
+    def step_without_data(self) -> None:
+        """A step in which this worker has no batch: push zero gradients for every parameter (a
+        ``dist_sync`` round waits for every present worker, docs/elastic.md) and take the updated
+        weights, adding nothing to the sum and leaving the parameters' ``.grad`` alone.  Needs
+        update_on_kvstore (with local updates the batch size the others scale by is unknown here):
+        RuntimeError otherwise."""
+        import torch
+
+        if not self._update_on_kvstore:
+            raise RuntimeError("step_without_data needs update_on_kvstore=True: with local updates this "
+                               "worker cannot scale the others' gradient sum as they do")
+        self._init_kvstore()
+        zeros = [[torch.zeros_like(p, memory_format=torch.contiguous_format) for p in replica]
+                 for replica in self._replicas]
+        self._kv.pushpull(self._keys, self._per_key(zeros), out=self._per_key(self._replicas))
+        self._mark_weights()
+        self._steps_since_reload += 1
+
     def allreduce_grads(self) -> None:
         """Sum every parameter's gradient over the workers, in place (update_on_kvstore=False only).
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvstore import config as kvconfig
 from kvstore.core import stats as kvstats
+from kvstore.core.membership import MAX_TAG
 from kvstore.errors import (
     AuthenticationError,
     ConfigError,
@@ -29,6 +30,7 @@ from kvstore.errors import (
     NodeLostError,
     ProtocolError,
     StallError,
+    TooFewWorkersError,
 )
 from kvstore.launch.portfile import write as write_port_file
 from kvstore.net import address, timeline, transport
@@ -103,6 +105,7 @@ class Scheduler:
         self.barrier = Barrier(present)
         self.worker_ranks: dict[bytes, int] = {}
         self.left: set[int] = set(range(present, cfg.num_workers))  # absent slots count as left
+        self._view: dict | None = None  # the last tagged membership view released (docs/elastic.md)
         self.servers: list[Node] = []
         self.service.handlers = {Op.HELLO: self._on_hello, Op.REGISTER: self._on_register,
                                  Op.BARRIER: self._on_barrier,
@@ -437,26 +440,49 @@ class Scheduler:
         after = msg.body.get("after")  # the barriers this worker has passed
         if after is not None and not (type(after) is int and after >= 0):
             raise ProtocolError("a barrier's 'after' must be an int >= 0")
+        tag = msg.body.get("tag")  # kv.membership(tag): kept as the last view's (docs/elastic.md)
+        if tag is not None and not (isinstance(tag, list) and len(tag) <= MAX_TAG
+                                    and all(type(t) is int for t in tag)):
+            raise ProtocolError(f"a barrier's tag must be a list of at most {MAX_TAG} ints")
         if after is not None and after < self.barrier.generation:  # released before a scheduler's death:
             body = {"failures": [], "left": sorted(self.left)}  # its reply was lost: answered now
             self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
             return
         self.stalled.discard(rank)
         self.stats.arrive(rank, time.monotonic())
-        self._release(self.barrier.arrive(rank, identity, msg.seq, failure, digest))
+        self._release(self.barrier.arrive(rank, identity, msg.seq, failure, digest, tag))
         if self._die is not None:
             self._die("barrier")
 
     def _release(self, released: list[tuple[bytes, int]]) -> None:
-        """Answer released barrier waiters: the failures reported at it, and who has left."""
-        if released:
-            if self.timeline is not None and self.stats.opened_at is not None:
-                wall, waited = time.time(), self.stats.open_for(time.monotonic()) or 0.0
-                self.timeline.span("barrier", "scheduler", wall - waited, wall,
-                                   {"workers": sorted(self.stats.arrived)})
-            self.stats.released(time.monotonic())
+        """Answer released barrier waiters: the failures reported at it and who has left (every worker
+        it releases reads the same membership: the slots not left, numbered by the barriers passed); a
+        tagged one's tag and number too, kept as the job's last view (a worker that joins or restarts
+        later gets it with its map).  With fewer workers present than KVSTORE_MIN_WORKERS, each gets
+        TooFewWorkersError instead."""
+        if not released:
+            return
+        if self.timeline is not None and self.stats.opened_at is not None:
+            wall, waited = time.time(), self.stats.open_for(time.monotonic()) or 0.0
+            self.timeline.span("barrier", "scheduler", wall - waited, wall,
+                               {"workers": sorted(self.stats.arrived)})
+        self.stats.released(time.monotonic())
+        present = self.cfg.num_workers - len(self.left)
+        if self.cfg.min_workers is not None and present < self.cfg.min_workers:
+            exc = TooFewWorkersError(
+                f"the job has {present} worker(s) present (ranks {self._present_ranks()}), fewer than "
+                f"--min-workers {self.cfg.min_workers} (KVSTORE_MIN_WORKERS): this barrier fails on every "
+                "worker")
+            log.error("%s", exc)
+            for ident, seq in released:
+                self.service.reply_error(ident, seq, exc)
+            return
         body = {"failures": [[r, text] for r, text in sorted(self.barrier.released_failures.items())],
                 "left": sorted(self.left)}
+        if self.barrier.released_tag is not None:  # a membership view: its number is the barriers passed
+            body["view"], body["tag"] = self.barrier.generation, self.barrier.released_tag
+            self._view = {"view": self.barrier.generation, "left": sorted(self.left),
+                          "tag": self.barrier.released_tag}
         if self.barrier.released_digests:  # each distinct text once, with its ranks: not workers x keys
             groups: dict[str, list[int]] = {}
             for r, d in sorted(self.barrier.released_digests.items()):
@@ -464,6 +490,10 @@ class Scheduler:
             body["digests"] = [[ranks, d] for d, ranks in groups.items()]
         for ident, seq in released:
             self.service.reply(ident, Message(Op.OK, dict(body), seq=seq))
+
+    def _present_ranks(self) -> list[int]:
+        """The worker slots held (present, or away on a restart)."""
+        return [r for r in range(self.cfg.num_workers) if r not in self.left]
 
     def _on_leave(self, identity: bytes, msg: Message) -> None:
         rank = self._worker_rank(identity)
@@ -668,8 +698,9 @@ class Scheduler:
             self.liveness.watch("worker", rank, now)
             self.barrier.num_workers += 1
             self._labels[node.label] = ("worker", rank)
+            view = {} if self._view is None else {"view": self._view}  # the epoch it comes into
             return dict(self.map_body, rank=rank, role="worker", incarnation=incarnation, rejoin=True,
-                        barriers=self.barrier.generation)
+                        barriers=self.barrier.generation, **view)
         self.servers[rank] = node
         self.map_body["servers"][rank] = [node.host, node.port]  # a worker restarted later connects to it
         self.map_body.setdefault("server_incarnations", [0] * len(self.servers))[rank] = incarnation

@@ -151,17 +151,20 @@ class Barrier:
         self.released_failures: dict[int, Any] = {}  # the failures of the last released generation
         self.digests: dict[int, str] = {}  # rank -> digest of its collective's arguments, this generation
         self.released_digests: dict[int, str] = {}  # the digests of the last released generation
+        self.tags: dict[int, list[int]] = {}  # rank -> the tag of its membership view, this generation
+        self.released_tag: list[int] | None = None  # the lowest rank's tag of the last released one
         self.generation = 0  # barriers released so far: a worker says which it passed (a restart's resend)
 
     def arrive(self, rank: int, identity: bytes, seq: int,
-               failure: Any = None, digest: str | None = None) -> list[tuple[bytes, int]]:
+               failure: Any = None, digest: str | None = None,
+               tag: list[int] | None = None) -> list[tuple[bytes, int]]:
         """Record ``rank``'s arrival; return every (identity, seq) to release, or [] to wait on.
 
         A rank that arrives again in the same generation (it retried after its
         deadline) replaces its earlier entry, so it is counted once and the
         reply goes to the request that is still waiting.  On release,
         :attr:`released_failures` holds the failures reported in the generation, and
-        :attr:`released_digests` its digests.
+        :attr:`released_digests` its digests, :attr:`released_tag` its lowest rank's tag (None: none).
         """
         self.waiting[rank] = (identity, seq)
         if failure is None:
@@ -172,6 +175,10 @@ class Barrier:
             self.digests.pop(rank, None)
         else:
             self.digests[rank] = digest
+        if tag is None:
+            self.tags.pop(rank, None)
+        else:
+            self.tags[rank] = tag
         if len(self.waiting) < self.num_workers:
             return []
         return self._released()
@@ -182,12 +189,15 @@ class Barrier:
         self.generation += 1
         self.released_failures, self.failures = self.failures, {}
         self.released_digests, self.digests = self.digests, {}
+        self.released_tag = self.tags[min(self.tags)] if self.tags else None
+        self.tags = {}
         return released
 
     def cancel(self, rank: int) -> bool:
         """Withdraw ``rank`` (its wait timed out); False when it was not waiting (already released)."""
         self.failures.pop(rank, None)
         self.digests.pop(rank, None)
+        self.tags.pop(rank, None)
         return self.waiting.pop(rank, None) is not None
 
     def leave(self, rank: int) -> list[tuple[bytes, int]]:
@@ -201,6 +211,7 @@ class Barrier:
     def drain(self) -> list[tuple[bytes, int]]:
         """Give up the current generation: return every waiting (identity, seq) and forget them."""
         waiting, self.waiting, self.failures, self.digests = list(self.waiting.values()), {}, {}, {}
+        self.tags = {}
         return waiting
 
 

@@ -15,7 +15,14 @@ from typing import Any
 from kvstore.client.mux import SCHEDULER, Mux
 from kvstore.config import Config
 from kvstore.core import agreement
-from kvstore.errors import DeadlineExceededError, error_code, error_from_code, from_cluster
+from kvstore.core.membership import Membership, view_of
+from kvstore.errors import (
+    DeadlineExceededError,
+    TooFewWorkersError,
+    error_code,
+    error_from_code,
+    from_cluster,
+)
 from kvstore.net.protocol import Message, Op
 
 log = logging.getLogger("kvstore.dist")
@@ -27,9 +34,11 @@ class Barriers:
 
     def __init__(self, io: Mux, cfg: Config, mode: str, rank: int, num_workers: int,
                  wait: Callable[[list, float, str], list], pushes: Callable[[], int] = lambda: 0,
-                 passed: int = 0, absent: list[int] | None = None) -> None:
+                 passed: int = 0, absent: list[int] | None = None, view: Membership | None = None) -> None:
         self._io, self._cfg, self._mode, self._rank, self._num_workers = io, cfg, mode, rank, num_workers
         self.passed = passed  # barriers released so far (a restarted scheduler repeats only an open one)
+        # the membership the last barrier passed agreed (before any: the map's, docs/elastic.md)
+        self.view = view if view is not None else view_of({"absent": absent or []}, num_workers, passed)
         self._wait, self._pushes = wait, pushes
         self._lock = threading.Lock()
         # workers known to have left, and us; an elastic job's slots absent at the start (not warned of)
@@ -94,17 +103,27 @@ class Barriers:
             message = f"{what} failed on worker {rank}: {info['message']}"
             raise from_cluster(error_from_code(info["code"], message))
 
-    def join(self, failure: dict[str, str] | None = None, digest: str | None = None) -> dict:
-        """Join the scheduler's barrier (with a ``failure`` or ``digest`` to hand every worker); return
-        its reply's body (``failures``, ``left``, ``digests``)."""
+    def join(self, failure: dict[str, str] | None = None, digest: str | None = None,
+             tag: tuple[int, ...] | None = None) -> dict:
+        """Join the scheduler's barrier (with a ``failure``, ``digest`` or membership ``tag`` to hand
+        every worker); return its reply's body (``failures``, ``left``, ``view``, ``digests``) and keep
+        the membership it agreed as :attr:`view`."""
         body: dict[str, Any] = {} if failure is None else {"failure": failure}
         if digest is not None:
             body["digest"] = digest
+        if tag is not None:
+            body["tag"] = list(tag)
         body["after"] = self.passed
         request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
         try:
-            body = self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
+            try:
+                body = self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
+            except TooFewWorkersError:
+                self._passed()  # released, with the error: the scheduler counted it
+                raise
             self._passed()
+            with self._lock:
+                self.view = view_of(body, self._num_workers, self.passed)
             self.warn_left(body.get("left", []))
             return body
         except DeadlineExceededError:

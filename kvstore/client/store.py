@@ -15,7 +15,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from kvstore.client.sparse import DistRows, RowsLink
 from kvstore.client.window import PushWindow
 from kvstore.core import agreement
 from kvstore.core import values as V
+from kvstore.core.membership import Membership, check_tag, view_of
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.plan import Send, collect, pack, plan
@@ -104,6 +105,15 @@ def connect(cfg: kvconfig.Config, mode: str, tamper: Tamper | None = None) -> Jo
     return Joined(body, addresses, mux)
 
 
+def joined_view(body: dict[str, Any], slots: int) -> Membership:
+    """A worker's first membership view from its cluster ``body``: a joined or restarted worker's map
+    carries the job's last tagged view; any other map, the slots absent at the start."""
+    last = body.get("view")
+    if isinstance(last, dict):
+        return view_of(last, slots, 0)
+    return view_of({"absent": body.get("absent") or []}, slots, int(body.get("barriers", 0)))
+
+
 class Owner:
     """The hold ``kvstore.client.instance`` keeps on the process's one store: what it may do beyond the
     public API, bound by the store it is given to: ``close(failure)`` (the process is dying of
@@ -143,7 +153,7 @@ class DistKVStore(KVStore):
                               self._compress, self._device_mode)
         self._barriers = Barriers(self._io, cfg, self._mode, cluster.rank, cluster.num_workers,
                                   self._path.wait, self._meter.pushes, passed=body.get("barriers", 0),
-                                  absent=body.get("absent"))
+                                  absent=body.get("absent"), view=joined_view(body, cluster.num_workers))
         self._rows = DistRows(RowsLink(  # row_sparse keys (client/sparse.py)
             self._path, self._collective, cfg.request_timeout,
             lambda *a: self._collective_calls.resumed_table(*a),
@@ -208,6 +218,40 @@ class DistKVStore(KVStore):
     def num_servers(self) -> int:
         """Number of servers in the cluster."""
         return self._cluster.num_servers
+
+    @property
+    def view(self) -> Membership:
+        """The membership the last barrier this worker passed agreed (no request): before any, the
+        map's (a worker that joined or restarted: the job's last tagged view, with its tag)."""
+        return self._barriers.view
+
+    @public
+    def membership(self, tag: Sequence[int] = ()) -> Membership:
+        """Collective, a barrier after this worker's pushes are applied: the workers present when it
+        is released, the same view (number, ranks) on every worker it releases; ``tag`` (at most 8
+        ints, e.g. an epoch and a step) is kept by the scheduler as the job's last view's, which a
+        worker that joins or restarts later reads in :attr:`view`.  Raises TypeError / ValueError for a
+        bad tag, what :meth:`barrier` raises, TooFewWorkersError when fewer workers than ``launch.py
+        --min-workers`` are present, DeadlineExceededError when the reply was given up on."""
+        ints = check_tag(tag)
+        self._check_open()
+        started = self._meter.begin("barrier")
+        try:
+            error: KVStoreError | None = None
+            try:
+                self._flush(self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
+            except DeadlineExceededError:
+                raise
+            except KVStoreError as exc:
+                error = exc
+            if not self._barriers.join(tag=ints):
+                raise DeadlineExceededError("the membership barrier was released but its reply was given up "
+                                            "on (KVSTORE_REQUEST_TIMEOUT): the view is unknown")
+            if error is not None:
+                raise error
+        finally:
+            self._meter.end("barrier", started, blocked="barrier")
+        return self._barriers.view
 
     # -- plumbing -------------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -4,7 +4,9 @@
   its batch in the epoch's order): the data position is a pure function of the step, so a session
   resumed at a step, or a worker rejoining at one, draws exactly the batches an unbroken run draws.
 - :func:`epoch_order`: each epoch's shuffle, a pure function of ``(seed, epoch, rank)``: the
-  checkpoint's seed and step are the whole random state the data order needs.
+  checkpoint's seed and step are the whole random state the data order needs; :func:`split_order`,
+  one shuffle of the whole dataset per epoch, which a Session with ``split=True`` cuts over the workers
+  present at the epoch's start, and :func:`split_position`, where a step is in such an epoch.
 - checkpoint names (``step-00000120``), which checkpoint is the newest complete one, which are
   stale, and when the next one is due.
 """
@@ -17,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Position", "Schedule", "checkpoint_name", "due", "epoch_order", "newest_complete", "stale",
-           "step_of"]
+__all__ = ["Position", "Schedule", "checkpoint_name", "due", "epoch_order", "newest_complete", "split_order",
+           "split_position", "stale", "step_of"]
 
 _NAME = re.compile(r"^step-(\d{8,})$")
 
@@ -84,6 +86,23 @@ def epoch_order(seed: int, epoch: int, rank: int, samples: int) -> np.ndarray:
     """The shuffle of epoch ``epoch`` (0-based) on worker ``rank``: a permutation of ``samples``,
     a pure function of its arguments (numpy's PCG64 seeded with ``[seed, epoch, rank]``)."""
     return np.random.default_rng([seed, epoch, rank]).permutation(samples)
+
+
+def split_order(seed: int, epoch: int, samples: int) -> np.ndarray:
+    """The shuffle of epoch ``epoch`` of a dataset split over the workers each epoch (``Session.run(...,
+    split=True)``): one permutation of ``samples`` for every worker, a pure function of its arguments
+    (numpy's PCG64 seeded with ``[seed, epoch]``)."""
+    return np.random.default_rng([seed, epoch]).permutation(samples)
+
+
+def split_position(step: int, epoch: int, start: int, steps: int) -> tuple[int, int]:
+    """Where the job's step ``step`` is, given that epoch ``epoch`` began at step ``start`` with
+    ``steps`` steps: ``(epoch, step - start)`` within it, or ``(epoch + 1, 0)`` at its end.  Raises
+    ValueError for a step before ``start`` or past that epoch's end (the view is not the step's)."""
+    if not start <= step <= start + steps:
+        raise ValueError(f"step {step} is not in epoch {epoch} (steps {start} to {start + steps - 1}) "
+                         "nor at its end")
+    return (epoch, step - start) if step < start + steps else (epoch + 1, 0)
 
 
 def checkpoint_name(step: int) -> str:

@@ -129,6 +129,8 @@ class Cluster:
         if cfg.max_workers is not None:  # B slots, -n present at the start (docs/elastic.md)
             self.base_env["DMLC_NUM_WORKER"] = str(cfg.max_workers)
             self.base_env["KVSTORE_ELASTIC_WORKERS"] = str(cfg.num_workers)
+        if cfg.min_workers is not None:  # a barrier with fewer present fails (docs/elastic.md)
+            self.base_env["KVSTORE_MIN_WORKERS"] = str(cfg.min_workers)
 
     @property
     def children(self) -> list[RoleProcess]:

@@ -201,3 +201,15 @@ def test_split_and_load_argument_errors():
         D.split_and_load([1, 2, 3, 4], ["cpu", "cpu"])
     with pytest.raises(TypeError):
         D.split_and_load(torch.zeros(4), "cpu")
+
+
+def test_share_gives_each_worker_of_a_view_its_part_in_rank_order():
+    """Under a view of ranks (0, 2, 3) the three shares, by rank order, cover every item once; a rank
+    not in the view has none (ValueError)."""
+    from kvstore.core.membership import Membership
+
+    view = Membership(4, (0, 2, 3), 4)
+    parts = [D.share(list(range(10)), view, rank) for rank in view.ranks]
+    assert parts == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    with pytest.raises(ValueError, match="worker 1 is not in membership view 4"):
+        D.share(list(range(10)), view, 1)

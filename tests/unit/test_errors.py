@@ -29,6 +29,7 @@ TREE = {
     "FormatError": ValueError,
     "UnsupportedError": NotImplementedError,
     "CollectiveMismatchError": ValueError,
+    "TooFewWorkersError": None,
 }
 BUILTINS = {ValueError, KeyError, TypeError, TimeoutError, ConnectionError, PermissionError,
             NotImplementedError}

@@ -239,3 +239,110 @@ def test_a_restarted_workers_rounds_count_from_where_its_cluster_started(tmp_pat
     assert rejoining._started_here() == 10
     _, fresh, _ = _job(tmp_path / "none", True)
     assert fresh._started_here() == 0
+
+
+# -- split=True: the whole dataset split over the workers present at each epoch's start ---------------
+
+def test_split_position_places_a_step_in_its_epoch_or_at_its_end() -> None:
+    """A step within the tagged epoch is (epoch, step - start); its end is the next epoch's start; a
+    step outside raises ValueError."""
+    assert progress.split_position(13, 2, 10, 5) == (2, 3)
+    assert progress.split_position(15, 2, 10, 5) == (3, 0)
+    for bad in (9, 16):
+        with pytest.raises(ValueError, match="not in epoch 2"):
+            progress.split_position(bad, 2, 10, 5)
+
+
+def test_split_order_is_one_shuffle_for_every_worker() -> None:
+    """The split order is a permutation of the samples depending on (seed, epoch) only."""
+    a = progress.split_order(3, 1, 50)
+    assert sorted(a) == list(range(50)) and np.array_equal(a, progress.split_order(3, 1, 50))
+    assert not np.array_equal(a, progress.split_order(3, 2, 50))
+
+
+def test_a_split_session_sees_every_sample_once_per_epoch(tmp_path: Path) -> None:
+    """With split=True, samples is the dataset: one worker's batches of each epoch cover every sample
+    exactly once (a last short batch included), and run returns the epochs' steps."""
+    seen: dict[int, list[int]] = {}
+    model, session, step = _job(None, True, samples=42)
+
+    def record(batch) -> float:
+        seen.setdefault(batch.epoch, []).extend(int(r) for r in batch.rows)
+        return step(batch)
+
+    assert session.run(record, 42, BATCH, EPOCHS, split=True) == 6 * EPOCHS
+    assert sorted(seen) == list(range(EPOCHS))
+    assert all(sorted(rows) == list(range(42)) for rows in seen.values())
+    assert seen[0] != seen[1]  # each epoch its own shuffle
+
+
+def test_a_split_session_stops_at_the_epochs_end_and_resumes_mid_epoch_to_the_unbroken_weights(
+        tmp_path: Path) -> None:
+    """A stop asked mid-epoch takes effect at the epoch's end; a checkpoint taken mid-epoch resumes
+    there (as many workers present as the epoch had) and ends with the unbroken run's weights."""
+    model, session, step = _job(None, True)
+    assert session.run(step, SAMPLES, BATCH, EPOCHS, split=True) == 15
+    unbroken = _weights(model)
+    _, stopped, step = _job(None, True, stop_at=7)
+    assert stopped.run(step, SAMPLES, BATCH, EPOCHS, split=True) == 10  # epoch 1 ends at step 10
+
+    _, first, step = _job(tmp_path, True, every_steps=3)
+
+    class Crash(Hook):
+        def after_step(self, session, loss) -> None:
+            if session.step == 7:
+                raise KeyboardInterrupt  # a worker killed after step 7 (saved at 6)
+
+    first.hooks.append(Crash())
+    with pytest.raises(KeyboardInterrupt):
+        first.run(step, SAMPLES, BATCH, EPOCHS, split=True)
+    meta = json.loads((tmp_path / "step-00000006" / META).read_text())
+    assert (meta["epoch"], meta["index"], meta["epoch_start"], meta["epoch_workers"]) == (1, 1, 5, 1)
+    model, second, step = _job(tmp_path, True)
+    assert second.run(step, SAMPLES, BATCH, EPOCHS, split=True) == 15 and second.start_step == 6
+    for name, value in unbroken.items():
+        np.testing.assert_allclose(_weights(model)[name], value, rtol=1e-6, err_msg=name)
+    _, plain, step = _job(tmp_path, True)
+    with pytest.raises(ConfigError, match="split"):  # a split checkpoint is not a per-worker schedule's
+        plain.run(step, SAMPLES, BATCH, EPOCHS)
+
+
+def test_a_split_session_needs_updates_on_the_store() -> None:
+    """split=True with update_on_kvstore=False raises ConfigError before any step."""
+    _, session, step = _job(None, False)
+    with pytest.raises(ConfigError, match="update_on_kvstore"):
+        session.run(step, SAMPLES, BATCH, EPOCHS, split=True)
+
+
+class _Comer:
+    """A stand-in Trainer of a worker that joined or restarted (pure placement: ``_split_start``): its
+    store's ``view`` is the map's last tagged view; nothing is sent."""
+
+    update_on_kvstore = True
+
+    def __init__(self, rank: int, view) -> None:
+        self.kvstore = type("Store", (), {"rank": rank, "view": view, "num_workers": 4, "rejoined_at": 0})()
+
+
+def test_a_worker_that_comes_in_places_itself_by_the_jobs_last_tagged_view() -> None:
+    """Epoch 1 began at step 14 over ranks (0, 1): 25 samples each, 7 steps.  A worker coming in at
+    step 17 goes on in it (a joiner owns no part of it, a restarted rank 1 its own); at 21 it is at
+    epoch 2's start; past it, or with an untagged view after the first round, it cannot place itself."""
+    from kvstore.core.membership import Membership
+
+    view = Membership(5, (0, 1), 4, (1, 14))
+    for rank in (2, 1):
+        session = kvstore.Session(_Comer(rank, view))
+        session.rejoined, session.step = True, 17
+        assert session._split_start(50, 4, 1) == (1, 3, view)
+        session.step = 21
+        assert session._split_start(50, 4, 1) == (2, 0, None)
+    session.step = 22
+    with pytest.raises(ConfigError, match="cannot place this worker"):
+        session._split_start(50, 4, 1)
+    untagged = kvstore.Session(_Comer(2, Membership(0, (0, 1), 4)))
+    untagged.rejoined, untagged.step = True, 0
+    assert untagged._split_start(50, 4, 1) == (0, 0, None)
+    untagged.step = 3
+    with pytest.raises(ConfigError, match="names no epoch"):
+        untagged._split_start(50, 4, 1)

@@ -498,3 +498,20 @@ def test_weights_written_in_place_every_step_are_warned_about_once() -> None:
             trainer.step(1)
     texts = [str(w.message) for w in caught if "in place" in str(w.message)]
     assert len(texts) == 1 and "'weight'" in texts[0] and "update_on_kvstore=False" in texts[0]
+
+
+def test_a_step_without_data_pushes_zeros_and_needs_updates_on_the_store():
+    """step_without_data pushes a zero gradient for every parameter through the store (plain sgd: the
+    weights stay) and leaves .grad alone; with local updates it raises RuntimeError."""
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 5.0)
+    trainer = kvstore.Trainer([("p", param)], "sgd", {"learning_rate": 1.0}, kvstore="local",
+                              update_on_kvstore=True)
+    trainer.step_without_data()
+    assert torch.equal(param.detach(), torch.ones(3)) and torch.equal(param.grad, torch.full((3,), 5.0))
+    trainer.step(1)
+    assert torch.equal(param.detach(), torch.full((3,), -4.0))
+    local = kvstore.Trainer([("q", torch.nn.Parameter(torch.ones(3)))], "sgd", kvstore="local",
+                            update_on_kvstore=False)
+    with pytest.raises(RuntimeError, match="update_on_kvstore"):
+        local.step_without_data()

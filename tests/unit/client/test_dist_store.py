@@ -168,3 +168,39 @@ def test_close_leaves_every_server_then_the_scheduler_and_refuses_later_calls() 
         kv.push("w", np.ones(4, np.float32))
     kv.close()
     assert [msg.op for _, msg in mux.sent].count(Op.LEAVE) == 3
+
+
+def test_membership_is_a_tagged_barrier_whose_reply_is_the_view(store) -> None:
+    """membership(tag) joins one barrier carrying the tag; the view it returns is the reply's (the held
+    slots, the barriers passed) and stays as kv.view; num_present counts it."""
+    kv, mux = store
+    assert kv.view.ranks == (0,) and kv.num_present == 1
+    view = kv.membership((3, 120))
+    assert [(t, m.body.get("tag")) for t, m in mux.sent if m.op is Op.BARRIER] == [(-1, [3, 120])]
+    assert view.ranks == (0,) and view.number == 1 and view.slots == 1 and kv.view == view
+    with pytest.raises(TypeError):
+        kv.membership("epoch")
+
+
+def test_a_joined_worker_starts_from_the_map_s_last_tagged_view() -> None:
+    """A worker whose map carries the job's last view (a join, a restart) reads it, tag included, as
+    kv.view before any barrier; a first worker reads the slots the map does not name absent."""
+    from kvstore.client.store import joined_view
+
+    view = joined_view({"view": {"view": 4, "left": [1], "tag": [2, 30]}, "absent": [3]}, 4)
+    assert (view.number, view.ranks, view.tag) == (4, (0, 2, 3), (2, 30))
+    assert joined_view({"absent": [2, 3], "barriers": 0}, 4).ranks == (0, 1)
+
+
+def test_a_barrier_failed_below_min_workers_counts_as_passed(store) -> None:
+    """A barrier the scheduler released with TooFewWorkersError is counted as passed: the next barrier
+    says one more was passed, so the scheduler does not answer it as a repeat of the failed one."""
+    from kvstore.errors import TooFewWorkersError
+
+    kv, mux = store
+    mux.refuse[Op.BARRIER] = TooFewWorkersError("the job has 1 worker(s) present")
+    with pytest.raises(TooFewWorkersError):
+        kv.membership()
+    del mux.refuse[Op.BARRIER]
+    kv.barrier()
+    assert [m.body["after"] for t, m in mux.sent if m.op is Op.BARRIER] == [0, 1]

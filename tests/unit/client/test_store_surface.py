@@ -12,7 +12,9 @@ from kvstore.local import LocalKVStore
 COMMON = {"barrier", "broadcast", "close", "get_gradient_compression", "get_optimizer", "init",
           "is_capable", "load_optimizer_states", "num_servers", "num_workers", "pull", "push", "pushpull",
           "rank", "register", "row_sparse_pull", "save_checkpoint", "save_optimizer_states",
-          "set_gradient_compression", "set_optimizer", "set_optimizer_params", "type"}
+          "set_gradient_compression", "set_optimizer", "set_optimizer_params", "type",
+          # issue 45 item 3: the workers' agreed membership is API (docs/elastic.md), on every store
+          "membership", "num_present", "view"}
 # scheduler_request became stage_access: the pipeline's one hook, which now also gives the stage's
 # settings and session-sealed channel (the store kept one public name for it, not two); cluster_id
 # (issue 43: kvstore.Session tells its cluster's checkpoints from an earlier cluster's) is API, not a seam

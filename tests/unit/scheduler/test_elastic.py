@@ -7,9 +7,10 @@ from kvstore.scheduler.scheduler import Scheduler
 from tests.unit.scheduler.test_scheduler import Peer, make_scheduler, register
 
 
-def elastic() -> tuple[Scheduler, dict[str, Peer]]:
-    """A scheduler of 4 worker slots, 2 present (KVSTORE_ELASTIC_WORKERS=2), and 1 server, all registered."""
-    sched = make_scheduler(DMLC_NUM_WORKER="4", KVSTORE_ELASTIC_WORKERS="2")
+def elastic(**env: str) -> tuple[Scheduler, dict[str, Peer]]:
+    """A scheduler of 4 worker slots, 2 present (KVSTORE_ELASTIC_WORKERS=2), and 1 server, all registered
+    (``env``: more settings)."""
+    sched = make_scheduler(DMLC_NUM_WORKER="4", KVSTORE_ELASTIC_WORKERS="2", **env)
     peers = {}
     for name, role, rank in (("s0", "server", 0), ("w0", "worker", 0), ("w1", "worker", 1)):
         peers[name], _ = register(sched, name, role, rank)
@@ -65,3 +66,52 @@ def test_a_job_that_is_not_elastic_refuses_a_join() -> None:
         register(sched, name, role, rank)
     (reply,) = Peer(sched, "late").send(Op.HELLO, {"nonce": "n"})
     assert reply.op is Op.ERROR and "already complete" in reply.body["message"]
+
+
+def test_a_barrier_release_gives_every_worker_the_same_view_and_keeps_its_tag() -> None:
+    """Both workers released by one barrier read its number and who is absent; the tag one of them sent
+    is kept as the job's last view, which a worker that joins afterwards gets with its map."""
+    sched, peers = elastic()
+    assert peers["w0"].send(Op.BARRIER, {"tag": [0, 0]}, sender=0) == []
+    (r1,) = peers["w1"].send(Op.BARRIER, {"tag": [0, 0]}, sender=1)
+    (r0,) = peers["w0"].replies()
+    assert r0.body["view"] == r1.body["view"] == 1 and r0.body["left"] == r1.body["left"] == [2, 3]
+    assert r0.body["tag"] == r1.body["tag"] == [0, 0]
+    assert peers["w0"].send(Op.BARRIER, {}, sender=0) == []  # an untagged barrier keeps the last view
+    (r1,) = peers["w1"].send(Op.BARRIER, {}, sender=1)
+    assert r1.body == {"failures": [], "left": [2, 3]}
+    reply = join(sched, "w2", 2, 1)
+    assert reply.body["view"] == {"view": 1, "left": [2, 3], "tag": [0, 0]}, reply.body
+
+
+def test_a_barrier_tag_that_is_not_a_few_ints_is_refused() -> None:
+    """A tag of a str or of more than 8 ints is a ProtocolError; the barrier does not count the worker."""
+    sched, peers = elastic()
+    (reply,) = peers["w0"].send(Op.BARRIER, {"tag": ["x"]}, sender=0)
+    assert reply.op is Op.ERROR and reply.body["code"] == "ProtocolError"
+    (reply,) = peers["w0"].send(Op.BARRIER, {"tag": list(range(9))}, sender=0)
+    assert reply.op is Op.ERROR and sched.barrier.waiting == {}
+
+
+def test_a_barrier_after_the_job_shrank_below_min_workers_fails_on_every_worker() -> None:
+    """KVSTORE_MIN_WORKERS=2: once worker 1 left, worker 0's next barrier fails with TooFewWorkersError
+    naming the present workers and the minimum; the barriers before it went through."""
+    sched, peers = elastic(KVSTORE_MIN_WORKERS="2")
+    assert peers["w0"].send(Op.BARRIER, {}, sender=0) == []
+    (ok,) = peers["w1"].send(Op.BARRIER, {}, sender=1)
+    assert ok.op is Op.OK
+    peers["w0"].replies()
+    assert peers["w1"].send(Op.LEAVE, {}, sender=1)[0].op is Op.OK
+    (reply,) = peers["w0"].send(Op.BARRIER, {}, sender=0)
+    assert reply.op is Op.ERROR and reply.body["code"] == "TooFewWorkersError", reply.body
+    message = reply.body["message"]
+    assert "1 worker(s) present (ranks [0])" in message and "--min-workers 2" in message
+
+
+def test_a_leave_that_releases_a_waiting_barrier_below_min_workers_fails_it() -> None:
+    """A worker waiting in a barrier when the leave takes the job below the minimum gets the error at once."""
+    sched, peers = elastic(KVSTORE_MIN_WORKERS="2")
+    assert peers["w0"].send(Op.BARRIER, {}, sender=0) == []
+    assert peers["w1"].send(Op.LEAVE, {}, sender=1)[0].op is Op.OK
+    (reply,) = peers["w0"].replies()
+    assert reply.op is Op.ERROR and reply.body["code"] == "TooFewWorkersError", reply.body
