@@ -31,7 +31,8 @@ from kvstore.core.rowsparse import DynamicSpec
 from kvstore.errors import OptimizerError
 
 SLOT_BYTES = 8 + 1 + 8 + 8 + 8 + 1  # a slot's id, live flag, last tick, last time, use count, unset flag
-GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by half of itself)
+GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by GROW_FRACTION of itself)
+GROW_FRACTION = 4  # ... by a quarter: at most 1.25 slots per row held (half: 1.5, past issue 46's bound)
 PENDING_MIN = 1 << 16  # ids counted for admission: at least this many, else the capacity ...
 PENDING_MAX = 1 << 20  # ... but never more than this many
 PENDING_BYTES = 160  # a counted id's memory (an ordered dict's entry, its int key; measured: ~140)
@@ -451,7 +452,7 @@ class DynamicRows:
         size = self.weight.shape[0]
         if need <= size:
             return
-        new = max(need, size + max(GROW_BLOCK, size // 2))
+        new = max(need, size + max(GROW_BLOCK, size // GROW_FRACTION))
         if self.spec.capacity:
             new = max(need, min(new, self.spec.capacity))
 

@@ -539,3 +539,18 @@ def test_a_table_filled_to_its_capacity_is_not_rebuilt_by_its_first_evictions(mo
         table.admit(np.arange(1000, dtype=np.int64) + 10**9 + step * 1000)
     assert rebuilds[0] == 0 and len(table) == cap
     assert table.map.keys.size <= D.MAP_ENTRIES * cap
+
+
+def test_a_growing_pool_holds_at_most_a_quarter_more_slots_than_rows() -> None:
+    """Without a capacity the pool grows by a quarter (at least GROW_BLOCK rows): after every push of
+    new ids its slots are at most 1.25x the rows held (plus one block), and its bytes per row with
+    adam's state stay within issue 46's bound 1.5 x (row + state) + 64."""
+    opt = O.create("adam", learning_rate=0.1)
+    table = _table()
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        ids = np.unique(rng.integers(-(2**62), 2**62, 3000))
+        D.apply_dynamic(opt, "t", table, ids, np.ones((ids.size, W), np.float32))
+        assert table.weight.shape[0] <= 1.25 * len(table) + D.GROW_BLOCK
+    held = table.nbytes() + sum(a.nbytes for a in opt.states["t"].values())
+    assert held / len(table) <= 1.5 * (W * 4 * 3) + 64
