@@ -24,7 +24,9 @@ import numpy as np
 
 from kvstore.config import Config
 from kvstore.core import compression as C
+from kvstore.core import rowsparse as R
 from kvstore.core import snapshot, storage
+from kvstore.core.dynamic import DynamicRows
 from kvstore.core.partition import Key
 from kvstore.core.plan import Send, pack
 from kvstore.core.values import Meta
@@ -32,6 +34,7 @@ from kvstore.errors import ConfigError, FormatError
 
 log = logging.getLogger("kvstore.dist")
 _RESIDUALS = re.compile(r"residuals-worker(\d+)-of-(\d+)\.values")
+ROW_RESIDUALS = 1 << 18  # 2bit/1bit residual rows a worker keeps per row-sparse table (docs/compression.md)
 _GENERATION = re.compile(r"snapshot-\d{6,}")  # as kvstore.core.snapshot names them
 
 
@@ -41,6 +44,7 @@ class WorkerCompression:
     def __init__(self) -> None:
         self.spec: C.Spec | None = None
         self.residuals: dict[Key, np.ndarray] = {}
+        self.rows = RowResiduals()  # row-sparse tables' residuals, by (table, row id)
         self.shards = ResidualShards(self)  # written with the servers' shards (KVSTORE_SNAPSHOT_EVERY)
         self._lock = threading.Lock()  # two threads may push one key
 
@@ -132,6 +136,50 @@ class WorkerCompression:
         """Start from saved ``residuals`` (each key's, as flat float32 arrays)."""
         with self._lock:
             self.residuals.update({k: np.array(r, np.float32).reshape(-1) for k, r in residuals.items()})
+
+
+class RowResiduals:
+    """A worker's 2bit / 1bit residuals of row-sparse tables: per table, one float32 row per row id it
+    pushed, at most ``limit`` rows (a :class:`DynamicRows` of zeros capped at ``limit``: past it, the
+    rows pushed least recently are forgotten, approximately as a dynamic table evicts, and start again
+    at zero).  Thread-safe (two threads may push one table)."""
+
+    def __init__(self, limit: int = ROW_RESIDUALS) -> None:
+        self.limit = limit
+        self.tables: dict[Key, DynamicRows] = {}
+        self._lock = threading.Lock()
+
+    def quantise(self, spec: C.Spec, key: Key, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The packed words (flat float32) of float32 ``rows`` ``(n, width)`` of distinct int64 ``ids``
+        of table ``key`` under 2bit / 1bit ``spec``: each row's residual is added before it is coded
+        and keeps what was not sent (a row there is no room for is coded from a zero residual, and
+        its remainder dropped)."""
+        width = int(np.prod(rows.shape[1:], dtype=np.int64)) if rows.ndim > 1 else 1
+        with self._lock:
+            table = self.tables.get(key)
+            if table is None or table.width != width:
+                table = DynamicRows(width, np.dtype(np.float32), R.parse_init(key, "zeros"),
+                                    R.DynamicSpec(capacity=self.limit))
+                self.tables[key] = table
+            keep, slots, _ = table.admit(ids)
+            residual = np.zeros((ids.size, width), np.float32)
+            residual[keep] = table.weight[slots]
+            flat = residual.reshape(-1)
+            packed = C.quantise(spec.type, np.ascontiguousarray(rows, np.float32).reshape(-1), flat,
+                                spec.threshold)
+            table.weight[slots] = residual[keep]
+        return packed
+
+    def residual(self, key: Key, ids: np.ndarray) -> np.ndarray:
+        """The residual rows of ``ids`` of table ``key`` now (zeros for rows it keeps none of)."""
+        with self._lock:
+            table = self.tables.get(key)
+            if table is None:
+                return np.zeros((ids.size, 0), np.float32)
+            slots = table.map.get(np.asarray(ids, np.int64))
+            out = np.zeros((ids.size, table.width), np.float32)
+            out[slots >= 0] = table.weight[slots[slots >= 0]]
+            return out
 
 
 def residual_path(directory: str, rank: int) -> str:

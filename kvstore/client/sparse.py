@@ -16,10 +16,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstore.client.compress import RowResiduals
 from kvstore.client.datapath import DataPath
 from kvstore.client.mux import Request
 from kvstore.core import compression as C
@@ -46,6 +47,7 @@ class RowsLink:
     initialised: Callable[[list[Key]], None] = lambda keys: None  # KVSTORE_RESUME: restore their states
     sent: Callable[[int], None] = lambda nbytes: None  # counts bytes of arrays sent (stats' bytes_out)
     compression: Callable[[], C.Spec | None] = lambda: None  # set_gradient_compression's setting
+    residuals: RowResiduals = field(default_factory=RowResiduals)  # 2bit / 1bit: by (table, row id)
 
 
 class DistRows:
@@ -166,27 +168,43 @@ class DistRows:
                 held[key] = self._send(key, meta, rnd, ids, rows)
             self.link.path.window.add(held, failures=True)
 
-    def _half(self, meta: R.SparseMeta, rows: np.ndarray) -> tuple[np.ndarray, dict]:
-        """``rows`` as they travel, and the push body's field saying so: fp16 or bf16 (bits) under that
-        compression for a float32 table of at least ``size_lower_bound`` elements (a dynamic table's
-        count is unbounded); otherwise as they are (2bit and 1bit do not apply to rows yet)."""
+    def _encoding(self, meta: R.SparseMeta) -> C.Spec | None:
+        """The compression a push of a table travels under: the store's setting for a float32 table of
+        at least ``size_lower_bound`` elements (a dynamic table's count is unbounded), else None."""
         spec = self.link.compression()
-        if spec is None or spec.type not in C.CASTS or meta.dtype != np.float32:
-            return rows, {}
+        if spec is None or meta.dtype != np.float32:
+            return None
         if meta.dynamic is None and meta.num_rows * meta.width < spec.size_lower_bound:
+            return None
+        return spec
+
+    def _half(self, spec: C.Spec | None, rows: np.ndarray) -> tuple[np.ndarray, dict]:
+        """``rows`` as they travel, and the push body's field saying so: fp16 or bf16 (bits) under that
+        compression; otherwise as they are (2bit and 1bit are coded per message: :meth:`_message`)."""
+        if spec is None or spec.type not in C.CASTS:
             return rows, {}
         half = C.to_half(spec.type, np.ascontiguousarray(rows).reshape(-1), None)
         if spec.type == "bf16":
             half = half.view(np.float16)  # bfloat16 bits travel in a 2-byte wire dtype (as dense keys')
         return half.reshape(rows.shape[0], -1), {"half": spec.type}
 
+    def _message(self, key: Key, spec: C.Spec | None, body: dict, ids: np.ndarray,
+                 rows: np.ndarray) -> Message:
+        """One SPARSE_PUSH of ``ids`` and their ``rows``; under 2bit / 1bit the rows travel as packed
+        words (``quantised``: ``[type, threshold]``), each row's residual kept on this worker."""
+        if spec is not None and spec.type in C.QUANTISED:
+            packed = self.link.residuals.quantise(spec, key, ids, rows)
+            return Message(Op.SPARSE_PUSH, {**body, "quantised": spec.wire()}, [ids, packed])
+        return Message(Op.SPARSE_PUSH, body, [ids, rows])
+
     def _send(self, key: Key, meta: R.SparseMeta, rnd: int, ids: np.ndarray,
               rows: np.ndarray) -> list[Request]:
-        rows, wire = self._half(meta, rows)
+        spec = self._encoding(meta)
+        rows, wire = self._half(spec, rows)
         if meta.dynamic is not None:
             requests = []
             for server, where in self.dynamic_cuts(ids):
-                requests.extend(self._send_to(key, meta, rnd, server, ids[where], rows[where], wire))
+                requests.extend(self._send_to(key, spec, rnd, server, ids[where], rows[where], wire, meta))
             return requests
         ranges = self.ranges(meta)
         cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
@@ -196,20 +214,20 @@ class DistRows:
             for i, first in enumerate(pieces):
                 end = min(stop, first + step)
                 body = {"key": key, "round": rnd, "last": i == len(pieces) - 1, **wire}
-                msg = Message(Op.SPARSE_PUSH, body, [ids[first:end], rows[first:end]])
+                msg = self._message(key, spec, body, ids[first:end], rows[first:end])
                 requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
                                                               f"({end - first} rows) to server {server}"))
         return requests
 
-    def _send_to(self, key: Key, meta: R.SparseMeta, rnd: int, server: int, ids: np.ndarray,
-                 rows: np.ndarray, wire: dict) -> list[Request]:
+    def _send_to(self, key: Key, spec: C.Spec | None, rnd: int, server: int, ids: np.ndarray,
+                 rows: np.ndarray, wire: dict, meta: R.SparseMeta) -> list[Request]:
         """One server's part of a round of a dynamic table's push, in chunks (one, empty, at least)."""
         step, requests = self.rows_per_message(meta), []
         pieces = list(range(0, ids.size, step)) or [0]
         for i, first in enumerate(pieces):
             end = min(ids.size, first + step)
             body = {"key": key, "round": rnd, "last": i == len(pieces) - 1, **wire}
-            msg = Message(Op.SPARSE_PUSH, body, [ids[first:end], rows[first:end]])
+            msg = self._message(key, spec, body, ids[first:end], rows[first:end])
             requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
                                                       f"({end - first} rows) to server {server}"))
         return requests

@@ -158,7 +158,7 @@ class DistKVStore(KVStore):
             self._path, self._collective, cfg.request_timeout,
             lambda *a: self._collective_calls.resumed_table(*a),
             lambda keys: self._collective_calls.initialised(keys), self._meter.sent,
-            lambda: self._compression))
+            lambda: self._compression, residuals=self._compress.rows))
         self._sparse = SparseCalls(self._meta, self._rows.init, self._rows.push, self._rows.pull)
         self._collective_calls = CollectiveCalls(StoreLink(
             run_collective=self._collective, barrier=self.barrier, submit=self._io.submit,

@@ -31,7 +31,8 @@ from kvstore.core.rowsparse import DynamicSpec
 from kvstore.errors import OptimizerError
 
 SLOT_BYTES = 8 + 1 + 8 + 8 + 8 + 1  # a slot's id, live flag, last tick, last time, use count, unset flag
-GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by half of itself)
+GROW_BLOCK = 1024  # the pool grows by at least this many rows (and by GROW_FRACTION of itself)
+GROW_FRACTION = 4  # ... by a quarter: at most 1.25 slots per row held (half: 1.5, past issue 46's bound)
 PENDING_MIN = 1 << 16  # ids counted for admission: at least this many, else the capacity ...
 PENDING_MAX = 1 << 20  # ... but never more than this many
 PENDING_BYTES = 160  # a counted id's memory (an ordered dict's entry, its int key; measured: ~140)
@@ -39,6 +40,8 @@ PLACEMENT_SALT = 0x5DEECE66D  # the seed of the id -> server hash (every worker 
 MAP_SALT = 0x2545F4914F6CDD1D  # the seed of the id map's hash (apart from placement's)
 MAP_ENTRIES = 16 / 3  # the id map's entries per id at most (a rebuild fills it at most 3/8, a power of 2)
 _RECENT = (1 << 40) - 1  # LFU ties are broken by recency: the tick's low 40 bits
+INIT_BLOCK = 1 << 14  # initial rows are generated this many elements at a time (scratch stays in cache)
+EVICT_WINDOW = 8  # eviction of n rows looks at this many times n slots (docs/sparse.md)
 
 
 def table_label(key: Key) -> str:
@@ -57,7 +60,8 @@ def full_bytes(spec: DynamicSpec, width: int, dtype: np.dtype, state_bytes: int 
     if not spec.capacity:
         return 0
     row = width * np.dtype(dtype).itemsize + SLOT_BYTES + state_bytes
-    id_map = max(IdMap.MIN_SIZE, math.ceil(MAP_ENTRIES * spec.capacity)) * IdMap.ENTRY_BYTES
+    entry = IdMap.ENTRY_BYTES + (4 if spec.capacity > 2**31 - 1 else 0)  # int64 slots past 2**31 - 1
+    id_map = max(IdMap.MIN_SIZE, math.ceil(MAP_ENTRIES * spec.capacity)) * entry
     return spec.capacity * row + id_map + pending_limit(spec) * PENDING_BYTES
 
 
@@ -77,22 +81,26 @@ def servers_of(ids: np.ndarray, num_servers: int) -> np.ndarray:
 
 
 class IdMap:
-    """int64 id -> slot, by open addressing with linear probing over three numpy arrays (keys, slots,
-    and a state: empty, full or deleted), at most half full (ids and tombstones), at most 3/8 full of
-    ids after a rebuild (so the tombstones of evictions do not make every put rebuild it): 17 bytes
-    per entry, up to ``MAP_ENTRIES`` entries per id.  Every call takes a batch of ids, probed together."""
+    """int64 id -> slot, by open addressing with linear probing over two numpy arrays (keys, and slots
+    whose negative values mark a place empty or deleted), at most half full (ids and tombstones), at
+    most 3/8 full of ids after a rebuild (so the tombstones of evictions do not make every put rebuild
+    it): 12 bytes per entry (int32 slots; 16 once a slot passes 2**31 - 1), up to ``MAP_ENTRIES``
+    entries per id.  ``reserve`` (a table's capacity, 0: none): once the ids reach half of it, a growing
+    map is sized for that many at once (no rebuild for tombstones right after the table fills).  Every
+    call takes a batch of ids, probed together."""
 
-    EMPTY, FULL, DELETED = 0, 1, 2
-    ENTRY_BYTES = 8 + 8 + 1
+    EMPTY, DELETED = -1, -2  # what ``slots`` holds at a place with no id
+    ENTRY_BYTES = 8 + 4
     MIN_SIZE = 1024  # entries of a new map
 
-    def __init__(self, size: int = MIN_SIZE) -> None:
+    def __init__(self, size: int = MIN_SIZE, reserve: int = 0) -> None:
+        self.slots = np.zeros(0, np.int32)
+        self.reserve = reserve
         self._reset(size)
 
     def _reset(self, size: int) -> None:
         self.keys = np.zeros(size, np.int64)
-        self.slots = np.zeros(size, np.int64)
-        self.state = np.zeros(size, np.uint8)
+        self.slots = np.full(size, self.EMPTY, self.slots.dtype)
         self.count = self.deleted = 0
 
     def __len__(self) -> int:
@@ -100,7 +108,7 @@ class IdMap:
 
     def nbytes(self) -> int:
         """Bytes of its arrays."""
-        return self.keys.nbytes + self.slots.nbytes + self.state.nbytes
+        return self.keys.nbytes + self.slots.nbytes
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -115,8 +123,8 @@ class IdMap:
         mask = self.keys.size - 1
         while todo.size:
             p = pos[todo]
-            state = self.state[p]
-            hit = (state == self.FULL) & (self.keys[p] == ids[todo])
+            state = self.slots[p]
+            hit = (state >= 0) & (self.keys[p] == ids[todo])
             where[todo[hit]] = p[hit]
             todo = todo[~(hit | (state == self.EMPTY))]
             pos[todo] = (pos[todo] + 1) & mask
@@ -131,12 +139,17 @@ class IdMap:
         return out
 
     def put(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Map distinct int64 ``ids``, none of them present, to ``slots``."""
+        """Map distinct int64 ``ids``, none of them present, to ``slots`` (non-negative)."""
         if not ids.size:
             return
+        if self.slots.dtype != np.int64 and int(slots.max()) > np.iinfo(self.slots.dtype).max:
+            self.slots = self.slots.astype(np.int64)  # a pool past 2**31 - 1 slots
         size = self.keys.size
-        if (self.count + self.deleted + ids.size) * 2 > size:  # past half full: rebuilt, its entries
-            while (self.count + ids.size) * 8 > size * 3:  # filling at most 3/8 (room for tombstones)
+        need = self.count + ids.size
+        if (need + self.deleted) * 2 > size:  # past half full: rebuilt, its entries
+            if need * 2 >= self.reserve:
+                need = max(need, self.reserve)
+            while need * 8 > size * 3:  # filling at most 3/8 (room for tombstones)
                 size *= 2
             self._rebuild(size)
         pos = self._home(ids)
@@ -144,13 +157,16 @@ class IdMap:
         mask = size - 1
         while todo.size:
             p = pos[todo]
-            free = self.state[p] != self.FULL
-            at, first = np.unique(p[free], return_index=True)  # one id per free place: the first
-            won = todo[free][first]
-            self.deleted -= int(np.count_nonzero(self.state[at] == self.DELETED))
-            self.keys[at], self.slots[at], self.state[at] = ids[won], slots[won], self.FULL
+            state = self.slots[p]
+            free = state < 0
+            at, claim = p[free], todo[free]
+            self.slots[at] = claim  # ids probing one free place claim it: one of them is left there
+            won = self.slots[at] == claim
+            at, claim = at[won], claim[won]
+            self.deleted -= int(np.count_nonzero(state[free][won] == self.DELETED))
+            self.keys[at], self.slots[at] = ids[claim], slots[claim]
             placed = np.zeros(ids.size, bool)
-            placed[won] = True
+            placed[claim] = True
             todo = todo[~placed[todo]]
             pos[todo] = (pos[todo] + 1) & mask
         self.count += ids.size
@@ -159,12 +175,12 @@ class IdMap:
         """Unmap ``ids`` (those present)."""
         where = self._find(ids)
         where = where[where >= 0]
-        self.state[where] = self.DELETED
+        self.slots[where] = self.DELETED
         self.count -= where.size
         self.deleted += where.size
 
     def _rebuild(self, size: int) -> None:
-        full = self.state == self.FULL
+        full = self.slots >= 0
         keys, slots = self.keys[full], self.slots[full]
         self._reset(size)
         self.put(keys, slots)
@@ -179,7 +195,7 @@ class DynamicRows:
     def __init__(self, width: int, dtype: np.dtype, init: dict[str, Any], spec: DynamicSpec,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.width, self.dtype, self.init, self.spec, self.clock = width, np.dtype(dtype), init, spec, clock
-        self.map = IdMap()  # id -> slot
+        self.map = IdMap(reserve=spec.capacity)  # id -> slot
         self.weight = np.zeros((0, width), self.dtype)  # the pool: slot -> row
         self.ids = np.zeros(0, np.int64)  # slot -> its id
         self.live = np.zeros(0, bool)  # slot -> holds a row
@@ -189,6 +205,7 @@ class DynamicRows:
         self.unset = np.zeros(0, bool)  # slot -> made, its optimizer state not reset since (admit does)
         self.free = np.zeros(0, np.int64)  # slots freed by expiry, reused first
         self.used = 0  # slots ever handed out: [0, used) are live or free
+        self.hand = 0  # where the next eviction's window of slots starts
         self.tick = 0
         self.pending: OrderedDict[int, int] = OrderedDict()  # ids not yet admitted -> pushes counted,
         # the longest uncounted first
@@ -217,7 +234,14 @@ class DynamicRows:
 
     def initial(self, ids: np.ndarray) -> np.ndarray:
         """The initial rows of ``ids`` (what a row is made with, and what a forgotten row reads as)."""
-        return R.generate_ids(self.init, ids, self.width, self.dtype)
+        step = max(1, INIT_BLOCK // self.width)
+        if ids.size <= step:
+            return R.generate_ids(self.init, ids, self.width, self.dtype)
+        out = np.empty((ids.size, self.width), self.dtype)
+        for first in range(0, ids.size, step):  # cache-sized blocks: the same values, 2-3x faster
+            part = ids[first:first + step]
+            out[first:first + step] = R.generate_ids(self.init, part, self.width, self.dtype)
+        return out
 
     def held(self) -> np.ndarray:
         """The ids held, sorted (no use counted)."""
@@ -377,20 +401,45 @@ class DynamicRows:
         return slots
 
     def _evict(self, n: int, keep: np.ndarray) -> np.ndarray:
-        """Free up to ``n`` slots by the policy, never one of ``keep``; the slots freed."""
+        """Free up to ``n`` slots by the policy, never one of ``keep``; the slots freed.  The candidates
+        are the next ``EVICT_WINDOW * n`` slots of the pool past a hand that goes round it: the ``n``
+        of them with the lowest score go, so a call costs O(n) whatever the capacity.  The whole pool
+        is looked at when it is no bigger than that window (exact LRU / LFU), or when the window holds
+        fewer than ``n`` rows that may go (mostly this push's own rows)."""
+        used = self.used
+        window = EVICT_WINDOW * n
+        if window >= used:
+            return self._evict_from(0, used, n, keep)
+        start = self.hand
+        self.hand = (start + window) % used
+        victims = self._evict_from(start, window, n, keep)
+        if victims.size < n:  # too few candidates there: the rest from the whole pool (exact)
+            victims = np.concatenate([victims, self._evict_from(0, used, n - victims.size, keep)])
+        return victims
+
+    def _evict_from(self, start: int, count: int, n: int, keep: np.ndarray) -> np.ndarray:
+        """Drop the (up to) ``n`` live rows with the lowest score among the ``count`` slots from
+        ``start`` on (going round the pool's end), never one of ``keep``; the slots freed."""
+        used = self.used
+
+        def ring(a: np.ndarray) -> np.ndarray:  # a copy of a[start:start + count], going round
+            end = start + count
+            return a[start:end].copy() if end <= used else np.concatenate([a[start:used], a[:end - used]])
+
         if self.spec.policy == "lru":
-            score = self.last[:self.used].copy()
+            score = ring(self.last)
         else:
-            uses = np.minimum(self.freq[:self.used], (1 << 22) - 1)
-            score = (uses << 40) | (self.last[:self.used] & _RECENT)
+            score = np.minimum(ring(self.freq), (1 << 22) - 1) << 40 | (ring(self.last) & _RECENT)
         high = np.iinfo(np.int64).max
-        score[~self.live[:self.used]] = high
-        score[keep] = high
-        n = min(n, int((score < high).sum()))
+        score[~ring(self.live)] = high
+        if keep.size:
+            offset = (keep - start) % used  # where each kept slot sits among these, if it does
+            score[offset[offset < count]] = high
+        n = min(n, int(np.count_nonzero(score < high)))
         if n <= 0:
             return np.zeros(0, np.int64)
-        victims = np.argpartition(score, n - 1)[:n] if n < score.size else np.arange(score.size)
-        victims = victims.astype(np.int64)
+        chosen = np.argpartition(score, n - 1)[:n] if n < count else np.arange(count)
+        victims = (chosen + start) % used
         self._drop(victims, "evictions")
         return victims
 
@@ -403,7 +452,7 @@ class DynamicRows:
         size = self.weight.shape[0]
         if need <= size:
             return
-        new = max(need, size + max(GROW_BLOCK, size // 2))
+        new = max(need, size + max(GROW_BLOCK, size // GROW_FRACTION))
         if self.spec.capacity:
             new = max(need, min(new, self.spec.capacity))
 

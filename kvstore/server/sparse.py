@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import Any
 
 import numpy as np
 
@@ -237,12 +238,33 @@ class SparseServer:
         rnd, last = _int(msg.body, "round"), msg.body.get("last")
         if type(last) is not bool:
             raise ProtocolError(f"SPARSE_PUSH of key {key!r} needs 'last' (a bool)")
+        if msg.body.get("quantised") is not None:  # 2bit / 1bit: the rows' packed words, float32 again
+            rows = self._dequantise(key, msg.body["quantised"], ids, rows)
         half = msg.body.get("half")
         if half is not None:  # fp16 / bf16 compression: float32 rows again (the table's check follows)
             if half not in C.CASTS or rows.dtype != np.float16:  # bf16: its bits, in a 2-byte dtype
                 raise ProtocolError(f"SPARSE_PUSH of key {key!r}: 'half' {half!r} with {rows.dtype} rows")
             rows = C.from_half(half, np.ascontiguousarray(rows).reshape(-1)).reshape(rows.shape)
         self._reply_all(self.tables.push(msg.sender, key, rnd, last, ids, rows, (identity, msg.seq)))
+
+    def _dequantise(self, key: Key, field: Any, ids: np.ndarray, packed: np.ndarray) -> np.ndarray:
+        """The float32 rows ``(ids.size, width)`` that 2bit / 1bit ``packed`` words stand for (the
+        worker kept the residual).  ProtocolError for a bad ``[type, threshold]``, a table that is
+        not float32, or words that are not one flat float32 array of the packed length."""
+        if not (isinstance(field, list) and len(field) == 2 and field[0] in C.QUANTISED
+                and C.finite_threshold(field[1]) and (field[0] != "2bit" or field[1] > 0)):
+            raise ProtocolError(f"SPARSE_PUSH of key {key!r}: 'quantised' must be [type, threshold] with a "
+                                f"type of {list(C.QUANTISED)} (2bit: threshold > 0); got {repr(field)[:80]}")
+        table = self.tables.table(key)
+        if table.dtype != np.float32 or ids.ndim != 1:
+            raise ProtocolError(f"SPARSE_PUSH of key {key!r}: quantised rows need a float32 table and flat "
+                                f"ids (it holds {table.dtype})")
+        n = ids.size * table.width
+        want = C.packed_size(field[0], n)
+        if packed.dtype != np.float32 or packed.ndim != 1 or packed.size != want:
+            raise ProtocolError(f"SPARSE_PUSH of key {key!r}: {field[0]} rows of {ids.size} ids need one "
+                                f"flat float32 array of {want} words; got {packed.dtype}{packed.shape}")
+        return C.dequantise(field[0], packed, n, float(field[1])).reshape(ids.size, table.width)
 
     def _on_pull(self, identity: bytes, msg: Message) -> None:
         key, ids, _ = self._rows(msg, False)

@@ -333,6 +333,33 @@ def test_half_precision_compression_casts_the_rows_a_push_carries(make_cluster, 
     np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=ids * 2**33).rows, cast)
 
 
+@pytest.mark.parametrize("kind", ["2bit", "1bit"])
+def test_quantised_compression_codes_the_rows_and_carries_each_rows_residual(make_cluster, kind) -> None:
+    """Under 2bit/1bit a push's rows arrive quantised (the stored rows, with no optimizer, are the
+    dequantised ones) for a fixed and a dynamic table over 2 servers, and each row's residual carries
+    to that row's next push: 0.3 twice under 2bit (t 0.5) stores 0, then 0.5."""
+    from kvstore.core import compression as C
+
+    cluster = make_cluster("dist_sync", 1, 2)
+    (kv,) = cluster.workers
+    kv.set_gradient_compression({"type": kind, "threshold": 0.5 if kind == "2bit" else 0.0})
+    kv.init("f", shape=(50, W))
+    kv.init("d", width=W, dtype="float32", dynamic=True)
+    ids = np.array([3, 17, 41], np.int64)
+    rows = np.full((3, W), 0.3, np.float32)
+    rows[1] = -0.7
+    residual = np.zeros(3 * W, np.float32)
+    spec = C.parse({"type": kind, "threshold": 0.5 if kind == "2bit" else 0.0})
+    for step in range(2):
+        kv.push(["f", "d"], [RowSparse(ids, rows, (50, W)), RowSparse(ids * 2**33, rows, (0, W))])
+        packed = C.quantise(spec.type, rows.reshape(-1), residual, spec.threshold)
+        want = C.dequantise(spec.type, packed, 3 * W, spec.threshold).reshape(3, W)
+        np.testing.assert_array_equal(kv.row_sparse_pull("f", row_ids=ids).rows, want)
+        np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=ids * 2**33).rows, want)
+        if kind == "2bit":
+            assert want[0, 0] == (0.0 if step == 0 else 0.5) and want[1, 0] == -0.5
+
+
 def test_staleness_holds_a_fast_worker_within_s_pushes_of_the_slowest(make_cluster) -> None:
     """dist_async, s=2: worker 0 pushes a dynamic table 4 times as fast as it can, worker 1 only when
     the test says; worker 0 never gets more than 2 pushes past worker 1 (its window waits)."""

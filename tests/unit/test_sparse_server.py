@@ -251,3 +251,27 @@ def test_an_int_key_and_its_str_keep_their_own_counters() -> None:
         server._on_init(b"w", _dynamic_init(key, capacity=2 if key == 3 else 5))
     stats = server.dynamic_stats()
     assert stats["int:3"]["capacity"] == 2 and stats["3"]["capacity"] == 5
+
+
+def test_a_quantised_row_push_is_dequantised_and_a_bad_one_refused_with_nothing_applied() -> None:
+    """A SPARSE_PUSH whose rows are 2bit words (``quantised``) stores the rows they stand for; a bad
+    field, a wrong word count or a wire dtype other than float32 is a ProtocolError and applies nothing."""
+    from kvstore.core import compression as C
+
+    server, _ = _sparse()
+    server.configure(1, True, 4)
+    server._on_init(b"w", _dynamic_init("d"))
+    ids = np.array([4, 9], np.int64)
+    residual = np.zeros(4, np.float32)
+    packed = C.quantise("2bit", np.array([0.7, -0.6, 0.2, 1.0], np.float32), residual, 0.5)
+    body = {"key": "d", "round": 0, "last": True, "quantised": ["2bit", 0.5]}
+    for bad_body, words in [({**body, "quantised": ["2bit", 0.0]}, packed),
+                            ({**body, "quantised": ["fp16", 0.5]}, packed),
+                            ({**body, "quantised": "2bit"}, packed),
+                            (body, np.concatenate([packed, packed])),
+                            (body, packed.view(np.int32))]:
+        with pytest.raises(ProtocolError):
+            server._on_push(b"w", Message(Op.SPARSE_PUSH, bad_body, [ids, words], seq=2, sender=0))
+    assert server.dynamic_stats()["d"]["rows"] == 0
+    server._on_push(b"w", Message(Op.SPARSE_PUSH, body, [ids, packed], seq=2, sender=0))
+    server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 1}, [ids], seq=3, sender=0))

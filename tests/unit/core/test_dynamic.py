@@ -465,3 +465,92 @@ def test_load_state_refuses_other_names_shapes_and_repeated_ids_before_changing_
         with pytest.raises(OptimizerError):
             D.load_state(opt, "t", table, ids, arrays, 5)
     assert len(table) == held and opt.counts["t"] == 1
+
+
+def test_eviction_looks_at_a_window_of_slots_not_the_whole_pool(monkeypatch) -> None:
+    """An evicting push of n new ids into a full table of 50,000 rows ranks at most EVICT_WINDOW * n
+    slots (its cost follows the rows evicted, not the capacity); capacity and counters stay exact."""
+    cap, n = 50_000, 100
+    table = _table(capacity=cap)
+    table.admit(np.arange(cap, dtype=np.int64))
+    ranked = []
+    real = np.argpartition
+
+    def counted(a, kth, *args, **kwargs):
+        ranked.append(len(a))
+        return real(a, kth, *args, **kwargs)
+
+    monkeypatch.setattr(D.np, "argpartition", counted)
+    for step in range(20):
+        table.admit(np.arange(n, dtype=np.int64) + 10**9 + step * n)
+    assert ranked and max(ranked) <= D.EVICT_WINDOW * n
+    stats = table.stats()
+    assert len(table) == cap == stats["rows"] and stats["evictions"] == 20 * n
+    assert stats["admissions"] == cap + 20 * n and table.weight.shape[0] == cap
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_an_evicting_push_never_evicts_its_own_rows_even_the_least_recently_used(policy) -> None:
+    """A push that carries the table's least recently used rows and as many new ids keeps every row it
+    carries (they are the ones an exact LRU would pick), evicting others; the capacity holds."""
+    cap = 4096
+    table = _table(capacity=cap, policy=policy)
+    table.admit(np.arange(cap, dtype=np.int64))
+    table.read(np.arange(1000, cap, dtype=np.int64))  # rows 0..999 are now the least recently used
+    old, new = np.arange(1000, dtype=np.int64), np.arange(1000, dtype=np.int64) + 10**6
+    keep, slots, _ = table.admit(np.concatenate([old, new]))
+    assert keep.size == 2000 and (slots >= 0).all()
+    held = set(table.held().tolist())
+    assert set(old.tolist()) <= held and set(new.tolist()) <= held
+    assert len(table) == cap and table.stats()["evictions"] == 1000
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_rows_used_between_pushes_survive_a_stream_of_new_ids(policy) -> None:
+    """Rows pulled between pushes stay held while 50x the capacity of new ids streams through a table
+    whose eviction ranks a window of the pool (approximate LRU / LFU keeps what is used)."""
+    cap, hot = 2048, np.arange(64, dtype=np.int64) * 7 + 5
+    table = _table(capacity=cap, policy=policy)
+    table.admit(hot)
+    for step in range(800):
+        table.read(hot)
+        table.admit(np.arange(128, dtype=np.int64) + 10**9 + step * 128)
+    stats = table.stats()
+    assert np.isin(hot, table.held()).all()
+    assert len(table) == cap and stats["evictions"] == 64 + 800 * 128 - cap
+
+
+def test_a_table_filled_to_its_capacity_is_not_rebuilt_by_its_first_evictions(monkeypatch) -> None:
+    """The id map of a table with a capacity is sized for it once half full: evicting a tenth of the
+    capacity right after the table fills rebuilds nothing (tombstones have room)."""
+    cap = 60_000  # filled, a map grown for its ids alone would be 2**17 entries: 5,536 tombstones to go
+    table = _table(capacity=cap)
+    for start in range(0, cap, 4096):
+        table.admit(np.arange(start, min(cap, start + 4096), dtype=np.int64))
+    rebuilds = [0]
+    original = D.IdMap._rebuild
+
+    def counted(self, size):
+        rebuilds[0] += 1
+        original(self, size)
+
+    monkeypatch.setattr(D.IdMap, "_rebuild", counted)
+    for step in range(6):
+        table.admit(np.arange(1000, dtype=np.int64) + 10**9 + step * 1000)
+    assert rebuilds[0] == 0 and len(table) == cap
+    assert table.map.keys.size <= D.MAP_ENTRIES * cap
+
+
+def test_a_growing_pool_holds_at_most_a_quarter_more_slots_than_rows() -> None:
+    """Without a capacity the pool grows by a quarter (at least GROW_BLOCK rows): after every push of
+    new ids its slots are at most 1.25x the rows held (plus one block), and its bytes per row with
+    adam's state stay within issue 46's bound 1.5 x (row + state) + 64."""
+    opt = O.create("adam", learning_rate=0.1)
+    table = _table()
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        ids = np.unique(rng.integers(-(2**62), 2**62, 3000))
+        D.apply_dynamic(opt, "t", table, ids, np.ones((ids.size, W), np.float32))
+        assert table.weight.shape[0] <= 1.25 * len(table) + D.GROW_BLOCK
+    held = table.nbytes() + sum(a.nbytes for a in opt.states["t"].values())
+    assert held / len(table) <= 1.5 * (W * 4 * 3) + 64
