@@ -36,13 +36,17 @@ log = logging.getLogger("kvstore.dist")
 
 
 def lowest_rounds(held: list[Message], pushes: dict[Key, int]) -> tuple[list[Key], list[int]]:
-    """ALIGN's keys and rounds: each key's oldest round among the ``held`` PUSH / PUSHPULL messages,
-    else its next round (``pushes``: the worker's pushes of each key so far)."""
+    """ALIGN's keys and rounds: each key's oldest round among the ``held`` PUSH / PUSHPULL messages
+    (and a row-sparse table's among its SPARSE_PUSH chunks), else its next round (``pushes``: the
+    worker's pushes of each key so far)."""
     low: dict[Key, int] = {}
     for msg in held:
         if msg.op is Op.PUSH or msg.op is Op.PUSHPULL:
             for key, rnd in zip(msg.body.get("keys", []), msg.body.get("rounds", [])):
                 low[key] = min(low.get(key, rnd), rnd)
+        elif msg.op is Op.SPARSE_PUSH:
+            key, rnd = msg.body["key"], msg.body["round"]
+            low[key] = min(low.get(key, rnd), rnd)
     for key, count in pushes.items():
         low.setdefault(key, count)
     return list(low), [low[key] for key in low]

@@ -53,7 +53,6 @@ class DistRows:
 
     def __init__(self, link: RowsLink) -> None:
         self.link = link
-        self._pushes: dict[Key, int] = {}  # key -> rounds pushed by this worker
         self._lock = threading.Lock()  # one push of a key leaves as one run, rounds in order
 
     def _submit(self, server: int, msg: Message, what: str) -> Request:
@@ -159,11 +158,15 @@ class DistRows:
             error = self.link.path.window.take_failure(keys)
             if error is not None:
                 raise from_cluster(error)
-            held = {}
-            for key, meta, ids, rows in items:
-                rnd = self._pushes.get(key, 0)
-                self._pushes[key] = rnd + 1
-                held[key] = self._send(key, meta, rnd, ids, rows)
+            values = {key: (meta, ids, *self._half(meta, rows)) for key, meta, ids, rows in items}
+
+            def send(key: Key, rnd: int) -> list[Request]:
+                meta, ids, rows, wire = values[key]
+                return self._send(key, meta, rnd, ids, rows, wire)
+
+            # counted and queued as one under the data path's send lock: a restarted server's
+            # alignment (client/realign.py) sees each round's messages with its count
+            held = self.link.path.send_rows(keys, send)
             self.link.path.window.add(held, failures=True)
 
     def _half(self, meta: R.SparseMeta, rows: np.ndarray) -> tuple[np.ndarray, dict]:
@@ -180,9 +183,9 @@ class DistRows:
             half = half.view(np.float16)  # bfloat16 bits travel in a 2-byte wire dtype (as dense keys')
         return half.reshape(rows.shape[0], -1), {"half": spec.type}
 
-    def _send(self, key: Key, meta: R.SparseMeta, rnd: int, ids: np.ndarray,
-              rows: np.ndarray) -> list[Request]:
-        rows, wire = self._half(meta, rows)
+    def _send(self, key: Key, meta: R.SparseMeta, rnd: int, ids: np.ndarray, rows: np.ndarray,
+              wire: dict) -> list[Request]:
+        """Queue round ``rnd`` of ``key``'s push of ``rows`` (as they travel, ``wire`` saying how)."""
         if meta.dynamic is not None:
             requests = []
             for server, where in self.dynamic_cuts(ids):
@@ -226,7 +229,7 @@ class DistRows:
         ranges = self.ranges(meta)
         cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
         step, requests, spans = self.rows_per_message(meta), [], []
-        after = self._pushes.get(key, 0)
+        after = self.link.path.rows_pushed(key)
         for (server, _, _), (start, stop) in zip(ranges, cuts):
             for first in range(start, stop, step):
                 end = min(stop, first + step)
@@ -245,7 +248,7 @@ class DistRows:
 
     def _pull_dynamic(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, admit: bool) -> np.ndarray:
         step, requests, spans = self.rows_per_message(meta), [], []
-        body = {"key": key, "after": self._pushes.get(key, 0)}
+        body = {"key": key, "after": self.link.path.rows_pushed(key)}
         if admit:
             body["admit"] = True
         for server, where in self.dynamic_cuts(ids):
