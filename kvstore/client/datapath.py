@@ -108,7 +108,6 @@ class DataPath:
         self._compression, self._sum = compression, summer
         self._send_lock = threading.Lock()  # one call's push-like messages leave as one run
         self._pushes: dict[Key, int] = {}  # key -> pushes sent: a PUSH's "rounds" (under _send_lock)
-        self._row_pushes: dict[Key, int] = {}  # row-sparse table -> pushes sent (under _send_lock)
         self._placements: dict[Key, list[Piece]] = {}  # each key's pieces, computed once (under _lock)
         self._plans: dict[tuple, tuple[list[Send], frozenset]] = {}  # see plan (under _lock)
         self._buffers: dict[Key, tuple[np.ndarray, list[Request]]] = {}  # see _flat (under _lock)
@@ -325,28 +324,10 @@ class DataPath:
 
     def hold(self, server: int) -> dict[Key, int]:
         """Hold every request to ``server`` (``Mux.hold``: a restarted server, kvstore.client.realign)
-        and return a copy of the push counts (the row-sparse tables' too) taken at the same instant (no
-        push counted but not held)."""
+        and return a copy of the push counts taken at the same instant (no push counted but not held)."""
         with self._send_lock:
             self.mux.hold(server)
-            return {**self._pushes, **self._row_pushes}
-
-    def send_rows(self, keys: list[Key],
-                  send: Callable[[Key, int], list[Request]]) -> dict[Key, list[Request]]:
-        """Count one push of each row-sparse table of ``keys`` and call ``send(key, round)`` for each
-        (its messages queued) under the send lock, so a hold (:meth:`hold`) sees a push counted only
-        with its messages; return what each call returned (client/sparse.py)."""
-        with self._send_lock:
-            sent = {}
-            for key in keys:
-                rnd = self._row_pushes.get(key, 0)
-                self._row_pushes[key] = rnd + 1
-                sent[key] = send(key, rnd)
-            return sent
-
-    def rows_pushed(self, key: Key) -> int:
-        """How many pushes of row-sparse table ``key`` this worker has sent (its pulls wait for them)."""
-        return self._row_pushes.get(key, 0)
+            return dict(self._pushes)
 
 
 def _paced(sends: list[Send], flats: dict[Key, np.ndarray], pace: int) -> list[bool]:

@@ -71,11 +71,15 @@ class Realigner:
     over ``path`` (the store's data path), with ``cfg`` (this worker's settings), the cluster map ``cmap``
     it joined with, and ``rejoin``, this worker's own rejoin if it was restarted (its round, and which
     servers have yet to count it).  ``moved(index, address)`` is told each restarted server's new
-    address once its socket is swapped in (the heartbeat's liveness links, kvstore.net.links)."""
+    address once its socket is swapped in (the heartbeat's liveness links, kvstore.net.links).
+    ``hold(index)`` holds a server's requests and gives the push counts: ``DistRows.hold``, whose
+    counts include the row-sparse tables' (``path.hold`` when not given)."""
 
     def __init__(self, path: DataPath, cfg: Config, cmap: dict, rejoin: Rejoin,
-                 moved: Callable[[int, str], None] | None = None) -> None:
+                 moved: Callable[[int, str], None] | None = None,
+                 hold: Callable[[int], dict[Key, int]] | None = None) -> None:
         self.path, self.cfg, self.rejoin, self.moved = path, cfg, rejoin, moved
+        self.hold = hold if hold is not None else path.hold  # the row-sparse tables' (DistRows.hold)
         # server index -> the incarnation aligned with (or being); the map's are connected already
         self.known: dict[int, int] = dict(enumerate(incarnations(cmap)))
         self.threads: list[threading.Thread] = []
@@ -102,7 +106,7 @@ class Realigner:
         where = transport.address(host, port)
         try:
             sock = transport.connect_dealer(where, curve=transport.curve_keys(cfg))
-            pushes = path.hold(rank)  # no push is counted but not yet held meanwhile
+            pushes = self.hold(rank)  # no push is counted but not yet held meanwhile
             io.swap(rank, sock, server_name(rank, incarnation))
             if self.moved is not None:
                 self.moved(rank, where)

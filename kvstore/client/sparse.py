@@ -53,7 +53,10 @@ class DistRows:
 
     def __init__(self, link: RowsLink) -> None:
         self.link = link
+        self._pushes: dict[Key, int] = {}  # key -> rounds pushed by this worker (under _counting)
         self._lock = threading.Lock()  # one push of a key leaves as one run, rounds in order
+        self._counting = threading.Lock()  # a push's count and its queued messages, as one (never
+        # held while waiting): a restarted server's hold (:meth:`hold`) sees both or neither
 
     def _submit(self, server: int, msg: Message, what: str) -> Request:
         """Queue ``msg`` to server ``server``, its arrays counted as bytes sent."""
@@ -158,16 +161,23 @@ class DistRows:
             error = self.link.path.window.take_failure(keys)
             if error is not None:
                 raise from_cluster(error)
-            values = {key: (meta, ids, *self._half(meta, rows)) for key, meta, ids, rows in items}
-
-            def send(key: Key, rnd: int) -> list[Request]:
-                meta, ids, rows, wire = values[key]
-                return self._send(key, meta, rnd, ids, rows, wire)
-
-            # counted and queued as one under the data path's send lock: a restarted server's
-            # alignment (client/realign.py) sees each round's messages with its count
-            held = self.link.path.send_rows(keys, send)
+            values = [(key, meta, ids, *self._half(meta, rows)) for key, meta, ids, rows in items]
+            held = {}
+            with self._counting:
+                for key, meta, ids, rows, wire in values:
+                    rnd = self._pushes.get(key, 0)
+                    self._pushes[key] = rnd + 1
+                    held[key] = self._send(key, meta, rnd, ids, rows, wire)
             self.link.path.window.add(held, failures=True)
+
+    def hold(self, server: int) -> dict[Key, int]:
+        """Hold every request to ``server`` (:meth:`DataPath.hold`: a restarted server,
+        kvstore.client.realign) and return the push counts of the dense keys and the tables taken at
+        the same instant: no push counted but not held."""
+        with self._counting:
+            counts = self.link.path.hold(server)
+            counts.update(self._pushes)
+            return counts
 
     def _half(self, meta: R.SparseMeta, rows: np.ndarray) -> tuple[np.ndarray, dict]:
         """``rows`` as they travel, and the push body's field saying so: fp16 or bf16 (bits) under that
@@ -229,7 +239,7 @@ class DistRows:
         ranges = self.ranges(meta)
         cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
         step, requests, spans = self.rows_per_message(meta), [], []
-        after = self.link.path.rows_pushed(key)
+        after = self._pushes.get(key, 0)
         for (server, _, _), (start, stop) in zip(ranges, cuts):
             for first in range(start, stop, step):
                 end = min(stop, first + step)
@@ -248,7 +258,7 @@ class DistRows:
 
     def _pull_dynamic(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, admit: bool) -> np.ndarray:
         step, requests, spans = self.rows_per_message(meta), [], []
-        body = {"key": key, "after": self.link.path.rows_pushed(key)}
+        body = {"key": key, "after": self._pushes.get(key, 0)}
         if admit:
             body["admit"] = True
         for server, where in self.dynamic_cuts(ids):

@@ -159,8 +159,9 @@ class Restored:
         self.floors: dict[Key, int] = {}  # dist_sync: the round each key goes on from
         self.done = False
         self.lost = 0
-        log.warning("restarted from shard %d (step %d, %d keys); waiting for workers %s to align",
-                    image.number, image.step(), len(image.keys), sorted(self.expected))
+        log.warning("restarted from shard %d (step %d, %d keys, %d row_sparse tables); waiting for workers "
+                    "%s to align", image.number, image.step(), len(image.keys), len(image.tables),
+                    sorted(self.expected))
         self.settle()  # every worker left or away: none will align (a REJOIN must not wait for one)
 
     def guard(self, handlers: dict[Op, Handler]) -> dict[Op, Handler]:
