@@ -253,9 +253,10 @@ class Restored:
             floor = max([held.round] + [lows[key] for lows in self.aligned_tables.values() if key in lows])
             self.tables.realign(key, floor)
             losses.append(floor - held.round)
-            log.warning("row_sparse key %r restored at round %d from shard %d: lost %d rounds of updates "
-                        "(rounds %d to %d); it goes on with round %d", key, held.round, self.image.number,
-                        floor - held.round, held.round, floor - 1, floor)
+            which = f" (rounds {held.round} to {floor - 1})" if floor > held.round else ""
+            log.warning("row_sparse key %r restored at round %d from shard %d: lost %d rounds of updates%s; "
+                        "it goes on with round %d", key, held.round, self.image.number, floor - held.round,
+                        which, floor)
         return losses
 
     def _log_loss(self, losses: list[int]) -> None:
