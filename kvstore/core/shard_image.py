@@ -29,7 +29,7 @@ from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
 from kvstore.core.shard import ShardState
 from kvstore.core.sparse_shard import RowTables
-from kvstore.core.table_image import TableImage
+from kvstore.core.table_image import TableImage, copied
 from kvstore.errors import FormatError, KeyTypeError
 
 KIND = "server_shard"
@@ -70,22 +70,15 @@ class ShardImage:
                     for k in held), default=0)
 
 
-def _copied(array: np.ndarray, spare: np.ndarray | None) -> np.ndarray:
-    """A copy of ``array``, into ``spare`` when that has its shape and dtype (no new allocation)."""
-    if spare is not None and spare.shape == array.shape and spare.dtype == array.dtype:
-        np.copyto(spare, array)
-        return spare
-    return np.array(array, copy=True)
-
-
 def capture(state: ShardState, optimizer: Optimizer | None, bf16_keys: set[Key], rank: int, number: int,
-            spare: dict[Key, KeyImage] | None = None, tables: RowTables | None = None) -> ShardImage:
+            spare: dict[Key, KeyImage] | None = None, tables: RowTables | None = None,
+            spare_tables: dict[Key, TableImage] | None = None) -> ShardImage:
     """An image of ``state`` and ``tables`` (the row-sparse ones, copied: :mod:`kvstore.core.table_image`),
     and ``optimizer``'s state of their keys (copied), as of now.
 
-    ``spare``: the keys of an earlier image nobody reads any more, whose state arrays are reused
-    as the copies' buffers (a copy into memory already touched is several times faster than one
-    into fresh pages).
+    ``spare`` (``spare_tables``): the keys (tables) of an earlier image nobody reads any more, whose
+    state arrays (and fixed tables' rows) are reused as the copies' buffers (a copy into memory
+    already touched is several times faster than one into fresh pages).
     """
     keys: dict[Key, KeyImage] = {}
     spare = spare or {}
@@ -95,13 +88,13 @@ def capture(state: ShardState, optimizer: Optimizer | None, bf16_keys: set[Key],
         if found is not None:
             old = spare.get(key)
             image.count = found[0]
-            image.states = {name: _copied(array, old.states.get(name) if old is not None else None)
+            image.states = {name: copied(array, old.states.get(name) if old is not None else None)
                             for name, array in found[1].items()}
         keys[key] = image
     spec = optimizer.spec() if optimizer is not None else None
     return ShardImage(rank, number, "dist_sync" if state.sync else "dist_async", state.num_workers, spec,
                       optimizer.num_update if optimizer is not None else 0, keys,
-                      tables=table_image.capture(tables, optimizer) if tables is not None else {})
+                      tables={} if tables is None else table_image.capture(tables, optimizer, spare_tables))
 
 
 def to_file(image: ShardImage) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -50,16 +50,31 @@ class TableImage:
     spec: R.DynamicSpec | None = None
 
 
-def capture(tables: RowTables, optimizer: Optimizer | None) -> dict[Key, TableImage]:
-    """A copy of every table of ``tables`` and of ``optimizer``'s state of it, as of now."""
+def copied(array: np.ndarray, spare: np.ndarray | None) -> np.ndarray:
+    """A copy of ``array``, into ``spare`` when that has its shape and dtype (no new allocation)."""
+    if spare is not None and spare.shape == array.shape and spare.dtype == array.dtype:
+        np.copyto(spare, array)
+        return spare
+    return np.array(array, copy=True)
+
+
+def capture(tables: RowTables, optimizer: Optimizer | None,
+            spare: dict[Key, TableImage] | None = None) -> dict[Key, TableImage]:
+    """A copy of every table of ``tables`` and of ``optimizer``'s state of it, as of now.  ``spare``:
+    the tables of an earlier image nobody reads any more, whose fixed tables' arrays take the copies
+    (memory already touched: several times faster than fresh pages)."""
     found: dict[Key, TableImage] = {}
+    spare = spare or {}
     for key, table in tables.tables.items():
         count = None if optimizer is None else optimizer.counts.get(key)
         round_ = table.applied if tables.sync else 0
         if table.dynamic is None:
             states = {} if optimizer is None else optimizer.states.get(key) or {}
-            image = TableImage(table.shape, table.weight.copy(), round_, dict(table.pushed), count,
-                               {n: np.array(a, copy=True) for n, a in states.items()}, table.lo, table.hi)
+            old = spare.get(key)
+            image = TableImage(table.shape, copied(table.weight, old.rows if old is not None else None),
+                               round_, dict(table.pushed), count,
+                               {n: copied(a, old.states.get(n) if old is not None else None)
+                                for n, a in states.items()}, table.lo, table.hi)
         else:
             rows = table.dynamic
             snap = rows.snapshot()

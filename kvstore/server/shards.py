@@ -107,9 +107,10 @@ class ShardWriter:
         if not self._due(state, optimizer, now, tables):
             return False
         self.number += 1
-        spare = self.last_written.keys if self.last_written is not None else None
-        self.last_written = None  # its state arrays become this image's copies
-        image = capture(state, optimizer, bf16_keys, self.rank, self.number, spare, tables)
+        last, self.last_written = self.last_written, None  # its arrays become this image's copies
+        image = capture(state, optimizer, bf16_keys, self.rank, self.number,
+                        last.keys if last is not None else None, tables,
+                        last.tables if last is not None else None)
         image.session = self.session
         self.last_step, self.last_time, self.keys_seen = image.step(), now, held_keys(image)
         self.optimizer_seen = _optimizer_at(optimizer)

@@ -184,3 +184,20 @@ def test_a_damaged_table_entry_is_refused(tmp_path: Path) -> None:
     narrow = dict(arrays, **{manifest["tables"][dynamic]["rows"]: np.zeros((3, 2), np.float32)})
     with pytest.raises(FormatError, match="rows of 3"):
         from_file(manifest, narrow, "shard")
+
+
+def test_a_fixed_tables_copy_reuses_the_arrays_of_an_image_nobody_reads() -> None:
+    """capture(spare=...) copies a fixed table's rows and state into the earlier image's arrays (no
+    new allocation) and the copies are the table's as of now, not the earlier image's."""
+    clock = Clock()
+    optimizer = create("sgd", learning_rate=0.1, momentum=0.9)
+    tables = server(optimizer, clock=clock)
+    make(tables, clock)
+    train(tables, clock, 0, 3)
+    first = table_image.capture(tables, optimizer)
+    rows, mom = first["f"].rows, first["f"].states["mom"]
+    train(tables, clock, 3, 5)
+    second = table_image.capture(tables, optimizer, first)
+    assert second["f"].rows is rows and second["f"].states["mom"] is mom
+    assert np.array_equal(rows, tables.table("f").weight)
+    assert np.array_equal(mom, optimizer.states["f"]["mom"])
