@@ -30,11 +30,11 @@ LOST = re.compile(r"\[server 1\].*row_sparse key '(\w)' restored at round (\d+) 
                   r"rounds")
 
 
-def reference(skip: dict[str, range]) -> tuple[np.ndarray, np.ndarray]:
+def reference(skip: dict[str, range], momentum: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
     """The tables' rows after STEPS steps of both workers' pushes in one local store, table ``k``
     missing the rounds ``skip[k]``: (the dynamic table's rows of ``table_ids()``, the fixed table)."""
     kv = kvstore.create("local")
-    train.setup(kv)
+    train.setup(kv, momentum)
     for step in range(STEPS):
         parts = [train.batch(step, rank) for rank in range(WORKERS)]
         if step not in skip["d"]:
@@ -48,6 +48,26 @@ def reference(skip: dict[str, range]) -> tuple[np.ndarray, np.ndarray]:
     return dynamic.rows, fixed.rows
 
 
+def _run(launches, tmp_path: Path, mode: str) -> tuple[str, dict[str, np.ndarray]]:  # noqa: F811
+    """Launch the job (2 workers, 2 servers) with server 1 SIGKILLed at its 12th round, once it has a
+    shard of step PAUSE; its output and the rows every worker ended with (the same on both)."""
+    env = {"KVSTORE_SNAPSHOT_EVERY": "1s", "KVSTORE_SNAPSHOT_DIR": str(tmp_path / "shards"),
+           "KVSTORE_TEST_SERVER_DIE_AT_ROUND": f"{KILLED}:12", "KVSTORE_LOG_LEVEL": "INFO"}
+    go = tmp_path / "go"
+    run = launches(["-n", str(WORKERS), "-s", "2", "--max-restarts", "1", str(SCRIPT), str(STEPS),
+                    str(tmp_path / "w"), str(go), mode], env)
+    poll_for(lambda: SHARD.search(run.output), 60,
+             f"server {KILLED}'s shard of step {train.PAUSE}:\n{run.output}")
+    go.write_text("go")  # the workers go on; the server dies at its 12th round, after this shard
+    assert run.finish(120) == 0, run.output
+    output = run.output
+    assert f"server {KILLED} exited with code 137; restarting it as incarnation 1" in output, output
+    values = [load_arrays(str(tmp_path / f"w.{rank}")) for rank in range(WORKERS)]
+    for name in values[0]:
+        assert np.array_equal(values[0][name], values[1][name]), name
+    return output, values[0]
+
+
 @pytest.mark.timeout(150)
 def test_a_sigkilled_server_comes_back_with_its_tables_rows_and_optimizer_state(
         launches, tmp_path: Path) -> None:  # noqa: F811
@@ -55,29 +75,14 @@ def test_a_sigkilled_server_comes_back_with_its_tables_rows_and_optimizer_state(
     its 12th round: rows server 0 holds equal an unbroken reference exactly; server 1's equal the
     reference run without the rounds its log says each table lost (fresh momentum or lost rows would
     not)."""
-    env = {"KVSTORE_SNAPSHOT_EVERY": "1s", "KVSTORE_SNAPSHOT_DIR": str(tmp_path / "shards"),
-           "KVSTORE_TEST_SERVER_DIE_AT_ROUND": f"{KILLED}:12", "KVSTORE_LOG_LEVEL": "INFO"}
-    go = tmp_path / "go"
-    run = launches(["-n", str(WORKERS), "-s", "2", "--max-restarts", "1", str(SCRIPT), str(STEPS),
-                    str(tmp_path / "w"), str(go)], env)
-    poll_for(lambda: SHARD.search(run.output), 60,
-             f"server {KILLED}'s shard of step {train.PAUSE}:\n{run.output}")
-    go.write_text("go")  # the workers go on; the server dies at its 12th round, after this shard
-    assert run.finish(120) == 0, run.output
-    output = run.output
-    assert f"server {KILLED} exited with code 137; restarting it as incarnation 1" in output, output
+    output, got = _run(launches, tmp_path, "dist_sync")
     found = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in LOST.finditer(output)}
     assert set(found) == {"d", "f"}, output
     for at, lost in found.values():
         assert train.PAUSE <= at and at + lost <= 13, output  # killed at 12 (or one round later)
     skip = {k: range(at, at + lost) for k, (at, lost) in found.items()}
-
-    values = [load_arrays(str(tmp_path / f"w.{rank}")) for rank in range(WORKERS)]
-    for name in values[0]:
-        assert np.array_equal(values[0][name], values[1][name]), name
     whole_d, whole_f = reference({"d": range(0), "f": range(0)})
     lossy_d, lossy_f = reference(skip)
-    got = values[0]
     on_killed = servers_of(got["d_ids"], 2) == KILLED
     assert on_killed.any() and not on_killed.all()
     assert np.array_equal(got["d_rows"][~on_killed], whole_d[~on_killed])
@@ -88,3 +93,24 @@ def test_a_sigkilled_server_comes_back_with_its_tables_rows_and_optimizer_state(
     held[lo:hi] = True
     assert np.array_equal(got["f_rows"][~held], whole_f[~held])
     assert np.array_equal(got["f_rows"][held], lossy_f[held]), (got["f_rows"], lossy_f, output[-3000:])
+
+
+@pytest.mark.timeout(150)
+def test_in_dist_async_a_tables_retried_push_is_applied_at_most_once(launches, tmp_path: Path) -> None:  # noqa: F811
+    """dist_async, plain sgd on positive gradients: the job finishes after server 1's restart, every row
+    it holds is at or above the unbroken reference (pushes it applied after its shard are lost; one
+    applied twice would show below it) and at or below its initial value (below for most), and every
+    other row is the reference's.  (A retry of a push the shard counts needs an ack lost with the
+    server, rare here: tests/unit/core/test_table_image.py pins that such a retry is dropped.)"""
+    output, got = _run(launches, tmp_path, "dist_async")
+    assert "workers aligned after the restart" in output, output
+    whole_d, whole_f = reference({"d": range(0), "f": range(0)}, momentum=0.0)
+    start_d, start_f = reference({"d": range(STEPS), "f": range(STEPS)}, momentum=0.0)
+    on_killed = servers_of(got["d_ids"], 2) == KILLED
+    lo, hi = row_bounds(train.FIXED_ROWS, 2)[KILLED]
+    for rows, whole, start, held in ((got["d_rows"], whole_d, start_d, on_killed),
+                                     (got["f_rows"], whole_f, start_f, (np.arange(train.FIXED_ROWS) >= lo)
+                                      & (np.arange(train.FIXED_ROWS) < hi))):
+        np.testing.assert_allclose(rows[~held], whole[~held], rtol=1e-5, atol=1e-6)
+        assert np.all(rows[held] >= whole[held] - 1e-5), output[-3000:]
+        assert np.all(rows[held] <= start[held]) and (rows[held] < start[held]).mean() > 0.9, output[-3000:]

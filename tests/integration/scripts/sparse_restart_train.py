@@ -1,7 +1,8 @@
 """Worker script for the row-sparse server restart test: STEPS rounds of sgd with momentum on a dynamic
 table and a fixed one.
 
-argv: STEPS OUT_PREFIX GO_FILE
+argv: STEPS OUT_PREFIX GO_FILE [MODE]  (MODE: dist_sync, the default, with sgd momentum 0.9; or
+dist_async, with plain sgd)
 Before step PAUSE each worker waits (60 s at most) for GO_FILE to exist: the test makes it once a
 server has written a shard of that step, so the restart has rows and momentum to come back with.
 Each step every worker pushes the rows of :func:`batch` (the same rule the test's reference run uses) to
@@ -41,17 +42,18 @@ def batch(step: int, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     return ids[pick], grads, fixed.astype(np.int64), frows
 
 
-def setup(kv) -> None:
+def setup(kv, momentum: float = 0.9) -> None:
     """Both tables and the optimizer, as the test's reference store makes them."""
     kv.init("d", width=WIDTH, dtype="float32", init=DYNAMIC, dynamic=True)
     kv.init("f", shape=(FIXED_ROWS, WIDTH), dtype="float32", init=FIXED)
-    kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=0.1, momentum=0.9))
+    kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=0.1, momentum=momentum))
 
 
 def main() -> None:
     steps, out, go = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    kv = kvstore.create("dist_sync")
-    setup(kv)
+    mode = sys.argv[4] if len(sys.argv) > 4 else "dist_sync"
+    kv = kvstore.create(mode)
+    setup(kv, 0.9 if mode == "dist_sync" else 0.0)
     print(f"training as rank {kv.rank}", flush=True)
     for step in range(steps):
         if step == PAUSE:
