@@ -16,10 +16,9 @@ import numpy as np
 
 from kvstore.client import sparse_states
 from kvstore.client.mux import Request
-from kvstore.client.sparse import DistRows
+from kvstore.client.sparse import DEFAULT_CHUNK_BYTES, DistRows
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import optimizer as kvoptimizer
-from kvstore.core import rowsparse as R
 from kvstore.core.dtypes import BF16
 from kvstore.core.partition import Key, Piece
 from kvstore.core.plan import plan
@@ -74,8 +73,8 @@ class CollectiveCalls:
     # -- resume ----------------------------------------------------------------------------------
     def _snapshot(self) -> tuple:
         """The (values, states) of the ``KVSTORE_RESUME`` snapshot, read once (by rank 0)."""
-        if self._restored is None:
-            self._restored = snapshot.read(self._link.resume)
+        if self._restored is None:  # tables (and values past a chunk) left in the files: read as sent
+            self._restored = snapshot.read(self._link.resume, self._link.chunk_bytes or DEFAULT_CHUNK_BYTES)
         return self._restored
 
     def resumed(self, items: list[tuple[Key, np.ndarray]]) -> list[tuple[Key, np.ndarray]]:
@@ -89,13 +88,16 @@ class CollectiveCalls:
             if key in values:
                 snapshot.check_fits(values, key, array.shape, array.dtype)
                 array = values[key]
+                if isinstance(array, checkpoint.Stored):  # a dense key: sent whole, so read whole
+                    array = array.read()
             resumed.append((key, array))
         return resumed
 
-    def resumed_table(self, key: Key, shape: tuple[int, ...],
-                      dtype: np.dtype) -> np.ndarray | R.RowSparse | None:
+    def resumed_table(self, key: Key, shape: tuple[int, ...], dtype: np.dtype) -> snapshot.Read | None:
         """Under ``KVSTORE_RESUME``, the snapshot's value of row-sparse ``key`` (None when it has none; a
-        dynamic table's is a RowSparse of its rows); raises like :meth:`resumed`."""
+        dynamic table's is a RowSparse of its rows, or a HeldRows left in the file; a big fixed
+        table's a Stored array: both read a chunk at a time as they are sent); raises like
+        :meth:`resumed`."""
         if self._link.resume is None:
             return None
         values, _ = self._snapshot()
@@ -246,8 +248,11 @@ class CollectiveCalls:
 
         Raises FormatError, OptimizerError or a key error when the file does not fit."""
         earlier = self._meet()
-        self._link.run_collective("load_optimizer_states",
-                                  lambda: self._scatter_states_file(checkpoint.read_states(fname), fname))
+        sparse = self._link.sparse_metas()
+
+        def load() -> None:  # a row-sparse table's state is left in the file, read as it is sent
+            self._scatter_states_file(checkpoint.read_states(fname, lambda key, _: key in sparse), fname)
+        self._link.run_collective("load_optimizer_states", load)
         _raise(earlier)
 
     def _scatter_states_file(self, states: checkpoint.StatesFile, source: str, install: bool = True) -> None:
@@ -264,6 +269,9 @@ class CollectiveCalls:
         states = checkpoint.StatesFile(states.optimizer, states.num_update,
                                        [e for e in states.entries if e.key not in sparse])
         sparse_states.check(rows_entries, sparse, kvoptimizer.from_spec(spec))
+        for entry in states.entries:  # a dense key's state left in the file (a big one): sent whole
+            entry.arrays = {n: a.read() if isinstance(a, checkpoint.Stored) else a
+                            for n, a in entry.arrays.items()}
         metas = self._link.metas()  # servers hold a bfloat16 key as a float32 master copy
         shapes = {k: np.zeros(m.shape, np.float32 if m.dtype == BF16 else m.dtype) for k, m in metas.items()}
         declared = {k: m.dtype for k, m in metas.items()}

@@ -36,13 +36,17 @@ log = logging.getLogger("kvstore.dist")
 
 
 def lowest_rounds(held: list[Message], pushes: dict[Key, int]) -> tuple[list[Key], list[int]]:
-    """ALIGN's keys and rounds: each key's oldest round among the ``held`` PUSH / PUSHPULL messages,
-    else its next round (``pushes``: the worker's pushes of each key so far)."""
+    """ALIGN's keys and rounds: each key's oldest round among the ``held`` PUSH / PUSHPULL messages
+    (and a row-sparse table's among its SPARSE_PUSH chunks), else its next round (``pushes``: the
+    worker's pushes of each key so far)."""
     low: dict[Key, int] = {}
     for msg in held:
         if msg.op is Op.PUSH or msg.op is Op.PUSHPULL:
             for key, rnd in zip(msg.body.get("keys", []), msg.body.get("rounds", [])):
                 low[key] = min(low.get(key, rnd), rnd)
+        elif msg.op is Op.SPARSE_PUSH:
+            key, rnd = msg.body["key"], msg.body["round"]
+            low[key] = min(low.get(key, rnd), rnd)
     for key, count in pushes.items():
         low.setdefault(key, count)
     return list(low), [low[key] for key in low]
@@ -67,11 +71,15 @@ class Realigner:
     over ``path`` (the store's data path), with ``cfg`` (this worker's settings), the cluster map ``cmap``
     it joined with, and ``rejoin``, this worker's own rejoin if it was restarted (its round, and which
     servers have yet to count it).  ``moved(index, address)`` is told each restarted server's new
-    address once its socket is swapped in (the heartbeat's liveness links, kvstore.net.links)."""
+    address once its socket is swapped in (the heartbeat's liveness links, kvstore.net.links).
+    ``hold(index)`` holds a server's requests and gives the push counts: ``DistRows.hold``, whose
+    counts include the row-sparse tables' (``path.hold`` when not given)."""
 
     def __init__(self, path: DataPath, cfg: Config, cmap: dict, rejoin: Rejoin,
-                 moved: Callable[[int, str], None] | None = None) -> None:
+                 moved: Callable[[int, str], None] | None = None,
+                 hold: Callable[[int], dict[Key, int]] | None = None) -> None:
         self.path, self.cfg, self.rejoin, self.moved = path, cfg, rejoin, moved
+        self.hold = hold if hold is not None else path.hold  # the row-sparse tables' (DistRows.hold)
         # server index -> the incarnation aligned with (or being); the map's are connected already
         self.known: dict[int, int] = dict(enumerate(incarnations(cmap)))
         self.threads: list[threading.Thread] = []
@@ -98,7 +106,7 @@ class Realigner:
         where = transport.address(host, port)
         try:
             sock = transport.connect_dealer(where, curve=transport.curve_keys(cfg))
-            pushes = path.hold(rank)  # no push is counted but not yet held meanwhile
+            pushes = self.hold(rank)  # no push is counted but not yet held meanwhile
             io.swap(rank, sock, server_name(rank, incarnation))
             if self.moved is not None:
                 self.moved(rank, where)

@@ -25,9 +25,11 @@ from kvstore.client.datapath import DataPath
 from kvstore.client.mux import Request
 from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
+from kvstore.core.checkpoint import Stored, runs
 from kvstore.core.dtypes import dtype_name
 from kvstore.core.dynamic import servers_of
 from kvstore.core.partition import Key
+from kvstore.core.snapshot import HeldRows
 from kvstore.errors import ProtocolError, from_cluster
 from kvstore.net.protocol import Message, Op
 
@@ -42,7 +44,7 @@ class RowsLink:
     path: DataPath
     collective: Callable[[str, Callable[[], None]], None]
     request_timeout: float
-    resumed: Callable[[Key, tuple, np.dtype], np.ndarray | R.RowSparse | None] = (
+    resumed: Callable[[Key, tuple, np.dtype], np.ndarray | R.RowSparse | Stored | HeldRows | None] = (
         lambda key, shape, dtype: None)
     initialised: Callable[[list[Key]], None] = lambda keys: None  # KVSTORE_RESUME: restore their states
     sent: Callable[[int], None] = lambda nbytes: None  # counts bytes of arrays sent (stats' bytes_out)
@@ -55,8 +57,10 @@ class DistRows:
 
     def __init__(self, link: RowsLink) -> None:
         self.link = link
-        self._pushes: dict[Key, int] = {}  # key -> rounds pushed by this worker
+        self._pushes: dict[Key, int] = {}  # key -> rounds pushed by this worker (under _counting)
         self._lock = threading.Lock()  # one push of a key leaves as one run, rounds in order
+        self._counting = threading.Lock()  # a push's count and its queued messages, as one (never
+        # held while waiting): a restarted server's hold (:meth:`hold`) sees both or neither
 
     def _submit(self, server: int, msg: Message, what: str) -> Request:
         """Queue ``msg`` to server ``server``, its arrays counted as bytes sent."""
@@ -92,11 +96,18 @@ class DistRows:
                 if meta.dynamic is not None:  # rows made on first touch, or the snapshot's rows
                     if isinstance(saved, R.RowSparse):
                         self.set_dynamic(key, meta, saved.indices, saved.rows)
+                    elif isinstance(saved, HeldRows):  # left in the file: a chunk of rows at a time
+                        step = self.rows_per_message(meta)
+                        total = int(saved.rows.shape[0])
+                        sizes = [min(step, total - start) for start in range(0, total, step)]
+                        chunks = runs(saved.rows, [n * meta.width for n in sizes])
+                        for ids, chunk in zip(runs(saved.indices, sizes), chunks):
+                            self.set_dynamic(key, meta, ids, chunk.reshape(ids.size, meta.width))
                     continue
-                assert not isinstance(saved, R.RowSparse)  # snapshot.check_fits refuses it
-                array = array if saved is None else saved
-                if array is not None:
-                    self._set(key, meta, array.reshape(meta.num_rows, meta.width))
+                assert not isinstance(saved, (R.RowSparse, HeldRows))  # snapshot.check_fits refuses it
+                value = array if saved is None else saved
+                if value is not None:
+                    self._set(key, meta, value)
 
         self.link.collective(f"row_sparse init of {len(items)} key(s)", send_all)
         self.link.initialised([key for key, _, _, _ in items])
@@ -120,18 +131,21 @@ class DistRows:
         edges = np.searchsorted(where[order], np.arange(num + 1))
         return [(s, order[edges[s]:edges[s + 1]]) for s in range(num)]
 
-    def _set(self, key: Key, meta: R.SparseMeta, table: np.ndarray) -> None:
+    def _set(self, key: Key, meta: R.SparseMeta, table: np.ndarray | Stored) -> None:
+        """Send a fixed table's every row (a value in memory, or one left in a snapshot's file, read a
+        chunk at a time as it is sent) to the servers holding them."""
         step, requests = self.rows_per_message(meta), []
-        for server, lo, hi in self.ranges(meta):
-            for start in range(lo, hi, step):
-                stop = min(hi, start + step)
-                ids = np.arange(start, stop, dtype=np.int64)
-                msg = Message(Op.SPARSE_SET, {"key": key}, [ids, np.ascontiguousarray(table[start:stop])])
-                requests.append(self._submit(server, msg, f"row_sparse init of key {key!r} rows "
-                                                              f"[{start}, {stop}) to server {server}"))
-                if len(requests) >= 8:  # a few in flight: what the value's rows take on the wire stays small
-                    self.link.path.wait(requests)
-                    requests = []
+        cuts = [(server, start, min(hi, start + step)) for server, lo, hi in self.ranges(meta)
+                for start in range(lo, hi, step)]
+        chunks = runs(table, [(stop - start) * meta.width for _, start, stop in cuts])
+        for (server, start, stop), chunk in zip(cuts, chunks):
+            ids = np.arange(start, stop, dtype=np.int64)
+            msg = Message(Op.SPARSE_SET, {"key": key}, [ids, chunk.reshape(stop - start, meta.width)])
+            requests.append(self._submit(server, msg, f"row_sparse init of key {key!r} rows "
+                                                      f"[{start}, {stop}) to server {server}"))
+            if len(requests) >= 8:  # a few in flight: what the value's rows take on the wire stays small
+                self.link.path.wait(requests)
+                requests = []
         self.link.path.wait(requests)
 
     def set_dynamic(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -162,11 +176,21 @@ class DistRows:
             if error is not None:
                 raise from_cluster(error)
             held = {}
-            for key, meta, ids, rows in items:
-                rnd = self._pushes.get(key, 0)
-                self._pushes[key] = rnd + 1
-                held[key] = self._send(key, meta, rnd, ids, rows)
+            with self._counting:
+                for key, meta, ids, rows in items:
+                    rnd = self._pushes.get(key, 0)
+                    self._pushes[key] = rnd + 1
+                    held[key] = self._send(key, meta, rnd, ids, rows)
             self.link.path.window.add(held, failures=True)
+
+    def hold(self, server: int) -> dict[Key, int]:
+        """Hold every request to ``server`` (:meth:`DataPath.hold`: a restarted server,
+        kvstore.client.realign) and return the push counts of the dense keys and the tables taken at
+        the same instant: no push counted but not held."""
+        with self._counting:
+            counts = self.link.path.hold(server)
+            counts.update(self._pushes)
+            return counts
 
     def _encoding(self, meta: R.SparseMeta) -> C.Spec | None:
         """The compression a push of a table travels under: the store's setting for a float32 table of

@@ -177,8 +177,8 @@ def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], 
         if set(entry.arrays) != want:
             raise OptimizerError(f"key {entry.key!r}: {optimizer.name} state needs arrays {sorted(want)}, "
                                  f"got {sorted(entry.arrays)}")
-        if entry.ids is not None:
-            if np.unique(entry.ids).size != entry.ids.size:
+        if entry.ids is not None:  # (left in the file, they are checked per message by the servers)
+            if isinstance(entry.ids, np.ndarray) and np.unique(entry.ids).size != entry.ids.size:
                 raise OptimizerError(f"key {entry.key!r}: saved row ids repeat")
             if tuple(entry.shape[1:]) != tuple(meta.shape[1:]):
                 raise ShapeMismatchError(f"key {entry.key!r}: saved state rows of {entry.shape[1:]} do not "
@@ -191,44 +191,46 @@ def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], 
 
 
 def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta]) -> None:
-    """Install the checked ``entries`` on the servers holding each table's rows."""
-    requests = []
+    """Install the checked ``entries`` on the servers holding each table's rows, a chunk of rows at a
+    time (each chunk sent before the next is read: an entry left in its file is never held whole)."""
     for entry in entries:
         meta = metas[entry.key]
         if entry.ids is not None:
             _scatter_dynamic(rows, entry, meta)
             continue
+        cuts = _cuts(rows, meta)
         for name, array in entry.arrays.items():
-            table = np.ascontiguousarray(array).reshape(meta.num_rows, meta.width)
-            for server, start, stop in _cuts(rows, meta):
+            chunks = checkpoint.runs(array, [(stop - start) * meta.width for _, start, stop in cuts])
+            for (server, start, stop), chunk in zip(cuts, chunks):
                 body = {"key": entry.key, "state": name, "count": entry.count}
                 ids = np.arange(start, stop, dtype=np.int64)
-                msg = Message(Op.SPARSE_SET, body, [ids, table[start:stop]])
+                msg = Message(Op.SPARSE_SET, body, [ids, chunk.reshape(stop - start, meta.width)])
                 what = f"state {name!r} of key {entry.key!r} rows [{start}, {stop}) to server {server}"
-                requests.append(rows.link.path.mux.submit(server, msg, what))
-                if len(requests) >= 8:
-                    rows.link.path.wait(requests)
-                    requests = []
-    rows.link.path.wait(requests)
+                rows.link.path.wait([rows.link.path.mux.submit(server, msg, what)])
 
 
 def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.SparseMeta) -> None:
-    """Send a dynamic table's saved state rows to the servers their ids hash to, in chunks."""
+    """Send a dynamic table's saved state rows to the servers their ids hash to, a chunk of rows (of
+    every state array) at a time."""
     assert entry.ids is not None
-    order = np.argsort(entry.ids, kind="stable")
-    ids = entry.ids[order]
-    step = max(1, rows.rows_per_message(meta))
-    requests = []
-    for name, array in entry.arrays.items():
-        table = np.ascontiguousarray(array).reshape(ids.size, meta.width)[order]
+    step = max(1, rows.rows_per_message(meta) // max(1, len(entry.arrays)))
+    total = int(entry.shape[0])
+    sizes = [min(step, total - start) for start in range(0, total, step)]
+    ids_runs = checkpoint.runs(entry.ids, sizes)
+    state_runs = {name: checkpoint.runs(array, [n * meta.width for n in sizes])
+                  for name, array in entry.arrays.items()}
+    for n in sizes:
+        ids = next(ids_runs)
+        order = np.argsort(ids, kind="stable")
+        ids = ids[order]
+        states = {name: next(run).reshape(n, meta.width)[order] for name, run in state_runs.items()}
+        requests = []
         for server, where in rows.dynamic_cuts(ids):
-            for start in range(0, where.size, step):
-                part = where[start:start + step]
+            if not where.size:
+                continue
+            for name, table in states.items():
                 body = {"key": entry.key, "state": name, "count": entry.count}
-                msg = Message(Op.SPARSE_SET, body, [ids[part], table[part]])
-                what = f"state {name!r} of {part.size} rows of dynamic key {entry.key!r} to server {server}"
+                msg = Message(Op.SPARSE_SET, body, [ids[where], table[where]])
+                what = f"state {name!r} of {where.size} rows of dynamic key {entry.key!r} to server {server}"
                 requests.append(rows.link.path.mux.submit(server, msg, what))
-                if len(requests) >= 8:
-                    rows.link.path.wait(requests)
-                    requests = []
-    rows.link.path.wait(requests)
+        rows.link.path.wait(requests)

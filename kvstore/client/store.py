@@ -172,7 +172,8 @@ class DistKVStore(KVStore):
         if joined.heartbeat:  # restarted servers: realign
             links = ServerLinks(cluster.servers, cfg.heartbeat_interval, cfg.heartbeat_timeout,
                                 transport.curve_keys(cfg))  # partitions from a server (net/links.py)
-            aligner = realign.Realigner(self._path, cfg, body, self._rejoin, moved=links.moved)
+            aligner = realign.Realigner(self._path, cfg, body, self._rejoin, moved=links.moved,
+                                        hold=self._rows.hold)
             self._heartbeat = Heartbeat(cfg, "worker", cluster.rank, cluster.session, self._io.fail,
                                         stats=self._beat, on_left=self._barriers.warn_left,
                                         on_restarted=aligner.on_restarted,

@@ -13,13 +13,14 @@ real name (:mod:`kvstore.core.storage`, which also takes storage URLs such as
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -39,8 +40,8 @@ from kvstore.errors import (
     ShapeMismatchError,
 )
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Chunked", "StateEntry", "StatesFile", "load_arrays", "read",
-           "read_states", "save_arrays", "write", "write_states"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Chunked", "StateEntry", "StatesFile", "Stored", "load_arrays",
+           "read", "read_states", "save_arrays", "write", "write_states"]
 
 FORMAT_VERSION = 1
 FORMAT_NAME = "kvstore"
@@ -147,27 +148,107 @@ def _write_zip(f: IO[bytes], manifest: bytes, members: Mapping[str, str],
                     npy.write_array(out, array, allow_pickle=False)
 
 
-def read(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a file written by :func:`write`: ``(manifest fields, {name: array})``.
+@dataclass(frozen=True)
+class Stored:
+    """An array left in its file (:func:`read` with ``streamed``): its ``shape`` and ``dtype`` (its
+    header checked against its member's size), its elements read a run at a time (:meth:`runs`) or
+    whole (:meth:`read`), each time from the file (which must not change meanwhile)."""
 
-    The manifest returned holds the caller's fields only (format, version and arrays are
-    taken out).  Nothing is unpickled.  Raises FileNotFoundError (and other OSErrors) when
-    the file cannot be opened, and FormatError when it is not a zip, has no or a malformed
-    manifest, is of another format or a newer version (the message says to upgrade), lacks
-    a listed member, or holds a damaged or truncated array or one that would need pickle.
-    """
-    where = os.fspath(path)
+    path: str
+    member: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        """Elements in all."""
+        return math.prod(self.shape)
+
+    def runs(self, sizes: Iterable[int]) -> Iterator[np.ndarray]:
+        """Consecutive runs of the array's elements (flat, C order), one of each of ``sizes`` elements,
+        read as they are asked for: memory holds one run.  FormatError when the file is damaged or
+        the runs pass the array's end."""
+        with _opened(self.path) as zf, _member_data(zf, self.member, self.name, self.path) as f:
+            done = 0
+            for size in sizes:
+                if done + size > self.size:
+                    raise FormatError(f"{self.path}: array {self.name!r} has {self.size} elements, not "
+                                      f"{done + size}")
+                data = f.read(size * self.dtype.itemsize)
+                if len(data) != size * self.dtype.itemsize:
+                    raise FormatError(f"{self.path}: array {self.name!r} ends early (truncated)")
+                done += size
+                yield np.frombuffer(data, self.dtype).copy()  # writable, and its own memory
+
+    def read(self) -> np.ndarray:
+        """The whole array."""
+        (flat,) = self.runs([self.size])
+        return flat.reshape(self.shape)
+
+
+def runs(array: np.ndarray | Stored, sizes: list[int]) -> Iterator[np.ndarray]:
+    """Consecutive flat runs of ``array``'s elements, one of each of ``sizes``: slices of an array in
+    memory, or read from its file a run at a time (a :class:`Stored`)."""
+    if isinstance(array, Stored):
+        yield from array.runs(sizes)
+        return
+    flat, start = np.ascontiguousarray(array).reshape(-1), 0
+    for size in sizes:
+        yield flat[start:start + size]
+        start += size
+
+
+@contextlib.contextmanager
+def _opened(where: str) -> Iterator[zipfile.ZipFile]:
+    """The kvstore file at ``where`` as an open zip; its damage raised as FormatError."""
     with storage.open_read(where) as f:
         try:
             with zipfile.ZipFile(f) as zf:
-                document = _manifest(zf, where)
-                arrays = {name: _read_member(zf, member, name, where)
-                          for name, member in document.pop("arrays").items()}
+                yield zf
         except FormatError:
             raise
         except _DAMAGE as exc:
             raise FormatError(f"{where} is not a readable kvstore file (damaged or not a zip "
                               f"archive): {type(exc).__name__}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _member_data(zf: zipfile.ZipFile, member: str, name: str, where: str) -> Iterator[IO[bytes]]:
+    """Member ``member`` (array ``name``) opened at its first data byte (after its .npy header)."""
+    _header(zf, member, name, where)
+    with zf.open(member) as f:
+        version = npy.read_magic(f)
+        (npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0)(f)
+        yield f
+
+
+Streamed = Callable[[Mapping[str, Any], str, int], bool]  # (manifest, array name, its bytes): left in file
+
+
+def read(path: str | os.PathLike, streamed: Streamed | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read a file written by :func:`write`: ``(manifest fields, {name: array})``.
+
+    The manifest returned holds the caller's fields only (format, version and arrays are
+    taken out).  Nothing is unpickled.  With ``streamed``, an array for which
+    ``streamed(manifest, name, its bytes)`` is true is left in the file: a :class:`Stored` (its header
+    checked), read later a run at a time.  Raises FileNotFoundError (and other OSErrors) when
+    the file cannot be opened, and FormatError when it is not a zip, has no or a malformed
+    manifest, is of another format or a newer version (the message says to upgrade), lacks
+    a listed member, or holds a damaged or truncated array or one that would need pickle.
+    """
+    where = os.fspath(path)
+    with _opened(where) as zf:
+        document = _manifest(zf, where)
+        members = document.pop("arrays")
+        arrays: dict[str, Any] = {}
+        for name, member in members.items():
+            info, shape, dtype = _header(zf, member, name, where)
+            if streamed is not None and streamed(document, name, math.prod(shape) * dtype.itemsize):
+                arrays[name] = Stored(where, member, name, shape, dtype)
+            else:
+                with zf.open(info) as f:
+                    arrays[name] = npy.read_array(f, allow_pickle=False)
     for key in RESERVED:
         document.pop(key, None)
     return document, arrays
@@ -199,6 +280,15 @@ def _manifest(zf: zipfile.ZipFile, where: str) -> dict[str, Any]:
 
 def _read_member(zf: zipfile.ZipFile, member: str, name: str, where: str) -> np.ndarray:
     """One array, its header checked against the member's size before any data is read."""
+    info, _, _ = _header(zf, member, name, where)
+    with zf.open(info) as f:
+        return npy.read_array(f, allow_pickle=False)
+
+
+def _header(zf: zipfile.ZipFile, member: str, name: str,
+            where: str) -> tuple[zipfile.ZipInfo, tuple[int, ...], np.dtype]:
+    """The member, shape and dtype of array ``name`` (member ``member``), its header checked against
+    the member's size (FormatError when they disagree, or it needs pickle)."""
     try:
         info = zf.getinfo(member)
     except KeyError:
@@ -219,8 +309,7 @@ def _read_member(zf: zipfile.ZipFile, member: str, name: str, where: str) -> np.
     if stored != expected:
         raise FormatError(f"{where}: array {name!r} ({dtype}{list(shape)}) should have {expected} data "
                           f"bytes but its member has {stored} (truncated or damaged)")
-    with zf.open(info) as f:
-        return npy.read_array(f, allow_pickle=False)
+    return info, tuple(shape), dtype
 
 
 def _is_int(value: Any) -> bool:
@@ -272,7 +361,7 @@ class StateEntry:
     count: int
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     ids: np.ndarray | None = None  # a dynamic table's: the row ids (int64) of the arrays' rows
-    # (arrays and ids may be Chunked when written: streamed, never held whole)
+    # (arrays and ids may be Chunked when written, Stored when read with ``streamed``: never held whole)
 
 
 @dataclass
@@ -329,16 +418,19 @@ def write_states(path: str | os.PathLike, states: StatesFile) -> None:
     write(path, manifest, arrays)
 
 
-def read_states(path: str | os.PathLike) -> StatesFile:
+def read_states(path: str | os.PathLike, streamed: Callable[[Key, int], bool] | None = None) -> StatesFile:
     """Read a file :func:`write_states` wrote.
 
-    Raises FileNotFoundError/OSError when it cannot be opened, FormatError when it is damaged,
-    of another kind, or an entry is malformed (bad key, shape, count or dtype, a missing
-    array, an array whose size disagrees with the shape, a key twice).  The optimizer spec
+    The arrays of each entry of key ``k`` whose weight takes ``n`` bytes (its manifest's shape and
+    dtype) with ``streamed(k, n)`` true (a row-sparse table's) are left in the file as
+    :class:`Stored` arrays (a dynamic table's ``ids`` too, in the file's order: not sorted), read
+    later a run at a time.  Raises FileNotFoundError/OSError when it cannot be opened, FormatError
+    when it is damaged, of another kind, or an entry is malformed (bad key, shape, count or dtype, a
+    missing array, an array whose size disagrees with the shape, a key twice).  The optimizer spec
     itself is checked only when it is used (:func:`restore_optimizer`).
     """
     where = os.fspath(path)
-    manifest, arrays = read(where)
+    manifest, arrays = read(where, _streamed_states(streamed) if streamed is not None else None)
     _expect_kind(manifest, "optimizer_states", where)
     spec, num_update, keys = manifest.get("optimizer"), manifest.get("num_update"), manifest.get("keys")
     if spec is not None and not isinstance(spec, dict):
@@ -351,7 +443,36 @@ def read_states(path: str | os.PathLike) -> StatesFile:
     return StatesFile(spec, num_update, entries)
 
 
-def _entry(item: Any, arrays: Mapping[str, np.ndarray], where: str) -> StateEntry:
+def _streamed_states(streamed: Callable[[Key, int], bool]) -> Streamed:
+    """``read``'s ``streamed`` for a states file: every array (and ids) of each entry whose key and
+    weight's bytes (its shape and dtype in the manifest) ``streamed`` says to leave in the file."""
+    left: set[str] | None = None
+
+    def is_left(document: Mapping[str, Any], name: str, nbytes: int) -> bool:
+        nonlocal left
+        if left is None:
+            left = set()
+            items = document.get("keys")
+            for item in items if isinstance(items, list) else []:
+                if not isinstance(item, dict) or not isinstance(item.get("states"), dict):
+                    continue
+                shape, dtype = item.get("shape"), item.get("dtype")
+                if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+                        and isinstance(dtype, str) and dtype in BY_NAME):
+                    continue
+                try:
+                    key = check_key(item.get("key"))
+                except KeyTypeError:
+                    continue
+                if streamed(key, math.prod(shape) * BY_NAME[dtype].itemsize):
+                    left.update(n for n in item["states"].values() if isinstance(n, str))
+                    if isinstance(item.get("ids"), str):
+                        left.add(item["ids"])
+        return name in left
+    return is_left
+
+
+def _entry(item: Any, arrays: Mapping[str, Any], where: str) -> StateEntry:
     if not isinstance(item, dict) or not {"key", "shape", "dtype", "count", "states"} <= set(item):
         raise FormatError(f"{where}: state entry {item!r:.200} lacks key, shape, dtype, count or states")
     try:
@@ -375,12 +496,14 @@ def _entry(item: Any, arrays: Mapping[str, np.ndarray], where: str) -> StateEntr
         if array.size != math.prod(shape) or dtype_name(array.dtype) is None:
             raise FormatError(f"{where}: state {state!r} of key {key!r} is {array.dtype}{list(array.shape)}, "
                               f"which does not fit shape {shape}")
-        out[state] = array.reshape(shape)
+        out[state] = array if isinstance(array, Stored) else array.reshape(shape)
     ids = None
     if "ids" in item:  # a dynamic table's rows
         ids = arrays.get(item["ids"]) if isinstance(item["ids"], str) else None
         if ids is None or ids.dtype != np.int64 or list(ids.shape) != shape[:1]:
             raise FormatError(f"{where}: key {key!r} has 'ids' that are not int64 of shape {shape[:1]}")
+        if isinstance(ids, Stored):  # streamed: in the file's order
+            return StateEntry(key, tuple(shape), BY_NAME[dtype], count, out, ids)
         order = np.argsort(ids, kind="stable")  # written as the servers held them: read sorted
         ids, out = ids[order], {name: array[order] for name, array in out.items()}
     return StateEntry(key, tuple(shape), BY_NAME[dtype], count, out, ids)

@@ -19,6 +19,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -186,6 +187,27 @@ class IdMap:
         self.put(keys, slots)
 
 
+@dataclass
+class DynamicImage:
+    """What a :class:`DynamicRows` holds, as of one instant (a server's shard, docs/failures.md): each
+    row held, its id and its counters (its last use as a tick and as seconds idle, its use count,
+    whether its optimizer state is still to be reset), the table's tick, its counters and the ids
+    counted for admission (the longest uncounted first).  ``slots``: where the rows were (the
+    optimizer's state rows are read from them); not stored."""
+
+    ids: np.ndarray
+    rows: np.ndarray
+    last: np.ndarray
+    idle: np.ndarray
+    freq: np.ndarray
+    unset: np.ndarray
+    tick: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    pending_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pending_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
 class DynamicRows:
     """One server's (or the local store's) rows of a dynamic table, and its counters.
 
@@ -268,6 +290,38 @@ class DynamicRows:
             fresh = made[made >= 0]
             self.unset[fresh] = False
         return slots, fresh
+
+    def snapshot(self) -> DynamicImage:
+        """A copy of every row held and of its counters (:class:`DynamicImage`); counts no use."""
+        slots, _ = self.live_slots(0, self.used)
+        now = self.clock()
+        pending = np.array(list(self.pending.items()), np.int64).reshape(-1, 2)
+        return DynamicImage(self.ids[slots], self.weight[slots], self.last[slots], now - self.seen[slots],
+                            self.freq[slots], self.unset[slots], self.tick, dict(self.counts),
+                            pending[:, 0].copy(), pending[:, 1].copy(), slots)
+
+    def restore(self, image: DynamicImage) -> np.ndarray:
+        """Hold ``image``'s rows and counters (a server restarted from its shard; the table holds no
+        row yet): each row's idle time goes on from the image's (the time since is not counted).
+        Returns the rows' slots (for the optimizer's state rows); ValueError when the table holds
+        rows already or the image's rows are not this table's width and dtype."""
+        n = image.ids.size
+        if len(self) or image.rows.shape != (n, self.width) or image.rows.dtype != self.dtype:
+            raise ValueError(f"a dynamic table's image of {image.rows.dtype}{image.rows.shape} restores "
+                             f"into an empty table of {self.dtype} rows of {self.width} only")
+        self._grow(n)
+        slots = np.arange(n, dtype=np.int64)
+        self.used = n
+        self.weight[slots], self.ids[slots], self.live[slots] = image.rows, image.ids, True
+        self.last[slots], self.seen[slots] = image.last, self.clock() - image.idle
+        self.freq[slots], self.unset[slots] = image.freq, image.unset
+        self.map.put(image.ids, slots)
+        self.tick = max(self.tick, image.tick)
+        self.counts.update({k: int(v) for k, v in image.counts.items() if k in self.counts})
+        self.pending = OrderedDict(zip(image.pending_ids.tolist(), image.pending_counts.tolist()))
+        while len(self.pending) > self.pending_limit:
+            self.pending.popitem(last=False)
+        return slots
 
     def slot(self, id_: int) -> int:
         """The slot of ``id_``, -1 when it is not held (no use counted)."""

@@ -1,4 +1,5 @@
-"""A server's shard image: its slices, their rounds and their optimizer state, taken at one instant.
+"""A server's shard image: its slices and row-sparse tables, their rounds and their optimizer state,
+taken at one instant.
 
 Pure, no I/O: :func:`capture` reads a :class:`~kvstore.core.shard.ShardState` (and the server's
 optimizer) between two requests, so every key is as of the same instant and each key's value is
@@ -7,7 +8,8 @@ open round's accumulator or a half-assembled push is never in it.  Round numbers
 the image records each key's own: ``round`` (rounds closed) and ``applied`` (each worker's
 contributions applied).  Taking it costs no barrier and no copy of the values (a stored value is
 never written to: every update stores a new array); only the optimizer's state arrays, which an
-update changes in place, are copied.
+update changes in place, are copied.  Row-sparse tables (given as the server's ``RowTables``) are
+updated in place too, so their rows are copied (:mod:`kvstore.core.table_image`).
 
 :func:`to_file` and :func:`from_file` turn an image into the manifest fields and arrays of the one
 file format (:mod:`kvstore.core.checkpoint`, ``"kind": "server_shard"``, docs/formats.md) and back;
@@ -22,12 +24,16 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.core import table_image
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
 from kvstore.core.shard import ShardState
+from kvstore.core.sparse_shard import RowTables
+from kvstore.core.table_image import TableImage, copied
 from kvstore.errors import FormatError, KeyTypeError
 
 KIND = "server_shard"
+SHARD_VERSION = 2  # 2: row-sparse tables (``tables``); a shard without the field is 1 (dense keys only)
 
 
 @dataclass
@@ -44,7 +50,7 @@ class KeyImage:
 
 @dataclass
 class ShardImage:
-    """Everything one server holds of the dense keys, as of one instant."""
+    """Everything one server holds of the dense keys and the row-sparse tables, as of one instant."""
 
     rank: int
     number: int                                  # the server's shards so far, this one included
@@ -54,28 +60,25 @@ class ShardImage:
     num_update: int
     keys: dict[Key, KeyImage]
     session: str = ""  # the cluster's session id (hex): a restart refuses a shard of another job
+    tables: dict[Key, TableImage] = field(default_factory=dict)  # its row-sparse tables
 
     def step(self) -> int:
-        """The furthest key's progress: rounds closed, or (async) one worker's most contributions."""
+        """The furthest key's (or table's) progress: rounds closed, or (async) one worker's most
+        contributions."""
+        held = [*self.keys.values(), *self.tables.values()]
         return max((k.round if self.mode == "dist_sync" else max(k.applied.values(), default=0)
-                    for k in self.keys.values()), default=0)
-
-
-def _copied(array: np.ndarray, spare: np.ndarray | None) -> np.ndarray:
-    """A copy of ``array``, into ``spare`` when that has its shape and dtype (no new allocation)."""
-    if spare is not None and spare.shape == array.shape and spare.dtype == array.dtype:
-        np.copyto(spare, array)
-        return spare
-    return np.array(array, copy=True)
+                    for k in held), default=0)
 
 
 def capture(state: ShardState, optimizer: Optimizer | None, bf16_keys: set[Key], rank: int, number: int,
-            spare: dict[Key, KeyImage] | None = None) -> ShardImage:
-    """An image of ``state`` (and ``optimizer``'s state of its keys, copied) as of now.
+            spare: dict[Key, KeyImage] | None = None, tables: RowTables | None = None,
+            spare_tables: dict[Key, TableImage] | None = None) -> ShardImage:
+    """An image of ``state`` and ``tables`` (the row-sparse ones, copied: :mod:`kvstore.core.table_image`),
+    and ``optimizer``'s state of their keys (copied), as of now.
 
-    ``spare``: the keys of an earlier image nobody reads any more, whose state arrays are reused
-    as the copies' buffers (a copy into memory already touched is several times faster than one
-    into fresh pages).
+    ``spare`` (``spare_tables``): the keys (tables) of an earlier image nobody reads any more, whose
+    state arrays (and fixed tables' rows) are reused as the copies' buffers (a copy into memory
+    already touched is several times faster than one into fresh pages).
     """
     keys: dict[Key, KeyImage] = {}
     spare = spare or {}
@@ -85,12 +88,13 @@ def capture(state: ShardState, optimizer: Optimizer | None, bf16_keys: set[Key],
         if found is not None:
             old = spare.get(key)
             image.count = found[0]
-            image.states = {name: _copied(array, old.states.get(name) if old is not None else None)
+            image.states = {name: copied(array, old.states.get(name) if old is not None else None)
                             for name, array in found[1].items()}
         keys[key] = image
     spec = optimizer.spec() if optimizer is not None else None
     return ShardImage(rank, number, "dist_sync" if state.sync else "dist_async", state.num_workers, spec,
-                      optimizer.num_update if optimizer is not None else 0, keys)
+                      optimizer.num_update if optimizer is not None else 0, keys,
+                      tables={} if tables is None else table_image.capture(tables, optimizer, spare_tables))
 
 
 def to_file(image: ShardImage) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -109,7 +113,8 @@ def to_file(image: ShardImage) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     manifest = {"kind": KIND, "rank": image.rank, "number": image.number, "mode": image.mode,
                 "num_workers": image.num_workers, "optimizer": image.optimizer,
                 "num_update": image.num_update, "step": image.step(), "keys": entries,
-                "session": image.session}
+                "session": image.session, "shard_version": SHARD_VERSION,
+                "tables": table_image.entries(image.tables, arrays)}
     return manifest, arrays
 
 
@@ -153,6 +158,10 @@ def from_file(manifest: dict[str, Any], arrays: dict[str, np.ndarray], where: st
     """The image a shard file stores; raises :class:`FormatError` (naming ``where``) if malformed."""
     if manifest.get("kind") != KIND:
         raise FormatError(f"{where} is not a server shard (kind {str(manifest.get('kind'))[:40]!r})")
+    version = manifest.get("shard_version", 1)
+    if type(version) is not int or not 1 <= version <= SHARD_VERSION:
+        raise FormatError(f"{where} is a server shard of version {str(version)[:40]}; this kvstore reads "
+                          f"versions 1 to {SHARD_VERSION}: restart the server with the kvstore that wrote it")
     entries, mode, spec = manifest.get("keys"), manifest.get("mode"), manifest.get("optimizer")
     if not isinstance(entries, list) or mode not in ("dist_sync", "dist_async") or not (
             spec is None or isinstance(spec, dict)):
@@ -165,5 +174,8 @@ def from_file(manifest: dict[str, Any], arrays: dict[str, np.ndarray], where: st
     session = manifest.get("session", "")
     if not isinstance(session, str):
         raise FormatError(f"{where}: 'session' must be a str")
+    tables = table_image.from_entries(manifest.get("tables"), arrays, where)
+    if set(tables) & set(keys):
+        raise FormatError(f"{where}: a key is stored both as a dense key and as a table")
     return ShardImage(rank, number, mode, _count(manifest.get("num_workers"), "'num_workers'", where), spec,
-                      _count(manifest.get("num_update"), "'num_update'", where), keys, session)
+                      _count(manifest.get("num_update"), "'num_update'", where), keys, session, tables)

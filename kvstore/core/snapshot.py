@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.core import checkpoint, storage
-from kvstore.core.checkpoint import Chunked, StatesFile
+from kvstore.core.checkpoint import Chunked, StatesFile, Stored
 from kvstore.core.partition import Key, check_key
 from kvstore.core.rowsparse import DYNAMIC_ROWS, RowSparse
 from kvstore.errors import FormatError, KeyTypeError
@@ -44,10 +44,11 @@ _GENERATION = re.compile(r"snapshot-(\d{6,})")
 @dataclass(frozen=True)
 class HeldRows:
     """A dynamic table's rows as a writer streams them (ids and rows in the same order, neither held
-    whole); read back as a :class:`RowSparse`."""
+    whole); read back as a :class:`RowSparse`, or (``read_values``' ``stream_above``) as two
+    :class:`Stored` arrays left in the file, in the file's order."""
 
-    indices: Chunked
-    rows: Chunked
+    indices: Chunked | Stored
+    rows: Chunked | Stored
 
 
 Value = np.ndarray | Chunked | RowSparse | HeldRows  # what write_values takes for a key
@@ -76,10 +77,23 @@ def write_values(path: str, values: Mapping[Key, Value]) -> None:
     checkpoint.write(path, manifest, arrays)
 
 
-def read_values(path: str) -> dict[Key, np.ndarray | RowSparse]:
+Read = np.ndarray | RowSparse | Stored | HeldRows  # what read_values gives for a key
+
+
+def read_values(path: str, stream_above: int | None = None) -> dict[Key, Read]:
     """Read what :func:`write_values` wrote (a dynamic table as a :class:`RowSparse` of shape
-    ``(DYNAMIC_ROWS, *row)``); FormatError when it is damaged or of another kind."""
-    manifest, arrays = checkpoint.read(path)
+    ``(DYNAMIC_ROWS, *row)``); FormatError when it is damaged or of another kind.  With
+    ``stream_above``, a value of more bytes is left in the file (a :class:`Stored`) and so is every
+    dynamic table (a :class:`HeldRows` of Stored ids and rows, in the file's order), to be read a
+    run at a time."""
+
+    def streamed(document: Mapping[str, Any], name: str, nbytes: int) -> bool:
+        assert stream_above is not None
+        ids = document.get("row_ids")
+        dynamic = isinstance(ids, dict) and (name in ids or name in ids.values())
+        return dynamic or nbytes > stream_above
+
+    manifest, arrays = checkpoint.read(path, streamed if stream_above is not None else None)
     if manifest.get("kind") != "values" or not isinstance(manifest.get("keys"), list):
         raise FormatError(f"{path} holds {manifest.get('kind')!r}, not a snapshot's values")
     try:
@@ -93,15 +107,20 @@ def read_values(path: str) -> dict[Key, np.ndarray | RowSparse]:
         raise FormatError(f"{path}: 'row_ids' must map value names to other arrays' names")
     if len(set(keys)) != len(keys) or set(arrays) != names | set(row_ids.values()):
         raise FormatError(f"{path}: the keys and the arrays do not match")
-    out: dict[Key, np.ndarray | RowSparse] = {}
+    out: dict[Key, Read] = {}
     for i, k in enumerate(keys):
         value = arrays[str(i)]
         ids = arrays.get(row_ids.get(str(i), ""))
         if ids is None:
             out[k] = value
             continue
-        if ids.dtype != np.int64 or ids.shape != value.shape[:1] or value.ndim < 2:
+        if ids.dtype != np.int64 or tuple(ids.shape) != tuple(value.shape[:1]) or len(value.shape) < 2:
             raise FormatError(f"{path}: the row ids of key {k!r} are not int64, one per row")
+        if isinstance(value, Stored) or isinstance(ids, Stored):
+            if not (isinstance(value, Stored) and isinstance(ids, Stored)):
+                raise FormatError(f"{path}: the rows and row ids of key {k!r} are not both streamed")
+            out[k] = HeldRows(ids, value)
+            continue
         order = np.argsort(ids, kind="stable")  # written as the servers held them: read sorted
         out[k] = RowSparse(ids[order], value[order], (DYNAMIC_ROWS, *value.shape[1:]))
     return out
@@ -186,39 +205,44 @@ def newest(directory: str) -> str:
     return storage.join(directory, name)
 
 
-def read_generation(generation: str) -> tuple[dict[Key, np.ndarray | RowSparse], StatesFile | None]:
-    """The values and optimizer states of the generation at ``generation`` (from :func:`newest`).
-    Raises OSError (FileNotFoundError once a later write removed it), FormatError when it is damaged."""
-    values = read_values(storage.join(generation, VALUES))
+def read_generation(generation: str, stream_above: int | None = None) -> tuple[dict[Key, Read],
+                                                                                StatesFile | None]:
+    """The values and optimizer states of the generation at ``generation`` (from :func:`newest`);
+    ``stream_above``: values (:func:`read_values`) and keys' states of more bytes are left in the
+    files (:class:`Stored`).  Raises OSError (FileNotFoundError once a later write removed it),
+    FormatError when it is damaged."""
+    values = read_values(storage.join(generation, VALUES), stream_above)
     states_path = storage.join(generation, STATES)
-    states = checkpoint.read_states(states_path) if storage.exists(states_path) else None
+    streamed = None if stream_above is None else (lambda key, nbytes: nbytes > stream_above)
+    states = checkpoint.read_states(states_path, streamed) if storage.exists(states_path) else None
     return values, states
 
 
-def read(directory: str) -> tuple[dict[Key, np.ndarray | RowSparse], StatesFile | None]:
-    """The values and optimizer states of the generation ``LATEST`` names.
+def read(directory: str, stream_above: int | None = None) -> tuple[dict[Key, Read], StatesFile | None]:
+    """The values and optimizer states of the generation ``LATEST`` names (``stream_above``: as
+    :func:`read_generation`).
 
     ``directory`` is a local path or a storage URL.  Raises FileNotFoundError when it holds
     no snapshot, FormatError when ``LATEST`` or the generation is damaged, ConfigError for a
     URL without its packages.
     """
-    return read_generation(newest(directory))
+    return read_generation(newest(directory), stream_above)
 
 
-def check_fits(values: Mapping[Key, np.ndarray | RowSparse], key: Key, shape: tuple[int, ...],
-               dtype: Any) -> None:
+def check_fits(values: Mapping[Key, Read], key: Key, shape: tuple[int, ...], dtype: Any) -> None:
     """Raise a shape or dtype error when the snapshot's value of ``key`` cannot serve that key (a
     dynamic table's rows, a :class:`RowSparse`, serve a dynamic table of the same rows only)."""
     from kvstore.errors import DTypeMismatchError, ShapeMismatchError
 
     value = values[key]
     dynamic = len(shape) > 1 and shape[0] == DYNAMIC_ROWS
-    if isinstance(value, RowSparse) != dynamic:
-        saved = "a dynamic table's rows" if isinstance(value, RowSparse) else "a whole value"
+    rows = isinstance(value, (RowSparse, HeldRows))
+    if rows != dynamic:
+        saved = "a dynamic table's rows" if rows else "a whole value"
         raise ShapeMismatchError(f"the snapshot holds {saved} for key {key!r}, but it is initialised "
                                  f"{'as' if dynamic else 'not as'} a dynamic table")
-    held = value.rows if isinstance(value, RowSparse) else value
-    got = tuple(value.shape) if isinstance(value, RowSparse) else tuple(held.shape)
+    held = value.rows if isinstance(value, (RowSparse, HeldRows)) else value
+    got = (DYNAMIC_ROWS, *held.shape[1:]) if rows else tuple(held.shape)
     if got != tuple(shape):
         raise ShapeMismatchError(f"the snapshot holds key {key!r} with shape {got}, but it "
                                  f"is initialised with shape {tuple(shape)}")

@@ -100,6 +100,9 @@ class Table:
     dynamic: DynamicRows | None = None  # a dynamic table's rows (lo, hi and weight unused)
     pushed: dict[int, int] = field(default_factory=dict)  # dist_async: worker -> its pushes applied
     offset: dict[int, int] = field(default_factory=dict)  # quorum: worker -> rounds it was shifted by
+    floor: int = 0  # restored (dist_sync): pushes of rounds below it are retries, acked and dropped
+    counted: dict[int, int] = field(default_factory=dict)  # restored (dist_async): worker -> pushes
+    # the shard counts (its retries of them are acked and dropped)
 
     @property
     def width(self) -> int:
@@ -179,6 +182,31 @@ class RowTables:
             raise DuplicateInitError(f"key {key!r} is already initialised on this server")
         self.tables[key] = Table(tuple(shape), 0, 0, np.zeros((0, rows.width), rows.dtype), dynamic=rows)
 
+    def restore(self, key: Key, table: Table, rounds: int, applied: dict[int, int]) -> None:
+        """Hold ``table`` (a fixed or dynamic table of a server's shard, its rows in it) with ``rounds``
+        closed (dist_sync) and each worker's pushes ``applied`` (dist_async); the workers' retries of
+        the pushes the shard counts are dropped (:meth:`realign` in dist_sync).  DuplicateInitError
+        when ``key`` is held."""
+        if key in self.tables:
+            raise DuplicateInitError(f"key {key!r} is already initialised on this server")
+        table.applied = rounds
+        table.pushed, table.counted = dict(applied), dict(applied)
+        self.tables[key] = table
+
+    def realign(self, key: Key, floor: int) -> None:
+        """dist_sync, once the workers have aligned with a restarted server: ``key`` goes on from round
+        ``floor`` (rounds up to it were in the shard or are lost); a push of a round below it (a retry)
+        is acked and dropped.  KeyNotInitializedError when ``key`` is not held."""
+        table = self.table(key)
+        table.applied = table.floor = floor
+
+    def progress(self) -> int:
+        """The furthest table's progress (a shard's step): rounds closed (dist_sync), or one worker's
+        most pushes applied (dist_async)."""
+        if self.sync:
+            return max((t.applied for t in self.tables.values()), default=0)
+        return max((max(t.pushed.values(), default=0) for t in self.tables.values()), default=0)
+
     def local_ids(self, key: Key, ids: np.ndarray) -> tuple[Table, np.ndarray]:
         """``key``'s table and ``ids`` (global row ids, int64, 1-d) as positions in its row range;
         ProtocolError / ShapeMismatchError when they are not ids of rows held here."""
@@ -217,6 +245,8 @@ class RowTables:
         rows = self._rows(key, table, ids, rows)
         if sender not in self.live:
             raise ProtocolError(f"worker {sender} has left; its push of key {key!r} is refused")
+        if rnd < (table.floor if self.sync else table.counted.get(sender, 0)):  # a retry to a restarted
+            return [Completion(token)]  # server of a push its shard holds, or of a lost round
         if not self.sync:
             gathering = table.pending.get(sender) or _Round()
             gathering.add(sender, local, rows, token, table.limit)  # raises before it is kept

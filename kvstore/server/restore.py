@@ -23,8 +23,13 @@ answers only ALIGN, LEAVE and SHM_ATTACH until every worker still in the job has
   each worker's pushes applied per key); the others are applied once.  Pushes the dead server applied
   after its shard and acknowledged are lost.
 
-Not covered (docs/failures.md): row-sparse keys, compression residuals, a quorum's late rounds
-and staleness bookkeeping start afresh from the shard.
+Row-sparse tables (fixed and dynamic) come back from the shard with their rows, optimizer state and
+counters (:mod:`kvstore.core.table_image`) and follow the same rules, their rounds being each worker's
+pushes of the table (the retries are screened by the tables themselves,
+:meth:`RowTables.realign`); each table's lost rounds are logged by name.
+
+Not covered (docs/failures.md): compression residuals, a quorum's late rounds and staleness
+bookkeeping start afresh from the shard.
 """
 
 from __future__ import annotations
@@ -38,17 +43,19 @@ from typing import Any
 import numpy as np
 
 from kvstore.config import Config
+from kvstore.core import table_image
 from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import Key, check_key
 from kvstore.core.rejoin import Rejoins
 from kvstore.core.replies import Completion
 from kvstore.core.shard import ShardState
 from kvstore.core.shard_image import ShardImage
+from kvstore.core.sparse_shard import RowTables
 from kvstore.errors import ConfigError, KeyTypeError, ProtocolError
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import Handler
 from kvstore.server.requests import Batch, Requests
-from kvstore.server.shards import ShardWriter, read_latest
+from kvstore.server.shards import ShardWriter, keys_of, progress_of, read_latest
 
 log = logging.getLogger("kvstore.server")
 _OPEN = (Op.ALIGN, Op.LEAVE, Op.SHM_ATTACH)  # answered while the workers align; others are refused
@@ -122,30 +129,39 @@ class Restored:
     """A restarted server's side of the workers' alignment, then of their retried pushes."""
 
     def __init__(self, requests: Requests, rejoins: Rejoins, image: ShardImage, cluster: dict[str, Any],
-                 session: str) -> None:
-        """Install ``image`` (:func:`install`) and wait for the workers of the cluster map ``cluster``
-        that have neither left nor gone away to align."""
+                 session: str, tables: RowTables | None = None) -> None:
+        """Install ``image`` (:func:`install`; its row-sparse tables into ``tables``, the server's) and
+        wait for the workers of the cluster map ``cluster`` that have neither left nor gone away to
+        align."""
         self.requests, self.rejoins, self.image = requests, rejoins, image
+        self.tables = tables if tables is not None else RowTables(requests.state.num_workers,
+                                                                  requests.state.sync)
         state = requests.state
         install(requests, image, session)
+        table_image.install(self.tables, requests.optimizer, image.tables)
         for held in image.keys.values():  # copied into the state: only the rounds and counts stay here
             held.value, held.states = np.empty(0, held.value.dtype), {}
+        for table in image.tables.values():  # held by the tables now: only the rounds stay here
+            table.rows, table.states, table.dynamic = np.empty((0, 0)), {}, None
         for worker in cluster.get("left") or []:
             if type(worker) is int and 0 <= worker < state.num_workers:
                 state.leave(worker)
+                self.tables.leave(worker)
         for worker in cluster.get("away") or []:
             if type(worker) is int and 0 <= worker < state.num_workers:
                 rejoins.away(worker, 0)
         self.expected = set(state.active)  # the workers that must align
         self.aligned: dict[int, dict[Key, int]] = {}  # worker -> key -> its oldest unanswered round
+        self.aligned_tables: dict[int, dict[Key, int]] = {}  # the same for the row-sparse tables
         self.nexts: dict[int, dict[Key, int]] = {}  # worker -> key -> its next round after its retries
         self.origins: dict[int, int] = {}
         self.waiting: list[tuple[bytes, int]] = []  # ALIGN requests answered once all are in
         self.floors: dict[Key, int] = {}  # dist_sync: the round each key goes on from
         self.done = False
         self.lost = 0
-        log.warning("restarted from shard %d (step %d, %d keys); waiting for workers %s to align",
-                    image.number, image.step(), len(image.keys), sorted(self.expected))
+        log.warning("restarted from shard %d (step %d, %d keys, %d row_sparse tables); waiting for workers "
+                    "%s to align", image.number, image.step(), len(image.keys), len(image.tables),
+                    sorted(self.expected))
         self.settle()  # every worker left or away: none will align (a REJOIN must not wait for one)
 
     def guard(self, handlers: dict[Op, Handler]) -> dict[Op, Handler]:
@@ -189,6 +205,8 @@ class Restored:
             self.rejoins.current[worker] = incarnation
         self.origins[worker] = origin
         self.aligned[worker] = {k: r + origin for k, r in zip(keys, rounds) if k in state}
+        # a table's rounds have no origin: a restarted worker does not rejoin row-sparse tables
+        self.aligned_tables[worker] = {k: r for k, r in zip(keys, rounds) if k in self.tables}
         self.nexts[worker] = {k: n + origin for k, n in zip(keys, nexts) if k in state}
         self.waiting.append((identity, msg.seq))
         if worker in state.active:
@@ -216,12 +234,30 @@ class Restored:
             state.promise(key, max([floor] + [n[key] for n in self.nexts.values() if key in n]))
             self.floors[key] = floor
             losses.append(floor - held.round)
+        if state.sync:
+            losses.extend(self._realign_tables())
         self.done = True
         self.lost = max(losses, default=0)
         for identity, seq in self.waiting:
             self.requests.reply(identity, Message(Op.OK, {"lost": self.lost}, seq=seq))
         self.waiting = []
         self._log_loss(losses)
+
+    def _realign_tables(self) -> list[int]:
+        """dist_sync: each row-sparse table goes on from round ``max(shard's round, every worker's oldest
+        unanswered round)``, as a dense key; each table's loss is logged by name (rounds ``a`` to
+        ``b - 1`` lost: the table's rows are as of round ``a``, and go on with round ``b``).  Returns
+        the rounds each table lost."""
+        losses = []
+        for key, held in self.image.tables.items():
+            floor = max([held.round] + [lows[key] for lows in self.aligned_tables.values() if key in lows])
+            self.tables.realign(key, floor)
+            losses.append(floor - held.round)
+            which = f" (rounds {held.round} to {floor - 1})" if floor > held.round else ""
+            log.warning("row_sparse key %r restored at round %d from shard %d: lost %d rounds of updates%s; "
+                        "it goes on with round %d", key, held.round, self.image.number, floor - held.round,
+                        which, floor)
+        return losses
 
     def _log_loss(self, losses: list[int]) -> None:
         """One line: what the restart lost (dist_sync: the fewest and most rounds a key lost)."""
@@ -269,29 +305,32 @@ class Restored:
 
 
 def die_hook(cfg: Config, rank: int, state: ShardState, shards: ShardWriter | None,
-             optimizer: Callable[[], Optimizer | None] = lambda: None) -> Callable[[], None] | None:
+             optimizer: Callable[[], Optimizer | None] = lambda: None,
+             tables: RowTables | None = None) -> Callable[[], None] | None:
     """The test hook ``KVSTORE_TEST_SERVER_DIE_AT_ROUND=N`` (or ``RANK:N``) for server ``rank``, or None
     when it is not set for this server's first incarnation with shards: a check, for the request
     loop to run after each shard tick, that SIGKILLs the server once some key has closed N rounds
     and a shard of every key it holds and of its optimizer has been written (from round N on, it
     makes the next tick look at the rounds and waits for a write in flight, so the kill comes near
     round N however fast the job; the first shards, taken at start, may hold no key or optimizer).
-    Installed at start; nothing runs without it."""
+    ``tables``: the server's row-sparse tables, counted as keys.  Installed at start; nothing runs
+    without it."""
     hook = cfg.test_server_die_at
     if hook is None or cfg.incarnation or hook[0] not in (None, rank) or shards is None:
         return None
     at = hook[1]
 
     def die_if_due() -> None:
-        if state.progress() < at:
+        if progress_of(state, tables) < at:
             return
-        if not shards.holds_all(len(state), optimizer()):  # no shard of every key and the optimizer:
+        held = keys_of(state, tables)
+        if not shards.holds_all(held, optimizer()):  # no shard of every key and the optimizer:
             shards.close(30.0)  # hurry one (a fast job would end first), the write in flight finishing
-            if not shards.holds_all(len(state), optimizer()):
+            if not shards.holds_all(held, optimizer()):
                 shards.look_now()
                 return
         if shards.written >= 1:
             log.warning("KVSTORE_TEST_SERVER_DIE_AT_ROUND: killing server %d at step %d (SIGKILL)", rank,
-                        state.progress())
+                        progress_of(state, tables))
             os.kill(os.getpid(), signal.SIGKILL)
     return die_if_due

@@ -165,11 +165,12 @@ class Server:
             service.handlers[Op.PULL] = _stalling(service.handlers[Op.PULL], *cfg.test_server_stall)
         self.restored: restore.Restored | None = None  # a restart from its shard (server/restore.py)
         if image is not None:
-            self.restored = restore.Restored(self._requests, self.rejoins, image, cluster, session.hex())
+            self.restored = restore.Restored(self._requests, self.rejoins, image, cluster, session.hex(),
+                                             self.sparse.tables)
             service.handlers = self.restored.guard(service.handlers)
         self._between = self._housekeeping  # what the loop does between messages
         die = restore.die_hook(cfg, rank, self.state, self.shards,  # KVSTORE_TEST_SERVER_DIE_AT_ROUND
-                               lambda: self._requests.optimizer)
+                               lambda: self._requests.optimizer, self.sparse.tables)
         if die is not None:
             def housekeeping_then_die() -> None:
                 self._housekeeping()
@@ -551,7 +552,8 @@ class Server:
         if gone:
             log.info("unmapped the shared-memory segment(s) of %d peer process(es) that are gone", gone)
         if self.shards is not None:
-            self.shards.tick(self.state, self._requests.optimizer, self._requests.bf16_keys)
+            self.shards.tick(self.state, self._requests.optimizer, self._requests.bf16_keys,
+                             self.sparse.tables)
             if self._unsettled and self.shards.settled(self._requests.optimizer):
                 for identity, seq in self._unsettled:
                     self.service.reply(identity, Message(Op.OK, seq=seq))

@@ -28,6 +28,7 @@ from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.shard import ShardState
 from kvstore.core.shard_image import ShardImage, capture, from_file, to_file
+from kvstore.core.sparse_shard import RowTables
 from kvstore.errors import ConfigError, FormatError
 
 log = logging.getLogger("kvstore.server")
@@ -96,26 +97,30 @@ class ShardWriter:
         self.keys_seen: int | None = None  # keys in the last image (None: none taken by this process)
         self.optimizer_seen: tuple[Optimizer | None, int] = (None, 0)  # the last image's, and its params
 
-    def tick(self, state: ShardState | None, optimizer: Optimizer | None, bf16_keys: set[Key]) -> bool:
-        """Capture a shard and start writing it when one is due; return whether one was."""
+    def tick(self, state: ShardState | None, optimizer: Optimizer | None, bf16_keys: set[Key],
+             tables: RowTables | None = None) -> bool:
+        """Capture a shard of ``state`` and the row-sparse ``tables`` and start writing it when one is
+        due; return whether one was."""
         now = self.clock()
         if state is None or (self.thread is not None and self.thread.is_alive()):
             return False
-        if not self._due(state, optimizer, now):
+        if not self._due(state, optimizer, now, tables):
             return False
         self.number += 1
-        spare = self.last_written.keys if self.last_written is not None else None
-        self.last_written = None  # its state arrays become this image's copies
-        image = capture(state, optimizer, bf16_keys, self.rank, self.number, spare)
+        last, self.last_written = self.last_written, None  # its arrays become this image's copies
+        image = capture(state, optimizer, bf16_keys, self.rank, self.number,
+                        last.keys if last is not None else None, tables,
+                        last.tables if last is not None else None)
         image.session = self.session
-        self.last_step, self.last_time, self.keys_seen = image.step(), now, len(image.keys)
+        self.last_step, self.last_time, self.keys_seen = image.step(), now, held_keys(image)
         self.optimizer_seen = _optimizer_at(optimizer)
         self.thread = threading.Thread(target=self._write, args=(image, self.optimizer_seen),
                                        name="kvstore-shard", daemon=True)
         self.thread.start()
         return True
 
-    def _due(self, state: ShardState, optimizer: Optimizer | None, now: float) -> bool:
+    def _due(self, state: ShardState, optimizer: Optimizer | None, now: float,
+             tables: RowTables | None = None) -> bool:
         """Whether a shard is due: a fresh server's first (at once, keys or none: a server that never
         holds a key restarts from it), keys initialised, an optimizer set or its hyper-parameters
         changed since the last one (a restart from it would lack the keys, apply no optimizer, or an
@@ -124,17 +129,18 @@ class ShardWriter:
         if self.keys_seen is None:
             if self.number == 0:
                 return True
-            self.keys_seen = len(state)  # a restarted server: what the shard it started from held
+            self.keys_seen = keys_of(state, tables)  # a restarted server: what the shard it started from held
             self.optimizer_seen = _optimizer_at(optimizer)
         seen, version = self.optimizer_seen
-        if len(state) > self.keys_seen or optimizer is not seen or _optimizer_at(optimizer)[1] != version:
+        if keys_of(state, tables) > self.keys_seen or optimizer is not seen or \
+                _optimizer_at(optimizer)[1] != version:
             return True
         if self.seconds > 0:
             return now - self.last_time >= self.seconds
         if now - self.last_check < CHECK_EVERY:
             return False
         self.last_check = now
-        return state.progress() >= self.last_step + self.rounds
+        return progress_of(state, tables) >= self.last_step + self.rounds
 
     def _write(self, image: ShardImage, optimizer_at: tuple[Optimizer | None, int]) -> None:
         """Write ``image`` atomically, then remove all but the latest :data:`KEEP` shards."""
@@ -151,11 +157,11 @@ class ShardWriter:
                       self.rank, image.number, exc)
             return
         self.written += 1
-        self.keys_written = len(image.keys)
+        self.keys_written = held_keys(image)
         self.optimizer_written = optimizer_at
         self.last_written = image
         log.info("server %d wrote shard %d (step %d, keys %d) to %s in %.3f s", self.rank, image.number,
-                 image.step(), len(image.keys), path, time.monotonic() - started)
+                 image.step(), held_keys(image), path, time.monotonic() - started)
 
     def holds_all(self, keys: int, optimizer: Optimizer | None) -> bool:
         """Whether the last shard written holds ``keys`` keys and ``optimizer`` with its current
@@ -185,6 +191,21 @@ class ShardWriter:
             if self.thread.is_alive():
                 log.warning("server %d: a shard write still runs after %.1f s; leaving it", self.rank,
                             timeout)
+
+
+def held_keys(image: ShardImage) -> int:
+    """How many keys ``image`` holds: dense keys and row-sparse tables."""
+    return len(image.keys) + len(image.tables)
+
+
+def keys_of(state: ShardState, tables: RowTables | None) -> int:
+    """How many keys a server holds: dense keys and row-sparse tables."""
+    return len(state) + (len(tables) if tables is not None else 0)
+
+
+def progress_of(state: ShardState, tables: RowTables | None) -> int:
+    """A server's furthest key's progress, its tables' included (a shard's step)."""
+    return max(state.progress(), tables.progress() if tables is not None else 0)
 
 
 def _same(a: tuple[Optimizer | None, int], b: tuple[Optimizer | None, int]) -> bool:

@@ -168,3 +168,32 @@ def test_an_align_whose_rejoining_is_not_a_bool_is_refused() -> None:
     with pytest.raises(ProtocolError, match="rejoining"):
         restored.on_align(b"w1", align)
     assert restored.waiting == [] and restored.expected == {0, 1}
+
+
+def test_a_restarted_servers_tables_go_on_from_the_workers_oldest_unanswered_round(caplog) -> None:
+    """A shard's row-sparse table (at round 3) is installed into the server's tables; once both workers
+    have aligned (their oldest unanswered pushes of it at rounds 5 and 4), it goes on from round 5,
+    its loss (rounds 3 to 4) is logged by name, and a retried push of round 4 is acked, not applied."""
+    from kvstore.core.sparse_shard import RowTables
+    from kvstore.core.table_image import TableImage
+
+    state = GroupedShardState(2, sync=True)
+    rows = np.arange(8, dtype=np.float32).reshape(4, 2)
+    image = ShardImage(rank=0, number=2, mode="dist_sync", num_workers=2, optimizer=None, num_update=0,
+                       keys={}, session="s",
+                       tables={"t": TableImage((8, 2), rows.copy(), 3, {}, None, {}, 4, 8)})
+    tables = RowTables(2, True, window=4)
+    service = _Service()
+    restored = Restored(_requests(state, service), Rejoins(state), image, {}, "s", tables)
+    assert np.array_equal(tables.table("t").weight, rows) and tables.table("t").applied == 3
+    for worker, low in ((0, 5), (1, 4)):
+        align = Message(Op.ALIGN, {"incarnation": 0, "origin": 0, "keys": ["t"], "rounds": [low]}, seq=worker)
+        align.sender = worker
+        with caplog.at_level("WARNING", logger="kvstore.server"):
+            restored.on_align(b"w", align)
+    assert restored.done and tables.table("t").applied == 5
+    assert [m.body["lost"] for m in service.replies] == [2, 2]
+    assert "row_sparse key 't' restored at round 3 from shard 2: lost 2 rounds of updates (rounds 3 to 4)" \
+        in caplog.text
+    done = tables.push(1, "t", 4, True, np.array([4], np.int64), np.ones((1, 2), np.float32), "retry")
+    assert [c.token for c in done] == ["retry"] and np.array_equal(tables.table("t").weight, rows)

@@ -600,3 +600,46 @@ def test_a_chunked_array_is_written_as_it_comes_and_must_fill_its_shape(tmp_path
         with pytest.raises(ValueError, match="elements"):
             C.write(tmp_path / "bad", {}, {"t": C.Chunked((6, 4), np.dtype(np.float32), chunks(parts))})
         assert not (tmp_path / "bad").exists()
+
+
+def test_a_streamed_array_is_left_in_the_file_and_read_a_run_at_a_time(tmp_path) -> None:
+    """read(streamed=...) leaves the arrays it names in the file (Stored: shape, dtype, size); their runs
+    read back the elements in order, whole or in parts, and runs past the end raise FormatError."""
+    whole = np.arange(40, dtype=np.float64).reshape(10, 4)
+    C.write(tmp_path / "f", {"kind": "arrays"}, {"t": whole, "small": np.ones(3, np.float32)})
+    asked = []
+
+    def streamed(manifest, name, nbytes):
+        asked.append((manifest["kind"], name, nbytes))
+        return name == "t"
+
+    _, arrays = C.read(tmp_path / "f", streamed)
+    assert ("arrays", "t", 320) in asked and isinstance(arrays["small"], np.ndarray)
+    stored = arrays["t"]
+    assert isinstance(stored, C.Stored) and stored.shape == (10, 4) and stored.size == 40
+    parts = list(stored.runs([12, 4, 24]))
+    np.testing.assert_array_equal(np.concatenate(parts), whole.reshape(-1))
+    np.testing.assert_array_equal(stored.read(), whole)
+    assert [p.size for p in C.runs(whole, [8, 32])] == [8, 32]
+    with pytest.raises(FormatError, match="40 elements"):
+        list(stored.runs([30, 11]))
+
+
+def test_a_states_file_leaves_the_streamed_keys_state_in_the_file(tmp_path) -> None:
+    """read_states(streamed=...) leaves the entries it names (by key and bytes) in the file, a dynamic
+    table's ids too, in the file's order; the other entries read whole (ids sorted) as before."""
+    ids = np.array([9, -3, 7], np.int64)
+    mom = np.arange(6, dtype=np.float32).reshape(3, 2)
+    states = C.StatesFile(None, 4, [C.StateEntry("d", (3, 2), np.float32, 4, {"mom": mom}, ids),
+                                    C.StateEntry(1, (2,), np.float32, 4, {"mom": np.ones(2, np.float32)})])
+    C.write_states(tmp_path / "s", states)
+    asked = []
+    back = C.read_states(tmp_path / "s", lambda key, nbytes: asked.append((key, nbytes)) or key == "d")
+    assert sorted(asked, key=str) == [("d", 24), (1, 8)]
+    dynamic, dense = back.entries
+    assert isinstance(dynamic.ids, C.Stored) and isinstance(dynamic.arrays["mom"], C.Stored)
+    np.testing.assert_array_equal(dynamic.ids.read(), ids)  # the file's order
+    np.testing.assert_array_equal(dynamic.arrays["mom"].read(), mom)
+    assert isinstance(dense.arrays["mom"], np.ndarray)
+    eager = C.read_states(tmp_path / "s").entries[0]
+    np.testing.assert_array_equal(eager.ids, np.sort(ids))

@@ -126,3 +126,28 @@ def test_a_dynamic_tables_rows_round_trip_with_their_ids_and_fit_only_a_dynamic_
     checkpoint.write(str(tmp_path / "bad"), manifest, arrays)
     with pytest.raises(FormatError, match="row ids"):
         snapshot.read_values(str(tmp_path / "bad"))
+
+
+def test_values_past_a_size_and_dynamic_tables_can_be_left_in_the_file(tmp_path) -> None:
+    """read_values(stream_above=N) leaves a value of more than N bytes (a Stored) and every dynamic
+    table (a HeldRows of Stored ids and rows, in the file's order) in the file; check_fits judges them
+    as the values read whole; smaller values read whole."""
+    from kvstore.core.rowsparse import DYNAMIC_ROWS, RowSparse
+
+    rows = RowSparse(np.array([9, -4], np.int64), np.arange(6, dtype=np.float32).reshape(2, 3),
+                     (DYNAMIC_ROWS, 3))
+    big, small = np.arange(64, dtype=np.float32).reshape(16, 4), np.ones(2, np.float32)
+    snapshot.write_values(str(tmp_path / "v"), {"d": rows, "big": big, "small": small})
+    back = snapshot.read_values(str(tmp_path / "v"), stream_above=32)
+    assert isinstance(back["big"], checkpoint.Stored) and isinstance(back["small"], np.ndarray)
+    np.testing.assert_array_equal(back["big"].read(), big)
+    held = back["d"]
+    assert isinstance(held, snapshot.HeldRows)
+    np.testing.assert_array_equal(held.indices.read(), [9, -4])
+    np.testing.assert_array_equal(held.rows.read(), rows.rows)
+    snapshot.check_fits(back, "d", (DYNAMIC_ROWS, 3), np.float32)
+    snapshot.check_fits(back, "big", (16, 4), np.float32)
+    with pytest.raises(ShapeMismatchError, match="dynamic"):
+        snapshot.check_fits(back, "d", (5, 3), np.float32)
+    with pytest.raises(ShapeMismatchError, match="shape"):
+        snapshot.check_fits(back, "big", (4, 16), np.float32)
