@@ -152,7 +152,10 @@ class Mux:
         # (index, new socket) for the holder of _io to put in
         self._swaps: list[tuple[int, transport.Socket]] = []
         self._retired: set[transport.Socket] = set()  # swapped out: a poll result naming one is skipped
-        self._parked: Parked | None = None  # a push parked for a pull to take along (_lock)
+        # a push parked for a pull to take along; it stays here until it is sent or taken, so a thread
+        # that finds it here waits (_park) until another thread sending it has sent it
+        self._parked: Parked | None = None
+        self._park = threading.Lock()  # taking or sending the parked push (never held with _lock wanted)
         self._gate = threading.Lock()  # released by each park: the releaser thread's wake-up
         self._gate.acquire()
         self._releaser: threading.Thread | None = None  # started by the first park
@@ -202,12 +205,11 @@ class Mux:
         if release is not None:  # the ranges stay reserved until the request is answered
             request.future.add_done_callback(release)
         msg.sender = self.rank
-        if self._parked is not None:  # a parked push goes first, as the call before this one
-            self._unpark()
         if park and self.failure is None:
-            with self._lock:
-                if self._closed:
-                    raise StoreClosedError(f"{what}: the store is closed")
+            if self._closed:
+                raise StoreClosedError(f"{what}: the store is closed")
+            with self._park:  # the push parked before, if any, is sent first
+                self._send_parked_locked()
                 self._parked = Parked(request, target, nbytes, priority, keys)
             if self._releaser is None:
                 self._start_releaser()
@@ -216,6 +218,8 @@ class Mux:
             except RuntimeError:
                 pass  # released already: the releaser has not run since
             return request
+        if self._parked is not None:  # a parked push goes first, as the call before this one
+            self._unpark()
         self._dispatch(target, request, after_failure, bypass, nbytes, priority, keys, defer)
         return request
 
@@ -241,14 +245,13 @@ class Mux:
     def take_parked(self, target: int, keys: Any) -> Parked | None:
         """The parked push if it goes to ``target`` with exactly ``keys`` (a pull of them takes it
         along: :meth:`send_parked`), else None, any parked push being sent first."""
-        with self._lock:
-            parked, self._parked = self._parked, None
-        if parked is None:
-            return None
-        if parked.target == target and (parked.keys is keys or parked.keys == keys):
-            return parked
-        self._dispatch(parked.target, parked.request, nbytes=parked.nbytes, priority=parked.priority,
-                       keys=parked.keys)
+        with self._park:
+            parked = self._parked
+            if parked is not None and parked.target == target and (parked.keys is keys
+                                                                   or parked.keys == keys):
+                self._parked = None
+                return parked
+            self._send_parked_locked()
         return None
 
     def send_parked(self, parked: Parked, priority: int = 0) -> Request:
@@ -261,12 +264,22 @@ class Mux:
         return parked.request
 
     def _unpark(self) -> None:
-        """Send the parked push, if any, as it is."""
-        with self._lock:
-            parked, self._parked = self._parked, None
-        if parked is not None:
+        """Send the parked push, if any, as it is; returns once it is sent or queued, whichever
+        thread sends it."""
+        with self._park:
+            self._send_parked_locked()
+
+    def _send_parked_locked(self) -> None:
+        """Send the parked push, if any (the caller holds ``_park``); it leaves the slot once sent
+        or queued, or failed (fail(), stop() may have taken it meanwhile)."""
+        parked = self._parked
+        if parked is None:
+            return
+        try:
             self._dispatch(parked.target, parked.request, nbytes=parked.nbytes, priority=parked.priority,
                            keys=parked.keys)
+        finally:
+            self._parked = None
 
     def _start_releaser(self) -> None:
         """Start the thread that sends a parked push nobody took (see the module docstring)."""
