@@ -298,12 +298,18 @@ class Mux:
             gate.acquire()
             if self._closed:
                 return
-            if self._parked is None:
+            parked = self._parked
+            if parked is None:
                 continue  # taken by its pull, or sent by a later call
-            try:
-                self._unpark()
+            if not self._park.acquire(blocking=False):
+                continue  # another thread is sending it, taking it or parking the next (which wakes us)
+            try:  # only the push it woke for: a later park opened the gate again for its own
+                if self._parked is parked:
+                    self._send_parked_locked()
             except Exception as exc:  # noqa: BLE001 - sealing failed (the request has it) or closed
                 log.debug("a parked push could not be sent: %s", exc)
+            finally:
+                self._park.release()
 
     def _admit(self, target: int, request: Request, what: str, after_failure: bool, bypass: bool) -> bool:
         """Whether ``request`` may be sent now (the caller holds ``_lock``): else it is failed (after

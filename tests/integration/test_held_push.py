@@ -8,6 +8,7 @@ when set), so a test counts the requests a call sequence took.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +29,16 @@ def _requests(log: Path, sender: int = 0) -> list[tuple[str, list[str]]]:
 
 @pytest.fixture
 def one(make_cluster, tmp_path: Path):
-    """A 1-worker 1-server dist_sync cluster logging arrivals: (its worker, the log)."""
+    """A 1-worker 1-server dist_sync cluster logging arrivals: (its worker, the log).  The test's
+    thread keeps the GIL from a push to the pull after it however loaded the machine is (a long
+    switch interval): else the Mux's releaser thread may take the GIL meanwhile and send the push
+    alone, which is right but not what these tests look at."""
     log = tmp_path / "arrivals.jsonl"
     cluster = make_cluster("dist_sync", 1, 1, KVSTORE_TEST_ARRIVALS=str(log))
-    return cluster.workers[0], log
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    yield cluster.workers[0], log
+    sys.setswitchinterval(interval)
 
 
 def test_a_push_then_a_pull_of_the_same_key_is_one_request(one) -> None:
