@@ -142,7 +142,8 @@ def _arrival(log: Path, key: str, since: float, deadline: float) -> float | None
     """The server's stamp of the first PUSH or PUSHPULL of ``key`` it logged at or after ``since``
     (``KVSTORE_TEST_ARRIVALS``), polled until ``deadline``; None if none came."""
     while time.monotonic() < deadline:
-        for line in reversed(log.read_text().splitlines()):
+        lines = log.read_text().split("\n")[:-1]  # whole lines only: the server may be writing one
+        for line in reversed(lines):
             item = json.loads(line)
             if item["t"] < since:
                 break
