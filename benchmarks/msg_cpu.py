@@ -156,8 +156,8 @@ def _arrival(log: Path, key: str, since: float, deadline: float) -> float | None
 def lone_push(kv: Any, key: str, size: int, rounds: int, log: Path) -> dict:
     """How late a push with no call after it reaches its server: per round, the server's arrival stamp
     minus the wall clock just before ``push`` (p50 and p90, microseconds), while the caller sleeps
-    (``idle``: it blocks, the GIL is free) and while it runs Python for 20 ms (``busy``: it holds the
-    GIL), then a pull ends the round."""
+    1 ms (``idle``: it blocks, the GIL is free) and while it runs Python for 20 ms (``busy``: it holds
+    the GIL); then it reads the log until the push is in, and a pull ends the round."""
     import numpy as np
 
     value, out = np.ones(size, np.float32), np.empty(size, np.float32)
@@ -171,6 +171,8 @@ def lone_push(kv: Any, key: str, size: int, rounds: int, log: Path) -> dict:
             until = time.perf_counter() + 0.02
             while time.perf_counter() < until:
                 pass
+        else:
+            time.sleep(0.001)
         stamp = _arrival(log, key, began, time.monotonic() + 10)
         kv.pull(key, out=out)
         if stamp is not None:
