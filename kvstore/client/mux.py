@@ -271,13 +271,16 @@ class Mux:
 
     def _send_parked_locked(self) -> None:
         """Send the parked push, if any (the caller holds ``_park``); it leaves the slot once sent
-        or queued, or failed (fail(), stop() may have taken it meanwhile)."""
+        or queued, or failed (fail(), stop() may have taken it meanwhile).  A failure to send it
+        (sealing, a closed store) fails its request, never the call that sends it."""
         parked = self._parked
         if parked is None:
             return
         try:
             self._dispatch(parked.target, parked.request, nbytes=parked.nbytes, priority=parked.priority,
                            keys=parked.keys)
+        except Exception as exc:  # noqa: BLE001 - the push's own failure, raised by its key's next call
+            _resolve(parked.request, exc=exc)
         finally:
             self._parked = None
 
@@ -292,7 +295,7 @@ class Mux:
 
     def _release_parked(self) -> None:
         """The releaser thread: each time a park opens the gate, send the parked push if it is still
-        there; ends when the Mux is stopped.  Never dies of a send's error (its request has it)."""
+        there; ends when the Mux is stopped."""
         gate = self._gate
         while True:
             gate.acquire()
@@ -305,9 +308,7 @@ class Mux:
                 continue  # another thread is sending it, taking it or parking the next (which wakes us)
             try:  # only the push it woke for: a later park opened the gate again for its own
                 if self._parked is parked:
-                    self._send_parked_locked()
-            except Exception as exc:  # noqa: BLE001 - sealing failed (the request has it) or closed
-                log.debug("a parked push could not be sent: %s", exc)
+                    self._send_parked_locked()  # a failure fails the push's request, not this thread
             finally:
                 self._park.release()
 
