@@ -454,9 +454,13 @@ class Mux:
 
     def nudge(self) -> None:
         """Send everything the outbox holds if nothing was sent since the last nudge (a paced big
-        value's chunks nobody called to send).  The heartbeat calls this each beat."""
-        if self._parked is not None:  # the releaser's backstop
-            self._unpark()
+        value's chunks nobody called to send), and a parked push still there.  The heartbeat calls
+        this each beat."""
+        if self._parked is not None and self._park.acquire(blocking=False):  # the releaser's backstop
+            try:  # (never waits: whoever holds _park is sending, taking or replacing it)
+                self._send_parked_locked()
+            finally:
+                self._park.release()
         idle, self._nudged = self._nudged == self._moved, self._moved
         if not idle or not self._outbox:
             return
