@@ -29,7 +29,8 @@ so the pull sees what it would have seen).  Any other call sends the held push f
 does the Mux's releaser thread when the caller's thread lets the GIL go.  A held push taken along
 fails with its pull: the pull raises its error (as a pushpull's: a refused one aborts the round on
 every worker); a held push sent alone fails as any push, raised by the key's next call.
-``dist_async`` never holds: each push is applied on arrival, and nothing waits for it.
+``dist_async`` never holds: each push is applied on arrival, and nothing waits for it; nor does a
+worker started with ``KVSTORE_HOLD_PUSH=0``.
 """
 
 from __future__ import annotations
@@ -428,12 +429,14 @@ class FastPath:
     """The fast push and pull of known key lists over one :class:`DataPath`.
 
     ``metas`` and ``lock`` are the store's, ``compression`` its setting (no fast path while one is set),
-    ``meter`` counts the calls; ``device_mode`` (no fast path) is the store's to set."""
+    ``meter`` counts the calls; ``device_mode`` (no fast path) is the store's to set; ``hold``: pushes
+    may be held for their pulls (``KVSTORE_HOLD_PUSH``; dist_sync only, the module docstring)."""
 
     def __init__(self, path: DataPath, metas: dict[Key, Meta], lock: threading.RLock, meter: WorkerMeter,
-                 compression: WorkerCompression, device_mode: bool) -> None:
+                 compression: WorkerCompression, device_mode: bool, hold: bool = True) -> None:
         self.path, self.metas, self.lock, self.meter = path, metas, lock, meter
         self.compression, self.device_mode = compression, device_mode
+        self.hold = hold and path.cluster.mode == "dist_sync"
         self._lists: dict[tuple, KeyList | None] = {}  # None: seen, not eligible
 
     def forget(self) -> None:
@@ -467,7 +470,7 @@ class FastPath:
         if not (_whole_batches(push, sizes) and _whole_batches(pull, sizes)):
             return None
         nbytes = sum(m.size * m.dtype.itemsize for m in metas)
-        hold = self.path.cluster.mode == "dist_sync" and holdable(push, pull, nbytes)
+        hold = self.hold and holdable(push, pull, nbytes)
         return KeyList(keys, metas, push, pull, hold)
 
     def match(self, keys: Any, arrays: Any, writable: bool = False) -> tuple[KeyList | None, list]:

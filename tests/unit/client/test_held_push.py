@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvstore import config as kvconfig
 from kvstore.client.datapath import HOLD_BYTES, holdable
 from kvstore.client.mux import Request
 from kvstore.client.window import PushWindow
@@ -109,4 +110,18 @@ def test_a_refused_held_push_is_raised_by_the_pull_that_took_it_once() -> None:
         kv.pull("w", out=out)
     kv.pull("w", out=out)
     assert out.tolist() == [0, 0]
+    kv.close()
+
+
+def test_kvstore_hold_push_0_sends_every_push_at_once() -> None:
+    """KVSTORE_HOLD_PUSH=0 (read by the config): a dist_sync push is sent by its call, its pull a PULL."""
+    env = {"DMLC_PS_ROOT_URI": "10.0.0.9", "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_WORKER": "1",
+           "DMLC_NUM_SERVER": "2", "DMLC_ROLE": "worker"}
+    assert kvconfig.load(env).hold_push and not kvconfig.load({**env, "KVSTORE_HOLD_PUSH": "0"}).hold_push
+    kv, mux = fake_store(hold_push=False)
+    kv.init("w", np.zeros(2, np.float32))
+    kv.push("w", np.ones(2, np.float32))
+    assert mux.ops(0) + mux.ops(1) == [Op.INIT, Op.PUSH]
+    kv.pull("w", out=np.empty(2, np.float32))
+    assert Op.PUSHPULL not in mux.ops()
     kv.close()
