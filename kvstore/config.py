@@ -85,6 +85,7 @@ class Config:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     sum_order: str = "arrival"
     push_window: int = DEFAULT_PUSH_WINDOW
+    hold_push: bool = False  # KVSTORE_HOLD_PUSH=1: dist_sync may hold a small push for its pull (one request)
     sync_quorum: int | None = None  # KVSTORE_SYNC_QUORUM: dist_sync rounds close at this many workers
     staleness: int | None = None    # KVSTORE_STALENESS: dist_async's bound on rounds ahead (None: off)
     encrypt: str | None = None       # KVSTORE_ENCRYPT: None (off) or "curve"
@@ -346,7 +347,7 @@ def _watch_and_wire(env: Mapping[str, str]) -> dict[str, Any]:
 
 def _data_path(env: Mapping[str, str]) -> dict[str, Any]:
     """The data path's knobs: message sizes, the sum order, the push window, the sync quorum (in
-    ``[1, DMLC_NUM_WORKER]``), the staleness bound and same-host shared memory."""
+    ``[1, DMLC_NUM_WORKER]``), the staleness bound, the held push and same-host shared memory."""
     return {"batch_bytes": env_int(env, "KVSTORE_BATCH_BYTES", minimum=0, default=DEFAULT_BATCH_BYTES),
             "chunk_bytes": env_int(env, "KVSTORE_CHUNK_BYTES", minimum=0, default=DEFAULT_CHUNK_BYTES),
             "max_message_bytes": _max_message_bytes(env), "sum_order": _sum_order(env),
@@ -354,7 +355,9 @@ def _data_path(env: Mapping[str, str]) -> dict[str, Any]:
                                    default=DEFAULT_PUSH_WINDOW),
             "sync_quorum": env_int(env, "KVSTORE_SYNC_QUORUM", minimum=1,  # at most DMLC_NUM_WORKER
                                    maximum=env_int(env, "DMLC_NUM_WORKER", minimum=1)),
-            "staleness": env_int(env, "KVSTORE_STALENESS", minimum=0), **_shm(env)}
+            "staleness": env_int(env, "KVSTORE_STALENESS", minimum=0),
+            "hold_push": bool(env_int(env, "KVSTORE_HOLD_PUSH", minimum=0, maximum=1, default=0)),
+            **_shm(env)}
 
 
 def _max_message_bytes(env: Mapping[str, str]) -> int:

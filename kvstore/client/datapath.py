@@ -19,6 +19,18 @@ key with one array: its one-key list), no gradient compression, no device mode, 
 array of the key's shape and dtype (each out one writable numpy array).  Anything else, or a list not
 seen yet and not eligible, takes the generic path (which raises the usual errors).  The fast plans are
 forgotten when keys are initialised, compression is set or a device mode is turned on.
+
+**A held push** (issue 39): in ``dist_sync`` a fast push of a list whose push and pull are one and the
+same message (the same keys, whole, to one server, under :data:`HOLD_BYTES`: :func:`holdable`) is
+parked rather than sent (``kvstore.client.mux``: ``push`` still returns at once).  If the next call is
+a fast pull of the same list, the push goes out with it as ONE ``PUSHPULL`` whose reply acknowledges
+the push and answers the pull (in dist_sync a pull after a push waits for that push's round anyway,
+so the pull sees what it would have seen).  Any other call sends the held push first, as it is; so
+does the Mux's releaser thread when the caller's thread lets the GIL go.  A held push taken along
+fails with its pull: the pull raises its error (as a pushpull's: a refused one aborts the round on
+every worker); a held push sent alone fails as any push, raised by the key's next call.
+``dist_async`` never holds: each push is applied on arrival, and nothing waits for it; nor does a
+worker started with ``KVSTORE_HOLD_PUSH=0``.
 """
 
 from __future__ import annotations
@@ -60,6 +72,9 @@ from kvstore.net.protocol import Message, Op
 log = logging.getLogger("kvstore.dist")
 MAX_LISTS = 64  # the key lists remembered by the fast path (the least recently used is forgotten)
 MAX_PLANS = 64  # the generic plans remembered
+# A held push's values are under this many bytes: it travels in the compact layout
+# (kvstore.net.compact.MAX_ARRAY_BYTES) and never in shared memory (kvstore.net.shm.MIN_BYTES).
+HOLD_BYTES = 64 * 1024
 _KEY_TYPES = {int, str}
 REQUEST_KNOB = "KVSTORE_REQUEST_TIMEOUT"
 Summer = Callable[..., Any]  # the store's sum of one key's values: (key, meta, values, out=, host=) -> array
@@ -155,12 +170,12 @@ class DataPath:
 
     # -- requests -----------------------------------------------------------------------------------
     def submit(self, op: Op, send: Send, array: np.ndarray | None, extra: dict | None = None,
-               priority: int = 0, defer: bool = False) -> Request:
+               priority: int = 0, defer: bool = False, park: bool = False) -> Request:
         """Queue one data message (a batch, a whole piece or a chunk) to its server; an INIT's body is
         the init body of ``send``, a PUSH's or PUSHPULL's carries each key's round (its pushes so far),
         and so does a ROUND_ABORT's: the round the refused pushpull would have carried.  ``priority``
         orders it among the messages waiting to be sent, after every earlier one of its keys;
-        ``defer``: a paced chunk, left in the outbox (``Mux.submit``)."""
+        ``defer``: a paced chunk, left in the outbox; ``park``: a held push (``Mux.submit``)."""
         first, more = send.parts[0].key, len(send.parts) - 1
         keys = f"key {first!r}" + (f" and {more} more" if more else "")
         what = f"{op.name.lower()} of {keys} to server {send.server} ({self.cluster.servers[send.server]})"
@@ -176,9 +191,11 @@ class DataPath:
         msg = Message(op, body, [] if array is None else [array])
         keys = send.body()["keys"]  # computed once per planned message
         if self.mux.lanes is None:
-            return self.mux.submit(send.server, msg, what, priority=priority, keys=keys, defer=defer)
+            return self.mux.submit(send.server, msg, what, priority=priority, keys=keys, defer=defer,
+                                   park=park)
         hints = shmlanes.hints(op, send, self._metas, array)  # a same-host server's shared memory
-        return self.mux.submit(send.server, msg, what, priority=priority, keys=keys, defer=defer, **hints)
+        return self.mux.submit(send.server, msg, what, priority=priority, keys=keys, defer=defer, park=park,
+                               **hints)
 
     def wait(self, requests: list[Request], timeout: float | None = None,
              knob: str = REQUEST_KNOB) -> list[Message]:
@@ -292,10 +309,11 @@ class DataPath:
         return self._sum(key, meta, values, out=buffer, host=True).reshape(-1)  # a GPU sum comes to host
 
     def send_planned(self, op: Op, keys: tuple, sends: list[Send], arrays: list[np.ndarray],
-                     send_keys: list[list[Key]], priority: int = 0) -> list[Request]:
+                     send_keys: list[list[Key]], priority: int = 0, hold: bool = False) -> list[Request]:
         """Send a fast plan's messages (``sends[i]`` carrying ``arrays[i]``, the whole values of
         ``send_keys[i]``) at ``priority`` as one run under the push window, as :meth:`send` does;
-        return their requests.
+        return their requests.  ``hold``: a PUSH of one message, held for a pull to take along
+        (``FastPath.pull``; the module docstring).
         An INIT's messages (``keys`` and ``send_keys`` unused) leave as one run, so a key's chunks do."""
         if op is Op.INIT:
             with self._send_lock:
@@ -309,7 +327,8 @@ class DataPath:
                 if window.has_room(keys):
                     for key in keys:  # this call's round of each key (docs/protocol.md)
                         pushes[key] = pushes.get(key, 0) + 1
-                    requests = [self.submit(op, s, a, None, priority) for s, a in zip(sends, arrays)]
+                    requests = [self.submit(op, s, a, None, priority, park=hold)
+                                for s, a in zip(sends, arrays)]
                     window.add_sends(send_keys, requests, failures=op is Op.PUSH)
                     return requests
             window.wait_room(keys, deadline, self.mux.wait)
@@ -343,14 +362,26 @@ def _paced(sends: list[Send], flats: dict[Key, np.ndarray], pace: int) -> list[b
     return paced
 
 
+def holdable(push: list[Send], pull: list[Send], nbytes: int) -> bool:
+    """Whether a push of a key list planned as ``push`` may be held for a pull planned as ``pull`` to
+    take along (the module docstring): one message each way, carrying the same keys whole to the same
+    server, with under :data:`HOLD_BYTES` of values (``nbytes``).  The mode (dist_sync only) is the
+    caller's to check."""
+    return (len(push) == 1 and len(pull) == 1 and push[0].lo is None and pull[0].lo is None
+            and push[0].server == pull[0].server and push[0].parts == pull[0].parts and nbytes < HOLD_BYTES)
+
+
 class KeyList:
-    """The precomputed plan of one list of keys (both directions)."""
+    """The precomputed plan of one list of keys (both directions); ``hold``: its push may be held for
+    its pull (:func:`holdable`, dist_sync)."""
 
     __slots__ = ("keys", "shapes", "dtypes", "push_sends", "push_index", "send_keys", "pull_sends",
-                 "pull_dtypes", "slots", "push_dtypes", "push_slots", "flat")
+                 "pull_dtypes", "slots", "push_dtypes", "push_slots", "flat", "hold")
 
-    def __init__(self, keys: tuple, metas: list[Meta], push: list[Send], pull: list[Send]) -> None:
+    def __init__(self, keys: tuple, metas: list[Meta], push: list[Send], pull: list[Send],
+                 hold: bool = False) -> None:
         self.keys = keys
+        self.hold = hold
         self.shapes = [m.shape for m in metas]
         self.dtypes = [m.dtype for m in metas]
         self.flat = all(len(shape) == 1 for shape in self.shapes)
@@ -398,12 +429,14 @@ class FastPath:
     """The fast push and pull of known key lists over one :class:`DataPath`.
 
     ``metas`` and ``lock`` are the store's, ``compression`` its setting (no fast path while one is set),
-    ``meter`` counts the calls; ``device_mode`` (no fast path) is the store's to set."""
+    ``meter`` counts the calls; ``device_mode`` (no fast path) is the store's to set; ``hold``: pushes
+    may be held for their pulls (``KVSTORE_HOLD_PUSH``; dist_sync only, the module docstring)."""
 
     def __init__(self, path: DataPath, metas: dict[Key, Meta], lock: threading.RLock, meter: WorkerMeter,
-                 compression: WorkerCompression, device_mode: bool) -> None:
+                 compression: WorkerCompression, device_mode: bool, hold: bool = True) -> None:
         self.path, self.metas, self.lock, self.meter = path, metas, lock, meter
         self.compression, self.device_mode = compression, device_mode
+        self.hold = hold and path.cluster.mode == "dist_sync"
         self._lists: dict[tuple, KeyList | None] = {}  # None: seen, not eligible
 
     def forget(self) -> None:
@@ -436,7 +469,9 @@ class FastPath:
         pull, _ = self.path.plan(keys, chunked=False)
         if not (_whole_batches(push, sizes) and _whole_batches(pull, sizes)):
             return None
-        return KeyList(keys, metas, push, pull)
+        nbytes = sum(m.size * m.dtype.itemsize for m in metas)
+        hold = self.hold and holdable(push, pull, nbytes)
+        return KeyList(keys, metas, push, pull, hold)
 
     def match(self, keys: Any, arrays: Any, writable: bool = False) -> tuple[KeyList | None, list]:
         """The plan of the list ``keys`` (or of one key with one array) if ``arrays`` (one per key) fit
@@ -457,7 +492,7 @@ class FastPath:
         started = self.meter.begin(name)
         try:
             requests = self.path.send_planned(op, plan.keys, plan.push_sends, _gathered(plan, values),
-                                              plan.send_keys, priority)
+                                              plan.send_keys, priority, plan.hold and outs is None)
             if outs is not None:
                 self._receive(plan, plan.push_sends, plan.push_dtypes, plan.push_slots, requests, outs, True)
         finally:
@@ -466,15 +501,34 @@ class FastPath:
                 self.path.after_round()  # KVSTORE_TEST_DIE_AT_ROUND
 
     def pull(self, plan: KeyList, outs: list[np.ndarray], priority: int = 0) -> None:
-        """Pull a matched plan into ``outs`` at ``priority``.  Raises what the generic pull raises (a
-        failed earlier push, a timeout)."""
+        """Pull a matched plan into ``outs`` at ``priority``, taking along the push of the same list
+        held just before (:meth:`_send_held`).  Raises what the generic pull raises (a failed
+        earlier push, a timeout), and the failure of a held push it took along."""
         started = self.meter.begin("pull")
         try:
+            held = self._send_held(plan.pull_sends[0], priority) if plan.hold else None
+            if held is not None:  # one PUSHPULL: the held push and this pull
+                self._receive(plan, plan.pull_sends, plan.pull_dtypes, plan.slots, [held], outs, True)
+                return
             requests = [self.path.submit(Op.PULL, send, None, None, priority) for send in plan.pull_sends]
             self._receive(plan, plan.pull_sends, plan.pull_dtypes, plan.slots, requests, outs)
         finally:
             self.meter.end("pull", started)
             self.path.after_round()  # KVSTORE_TEST_DIE_AT_ROUND
+
+    def _send_held(self, send: Send, priority: int) -> Request | None:
+        """If the push held last is of ``send``'s keys to its server (this pull is the next call), send
+        it as the PUSHPULL that answers this pull too, at ``priority`` or its own if higher, and return
+        its request: its failure is this pull's to raise, not remembered for the keys' next call.
+        Else None (a held push of other keys has gone out first, as it is)."""
+        mux = self.path.mux
+        parked = mux.take_parked(send.server, send.body()["keys"])
+        if parked is None:
+            return None
+        request = parked.request
+        self.path.window.raised_by_call(request)
+        request.msg.op = Op.PUSHPULL  # the same body: keys, sizes, each key's round
+        return mux.send_parked(parked, priority)
 
     def _receive(self, plan: KeyList, sends: list[Send], dtypes: list[np.dtype], slots: list[Any],
                  requests: list[Request], outs: list[np.ndarray], pushed: bool = False) -> None:

@@ -19,6 +19,16 @@ call's first :data:`PACE_BYTES` are queued without being sent (``defer``): each 
 that much more, a waiting caller sends everything, and the heartbeat's :meth:`Mux.nudge` sends what
 nobody sent since its last beat; meanwhile a later call's message of higher priority goes first.
 
+A push may be *parked* (``submit(..., park=True)``, ``kvstore.client.datapath`` decides which): its
+request is made but not sent, so that a pull of the same keys to the same server, if it is the next
+call, takes it along (:meth:`Mux.take_parked`, :meth:`Mux.send_parked`: one request and one reply for
+both).  Anything else this Mux is asked to do first sends the parked push as it is: another submit,
+a wait, :meth:`hold`, the heartbeat's :meth:`nudge`; and so does the releaser thread, which a park
+wakes (a lock it blocks on, no timer): it runs as soon as the caller's thread lets the GIL go (a
+blocking call, I/O, a sleep, a numpy or torch kernel) or, if the caller runs Python all along, after
+the interpreter's switch interval (5 ms).  A caller that pulls right after pushing holds the GIL until
+its pull has taken the push; one that does anything else has it sent at once (docs/benchmarks.md).
+
 Replies nobody waits for yet (a push's ack) stay in zmq's queue until the next call
 that sends or waits reads them.  :meth:`Mux.fail` (a lost peer, from the heartbeat
 thread) fails every request in flight at once, without the socket lock.
@@ -99,6 +109,18 @@ class Request:
     msg: Message | None = None
 
 
+@dataclass
+class Parked:
+    """A parked push (:meth:`Mux.submit` with ``park``): its request, made but not sent, and what
+    sending it needs."""
+
+    request: Request
+    target: int
+    nbytes: int
+    priority: int
+    keys: Any
+
+
 class Mux:
     """The scheduler socket and one socket per server of a worker; see the module docstring."""
 
@@ -130,6 +152,13 @@ class Mux:
         # (index, new socket) for the holder of _io to put in
         self._swaps: list[tuple[int, transport.Socket]] = []
         self._retired: set[transport.Socket] = set()  # swapped out: a poll result naming one is skipped
+        # a push parked for a pull to take along; it stays here until it is sent or taken, so a thread
+        # that finds it here waits (_park) until another thread sending it has sent it
+        self._parked: Parked | None = None
+        self._park = threading.Lock()  # taking or sending the parked push (never held with _lock wanted)
+        self._gate = threading.Lock()  # released by each park: the releaser thread's wake-up
+        self._gate.acquire()
+        self._releaser: threading.Thread | None = None  # started by the first park
         self._poller = transport.Poller()
         self._poller.add(self._wake_r.fileno())
         for sock in self.sockets.values():
@@ -145,7 +174,8 @@ class Mux:
     # -- sending ----------------------------------------------------------------------------------
     def submit(self, target: int, msg: Message, what: str, after_failure: bool = False,
                reply_bytes: int = 0, chunk: tuple[int, int] | None = None, bypass: bool = False,
-               priority: int = 0, keys: tuple | None = None, defer: bool = False) -> Request:
+               priority: int = 0, keys: tuple | None = None, defer: bool = False,
+               park: bool = False) -> Request:
         """Send ``msg`` to ``target`` (a server index or SCHEDULER); return its request.
 
         ``priority`` orders it among the requests waiting to be sent; ``keys`` (the keys it carries;
@@ -153,7 +183,8 @@ class Mux:
         leaves it in the outbox (a paced chunk, sent by the next call, a waiting thread or the
         heartbeat's :meth:`nudge`).  When nothing waits to be sent and the sockets are free, it is
         sealed and sent at once; otherwise it is sealed when it leaves the outbox, and an error
-        sealing it then fails the request.
+        sealing it then fails the request.  ``park``: a push a pull may take along (the module
+        docstring); it is not sent yet.  A parked push is sent before ``msg``.
 
         After :meth:`fail`, the request is failed at once with that error, unless
         ``after_failure`` (a LEAVE still goes out, so the scheduler can finish).  ``reply_bytes``: the
@@ -174,20 +205,112 @@ class Mux:
         if release is not None:  # the ranges stay reserved until the request is answered
             request.future.add_done_callback(release)
         msg.sender = self.rank
+        if park and self.failure is None:
+            if self._closed:
+                raise StoreClosedError(f"{what}: the store is closed")
+            with self._park:  # the push parked before, if any, is sent first
+                self._send_parked_locked()
+                self._parked = Parked(request, target, nbytes, priority, keys)
+            if self._releaser is None:
+                self._start_releaser()
+            try:
+                self._gate.release()  # the releaser sends it unless a pull takes it first
+            except RuntimeError:
+                pass  # released already: the releaser has not run since
+            return request
+        if self._parked is not None:  # a parked push goes first, as the call before this one
+            self._unpark()
+        self._dispatch(target, request, after_failure, bypass, nbytes, priority, keys, defer)
+        return request
+
+    def _dispatch(self, target: int, request: Request, after_failure: bool = False, bypass: bool = False,
+                  nbytes: int = 0, priority: int = 0, keys: tuple | None = None, defer: bool = False) -> None:
+        """Send ``request`` now if nothing waits to be sent and the sockets are free, else queue it
+        (:meth:`submit`).  Raises what sealing raises and StoreClosedError."""
         if not defer and not self._outbox and self._io.acquire(blocking=False):
             try:  # nothing waits to be sent: seal and send it now, in this thread (the common case)
-                self._send_now(target, request, what, after_failure, bypass, nbytes, priority, keys)
+                self._send_now(target, request, request.what, after_failure, bypass, nbytes, priority, keys)
             finally:
                 self._io.release()
             if self._outbox or self._swaps:  # another thread's, queued while we held the sockets
                 self._pump()
-            return request
+            return
         with self._lock:
-            if self._admit(target, request, what, after_failure, bypass):
+            if self._admit(target, request, request.what, after_failure, bypass):
                 self._enqueue(target, request, nbytes, priority, keys)
         if not defer:
             self._pump()
-        return request
+
+    # -- a parked push -------------------------------------------------------------------------------
+    def take_parked(self, target: int, keys: Any) -> Parked | None:
+        """The parked push if it goes to ``target`` with exactly ``keys`` (a pull of them takes it
+        along: :meth:`send_parked`), else None, any parked push being sent first."""
+        with self._park:
+            parked = self._parked
+            if parked is not None and parked.target == target and (parked.keys is keys
+                                                                   or parked.keys == keys):
+                self._parked = None
+                return parked
+            self._send_parked_locked()
+        return None
+
+    def send_parked(self, parked: Parked, priority: int = 0) -> Request:
+        """Send a push :meth:`take_parked` returned (its message changed by the caller, e.g. into a
+        PUSHPULL) at the higher of its priority and ``priority``; return its request."""
+        if self._parked is not None:
+            self._unpark()
+        self._dispatch(parked.target, parked.request, nbytes=parked.nbytes,
+                       priority=max(priority, parked.priority), keys=parked.keys)
+        return parked.request
+
+    def _unpark(self) -> None:
+        """Send the parked push, if any, as it is; returns once it is sent or queued, whichever
+        thread sends it."""
+        with self._park:
+            self._send_parked_locked()
+
+    def _send_parked_locked(self) -> None:
+        """Send the parked push, if any (the caller holds ``_park``); it leaves the slot once sent
+        or queued, or failed (fail(), stop() may have taken it meanwhile).  A failure to send it
+        (sealing, a closed store) fails its request, never the call that sends it."""
+        parked = self._parked
+        if parked is None:
+            return
+        try:
+            self._dispatch(parked.target, parked.request, nbytes=parked.nbytes, priority=parked.priority,
+                           keys=parked.keys)
+        except Exception as exc:  # noqa: BLE001 - the push's own failure, raised by its key's next call
+            _resolve(parked.request, exc=exc)
+        finally:
+            self._parked = None
+
+    def _start_releaser(self) -> None:
+        """Start the thread that sends a parked push nobody took (see the module docstring)."""
+        with self._lock:
+            if self._releaser is not None:
+                return
+            self._releaser = threading.Thread(target=self._release_parked, name="kvstore-parked-push",
+                                              daemon=True)
+        self._releaser.start()
+
+    def _release_parked(self) -> None:
+        """The releaser thread: each time a park opens the gate, send the parked push if it is still
+        there; ends when the Mux is stopped."""
+        gate = self._gate
+        while True:
+            gate.acquire()
+            if self._closed:
+                return
+            parked = self._parked
+            if parked is None:
+                continue  # taken by its pull, or sent by a later call
+            if not self._park.acquire(blocking=False):
+                continue  # another thread is sending it, taking it or parking the next (which wakes us)
+            try:  # only the push it woke for: a later park opened the gate again for its own
+                if self._parked is parked:
+                    self._send_parked_locked()  # a failure fails the push's request, not this thread
+            finally:
+                self._park.release()
 
     def _admit(self, target: int, request: Request, what: str, after_failure: bool, bypass: bool) -> bool:
         """Whether ``request`` may be sent now (the caller holds ``_lock``): else it is failed (after
@@ -255,6 +378,8 @@ class Mux:
     def hold(self, target: int) -> None:
         """Keep every unanswered request to server ``target``, and every later one, for :meth:`release`:
         their replies from the lost server never come; what they went out as is ignored from now on."""
+        if self._parked is not None:
+            self._unpark()
         with self._lock:
             if target in self._held:
                 return
@@ -329,7 +454,13 @@ class Mux:
 
     def nudge(self) -> None:
         """Send everything the outbox holds if nothing was sent since the last nudge (a paced big
-        value's chunks nobody called to send).  The heartbeat calls this each beat."""
+        value's chunks nobody called to send), and a parked push still there.  The heartbeat calls
+        this each beat."""
+        if self._parked is not None and self._park.acquire(blocking=False):  # the releaser's backstop
+            try:  # (never waits: whoever holds _park is sending, taking or replacing it)
+                self._send_parked_locked()
+            finally:
+                self._park.release()
         idle, self._nudged = self._nudged == self._moved, self._moved
         if not idle or not self._outbox:
             return
@@ -380,6 +511,8 @@ class Mux:
         Raises the request's error, or ``concurrent.futures.TimeoutError`` after ``timeout``
         seconds.
         """
+        if self._parked is not None:  # sent before anything is waited for
+            self._unpark()
         future = request.future
         deadline = time.monotonic() + timeout
         while not future.done():
@@ -465,6 +598,9 @@ class Mux:
             failed, self._inflight = list(self._inflight.values()), {}
             failed += [r for held in self._held.values() for r in held]
             self._held.clear()
+            if self._parked is not None:
+                failed.append(self._parked.request)
+                self._parked = None
         for request in failed:
             _resolve(request, exc=error)
         self._wake()
@@ -479,7 +615,14 @@ class Mux:
             left += [r for held in self._held.values() for r in held]
             self._held.clear()
             self._outbox.clear()
+            if self._parked is not None:
+                left.append(self._parked.request)
+                self._parked = None
         self._wake()
+        try:
+            self._gate.release()  # the releaser ends
+        except RuntimeError:
+            pass
         if self._io.acquire(timeout=timeout):  # a leader lets go within one poll slice
             try:
                 for sock in [*self.sockets.values(), *(new for _, new in self._swaps)]:

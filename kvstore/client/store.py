@@ -150,7 +150,7 @@ class DistKVStore(KVStore):
         self._path = DataPath(cfg, cluster, self._io, self._window, self._meter, self._meta, self._lock,
                               self._compress, self._sum)
         self._fast = FastPath(self._path, self._meta, self._lock, self._meter,  # known lists of small keys
-                              self._compress, self._device_mode)
+                              self._compress, self._device_mode, cfg.hold_push)
         self._barriers = Barriers(self._io, cfg, self._mode, cluster.rank, cluster.num_workers,
                                   self._path.wait, self._meter.pushes, passed=body.get("barriers", 0),
                                   absent=body.get("absent"), view=joined_view(body, cluster.num_workers))

@@ -40,6 +40,7 @@ class PushWindow:
         self.waiting = 0              # threads waiting for room now
         self.blocked_seconds = 0.0    # time spent waiting for room, all threads together
         self._live = 0                # recorded requests not answered yet (0: every push is acked)
+        self._raised: set[int] = set()  # ids of the futures whose failure their call raises (raised_by_call)
 
     def _oldest_open(self, key: Key) -> list[Request] | None:
         """The oldest unacknowledged push of ``key`` when its window is full, else None (the caller
@@ -139,12 +140,21 @@ class PushWindow:
         for request, keys in requests:
             request.future.add_done_callback(partial(self._done, keys))
 
+    def raised_by_call(self, request: Request) -> None:
+        """The failure of ``request``, a push recorded but not sent yet, is raised by the call that
+        sends it (a held push a pull takes along: ``kvstore.client.datapath``): not remembered."""
+        with self._lock:
+            self._raised.add(id(request.future))
+
     def _done(self, keys: list[Key] | None, future: Any) -> None:
         """A push request finished (in whichever thread read its reply): remember its failure for
-        ``keys`` (None: a pushpull's, raised by the call itself)."""
+        ``keys`` (None: a pushpull's, or one :meth:`raised_by_call`: raised by the call itself)."""
         error = future.exception()
         with self._lock:
             self._live -= 1
+            if self._raised and id(future) in self._raised:
+                self._raised.discard(id(future))
+                keys = None
             if error is not None and keys is not None:
                 for key in keys:
                     self._failures.setdefault(key, error)

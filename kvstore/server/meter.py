@@ -190,9 +190,10 @@ class ServerMeter:
 
 def record_arrivals(path: str, rank: int, handlers: dict[Op, Any]) -> dict[Op, Any]:
     """``handlers`` with each INIT, PUSH, PULL and PUSHPULL request appended, as it arrives, to the file
-    ``path`` as one JSON line (server, op, sender, keys, chunk offset ``lo``).  A test hook
-    (``KVSTORE_TEST_ARRIVALS``), installed at start only when set: the order a worker's ``priority``
-    gave its requests (tests/integration/test_priority.py)."""
+    ``path`` as one JSON line (server, op, sender, keys, chunk offset ``lo``, the wall clock ``t``).  A
+    test hook (``KVSTORE_TEST_ARRIVALS``), installed at start only when set: the order a worker's
+    ``priority`` gave its requests (tests/integration/test_priority.py), whether a push went out held
+    with its pull, and when a lone push arrived (benchmarks/msg_cpu.py)."""
     out = open(path, "a", buffering=1)  # noqa: SIM115 - one line per request until the process ends
 
     def wrap(op: Op, handler: Any) -> Any:
@@ -200,7 +201,8 @@ def record_arrivals(path: str, rank: int, handlers: dict[Op, Any]) -> dict[Op, A
             body = msg.body if isinstance(msg.body, dict) else {}
             keys = body.get("keys", [body["key"]] if "key" in body else [])
             line = {"server": rank, "op": op.name, "sender": msg.sender,
-                    "keys": [str(k) for k in keys] if isinstance(keys, list) else [], "lo": body.get("lo")}
+                    "keys": [str(k) for k in keys] if isinstance(keys, list) else [], "lo": body.get("lo"),
+                    "t": time.time()}
             out.write(json.dumps(line) + "\n")
             handler(identity, msg)
         return recorded

@@ -4,7 +4,10 @@
 request at once from an in-memory cluster: a scheduler that answers barriers and leaves, and servers
 that keep each key's slice as the servers of one ``dist_sync`` worker do (a push is applied at once,
 a pull returns the slice).  A test can make an op go unanswered (``silent``) or answered with an error
-reply (``refuse``), and reads what was sent (``sent``).  :func:`fake_store` builds a store over it
+reply (``refuse``), and reads what was sent (``sent``).  A parked push (``submit(park=True)``) is kept
+unsent, as the Mux keeps it, until a pull takes it (``take_parked``) or any other call sends it first;
+whether it is refused is decided when it is parked (the op's ``refuse`` then), as when it was pushed.
+:func:`fake_store` builds a store over it
 through the documented seam (``kvstore.client.store.Joined``).
 """
 
@@ -17,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvstore import config as kvconfig
-from kvstore.client.mux import SCHEDULER, Mux, Request
+from kvstore.client.mux import SCHEDULER, Mux, Parked, Request
 from kvstore.client.store import DistKVStore, Joined
 from kvstore.errors import StoreClosedError, error_code, error_from_code
 from kvstore.net.protocol import Message, Op
@@ -38,30 +41,66 @@ class FakeMux(Mux):
         self.failure: BaseException | None = None
         self._closed = False
         self._open: list[Request] = []  # unanswered
+        self._parked: Parked | None = None
+        self._parked_refusal: BaseException | None = None  # refuse[PUSH] when the push was parked
 
     def submit(self, target: int, msg: Message, what: str, after_failure: bool = False,
                reply_bytes: int = 0, chunk: tuple[int, int] | None = None, bypass: bool = False,
-               priority: int = 0, keys: Any = None, defer: bool = False) -> Request:
+               priority: int = 0, keys: Any = None, defer: bool = False, park: bool = False) -> Request:
         """Record ``msg`` and answer it at once (unless its op is ``silent``), as Mux.submit resolves;
-        nothing waits, so ``priority``, ``keys`` and ``defer`` change nothing."""
+        nothing waits, so ``priority`` and ``defer`` change nothing.  ``park``: kept unsent (the
+        module docstring); a parked push is sent before ``msg``."""
         if self._closed:
             raise StoreClosedError(f"{what}: the store is closed")
+        self._unpark()
         request = Request(what, target=target, msg=msg)
+        if park and self.failure is None:
+            self._parked = Parked(request, target, 0, priority, keys)
+            self._parked_refusal = self.refuse.get(msg.op)
+            return request
+        return self._answer_request(request, after_failure)
+
+    def take_parked(self, target: int, keys: Any) -> Parked | None:
+        """The parked push if it is of ``keys`` to ``target``, else None (it is sent first)."""
+        if self._parked is not None and self._parked.target == target and self._parked.keys == keys:
+            parked, self._parked = self._parked, None
+            return parked
+        self._unpark()
+        return None
+
+    def send_parked(self, parked: Parked, priority: int = 0) -> Request:
+        """Send a push :meth:`take_parked` returned (its message changed by the caller)."""
+        refusal, self._parked_refusal = self._parked_refusal, None
+        return self._answer_request(parked.request, refusal=refusal)
+
+    def _unpark(self) -> None:
+        parked, self._parked = self._parked, None
+        if parked is not None:
+            refusal, self._parked_refusal = self._parked_refusal, None
+            self._answer_request(parked.request, refusal=refusal)
+
+    def _answer_request(self, request: Request, after_failure: bool = False,
+                        refusal: BaseException | None = None) -> Request:
+        """Record ``request``'s message and answer it (see :meth:`submit`); ``refusal``: refused with
+        it whatever ``refuse`` says now (a parked push's)."""
+        target, msg, what = request.target, request.msg, request.what
         if self.failure is not None and not after_failure:
             request.future.set_exception(self.failure)
             return request
         self.sent.append((target, msg))
-        if msg.op in self.silent:
+        if refusal is None and msg.op in self.silent:
             self._open.append(request)
-        elif msg.op in self.refuse:
-            error = self.refuse[msg.op]  # as the Mux turns an ERROR reply into its error
+        elif refusal is not None or msg.op in self.refuse:
+            error = refusal if refusal is not None else self.refuse[msg.op]  # as the Mux turns an ERROR
             request.future.set_exception(error_from_code(error_code(error), f"{what} failed: {error}"))
         else:
             request.future.set_result(self._answer(target, msg))
         return request
 
     def wait(self, request: Request, timeout: float) -> Any:
-        """The reply to ``request``; ``concurrent.futures.TimeoutError`` after ``timeout`` s."""
+        """The reply to ``request`` (a parked push is sent first); ``concurrent.futures.TimeoutError``
+        after ``timeout`` s."""
+        self._unpark()
         try:
             return request.future.result(timeout)
         except FutureTimeout:
@@ -72,6 +111,9 @@ class FakeMux(Mux):
         if self._closed or self.failure is not None:
             return
         self.failure = error
+        if self._parked is not None:
+            self._open.append(self._parked.request)
+            self._parked = None
         for request in self._open:
             if not request.future.done():
                 request.future.set_exception(error)
