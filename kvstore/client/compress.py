@@ -143,8 +143,9 @@ class RowResiduals:
     pushed, in at most ``budget`` bytes (:meth:`rows_for` rows: a :class:`DynamicRows` of zeros capped
     at that many; past it, the rows pushed least recently are forgotten, approximately as a dynamic
     table evicts, and start again at zero).  A push first :meth:`reserve` s its rows (never forgetting
-    one of them); the rows it has no room for travel uncompressed.  Thread-safe (two threads may push
-    one table)."""
+    one of them); the rows it has no room for travel uncompressed.  Each call is thread-safe; a push's
+    ``reserve`` and its ``quantise`` calls must not interleave with another push of the same table
+    (:class:`kvstore.client.sparse.DistRows` sends one push at a time under its lock)."""
 
     def __init__(self, budget: int = ROW_RESIDUAL_BYTES) -> None:
         self.budget = budget
