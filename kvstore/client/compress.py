@@ -26,7 +26,7 @@ from kvstore.config import Config
 from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
 from kvstore.core import snapshot, storage
-from kvstore.core.dynamic import DynamicRows
+from kvstore.core.dynamic import MAP_ENTRIES, SLOT_BYTES, DynamicRows, IdMap
 from kvstore.core.partition import Key
 from kvstore.core.plan import Send, pack
 from kvstore.core.values import Meta
@@ -34,7 +34,7 @@ from kvstore.errors import ConfigError, FormatError
 
 log = logging.getLogger("kvstore.dist")
 _RESIDUALS = re.compile(r"residuals-worker(\d+)-of-(\d+)\.values")
-ROW_RESIDUALS = 1 << 18  # 2bit/1bit residual rows a worker keeps per row-sparse table (docs/compression.md)
+ROW_RESIDUAL_BYTES = 64 << 20  # 2bit/1bit row residual bytes per table and worker (docs/compression.md)
 _GENERATION = re.compile(r"snapshot-\d{6,}")  # as kvstore.core.snapshot names them
 
 
@@ -140,42 +140,69 @@ class WorkerCompression:
 
 class RowResiduals:
     """A worker's 2bit / 1bit residuals of row-sparse tables: per table, one float32 row per row id it
-    pushed, at most ``limit`` rows (a :class:`DynamicRows` of zeros capped at ``limit``: past it, the
-    rows pushed least recently are forgotten, approximately as a dynamic table evicts, and start again
-    at zero).  Thread-safe (two threads may push one table)."""
+    pushed, in at most ``budget`` bytes (:meth:`rows_for` rows: a :class:`DynamicRows` of zeros capped
+    at that many; past it, the rows pushed least recently are forgotten, approximately as a dynamic
+    table evicts, and start again at zero).  A push first :meth:`reserve` s its rows (never forgetting
+    one of them); the rows it has no room for travel uncompressed.  Each call is thread-safe; a push's
+    ``reserve`` and its ``quantise`` calls must not interleave with another push of the same table
+    (:class:`kvstore.client.sparse.DistRows` sends one push at a time under its lock)."""
 
-    def __init__(self, limit: int = ROW_RESIDUALS) -> None:
-        self.limit = limit
+    def __init__(self, budget: int = ROW_RESIDUAL_BYTES) -> None:
+        self.budget = budget
         self.tables: dict[Key, DynamicRows] = {}
         self._lock = threading.Lock()
 
-    def quantise(self, spec: C.Spec, key: Key, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """The packed words (flat float32) of float32 ``rows`` ``(n, width)`` of distinct int64 ``ids``
-        of table ``key`` under 2bit / 1bit ``spec``: each row's residual is added before it is coded
-        and keeps what was not sent (a row there is no room for is coded from a zero residual, and
-        its remainder dropped)."""
-        width = int(np.prod(rows.shape[1:], dtype=np.int64)) if rows.ndim > 1 else 1
+    @staticmethod
+    def row_bytes(width: int) -> int:
+        """The bytes one residual row of ``width`` elements takes at most: its float32 values, its
+        slot's counters and its id map entries."""
+        return 4 * width + SLOT_BYTES + int(MAP_ENTRIES * IdMap.ENTRY_BYTES)
+
+    def rows_for(self, width: int) -> int:
+        """How many residual rows of ``width`` elements a table keeps: as many as ``budget`` holds
+        (at least one)."""
+        return max(1, self.budget // self.row_bytes(width))
+
+    def reserve(self, key: Key, ids: np.ndarray, width: int) -> np.ndarray:
+        """Take one push of distinct int64 ``ids`` of table ``key`` (rows of ``width`` elements): each
+        id keeps its residual row or is given one (zeros) as room allows, never forgetting a row of
+        ``ids`` for another; a bool per id: True where it has a residual row (its rows are then
+        quantised by :meth:`quantise`), False where there was no room (they travel uncompressed)."""
         with self._lock:
             table = self.tables.get(key)
             if table is None or table.width != width:
                 table = DynamicRows(width, np.dtype(np.float32), R.parse_init(key, "zeros"),
-                                    R.DynamicSpec(capacity=self.limit))
+                                    R.DynamicSpec(capacity=self.rows_for(width)))
                 self.tables[key] = table
-            keep, slots, _ = table.admit(ids)
-            residual = np.zeros((ids.size, width), np.float32)
-            residual[keep] = table.weight[slots]
-            flat = residual.reshape(-1)
-            packed = C.quantise(spec.type, np.ascontiguousarray(rows, np.float32).reshape(-1), flat,
-                                spec.threshold)
-            table.weight[slots] = residual[keep]
+            keep, _, _ = table.admit(np.asarray(ids, np.int64))
+            has = np.zeros(ids.size, bool)
+            has[keep] = True
+            return has
+
+    def quantise(self, spec: C.Spec, key: Key, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The packed words (flat float32) of float32 ``rows`` ``(n, width)`` of distinct int64 ``ids``
+        of table ``key`` under 2bit / 1bit ``spec``: each row's residual is added before it is coded
+        and keeps what was not sent.  Raises KeyError unless every id has a residual row (given by
+        :meth:`reserve` for this push)."""
+        flat = np.ascontiguousarray(rows, np.float32).reshape(-1)
+        if not ids.size:
+            return C.quantise(spec.type, flat, np.zeros(0, np.float32), spec.threshold)
+        with self._lock:
+            table = self.tables[key]
+            slots = table.map.get(np.asarray(ids, np.int64))
+            if (slots < 0).any():
+                raise KeyError(f"table {key!r}: {int((slots < 0).sum())} row(s) of the push have no "
+                               "residual row (reserve them first)")
+            residual = table.weight[slots]  # a copy: the rows' residuals, in ids' order
+            packed = C.quantise(spec.type, flat, residual.reshape(-1), spec.threshold)
+            table.weight[slots] = residual
         return packed
 
     def residual(self, key: Key, ids: np.ndarray) -> np.ndarray:
-        """The residual rows of ``ids`` of table ``key`` now (zeros for rows it keeps none of)."""
+        """The residual rows of ``ids`` of table ``key`` now (zeros for rows it keeps none of).
+        Raises KeyError for a table never pushed (its width is not known here)."""
         with self._lock:
-            table = self.tables.get(key)
-            if table is None:
-                return np.zeros((ids.size, 0), np.float32)
+            table = self.tables[key]
             slots = table.map.get(np.asarray(ids, np.int64))
             out = np.zeros((ids.size, table.width), np.float32)
             out[slots >= 0] = table.weight[slots[slots >= 0]]

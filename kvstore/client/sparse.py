@@ -212,23 +212,41 @@ class DistRows:
             half = half.view(np.float16)  # bfloat16 bits travel in a 2-byte wire dtype (as dense keys')
         return half.reshape(rows.shape[0], -1), {"half": spec.type}
 
-    def _message(self, key: Key, spec: C.Spec | None, body: dict, ids: np.ndarray,
-                 rows: np.ndarray) -> Message:
-        """One SPARSE_PUSH of ``ids`` and their ``rows``; under 2bit / 1bit the rows travel as packed
-        words (``quantised``: ``[type, threshold]``), each row's residual kept on this worker."""
-        if spec is not None and spec.type in C.QUANTISED:
-            packed = self.link.residuals.quantise(spec, key, ids, rows)
-            return Message(Op.SPARSE_PUSH, {**body, "quantised": spec.wire()}, [ids, packed])
-        return Message(Op.SPARSE_PUSH, body, [ids, rows])
+    def _messages(self, key: Key, spec: C.Spec | None, body: dict, ids: np.ndarray, rows: np.ndarray,
+                  has: np.ndarray | None) -> list[Message]:
+        """One chunk of a round: a SPARSE_PUSH of ``ids`` and their ``rows`` (``body`` says whether it is
+        the round's last).  Under 2bit / 1bit the rows with a residual (``has``, from
+        :meth:`RowResiduals.reserve`) travel as packed words (``quantised``: ``[type, threshold]``), and
+        those it had no room for as they are (float32, exact) in a second message before the
+        ``last`` one: two messages of the round with disjoint ids."""
+        if spec is None or spec.type not in C.QUANTISED:
+            return [Message(Op.SPARSE_PUSH, body, [ids, rows])]
+        assert has is not None
+        messages = []
+        if not has.all():
+            raw, rest = ~has, bool(has.any())  # rest: rows quantised after (else this is the chunk)
+            messages.append(Message(Op.SPARSE_PUSH, {**body, "last": body["last"] and not rest},
+                                    [ids[raw], rows[raw]]))
+            if not rest:
+                return messages
+            ids, rows = ids[has], rows[has]
+        packed = self.link.residuals.quantise(spec, key, ids, rows)
+        messages.append(Message(Op.SPARSE_PUSH, {**body, "quantised": spec.wire()}, [ids, packed]))
+        return messages
 
     def _send(self, key: Key, meta: R.SparseMeta, rnd: int, ids: np.ndarray,
               rows: np.ndarray) -> list[Request]:
         spec = self._encoding(meta)
         rows, wire = self._half(spec, rows)
+        has = None
+        if spec is not None and spec.type in C.QUANTISED:  # the push's rows get residuals together
+            has = self.link.residuals.reserve(key, ids, meta.width)
         if meta.dynamic is not None:
             requests = []
             for server, where in self.dynamic_cuts(ids):
-                requests.extend(self._send_to(key, spec, rnd, server, ids[where], rows[where], wire, meta))
+                part = None if has is None else has[where]
+                requests.extend(self._send_to(key, spec, rnd, server, ids[where], rows[where], wire, meta,
+                                              part))
             return requests
         ranges = self.ranges(meta)
         cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
@@ -238,22 +256,24 @@ class DistRows:
             for i, first in enumerate(pieces):
                 end = min(stop, first + step)
                 body = {"key": key, "round": rnd, "last": i == len(pieces) - 1, **wire}
-                msg = self._message(key, spec, body, ids[first:end], rows[first:end])
-                requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
+                for msg in self._messages(key, spec, body, ids[first:end], rows[first:end],
+                                          None if has is None else has[first:end]):
+                    requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
                                                               f"({end - first} rows) to server {server}"))
         return requests
 
     def _send_to(self, key: Key, spec: C.Spec | None, rnd: int, server: int, ids: np.ndarray,
-                 rows: np.ndarray, wire: dict, meta: R.SparseMeta) -> list[Request]:
+                 rows: np.ndarray, wire: dict, meta: R.SparseMeta, has: np.ndarray | None) -> list[Request]:
         """One server's part of a round of a dynamic table's push, in chunks (one, empty, at least)."""
         step, requests = self.rows_per_message(meta), []
         pieces = list(range(0, ids.size, step)) or [0]
         for i, first in enumerate(pieces):
             end = min(ids.size, first + step)
             body = {"key": key, "round": rnd, "last": i == len(pieces) - 1, **wire}
-            msg = self._message(key, spec, body, ids[first:end], rows[first:end])
-            requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
-                                                      f"({end - first} rows) to server {server}"))
+            for msg in self._messages(key, spec, body, ids[first:end], rows[first:end],
+                                      None if has is None else has[first:end]):
+                requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
+                                                          f"({end - first} rows) to server {server}"))
         return requests
 
     def pull(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, admit: bool = False) -> np.ndarray:

@@ -42,7 +42,8 @@ MAP_SALT = 0x2545F4914F6CDD1D  # the seed of the id map's hash (apart from place
 MAP_ENTRIES = 16 / 3  # the id map's entries per id at most (a rebuild fills it at most 3/8, a power of 2)
 _RECENT = (1 << 40) - 1  # LFU ties are broken by recency: the tick's low 40 bits
 INIT_BLOCK = 1 << 14  # initial rows are generated this many elements at a time (scratch stays in cache)
-EVICT_WINDOW = 8  # eviction of n rows looks at this many times n slots (docs/sparse.md)
+EVICT_WINDOW = 8  # eviction of n rows looks at this many times n slots (docs/sparse.md) ...
+EVICT_MIN_WINDOW = 4096  # ... and at no fewer than this many: a push of few new ids spares hot rows
 
 
 def table_label(key: Key) -> str:
@@ -456,12 +457,13 @@ class DynamicRows:
 
     def _evict(self, n: int, keep: np.ndarray) -> np.ndarray:
         """Free up to ``n`` slots by the policy, never one of ``keep``; the slots freed.  The candidates
-        are the next ``EVICT_WINDOW * n`` slots of the pool past a hand that goes round it: the ``n``
-        of them with the lowest score go, so a call costs O(n) whatever the capacity.  The whole pool
-        is looked at when it is no bigger than that window (exact LRU / LFU), or when the window holds
-        fewer than ``n`` rows that may go (mostly this push's own rows)."""
+        are the next ``max(EVICT_WINDOW * n, EVICT_MIN_WINDOW)`` slots of the pool past a hand that
+        goes round it: the ``n`` of them with the lowest score go, so a call costs O(n + floor) whatever
+        the capacity.  The whole pool (``used`` slots) is looked at when it is no bigger than that
+        window (exact LRU / LFU), or when the window holds fewer than ``n`` rows that may go (mostly
+        this push's own rows)."""
         used = self.used
-        window = EVICT_WINDOW * n
+        window = max(EVICT_WINDOW * n, EVICT_MIN_WINDOW)
         if window >= used:
             return self._evict_from(0, used, n, keep)
         start = self.hand

@@ -360,6 +360,36 @@ def test_quantised_compression_codes_the_rows_and_carries_each_rows_residual(mak
             assert want[0, 0] == (0.0 if step == 0 else 0.5) and want[1, 0] == -0.5
 
 
+@pytest.mark.parametrize("kind", ["2bit", "1bit"])
+def test_rows_past_the_residual_bound_arrive_exactly_and_the_others_quantised(make_cluster, kind) -> None:
+    """With the worker's row residuals bounded at 4 rows, a push of 12 rows (fixed and dynamic tables,
+    2 servers) sends its first 4 ids quantised with their residuals and the other 8 uncompressed, in
+    the same round: the servers store those 8 rows exactly as pushed, push after push."""
+    from kvstore.client.compress import RowResiduals
+    from kvstore.core import compression as C
+
+    cluster = make_cluster("dist_sync", 1, 2)
+    (kv,) = cluster.workers
+    threshold = 0.5 if kind == "2bit" else 0.0
+    kv.set_gradient_compression({"type": kind, "threshold": threshold})
+    kv._compress.rows.budget = 4 * RowResiduals.row_bytes(W)
+    kv.init("f", shape=(50, W))
+    kv.init("d", width=W, dtype="float32", dynamic=True)
+    ids = np.arange(12, dtype=np.int64) * 4 + 1
+    rows = np.full((12, W), 0.3, np.float32)
+    rows[5] = -0.7
+    residual = np.zeros(4 * W, np.float32)
+    for step in range(3):
+        kv.push(["f", "d"], [RowSparse(ids, rows, (50, W)), RowSparse(ids * 2**33, rows, (0, W))])
+        want = rows.copy()
+        packed = C.quantise(kind, rows[:4].reshape(-1), residual, threshold)
+        want[:4] = C.dequantise(kind, packed, 4 * W, threshold).reshape(4, W)
+        np.testing.assert_array_equal(kv.row_sparse_pull("f", row_ids=ids).rows, want)
+        np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=ids * 2**33).rows, want)
+        if kind == "2bit":
+            assert want[0, 0] == (0.5 if step == 1 else 0.0)
+
+
 def test_staleness_holds_a_fast_worker_within_s_pushes_of_the_slowest(make_cluster) -> None:
     """dist_async, s=2: worker 0 pushes a dynamic table 4 times as fast as it can, worker 1 only when
     the test says; worker 0 never gets more than 2 pushes past worker 1 (its window waits)."""

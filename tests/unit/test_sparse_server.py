@@ -275,3 +275,42 @@ def test_a_quantised_row_push_is_dequantised_and_a_bad_one_refused_with_nothing_
     assert server.dynamic_stats()["d"]["rows"] == 0
     server._on_push(b"w", Message(Op.SPARSE_PUSH, body, [ids, packed], seq=2, sender=0))
     server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 1}, [ids], seq=3, sender=0))
+
+
+def test_a_round_of_raw_and_quantised_chunks_with_disjoint_ids_applies_once_with_both() -> None:
+    """A worker's round may carry rows its 2bit residuals had no room for as a plain float32 chunk
+    (``last`` False) beside a quantised chunk (``last`` True) of other, interleaved ids: nothing is
+    applied before the last chunk, then both chunks' rows are, exactly (the raw ones as sent)."""
+    from kvstore.core import compression as C
+
+    server, replies = _sparse()
+    server.configure(1, True, 4)
+    server._on_init(b"w", _dynamic_init("d"))
+    replies.sent.clear()
+    raw_ids, raw = np.array([4, 9], np.int64), np.array([[0.3, -0.1], [0.25, 2.0]], np.float32)
+    q_ids = np.array([5, 7], np.int64)
+    packed = C.quantise("2bit", np.array([0.7, -0.6, 0.2, 1.0], np.float32), np.zeros(4, np.float32), 0.5)
+    server._on_push(b"w", Message(Op.SPARSE_PUSH, {"key": "d", "round": 0, "last": False},
+                                  [raw_ids, raw], seq=2, sender=0))
+    assert server.dynamic_stats()["d"]["rows"] == 0 and replies.sent == []
+    body = {"key": "d", "round": 0, "last": True, "quantised": ["2bit", 0.5]}
+    server._on_push(b"w", Message(Op.SPARSE_PUSH, body, [q_ids, packed], seq=3, sender=0))
+    assert [m.op for m in replies.sent] == [Op.OK, Op.OK]
+    ids = np.array([4, 5, 7, 9], np.int64)
+    server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 1}, [ids], seq=4, sender=0))
+    np.testing.assert_array_equal(replies.sent[-1].arrays[0],
+                                  np.array([[0.3, -0.1], [0.5, -0.5], [0, 0.5], [0.25, 2.0]], np.float32))
+
+
+def test_the_server_takes_an_empty_quantised_push_and_applies_the_round() -> None:
+    """An empty 2bit SPARSE_PUSH (0 ids, 0 words: a server given none of a push's ids) closes its round."""
+    server, replies = _sparse()
+    server.configure(1, True, 4)
+    server._on_init(b"w", _dynamic_init("d"))
+    body = {"key": "d", "round": 0, "last": True, "quantised": ["2bit", 0.5]}
+    server._on_push(b"w", Message(Op.SPARSE_PUSH, body, [np.zeros(0, np.int64), np.zeros(0, np.float32)],
+                                  seq=2, sender=0))
+    assert replies.sent[-1].op == Op.OK
+    server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 1}, [np.array([3], np.int64)],
+                                  seq=3, sender=0))
+    np.testing.assert_array_equal(replies.sent[-1].arrays[0], [[0, 0]])

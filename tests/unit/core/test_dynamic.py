@@ -468,8 +468,9 @@ def test_load_state_refuses_other_names_shapes_and_repeated_ids_before_changing_
 
 
 def test_eviction_looks_at_a_window_of_slots_not_the_whole_pool(monkeypatch) -> None:
-    """An evicting push of n new ids into a full table of 50,000 rows ranks at most EVICT_WINDOW * n
-    slots (its cost follows the rows evicted, not the capacity); capacity and counters stay exact."""
+    """An evicting push of n new ids into a full table of 50,000 rows ranks at most
+    max(EVICT_WINDOW * n, EVICT_MIN_WINDOW) slots (its cost follows the rows evicted, not the
+    capacity); capacity and counters stay exact."""
     cap, n = 50_000, 100
     table = _table(capacity=cap)
     table.admit(np.arange(cap, dtype=np.int64))
@@ -483,10 +484,30 @@ def test_eviction_looks_at_a_window_of_slots_not_the_whole_pool(monkeypatch) -> 
     monkeypatch.setattr(D.np, "argpartition", counted)
     for step in range(20):
         table.admit(np.arange(n, dtype=np.int64) + 10**9 + step * n)
-    assert ranked and max(ranked) <= D.EVICT_WINDOW * n
+    assert ranked and max(ranked) <= max(D.EVICT_WINDOW * n, D.EVICT_MIN_WINDOW) < cap
     stats = table.stats()
     assert len(table) == cap == stats["rows"] and stats["evictions"] == 20 * n
     assert stats["admissions"] == cap + 20 * n and table.weight.shape[0] == cap
+
+
+@pytest.mark.parametrize("cap", [4096, 20_000])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_rows_used_every_step_survive_a_stream_of_single_new_ids(policy, cap) -> None:
+    """64 hot rows in neighbouring slots, read before every one-new-id push, are never evicted while
+    the full table holds thousands of colder rows (the window is at least EVICT_MIN_WINDOW slots, not
+    8n = 8; at 20,000 rows it is a window of the pool, not the whole of it)."""
+    hot = np.arange(64, dtype=np.int64) * 7 + 5
+    table = _table(capacity=cap, policy=policy)
+    table.admit(hot)  # slots 0..63
+    table.admit(np.arange(cap - hot.size, dtype=np.int64) + 10**12)  # full: cold rows in the rest
+    evicted = []
+    for step in range(1200):
+        table.read(hot)
+        table.admit(np.array([10**9 + step], np.int64))
+        evicted.append(int(np.count_nonzero(table.map.get(hot) < 0)))  # no use counted
+    assert table.stats()["evictions"] == 1200 and len(table) == cap
+    assert max(evicted) == 0, f"{max(evicted)} of 64 hot rows evicted while >= 3000 cold rows were held"
+    assert np.isin(hot, table.held()).all()
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
