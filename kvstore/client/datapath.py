@@ -433,7 +433,7 @@ class FastPath:
     may be held for their pulls (``KVSTORE_HOLD_PUSH``; dist_sync only, the module docstring)."""
 
     def __init__(self, path: DataPath, metas: dict[Key, Meta], lock: threading.RLock, meter: WorkerMeter,
-                 compression: WorkerCompression, device_mode: bool, hold: bool = True) -> None:
+                 compression: WorkerCompression, device_mode: bool, hold: bool = False) -> None:
         self.path, self.metas, self.lock, self.meter = path, metas, lock, meter
         self.compression, self.device_mode = compression, device_mode
         self.hold = hold and path.cluster.mode == "dist_sync"
@@ -521,14 +521,8 @@ class FastPath:
         it as the PUSHPULL that answers this pull too, at ``priority`` or its own if higher, and return
         its request: its failure is this pull's to raise, not remembered for the keys' next call.
         Else None (a held push of other keys has gone out first, as it is)."""
-        mux = self.path.mux
-        parked = mux.take_parked(send.server, send.body()["keys"])
-        if parked is None:
-            return None
-        request = parked.request
-        self.path.window.raised_by_call(request)
-        request.msg.op = Op.PUSHPULL  # the same body: keys, sizes, each key's round
-        return mux.send_parked(parked, priority)
+        return self.path.mux.send_parked_as(send.server, send.body()["keys"], Op.PUSHPULL, priority,
+                                            self.path.window.raised_by_call)
 
     def _receive(self, plan: KeyList, sends: list[Send], dtypes: list[np.dtype], slots: list[Any],
                  requests: list[Request], outs: list[np.ndarray], pushed: bool = False) -> None:

@@ -21,7 +21,7 @@ nobody sent since its last beat; meanwhile a later call's message of higher prio
 
 A push may be *parked* (``submit(..., park=True)``, ``kvstore.client.datapath`` decides which): its
 request is made but not sent, so that a pull of the same keys to the same server, if it is the next
-call, takes it along (:meth:`Mux.take_parked`, :meth:`Mux.send_parked`: one request and one reply for
+call, takes it along (:meth:`Mux.send_parked_as`: one request and one reply for
 both).  Anything else this Mux is asked to do first sends the parked push as it is: another submit,
 a wait, :meth:`hold`, the heartbeat's :meth:`nudge`; and so does the releaser thread, which a park
 wakes (a lock it blocks on, no timer): it runs as soon as the caller's thread lets the GIL go (a
@@ -242,26 +242,32 @@ class Mux:
             self._pump()
 
     # -- a parked push -------------------------------------------------------------------------------
-    def take_parked(self, target: int, keys: Any) -> Parked | None:
-        """The parked push if it goes to ``target`` with exactly ``keys`` (a pull of them takes it
-        along: :meth:`send_parked`), else None, any parked push being sent first."""
+    def send_parked_as(self, target: int, keys: Any, op: Op, priority: int = 0,
+                       before: Callable[[Request], None] | None = None) -> Request | None:
+        """If the parked push goes to ``target`` with exactly ``keys``, send it now as ``op`` (a pull of
+        them takes it along) at the higher of its priority and ``priority``, ``before(request)`` first,
+        and return its request; else None, any parked push being sent first as it is.  The push leaves
+        its slot only once sent or queued (as :meth:`_send_parked_locked`), so a call from another
+        thread, or the realigner's :meth:`hold`, finds it there and waits for it.  A failure to send it
+        fails its request (its caller's wait raises it)."""
         with self._park:
             parked = self._parked
-            if parked is not None and parked.target == target and (parked.keys is keys
-                                                                   or parked.keys == keys):
+            if parked is None or parked.target != target or not (parked.keys is keys or parked.keys == keys):
+                self._send_parked_locked()
+                return None
+            request, msg = parked.request, parked.request.msg
+            try:
+                if msg is not None:  # None: fail() or stop() resolved it meanwhile (its future says why)
+                    if before is not None:
+                        before(request)
+                    msg.op = op
+                    self._dispatch(target, request, nbytes=parked.nbytes,
+                                   priority=max(priority, parked.priority), keys=parked.keys)
+            except Exception as exc:  # noqa: BLE001 - the request's failure, raised by its caller's wait
+                _resolve(request, exc=exc)
+            finally:
                 self._parked = None
-                return parked
-            self._send_parked_locked()
-        return None
-
-    def send_parked(self, parked: Parked, priority: int = 0) -> Request:
-        """Send a push :meth:`take_parked` returned (its message changed by the caller, e.g. into a
-        PUSHPULL) at the higher of its priority and ``priority``; return its request."""
-        if self._parked is not None:
-            self._unpark()
-        self._dispatch(parked.target, parked.request, nbytes=parked.nbytes,
-                       priority=max(priority, parked.priority), keys=parked.keys)
-        return parked.request
+            return request
 
     def _unpark(self) -> None:
         """Send the parked push, if any, as it is; returns once it is sent or queued, whichever

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
@@ -40,7 +41,9 @@ class PushWindow:
         self.waiting = 0              # threads waiting for room now
         self.blocked_seconds = 0.0    # time spent waiting for room, all threads together
         self._live = 0                # recorded requests not answered yet (0: every push is acked)
-        self._raised: set[int] = set()  # ids of the futures whose failure their call raises (raised_by_call)
+        # the futures whose failure their call raises (raised_by_call); weak: one never resolved goes
+        # with its request, and no later future can be taken for it (an id() could be reused)
+        self._raised: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def _oldest_open(self, key: Key) -> list[Request] | None:
         """The oldest unacknowledged push of ``key`` when its window is full, else None (the caller
@@ -144,7 +147,7 @@ class PushWindow:
         """The failure of ``request``, a push recorded but not sent yet, is raised by the call that
         sends it (a held push a pull takes along: ``kvstore.client.datapath``): not remembered."""
         with self._lock:
-            self._raised.add(id(request.future))
+            self._raised.add(request.future)
 
     def _done(self, keys: list[Key] | None, future: Any) -> None:
         """A push request finished (in whichever thread read its reply): remember its failure for
@@ -152,8 +155,8 @@ class PushWindow:
         error = future.exception()
         with self._lock:
             self._live -= 1
-            if self._raised and id(future) in self._raised:
-                self._raised.discard(id(future))
+            if self._raised and future in self._raised:
+                self._raised.discard(future)
                 keys = None
             if error is not None and keys is not None:
                 for key in keys:

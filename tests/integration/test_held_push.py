@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +153,42 @@ def test_a_held_push_that_fails_raises_at_the_next_call_on_its_key(one) -> None:
         kv.pull(bad, out=out)
     kv.pull(bad, out=out)
     assert out.tolist() == [0]
+
+
+@pytest.mark.timeout(120)
+def test_a_pull_from_another_thread_after_a_push_returned_sees_that_push(make_cluster) -> None:
+    """Thread A pushes k then pulls it (taking the held push along); thread B, once A's push returned,
+    pulls k and must read that push, every step, with a 1 us switch interval (review: B's PULL once
+    overtook A's PUSHPULL while the push was out of its slot, 284 of 3,000 stale)."""
+    kv = make_cluster("dist_sync", 1, 1, KVSTORE_HOLD_PUSH="1").workers[0]
+    key = unique_key()
+    kv.init(key, np.zeros(1, np.float32))
+    pushed, read = threading.Event(), threading.Event()
+    stale: list[tuple[int, float]] = []
+    steps, out = 1500, np.empty(1, np.float32)
+
+    def other_thread() -> None:
+        for step in range(1, steps + 1):
+            if not pushed.wait(30):
+                return
+            pushed.clear()
+            got = float(kv.pull(key)[0])
+            if got != step:
+                stale.append((step, got))
+            read.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=other_thread, daemon=True)
+    try:
+        thread.start()
+        for step in range(1, steps + 1):
+            kv.push(key, np.full(1, step, np.float32))
+            pushed.set()
+            kv.pull(key, out=out)
+            assert read.wait(30), f"the other thread's pull of step {step} did not return"
+            read.clear()
+    finally:
+        sys.setswitchinterval(interval)
+        thread.join(30)
+    assert stale == [], f"{len(stale)} of {steps} pulls missed the push before them, e.g. {stale[:5]}"

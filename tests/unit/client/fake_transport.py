@@ -73,6 +73,17 @@ class FakeMux(Mux):
         refusal, self._parked_refusal = self._parked_refusal, None
         return self._answer_request(parked.request, refusal=refusal)
 
+    def send_parked_as(self, target: int, keys: Any, op: Op, priority: int = 0,
+                       before: Any = None) -> Request | None:
+        """:meth:`take_parked`, then send it as ``op`` (``before(request)`` first), as the Mux does."""
+        parked = self.take_parked(target, keys)
+        if parked is None:
+            return None
+        if before is not None:
+            before(parked.request)
+        parked.request.msg.op = op
+        return self.send_parked(parked, priority)
+
     def _unpark(self) -> None:
         parked, self._parked = self._parked, None
         if parked is not None:
