@@ -259,7 +259,7 @@ class Session:
         for hook in self.hooks:
             hook.begin(self)
         while epoch < epochs:
-            if index == 0 or view is None:
+            if view is None:  # the epoch's start: agree its view (a comer may hold it already)
                 view = kv.membership((epoch, self.step))
             plan = EpochSplit(samples, view.size, batch_size, min_batch)
             self._epoch = _Epoch(epoch, self.step - index, view.size, plan.steps)
@@ -281,7 +281,7 @@ class Session:
                 self._save_if_due()
             for hook in self.hooks:
                 hook.after_epoch(self, epoch)
-            epoch, index = epoch + 1, 0
+            epoch, index, view = epoch + 1, 0, None
             if self._stopped:
                 break
         if self.step != self._saved_step:
@@ -290,10 +290,11 @@ class Session:
 
     def _split_start(self, samples: int, batch_size: int,
                      min_batch: int) -> tuple[int, int, Membership | None]:
-        """Where a split run starts at ``self.step``: ``(epoch, index, view)``, view None at an epoch's
-        start (the loop agrees one).  A worker that joined or restarted reads the job's last view (its
-        tag: the epoch and the step it began at); a resumed checkpoint's mid-epoch position agrees a
-        view of as many workers as that epoch had.  Raises ConfigError when neither places it."""
+        """Where a split run starts at ``self.step``: ``(epoch, index, view)``, view None when the loop
+        must agree the epoch's view.  A worker that joined or restarted reads the job's last view (its
+        tag: the epoch and the step it began at) and goes on in that epoch with it, even at its first
+        step (the others agreed it already); a resumed checkpoint's mid-epoch position agrees a view of
+        as many workers as that epoch had.  Raises ConfigError when neither places it."""
         kv = self.trainer.kvstore
         if self.rejoined:
             view = kv.view
@@ -309,7 +310,7 @@ class Session:
                 epoch, index = progress.split_position(self.step, first, start, steps)
             except ValueError as exc:
                 raise ConfigError(f"cannot place this worker in the job's epochs: {exc}") from None
-            return epoch, index, (view if index else None)
+            return epoch, index, (view if epoch == first else None)  # its own epoch's view: agreed already
         if self.resumed_from is None:
             return 0, 0, None
         meta = self._meta(self.resumed_from)

@@ -346,3 +346,16 @@ def test_a_worker_that_comes_in_places_itself_by_the_jobs_last_tagged_view() -> 
     untagged.step = 3
     with pytest.raises(ConfigError, match="names no epoch"):
         untagged._split_start(50, 4, 1)
+
+
+def test_a_worker_coming_in_at_the_first_step_of_the_tagged_epoch_uses_that_epochs_view() -> None:
+    """Epoch 1's view (tag (1, 14)) was already released when this worker came at step 14: it goes on in
+    epoch 1 with that view (a joiner pushing zeros, a restarted rank 1 its own part) instead of opening
+    a barrier nobody else joins."""
+    from kvstore.core.membership import Membership
+
+    view = Membership(5, (0, 1), 4, (1, 14))
+    for rank in (2, 1):
+        session = kvstore.Session(_Comer(rank, view))
+        session.rejoined, session.step = True, 14
+        assert session._split_start(50, 4, 1) == (1, 0, view)
