@@ -73,3 +73,14 @@ def test_a_worker_without_a_batch_in_its_first_step_meets_the_rescale_agreement(
     assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
     found = records(tmp_path, 2)
     assert found[1] == [["1", "zero"], ["end", "2"]] and found[0][0][:3] == ["1", "data", "1"]
+
+
+def test_a_leaver_s_last_barrier_paired_with_the_next_membership_view_fails_on_both(tmp_path: Path) -> None:
+    """Worker 1 stops after epoch 0 and meets one more kv.barrier() before it closes its store; worker 0's
+    epoch 1 membership view pairs with it: both fail with CollectiveMismatchError (the launch fails)
+    instead of worker 0 training epoch 1 on a view that names the leaver (half its samples lost)."""
+    proc = launch(tmp_path, ["-n", "2"], "leave_barrier", "8", "2", "1", "2")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    assert "CollectiveMismatchError" in output and "asked for a plain barrier" in output, output[-4000:]
+    assert rows_by_epoch(records(tmp_path, 2)) == {0: list(range(8))}  # no step of epoch 1 trained
