@@ -2,8 +2,8 @@
 
 :class:`Session` runs the user's step function over the epochs' batches, saves the model's weights,
 the optimizer's states, the step and the data position to a storage URL every N steps and/or T
-seconds (rank 0 alone, atomically: a checkpoint is complete once its ``session.json`` is written,
-last), and starts by itself from where the job is:
+seconds (rank 0 alone, in a split run the lowest rank of the epoch's view; atomically: a checkpoint is
+complete once its ``session.json`` is written, last), and starts by itself from where the job is:
 
 - a worker restarted under ``launch.py --max-restarts`` (``kv.rejoined_at`` is set) takes the
   servers' current weights and goes on at the job's step;
@@ -57,12 +57,13 @@ class Batch(NamedTuple):
 @dataclass(frozen=True)
 class _Epoch:
     """A split epoch in progress (``run(..., split=True)``): its number, the job's step it began at, the
-    workers it is split over and its steps."""
+    workers it is split over, its steps, and the lowest rank of its view (which writes its checkpoints)."""
 
     epoch: int
     start: int
     workers: int
     steps: int
+    writer: int
 
 
 class Hook:
@@ -262,7 +263,7 @@ class Session:
             if view is None:  # the epoch's start: agree its view (a comer may hold it already)
                 view = kv.membership((epoch, self.step))
             plan = EpochSplit(samples, view.size, batch_size, min_batch)
-            self._epoch = _Epoch(epoch, self.step - index, view.size, plan.steps)
+            self._epoch = _Epoch(epoch, self.step - index, view.size, plan.steps, view.ranks[0])
             order = progress.split_order(self.seed, epoch, samples)
             part = view.index(self.rank) if self.rank in view else None  # None: joined mid-epoch
             self.epoch_loss = 0.0
@@ -410,9 +411,14 @@ class Session:
     def save(self) -> str | None:
         """Rank 0 writes a checkpoint of the current step (weights, optimizer states, then
         ``session.json``) and removes all but the newest ``keep``; return its URL (None on other ranks
-        or without a URL).  Not collective.  A failed write is logged and the previous one stays."""
+        or without a URL).  In a split run the writer is the lowest rank of the epoch's view, so
+        checkpoints go on after worker 0 left (every worker's view of an epoch is the same, and an
+        epoch's saves end before the next epoch's view is agreed).  Not collective.  A failed write is
+        logged and the previous one stays."""
         self._saved_step, self._saved_time = self.step, time.monotonic()
-        if self.url is None or self.rank != 0 or (self._schedule is None and self._epoch is None):
+        if self.url is None or (self._schedule is None and self._epoch is None):
+            return None
+        if self.rank != (0 if self._epoch is None else self._epoch.writer):
             return None
         folder = storage.join(self.url, progress.checkpoint_name(self.step))
         if self._epoch is not None:  # split=True: the epoch's start and workers place a mid-epoch resume

@@ -5,6 +5,7 @@ fails fast."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -84,3 +85,26 @@ def test_a_leaver_s_last_barrier_paired_with_the_next_membership_view_fails_on_b
     assert proc.returncode != 0, output[-4000:]
     assert "CollectiveMismatchError" in output and "asked for a plain barrier" in output, output[-4000:]
     assert rows_by_epoch(records(tmp_path, 2)) == {0: list(range(8))}  # no step of epoch 1 trained
+
+
+def test_checkpoints_go_on_after_worker_0_leaves_and_a_resume_finds_them(tmp_path: Path) -> None:
+    """Worker 0 leaves after epoch 0 (8 samples, 2 workers, batches of 2: 2 steps an epoch, 4 for one
+    worker); worker 1 trains epochs 1 and 2 alone and, the lowest rank of their views, writes their
+    checkpoints (every step) up to the job's last, 10, which the resume path takes as the newest."""
+    import torch
+
+    import kvstore
+
+    ckpt = tmp_path / "ckpt"
+    proc = launch(tmp_path, ["-n", "2"], "rank0_leaves", "8", "2", "1", "3", str(ckpt))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    found = records(tmp_path, 2)
+    assert found[0][-1] == ["end", "2"] and found[1][-1] == ["end", "10"]
+    assert rows_by_epoch(found) == {e: list(range(8)) for e in range(3)}
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"step-{s:08d}" for s in range(1, 11)]
+    trainer = kvstore.Trainer([("w", torch.nn.Parameter(torch.zeros(4)))], "sgd", {"learning_rate": 1.0},
+                              kvstore="local", update_on_kvstore=True)
+    newest = kvstore.Session(trainer, str(ckpt)).latest()
+    assert newest is not None and newest.endswith("step-00000010")
+    meta = json.loads((ckpt / "step-00000005" / "session.json").read_text())  # epoch 1, written by rank 1
+    assert (meta["epoch"], meta["index"], meta["epoch_start"], meta["epoch_workers"]) == (1, 3, 2, 1)
