@@ -243,7 +243,8 @@ class Session:
         epoch whoever joins or leaves.  A worker without a batch in a step (a part one batch short, or
         one that joined mid-epoch and so owns none of it) pushes zeros (``Trainer.step_without_data``);
         :meth:`stop` takes effect at the epoch's end.  Raises ConfigError without update_on_kvstore,
-        for a checkpoint of another schedule, or a mid-epoch one resumed with another worker count."""
+        for a worker that joined (``KVSTORE_JOIN``) before the job's first epoch view, for a checkpoint of
+        another schedule, or a mid-epoch one resumed with another worker count."""
         if int(epochs) < 1:
             raise ValueError(f"epochs must be at least 1, got {epochs!r}")
         EpochSplit(samples, 1, batch_size, min_batch)  # the counts' checks
@@ -251,6 +252,11 @@ class Session:
             raise ConfigError("Session.run(split=True) needs update_on_kvstore=True: a worker without a "
                               "batch in a step pushes zeros and takes the servers' weights (docs/elastic.md)")
         kv = self.trainer.kvstore
+        if kvconfig.load().join and len(kv.view.tag) != 2:  # KVSTORE_JOIN: a dist worker that joined
+            raise ConfigError("this worker joined the job before its first epoch's membership view was "
+                              "agreed (the others may not even have stored the weights yet): a split "
+                              "Session takes joins only once the job's first epoch has begun; ask for joins "
+                              "after the first step (docs/elastic.md)")
         # no worker count: each epoch's split follows its view (a mid-epoch resume checks the epoch's)
         self._settings_now = {"samples": samples, "batch_size": batch_size, "min_batch": min_batch,
                               "seed": self.seed, "split": True}
@@ -300,7 +306,7 @@ class Session:
         if self.rejoined:
             view = kv.view
             if len(view.tag) != 2:
-                if self.step == 0:  # came before the first epoch's view: it joins that one
+                if self.step == 0:  # restarted before the first epoch's view (joins are refused): it joins it
                     return 0, 0, None
                 raise ConfigError(f"this worker came into the job at step {self.step}, but the job's last "
                                   "membership view names no epoch: a split Session joins only a job whose "

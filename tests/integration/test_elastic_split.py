@@ -108,3 +108,17 @@ def test_checkpoints_go_on_after_worker_0_leaves_and_a_resume_finds_them(tmp_pat
     assert newest is not None and newest.endswith("step-00000010")
     meta = json.loads((ckpt / "step-00000005" / "session.json").read_text())  # epoch 1, written by rank 1
     assert (meta["epoch"], meta["index"], meta["epoch_start"], meta["epoch_workers"]) == (1, 3, 2, 1)
+
+
+def test_a_join_before_the_jobs_first_view_is_refused_with_a_named_error(tmp_path: Path) -> None:
+    """A join asked before anyone's first step (no weights stored, no epoch view agreed yet) fails its
+    split Session with a ConfigError saying so, and the launch fails, instead of the joiner dying of
+    KeyNotInitializedError."""
+    proc = launch(tmp_path, ["-n", "2", "--min-workers", "2", "--max-workers", "3"],
+                  "join_at_begin", "12", "2", "1", "2")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    assert "ConfigError: this worker joined the job before its first epoch's membership view" in output, \
+        output[-4000:]
+    assert "KeyNotInitializedError" not in output, output[-4000:]
+    assert "data" not in (tmp_path / "rec.2").read_text()

@@ -359,3 +359,15 @@ def test_a_worker_coming_in_at_the_first_step_of_the_tagged_epoch_uses_that_epoc
         session = kvstore.Session(_Comer(rank, view))
         session.rejoined, session.step = True, 14
         assert session._split_start(50, 4, 1) == (1, 0, view)
+
+
+def test_a_split_session_refuses_a_join_before_the_jobs_first_epoch_view(monkeypatch) -> None:
+    """A worker that joined (KVSTORE_JOIN=1) while the job's last view names no epoch raises ConfigError
+    before it touches the store (nothing initialised, no step)."""
+    from kvstore.core.membership import Membership
+
+    monkeypatch.setenv("KVSTORE_JOIN", "1")
+    early = kvstore.Session(_Comer(2, Membership(0, (0, 1), 4)))
+    with pytest.raises(ConfigError, match="before its first epoch's membership view"):
+        early.run(lambda b: None, 50, 4, 1, split=True)
+    assert early.step == 0 and early.rejoined is False
