@@ -243,8 +243,9 @@ class Session:
         epoch whoever joins or leaves.  A worker without a batch in a step (a part one batch short, or
         one that joined mid-epoch and so owns none of it) pushes zeros (``Trainer.step_without_data``);
         :meth:`stop` takes effect at the epoch's end.  Raises ConfigError without update_on_kvstore,
-        for a worker that joined (``KVSTORE_JOIN``) before the job's first epoch view, for a checkpoint of
-        another schedule, or a mid-epoch one resumed with another worker count."""
+        for an epoch whose view's parts are all smaller than ``min_batch``, for a worker that joined
+        (``KVSTORE_JOIN``) before the job's first epoch view, for a checkpoint of another schedule, or
+        a mid-epoch one resumed with another worker count."""
         if int(epochs) < 1:
             raise ValueError(f"epochs must be at least 1, got {epochs!r}")
         EpochSplit(samples, 1, batch_size, min_batch)  # the counts' checks
@@ -269,6 +270,10 @@ class Session:
             if view is None:  # the epoch's start: agree its view (a comer may hold it already)
                 view = kv.membership((epoch, self.step))
             plan = EpochSplit(samples, view.size, batch_size, min_batch)
+            if plan.steps == 0:  # every worker of the view raises it here: no round is left waiting
+                raise ConfigError(f"epoch {epoch} split over {view.size} workers gives parts of at most "
+                                  f"{plan.bounds(0)[1]} samples, none a batch of min_batch {min_batch}: "
+                                  "lower min_batch (or run with fewer workers)")
             self._epoch = _Epoch(epoch, self.step - index, view.size, plan.steps, view.ranks[0])
             order = progress.split_order(self.seed, epoch, samples)
             part = view.index(self.rank) if self.rank in view else None  # None: joined mid-epoch

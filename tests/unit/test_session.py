@@ -276,6 +276,15 @@ def test_a_split_session_sees_every_sample_once_per_epoch(tmp_path: Path) -> Non
     assert seen[0] != seen[1]  # each epoch its own shuffle
 
 
+def test_a_split_epoch_whose_parts_are_all_below_min_batch_raises_instead_of_passing_with_no_step() -> None:
+    """3 samples in batches of 4 with min_batch 4: the epoch's one part makes no batch, so the run raises
+    ConfigError at that epoch's start instead of counting epochs of no step."""
+    _, session, step = _job(None, True, samples=3)
+    with pytest.raises(ConfigError, match="none a batch of min_batch 4"):
+        session.run(step, 3, 4, EPOCHS, 4, split=True)
+    assert session.step == 0
+
+
 def test_a_split_session_stops_at_the_epochs_end_and_resumes_mid_epoch_to_the_unbroken_weights(
         tmp_path: Path) -> None:
     """A stop asked mid-epoch takes effect at the epoch's end; a checkpoint taken mid-epoch resumes
