@@ -2,8 +2,8 @@
 
 :class:`Session` runs the user's step function over the epochs' batches, saves the model's weights,
 the optimizer's states, the step and the data position to a storage URL every N steps and/or T
-seconds (rank 0 alone, atomically: a checkpoint is complete once its ``session.json`` is written,
-last), and starts by itself from where the job is:
+seconds (rank 0 alone, in a split run the lowest rank of the epoch's view; atomically: a checkpoint is
+complete once its ``session.json`` is written, last), and starts by itself from where the job is:
 
 - a worker restarted under ``launch.py --max-restarts`` (``kv.rejoined_at`` is set) takes the
   servers' current weights and goes on at the job's step;
@@ -57,12 +57,13 @@ class Batch(NamedTuple):
 @dataclass(frozen=True)
 class _Epoch:
     """A split epoch in progress (``run(..., split=True)``): its number, the job's step it began at, the
-    workers it is split over and its steps."""
+    workers it is split over, its steps, and the lowest rank of its view (which writes its checkpoints)."""
 
     epoch: int
     start: int
     workers: int
     steps: int
+    writer: int
 
 
 class Hook:
@@ -242,7 +243,9 @@ class Session:
         epoch whoever joins or leaves.  A worker without a batch in a step (a part one batch short, or
         one that joined mid-epoch and so owns none of it) pushes zeros (``Trainer.step_without_data``);
         :meth:`stop` takes effect at the epoch's end.  Raises ConfigError without update_on_kvstore,
-        for a checkpoint of another schedule, or a mid-epoch one resumed with another worker count."""
+        for an epoch whose view's parts are all smaller than ``min_batch``, for a worker that joined
+        (``KVSTORE_JOIN``) before the job's first epoch view, for a checkpoint of another schedule, or
+        a mid-epoch one resumed with another worker count."""
         if int(epochs) < 1:
             raise ValueError(f"epochs must be at least 1, got {epochs!r}")
         EpochSplit(samples, 1, batch_size, min_batch)  # the counts' checks
@@ -250,6 +253,11 @@ class Session:
             raise ConfigError("Session.run(split=True) needs update_on_kvstore=True: a worker without a "
                               "batch in a step pushes zeros and takes the servers' weights (docs/elastic.md)")
         kv = self.trainer.kvstore
+        if kvconfig.load().join and len(kv.view.tag) != 2:  # KVSTORE_JOIN: a dist worker that joined
+            raise ConfigError("this worker joined the job before its first epoch's membership view was "
+                              "agreed (the others may not even have stored the weights yet): a split "
+                              "Session takes joins only once the job's first epoch has begun; ask for joins "
+                              "after the first step (docs/elastic.md)")
         # no worker count: each epoch's split follows its view (a mid-epoch resume checks the epoch's)
         self._settings_now = {"samples": samples, "batch_size": batch_size, "min_batch": min_batch,
                               "seed": self.seed, "split": True}
@@ -259,10 +267,14 @@ class Session:
         for hook in self.hooks:
             hook.begin(self)
         while epoch < epochs:
-            if index == 0 or view is None:
+            if view is None:  # the epoch's start: agree its view (a comer may hold it already)
                 view = kv.membership((epoch, self.step))
             plan = EpochSplit(samples, view.size, batch_size, min_batch)
-            self._epoch = _Epoch(epoch, self.step - index, view.size, plan.steps)
+            if plan.steps == 0:  # every worker of the view raises it here: no round is left waiting
+                raise ConfigError(f"epoch {epoch} split over {view.size} workers gives parts of at most "
+                                  f"{plan.bounds(0)[1]} samples, none a batch of min_batch {min_batch}: "
+                                  "lower min_batch (or run with fewer workers)")
+            self._epoch = _Epoch(epoch, self.step - index, view.size, plan.steps, view.ranks[0])
             order = progress.split_order(self.seed, epoch, samples)
             part = view.index(self.rank) if self.rank in view else None  # None: joined mid-epoch
             self.epoch_loss = 0.0
@@ -281,7 +293,7 @@ class Session:
                 self._save_if_due()
             for hook in self.hooks:
                 hook.after_epoch(self, epoch)
-            epoch, index = epoch + 1, 0
+            epoch, index, view = epoch + 1, 0, None
             if self._stopped:
                 break
         if self.step != self._saved_step:
@@ -290,15 +302,16 @@ class Session:
 
     def _split_start(self, samples: int, batch_size: int,
                      min_batch: int) -> tuple[int, int, Membership | None]:
-        """Where a split run starts at ``self.step``: ``(epoch, index, view)``, view None at an epoch's
-        start (the loop agrees one).  A worker that joined or restarted reads the job's last view (its
-        tag: the epoch and the step it began at); a resumed checkpoint's mid-epoch position agrees a
-        view of as many workers as that epoch had.  Raises ConfigError when neither places it."""
+        """Where a split run starts at ``self.step``: ``(epoch, index, view)``, view None when the loop
+        must agree the epoch's view.  A worker that joined or restarted reads the job's last view (its
+        tag: the epoch and the step it began at) and goes on in that epoch with it, even at its first
+        step (the others agreed it already); a resumed checkpoint's mid-epoch position agrees a view of
+        as many workers as that epoch had.  Raises ConfigError when neither places it."""
         kv = self.trainer.kvstore
         if self.rejoined:
             view = kv.view
             if len(view.tag) != 2:
-                if self.step == 0:  # came before the first epoch's view: it joins that one
+                if self.step == 0:  # restarted before the first epoch's view (joins are refused): it joins it
                     return 0, 0, None
                 raise ConfigError(f"this worker came into the job at step {self.step}, but the job's last "
                                   "membership view names no epoch: a split Session joins only a job whose "
@@ -309,7 +322,7 @@ class Session:
                 epoch, index = progress.split_position(self.step, first, start, steps)
             except ValueError as exc:
                 raise ConfigError(f"cannot place this worker in the job's epochs: {exc}") from None
-            return epoch, index, (view if index else None)
+            return epoch, index, (view if epoch == first else None)  # its own epoch's view: agreed already
         if self.resumed_from is None:
             return 0, 0, None
         meta = self._meta(self.resumed_from)
@@ -409,9 +422,14 @@ class Session:
     def save(self) -> str | None:
         """Rank 0 writes a checkpoint of the current step (weights, optimizer states, then
         ``session.json``) and removes all but the newest ``keep``; return its URL (None on other ranks
-        or without a URL).  Not collective.  A failed write is logged and the previous one stays."""
+        or without a URL).  In a split run the writer is the lowest rank of the epoch's view, so
+        checkpoints go on after worker 0 left (every worker's view of an epoch is the same, and an
+        epoch's saves end before the next epoch's view is agreed).  Not collective.  A failed write is
+        logged and the previous one stays."""
         self._saved_step, self._saved_time = self.step, time.monotonic()
-        if self.url is None or self.rank != 0 or (self._schedule is None and self._epoch is None):
+        if self.url is None or (self._schedule is None and self._epoch is None):
+            return None
+        if self.rank != (0 if self._epoch is None else self._epoch.writer):
             return None
         folder = storage.join(self.url, progress.checkpoint_name(self.step))
         if self._epoch is not None:  # split=True: the epoch's start and workers place a mid-epoch resume

@@ -448,7 +448,8 @@ class Trainer:
     def step_without_data(self) -> None:
         """A step in which this worker has no batch: push zero gradients for every parameter (a
         ``dist_sync`` round waits for every present worker, docs/elastic.md) and take the updated
-        weights, adding nothing to the sum and leaving the parameters' ``.grad`` alone.  Needs
+        weights, adding nothing to the sum and leaving the parameters' ``.grad`` alone; a first step
+        meets the others' agreement of the servers' rescale_grad as :meth:`step` does.  Needs
         update_on_kvstore (with local updates the batch size the others scale by is unknown here):
         RuntimeError otherwise."""
         import torch
@@ -457,6 +458,8 @@ class Trainer:
             raise RuntimeError("step_without_data needs update_on_kvstore=True: with local updates this "
                                "worker cannot scale the others' gradient sum as they do")
         self._init_kvstore()
+        if self._servers_keep_rescale():  # meet the others' first-step agreement of the servers' rescale_grad
+            self._rescales.factor(self._optimizer.rescale_grad)
         zeros = [[torch.zeros_like(p, memory_format=torch.contiguous_format) for p in replica]
                  for replica in self._replicas]
         self._kv.pushpull(self._keys, self._per_key(zeros), out=self._per_key(self._replicas))

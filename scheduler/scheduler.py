@@ -46,7 +46,7 @@ from .observe import PollGate, SchedulerStats, node_rows, scheduler_snapshot
 from .pipes import PipesExtension
 from .recovery import Rebound, Recovery, die_hook, parse, read_digest, write_digest
 from .restarts import RestartsExtension
-from .state import Barrier, Challenges, Liveness, Node, Rendezvous, hello_nonce
+from .state import Barrier, Challenges, Liveness, Node, Rendezvous, hello_nonce, mixed_calls
 
 log = logging.getLogger("scheduler")
 # zmq queues at most this many unread messages from each peer, then stops reading its connection and
@@ -459,7 +459,8 @@ class Scheduler:
         it releases reads the same membership: the slots not left, numbered by the barriers passed); a
         tagged one's tag and number too, kept as the job's last view (a worker that joins or restarts
         later gets it with its map).  With fewer workers present than KVSTORE_MIN_WORKERS, each gets
-        TooFewWorkersError instead."""
+        TooFewWorkersError instead; when a membership view was paired with a plain barrier or another
+        tag, CollectiveMismatchError (no view is agreed or kept)."""
         if not released:
             return
         if self.timeline is not None and self.stats.opened_at is not None:
@@ -473,9 +474,10 @@ class Scheduler:
                 f"the job has {present} worker(s) present (ranks {self._present_ranks()}), fewer than "
                 f"--min-workers {self.cfg.min_workers} (KVSTORE_MIN_WORKERS): this barrier fails on every "
                 "worker")
-            log.error("%s", exc)
-            for ident, seq in released:
-                self.service.reply_error(ident, seq, exc)
+            self._fail_released(released, exc)
+            return
+        if self.barrier.released_mixed:  # a membership view paired with other calls: no view agreed
+            self._fail_released(released, mixed_calls(self.barrier.generation, self.barrier.released_mixed))
             return
         body = {"failures": [[r, text] for r, text in sorted(self.barrier.released_failures.items())],
                 "left": sorted(self.left)}
@@ -490,6 +492,12 @@ class Scheduler:
             body["digests"] = [[ranks, d] for d, ranks in groups.items()]
         for ident, seq in released:
             self.service.reply(ident, Message(Op.OK, dict(body), seq=seq))
+
+    def _fail_released(self, released: list[tuple[bytes, int]], exc: KVStoreError) -> None:
+        """Answer every waiter a barrier released with ``exc`` (logged once): it has passed, failed."""
+        log.error("%s", exc)
+        for ident, seq in released:
+            self.service.reply_error(ident, seq, exc)
 
     def _present_ranks(self) -> list[int]:
         """The worker slots held (present, or away on a restart)."""

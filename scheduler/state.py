@@ -6,7 +6,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import AuthenticationError, ConfigError, ProtocolError
+from kvstore.errors import AuthenticationError, CollectiveMismatchError, ConfigError, ProtocolError
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,8 @@ class Barrier:
         self.released_digests: dict[int, str] = {}  # the digests of the last released generation
         self.tags: dict[int, list[int]] = {}  # rank -> the tag of its membership view, this generation
         self.released_tag: list[int] | None = None  # the lowest rank's tag of the last released one
+        # the last released one's calls when they differ (rank -> its tag, None for a plain barrier)
+        self.released_mixed: dict[int, list[int] | None] = {}
         self.generation = 0  # barriers released so far: a worker says which it passed (a restart's resend)
 
     def arrive(self, rank: int, identity: bytes, seq: int,
@@ -164,7 +166,9 @@ class Barrier:
         deadline) replaces its earlier entry, so it is counted once and the
         reply goes to the request that is still waiting.  On release,
         :attr:`released_failures` holds the failures reported in the generation, and
-        :attr:`released_digests` its digests, :attr:`released_tag` its lowest rank's tag (None: none).
+        :attr:`released_digests` its digests, :attr:`released_tag` its lowest rank's tag (None: none),
+        and :attr:`released_mixed` every rank's call when they were not all one (membership views of
+        differing tags, or a view among plain barriers; empty otherwise).
         """
         self.waiting[rank] = (identity, seq)
         if failure is None:
@@ -184,12 +188,14 @@ class Barrier:
         return self._released()
 
     def _released(self) -> list[tuple[bytes, int]]:
-        """End the generation: every waiter, its failures and digests kept as the released ones."""
+        """End the generation: every waiter, its failures, digests and tags kept as the released ones."""
+        calls = {rank: self.tags.get(rank) for rank in sorted(self.waiting)}
         released, self.waiting = list(self.waiting.values()), {}
         self.generation += 1
         self.released_failures, self.failures = self.failures, {}
         self.released_digests, self.digests = self.digests, {}
         self.released_tag = self.tags[min(self.tags)] if self.tags else None
+        self.released_mixed = calls if self.tags and len({repr(c) for c in calls.values()}) > 1 else {}
         self.tags = {}
         return released
 
@@ -246,3 +252,18 @@ class Liveness:
         for node in gone:
             del self.last[node]
         return gone
+
+
+def mixed_calls(generation: int, calls: dict[int, list[int] | None]) -> CollectiveMismatchError:
+    """The error of barrier ``generation`` whose workers made different calls (``calls``: rank -> its
+    membership tag, None for a plain barrier): it says who asked for what, and its ``ranks`` are those
+    outside the largest group that agrees (ties: the group of the lowest rank)."""
+    groups: dict[str, list[int]] = {}
+    for rank, tag in sorted(calls.items()):
+        groups.setdefault("a plain barrier" if tag is None else f"membership view {tag}", []).append(rank)
+    agreed = max(groups.values(), key=lambda ranks: (len(ranks), -ranks[0]))
+    said = "; ".join(f"workers {ranks} asked for {what}" for what, ranks in groups.items())
+    return CollectiveMismatchError(
+        f"barrier {generation} paired different calls: {said}; it fails on every worker.  Every worker "
+        "must ask for the membership view at the same point (a worker leaving a split Session closes its "
+        "store right after run returns)", sorted(set(calls) - set(agreed)))

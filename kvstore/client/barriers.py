@@ -17,6 +17,7 @@ from kvstore.config import Config
 from kvstore.core import agreement
 from kvstore.core.membership import Membership, view_of
 from kvstore.errors import (
+    CollectiveMismatchError,
     DeadlineExceededError,
     TooFewWorkersError,
     error_code,
@@ -107,7 +108,8 @@ class Barriers:
              tag: tuple[int, ...] | None = None) -> dict:
         """Join the scheduler's barrier (with a ``failure``, ``digest`` or membership ``tag`` to hand
         every worker); return its reply's body (``failures``, ``left``, ``view``, ``digests``) and keep
-        the membership it agreed as :attr:`view`."""
+        the membership it agreed as :attr:`view`.  A barrier the scheduler released with
+        TooFewWorkersError or CollectiveMismatchError counts as passed (so does every worker's)."""
         body: dict[str, Any] = {} if failure is None else {"failure": failure}
         if digest is not None:
             body["digest"] = digest
@@ -118,9 +120,9 @@ class Barriers:
         try:
             try:
                 body = self._wait([request], self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")[0].body
-            except TooFewWorkersError:
-                self._passed()  # released, with the error: the scheduler counted it
-                raise
+            except (TooFewWorkersError, CollectiveMismatchError):
+                self._passed()  # released, with the error (too few workers, or a membership view paired
+                raise  # with other calls): the scheduler counted it
             self._passed()
             with self._lock:
                 self.view = view_of(body, self._num_workers, self.passed)

@@ -49,12 +49,16 @@ class Membership:
 
 
 def check_tag(tag: Any) -> tuple[int, ...]:
-    """``tag`` as a tuple of at most :data:`MAX_TAG` ints; TypeError or ValueError otherwise."""
+    """``tag`` as a tuple of at most :data:`MAX_TAG` ints, each in ``[-2**63, 2**64)`` (what msgpack
+    carries); TypeError for a tag that is not a sequence of ints, ValueError for too many or too big."""
     if isinstance(tag, (str, bytes)) or not hasattr(tag, "__iter__"):
         raise TypeError(f"a membership tag is a sequence of ints, not {type(tag).__name__}")
     ints = tuple(operator.index(t) for t in tag)
     if len(ints) > MAX_TAG:
         raise ValueError(f"a membership tag holds at most {MAX_TAG} ints, not {len(ints)}")
+    for t in ints:
+        if not -2 ** 63 <= t < 2 ** 64:
+            raise ValueError(f"a membership tag's ints fit in 64 bits (msgpack's), not {t}")
     return ints
 
 

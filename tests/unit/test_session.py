@@ -276,6 +276,15 @@ def test_a_split_session_sees_every_sample_once_per_epoch(tmp_path: Path) -> Non
     assert seen[0] != seen[1]  # each epoch its own shuffle
 
 
+def test_a_split_epoch_whose_parts_are_all_below_min_batch_raises_instead_of_passing_with_no_step() -> None:
+    """3 samples in batches of 4 with min_batch 4: the epoch's one part makes no batch, so the run raises
+    ConfigError at that epoch's start instead of counting epochs of no step."""
+    _, session, step = _job(None, True, samples=3)
+    with pytest.raises(ConfigError, match="none a batch of min_batch 4"):
+        session.run(step, 3, 4, EPOCHS, 4, split=True)
+    assert session.step == 0
+
+
 def test_a_split_session_stops_at_the_epochs_end_and_resumes_mid_epoch_to_the_unbroken_weights(
         tmp_path: Path) -> None:
     """A stop asked mid-epoch takes effect at the epoch's end; a checkpoint taken mid-epoch resumes
@@ -346,3 +355,28 @@ def test_a_worker_that_comes_in_places_itself_by_the_jobs_last_tagged_view() -> 
     untagged.step = 3
     with pytest.raises(ConfigError, match="names no epoch"):
         untagged._split_start(50, 4, 1)
+
+
+def test_a_worker_coming_in_at_the_first_step_of_the_tagged_epoch_uses_that_epochs_view() -> None:
+    """Epoch 1's view (tag (1, 14)) was already released when this worker came at step 14: it goes on in
+    epoch 1 with that view (a joiner pushing zeros, a restarted rank 1 its own part) instead of opening
+    a barrier nobody else joins."""
+    from kvstore.core.membership import Membership
+
+    view = Membership(5, (0, 1), 4, (1, 14))
+    for rank in (2, 1):
+        session = kvstore.Session(_Comer(rank, view))
+        session.rejoined, session.step = True, 14
+        assert session._split_start(50, 4, 1) == (1, 0, view)
+
+
+def test_a_split_session_refuses_a_join_before_the_jobs_first_epoch_view(monkeypatch) -> None:
+    """A worker that joined (KVSTORE_JOIN=1) while the job's last view names no epoch raises ConfigError
+    before it touches the store (nothing initialised, no step)."""
+    from kvstore.core.membership import Membership
+
+    monkeypatch.setenv("KVSTORE_JOIN", "1")
+    early = kvstore.Session(_Comer(2, Membership(0, (0, 1), 4)))
+    with pytest.raises(ConfigError, match="before its first epoch's membership view"):
+        early.run(lambda b: None, 50, 4, 1, split=True)
+    assert early.step == 0 and early.rejoined is False

@@ -204,3 +204,17 @@ def test_a_barrier_failed_below_min_workers_counts_as_passed(store) -> None:
     del mux.refuse[Op.BARRIER]
     kv.barrier()
     assert [m.body["after"] for t, m in mux.sent if m.op is Op.BARRIER] == [0, 1]
+
+
+def test_a_barrier_failed_for_paired_calls_counts_as_passed(store) -> None:
+    """A barrier the scheduler released with CollectiveMismatchError (a membership view paired with a
+    plain barrier) is counted as passed, as every other worker it released counts it."""
+    from kvstore.errors import CollectiveMismatchError
+
+    kv, mux = store
+    mux.refuse[Op.BARRIER] = CollectiveMismatchError("barrier 1 paired different calls")
+    with pytest.raises(CollectiveMismatchError):
+        kv.barrier()
+    del mux.refuse[Op.BARRIER]
+    kv.membership((1, 4))
+    assert [m.body["after"] for t, m in mux.sent if m.op is Op.BARRIER] == [0, 1]

@@ -26,6 +26,14 @@ def test_a_tag_is_a_few_ints() -> None:
             check_tag(bad)
 
 
+def test_a_tag_s_ints_fit_in_msgpack() -> None:
+    """Ints msgpack carries (-2**63 up to 2**64 - 1) pass; one outside raises ValueError before any send."""
+    assert check_tag([-2 ** 63, 2 ** 64 - 1]) == (-2 ** 63, 2 ** 64 - 1)
+    for bad in ([2 ** 64], [-2 ** 63 - 1], [0, 10 ** 30]):
+        with pytest.raises(ValueError, match="64 bits"):
+            check_tag(bad)
+
+
 @pytest.mark.parametrize("samples,workers,batch,min_batch", [
     (60, 2, 4, 1), (60, 4, 4, 1), (61, 3, 4, 1), (7, 4, 2, 1), (3, 4, 2, 1), (100, 3, 8, 8), (10, 1, 3, 1)])
 def test_every_sample_is_in_one_part_and_the_epoch_has_the_biggest_parts_batches(

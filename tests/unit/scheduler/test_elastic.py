@@ -115,3 +115,31 @@ def test_a_leave_that_releases_a_waiting_barrier_below_min_workers_fails_it() ->
     assert peers["w1"].send(Op.LEAVE, {}, sender=1)[0].op is Op.OK
     (reply,) = peers["w0"].replies()
     assert reply.op is Op.ERROR and reply.body["code"] == "TooFewWorkersError", reply.body
+
+
+def test_a_membership_view_paired_with_a_plain_barrier_fails_on_every_worker() -> None:
+    """Worker 1's last plain barrier (it is leaving) meets worker 0's membership view: both get
+    CollectiveMismatchError naming who asked for what, and the barrier counts as passed (the next, both
+    asking for the view, is released with number 2)."""
+    sched, peers = elastic()
+    assert peers["w0"].send(Op.BARRIER, {"tag": [1, 4], "after": 0}, sender=0) == []
+    (r1,) = peers["w1"].send(Op.BARRIER, {"after": 0}, sender=1)
+    (r0,) = peers["w0"].replies()
+    for reply in (r0, r1):
+        assert reply.op is Op.ERROR and reply.body["code"] == "CollectiveMismatchError", reply.body
+        assert "workers [0] asked for membership view [1, 4]" in reply.body["message"]
+        assert "workers [1] asked for a plain barrier" in reply.body["message"]
+    assert peers["w0"].send(Op.BARRIER, {"tag": [1, 4], "after": 1}, sender=0) == []
+    (r1,) = peers["w1"].send(Op.BARRIER, {"tag": [1, 4], "after": 1}, sender=1)
+    assert r1.op is Op.OK and r1.body["view"] == 2 and r1.body["tag"] == [1, 4], r1.body
+
+
+def test_membership_views_of_differing_tags_fail_on_every_worker() -> None:
+    """Two workers asking for views of different tags (they disagree on the epoch) both fail, and no
+    view is kept for a worker that joins later."""
+    sched, peers = elastic()
+    assert peers["w0"].send(Op.BARRIER, {"tag": [1, 4]}, sender=0) == []
+    (r1,) = peers["w1"].send(Op.BARRIER, {"tag": [2, 8]}, sender=1)
+    (r0,) = peers["w0"].replies()
+    assert r0.body["code"] == r1.body["code"] == "CollectiveMismatchError", (r0.body, r1.body)
+    assert join(sched, "w2", 2, 1).body.get("view") is None

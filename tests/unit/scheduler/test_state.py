@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.errors import ConfigError, ProtocolError
-from kvstore.scheduler.state import Barrier, Liveness, Node, Rendezvous, assign_ranks
+from kvstore.errors import CollectiveMismatchError, ConfigError, ProtocolError
+from kvstore.scheduler.state import Barrier, Liveness, Node, Rendezvous, assign_ranks, mixed_calls
 
 
 def worker(i: int, wanted: int | None = None, mode: str | None = "dist_sync") -> Node:
@@ -177,6 +177,28 @@ def test_barrier_resets_for_the_next_generation():
     b.arrive(1, b"w1", 2)
     assert b.arrive(1, b"w1", 3) == []
     assert sorted(b.arrive(0, b"w0", 4)) == [(b"w0", 4), (b"w1", 3)]
+
+
+def test_barrier_keeps_the_calls_of_a_generation_that_mixed_a_view_with_other_calls():
+    """A generation of one view's tag everywhere, or of plain barriers only, is not mixed; one pairing a
+    view with a plain barrier or another tag keeps every rank's call, and its error names the ranks
+    outside the largest agreeing group (ties: the lowest rank's group)."""
+    b = Barrier(3)
+    for rank in range(3):
+        b.arrive(rank, b"w%d" % rank, 1, tag=[0, 0])
+    assert b.released_mixed == {} and b.released_tag == [0, 0]
+    for rank in range(3):
+        b.arrive(rank, b"w%d" % rank, 2)
+    assert b.released_mixed == {} and b.released_tag is None
+    b.arrive(0, b"w0", 3, tag=[1, 4])
+    b.arrive(1, b"w1", 3)
+    b.arrive(2, b"w2", 3, tag=[1, 4])
+    assert b.released_mixed == {0: [1, 4], 1: None, 2: [1, 4]}
+    error = mixed_calls(b.generation, b.released_mixed)
+    assert isinstance(error, CollectiveMismatchError) and error.ranks == [1]
+    said = "workers [0, 2] asked for membership view [1, 4]; workers [1] asked for a plain barrier"
+    assert said in str(error)
+    assert mixed_calls(4, {0: None, 1: [2, 8]}).ranks == [1]
 
 
 def test_barrier_of_one_releases_at_once():

@@ -1,0 +1,86 @@
+"""Worker script for the split Session's edge cases (tests/integration/test_elastic_split.py).
+
+argv: OUT MODE SAMPLES BATCH MIN_BATCH EPOCHS [CKPT]
+MODE ``join_at_start``: at epoch 1's first batch (its membership view released, before anyone pushed
+in it) worker 0 asks for one join and both first workers wait, polling with a deadline, until the
+joiner's store is made; then they step.  MODE ``join_at_begin``: worker 0 asks for one join before
+anyone's first step (before the job's first view and its first init) and both wait for the joiner.
+MODE ``leave_barrier``: worker 1 stops after epoch 0 and meets one more ``kv.barrier()`` before it
+closes its store.  MODE ``rank0_leaves``: worker 0 stops after epoch 0.  MODE ``plain``: nothing
+else.  With CKPT, a checkpoint every step (rank 0 of each epoch's view writes it).
+
+Each step a worker with a batch pushes ``2**rank`` (sgd, lr 1, on the servers).  Each worker writes
+OUT.RANK: per step ``STEP data EPOCH ROWS`` (ROWS: its sample ids, comma-separated) or ``STEP zero``,
+and ``end STEP``; a joiner creates OUT-joined once its store is made.
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+import kvstore
+
+out, mode, samples, batch, min_batch, epochs = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+ckpt = sys.argv[7] if len(sys.argv) > 7 else None
+kv = kvstore.create("dist_sync")
+rank = kv.rank
+if kv.rejoined_at is not None:
+    open(f"{out}-joined", "w").close()
+weight = torch.nn.Parameter(torch.zeros(4))
+trainer = kvstore.Trainer([("w", weight)], "sgd", {"learning_rate": 1.0}, kvstore=kv, update_on_kvstore=True,
+                          overlap=False)
+record = open(f"{out}.{rank}", "w")
+seen: dict[int, kvstore.session.Batch] = {}
+
+
+def ask_for_a_join_and_wait() -> None:
+    """Worker 0 appends a line 'join' to the launcher's control file; every first worker then waits
+    (at most 60 s) until the joiner has made its store."""
+    if rank == 0:
+        with open(os.environ["KVSTORE_ELASTIC_CONTROL"], "a") as control:
+            control.write("join\n")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{out}-joined"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no joiner after 60 s ({out}-joined)")
+        time.sleep(0.05)  # polling interval of a deadline-bounded wait
+
+
+if mode == "join_at_begin" and kv.rejoined_at is None:
+    ask_for_a_join_and_wait()
+
+
+def step(b: kvstore.session.Batch) -> float:
+    if mode == "join_at_start" and (b.epoch, b.index) == (1, 0) and kv.rejoined_at is None:
+        ask_for_a_join_and_wait()
+    seen[b.step] = b
+    weight.grad = torch.full((4,), 2.0 ** rank)
+    trainer.step(1)
+    return 1.0
+
+
+class Record(kvstore.session.Hook):
+    """Writes each step's batch (or ``zero``) to this worker's record; stops where the mode says."""
+
+    def after_step(self, session: kvstore.Session, loss: float | None) -> None:
+        b = seen.pop(session.step - 1, None)
+        if b is None:
+            record.write(f"{session.step - 1} zero\n")
+        else:
+            record.write(f"{session.step - 1} data {b.epoch} {','.join(str(int(r)) for r in b.rows)}\n")
+        record.flush()
+
+    def after_epoch(self, session: kvstore.Session, epoch: int) -> None:
+        if (mode == "leave_barrier" and rank == 1) or (mode == "rank0_leaves" and rank == 0):
+            session.stop()  # leave for good at this epoch's end
+
+
+session = kvstore.Session(trainer, ckpt, every_steps=1 if ckpt else None, keep=100, hooks=[Record()])
+done = session.run(step, samples, batch, epochs, min_batch, split=True)
+if mode == "leave_barrier" and rank == 1:
+    kv.barrier()  # any collective between run's return and close (save_states, an eval barrier, ...)
+record.write(f"end {done}\n")
+record.close()
+kv.close()
