@@ -238,18 +238,7 @@ class DistKVStore(KVStore):
         self._check_open()
         started = self._meter.begin("barrier")
         try:
-            error: KVStoreError | None = None
-            try:
-                self._flush(self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
-            except DeadlineExceededError:
-                raise
-            except KVStoreError as exc:
-                error = exc
-            if not self._barriers.join(tag=ints):
-                raise DeadlineExceededError("the membership barrier was released but its reply was given up "
-                                            "on (KVSTORE_REQUEST_TIMEOUT): the view is unknown")
-            if error is not None:
-                raise error
+            self._barrier_after_pushes(ints)
         finally:
             self._meter.end("barrier", started, blocked="barrier")
         return self._barriers.view
@@ -582,7 +571,9 @@ class DistKVStore(KVStore):
         finally:
             self._meter.end("barrier", started, blocked="barrier")
 
-    def _barrier_after_pushes(self) -> None:
+    def _barrier_after_pushes(self, tag: tuple[int, ...] | None = None) -> None:
+        """Wait for this worker's pushes (a push failure is raised after the barrier), then join the
+        barrier: a membership one with ``tag`` (DeadlineExceededError when its reply was given up on)."""
         error: KVStoreError | None = None
         try:
             self._flush(self._cfg.request_timeout, "KVSTORE_REQUEST_TIMEOUT")
@@ -590,7 +581,11 @@ class DistKVStore(KVStore):
             raise
         except KVStoreError as exc:
             error = exc
-        self._barrier_only()
+        if tag is None:
+            self._barrier_only()
+        elif not self._barriers.join(tag=tag):
+            raise DeadlineExceededError("the membership barrier was released but its reply was given up "
+                                        "on (KVSTORE_REQUEST_TIMEOUT): the view is unknown")
         if error is not None:
             raise error
 
