@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 
 from kvstore.core import table_image
-from kvstore.core.optimizer import Optimizer
+from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import Key, check_key
 from kvstore.core.shard import ShardState
 from kvstore.core.sparse_shard import RowTables
 from kvstore.core.table_image import TableImage, copied
-from kvstore.errors import FormatError, KeyTypeError
+from kvstore.errors import FormatError, KeyTypeError, OptimizerError
 
 KIND = "server_shard"
 SHARD_VERSION = 2  # 2: row-sparse tables (``tables``); a shard without the field is 1 (dense keys only)
@@ -177,5 +177,11 @@ def from_file(manifest: dict[str, Any], arrays: dict[str, np.ndarray], where: st
     tables = table_image.from_entries(manifest.get("tables"), arrays, where)
     if set(tables) & set(keys):
         raise FormatError(f"{where}: a key is stored both as a dense key and as a table")
+    if tables:
+        try:
+            optimizer = None if spec is None else from_spec(spec)
+        except OptimizerError as exc:
+            raise FormatError(f"{where}: its optimizer: {exc}") from None
+        table_image.check_states(tables, optimizer, where)
     return ShardImage(rank, number, mode, _count(manifest.get("num_workers"), "'num_workers'", where), spec,
                       _count(manifest.get("num_update"), "'num_update'", where), keys, session, tables)

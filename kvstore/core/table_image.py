@@ -219,8 +219,32 @@ def _table(entry: Any, arrays: dict[str, np.ndarray], where: str) -> tuple[Key, 
             raise FormatError(f"{where}: table {key!r}'s rows [{image.lo}, {image.hi}) do not fit {shape}")
     else:
         image.dynamic, image.init, image.spec = _dynamic(dynamic, arrays, rows.shape[0], key, where)
+        if image.spec.capacity and rows.shape[0] > image.spec.capacity:
+            raise FormatError(f"{where}: dynamic table {key!r} holds {rows.shape[0]} rows, more than its "
+                              f"capacity of {image.spec.capacity}")
         image.dynamic.rows = rows
     return key, image
+
+
+def check_states(images: dict[Key, TableImage], optimizer: Optimizer | None, where: str) -> None:
+    """FormatError naming ``where`` when a table's state arrays are not the names and dtypes
+    ``optimizer`` (the shard's own; None: none set) keeps for it: installed, the others would be
+    dropped and the table would go on without them silently."""
+    for key, image in images.items():
+        if not image.states:
+            continue
+        dtype = image.rows.dtype
+        if optimizer is None:
+            raise FormatError(f"{where}: table {key!r} holds optimizer state but the shard has no optimizer")
+        want = optimizer.state_names(dtype)
+        kept = np.dtype(np.float32) if "weight32" in want else dtype  # as create_state makes them
+        if set(image.states) != set(want):
+            raise FormatError(f"{where}: table {key!r} holds states {sorted(image.states)}; "
+                              f"{optimizer.name} keeps {sorted(want)}")
+        wrong = [name for name, array in image.states.items() if array.dtype != kept]
+        if wrong:
+            raise FormatError(f"{where}: table {key!r}'s states {wrong} are not of the dtype "
+                              f"{optimizer.name} keeps them in")
 
 
 def from_entries(found: Any, arrays: dict[str, np.ndarray], where: str) -> dict[Key, TableImage]:
