@@ -25,7 +25,7 @@ from kvstore.client.datapath import DataPath
 from kvstore.client.mux import Request
 from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
-from kvstore.core.checkpoint import Stored, runs
+from kvstore.core.checkpoint import Stored, check_stored, runs
 from kvstore.core.dtypes import dtype_name
 from kvstore.core.dynamic import servers_of
 from kvstore.core.partition import Key
@@ -91,8 +91,11 @@ class DistRows:
                     requests.append(self._submit(server, Message(Op.SPARSE_INIT, body),
                                                      f"row_sparse init of key {key!r} to server {server}"))
             self.link.path.wait(requests)
-            for key, meta, _, array in items:
-                saved = self.link.resumed(key, meta.shape, meta.dtype)  # KVSTORE_RESUME's table
+            resumed = [self.link.resumed(key, meta.shape, meta.dtype) for key, meta, _, _ in items]
+            check_stored(*(part for saved in resumed  # every table left in the file read through once:
+                           for part in ((saved.indices, saved.rows) if isinstance(saved, HeldRows)
+                                        else (saved,))))  # a damaged one refused before a row is set
+            for (key, meta, _, array), saved in zip(items, resumed):  # KVSTORE_RESUME's table, or None
                 if meta.dynamic is not None:  # rows made on first touch, or the snapshot's rows
                     if isinstance(saved, R.RowSparse):
                         self.set_dynamic(key, meta, saved.indices, saved.rows)
@@ -100,14 +103,14 @@ class DistRows:
                         step = self.rows_per_message(meta)
                         total = int(saved.rows.shape[0])
                         sizes = [min(step, total - start) for start in range(0, total, step)]
-                        chunks = runs(saved.rows, [n * meta.width for n in sizes])
-                        for ids, chunk in zip(runs(saved.indices, sizes), chunks):
+                        chunks = runs(saved.rows, [n * meta.width for n in sizes], checked=True)
+                        for ids, chunk in zip(runs(saved.indices, sizes, checked=True), chunks):
                             self.set_dynamic(key, meta, ids, chunk.reshape(ids.size, meta.width))
                     continue
                 assert not isinstance(saved, (R.RowSparse, HeldRows))  # snapshot.check_fits refuses it
                 value = array if saved is None else saved
                 if value is not None:
-                    self._set(key, meta, value)
+                    self._set(key, meta, value, checked=True)
 
         self.link.collective(f"row_sparse init of {len(items)} key(s)", send_all)
         self.link.initialised([key for key, _, _, _ in items])
@@ -131,13 +134,14 @@ class DistRows:
         edges = np.searchsorted(where[order], np.arange(num + 1))
         return [(s, order[edges[s]:edges[s + 1]]) for s in range(num)]
 
-    def _set(self, key: Key, meta: R.SparseMeta, table: np.ndarray | Stored) -> None:
+    def _set(self, key: Key, meta: R.SparseMeta, table: np.ndarray | Stored, checked: bool = False) -> None:
         """Send a fixed table's every row (a value in memory, or one left in a snapshot's file, read a
-        chunk at a time as it is sent) to the servers holding them."""
+        chunk at a time as it is sent, its member checked first unless ``checked``) to the servers
+        holding them."""
         step, requests = self.rows_per_message(meta), []
         cuts = [(server, start, min(hi, start + step)) for server, lo, hi in self.ranges(meta)
                 for start in range(lo, hi, step)]
-        chunks = runs(table, [(stop - start) * meta.width for _, start, stop in cuts])
+        chunks = runs(table, [(stop - start) * meta.width for _, start, stop in cuts], checked)
         for (server, start, stop), chunk in zip(cuts, chunks):
             ids = np.arange(start, stop, dtype=np.int64)
             msg = Message(Op.SPARSE_SET, {"key": key}, [ids, chunk.reshape(stop - start, meta.width)])

@@ -18,6 +18,8 @@ from kvstore.core.partition import Key
 from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError
 from kvstore.net.protocol import Message, Op
 
+IN_FLIGHT = 8  # state messages of a fixed table sent before their acks are waited for (as an init's rows)
+
 
 def _cuts(rows: DistRows, meta: R.SparseMeta, names: int = 1) -> list[tuple[int, int, int]]:
     """``(server, start, stop)`` row messages covering the table, each at most a chunk of ``names``
@@ -192,21 +194,29 @@ def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], 
 
 def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta]) -> None:
     """Install the checked ``entries`` on the servers holding each table's rows, a chunk of rows at a
-    time (each chunk sent before the next is read: an entry left in its file is never held whole)."""
+    time (an entry left in its file is never held whole; at most IN_FLIGHT messages wait for their
+    acks).  Every array left in the file is read through once first (its CRC checked): a damaged file
+    is refused before a row of state is sent."""
+    checkpoint.check_stored(*(a for e in entries for a in (e.ids, *e.arrays.values())))
     for entry in entries:
         meta = metas[entry.key]
         if entry.ids is not None:
             _scatter_dynamic(rows, entry, meta)
             continue
         cuts = _cuts(rows, meta)
+        requests = []
         for name, array in entry.arrays.items():
-            chunks = checkpoint.runs(array, [(stop - start) * meta.width for _, start, stop in cuts])
+            chunks = checkpoint.runs(array, [(stop - start) * meta.width for _, start, stop in cuts], True)
             for (server, start, stop), chunk in zip(cuts, chunks):
                 body = {"key": entry.key, "state": name, "count": entry.count}
                 ids = np.arange(start, stop, dtype=np.int64)
                 msg = Message(Op.SPARSE_SET, body, [ids, chunk.reshape(stop - start, meta.width)])
                 what = f"state {name!r} of key {entry.key!r} rows [{start}, {stop}) to server {server}"
-                rows.link.path.wait([rows.link.path.mux.submit(server, msg, what)])
+                requests.append(rows.link.path.mux.submit(server, msg, what))
+                if len(requests) >= IN_FLIGHT:  # a few in flight: the wire holds a few chunks of rows
+                    rows.link.path.wait(requests)
+                    requests = []
+        rows.link.path.wait(requests)
 
 
 def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.SparseMeta) -> None:
@@ -216,8 +226,8 @@ def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.Spars
     step = max(1, rows.rows_per_message(meta) // max(1, len(entry.arrays)))
     total = int(entry.shape[0])
     sizes = [min(step, total - start) for start in range(0, total, step)]
-    ids_runs = checkpoint.runs(entry.ids, sizes)
-    state_runs = {name: checkpoint.runs(array, [n * meta.width for n in sizes])
+    ids_runs = checkpoint.runs(entry.ids, sizes, True)  # checked by scatter
+    state_runs = {name: checkpoint.runs(array, [n * meta.width for n in sizes], True)
                   for name, array in entry.arrays.items()}
     for n in sizes:
         ids = next(ids_runs)
