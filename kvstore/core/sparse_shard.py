@@ -103,6 +103,9 @@ class Table:
     floor: int = 0  # restored (dist_sync): pushes of rounds below it are retries, acked and dropped
     counted: dict[int, int] = field(default_factory=dict)  # restored (dist_async): worker -> pushes
     # the shard counts (its retries of them are acked and dropped)
+    numbered: dict[int, int] = field(default_factory=dict)  # dist_async: worker -> its highest push
+    # number applied + 1 (what a shard records: after a restart that lost pushes, the server's own count
+    # in ``pushed`` falls behind the worker's numbering, which a retry carries)
 
     @property
     def width(self) -> int:
@@ -184,13 +187,13 @@ class RowTables:
 
     def restore(self, key: Key, table: Table, rounds: int, applied: dict[int, int]) -> None:
         """Hold ``table`` (a fixed or dynamic table of a server's shard, its rows in it) with ``rounds``
-        closed (dist_sync) and each worker's pushes ``applied`` (dist_async); the workers' retries of
-        the pushes the shard counts are dropped (:meth:`realign` in dist_sync).  DuplicateInitError
-        when ``key`` is held."""
+        closed (dist_sync) and ``applied`` each worker's highest push number applied + 1 (dist_async);
+        the workers' retries of pushes numbered below it are dropped (:meth:`realign` in dist_sync).
+        DuplicateInitError when ``key`` is held."""
         if key in self.tables:
             raise DuplicateInitError(f"key {key!r} is already initialised on this server")
         table.applied = rounds
-        table.pushed, table.counted = dict(applied), dict(applied)
+        table.pushed, table.counted, table.numbered = dict(applied), dict(applied), dict(applied)
         self.tables[key] = table
 
     def realign(self, key: Key, floor: int) -> None:
@@ -255,7 +258,8 @@ class RowTables:
                 return []
             del table.pending[sender]
             self._apply(key, table, gathering)
-            table.pushed[sender] = table.pushed.get(sender, 0) + 1
+            table.pushed[sender] = table.pushed.get(sender, 0) + 1  # the staleness gate's count
+            table.numbered[sender] = max(table.numbered.get(sender, 0), rnd + 1)  # the shard's screen
             acks = [Completion(t) for t in gathering.tokens]
             if self.gate is None:
                 return acks

@@ -40,7 +40,8 @@ class TableImage:
     shape: tuple[int, ...]
     rows: np.ndarray
     round: int = 0  # rounds closed (dist_sync)
-    applied: dict[int, int] = field(default_factory=dict)  # dist_async: worker -> its pushes applied
+    applied: dict[int, int] = field(default_factory=dict)  # dist_async: worker -> its highest push
+    # number applied + 1 (its retries of pushes numbered below it are dropped after a restart)
     count: int | None = None  # the key's optimizer update count (None: never updated)
     states: dict[str, np.ndarray] = field(default_factory=dict)  # state name -> its rows, as ``rows``
     lo: int = 0
@@ -72,14 +73,14 @@ def capture(tables: RowTables, optimizer: Optimizer | None,
             states = {} if optimizer is None else optimizer.states.get(key) or {}
             old = spare.get(key)
             image = TableImage(table.shape, copied(table.weight, old.rows if old is not None else None),
-                               round_, dict(table.pushed), count,
+                               round_, dict(table.numbered), count,
                                {n: copied(a, old.states.get(n) if old is not None else None)
                                 for n, a in states.items()}, table.lo, table.hi)
         else:
             rows = table.dynamic
             snap = rows.snapshot()
             got = None if optimizer is None else state_of(optimizer, key, rows, snap.slots)
-            image = TableImage(table.shape[1:], snap.rows, round_, dict(table.pushed), count, got or {},
+            image = TableImage(table.shape[1:], snap.rows, round_, dict(table.numbered), count, got or {},
                                dynamic=snap, init=dict(rows.init), spec=rows.spec)
         found[key] = image
     return found

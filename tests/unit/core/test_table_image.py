@@ -258,3 +258,34 @@ def test_a_tables_state_of_another_dtype_or_without_an_optimizer_is_refused() ->
         from_file(manifest, wrong, "shard")
     with pytest.raises(FormatError, match="no optimizer"):
         from_file(dict(manifest, optimizer=None), arrays, "shard")
+
+
+def test_a_dist_async_retry_in_the_shard_is_not_applied_twice_after_a_lossy_restart() -> None:
+    """dist_async: once a restart lost pushes (the server's count behind the worker's numbering), a
+    retry of a push the next shard holds is still dropped (else it is applied twice)."""
+    def add(key, weight, ids, rows):  # rows added
+        np.add.at(weight, ids, rows)
+
+    def restarted(image) -> RowTables:
+        tables = RowTables(1, sync=False)
+        tables.updater = add
+        table_image.install(tables, None, image)
+        return tables
+
+    tables = RowTables(1, sync=False)
+    tables.updater = add
+    tables.init("f", (4, 1), np.dtype(np.float32), 0, 4, R.parse_init("f", "zeros"))
+    one, ids = np.ones((1, 1), np.float32), np.array([0], np.int64)
+    for rnd in range(3):  # pushes 0..2 applied, then the shard
+        tables.push(0, "f", rnd, True, ids, one, rnd)
+    image = table_image.capture(tables, None)
+    for rnd in range(3, 6):  # pushes 3..5 applied and acked after it: lost at the first restart
+        tables.push(0, "f", rnd, True, ids, one, rnd)
+    first = restarted(image)  # restart 1, from the shard of 3 pushes
+    first.push(0, "f", 6, True, ids, one, 6)  # the worker goes on with its push 6 (applied: 4.0)
+    assert first.table("f").pushed == {0: 4}  # the staleness gate still counts what was applied
+    second = restarted(table_image.capture(first, None))  # restart 2 from a shard holding push 6
+    assert second.push(0, "f", 6, True, ids, one, "retry")  # the worker's retry of push 6: acked...
+    assert second.table("f").weight[0, 0] == 4.0, "push 6 applied twice"  # ...and dropped
+    second.push(0, "f", 7, True, ids, one, 7)  # the next push is applied
+    assert second.table("f").weight[0, 0] == 5.0
