@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvstore.client.sparse import DistRows
+from kvstore.client.sparse import DistRows, SetCall
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import rowsparse as R
 from kvstore.core.optimizer import Optimizer
@@ -198,17 +198,18 @@ def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Ke
     acks).  Every array left in the file is read through once first (its CRC checked): a damaged file
     is refused before a row of state is sent."""
     checkpoint.check_stored(*(a for e in entries for a in (e.ids, *e.arrays.values())))
+    call = SetCall(rows)  # settled at the end: a restart cannot bring back the states they replaced
     for entry in entries:
         meta = metas[entry.key]
         if entry.ids is not None:
-            _scatter_dynamic(rows, entry, meta)
+            _scatter_dynamic(rows, entry, meta, call)
             continue
         cuts = _cuts(rows, meta)
         requests = []
         for name, array in entry.arrays.items():
             chunks = checkpoint.runs(array, [(stop - start) * meta.width for _, start, stop in cuts], True)
             for (server, start, stop), chunk in zip(cuts, chunks):
-                body = {"key": entry.key, "state": name, "count": entry.count}
+                body = call.stamp(server, entry.key, {"key": entry.key, "state": name, "count": entry.count})
                 ids = np.arange(start, stop, dtype=np.int64)
                 msg = Message(Op.SPARSE_SET, body, [ids, chunk.reshape(stop - start, meta.width)])
                 what = f"state {name!r} of key {entry.key!r} rows [{start}, {stop}) to server {server}"
@@ -217,9 +218,10 @@ def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Ke
                     rows.link.path.wait(requests)
                     requests = []
         rows.link.path.wait(requests)
+    call.settle()
 
 
-def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.SparseMeta) -> None:
+def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.SparseMeta, call: SetCall) -> None:
     """Send a dynamic table's saved state rows to the servers their ids hash to, a chunk of rows (of
     every state array) at a time."""
     assert entry.ids is not None
@@ -239,7 +241,7 @@ def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.Spars
             if not where.size:
                 continue
             for name, table in states.items():
-                body = {"key": entry.key, "state": name, "count": entry.count}
+                body = call.stamp(server, entry.key, {"key": entry.key, "state": name, "count": entry.count})
                 msg = Message(Op.SPARSE_SET, body, [ids[where], table[where]])
                 what = f"state {name!r} of {where.size} rows of dynamic key {entry.key!r} to server {server}"
                 requests.append(rows.link.path.mux.submit(server, msg, what))

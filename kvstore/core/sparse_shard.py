@@ -151,6 +151,10 @@ class RowTables:
         self.quorum: int | None = None  # dist_sync's KVSTORE_SYNC_QUORUM (None: every live worker)
         self.on_late: Callable[[Key, int, int], None] | None = None  # (key, worker, round) dropped late
         self.late: dict[int, int] = {}  # worker -> late pushes dropped (quorum)
+        self.sets = 0  # SPARSE_SETs taken (rows or optimizer state) by this process: a shard is due
+        # when it moves (kvstore.server.shards), and a settle request waits for a shard holding them
+        self.calls: dict[tuple[int, int], set[int]] = {}  # (worker, call) -> parts of an init's or
+        # load's sets taken (in the shard too: a restart from it knows which it holds)
 
     def __contains__(self, key: object) -> bool:
         return key in self.tables
@@ -234,12 +238,28 @@ class RowTables:
                                      f"got {rows.shape}")
         return rows
 
-    def set_rows(self, key: Key, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Overwrite rows ``ids`` of ``key`` (an init from a value, a restore)."""
+    def set_rows(self, key: Key, ids: np.ndarray, rows: np.ndarray,
+                 call: tuple[int, int, int] | None = None) -> None:
+        """Overwrite rows ``ids`` of ``key`` (an init from a value, a restore); ``call``: (worker, call,
+        part) of the init's or load's sets this one is (:meth:`note_set`)."""
         table, local = self.local_ids(key, ids)
         if table.dynamic is not None:
             raise ProtocolError(f"SPARSE_SET of dynamic key {key!r}: its rows are made on first touch")
         table.weight[local] = self._rows(key, table, ids, rows)
+        self.note_set(call)
+
+    def note_set(self, call: tuple[int, int, int] | None = None) -> None:
+        """Count a SPARSE_SET taken (rows or optimizer state, of any table): a restart from a shard
+        taken before it would bring back what it overwrote; ``call``: (worker, call, part), recorded
+        for the call's settle (:meth:`settles`)."""
+        self.sets += 1
+        if call is not None:
+            self.calls.setdefault(call[:2], set()).add(call[2])
+
+    def settles(self, worker: int, call: int, parts: int) -> bool:
+        """Whether every one of the ``parts`` sets of ``worker``'s ``call`` was taken (here, or by the
+        server whose shard this one restarted from): a restart in between lost the others."""
+        return self.calls.get((worker, call), set()) == set(range(parts))
 
     def push(self, sender: int, key: Key, rnd: int, last: bool, ids: np.ndarray, rows: np.ndarray,
              token: Any) -> list[Completion]:
@@ -367,6 +387,8 @@ class RowTables:
         """``sender`` is done: rounds no longer wait for it, its unfinished async chunks and its waiting
         pulls are dropped."""
         self.live.discard(sender)
+        for call in [c for c in self.calls if c[0] == sender]:  # its settles will not come
+            del self.calls[call]
         done: list[Completion] = []
         for key, table in self.tables.items():
             table.waiting = [w for w in table.waiting if w[3] != sender]  # nobody reads their answers
