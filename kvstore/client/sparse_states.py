@@ -192,13 +192,16 @@ def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], 
                                          f"does not fit the {meta.shape} table")
 
 
-def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta]) -> None:
+def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta],
+            call: SetCall | None = None) -> None:
     """Install the checked ``entries`` on the servers holding each table's rows, a chunk of rows at a
     time (an entry left in its file is never held whole; at most IN_FLIGHT messages wait for their
     acks).  Every array left in the file is read through once first (its CRC checked): a damaged file
-    is refused before a row of state is sent."""
+    is refused before a row of state is sent.  The messages are sets of ``call`` (settled by the
+    caller), or of a call of their own settled at the end."""
     checkpoint.check_stored(*(a for e in entries for a in (e.ids, *e.arrays.values())))
-    call = SetCall(rows)  # settled at the end: a restart cannot bring back the states they replaced
+    own = call is None
+    call = SetCall(rows) if call is None else call  # settled: a restart cannot bring back what they replaced
     for entry in entries:
         meta = metas[entry.key]
         if entry.ids is not None:
@@ -218,7 +221,8 @@ def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Ke
                     rows.link.path.wait(requests)
                     requests = []
         rows.link.path.wait(requests)
-    call.settle()
+    if own:
+        call.settle()
 
 
 def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.SparseMeta, call: SetCall) -> None:

@@ -151,8 +151,8 @@ class RowTables:
         self.quorum: int | None = None  # dist_sync's KVSTORE_SYNC_QUORUM (None: every live worker)
         self.on_late: Callable[[Key, int, int], None] | None = None  # (key, worker, round) dropped late
         self.late: dict[int, int] = {}  # worker -> late pushes dropped (quorum)
-        self.sets = 0  # SPARSE_SETs taken (rows or optimizer state) by this process: a shard is due
-        # when it moves (kvstore.server.shards), and a settle request waits for a shard holding them
+        self.sets = 0  # SPARSE_SETs (rows or state) and dense STATE_SETs taken by this process: a shard
+        # is due when it moves (kvstore.server.shards), and a settle request waits for a shard holding them
         self.calls: dict[tuple[int, int], set[int]] = {}  # (worker, call) -> parts of an init's or
         # load's sets taken (in the shard too: a restart from it knows which it holds)
 

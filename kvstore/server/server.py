@@ -519,6 +519,9 @@ class Server:
                 and len(names) == len(msg.arrays) and all(isinstance(n, str) for n in names)):
             raise ProtocolError(f"STATE_SET of key {key!r} needs a count >= 0 and one name per array")
         opt = self._need_optimizer(f"setting the optimizer state of key {key!r}")
+        call = None
+        if "call" in msg.body:  # one of a load's sets, settled at its end (server/sparse.py)
+            call = (self._requests.sender(msg), _field(msg.body, "call"), _field(msg.body, "part"))
         arrays: list[np.ndarray] | None = list(msg.arrays)
         lo = msg.body.get("lo")
         if lo is not None:  # a chunk: the state is checked and installed with its last chunk
@@ -527,6 +530,7 @@ class Server:
             arrays = self.state.state_chunk(msg.sender, key, arrays, lo, (count, tuple(names)))
         if arrays is not None:
             opt.set_state(key, self.state.value(key), count, dict(zip(names, arrays)))
+        self.sparse.tables.note_set(call)  # a shard is due: a restart would bring back the state before
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def run(self, scheduler: SchedulerLink) -> int:
@@ -631,6 +635,14 @@ def _present(cluster: dict) -> list[int] | None:
     if not absent:
         return None
     return [w for w in range(cluster["num_workers"]) if w not in set(absent)]
+
+
+def _field(body: dict, name: str) -> int:
+    """Int field ``name`` of ``body`` in [0, 2**63); ProtocolError otherwise."""
+    value = body.get(name)
+    if type(value) is not int or not 0 <= value < 2**63:
+        raise ProtocolError(f"field {name!r} must be an int in [0, 2**63), not {str(value)[:40]!r}")
+    return value
 
 
 def _rounds(msg: Message) -> list[int] | None:
