@@ -20,7 +20,8 @@ answers only ALIGN, LEAVE and SHM_ATTACH until every worker still in the job has
   and acknowledged (a pushpull gets the current value): it is in the shard, or it is lost with its
   round, never applied twice.
 * ``dist_async``: a retried push is dropped when the shard already counts it (the shard records
-  each worker's pushes applied per key); the others are applied once.  Pushes the dead server applied
+  each worker's highest push number applied + 1 per key, in the worker's numbering: after a restart
+  that lost pushes the server's own count would fall behind it); the others are applied once.  Pushes the dead server applied
   after its shard and acknowledged are lost.
 
 Row-sparse tables (fixed and dynamic) come back from the shard with their rows, optimizer state and
