@@ -21,8 +21,8 @@ answers only ALIGN, LEAVE and SHM_ATTACH until every worker still in the job has
   round, never applied twice.
 * ``dist_async``: a retried push is dropped when the shard already counts it (the shard records
   each worker's highest push number applied + 1 per key, in the worker's numbering: after a restart
-  that lost pushes the server's own count would fall behind it); the others are applied once.  Pushes the dead server applied
-  after its shard and acknowledged are lost.
+  that lost pushes the server's own count would fall behind it); the others are applied once.
+  Pushes the dead server applied after its shard and acknowledged are lost.
 
 Row-sparse tables (fixed and dynamic) come back from the shard with their rows, optimizer state and
 counters (:mod:`kvstore.core.table_image`) and follow the same rules, their rounds being each worker's
