@@ -16,7 +16,7 @@ import numpy as np
 
 from kvstore.client import sparse_states
 from kvstore.client.mux import Request
-from kvstore.client.sparse import DEFAULT_CHUNK_BYTES, DistRows
+from kvstore.client.sparse import DEFAULT_CHUNK_BYTES, DistRows, SetCall
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import optimizer as kvoptimizer
 from kvstore.core.dtypes import BF16
@@ -279,17 +279,21 @@ class CollectiveCalls:
         if install:
             self._to_servers(Op.OPTIMIZER_SET, {"spec": spec, "num_update": states.num_update},
                              "load_optimizer_states")
+        call = None if self._link.rows is None else SetCall(self._link.rows)  # settled once in a shard
         requests = []
         for entry in states.entries:
-            requests.extend(self._send_state(entry))
+            requests.extend(self._send_state(entry, call))
         self._link.request_all(requests)
         if rows_entries:
-            sparse_states.scatter(self._link.rows, rows_entries, sparse)
+            sparse_states.scatter(self._link.rows, rows_entries, sparse, call)
+        if call is not None:
+            call.settle()
 
-    def _send_state(self, entry: checkpoint.StateEntry) -> list[Request]:
+    def _send_state(self, entry: checkpoint.StateEntry, call: SetCall | None = None) -> list[Request]:
         """Queue STATE_SET messages of one key's state: per server its slice of every state array,
         in chunks (``lo``) cut as a push of that slice would be when it is big, so every frame fits
-        the cluster's ``KVSTORE_MAX_MESSAGE_BYTES``; return their requests."""
+        the cluster's ``KVSTORE_MAX_MESSAGE_BYTES`` (each stamped as a set of ``call``); return their
+        requests."""
         names = list(entry.arrays)
         flats = [np.ascontiguousarray(entry.arrays[n]).reshape(-1) for n in names]
         pieces = self._link.pieces(entry.key)
@@ -302,6 +306,8 @@ class CollectiveCalls:
         requests = []
         for server, start, stop, lo in cuts:
             body = {"key": entry.key, "count": entry.count, "names": names}
+            if call is not None:
+                body = call.stamp(server, entry.key, body)
             if lo is not None:
                 body["lo"] = lo
             what = f"optimizer state of key {entry.key!r} to server {server}"

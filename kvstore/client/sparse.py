@@ -13,6 +13,7 @@ refused push is raised by the key's next call.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from kvstore.client.datapath import DataPath
 from kvstore.client.mux import Request
 from kvstore.core import compression as C
 from kvstore.core import rowsparse as R
-from kvstore.core.checkpoint import Stored, runs
+from kvstore.core.checkpoint import Stored, check_stored, runs
 from kvstore.core.dtypes import dtype_name
 from kvstore.core.dynamic import servers_of
 from kvstore.core.partition import Key
@@ -50,6 +51,41 @@ class RowsLink:
     sent: Callable[[int], None] = lambda nbytes: None  # counts bytes of arrays sent (stats' bytes_out)
     compression: Callable[[], C.Spec | None] = lambda: None  # set_gradient_compression's setting
     residuals: RowResiduals = field(default_factory=RowResiduals)  # 2bit / 1bit: by (table, row id)
+
+
+class SetCall:
+    """The SPARSE_SETs of one init or load: each carries the call's id and its part number (per
+    server), and :meth:`settle` ends the call with one settle request to each server it set rows on,
+    answered once a shard holding them is written (a server with shards; at once without): a restart
+    from an earlier shard would otherwise bring back what they overwrote silently.  A settle is not
+    waited for: it waits in the push window under the call's keys (``barrier()``, ``close()`` and the
+    keys' next calls raise its failure: a NodeLostError when a restart lost some of the sets), so an
+    init per key costs one shard write each only while the servers keep up, never a write per call
+    waited for in turn."""
+
+    def __init__(self, rows: DistRows) -> None:
+        self.rows = rows
+        self.call = secrets.randbits(62)  # distinct from any other call a server may still count
+        self.parts: dict[int, int] = {}  # server -> sets sent to it
+        self.keys: set[Key] = set()
+
+    def stamp(self, server: int, key: Key, body: dict) -> dict:
+        """``body`` of the next set of ``key`` to ``server``, with the call and its part number."""
+        part = self.parts.get(server, 0)
+        self.parts[server] = part + 1
+        self.keys.add(key)
+        return {**body, "call": self.call, "part": part}
+
+    def settle(self) -> None:
+        """Send each server its settle request and hold them in the push window of the call's keys
+        (its sets are all acknowledged: the caller waited for them)."""
+        if not self.parts:
+            return
+        submit = self.rows.link.path.mux.submit
+        requests = [submit(server, Message(Op.SPARSE_SET, {"settle": self.call, "parts": count}),
+                           f"settle of {count} row message(s) set on server {server}")
+                    for server, count in self.parts.items()]
+        self.rows.link.path.window.add({key: requests for key in self.keys}, failures=True)
 
 
 class DistRows:
@@ -91,23 +127,28 @@ class DistRows:
                     requests.append(self._submit(server, Message(Op.SPARSE_INIT, body),
                                                      f"row_sparse init of key {key!r} to server {server}"))
             self.link.path.wait(requests)
-            for key, meta, _, array in items:
-                saved = self.link.resumed(key, meta.shape, meta.dtype)  # KVSTORE_RESUME's table
+            call = SetCall(self)
+            resumed = [self.link.resumed(key, meta.shape, meta.dtype) for key, meta, _, _ in items]
+            check_stored(*(part for saved in resumed  # every table left in the file read through once:
+                           for part in ((saved.indices, saved.rows) if isinstance(saved, HeldRows)
+                                        else (saved,))))  # a damaged one refused before a row is set
+            for (key, meta, _, array), saved in zip(items, resumed):  # KVSTORE_RESUME's table, or None
                 if meta.dynamic is not None:  # rows made on first touch, or the snapshot's rows
                     if isinstance(saved, R.RowSparse):
-                        self.set_dynamic(key, meta, saved.indices, saved.rows)
+                        self.set_dynamic(key, meta, saved.indices, saved.rows, call)
                     elif isinstance(saved, HeldRows):  # left in the file: a chunk of rows at a time
                         step = self.rows_per_message(meta)
                         total = int(saved.rows.shape[0])
                         sizes = [min(step, total - start) for start in range(0, total, step)]
-                        chunks = runs(saved.rows, [n * meta.width for n in sizes])
-                        for ids, chunk in zip(runs(saved.indices, sizes), chunks):
-                            self.set_dynamic(key, meta, ids, chunk.reshape(ids.size, meta.width))
+                        chunks = runs(saved.rows, [n * meta.width for n in sizes], checked=True)
+                        for ids, chunk in zip(runs(saved.indices, sizes, checked=True), chunks):
+                            self.set_dynamic(key, meta, ids, chunk.reshape(ids.size, meta.width), call)
                     continue
                 assert not isinstance(saved, (R.RowSparse, HeldRows))  # snapshot.check_fits refuses it
                 value = array if saved is None else saved
                 if value is not None:
-                    self._set(key, meta, value)
+                    self._set(key, meta, value, call, checked=True)
+            call.settle()
 
         self.link.collective(f"row_sparse init of {len(items)} key(s)", send_all)
         self.link.initialised([key for key, _, _, _ in items])
@@ -131,16 +172,19 @@ class DistRows:
         edges = np.searchsorted(where[order], np.arange(num + 1))
         return [(s, order[edges[s]:edges[s + 1]]) for s in range(num)]
 
-    def _set(self, key: Key, meta: R.SparseMeta, table: np.ndarray | Stored) -> None:
+    def _set(self, key: Key, meta: R.SparseMeta, table: np.ndarray | Stored, call: SetCall,
+             checked: bool = False) -> None:
         """Send a fixed table's every row (a value in memory, or one left in a snapshot's file, read a
-        chunk at a time as it is sent) to the servers holding them."""
+        chunk at a time as it is sent, its member checked first unless ``checked``) to the servers
+        holding them."""
         step, requests = self.rows_per_message(meta), []
         cuts = [(server, start, min(hi, start + step)) for server, lo, hi in self.ranges(meta)
                 for start in range(lo, hi, step)]
-        chunks = runs(table, [(stop - start) * meta.width for _, start, stop in cuts])
+        chunks = runs(table, [(stop - start) * meta.width for _, start, stop in cuts], checked)
         for (server, start, stop), chunk in zip(cuts, chunks):
             ids = np.arange(start, stop, dtype=np.int64)
-            msg = Message(Op.SPARSE_SET, {"key": key}, [ids, chunk.reshape(stop - start, meta.width)])
+            msg = Message(Op.SPARSE_SET, call.stamp(server, key, {"key": key}),
+                          [ids, chunk.reshape(stop - start, meta.width)])
             requests.append(self._submit(server, msg, f"row_sparse init of key {key!r} rows "
                                                       f"[{start}, {stop}) to server {server}"))
             if len(requests) >= 8:  # a few in flight: what the value's rows take on the wire stays small
@@ -148,16 +192,17 @@ class DistRows:
                 requests = []
         self.link.path.wait(requests)
 
-    def set_dynamic(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, rows: np.ndarray) -> None:
+    def set_dynamic(self, key: Key, meta: R.SparseMeta, ids: np.ndarray, rows: np.ndarray,
+                    call: SetCall) -> None:
         """Store ``rows`` (one per distinct int64 id of ``ids``) in dynamic table ``key``: each id's rows
-        to its server in chunks, made there (capacity allowing) or overwritten."""
+        to its server in chunks (sets of ``call``), made there (capacity allowing) or overwritten."""
         order = np.argsort(ids, kind="stable")
         ids, flat = ids[order], np.ascontiguousarray(rows.reshape(ids.size, meta.width)[order])
         step, requests = self.rows_per_message(meta), []
         for server, where in self.dynamic_cuts(ids):
             for start in range(0, where.size, step):
                 part = where[start:start + step]
-                msg = Message(Op.SPARSE_SET, {"key": key}, [ids[part], flat[part]])
+                msg = Message(Op.SPARSE_SET, call.stamp(server, key, {"key": key}), [ids[part], flat[part]])
                 requests.append(self._submit(server, msg, f"{part.size} rows of dynamic key {key!r} to "
                                                               f"server {server}"))
                 if len(requests) >= 8:

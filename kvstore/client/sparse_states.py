@@ -10,13 +10,15 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvstore.client.sparse import DistRows
+from kvstore.client.sparse import DistRows, SetCall
 from kvstore.core import checkpoint, snapshot
 from kvstore.core import rowsparse as R
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError
 from kvstore.net.protocol import Message, Op
+
+IN_FLIGHT = 8  # state messages of a fixed table sent before their acks are waited for (as an init's rows)
 
 
 def _cuts(rows: DistRows, meta: R.SparseMeta, names: int = 1) -> list[tuple[int, int, int]]:
@@ -190,34 +192,48 @@ def check(entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta], 
                                          f"does not fit the {meta.shape} table")
 
 
-def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta]) -> None:
+def scatter(rows: DistRows, entries: list[checkpoint.StateEntry], metas: dict[Key, R.SparseMeta],
+            call: SetCall | None = None) -> None:
     """Install the checked ``entries`` on the servers holding each table's rows, a chunk of rows at a
-    time (each chunk sent before the next is read: an entry left in its file is never held whole)."""
+    time (an entry left in its file is never held whole; at most IN_FLIGHT messages wait for their
+    acks).  Every array left in the file is read through once first (its CRC checked): a damaged file
+    is refused before a row of state is sent.  The messages are sets of ``call`` (settled by the
+    caller), or of a call of their own settled at the end."""
+    checkpoint.check_stored(*(a for e in entries for a in (e.ids, *e.arrays.values())))
+    own = call is None
+    call = SetCall(rows) if call is None else call  # settled: a restart cannot bring back what they replaced
     for entry in entries:
         meta = metas[entry.key]
         if entry.ids is not None:
-            _scatter_dynamic(rows, entry, meta)
+            _scatter_dynamic(rows, entry, meta, call)
             continue
         cuts = _cuts(rows, meta)
+        requests = []
         for name, array in entry.arrays.items():
-            chunks = checkpoint.runs(array, [(stop - start) * meta.width for _, start, stop in cuts])
+            chunks = checkpoint.runs(array, [(stop - start) * meta.width for _, start, stop in cuts], True)
             for (server, start, stop), chunk in zip(cuts, chunks):
-                body = {"key": entry.key, "state": name, "count": entry.count}
+                body = call.stamp(server, entry.key, {"key": entry.key, "state": name, "count": entry.count})
                 ids = np.arange(start, stop, dtype=np.int64)
                 msg = Message(Op.SPARSE_SET, body, [ids, chunk.reshape(stop - start, meta.width)])
                 what = f"state {name!r} of key {entry.key!r} rows [{start}, {stop}) to server {server}"
-                rows.link.path.wait([rows.link.path.mux.submit(server, msg, what)])
+                requests.append(rows.link.path.mux.submit(server, msg, what))
+                if len(requests) >= IN_FLIGHT:  # a few in flight: the wire holds a few chunks of rows
+                    rows.link.path.wait(requests)
+                    requests = []
+        rows.link.path.wait(requests)
+    if own:
+        call.settle()
 
 
-def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.SparseMeta) -> None:
+def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.SparseMeta, call: SetCall) -> None:
     """Send a dynamic table's saved state rows to the servers their ids hash to, a chunk of rows (of
     every state array) at a time."""
     assert entry.ids is not None
     step = max(1, rows.rows_per_message(meta) // max(1, len(entry.arrays)))
     total = int(entry.shape[0])
     sizes = [min(step, total - start) for start in range(0, total, step)]
-    ids_runs = checkpoint.runs(entry.ids, sizes)
-    state_runs = {name: checkpoint.runs(array, [n * meta.width for n in sizes])
+    ids_runs = checkpoint.runs(entry.ids, sizes, True)  # checked by scatter
+    state_runs = {name: checkpoint.runs(array, [n * meta.width for n in sizes], True)
                   for name, array in entry.arrays.items()}
     for n in sizes:
         ids = next(ids_runs)
@@ -229,7 +245,7 @@ def _scatter_dynamic(rows: DistRows, entry: checkpoint.StateEntry, meta: R.Spars
             if not where.size:
                 continue
             for name, table in states.items():
-                body = {"key": entry.key, "state": name, "count": entry.count}
+                body = call.stamp(server, entry.key, {"key": entry.key, "state": name, "count": entry.count})
                 msg = Message(Op.SPARSE_SET, body, [ids[where], table[where]])
                 what = f"state {name!r} of {where.size} rows of dynamic key {entry.key!r} to server {server}"
                 requests.append(rows.link.path.mux.submit(server, msg, what))

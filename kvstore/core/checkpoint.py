@@ -49,6 +49,7 @@ MANIFEST = "manifest.json"
 RESERVED = ("format", "version", "arrays")
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed member timestamps: the same content gives the same bytes
 # What a damaged zip or .npy member can raise while being read (OSError: seeks to bad offsets).
+CHECK_BLOCK = 1 << 20  # bytes read at a time when a streamed member's CRC is checked
 _DAMAGE = (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, KeyError, EOFError, zlib.error,
            NotImplementedError, OSError, RuntimeError)
 
@@ -165,10 +166,21 @@ class Stored:
         """Elements in all."""
         return math.prod(self.shape)
 
-    def runs(self, sizes: Iterable[int]) -> Iterator[np.ndarray]:
+    def check(self) -> None:
+        """Read the member through once (a block at a time: memory stays small) so its CRC, checked at
+        its end, is; FormatError when the file is damaged."""
+        with _opened(self.path) as zf, zf.open(self.member) as f:
+            while f.read(CHECK_BLOCK):
+                pass
+
+    def runs(self, sizes: Iterable[int], checked: bool = False) -> Iterator[np.ndarray]:
         """Consecutive runs of the array's elements (flat, C order), one of each of ``sizes`` elements,
-        read as they are asked for: memory holds one run.  FormatError when the file is damaged or
-        the runs pass the array's end."""
+        read as they are asked for: memory holds one run.  The member is read through once first
+        (:meth:`check`, unless ``checked``: the caller did) so a damaged file raises before the first
+        run is handed out (the servers are sent nothing of it).  FormatError when the file is damaged
+        or the runs pass the array's end."""
+        if not checked:
+            self.check()
         with _opened(self.path) as zf, _member_data(zf, self.member, self.name, self.path) as f:
             done = 0
             for size in sizes:
@@ -182,16 +194,25 @@ class Stored:
                 yield np.frombuffer(data, self.dtype).copy()  # writable, and its own memory
 
     def read(self) -> np.ndarray:
-        """The whole array."""
-        (flat,) = self.runs([self.size])
+        """The whole array (its CRC checked as its last byte is read)."""
+        (flat,) = self.runs([self.size], checked=True)
         return flat.reshape(self.shape)
 
 
-def runs(array: np.ndarray | Stored, sizes: list[int]) -> Iterator[np.ndarray]:
+def check_stored(*arrays: Any) -> None:
+    """:meth:`Stored.check` each of ``arrays`` left in its file (others are skipped): a load that sends
+    several arrays a run at a time calls it first, so a damaged one is refused before any is sent."""
+    for array in arrays:
+        if isinstance(array, Stored):
+            array.check()
+
+
+def runs(array: np.ndarray | Stored, sizes: list[int], checked: bool = False) -> Iterator[np.ndarray]:
     """Consecutive flat runs of ``array``'s elements, one of each of ``sizes``: slices of an array in
-    memory, or read from its file a run at a time (a :class:`Stored`)."""
+    memory, or read from its file a run at a time (a :class:`Stored`, its member checked first unless
+    ``checked``)."""
     if isinstance(array, Stored):
-        yield from array.runs(sizes)
+        yield from array.runs(sizes, checked)
         return
     flat, start = np.ascontiguousarray(array).reshape(-1), 0
     for size in sizes:

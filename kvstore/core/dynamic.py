@@ -296,10 +296,12 @@ class DynamicRows:
         """A copy of every row held and of its counters (:class:`DynamicImage`); counts no use."""
         slots, _ = self.live_slots(0, self.used)
         now = self.clock()
-        pending = np.array(list(self.pending.items()), np.int64).reshape(-1, 2)
+        n = len(self.pending)  # up to a million ids counted for admission: no list of them built
+        pending_ids = np.fromiter(self.pending.keys(), np.int64, n)
+        pending_counts = np.fromiter(self.pending.values(), np.int64, n)
         return DynamicImage(self.ids[slots], self.weight[slots], self.last[slots], now - self.seen[slots],
                             self.freq[slots], self.unset[slots], self.tick, dict(self.counts),
-                            pending[:, 0].copy(), pending[:, 1].copy(), slots)
+                            pending_ids, pending_counts, slots)
 
     def restore(self, image: DynamicImage) -> np.ndarray:
         """Hold ``image``'s rows and counters (a server restarted from its shard; the table holds no

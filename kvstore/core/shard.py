@@ -100,6 +100,8 @@ class _KeyState:
     value: np.ndarray
     submitted: dict[int, int] = field(default_factory=dict)   # worker -> contributions started
     applied: dict[int, int] = field(default_factory=dict)     # worker -> contributions applied
+    numbered: dict[int, int] = field(default_factory=dict)  # async: worker -> its highest push number
+    # applied + 1 (what a shard records: after a lossy restart ``applied`` falls behind the numbering)
     rounds: deque[Round] = field(default_factory=deque)       # open sync rounds, oldest first
     base: int = 0                                             # number of rounds[0] (rounds closed)
     next_round: dict[int, int] = field(default_factory=dict)  # worker -> round its next chunk joins
@@ -109,6 +111,14 @@ class _KeyState:
     # ^ token, worker, target (contributions that must be applied first), lo, hi
     debts: dict[int, deque[_Debt]] = field(default_factory=dict)  # worker -> its owed aborted rounds
     promised: int = 0  # a restarted server: rounds the workers' retries will have opened (promise)
+
+    def numbering(self) -> dict[int, int]:
+        """Each worker's pushes as a shard records them: contributions applied, or (dist_async) its
+        highest push number applied + 1 when that is more (a restart lost some; retries screen by it)."""
+        counts = dict(self.applied)
+        for worker, top in self.numbered.items():
+            counts[worker] = max(counts.get(worker, 0), top)
+        return counts
 
 
 @dataclass
@@ -269,15 +279,17 @@ class ShardState:
         if owed:
             raise self._pay(worker, owed)
         done: list[Completion] = []
-        for (token, key, value, _), (state, lo, hi, number) in zip(entries, checked):
+        for i, ((token, key, value, _), (state, lo, hi, number)) in enumerate(zip(entries, checked)):
             if number < 0:  # late: its round closed by quorum
                 done += self._late(state, key, token, worker, (lo, hi), -1 - number, pull)
             elif pull:
-                done += self._accept(state, key, _SILENT, worker, value, lo, hi, number)
+                done += self._accept(state, key, _SILENT, worker, value, lo, hi, number,
+                                     None if rounds is None else rounds[i])
                 reply = self._add_pull(state, token, worker, lo, hi)
                 done += reply if self.gate is None else self.gate.attach(key, worker, reply)
             else:
-                done += self._accept(state, key, token, worker, value, lo, hi, number)
+                done += self._accept(state, key, token, worker, value, lo, hi, number,
+                                     None if rounds is None else rounds[i])
         return done
 
     def _late(self, state: _KeyState, key: Key, token: Any, worker: int, span: tuple[int, int],
@@ -476,7 +488,7 @@ class ShardState:
         copy of the counts; the values are never written to): open rounds and partial contributions
         are not in it (:mod:`kvstore.core.shard_image`)."""
         self.settle()
-        return [(key, s.value, s.base, dict(s.applied)) for key, s in self._keys.items()]
+        return [(key, s.value, s.base, s.numbering()) for key, s in self._keys.items()]
 
     def restore(self, key: Key, value: np.ndarray, rounds: int, applied: dict[int, int]) -> None:
         """Store ``key`` as a shard image recorded it: a copy of ``value``, ``rounds`` closed and each
@@ -485,7 +497,7 @@ class ShardState:
         self.init(key, value)
         state = self._keys[key]
         state.base = rounds
-        state.applied, state.submitted = dict(applied), dict(applied)
+        state.applied, state.submitted, state.numbered = dict(applied), dict(applied), dict(applied)
 
     def realign(self, key: Key, origins: dict[int, int], floor: int | None = None) -> None:
         """A restored ``key`` once the workers have aligned (:mod:`kvstore.server.restore`): worker
@@ -655,12 +667,12 @@ class ShardState:
         return lo, hi
 
     def _accept(self, state: _KeyState, key: Key, token: Any, worker: int, value: np.ndarray,
-                lo: int, hi: int, number: int) -> list[Completion]:
+                lo: int, hi: int, number: int, sent: int | None = None) -> list[Completion]:
         if lo == 0:
             state.submitted[worker] = state.submitted.get(worker, 0) + 1
         size = state.value.size
         if not self.sync:
-            return self._accept_async(state, key, token, worker, value, lo, hi, size)
+            return self._accept_async(state, key, token, worker, value, lo, hi, size, sent)
         i = number - state.base
         while len(state.rounds) <= i:  # more than one only for a rejoiner's round (_checked_push)
             state.rounds.append(Round(self._ranks, self.clock()))
@@ -669,9 +681,12 @@ class ShardState:
         return self._close_rounds(state, key) if i == 0 else []
 
     def _accept_async(self, state: _KeyState, key: Key, token: Any, worker: int, value: np.ndarray,
-                      lo: int, hi: int, size: int) -> list[Completion]:
+                      lo: int, hi: int, size: int, sent: int | None) -> list[Completion]:
+        """Apply ``worker``'s contribution once its last chunk is in; ``sent``: the push's number (its
+        round in the worker's count, from the push's ``rounds``), recorded for the shard's screen."""
         if hi - lo == size:
             self._apply(state, key, value, (worker,))
+            self._number(state, worker, sent)
             return self._gated(state, key, worker, _acks((token,))) + self._release_pulls(state)
         asm = state.assembling.get(worker)
         if asm is None:
@@ -683,7 +698,19 @@ class ShardState:
             return []
         del state.assembling[worker]
         self._apply(state, key, asm.buf, (worker,))
+        self._number(state, worker, sent)
         return self._gated(state, key, worker, _acks(asm.tokens)) + self._release_pulls(state)
+
+    @staticmethod
+    def _number(state: _KeyState, worker: int, sent: int | None) -> None:
+        """dist_async: record ``worker``'s push numbered ``sent`` (counted from its ``offset``: a
+        restarted server's alignment origin) as applied: its numbering is what a shard records, so a
+        retry after a later restart is screened by the worker's own count, not the server's (which a
+        lossy restart put behind it)."""
+        top = state.applied.get(worker, 0)  # as many as applied, at least (a push without rounds)
+        if sent is not None:
+            top = max(top, sent + state.offset.get(worker, 0) + 1)
+        state.numbered[worker] = max(state.numbered.get(worker, 0), top)
 
     def _gated(self, state: _KeyState, key: Key, worker: int, acks: list[Completion]) -> list[Completion]:
         """``acks`` of ``worker``'s applied push, unless the staleness gate withholds them, plus what

@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 
 from kvstore.core import table_image
-from kvstore.core.optimizer import Optimizer
+from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import Key, check_key
 from kvstore.core.shard import ShardState
 from kvstore.core.sparse_shard import RowTables
 from kvstore.core.table_image import TableImage, copied
-from kvstore.errors import FormatError, KeyTypeError
+from kvstore.errors import FormatError, KeyTypeError, OptimizerError
 
 KIND = "server_shard"
 SHARD_VERSION = 2  # 2: row-sparse tables (``tables``); a shard without the field is 1 (dense keys only)
@@ -61,6 +61,8 @@ class ShardImage:
     keys: dict[Key, KeyImage]
     session: str = ""  # the cluster's session id (hex): a restart refuses a shard of another job
     tables: dict[Key, TableImage] = field(default_factory=dict)  # its row-sparse tables
+    calls: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (worker, call) -> parts of an
+    # init's or load's SPARSE_SETs held, its settle not answered yet (RowTables.calls)
 
     def step(self) -> int:
         """The furthest key's (or table's) progress: rounds closed, or (async) one worker's most
@@ -94,7 +96,8 @@ def capture(state: ShardState, optimizer: Optimizer | None, bf16_keys: set[Key],
     spec = optimizer.spec() if optimizer is not None else None
     return ShardImage(rank, number, "dist_sync" if state.sync else "dist_async", state.num_workers, spec,
                       optimizer.num_update if optimizer is not None else 0, keys,
-                      tables={} if tables is None else table_image.capture(tables, optimizer, spare_tables))
+                      tables={} if tables is None else table_image.capture(tables, optimizer, spare_tables),
+                      calls={} if tables is None else {c: sorted(p) for c, p in tables.calls.items()})
 
 
 def to_file(image: ShardImage) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -114,7 +117,8 @@ def to_file(image: ShardImage) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                 "num_workers": image.num_workers, "optimizer": image.optimizer,
                 "num_update": image.num_update, "step": image.step(), "keys": entries,
                 "session": image.session, "shard_version": SHARD_VERSION,
-                "tables": table_image.entries(image.tables, arrays)}
+                "tables": table_image.entries(image.tables, arrays),
+                "set_calls": [[w, c, parts] for (w, c), parts in sorted(image.calls.items())]}
     return manifest, arrays
 
 
@@ -177,5 +181,25 @@ def from_file(manifest: dict[str, Any], arrays: dict[str, np.ndarray], where: st
     tables = table_image.from_entries(manifest.get("tables"), arrays, where)
     if set(tables) & set(keys):
         raise FormatError(f"{where}: a key is stored both as a dense key and as a table")
+    if tables:
+        try:
+            optimizer = None if spec is None else from_spec(spec)
+        except OptimizerError as exc:
+            raise FormatError(f"{where}: its optimizer: {exc}") from None
+        table_image.check_states(tables, optimizer, where)
     return ShardImage(rank, number, mode, _count(manifest.get("num_workers"), "'num_workers'", where), spec,
-                      _count(manifest.get("num_update"), "'num_update'", where), keys, session, tables)
+                      _count(manifest.get("num_update"), "'num_update'", where), keys, session, tables,
+                      _calls(manifest.get("set_calls", []), where))
+
+
+def _calls(found: Any, where: str) -> dict[tuple[int, int], list[int]]:
+    """A manifest's ``set_calls`` ([worker, call, [parts]] each); FormatError naming ``where``."""
+    if not isinstance(found, list):
+        raise FormatError(f"{where}: 'set_calls' must be a list")
+    calls = {}
+    for entry in found:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], list)):
+            raise FormatError(f"{where}: 'set_calls' holds [worker, call, [parts]] entries")
+        parts = [_count(p, "a set's part", where) for p in entry[2]]
+        calls[(_count(entry[0], "a worker rank", where), _count(entry[1], "a call", where))] = parts
+    return calls

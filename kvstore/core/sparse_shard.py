@@ -103,6 +103,9 @@ class Table:
     floor: int = 0  # restored (dist_sync): pushes of rounds below it are retries, acked and dropped
     counted: dict[int, int] = field(default_factory=dict)  # restored (dist_async): worker -> pushes
     # the shard counts (its retries of them are acked and dropped)
+    numbered: dict[int, int] = field(default_factory=dict)  # dist_async: worker -> its highest push
+    # number applied + 1 (what a shard records: after a restart that lost pushes, the server's own count
+    # in ``pushed`` falls behind the worker's numbering, which a retry carries)
 
     @property
     def width(self) -> int:
@@ -148,6 +151,10 @@ class RowTables:
         self.quorum: int | None = None  # dist_sync's KVSTORE_SYNC_QUORUM (None: every live worker)
         self.on_late: Callable[[Key, int, int], None] | None = None  # (key, worker, round) dropped late
         self.late: dict[int, int] = {}  # worker -> late pushes dropped (quorum)
+        self.sets = 0  # SPARSE_SETs (rows or state) and dense STATE_SETs taken by this process: a shard
+        # is due when it moves (kvstore.server.shards), and a settle request waits for a shard holding them
+        self.calls: dict[tuple[int, int], set[int]] = {}  # (worker, call) -> parts of an init's or
+        # load's sets taken (in the shard too: a restart from it knows which it holds)
 
     def __contains__(self, key: object) -> bool:
         return key in self.tables
@@ -184,13 +191,13 @@ class RowTables:
 
     def restore(self, key: Key, table: Table, rounds: int, applied: dict[int, int]) -> None:
         """Hold ``table`` (a fixed or dynamic table of a server's shard, its rows in it) with ``rounds``
-        closed (dist_sync) and each worker's pushes ``applied`` (dist_async); the workers' retries of
-        the pushes the shard counts are dropped (:meth:`realign` in dist_sync).  DuplicateInitError
-        when ``key`` is held."""
+        closed (dist_sync) and ``applied`` each worker's highest push number applied + 1 (dist_async);
+        the workers' retries of pushes numbered below it are dropped (:meth:`realign` in dist_sync).
+        DuplicateInitError when ``key`` is held."""
         if key in self.tables:
             raise DuplicateInitError(f"key {key!r} is already initialised on this server")
         table.applied = rounds
-        table.pushed, table.counted = dict(applied), dict(applied)
+        table.pushed, table.counted, table.numbered = dict(applied), dict(applied), dict(applied)
         self.tables[key] = table
 
     def realign(self, key: Key, floor: int) -> None:
@@ -231,12 +238,28 @@ class RowTables:
                                      f"got {rows.shape}")
         return rows
 
-    def set_rows(self, key: Key, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Overwrite rows ``ids`` of ``key`` (an init from a value, a restore)."""
+    def set_rows(self, key: Key, ids: np.ndarray, rows: np.ndarray,
+                 call: tuple[int, int, int] | None = None) -> None:
+        """Overwrite rows ``ids`` of ``key`` (an init from a value, a restore); ``call``: (worker, call,
+        part) of the init's or load's sets this one is (:meth:`note_set`)."""
         table, local = self.local_ids(key, ids)
         if table.dynamic is not None:
             raise ProtocolError(f"SPARSE_SET of dynamic key {key!r}: its rows are made on first touch")
         table.weight[local] = self._rows(key, table, ids, rows)
+        self.note_set(call)
+
+    def note_set(self, call: tuple[int, int, int] | None = None) -> None:
+        """Count a SPARSE_SET taken (rows or optimizer state, of any table): a restart from a shard
+        taken before it would bring back what it overwrote; ``call``: (worker, call, part), recorded
+        for the call's settle (:meth:`settles`)."""
+        self.sets += 1
+        if call is not None:
+            self.calls.setdefault(call[:2], set()).add(call[2])
+
+    def settles(self, worker: int, call: int, parts: int) -> bool:
+        """Whether every one of the ``parts`` sets of ``worker``'s ``call`` was taken (here, or by the
+        server whose shard this one restarted from): a restart in between lost the others."""
+        return self.calls.get((worker, call), set()) == set(range(parts))
 
     def push(self, sender: int, key: Key, rnd: int, last: bool, ids: np.ndarray, rows: np.ndarray,
              token: Any) -> list[Completion]:
@@ -255,7 +278,8 @@ class RowTables:
                 return []
             del table.pending[sender]
             self._apply(key, table, gathering)
-            table.pushed[sender] = table.pushed.get(sender, 0) + 1
+            table.pushed[sender] = table.pushed.get(sender, 0) + 1  # the staleness gate's count
+            table.numbered[sender] = max(table.numbered.get(sender, 0), rnd + 1)  # the shard's screen
             acks = [Completion(t) for t in gathering.tokens]
             if self.gate is None:
                 return acks
@@ -363,6 +387,8 @@ class RowTables:
         """``sender`` is done: rounds no longer wait for it, its unfinished async chunks and its waiting
         pulls are dropped."""
         self.live.discard(sender)
+        for call in [c for c in self.calls if c[0] == sender]:  # its settles will not come
+            del self.calls[call]
         done: list[Completion] = []
         for key, table in self.tables.items():
             table.waiting = [w for w in table.waiting if w[3] != sender]  # nobody reads their answers

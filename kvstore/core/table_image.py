@@ -40,7 +40,8 @@ class TableImage:
     shape: tuple[int, ...]
     rows: np.ndarray
     round: int = 0  # rounds closed (dist_sync)
-    applied: dict[int, int] = field(default_factory=dict)  # dist_async: worker -> its pushes applied
+    applied: dict[int, int] = field(default_factory=dict)  # dist_async: worker -> its highest push
+    # number applied + 1 (its retries of pushes numbered below it are dropped after a restart)
     count: int | None = None  # the key's optimizer update count (None: never updated)
     states: dict[str, np.ndarray] = field(default_factory=dict)  # state name -> its rows, as ``rows``
     lo: int = 0
@@ -72,14 +73,14 @@ def capture(tables: RowTables, optimizer: Optimizer | None,
             states = {} if optimizer is None else optimizer.states.get(key) or {}
             old = spare.get(key)
             image = TableImage(table.shape, copied(table.weight, old.rows if old is not None else None),
-                               round_, dict(table.pushed), count,
+                               round_, dict(table.numbered), count,
                                {n: copied(a, old.states.get(n) if old is not None else None)
                                 for n, a in states.items()}, table.lo, table.hi)
         else:
             rows = table.dynamic
             snap = rows.snapshot()
             got = None if optimizer is None else state_of(optimizer, key, rows, snap.slots)
-            image = TableImage(table.shape[1:], snap.rows, round_, dict(table.pushed), count, got or {},
+            image = TableImage(table.shape[1:], snap.rows, round_, dict(table.numbered), count, got or {},
                                dynamic=snap, init=dict(rows.init), spec=rows.spec)
         found[key] = image
     return found
@@ -219,8 +220,32 @@ def _table(entry: Any, arrays: dict[str, np.ndarray], where: str) -> tuple[Key, 
             raise FormatError(f"{where}: table {key!r}'s rows [{image.lo}, {image.hi}) do not fit {shape}")
     else:
         image.dynamic, image.init, image.spec = _dynamic(dynamic, arrays, rows.shape[0], key, where)
+        if image.spec.capacity and rows.shape[0] > image.spec.capacity:
+            raise FormatError(f"{where}: dynamic table {key!r} holds {rows.shape[0]} rows, more than its "
+                              f"capacity of {image.spec.capacity}")
         image.dynamic.rows = rows
     return key, image
+
+
+def check_states(images: dict[Key, TableImage], optimizer: Optimizer | None, where: str) -> None:
+    """FormatError naming ``where`` when a table's state arrays are not the names and dtypes
+    ``optimizer`` (the shard's own; None: none set) keeps for it: installed, the others would be
+    dropped and the table would go on without them silently."""
+    for key, image in images.items():
+        if not image.states:
+            continue
+        dtype = image.rows.dtype
+        if optimizer is None:
+            raise FormatError(f"{where}: table {key!r} holds optimizer state but the shard has no optimizer")
+        want = optimizer.state_names(dtype)
+        kept = np.dtype(np.float32) if "weight32" in want else dtype  # as create_state makes them
+        if set(image.states) != set(want):
+            raise FormatError(f"{where}: table {key!r} holds states {sorted(image.states)}; "
+                              f"{optimizer.name} keeps {sorted(want)}")
+        wrong = [name for name, array in image.states.items() if array.dtype != kept]
+        if wrong:
+            raise FormatError(f"{where}: table {key!r}'s states {wrong} are not of the dtype "
+                              f"{optimizer.name} keeps them in")
 
 
 def from_entries(found: Any, arrays: dict[str, np.ndarray], where: str) -> dict[Key, TableImage]:

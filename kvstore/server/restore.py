@@ -20,8 +20,9 @@ answers only ALIGN, LEAVE and SHM_ATTACH until every worker still in the job has
   and acknowledged (a pushpull gets the current value): it is in the shard, or it is lost with its
   round, never applied twice.
 * ``dist_async``: a retried push is dropped when the shard already counts it (the shard records
-  each worker's pushes applied per key); the others are applied once.  Pushes the dead server applied
-  after its shard and acknowledged are lost.
+  each worker's highest push number applied + 1 per key, in the worker's numbering: after a restart
+  that lost pushes the server's own count would fall behind it); the others are applied once.
+  Pushes the dead server applied after its shard and acknowledged are lost.
 
 Row-sparse tables (fixed and dynamic) come back from the shard with their rows, optimizer state and
 counters (:mod:`kvstore.core.table_image`) and follow the same rules, their rounds being each worker's
@@ -139,6 +140,7 @@ class Restored:
         state = requests.state
         install(requests, image, session)
         table_image.install(self.tables, requests.optimizer, image.tables)
+        self.tables.calls = {call: set(parts) for call, parts in image.calls.items()}  # settles' sets held
         for held in image.keys.values():  # copied into the state: only the rounds and counts stay here
             held.value, held.states = np.empty(0, held.value.dtype), {}
         for table in image.tables.values():  # held by the tables now: only the rounds stay here
@@ -310,9 +312,10 @@ def die_hook(cfg: Config, rank: int, state: ShardState, shards: ShardWriter | No
     """The test hook ``KVSTORE_TEST_SERVER_DIE_AT_ROUND=N`` (or ``RANK:N``) for server ``rank``, or None
     when it is not set for this server's first incarnation with shards: a check, for the request
     loop to run after each shard tick, that SIGKILLs the server once some key has closed N rounds
-    and a shard of every key it holds and of its optimizer has been written (from round N on, it
-    makes the next tick look at the rounds and waits for a write in flight, so the kill comes near
-    round N however fast the job; the first shards, taken at start, may hold no key or optimizer).
+    and a shard of every key it holds, of its row-sparse sets and of its optimizer has been written
+    (from round N on, it makes the next tick look at the rounds and waits for a write in flight, so
+    the kill comes near round N however fast the job; the first shards, taken at start, may hold no
+    key or optimizer).
     ``tables``: the server's row-sparse tables, counted as keys.  Installed at start; nothing runs
     without it."""
     hook = cfg.test_server_die_at
@@ -323,10 +326,10 @@ def die_hook(cfg: Config, rank: int, state: ShardState, shards: ShardWriter | No
     def die_if_due() -> None:
         if progress_of(state, tables) < at:
             return
-        held = keys_of(state, tables)
-        if not shards.holds_all(held, optimizer()):  # no shard of every key and the optimizer:
+        held, sets = keys_of(state, tables), (0 if tables is None else tables.sets)
+        if not shards.holds_all(held, optimizer(), sets):  # no shard of every key, set and the optimizer:
             shards.close(30.0)  # hurry one (a fast job would end first), the write in flight finishing
-            if not shards.holds_all(held, optimizer()):
+            if not shards.holds_all(held, optimizer(), sets):
                 shards.look_now()
                 return
         if shards.written >= 1:

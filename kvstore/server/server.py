@@ -151,6 +151,9 @@ class Server:
         self.meter.extra_stalled = lambda older_than: self.sparse.tables.stalled(older_than)
         self.shards = shard_writer(cfg, rank, session.hex())  # KVSTORE_SNAPSHOT_EVERY
         self._unsettled: list[tuple[bytes, int]] = []  # optimizer changes acknowledged once in a shard
+        self._unsettled_sets: list[tuple[bytes, int, int, tuple[int, int]]] = []  # settle requests:
+        # (identity, seq, sets they wait for, (worker, call))
+        self.sparse.settle = self._ack_sets_when_settled
         handlers = {Op.INIT: self._on_init, Op.PUSH: self._on_push, Op.PULL: self._on_pull,
                     Op.PUSHPULL: self._on_pushpull, Op.OPTIMIZER_SET: self._on_optimizer_set,
                     Op.OPTIMIZER_PARAMS: self._on_optimizer_params,
@@ -483,6 +486,18 @@ class Server:
         else:
             self._unsettled.append((identity, msg.seq))
 
+    def _ack_sets_when_settled(self, identity: bytes, seq: int, sets: int, call: tuple[int, int]) -> None:
+        """Answer a settle request (the end of an init's or load's SPARSE_SETs, server/sparse.py) now,
+        or, with shards, once a shard holding the first ``sets`` sets is written (due at once): a
+        restart from an earlier shard would bring back the rows or states they overwrote silently;
+        unanswered, it is sent again after the restart, whose shard says which of its sets it holds."""
+        if self.shards is None:
+            self.sparse.tables.calls.pop(call, None)
+            self.service.reply(identity, Message(Op.OK, seq=seq))
+        else:
+            self.shards.want_sets(sets)
+            self._unsettled_sets.append((identity, seq, sets, call))
+
     def _on_optimizer_info(self, identity: bytes, msg: Message) -> None:
         opt = self._requests.optimizer
         body = {"spec": None, "num_update": 0} if opt is None else {"spec": opt.spec(),
@@ -504,6 +519,9 @@ class Server:
                 and len(names) == len(msg.arrays) and all(isinstance(n, str) for n in names)):
             raise ProtocolError(f"STATE_SET of key {key!r} needs a count >= 0 and one name per array")
         opt = self._need_optimizer(f"setting the optimizer state of key {key!r}")
+        call = None
+        if "call" in msg.body:  # one of a load's sets, settled at its end (server/sparse.py)
+            call = (self._requests.sender(msg), _field(msg.body, "call"), _field(msg.body, "part"))
         arrays: list[np.ndarray] | None = list(msg.arrays)
         lo = msg.body.get("lo")
         if lo is not None:  # a chunk: the state is checked and installed with its last chunk
@@ -512,6 +530,7 @@ class Server:
             arrays = self.state.state_chunk(msg.sender, key, arrays, lo, (count, tuple(names)))
         if arrays is not None:
             opt.set_state(key, self.state.value(key), count, dict(zip(names, arrays)))
+        self.sparse.tables.note_set(call)  # a shard is due: a restart would bring back the state before
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
 
     def run(self, scheduler: SchedulerLink) -> int:
@@ -531,7 +550,8 @@ class Server:
                     rank = self.service.rank
                     beat = Message(Op.HEARTBEAT, {"role": "server", "rank": rank}, sender=rank)
                     transport.send(scheduler.sock, scheduler.channel.seal(beat, "scheduler"))
-                ready = poller.wait(SETTLE_POLL if self._unsettled else self.cfg.heartbeat_interval)
+                unsettled = self._unsettled or self._unsettled_sets
+                ready = poller.wait(SETTLE_POLL if unsettled else self.cfg.heartbeat_interval)
                 if self.service.sock in ready:
                     self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
                 if scheduler.sock in ready and self._from_scheduler(scheduler):
@@ -558,6 +578,15 @@ class Server:
                 for identity, seq in self._unsettled:
                     self.service.reply(identity, Message(Op.OK, seq=seq))
                 self._unsettled = []
+            if self._unsettled_sets:
+                waiting = []
+                for identity, seq, sets, call in self._unsettled_sets:
+                    if self.shards.sets_settled(sets):  # the call's record is in that shard: forgotten
+                        self.sparse.tables.calls.pop(call, None)
+                        self.service.reply(identity, Message(Op.OK, seq=seq))
+                    else:
+                        waiting.append((identity, seq, sets, call))
+                self._unsettled_sets = waiting
 
     def _from_scheduler(self, scheduler: SchedulerLink) -> bool:
         """Handle one message from the scheduler; True when it is SHUTDOWN (after confirming it)."""
@@ -606,6 +635,14 @@ def _present(cluster: dict) -> list[int] | None:
     if not absent:
         return None
     return [w for w in range(cluster["num_workers"]) if w not in set(absent)]
+
+
+def _field(body: dict, name: str) -> int:
+    """Int field ``name`` of ``body`` in [0, 2**63); ProtocolError otherwise."""
+    value = body.get(name)
+    if type(value) is not int or not 0 <= value < 2**63:
+        raise ProtocolError(f"field {name!r} must be an int in [0, 2**63), not {str(value)[:40]!r}")
+    return value
 
 
 def _rounds(msg: Message) -> list[int] | None:

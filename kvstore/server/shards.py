@@ -34,6 +34,8 @@ from kvstore.errors import ConfigError, FormatError
 log = logging.getLogger("kvstore.server")
 KEEP = 2  # the latest shard and the one before it
 CHECK_EVERY = 0.05  # seconds between two looks at the rounds (a scan of the keys) at most
+SETS_QUIET = 0.5  # seconds without a new SPARSE_SET after which the rows set are due in a shard (a
+# load's sets, a message after another, wait for its end: one shard, not one per message)
 _NAME = re.compile(r"^shard-(\d{8})\.kvs$")
 
 
@@ -96,6 +98,10 @@ class ShardWriter:
         self.last_written: ShardImage | None = None  # the last image written (its buffers are reused)
         self.keys_seen: int | None = None  # keys in the last image (None: none taken by this process)
         self.optimizer_seen: tuple[Optimizer | None, int] = (None, 0)  # the last image's, and its params
+        self.sets_seen = 0  # RowTables.sets in the last image taken
+        self.sets_written = self.sets_failed = 0  # ... in the last image written, or whose write failed
+        self.sets_wanted = 0  # the sets a settle request waits for (want_sets): due at once
+        self._sets_noticed, self._sets_moved_at = 0, 0.0  # sets when last looked at, and since when
 
     def tick(self, state: ShardState | None, optimizer: Optimizer | None, bf16_keys: set[Key],
              tables: RowTables | None = None) -> bool:
@@ -114,7 +120,8 @@ class ShardWriter:
         image.session = self.session
         self.last_step, self.last_time, self.keys_seen = image.step(), now, held_keys(image)
         self.optimizer_seen = _optimizer_at(optimizer)
-        self.thread = threading.Thread(target=self._write, args=(image, self.optimizer_seen),
+        self.sets_seen = 0 if tables is None else tables.sets
+        self.thread = threading.Thread(target=self._write, args=(image, self.optimizer_seen, self.sets_seen),
                                        name="kvstore-shard", daemon=True)
         self.thread.start()
         return True
@@ -124,8 +131,10 @@ class ShardWriter:
         """Whether a shard is due: a fresh server's first (at once, keys or none: a server that never
         holds a key restarts from it), keys initialised, an optimizer set or its hyper-parameters
         changed since the last one (a restart from it would lack the keys, apply no optimizer, or an
-        old learning rate or rescale_grad), else ``seconds`` passed or ``rounds`` more closed (looked
-        at every CHECK_EVERY at most)."""
+        old learning rate or rescale_grad), rows or states set (SPARSE_SET: a restart would bring back
+        the init spec's rows) once a settle request waits for them or none came for SETS_QUIET
+        seconds, else ``seconds`` passed or ``rounds`` more closed (looked at every CHECK_EVERY at
+        most)."""
         if self.keys_seen is None:
             if self.number == 0:
                 return True
@@ -135,6 +144,11 @@ class ShardWriter:
         if keys_of(state, tables) > self.keys_seen or optimizer is not seen or \
                 _optimizer_at(optimizer)[1] != version:
             return True
+        if tables is not None and tables.sets > self.sets_seen:
+            if tables.sets != self._sets_noticed:
+                self._sets_noticed, self._sets_moved_at = tables.sets, now
+            if self.sets_wanted > self.sets_seen or now - self._sets_moved_at >= SETS_QUIET:
+                return True
         if self.seconds > 0:
             return now - self.last_time >= self.seconds
         if now - self.last_check < CHECK_EVERY:
@@ -142,8 +156,9 @@ class ShardWriter:
         self.last_check = now
         return progress_of(state, tables) >= self.last_step + self.rounds
 
-    def _write(self, image: ShardImage, optimizer_at: tuple[Optimizer | None, int]) -> None:
-        """Write ``image`` atomically, then remove all but the latest :data:`KEEP` shards."""
+    def _write(self, image: ShardImage, optimizer_at: tuple[Optimizer | None, int], sets: int = 0) -> None:
+        """Write ``image`` (holding ``sets`` SPARSE_SETs) atomically, then remove all but the latest
+        :data:`KEEP` shards."""
         path = storage.join(self.folder, f"shard-{image.number:08d}.kvs")
         started = time.monotonic()
         try:
@@ -153,20 +168,23 @@ class ShardWriter:
         except Exception as exc:  # noqa: BLE001 -- any failure (a store backend's own errors, MemoryError):
             self.failed += 1  # counted, so a change of optimizer waiting for this write is answered
             self.optimizer_failed = optimizer_at
+            self.sets_failed = max(self.sets_failed, sets)
             log.error("server %d could not write shard %d (%s): the previous one stays in effect",
                       self.rank, image.number, exc)
             return
         self.written += 1
         self.keys_written = held_keys(image)
         self.optimizer_written = optimizer_at
+        self.sets_written = max(self.sets_written, sets)
         self.last_written = image
         log.info("server %d wrote shard %d (step %d, keys %d) to %s in %.3f s", self.rank, image.number,
                  image.step(), held_keys(image), path, time.monotonic() - started)
 
-    def holds_all(self, keys: int, optimizer: Optimizer | None) -> bool:
-        """Whether the last shard written holds ``keys`` keys and ``optimizer`` with its current
-        hyper-parameters (for the test hook that kills a server once a restart from its shard is whole)."""
-        return self.keys_written >= keys and self.holds_optimizer(optimizer)
+    def holds_all(self, keys: int, optimizer: Optimizer | None, sets: int = 0) -> bool:
+        """Whether the last shard written holds ``keys`` keys, ``optimizer`` with its current
+        hyper-parameters and ``sets`` SPARSE_SETs (for the test hook that kills a server once a restart
+        from its shard is whole)."""
+        return self.keys_written >= keys and self.holds_optimizer(optimizer) and self.sets_written >= sets
 
     def holds_optimizer(self, optimizer: Optimizer | None) -> bool:
         """Whether the last shard written holds ``optimizer`` with its current hyper-parameters."""
@@ -178,6 +196,16 @@ class ShardWriter:
         from its shard cannot lose an acknowledged one (docs/failures.md)."""
         now = _optimizer_at(optimizer)
         return _same(self.optimizer_written, now) or _same(self.optimizer_failed, now)
+
+    def want_sets(self, sets: int) -> None:
+        """A settle request waits for the first ``sets`` SPARSE_SETs (RowTables.sets): a shard holding
+        them is due at the next tick (unless written already)."""
+        self.sets_wanted = max(self.sets_wanted, sets)
+
+    def sets_settled(self, sets: int) -> bool:
+        """Whether a shard holding the first ``sets`` SPARSE_SETs has been written, or its write failed
+        (logged): a settle request is answered only then (docs/failures.md)."""
+        return self.sets_written >= sets or self.sets_failed >= sets
 
     def look_now(self) -> None:
         """Look at the rounds at the next tick, whenever the last look was (the test hook

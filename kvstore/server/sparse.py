@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,14 @@ from kvstore.core.replies import Completion
 from kvstore.core.sparse_shard import RowTables
 from kvstore.core.sparse_update import apply_rows
 from kvstore.core.staleness import StalenessGate
-from kvstore.errors import ConfigError, DTypeMismatchError, OptimizerError, ProtocolError, UnsupportedError
+from kvstore.errors import (
+    ConfigError,
+    DTypeMismatchError,
+    NodeLostError,
+    OptimizerError,
+    ProtocolError,
+    UnsupportedError,
+)
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import Handler
 from kvstore.server.requests import Requests
@@ -62,6 +70,8 @@ class SparseServer:
         self.tables.updater = self._update
         self.tables.dynamic_updater = self._update_dynamic
         self.max_bytes = 0
+        self.settle: Callable[[bytes, int, int, tuple[int, int]], None] = self._settled_now
+        # ^ (identity, seq, sets, (worker, call)): a settle request, answered once its sets are in a shard
 
     def configure(self, num_workers: int, sync: bool, window: int, max_bytes: int = 0,
                   staleness: int | None = None, quorum: int | None = None) -> None:
@@ -176,19 +186,46 @@ class SparseServer:
         log.debug("dynamic row_sparse key %r: rows of %s, %s", key, shape[1:], dynamic)
         self.requests.reply(identity, Message(Op.OK, seq=msg.seq))
 
+    def _settled_now(self, identity: bytes, seq: int, sets: int, call: tuple[int, int]) -> None:
+        """Answer a settle request at once (a server without shards)."""
+        self.tables.calls.pop(call, None)
+        self.requests.reply(identity, Message(Op.OK, seq=seq))
+
     def _on_set(self, identity: bytes, msg: Message) -> None:
+        if "settle" in msg.body:
+            self._on_settle(identity, msg)
+            return
         key, ids, rows = self._rows(msg, True)
         name = msg.body.get("state")
+        call = None
+        if "call" in msg.body:  # one of the sets of an init or load, settled at its end
+            call = (msg.sender, _int(msg.body, "call"), _int(msg.body, "part"))
         if name is None and self.tables.table(key).dynamic is not None:
             self._set_dynamic_rows(key, ids, rows)
+            self.tables.note_set(call)
         elif name is None:
-            self.tables.set_rows(key, ids, rows)
+            self.tables.set_rows(key, ids, rows, call)
         else:
             if not isinstance(name, str):
                 raise ProtocolError(f"SPARSE_SET of key {key!r}: 'state' must be a state's name, "
                                     f"not {name!r}")
             self._set_state(key, name, _int(msg.body, "count"), ids, rows)
+            self.tables.note_set(call)
         self.requests.reply(identity, Message(Op.OK, seq=msg.seq))
+
+    def _on_settle(self, identity: bytes, msg: Message) -> None:
+        """The end of an init's or load's sets (``settle``: its call, ``parts``: how many sets it sent
+        here): answered once a shard holding them is written (``settle``), so a restart cannot bring
+        back what they overwrote after they were acknowledged.  NodeLostError when this server did
+        not take them all: a restart (from a shard without them) came in between."""
+        sender = self._sender(msg)
+        call, parts = _int(msg.body, "settle"), _int(msg.body, "parts")
+        if not self.tables.settles(sender, call, parts):
+            self.tables.calls.pop((sender, call), None)
+            raise NodeLostError(f"row messages of an init or load of row_sparse keys set on this server "
+                                f"were lost in its restart before a shard held them ({parts} sent); the "
+                                "keys hold the rows or states of before: load them again", role="server")
+        self.settle(identity, msg.seq, self.tables.sets, (sender, call))
 
     def _set_dynamic_rows(self, key: Key, ids: np.ndarray, rows: np.ndarray) -> None:
         """Store rows of distinct ``ids`` in dynamic ``key`` (a resumed snapshot): made (their state

@@ -114,3 +114,24 @@ def test_in_dist_async_a_tables_retried_push_is_applied_at_most_once(launches, t
         np.testing.assert_allclose(rows[~held], whole[~held], rtol=1e-5, atol=1e-6)
         assert np.all(rows[held] >= whole[held] - 1e-5), output[-3000:]
         assert np.all(rows[held] <= start[held]) and (rows[held] < start[held]).mean() > 0.9, output[-3000:]
+
+
+VALUE_INIT = Path(__file__).parent / "scripts" / "sparse_value_init_train.py"
+
+
+@pytest.mark.timeout(150)
+def test_a_value_initialised_tables_rows_survive_a_server_restart(launches, tmp_path: Path) -> None:  # noqa: F811
+    """Server 1 SIGKILLed at its 3rd round: the rows no push touched (4.., half of them on server 1) are
+    still the init value's after its restart from its shard (not the init spec's zeros)."""
+    env = {"KVSTORE_SNAPSHOT_EVERY": "1000", "KVSTORE_SNAPSHOT_DIR": str(tmp_path / "shards"),
+           "KVSTORE_TEST_SERVER_DIE_AT_ROUND": "1:3", "KVSTORE_LOG_LEVEL": "INFO",
+           "KVSTORE_CHUNK_BYTES": "1024"}  # ~50 SPARSE_SETs per server
+    run = launches(["-n", "1", "-s", "2", "--max-restarts", "1", str(VALUE_INIT), "8", str(tmp_path / "w")],
+                   env)
+    assert run.finish(120) == 0, run.output
+    assert "server 1 exited with code 137; restarting it as incarnation 1" in run.output, run.output
+    rows = load_arrays(str(tmp_path / "w.0"))["f_rows"]
+    value = np.arange(4096 * 4, dtype=np.float32).reshape(4096, 4) + 1.0
+    bad = np.flatnonzero((rows[4:] != value[4:]).any(axis=1)) + 4
+    assert not bad.size, (f"{bad.size} rows (of {rows.shape[0] - 4}) differ from the value: {bad[:5]}...",
+                          rows[bad[:3]], run.output[-3000:])

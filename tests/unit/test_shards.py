@@ -216,3 +216,58 @@ def test_a_shard_write_that_raises_any_error_settles_the_optimizer(tmp_path, mon
     assert writer.tick(shard, opt, set())  # due: an optimizer was set
     writer.close(10)
     assert writer.failed == 1 and writer.settled(opt) and not writer.holds_optimizer(opt)
+
+
+def _tables_shard(tmp_path, clock: Clock):
+    """A writer over a fresh server holding fixed table 'emb' of 8 zero rows, its shards written."""
+    from kvstore.core import rowsparse as R
+    from kvstore.core.sparse_shard import RowTables
+
+    writer = ShardWriter(str(tmp_path), 0, rounds=100, clock=clock, session="s")
+    state, tables = ShardState(1, sync=True), RowTables(1, True)
+    assert writer.tick(state, None, set(), tables)  # a fresh server's first shard
+    written(writer)
+    tables.init("emb", (8, 2), np.dtype(np.float32), 0, 8, R.parse_init("emb", "zeros"))  # SPARSE_INIT
+    clock.now += 1
+    assert writer.tick(state, None, set(), tables)  # a key more: due at once
+    written(writer)
+    return writer, state, tables
+
+
+def test_a_tables_rows_set_after_its_init_reach_a_shard_once_the_sets_pause(tmp_path) -> None:
+    """A fixed table's SPARSE_SET rows (an init from a value, a --resume) make a shard due once no set
+    came for SETS_QUIET: a restart before the next rounds-due shard does not bring back the init
+    spec's rows; sets coming one after another (a load) wait for their end."""
+    from kvstore.server.shards import SETS_QUIET
+
+    clock = Clock()
+    writer, state, tables = _tables_shard(tmp_path, clock)
+    value = np.arange(16, dtype=np.float32).reshape(8, 2)
+    for row in range(8):  # the SPARSE_SETs of the init's value, closer together than SETS_QUIET
+        tables.set_rows("emb", np.array([row], np.int64), value[row:row + 1])
+        clock.now += SETS_QUIET / 4
+        assert not writer.tick(state, None, set(), tables)
+    clock.now += SETS_QUIET
+    assert writer.tick(state, None, set(), tables)  # the server loop's ticks go on, no round closed
+    written(writer)
+    assert not writer.tick(state, None, set(), tables)  # nothing more to hold
+    image = read_latest(str(tmp_path), 0)  # what a restart now comes back with
+    assert image is not None and np.array_equal(image.tables["emb"].rows, value)
+    assert writer.sets_settled(8) and not writer.sets_settled(9)
+
+
+def test_a_settle_makes_the_shard_of_its_sets_due_at_once_and_a_restart_knows_its_parts(tmp_path) -> None:
+    """A settle request (want_sets) makes a shard holding its sets due at the next tick, however
+    recent the last set; that shard records the call's parts taken, which a restarted server reads."""
+    clock = Clock()
+    writer, state, tables = _tables_shard(tmp_path, clock)
+    tables.set_rows("emb", np.arange(4, dtype=np.int64), np.ones((4, 2), np.float32), (0, 9, 0))
+    tables.set_rows("emb", np.arange(4, 8, dtype=np.int64), np.ones((4, 2), np.float32), (0, 9, 1))
+    assert not writer.tick(state, None, set(), tables) and not writer.sets_settled(tables.sets)
+    writer.want_sets(tables.sets)
+    assert writer.tick(state, None, set(), tables)
+    written(writer)
+    assert writer.sets_settled(tables.sets)
+    image = read_latest(str(tmp_path), 0)
+    assert image is not None and image.calls == {(0, 9): [0, 1]}
+    assert np.array_equal(image.tables["emb"].rows, np.ones((8, 2), np.float32))

@@ -10,7 +10,7 @@ import pytest
 import kvstore
 from kvstore.core.groups import GroupedShardState
 from kvstore.core.optimizer import Optimizer
-from kvstore.errors import ConfigError, ProtocolError
+from kvstore.errors import ConfigError, NodeLostError, ProtocolError
 from kvstore.net.protocol import Message, Op
 from kvstore.server import sparse as S
 from kvstore.server.meter import ServerMeter
@@ -314,3 +314,31 @@ def test_the_server_takes_an_empty_quantised_push_and_applies_the_round() -> Non
     server._on_pull(b"w", Message(Op.SPARSE_PULL, {"key": "d", "after": 1}, [np.array([3], np.int64)],
                                   seq=3, sender=0))
     np.testing.assert_array_equal(replies.sent[-1].arrays[0], [[0, 0]])
+
+
+def _set(key: str, rows: list[int], value: float, call: int, part: int, seq: int) -> Message:
+    ids = np.array(rows, np.int64)
+    return Message(Op.SPARSE_SET, {"key": key, "call": call, "part": part},
+                   [ids, np.full((ids.size, 1), value, np.float32)], seq=seq, sender=0)
+
+
+def test_a_settle_is_answered_through_the_settle_hook_once_every_set_of_its_call_was_taken() -> None:
+    """The sets of an init count for their call; its settle goes to the server's settle hook (which
+    answers it once a shard holds them) with the sets taken so far, and is a NodeLostError when a part
+    is missing (a restart lost it), forgetting the call either way."""
+    server, replies = _sparse()
+    server.configure(1, True, 2)
+    server._on_init(b"w", _init("a", 4))
+    settled = []
+    server.settle = lambda identity, seq, sets, call: settled.append((seq, sets, call))
+    server._on_set(b"w", _set("a", [0, 1], 2.0, call=7, part=0, seq=2))
+    server._on_set(b"w", _set("a", [2, 3], 3.0, call=7, part=1, seq=3))
+    assert server.tables.sets == 2 and server.tables.calls == {(0, 7): {0, 1}}
+    server._on_set(b"w", Message(Op.SPARSE_SET, {"settle": 7, "parts": 2}, seq=4, sender=0))
+    assert settled == [(4, 2, (0, 7))]
+    server._on_set(b"w", _set("a", [0], 5.0, call=8, part=1, seq=5))  # part 0 of call 8 lost
+    with pytest.raises(NodeLostError, match="lost in its restart"):
+        server._on_set(b"w", Message(Op.SPARSE_SET, {"settle": 8, "parts": 2}, seq=6, sender=0))
+    assert (0, 8) not in server.tables.calls and len(settled) == 1
+    np.testing.assert_array_equal(server.tables.table("a").weight[:, 0], [5.0, 2.0, 3.0, 3.0])
+    assert [m.seq for m in replies.sent] == [1, 2, 3, 5]  # the settle is the hook's to answer

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -643,3 +644,27 @@ def test_a_states_file_leaves_the_streamed_keys_state_in_the_file(tmp_path) -> N
     assert isinstance(dense.arrays["mom"], np.ndarray)
     eager = C.read_states(tmp_path / "s").entries[0]
     np.testing.assert_array_equal(eager.ids, np.sort(ids))
+
+
+def test_a_streamed_load_checks_the_whole_array_before_its_first_run(tmp_path: Path) -> None:
+    """A Stored array read a run at a time raises on a damaged member before it yields any run (as the
+    whole read does): a damaged file never leaves a table half-loaded on the servers."""
+    path = str(tmp_path / "values.kvs")
+    array = np.arange(4096, dtype=np.float32)
+    C.write(path, {"kind": "x"}, {"a": array, "b": array})
+    _, intact = C.read(path, lambda document, name, nbytes: True)
+    assert np.array_equal(np.concatenate(list(intact["a"].runs([1024] * 4))), array)
+    data = bytearray(Path(path).read_bytes())
+    at = data.find(array[4000:4004].tobytes())  # a byte near the end of member a's data
+    data[at] ^= 0xFF
+    Path(path).write_bytes(bytes(data))
+    with pytest.raises(FormatError):
+        C.read(path)  # read whole: refused before anything is used
+    _, arrays = C.read(path, lambda document, name, nbytes: True)
+    got = []
+    with pytest.raises(FormatError):
+        for run in arrays["a"].runs([1024] * 4):
+            got.append(run)  # each run is sent to the servers as it comes
+    assert not got, f"{len(got)} runs (of 4) were handed out before the damage was found"
+    with pytest.raises(FormatError):
+        C.check_stored(arrays["b"], arrays["a"])  # a load's every member, before it sends any

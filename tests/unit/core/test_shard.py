@@ -206,6 +206,36 @@ def test_async_push_is_applied_and_acked_at_once():
     np.testing.assert_array_equal(state.value("k"), [1, 2])
 
 
+def test_async_shard_counts_record_the_workers_numbering_after_a_lossy_restart():
+    """dist_async: a shard records each worker's highest push number applied + 1 (the push's
+    ``rounds``), so after a restart that lost pushes a retry of one the next shard holds is screened
+    as a retry; pulls still wait for nothing (applied and submitted restored alike)."""
+    def add(key, value, stored):
+        return stored + value
+
+    def pushed(state: ShardState, token, rnd: int) -> list:
+        return state.push_many(0, [(token, "k", ro([1.0]), 0)], rounds=[rnd])
+
+    state = make(1, sync=False, updater=add, init=(0.0,))
+    for rnd in range(3):  # pushes 0..2, then the shard
+        pushed(state, rnd, rnd)
+    (_, value, rounds, applied), = state.applied_state()
+    assert applied == {0: 3}
+    for rnd in range(3, 6):  # applied and acked after the shard: lost at the restart
+        pushed(state, rnd, rnd)
+    first = ShardState(1, sync=False, updater=add)
+    first.restore("k", value, rounds, applied)
+    assert pushed(first, "p6", 6) == [Completion("p6")]  # the worker goes on with its push 6
+    (_, value, rounds, applied), = first.applied_state()
+    assert applied == {0: 7}, "the shard records the server's count (4), not the push's number (7)"
+    np.testing.assert_array_equal(value, [4.0])
+    second = ShardState(1, sync=False, updater=add)
+    second.restore("k", value, rounds, applied)
+    assert second.pull("q", 0, "k")[0].token == "q"  # answered at once
+    pushed(second, "p7", 7)
+    assert second.applied_state()[0][3] == {0: 8}
+
+
 def test_async_latest_push_wins():
     """Without an updater, async assigns: the latest push replaces the value (no summing)."""
     state = make(2, sync=False)

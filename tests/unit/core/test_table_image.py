@@ -201,3 +201,91 @@ def test_a_fixed_tables_copy_reuses_the_arrays_of_an_image_nobody_reads() -> Non
     assert second["f"].rows is rows and second["f"].states["mom"] is mom
     assert np.array_equal(rows, tables.table("f").weight)
     assert np.array_equal(mom, optimizer.states["f"]["mom"])
+
+
+def _capacity_shard() -> tuple[dict, dict]:
+    """A shard of a dynamic table of capacity 8 holding 8 rows, its spec rewritten to capacity 2."""
+    clock = Clock()
+    tables = RowTables(1, True, clock=clock)
+    spec = R.DynamicSpec(capacity=8, policy="lru")
+    tables.init_dynamic("d", (R.DYNAMIC_ROWS, 2), DynamicRows(2, np.dtype(np.float32),
+                                                              R.parse_init("d", "zeros"), spec, clock))
+    for rnd in range(2):
+        ids = np.arange(rnd * 4, rnd * 4 + 4, dtype=np.int64)
+        tables.push(0, "d", rnd, True, ids, np.ones((4, 2), np.float32), rnd)
+    manifest, arrays = to_file(capture(ShardState(1, sync=True), None, set(), 0, 1, tables=tables))
+    manifest["tables"][0]["dynamic"]["spec"] = R.DynamicSpec(capacity=2, policy="lru").wire()
+    return manifest, arrays
+
+
+def test_a_dynamic_table_holding_more_rows_than_its_capacity_is_refused() -> None:
+    """A damaged shard whose dynamic table holds more rows than its capacity is refused when read
+    (FormatError), not installed as a table over its capacity."""
+    manifest, arrays = _capacity_shard()
+    with pytest.raises(FormatError, match="capacity"):
+        from_file(manifest, arrays, "shard")
+
+
+def _momentum_shard() -> tuple[dict, dict]:
+    """A shard of a fixed table stepped once by sgd with momentum (state 'mom')."""
+    optimizer = create("sgd", learning_rate=0.1, momentum=0.9)
+    tables = RowTables(1, True)
+    tables.updater = lambda key, weight, ids, rows: apply_rows(optimizer, key, weight, ids, rows)
+    tables.init("f", (4, 2), np.dtype(np.float32), 0, 4, R.parse_init("f", "zeros"))
+    tables.push(0, "f", 0, True, np.array([1], np.int64), np.ones((1, 2), np.float32), 0)
+    return to_file(capture(ShardState(1, sync=True), optimizer, set(), 0, 1, tables=tables))
+
+
+def test_a_fixed_tables_state_of_a_name_its_optimizer_does_not_keep_is_refused() -> None:
+    """A damaged shard whose fixed table holds a state its optimizer does not keep ('bogus' for sgd
+    momentum's 'mom') is refused when read (FormatError: read_latest falls back to the shard before),
+    not installed to go on without its momentum silently."""
+    manifest, arrays = _momentum_shard()
+    from_file(manifest, arrays, "shard")  # the shard as written reads
+    states = manifest["tables"][0]["states"]
+    states["bogus"] = states.pop("mom")
+    with pytest.raises(FormatError, match="keeps"):
+        from_file(manifest, arrays, "shard")
+
+
+def test_a_tables_state_of_another_dtype_or_without_an_optimizer_is_refused() -> None:
+    """A table's state array of a dtype its optimizer does not keep it in, or a table state in a shard
+    with no optimizer, is refused when read (FormatError)."""
+    manifest, arrays = _momentum_shard()
+    name = manifest["tables"][0]["states"]["mom"]
+    wrong = dict(arrays, **{name: arrays[name].astype(np.float64)})
+    with pytest.raises(FormatError, match="dtype"):
+        from_file(manifest, wrong, "shard")
+    with pytest.raises(FormatError, match="no optimizer"):
+        from_file(dict(manifest, optimizer=None), arrays, "shard")
+
+
+def test_a_dist_async_retry_in_the_shard_is_not_applied_twice_after_a_lossy_restart() -> None:
+    """dist_async: once a restart lost pushes (the server's count behind the worker's numbering), a
+    retry of a push the next shard holds is still dropped (else it is applied twice)."""
+    def add(key, weight, ids, rows):  # rows added
+        np.add.at(weight, ids, rows)
+
+    def restarted(image) -> RowTables:
+        tables = RowTables(1, sync=False)
+        tables.updater = add
+        table_image.install(tables, None, image)
+        return tables
+
+    tables = RowTables(1, sync=False)
+    tables.updater = add
+    tables.init("f", (4, 1), np.dtype(np.float32), 0, 4, R.parse_init("f", "zeros"))
+    one, ids = np.ones((1, 1), np.float32), np.array([0], np.int64)
+    for rnd in range(3):  # pushes 0..2 applied, then the shard
+        tables.push(0, "f", rnd, True, ids, one, rnd)
+    image = table_image.capture(tables, None)
+    for rnd in range(3, 6):  # pushes 3..5 applied and acked after it: lost at the first restart
+        tables.push(0, "f", rnd, True, ids, one, rnd)
+    first = restarted(image)  # restart 1, from the shard of 3 pushes
+    first.push(0, "f", 6, True, ids, one, 6)  # the worker goes on with its push 6 (applied: 4.0)
+    assert first.table("f").pushed == {0: 4}  # the staleness gate still counts what was applied
+    second = restarted(table_image.capture(first, None))  # restart 2 from a shard holding push 6
+    assert second.push(0, "f", 6, True, ids, one, "retry")  # the worker's retry of push 6: acked...
+    assert second.table("f").weight[0, 0] == 4.0, "push 6 applied twice"  # ...and dropped
+    second.push(0, "f", 7, True, ids, one, 7)  # the next push is applied
+    assert second.table("f").weight[0, 0] == 5.0

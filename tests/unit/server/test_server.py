@@ -265,3 +265,30 @@ def test_a_malformed_round_abort_is_refused_and_changes_nothing(body: dict) -> N
     assert cluster.replies(0) == [] and cluster.server.state.open_rounds() == 1
     _push(cluster, 1, "w", np.ones(2, np.float32), Op.PUSHPULL)
     np.testing.assert_array_equal(_only(cluster.replies(0), first).arrays[0], np.full(2, 2.0))
+
+
+def test_a_loads_dense_state_sets_are_settled_only_once_a_shard_holds_them(tmp_path) -> None:
+    """With shards, a load's STATE_SETs (stamped with its call) are acknowledged at once but its settle
+    request only once a shard holding them is written: a restart from that shard has the loaded
+    state (not the state before), and one missing a set answers the settle with NodeLostError."""
+    from kvstore.server.shards import read_latest
+    from tests.helpers import poll_for
+
+    cluster = FakeCluster("dist_sync", 1, KVSTORE_SNAPSHOT_EVERY="1000", KVSTORE_SNAPSHOT_DIR=str(tmp_path))
+    cluster.init("w", np.ones(4, np.float32))
+    spec = kvstore.optimizer.create("sgd", learning_rate=0.1, momentum=0.9).spec()
+    cluster.send(0, Op.OPTIMIZER_SET, {"spec": spec, "num_update": 0})
+    poll_for(lambda: cluster.server._between() or cluster.replies(0), 10, "the optimizer's shard")
+    mom = np.full(4, 0.5, np.float32)
+    body = {"key": "w", "count": 3, "names": ["mom"], "call": 5, "part": 0}
+    seq = cluster.send(0, Op.STATE_SET, body, [mom])
+    assert _only(cluster.replies(0), seq).op is Op.OK
+    settle = cluster.send(0, Op.SPARSE_SET, {"settle": 5, "parts": 1})
+    assert cluster.replies(0) == []  # not before a shard holds the set
+    reply = poll_for(lambda: cluster.server._between() or cluster.replies(0), 10, "the settle's answer")
+    assert _only(reply, settle).op is Op.OK
+    image = read_latest(str(tmp_path), 0)
+    assert image is not None and np.array_equal(image.keys["w"].states["mom"], mom)
+    lost = cluster.send(0, Op.SPARSE_SET, {"settle": 6, "parts": 1})  # a set a restart lost
+    error = _only(cluster.replies(0), lost)
+    assert error.op is Op.ERROR and error.body["code"] == "NodeLostError"
