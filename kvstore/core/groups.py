@@ -60,7 +60,7 @@ class KeyGroup:
     """Keys held as one flat array; counts are relative to the keys' own at the group's creation."""
 
     __slots__ = ("keys", "sizes", "offsets", "dtype", "value", "base", "rounds", "next_round", "submitted",
-                 "applied", "waiting", "start")
+                 "applied", "waiting", "start", "numbered")
 
     def __init__(self, keys: tuple, sizes: list[int], value: np.ndarray, start: _KeyState) -> None:
         self.keys, self.sizes, self.value, self.dtype = keys, sizes, value, value.dtype
@@ -74,6 +74,7 @@ class KeyGroup:
         self.submitted: dict[int, int] = {}        # worker -> pushes since creation
         self.applied: dict[int, int] = {}          # worker -> pushes applied since creation
         self.waiting: list[tuple[Any, int, int]] = []  # pulls: token, worker, submitted target
+        self.numbered: dict[int, list[int]] = {}   # async: worker -> its last applied push's rounds
         self.start = (start.base, dict(start.submitted), dict(start.applied), dict(start.next_round))
 
     def held_bytes(self) -> int:
@@ -151,9 +152,10 @@ class GroupedShardState(ShardState):
         return group
 
     def push_group(self, group: KeyGroup, worker: int, token: Any, array: np.ndarray,
-                   pull: bool = False) -> list[Completion]:
+                   pull: bool = False, rounds: list[int] | None = None) -> list[Completion]:
         """Push ``array`` (every key of ``group``, flat) from ``worker``, as ``push_many`` of each key
-        (``pushpull`` with ``pull``: ``token`` is then answered with the group's new value).
+        (``pushpull`` with ``pull``: ``token`` is then answered with the group's new value); in
+        dist_async ``rounds`` (each key's push number) is kept for the keys' numbering (a shard's).
         Raises, changing nothing, ``ValueError`` for a worker that is not active and
         :class:`ProtocolError` beyond the push window."""
         self._check_active(worker)
@@ -165,6 +167,8 @@ class GroupedShardState(ShardState):
         push_token = _SILENT if pull else token
         if not self.sync:
             self._apply_group(group, array, (worker,))
+            if rounds is not None:
+                group.numbered[worker] = rounds  # a reference: no per-key work here
             done = [] if pull else [Completion(token)]
         else:
             done = self._contribute(group, worker, push_token, array)
@@ -249,6 +253,8 @@ class GroupedShardState(ShardState):
             state.submitted = _added(sub0, group.submitted)
             state.applied = _added(app0, group.applied)
             state.next_round = {**next0, **{w: base0 + r for w, r in group.next_round.items()}}
+            for w, numbers in group.numbered.items():  # dist_async: as ShardState._number records it
+                state.numbered[w] = max(state.numbered.get(w, 0), numbers[i] + 1)
             for g in group.rounds:
                 state.rounds.append(_split_round(g, a, b, i, split))
             state.waiting_pulls.extend((split(t, i), w, sub0.get(w, 0) + target, 0, b - a)

@@ -14,8 +14,11 @@ from kvstore.net.protocol import Message
 from kvstore.server.requests import Batch, Requests
 
 
-def push(requests: Requests, identity: bytes, msg: Message, pull: bool, bf16: bool) -> bool:
+def push(requests: Requests, identity: bytes, msg: Message, pull: bool, bf16: bool,
+         rounds: list[int] | None = None) -> bool:
     """Serve a batch PUSH (PUSHPULL with ``pull``) of a group; False when the generic path must.
+    ``rounds``: the push's checked ``rounds`` (each key's number in the worker's count), which a
+    dist_async group keeps for the shard's screen of retries.
 
     Raises what the generic path raises for the same request (nothing is changed then)."""
     body, state = msg.body, requests.state
@@ -29,7 +32,7 @@ def push(requests: Requests, identity: bytes, msg: Message, pull: bool, bf16: bo
     requests.check_precision(keys, bf16, msg.op.name)
     requests.check_updatable(keys[0], group.dtype)
     batch = Batch(identity, msg.seq, len(keys), bf16)
-    requests.reply_all(state.push_group(group, msg.sender, (batch, -1), msg.arrays[0], pull))
+    requests.reply_all(state.push_group(group, msg.sender, (batch, -1), msg.arrays[0], pull, rounds))
     return True
 
 

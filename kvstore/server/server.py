@@ -251,7 +251,7 @@ class Server:
         msg, bf16 = _widened(msg)
         dropped = self.restored.screen(msg) if self.restored is not None else None  # retried pushes
         try:
-            if not dropped and fastpath.push(self._requests, identity, msg, pull, bf16):  # a key group's
+            if not dropped and fastpath.push(self._requests, identity, msg, pull, bf16, rounds):  # a group's
                 return
             keys, values, sizes, lo = self._entries(msg, True)
             self._requests.check_precision(keys, bf16, msg.op.name)

@@ -292,3 +292,18 @@ def test_a_loads_dense_state_sets_are_settled_only_once_a_shard_holds_them(tmp_p
     lost = cluster.send(0, Op.SPARSE_SET, {"settle": 6, "parts": 1})  # a set a restart lost
     error = _only(cluster.replies(0), lost)
     assert error.op is Op.ERROR and error.body["code"] == "NodeLostError"
+
+
+@pytest.mark.parametrize("order", ["arrival", "rank"])  # a key group's batch path, the per-key path
+def test_a_dist_async_push_is_recorded_in_the_shard_by_the_workers_number(order: str) -> None:
+    """A dist_async server restored at a count of 3 takes a batch PUSH numbered 6 (its ``rounds``):
+    the shard records 7, the worker's numbering (retries after a later restart are screened by it),
+    on the key-group path as on the per-key one (review: the group path recorded 4)."""
+    from tests.unit.server.fake import FakeCluster
+
+    cluster = FakeCluster("dist_async", 1, KVSTORE_SUM_ORDER=order)
+    cluster.server.state.restore("w", np.zeros(2, np.float32), 0, {0: 3})
+    seq = cluster.send(0, Op.PUSH, {"keys": ["w"], "sizes": [2], "rounds": [6]}, [np.ones(2, np.float32)])
+    assert [m.seq for m in cluster.replies(0)] == [seq]
+    (_, _, _, applied), = cluster.server.state.applied_state()
+    assert applied == {0: 7}, applied
