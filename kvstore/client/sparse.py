@@ -295,21 +295,16 @@ class DistRows:
             return requests
         ranges = self.ranges(meta)
         cuts = R.split(ids, [(lo, hi) for _, lo, hi in ranges])
-        step, requests = self.rows_per_message(meta), []
+        requests = []
         for (server, _, _), (start, stop) in zip(ranges, cuts):
-            pieces = list(range(start, stop, step)) or [start]
-            for i, first in enumerate(pieces):
-                end = min(stop, first + step)
-                body = {"key": key, "round": rnd, "last": i == len(pieces) - 1, **wire}
-                for msg in self._messages(key, spec, body, ids[first:end], rows[first:end],
-                                          None if has is None else has[first:end]):
-                    requests.append(self._submit(server, msg, f"row_sparse push of key {key!r} "
-                                                              f"({end - first} rows) to server {server}"))
+            part = None if has is None else has[start:stop]
+            requests.extend(self._send_to(key, spec, rnd, server, ids[start:stop], rows[start:stop], wire,
+                                          meta, part))
         return requests
 
     def _send_to(self, key: Key, spec: C.Spec | None, rnd: int, server: int, ids: np.ndarray,
                  rows: np.ndarray, wire: dict, meta: R.SparseMeta, has: np.ndarray | None) -> list[Request]:
-        """One server's part of a round of a dynamic table's push, in chunks (one, empty, at least)."""
+        """One server's part of a round of a table's push, in chunks (one, empty, at least)."""
         step, requests = self.rows_per_message(meta), []
         pieces = list(range(0, ids.size, step)) or [0]
         for i, first in enumerate(pieces):

@@ -26,11 +26,11 @@ import numpy as np
 
 from kvstore.core import table_image
 from kvstore.core.optimizer import Optimizer, from_spec
-from kvstore.core.partition import Key, check_key
+from kvstore.core.partition import Key
 from kvstore.core.shard import ShardState
 from kvstore.core.sparse_shard import RowTables
 from kvstore.core.table_image import TableImage, copied
-from kvstore.errors import FormatError, KeyTypeError, OptimizerError
+from kvstore.errors import FormatError, OptimizerError
 
 KIND = "server_shard"
 SHARD_VERSION = 2  # 2: row-sparse tables (``tables``); a shard without the field is 1 (dense keys only)
@@ -130,12 +130,7 @@ def _count(value: Any, what: str, where: str) -> int:
 
 def _key_image(entry: Any, arrays: dict[str, np.ndarray], where: str) -> tuple[Key, KeyImage]:
     """One ``keys`` entry of a shard's manifest, checked."""
-    if not isinstance(entry, dict):
-        raise FormatError(f"{where}: a 'keys' entry must be an object")
-    try:
-        key = check_key(entry.get("key"))
-    except KeyTypeError as exc:
-        raise FormatError(f"{where}: {exc}") from None
+    key = table_image.entry_key(entry, where, "keys")
     value = arrays.get(entry.get("value")) if isinstance(entry.get("value"), str) else None
     applied, states = entry.get("applied"), entry.get("states")
     if value is None or not isinstance(applied, list) or not isinstance(states, dict):

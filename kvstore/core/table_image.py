@@ -186,14 +186,20 @@ def _dynamic(meta: Any, arrays: dict[str, np.ndarray], n: int, key: Key, where: 
     return image, init, spec
 
 
-def _table(entry: Any, arrays: dict[str, np.ndarray], where: str) -> tuple[Key, TableImage]:
-    """One ``tables`` entry of a shard's manifest, checked."""
+def entry_key(entry: Any, where: str, field_name: str) -> Key:
+    """The key of one ``field_name`` entry (``keys`` or ``tables``) of a shard's manifest; FormatError
+    when the entry is not an object or its key is not a key."""
     if not isinstance(entry, dict):
-        raise FormatError(f"{where}: a 'tables' entry must be an object")
+        raise FormatError(f"{where}: a '{field_name}' entry must be an object")
     try:
-        key = check_key(entry.get("key"))
+        return check_key(entry.get("key"))
     except KeyTypeError as exc:
         raise FormatError(f"{where}: {exc}") from None
+
+
+def _table(entry: Any, arrays: dict[str, np.ndarray], where: str) -> tuple[Key, TableImage]:
+    """One ``tables`` entry of a shard's manifest, checked."""
+    key = entry_key(entry, where, "tables")
     shape, dtype = entry.get("shape"), entry.get("dtype")
     applied, states = entry.get("applied"), entry.get("states")
     if not (isinstance(shape, list) and shape and all(type(n) is int and n > 0 for n in shape)
