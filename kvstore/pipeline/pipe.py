@@ -29,11 +29,16 @@ from kvstore.pipeline.stash import WeightStash
 def trainer_args(params: Any, kvstore: KVStore | str | None, overlap: bool | None,
                  workers: Any) -> tuple[Any, KVStore | str | None, bool | None, Any]:
     """A Trainer's (params, kvstore, overlap, workers) with a Pipeline as params: its stage's parameters,
-    the Pipeline's store, no overlap, the stage's replicas as the keys' worker set; else unchanged."""
+    the Pipeline's store, no overlap, the stage's replicas as the keys' worker set; else unchanged.
+    Raises ConfigError for a stage without trainable parameters."""
     if not isinstance(params, Pipeline):
         return params, kvstore, overlap, workers
-    return (list(params.named_parameters()), params.kv if kvstore is None else kvstore, False,
-            params.stage_ranks if workers is None else workers)
+    named = list(params.named_parameters())
+    if not any(p.requires_grad for _, p in named):  # its Trainer would miss the others' collectives
+        raise ConfigError(f"{params.names[params.kv.rank]} holds no trainable parameter (balance "
+                          f"{params.balance}): a Trainer over a Pipeline needs one in every stage")
+    store = params.kv if kvstore is None else kvstore
+    return named, store, False, params.stage_ranks if workers is None else workers
 
 
 def part_name(stage: int, stages: int) -> str:

@@ -240,3 +240,27 @@ def test_a_model_bigger_than_any_worker_trains_in_four_stages() -> None:
         bound = empty["peak_rss"] + 4 * row["stage_bytes"] + row["saved_bytes"]
         assert row["peak_rss"] <= bound, (row, empty["peak_rss"])
         assert row["pushed"] == row["stage_bytes"], row
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_over_a_stage_without_parameters_is_refused(make_cluster) -> None:
+    """A Trainer over a stage that holds no trainable parameter (it would miss the others' collectives) is
+    a ConfigError naming the stage; the stage with parameters gets its Trainer."""
+    from kvstore.errors import ConfigError
+    from kvstore.trainer import Trainer
+
+    cluster = make_cluster(num_workers=2, **FAST)
+
+    def run(kv):
+        pipe = Pipeline([LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Tanh)], stages=2, kv=kv,
+                        balance=[1, 1])
+        try:
+            if pipe.is_first:
+                return Trainer(pipe, "sgd", {"learning_rate": 0.1}).kvstore is kv
+            with pytest.raises(ConfigError, match=r"stage 1 \(worker 1\) holds no trainable parameter"):
+                Trainer(pipe, "sgd", {"learning_rate": 0.1})
+            return True
+        finally:
+            pipe.close()
+
+    assert cluster.run(run) == [True, True]
