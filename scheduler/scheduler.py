@@ -63,6 +63,10 @@ def _quorum(value: object) -> int | None:
 
 
 STATUS_LINGER = 2.5  # seconds the scheduler waits at exit for a STATUS poller's last request
+# ... and for a poller that follows the job (the TensorBoard writer, which asks every second and says
+# "follow"), however long since its last request: a loaded driver's late poll still gets the last
+# interval's figures; a follower that died costs the exit this much
+FOLLOW_LINGER = 10.0
 
 
 
@@ -132,6 +136,7 @@ class Scheduler:
         self.map_body: dict = {}  # the map every node got, but its own fields (a restart gets it too)
         self.status_asks = 0  # STATUS requests answered, and when the last came (monotonic)
         self.status_at = -math.inf
+        self._followed = False  # a poller that follows the job asked (see _linger_for_status)
         self.stats = SchedulerStats(time.monotonic(), time.time())
         self.mode: str | None = None  # the cluster's, once the map is out
         self.map_at: float | None = None  # when the map went out (monotonic)
@@ -575,6 +580,8 @@ class Scheduler:
             return Message(Op.OK, self.status_body())
         if not self._pollers.allow(identity, time.monotonic()):
             return None
+        if msg.body.get("follow") is True:
+            self._followed = True
         return Message(Op.OK, self._status_asked())
 
     def _status_asked(self) -> dict:
@@ -584,11 +591,17 @@ class Scheduler:
         return self.status_body()
 
     def _linger_for_status(self) -> None:
-        """After shutdown, when something polls STATUS (launch.py's TensorBoard writer, kvstore.status):
-        answer one more request, or wait STATUS_LINGER seconds, so it sees every node's last snapshot."""
-        if time.monotonic() - self.status_at > STATUS_LINGER:
+        """After shutdown, when something polls STATUS, answer one more request so it sees every
+        node's last snapshot: wait for it up to FOLLOW_LINGER seconds when a poller follows the job
+        (the TensorBoard writer), however long ago it last asked; else, when one asked within
+        STATUS_LINGER seconds (kvstore.status), up to STATUS_LINGER."""
+        if self._followed:
+            wait = FOLLOW_LINGER
+        elif time.monotonic() - self.status_at <= STATUS_LINGER:
+            wait = STATUS_LINGER
+        else:
             return
-        asked, deadline = self.status_asks, time.monotonic() + STATUS_LINGER
+        asked, deadline = self.status_asks, time.monotonic() + wait
         while self.status_asks == asked and time.monotonic() < deadline:
             self.service.poll_once(0.1)
 

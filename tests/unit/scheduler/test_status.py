@@ -43,7 +43,7 @@ class Peer:
         if op is Op.STATUS and reply is not None and set(reply.body) == {"session"}:
             self.channel = Channel(self.channel.key, new_label(self.identity.decode()))
             self.channel.set_session(poll_session(reply.body["session"]))
-            return self.send(op, {"session": reply.body["session"]}, sender)
+            return self.send(op, {**(body or {}), "session": reply.body["session"]}, sender)
         return reply
 
     def raw_replies(self) -> list[list[Any]]:
@@ -147,6 +147,24 @@ def test_only_an_outsiders_status_holds_the_scheduler_at_exit(sched, monkeypatch
     started = time.monotonic()
     sched._linger_for_status()
     assert time.monotonic() - started >= 1.5
+
+
+def test_a_following_poller_holds_the_exiting_scheduler_however_long_ago_it_asked(sched, monkeypatch):
+    """A poller that says it follows the job (the TensorBoard writer) holds the exiting scheduler for
+    FOLLOW_LINGER even when its last STATUS is older than STATUS_LINGER; one that does not, not then."""
+    import kvstore.scheduler.scheduler as scheduler_process
+
+    monkeypatch.setattr(scheduler_process, "STATUS_LINGER", 0.0)  # every request is already too old
+    monkeypatch.setattr(scheduler_process, "FOLLOW_LINGER", 1.0)
+    complete(sched)
+    assert Peer(sched, "tool").send(Op.STATUS).op is Op.OK
+    started = time.monotonic()
+    sched._linger_for_status()
+    assert time.monotonic() - started < 1.0
+    assert Peer(sched, "writer").send(Op.STATUS, {"follow": True}).op is Op.OK
+    started = time.monotonic()
+    sched._linger_for_status()
+    assert time.monotonic() - started >= 1.0
 
 def beat(peer: Peer, role: str, rank: int, stats: Any = None) -> Message:
     body = {"role": role, "rank": rank}
