@@ -516,6 +516,9 @@ class Scheduler:
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
         if rank in self.left or self._is_lost("worker", rank):
             return
+        # its final snapshot, held from now on (a heartbeat comes on another connection: it may be read
+        # after this LEAVE, or not at all under load, and STATUS must have the last interval's figures)
+        self._keep_snapshot("worker", rank, msg.body.get("stats"), time.monotonic())
         if failure is not None:  # it is dying: the others must not carry on as if it had left
             self._declare_lost("worker", rank, failure)
             return
@@ -537,11 +540,8 @@ class Scheduler:
         if role == "server":
             self._bind_server(identity)
         self.liveness.beat(role, rank, now)
-        known = (role, rank) in self.hosts
-        refused = self.stats.heartbeat(role, rank, msg.body.get("stats"), known, now)
-        if refused is not None and known and (role, rank) not in self._refusals_logged:
-            self._refusals_logged.add((role, rank))  # once per node: a bad snapshot is not news twice
-            log.warning("ignoring the stats in %s %d's heartbeats: %s", role, rank, refused[:300])
+        left = role == "worker" and rank in self.left  # its LEAVE carried a later snapshot than this beat's
+        self._keep_snapshot(role, rank, None if left else msg.body.get("stats"), now)
         body = {"lost": self.lost}
         if role == "worker":  # so a worker learns within a beat who has left, not at its next barrier
             body["left"] = sorted(self.left)
@@ -551,6 +551,15 @@ class Scheduler:
         self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
         if self._die is not None:
             self._die("beat")
+
+    def _keep_snapshot(self, role: str, rank: int, snapshot: Any, now: float) -> None:
+        """Hold ``snapshot`` (None: none came) as the latest of ``role rank`` (a heartbeat's, a
+        LEAVE's); a bad one is logged once per node and dropped."""
+        known = (role, rank) in self.hosts
+        refused = self.stats.heartbeat(role, rank, snapshot, known, now)
+        if refused is not None and known and (role, rank) not in self._refusals_logged:
+            self._refusals_logged.add((role, rank))  # once per node: a bad snapshot is not news twice
+            log.warning("ignoring the stats in %s %d's heartbeats: %s", role, rank, refused[:300])
 
     def _on_status(self, identity: bytes, msg: Message) -> None:
         """STATUS from a node (sealed with the session, once the map is out), or sealed with the secret

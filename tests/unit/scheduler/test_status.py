@@ -185,6 +185,21 @@ def test_heartbeat_snapshots_are_kept_latest_only_and_listed(sched):
     assert len(sched.stats.snapshots) == 2
 
 
+def test_a_leaves_snapshot_is_the_workers_last_and_a_later_beat_does_not_replace_it(sched):
+    """A worker's LEAVE carries its final snapshot: STATUS lists it from then on, even when the final
+    heartbeat (another connection) never comes or is read after the LEAVE with an older snapshot."""
+    peers = complete(sched)
+    beat(peers["w0"], "worker", 0, node_snapshot("worker", 0, "h", 7, 0.0, 1.0, "push", 1.0))
+    final = node_snapshot("worker", 0, "h", 7, 0.0, 3.0, "barrier", 3.0)
+    assert peers["w0"].send(Op.LEAVE, {"stats": final}, sender=0).op is Op.OK
+    tool = Peer(sched, "tool")
+    (worker,) = [n for n in tool.send(Op.STATUS).body["nodes"] if n["role"] == "worker"]
+    assert worker["last_op"] == "barrier"
+    beat(peers["w0"], "worker", 0, node_snapshot("worker", 0, "h", 7, 0.0, 2.0, "pull", 2.0))
+    (worker,) = [n for n in tool.send(Op.STATUS).body["nodes"] if n["role"] == "worker"]
+    assert worker["last_op"] == "barrier"
+
+
 @pytest.mark.parametrize("stats", [
     [1], "text", {"schema": 1}, dict(node_snapshot("worker", 0, "h", 1, 0.0, 1.0)),
     dict(node_snapshot("worker", 1, "h", 1, 0.0, 1.0), blob=list(range(20000))),
