@@ -107,6 +107,7 @@ class Pipeline:
         self.module = torch.nn.Sequential(*self._own_layers(module, entries, seed, deferred_batch_norm))
         self.deferred = batchnorm.deferred_in(self.module)  # their running stats move once per step
         self.stash = self._stash(optimizer)  # before the link opens: a ConfigError leaves no socket
+        self._release_others(entries)  # once nothing can fail: a refused Pipeline leaves the model whole
         rank = self.kv.rank
         self.names = {r: f"stage {r % stages} (worker {r})" for r in range(self.kv.num_workers)}
         self.prev = rank - 1 if self.stage > 0 else None
@@ -119,16 +120,12 @@ class Pipeline:
 
     def _own_layers(self, module: Any, entries: list[Any], seed: int, deferred: bool) -> list[Any]:
         """This stage's layers, built or materialised here (deferred batch norms converted, written back
-        into a caller's ``nn.Sequential``); the other stages' built layers are released to ``meta``."""
+        into a caller's ``nn.Sequential``)."""
         import torch
 
-        lo, hi = self.offset, self.offset + self.balance[self.stage]
         own = []
-        for index, entry in enumerate(entries):
-            if not lo <= index < hi:
-                if isinstance(entry, torch.nn.Module):
-                    layers_.release(entry)
-                continue
+        for index in range(self.offset, self.offset + self.balance[self.stage]):
+            entry = entries[index]
             layer = layers_.materialise(entry, index, seed)
             if deferred:
                 layer = batchnorm.convert(layer)
@@ -136,6 +133,15 @@ class Pipeline:
                 module[index] = layer  # the caller's model holds what the stage trains
             own.append(layer)
         return own
+
+    def _release_others(self, entries: list[Any]) -> None:
+        """Move the other stages' built layers to ``meta`` in place, freeing their storage."""
+        import torch
+
+        for index, entry in enumerate(entries):
+            if not self.offset <= index < self.offset + self.balance[self.stage] and isinstance(
+                    entry, torch.nn.Module):
+                layers_.release(entry)
 
     def _weights(self) -> Iterable[Any]:
         """This stage's weights, and under 'pipedream' the snapshots of them its forwards run on."""
