@@ -18,6 +18,7 @@ process, the reference a stage-local run is compared with.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,13 +83,17 @@ def layer_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % (1 << 63)
 
 
+_SEEDING = threading.Lock()  # torch's generator is the process's: stages run as threads (tests) take turns
+
+
 @contextlib.contextmanager
 def seeded(seed: int, index: int) -> Iterator[None]:
     """Run the block with torch's CPU generator seeded for layer ``index``, then restore the caller's
-    generator state (the stage's other random draws do not move)."""
+    generator state (the stage's other random draws do not move).  One block at a time per process:
+    stages that run as threads of one process would otherwise draw from each other's seeds."""
     import torch
 
-    with torch.random.fork_rng(devices=[]):
+    with _SEEDING, torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, index))
         yield
 
