@@ -78,6 +78,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.core import agreement
 from kvstore.core.partition import Key
 from kvstore.core.replies import _SILENT, Completion, _acks, _Assembly, _part_of
 from kvstore.core.rounds import Round
@@ -85,9 +86,11 @@ from kvstore.core.staging import Staged, stage
 from kvstore.core.staleness import StalenessGate
 from kvstore.errors import (
     CollectiveMismatchError,
+    ConfigError,
     DTypeMismatchError,
     DuplicateInitError,
     KeyNotInitializedError,
+    NotAMemberError,
     ProtocolError,
     ShapeMismatchError,
 )
@@ -111,6 +114,7 @@ class _KeyState:
     # ^ token, worker, target (contributions that must be applied first), lo, hi
     debts: dict[int, deque[_Debt]] = field(default_factory=dict)  # worker -> its owed aborted rounds
     promised: int = 0  # a restarted server: rounds the workers' retries will have opened (promise)
+    members: frozenset[int] | None = None  # the key's worker set (None: every worker)
 
     def numbering(self) -> dict[int, int]:
         """Each worker's pushes as a shard records them: contributions applied, or (dist_async) its
@@ -128,6 +132,17 @@ class _Debt:
     round: int      # the aborted round's number (its push of that round is refused)
     covered: int    # elements of that contribution received so far: its next chunk starts here
     error: CollectiveMismatchError
+
+
+class _Meet:
+    """A worker-set key's init rendezvous: who of its ``members`` has called init, each with its
+    request's token, the digest of its arguments (key, shape, dtype) and the set it named."""
+
+    __slots__ = ("members", "came")
+
+    def __init__(self, members: frozenset[int]) -> None:
+        self.members = members
+        self.came: dict[int, tuple[Any, str, frozenset[int]]] = {}
 
 
 class ShardState:
@@ -158,6 +173,7 @@ class ShardState:
         self._keys: dict[Key, _KeyState] = {}
         self._staged_inits: dict[Key, Staged] = {}   # chunked INITs of keys not stored yet
         self._staged_states: dict[Key, Staged] = {}  # chunked STATE_SETs not installed yet
+        self._meets: dict[Key, _Meet] = {}  # worker-set keys whose members' init has not met yet
 
     def __contains__(self, key: Key) -> bool:
         return key in self._keys
@@ -191,7 +207,8 @@ class ShardState:
         for key, state in self._keys.items():
             if state.rounds and now - state.rounds[0].opened > older_than:
                 rnd = state.rounds[0]
-                found.append((key, now - rnd.opened, sorted(self.active - rnd.complete)))
+                waits = self.active if state.members is None else self.active & state.members
+                found.append((key, now - rnd.opened, sorted(waits - rnd.complete)))
         return found
 
     def drop_waiting_pulls(self, key: Key) -> list[Any]:
@@ -204,28 +221,120 @@ class ShardState:
         """Return the stored value of ``key``; raise :class:`KeyNotInitializedError` if absent."""
         return self._get(key).value
 
-    def init(self, key: Key, value: np.ndarray) -> None:
-        """Store the first value of ``key``; raise :class:`DuplicateInitError` if it exists."""
+    def init(self, key: Key, value: np.ndarray, members: Iterable[int] | None = None) -> None:
+        """Store the first value of ``key``, of the worker set ``members`` (None: every worker); raise
+        :class:`DuplicateInitError` if it exists, :class:`ConfigError` for a set this store cannot have
+        (:meth:`check_members`)."""
         if key in self._keys:
             raise DuplicateInitError(f"key {key!r} is already initialised on this server")
-        self._keys[key] = _KeyState(value=np.array(value, copy=True))
+        found = self.check_members(key, members)
+        self._keys[key] = _KeyState(value=np.array(value, copy=True), members=found)
         self._staged_inits.pop(key, None)
+        if found is not None:
+            self._meets.setdefault(key, _Meet(found))
 
-    def init_chunk(self, worker: int, key: Key, value: np.ndarray, lo: int, total: int) -> bool:
+    def meet(self, token: Any, worker: int, key: Key, members: Iterable[int],
+             digest: str) -> list[Completion]:
+        """``worker`` called the init of ``key``, a key of the worker set ``members``, with arguments
+        whose digest is ``digest`` (:mod:`kvstore.core.agreement`); answer every member's ``token``
+        once the key is stored (from the lowest member's INIT) and every member present has met: with
+        an ack, or, when their digests or sets differ, with one :class:`CollectiveMismatchError` (the
+        key is then dropped: the init did not happen).  Returns what this answers.  Raises, changing
+        nothing: ``ValueError`` for a worker that is not a rank or a bad set (as :meth:`init`),
+        :class:`NotAMemberError` for a worker outside ``members``, :class:`DuplicateInitError` for a
+        key stored and met already, :class:`ConfigError` as :meth:`check_members`."""
+        self._check_worker(worker)
+        found = self.check_members(key, members)
+        if found is None:
+            raise ProtocolError(f"an init rendezvous of key {key!r} names no worker set")
+        if worker not in found:
+            raise self._not_member(key, found, worker, "init")
+        meet = self._meets.get(key)
+        if meet is None:
+            if key in self._keys:
+                raise DuplicateInitError(f"key {key!r} is already initialised on this server")
+            meet = self._meets[key] = _Meet(found)
+        meet.came[worker] = (token, digest, found)
+        return self._met(key)
+
+    def _met(self, key: Key) -> list[Completion]:
+        """Answer ``key``'s init rendezvous if it is complete (see :meth:`meet`); return what it answers."""
+        meet, state = self._meets.get(key), self._keys.get(key)
+        if meet is None or state is None or not meet.came:
+            return []
+        members = state.members if state.members is not None else meet.members
+        if not (self.active & members) <= meet.came.keys():
+            return []
+        del self._meets[key]
+        digests = {w: digest for w, (_, digest, _) in meet.came.items()}
+        error = agreement.disagreement(f"init of key {key!r} (worker set {sorted(members)})", digests)
+        sets = {w: named for w, (_, _, named) in meet.came.items() if named != members}
+        if error is None and sets:
+            error = CollectiveMismatchError(
+                f"init of key {key!r}: worker(s) {sorted(sets)} named worker set(s) "
+                f"{sorted({tuple(sorted(n)) for n in sets.values()})}, the others {sorted(members)}",
+                sorted(sets))
+        if error is not None:
+            del self._keys[key]  # not initialised: every member's init raises
+        return [Completion(token, error=None if error is None else copy.copy(error))
+                for token, _, _ in meet.came.values()]
+
+    def _meets_after_leave(self) -> list[Completion]:
+        """The init rendezvous a worker's leave completes (it is no longer waited for)."""
+        done: list[Completion] = []
+        for key in list(self._meets):
+            done += self._met(key)
+        return done
+
+    def met(self, key: Key) -> list[Completion]:
+        """What storing ``key`` (an INIT of a worker-set key, after :meth:`init` or the last chunk of
+        :meth:`init_chunk`) answers of its init rendezvous (:meth:`meet`)."""
+        return self._met(key)
+
+    def members_of(self, key: Key) -> tuple[int, ...] | None:
+        """``key``'s worker set, sorted (None: every worker).  Raises :class:`KeyNotInitializedError`."""
+        found = self._get(key).members
+        return None if found is None else tuple(sorted(found))
+
+    def check_members(self, key: Key, members: Iterable[int] | None) -> frozenset[int] | None:
+        """``members`` as a key's worker set (None: every worker).  Raises ``ValueError`` for a rank
+        outside the job or an empty set, :class:`ConfigError` under a quorum or a staleness bound (their
+        rounds count every worker: docs/worker-sets.md)."""
+        if members is None:
+            return None
+        found = frozenset(members)
+        if not found or not all(type(w) is int and 0 <= w < self.num_workers for w in found):
+            raise ValueError(f"key {key!r}: worker set {sorted(found)!r} is not a non-empty set of ranks "
+                             f"in [0, {self.num_workers})")
+        if self.quorum is not None or self.gate is not None:
+            knob = "KVSTORE_SYNC_QUORUM" if self.quorum is not None else "a staleness bound (dist_async)"
+            raise ConfigError(f"key {key!r}: worker sets are refused under {knob}, whose rounds count "
+                              "every worker of the job; init the key without workers=, or run without it")
+        return found
+
+    def init_chunk(self, worker: int, key: Key, value: np.ndarray, lo: int, total: int,
+                   members: Iterable[int] | None = None) -> bool:
         """Take elements ``[lo, lo + value.size)`` of ``key``'s first value (1-D, ``total`` elements)
         from ``worker``; store it once its chunks cover it, in order, and return whether it is stored
         (until then the key is not initialised).  A chunk at offset 0 starts afresh (a retried init).
         Raises, changing nothing: :class:`DuplicateInitError` for a stored key; ``ValueError`` for a
         worker that is not a rank; :class:`ProtocolError` for a chunk that is empty, not 1-D, outside
-        ``[0, total)``, or does not continue the value gathered so far (offset, total, dtype, worker);
-        ``TypeError`` if ``lo`` is not an int."""
+        ``[0, total)``, or does not continue the value gathered so far (offset, total, dtype, worker,
+        ``members``: the key's worker set); ``TypeError`` if ``lo`` is not an int; as :meth:`init` for
+        ``members``."""
         self._check_worker(worker)
         if key in self._keys:
             raise DuplicateInitError(f"key {key!r} is already initialised on this server")
-        bufs = stage(self._staged_inits, "INIT", worker, key, [value], lo, total, None)
+        found = self.check_members(key, members)
+        if found is not None and worker not in found:
+            raise self._not_member(key, found, worker, "init")
+        bufs = stage(self._staged_inits, "INIT", worker, key, [value], lo, total,
+                     None if found is None else sorted(found))
         if bufs is None:
             return False
-        self._keys[key] = _KeyState(value=bufs[0])  # ours: no copy
+        self._keys[key] = _KeyState(value=bufs[0], members=found)  # ours: no copy
+        if found is not None:
+            self._meets.setdefault(key, _Meet(found))
         return True
 
     def state_chunk(self, worker: int, key: Key, arrays: list[np.ndarray], lo: int,
@@ -318,6 +427,8 @@ class ShardState:
         checked = []
         for _, key, lo, hi in entries:
             state = self._get(key)
+            if state.members is not None and worker not in state.members:
+                raise self._not_member(key, state.members, worker, "pull")
             stored = state.value
             if whole and (lo != 0 or hi != stored.size):
                 raise ShapeMismatchError(f"pull of key {key!r} asks for {hi - lo} elements; this server "
@@ -370,12 +481,13 @@ class ShardState:
             state.debts.pop(worker, None)  # it will push no more
             if state.assembling.pop(worker, None) is not None:
                 state.submitted[worker] -= 1  # never to be applied: its later pulls need not wait
+            members = self.active if state.members is None else self.active & state.members
             for rnd in state.rounds:
-                rnd.leave(worker, self.active, state.value.size)
+                rnd.leave(worker, members, state.value.size)
             done += self._close_rounds(state, key)
             if self.gate is not None:  # it no longer counts as the slowest
                 done += self.gate.release(key, state.applied, self.active)
-        return done
+        return done + self._meets_after_leave()
 
     # -- aborted rounds: a pushpull refused for its values fails every worker's call -----------
 
@@ -425,7 +537,7 @@ class ShardState:
             return []
         size, first = state.value.size, number - state.base
         aborted = [state.rounds.pop() for _ in range(len(state.rounds) - first)][::-1]
-        tail: dict[int, int] = dict.fromkeys(self._at(number) - {worker}, 0)  # worker -> covered
+        tail: dict[int, int] = dict.fromkeys(self._at(number, state.members) - {worker}, 0)  # -> covered
         silent: set[int] = set()  # workers with a pushpull in the aborted rounds (its pull answers it)
         done: list[Completion] = []
         for rnd in aborted:
@@ -490,11 +602,13 @@ class ShardState:
         self.settle()
         return [(key, s.value, s.base, s.numbering()) for key, s in self._keys.items()]
 
-    def restore(self, key: Key, value: np.ndarray, rounds: int, applied: dict[int, int]) -> None:
-        """Store ``key`` as a shard image recorded it: a copy of ``value``, ``rounds`` closed and each
-        worker's contributions ``applied`` (none pending).  Raises :class:`DuplicateInitError` if it
-        is stored already."""
-        self.init(key, value)
+    def restore(self, key: Key, value: np.ndarray, rounds: int, applied: dict[int, int],
+                members: Iterable[int] | None = None) -> None:
+        """Store ``key`` as a shard image recorded it: a copy of ``value``, ``rounds`` closed, each
+        worker's contributions ``applied`` (none pending) and its worker set ``members``.  Raises
+        :class:`DuplicateInitError` if it is stored already, as :meth:`init` for ``members``."""
+        self.init(key, value, members)
+        self._meets.pop(key, None)  # its members met before the image was taken
         state = self._keys[key]
         state.base = rounds
         state.applied, state.submitted, state.numbered = dict(applied), dict(applied), dict(applied)
@@ -585,6 +699,11 @@ class ShardState:
         except KeyError:
             raise KeyNotInitializedError(f"key {key!r} has not been initialised (call init first)") from None
 
+    @staticmethod
+    def _not_member(key: Key, members: frozenset[int], worker: int, what: str) -> NotAMemberError:
+        return NotAMemberError(f"worker {worker} is not in worker set {sorted(members)} of key {key!r}: "
+                               f"only its members may {what} it (refused, nothing changed)")
+
     def _check_worker(self, worker: int) -> None:
         if not (isinstance(worker, int) and 0 <= worker < self.num_workers):
             raise ValueError(f"worker rank {worker!r} is not in [0, {self.num_workers})")
@@ -600,6 +719,8 @@ class ShardState:
         chunk's ``[lo, hi)`` and the sync round it joins (``-1 - round`` when late, 0 in async, None
         when ``worker`` owes it to an aborted round: refused, see :meth:`abort`)."""
         state = self._get(key)
+        if state.members is not None and worker not in state.members:
+            raise self._not_member(key, state.members, worker, "push")
         stored = state.value
         if type(lo) is not int:
             lo = operator.index(lo)
@@ -674,9 +795,12 @@ class ShardState:
         if not self.sync:
             return self._accept_async(state, key, token, worker, value, lo, hi, size, sent)
         i = number - state.base
+        members = state.members
         while len(state.rounds) <= i:  # more than one only for a rejoiner's round (_checked_push)
-            state.rounds.append(Round(self._ranks, self.clock()))
-        if state.rounds[i].contribute(token, worker, value, lo, hi, size, self.ordered, self._at(number)):
+            ranks = self._ranks if members is None else [w for w in self._ranks if w in members]
+            state.rounds.append(Round(ranks, self.clock()))
+        if state.rounds[i].contribute(token, worker, value, lo, hi, size, self.ordered,
+                                      self._at(number, members)):
             state.next_round[worker] = number + 1
         return self._close_rounds(state, key) if i == 0 else []
 
@@ -722,15 +846,16 @@ class ShardState:
     def _close_rounds(self, state: _KeyState, key: Key) -> list[Completion]:
         """Close the oldest rounds while they are done; return their acks and the pulls released."""
         rounds, size = state.rounds, state.value.size
-        if not rounds or not self._closes(rounds[0], size, state.base):
+        members = state.members
+        if not rounds or not self._closes(rounds[0], size, state.base, members):
             return []  # nothing applied: no pull can be released
         done: list[Completion] = []
-        while rounds and self._closes(rounds[0], size, state.base):
+        while rounds and self._closes(rounds[0], size, state.base, members):
             rnd, number = rounds.popleft(), state.base
             state.base += 1
             total = rnd.total(size)  # scaled by quorum, or as a quorum of the rest while a worker is away
             unscaled = self.quorum is None and not self.away and self.joins.keys() <= self.newcomers
-            self._apply(state, key, total if unscaled else rnd.scaled(total, self._members(number)),
+            self._apply(state, key, total if unscaled else rnd.scaled(total, self._members(number, members)),
                         rnd.covered)
             if self.on_close is not None:
                 self.on_close(key, self.clock() - rnd.opened, rnd.last)
@@ -738,29 +863,35 @@ class ShardState:
                 done.extend(_acks(tokens))
         return done + self._release_pulls(state)
 
-    def _members(self, number: int) -> int:
+    def _members(self, number: int, members: frozenset[int] | None = None) -> int:
         """The workers a quorum-scaled round ``number`` stands for: every worker under a quorum, else
-        the active and away ones but newcomers that joined after it (a join is not an absence)."""
+        the active and away ones but newcomers that joined after it (a join is not an absence); of a
+        key's worker set ``members``, only those in it."""
         if self.quorum is not None:
             return self.num_workers
-        late = sum(1 for w in self.newcomers if w in self.active and self.joins.get(w, 0) > number)
-        return len(self.active) + len(self.away) - late
+        late = sum(1 for w in self.newcomers if w in self.active and self.joins.get(w, 0) > number
+                   and (members is None or w in members))
+        if members is None:
+            return len(self.active) + len(self.away) - late
+        return len(self.active & members) + len(members.intersection(self.away)) - late
 
     def _check_present(self) -> None:
         if not all(isinstance(w, int) and 0 <= w < self.num_workers for w in self.active):
             raise ValueError(f"present workers {sorted(self.active)!r} are not all in "
                              f"[0, {self.num_workers})")
 
-    def _closes(self, rnd: Round, size: int, number: int) -> bool:
-        """Whether round ``number`` may close: every live worker's contribution is in, or a quorum's."""
-        return rnd.done(self._at(number)) or (self.quorum is not None and rnd.reached(self.quorum, size))
+    def _closes(self, rnd: Round, size: int, number: int, members: frozenset[int] | None = None) -> bool:
+        """Whether round ``number`` (of a key of the worker set ``members``) may close: every live
+        worker's contribution is in, or a quorum's."""
+        return (rnd.done(self._at(number, members))
+                or (self.quorum is not None and rnd.reached(self.quorum, size)))
 
-    def _at(self, number: int) -> set[int]:
-        """The workers round ``number`` of a key waits for: the active ones, but a rejoined worker
-        only from the round it rejoined at (:mod:`kvstore.core.rejoin`)."""
-        if not self.joins:
-            return self.active
-        return {w for w in self.active if self.joins.get(w, 0) <= number}
+    def _at(self, number: int, members: frozenset[int] | None = None) -> set[int]:
+        """The workers round ``number`` of a key waits for: the active ones (of the key's worker set
+        ``members``, when it has one), but a rejoined worker only from the round it rejoined at
+        (:mod:`kvstore.core.rejoin`)."""
+        at = self.active if not self.joins else {w for w in self.active if self.joins.get(w, 0) <= number}
+        return at if members is None else at & members
 
     def _apply(self, state: _KeyState, key: Key, total: np.ndarray, workers: Iterable[int]) -> None:
         if self.updater is None:
