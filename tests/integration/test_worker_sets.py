@@ -111,8 +111,10 @@ def test_distributed_optimizer_reduces_over_its_process_set(cluster: Cluster) ->
     import torch
 
     def member(kv):
-        torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
+        with torch.no_grad():  # the same weights on both members (the threads share torch's RNG)
+            model.weight.copy_(torch.arange(6.0).reshape(2, 3) / 10)
+            model.bias.zero_()
         opt = kvstore.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                            model.named_parameters(), kv=kv, key_prefix="pset",
                                            process_set=[0, 2])
