@@ -78,12 +78,12 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.core import agreement
 from kvstore.core.partition import Key
 from kvstore.core.replies import _SILENT, Completion, _acks, _Assembly, _part_of
 from kvstore.core.rounds import Round
 from kvstore.core.staging import Staged, stage
 from kvstore.core.staleness import StalenessGate
+from kvstore.core.worker_sets import InitRendezvous
 from kvstore.errors import (
     CollectiveMismatchError,
     ConfigError,
@@ -134,17 +134,6 @@ class _Debt:
     error: CollectiveMismatchError
 
 
-class _Meet:
-    """A worker-set key's init rendezvous: who of its ``members`` has called init, each with its
-    request's token, the digest of its arguments (key, shape, dtype) and the set it named."""
-
-    __slots__ = ("members", "came")
-
-    def __init__(self, members: frozenset[int]) -> None:
-        self.members = members
-        self.came: dict[int, tuple[Any, str, frozenset[int]]] = {}
-
-
 class ShardState:
     """The keys (or key slices) held by one server, and their open rounds."""
 
@@ -173,7 +162,7 @@ class ShardState:
         self._keys: dict[Key, _KeyState] = {}
         self._staged_inits: dict[Key, Staged] = {}   # chunked INITs of keys not stored yet
         self._staged_states: dict[Key, Staged] = {}  # chunked STATE_SETs not installed yet
-        self._meets: dict[Key, _Meet] = {}  # worker-set keys whose members' init has not met yet
+        self.rendezvous = InitRendezvous(clock)  # worker-set keys whose members' init has not met yet
 
     def __contains__(self, key: Key) -> bool:
         return key in self._keys
@@ -231,7 +220,7 @@ class ShardState:
         self._keys[key] = _KeyState(value=np.array(value, copy=True), members=found)
         self._staged_inits.pop(key, None)
         if found is not None:
-            self._meets.setdefault(key, _Meet(found))
+            self.rendezvous.expect(key, found)
 
     def meet(self, token: Any, worker: int, key: Key, members: Iterable[int],
              digest: str) -> list[Completion]:
@@ -249,47 +238,28 @@ class ShardState:
             raise ProtocolError(f"an init rendezvous of key {key!r} names no worker set")
         if worker not in found:
             raise self._not_member(key, found, worker, "init")
-        meet = self._meets.get(key)
-        if meet is None:
-            if key in self._keys:
-                raise DuplicateInitError(f"key {key!r} is already initialised on this server")
-            meet = self._meets[key] = _Meet(found)
-        meet.came[worker] = (token, digest, found)
-        return self._met(key)
-
-    def _met(self, key: Key) -> list[Completion]:
-        """Answer ``key``'s init rendezvous if it is complete (see :meth:`meet`); return what it answers."""
-        meet, state = self._meets.get(key), self._keys.get(key)
-        if meet is None or state is None or not meet.came:
-            return []
-        members = state.members if state.members is not None else meet.members
-        if not (self.active & members) <= meet.came.keys():
-            return []
-        del self._meets[key]
-        digests = {w: digest for w, (_, digest, _) in meet.came.items()}
-        error = agreement.disagreement(f"init of key {key!r} (worker set {sorted(members)})", digests)
-        sets = {w: named for w, (_, _, named) in meet.came.items() if named != members}
-        if error is None and sets:
-            error = CollectiveMismatchError(
-                f"init of key {key!r}: worker(s) {sorted(sets)} named worker set(s) "
-                f"{sorted({tuple(sorted(n)) for n in sets.values()})}, the others {sorted(members)}",
-                sorted(sets))
-        if error is not None:
-            del self._keys[key]  # not initialised: every member's init raises
-        return [Completion(token, error=None if error is None else copy.copy(error))
-                for token, _, _ in meet.came.values()]
-
-    def _meets_after_leave(self) -> list[Completion]:
-        """The init rendezvous a worker's leave completes (it is no longer waited for)."""
-        done: list[Completion] = []
-        for key in list(self._meets):
-            done += self._met(key)
-        return done
+        self.rendezvous.arrive(token, worker, key, found, digest, key in self._keys)
+        return self.met(key)
 
     def met(self, key: Key) -> list[Completion]:
         """What storing ``key`` (an INIT of a worker-set key, after :meth:`init` or the last chunk of
-        :meth:`init_chunk`) answers of its init rendezvous (:meth:`meet`)."""
-        return self._met(key)
+        :meth:`init_chunk`) answers of its init rendezvous (:meth:`meet`); a failed one drops the key."""
+        state = self._keys.get(key)
+        done, failed = self.rendezvous.complete(key, None if state is None else state.members, self.active)
+        if failed:
+            del self._keys[key]  # not initialised: every member's init raises
+        return done
+
+    def expire_meets(self, older_than: float) -> list[Completion]:
+        """Fail the init rendezvous open for more than ``older_than`` seconds (``DeadlineExceededError``
+        naming the missing members, to every member that came); their keys are dropped."""
+        if not self.rendezvous:
+            return []
+        done: list[Completion] = []
+        for key, failed in self.rendezvous.expired(older_than, self.active, self._keys.__contains__):
+            self._keys.pop(key, None)
+            done += failed
+        return done
 
     def members_of(self, key: Key) -> tuple[int, ...] | None:
         """``key``'s worker set, sorted (None: every worker).  Raises :class:`KeyNotInitializedError`."""
@@ -334,7 +304,7 @@ class ShardState:
             return False
         self._keys[key] = _KeyState(value=bufs[0], members=found)  # ours: no copy
         if found is not None:
-            self._meets.setdefault(key, _Meet(found))
+            self.rendezvous.expect(key, found)
         return True
 
     def state_chunk(self, worker: int, key: Key, arrays: list[np.ndarray], lo: int,
@@ -487,7 +457,9 @@ class ShardState:
             done += self._close_rounds(state, key)
             if self.gate is not None:  # it no longer counts as the slowest
                 done += self.gate.release(key, state.applied, self.active)
-        return done + self._meets_after_leave()
+        for key in self.rendezvous.pending():  # a member that left is not waited for at init
+            done += self.met(key)
+        return done
 
     # -- aborted rounds: a pushpull refused for its values fails every worker's call -----------
 
@@ -608,7 +580,7 @@ class ShardState:
         worker's contributions ``applied`` (none pending) and its worker set ``members``.  Raises
         :class:`DuplicateInitError` if it is stored already, as :meth:`init` for ``members``."""
         self.init(key, value, members)
-        self._meets.pop(key, None)  # its members met before the image was taken
+        self.rendezvous.forget(key)  # its members met before the image was taken
         state = self._keys[key]
         state.base = rounds
         state.applied, state.submitted, state.numbered = dict(applied), dict(applied), dict(applied)

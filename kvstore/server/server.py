@@ -65,6 +65,8 @@ MB = 1 << 20
 INBOUND_MESSAGES = 8
 BOUND_CONNECTIONS = 4  # connections a worker rank is bound to (its LEAVE must come from one of them)
 MAX_SET = 1 << 16  # ranks an INIT's worker set may name
+MEET_SHARE = 0.9  # of KVSTORE_REQUEST_TIMEOUT a worker-set init waits on a server for missing members
+MEET_POLL = 0.1  # seconds between looks at that deadline while a worker-set init is open
 MAX_REASON = 160  # characters of a refused pushpull's reason quoted in its round's abort error
 SETTLE_POLL = 0.01  # seconds between looks at a shard write an optimizer change waits for
 
@@ -584,7 +586,9 @@ class Server:
                     beat = Message(Op.HEARTBEAT, {"role": "server", "rank": rank}, sender=rank)
                     transport.send(scheduler.sock, scheduler.channel.seal(beat, "scheduler"))
                 unsettled = self._unsettled or self._unsettled_sets
-                ready = poller.wait(SETTLE_POLL if unsettled else self.cfg.heartbeat_interval)
+                idle = min(self.cfg.heartbeat_interval, MEET_POLL) if self.state.rendezvous else \
+                    self.cfg.heartbeat_interval  # a worker-set init's deadline is watched
+                ready = poller.wait(SETTLE_POLL if unsettled else idle)
                 if self.service.sock in ready:
                     self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
                 if scheduler.sock in ready and self._from_scheduler(scheduler):
@@ -598,9 +602,11 @@ class Server:
             transport.close(scheduler.sock, linger=1.0)
 
     def _housekeeping(self) -> None:
-        """Between messages: the rounds' stall inspector, the segments of peers that are gone
-        unmapped, and a shard when one is due."""
+        """Between messages: the rounds' stall inspector, worker-set inits whose members did not all
+        come in time failed, the segments of peers that are gone unmapped, and a shard when one is due."""
         self.meter.tick(self.state, self._abort_pulls, self.service.drops.totals)
+        if self.state.rendezvous:  # answered before the members' own deadline (KVSTORE_REQUEST_TIMEOUT)
+            self._requests.reply_all(self.state.expire_meets(self.cfg.request_timeout * MEET_SHARE))
         gone = self.service.shm.sweep() if self.service.shm is not None else 0
         if gone:
             log.info("unmapped the shared-memory segment(s) of %d peer process(es) that are gone", gone)

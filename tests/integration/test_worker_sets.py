@@ -26,8 +26,10 @@ N = 300  # over the bound of 100: sliced over both servers
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    """4 workers, 2 servers, dist_sync, values over 100 elements sliced over both servers."""
-    made = _shared_cluster(tmp_path_factory, "dist_sync", 4, 2, KVSTORE_BIGARRAY_BOUND="100")
+    """4 workers, 2 servers, dist_sync, values over 100 elements sliced over both servers, requests
+    given up after 5 s."""
+    made = _shared_cluster(tmp_path_factory, "dist_sync", 4, 2, KVSTORE_BIGARRAY_BOUND="100",
+                           KVSTORE_REQUEST_TIMEOUT="5")
     yield made
     made.close()
 
@@ -103,6 +105,17 @@ def test_members_that_disagree_at_init_fail_alike(cluster: Cluster) -> None:
     errors = by_rank(cluster, {0: init, 2: init})
     assert all(isinstance(errors[r], CollectiveMismatchError) for r in (0, 2)), errors
     assert "worker 2" in str(errors[0]) or "2" in str(errors[0])
+
+
+def test_an_init_a_member_never_joins_fails_naming_it(cluster: Cluster) -> None:
+    """Worker 0 inits a {0, 2} key alone: within KVSTORE_REQUEST_TIMEOUT it raises
+    DeadlineExceededError naming member 2, and the key was not made (worker 2 may init it afresh)."""
+    key = unique_key("set")
+    with pytest.raises(kvstore.DeadlineExceededError, match=r"member\(s\) \[2\] did not call it"):
+        cluster.workers[0].init(key, np.zeros(N, np.float32), workers=[0, 2])
+    made = {r: lambda kv: kv.init(key, np.zeros(4, np.float32), workers=[1, 2]) for r in (1, 2)}
+    got = by_rank(cluster, made)
+    assert got == [None, None, None, None]
 
 
 def test_distributed_optimizer_reduces_over_its_process_set(cluster: Cluster) -> None:

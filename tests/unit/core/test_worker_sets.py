@@ -11,7 +11,7 @@ from kvstore.core.groups import GroupedShardState
 from kvstore.core.shard import ShardState
 from kvstore.core.shard_image import capture, from_file, to_file
 from kvstore.core.worker_sets import WorkerSet, worker_set
-from kvstore.errors import CollectiveMismatchError, ConfigError, NotAMemberError
+from kvstore.errors import CollectiveMismatchError, ConfigError, DeadlineExceededError, NotAMemberError
 
 
 def ones(n: int = 3, v: float = 1.0) -> np.ndarray:
@@ -110,6 +110,21 @@ def test_a_leaving_member_completes_the_rendezvous() -> None:
     assert [c.token for c in shard.leave(2)] == ["m0"]
 
 
+def test_a_rendezvous_past_its_deadline_fails_naming_the_missing_members() -> None:
+    """Member 2 never meets: after the deadline member 0 gets DeadlineExceededError naming [2]; the
+    key is dropped (nothing made), a rendezvous within its deadline is left open."""
+    now = [0.0]
+    shard = ShardState(4, sync=True, clock=lambda: now[0])
+    shard.init("w", ones(), members=[0, 2])
+    shard.meet("m0", 0, "w", [0, 2], meet_digest())
+    now[0] = 5.0
+    assert shard.expire_meets(10.0) == []
+    now[0] = 11.0
+    done = shard.expire_meets(10.0)
+    assert [c.token for c in done] == ["m0"] and isinstance(done[0].error, DeadlineExceededError)
+    assert "member(s) [2] did not call it" in str(done[0].error) and "w" not in shard
+
+
 def test_a_set_under_a_quorum_or_staleness_is_refused() -> None:
     """Quorum and staleness count every worker: a set key's init is a ConfigError naming why."""
     with pytest.raises(ConfigError, match="KVSTORE_SYNC_QUORUM"):
@@ -150,3 +165,17 @@ def test_worker_set_values() -> None:
         worker_set([4], 4)
     with pytest.raises(TypeError):
         worker_set(3, 4)
+
+
+def test_a_local_store_takes_a_set_of_its_one_worker_and_refuses_others() -> None:
+    """kv.init(..., workers=[0]) works on a local store; a set without rank 0 is out of range."""
+    import kvstore
+
+    kv = kvstore.create("local")
+    kv.init("head", ones(v=0.0), workers=kvstore.WorkerSet((0,)))
+    kv.push("head", ones())
+    np.testing.assert_array_equal(kv.pull("head"), ones())
+    with pytest.raises(ValueError, match="outside the job"):
+        kv.init("x", ones(), workers=[1])
+    with pytest.raises(ConfigError, match="dense keys only"):
+        kv.init("t", shape=(4, 2), dtype="float32", init="zeros", workers=[0])
