@@ -472,14 +472,16 @@ class ShardState:
         not sent that round owe it; one that owed it already pays its debt, aborting nothing more).
         ``rounds`` (one per key, as a quorum's push carries them) names that round: under a quorum, a
         round already closed without the worker is left alone, the refusal counted as its late push.
-        Keys not held here are skipped; nothing happens in dist_async.  Raises ``ValueError`` for a
-        worker that is not a rank, or for ``rounds`` of another length than ``keys``."""
+        Keys not held here, and keys of a worker set ``worker`` is not in, are skipped; nothing happens
+        in dist_async.  Raises ``ValueError`` for a worker that is not a rank, or for ``rounds`` of
+        another length than ``keys``."""
         self._check_worker(worker)
         keys = list(keys)
         sent: list[int | None] = [None] * len(keys) if rounds is None else list(rounds)
         if len(sent) != len(keys):
             raise ValueError(f"{len(sent)} rounds for {len(keys)} keys")
-        held = [(key, r) for key, r in zip(keys, sent) if key in self._keys]
+        held = [(key, r) for key, r in zip(keys, sent) if key in self._keys  # a non-member's refused
+                and (self._keys[key].members is None or worker in self._keys[key].members)]  # one: none
         if not self.sync or not held:
             return []
         keys = [key for key, _ in held]

@@ -54,6 +54,15 @@ def test_a_non_members_push_and_pull_are_refused_leaving_the_key_untouched() -> 
     np.testing.assert_array_equal(shard.value("w"), ones(v=6.0))
 
 
+def test_a_non_members_refused_pushpull_aborts_no_round_of_the_set() -> None:
+    """ShardState.abort for worker 1 (its pushpull of a {0, 2} key refused) leaves the set's round open."""
+    shard = set_shard()
+    shard.push("a", 0, "w", ones(v=5.0))
+    assert shard.abort(1, ["w"], "a value of another shape") == []
+    assert [c.token for c in shard.push("b", 2, "w", ones())] == ["a", "b"]
+    np.testing.assert_array_equal(shard.value("w"), ones(v=6.0))
+
+
 def test_an_absent_or_leaving_member_is_not_waited_for() -> None:
     """Elastic: member 2 absent at the start; member 0's push closes the round; a leave closes one too."""
     shard = set_shard(present=[0, 1, 3])
