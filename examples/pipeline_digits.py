@@ -11,13 +11,13 @@ Worker r runs stage r % 2 of replica r // 2 (docs/pipeline.md).  Replica p train
 shard of the training set (``kvstore.data.split``): stage 0 of the replica reads the
 images, stage 1 the labels.  Each step, ``pipe.step`` streams ``--chunks`` micro-batches
 through the two stages under ``--schedule``, and ``trainer.step`` sums each stage's
-gradients over its replicas through the store (``dist_sync``) and applies the optimizer.
-Every worker holds the whole model, updated, so rank 0 measures the test accuracy by
-itself.  Under ``--schedule pipedream`` (one replica per stage) each stage updates itself after
-every micro-batch (SGD at ``--lr / --chunks``, momentum 0.9, the rate annealed to zero over the run
-with a cosine) and no Trainer runs: before each
-evaluation ``pipe.gather_weights()`` gives every worker the other stages' weights through the
-store.  The exit code is 1 when the final test accuracy is below ``--min-accuracy``.
+gradients over its replicas through the store (``dist_sync``; each stage's keys in a worker set of
+its replicas) and applies the optimizer.  A worker holds only its stage's layers (the others are
+released when the Pipeline is made), so the test accuracy is measured through the pipeline:
+``pipe.predict`` runs the test set forward only, and the last stage of replica 0 prints it.  Under
+``--schedule pipedream`` (one replica per stage) each stage updates itself after every micro-batch
+(SGD at ``--lr / --chunks``, momentum 0.9, the rate annealed to zero over the run with a cosine) and
+no Trainer runs.  The exit code is 1 when the final test accuracy is below ``--min-accuracy``.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ def model(seed: int = SEED) -> nn.Sequential:
                          nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-def train(args: argparse.Namespace, kv: kvstore.KVStore) -> float:
-    """Train this worker's stage of its replica; return the test accuracy of the whole model."""
+def train(args: argparse.Namespace, kv: kvstore.KVStore) -> float | None:
+    """Train this worker's stage of its replica; return the test accuracy of the whole model on the last
+    stage (None on the others)."""
     x_train, x_test, y_train, y_test = load()
     net = model(args.seed)
     pipedream = args.schedule == "pipedream"  # an update per micro-batch: the rate per micro-batch
@@ -88,25 +89,25 @@ def train(args: argparse.Namespace, kv: kvstore.KVStore) -> float:
     # (cosine, stepped once per mini-batch), so the last steps' noise does not decide the final weights
     steps = args.epochs * -(-len(x_train) // args.batch_size)
     annealing = [torch.optim.lr_scheduler.CosineAnnealingLR(o, steps) for o in optimizers]
+    accuracy = None
     if kv.rank == 0:
         print(f"{kv.num_workers} workers: {args.stages} stages x {pipe.replicas} replicas, balance "
               f"{pipe.balance}, {args.schedule}, checkpoint {args.checkpoint}", flush=True)
     try:
         for epoch in range(args.epochs):
             for batch in torch.randperm(len(x_train), generator=order).split(args.batch_size):
-                net.zero_grad()
+                pipe.module.zero_grad()
                 pipe.step(x_train[batch] if pipe.is_first else None, y_train[batch] if pipe.is_last else None,
                           nn.functional.cross_entropy)
                 for schedule in annealing:
                     schedule.step()
                 if trainer is not None:
                     trainer.step(pipe.replicas)  # each replica's gradient is its batch's mean: average them
-            if trainer is None:
-                pipe.gather_weights()  # the other stages' weights, to evaluate the whole model here
-            with torch.no_grad():
-                accuracy = float((net(x_test).argmax(1) == y_test).float().mean())
-            if kv.rank == 0 and (epoch % 5 == 4 or epoch == args.epochs - 1):
-                print(f"epoch {epoch:3d}  test accuracy {accuracy:.3f}", flush=True)
+            logits = pipe.predict(x_test if pipe.is_first else None)  # forward only, through every stage
+            if logits is not None:
+                accuracy = float((logits.argmax(1) == y_test).float().mean())
+                if pipe.replica == 0 and (epoch % 5 == 4 or epoch == args.epochs - 1):
+                    print(f"epoch {epoch:3d}  test accuracy {accuracy:.3f}", flush=True)
     finally:
         pipe.close()
     return accuracy
@@ -116,7 +117,9 @@ def main() -> None:
     args = parse_args()
     with kvstore.create("dist_sync") as kv:
         accuracy = train(args, kv)
-    if kv.rank == 0:
+    if accuracy is None:  # not a last stage
+        return
+    if kv.rank == args.stages - 1:
         print(f"final test accuracy {accuracy:.3f}", flush=True)
     if accuracy < args.min_accuracy:
         raise SystemExit(f"final test accuracy {accuracy:.3f} is below --min-accuracy {args.min_accuracy}")

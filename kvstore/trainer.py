@@ -174,7 +174,9 @@ class Trainer:
     None (the default) means on for a dist store with update_on_kvstore=False and one replica.
     ``extra_weights``: with update_on_kvstore=False, the weights (key -> numpy array) of keys outside
     ``params`` that this Trainer's optimizer also updates (a SparseTrainer's tables): their states are
-    saved and loaded with the Trainer's.
+    saved and loaded with the Trainer's.  ``workers``: the worker set of this Trainer's keys (docs/api.md,
+    "Worker sets"): only those workers make and step it, and its rounds wait for them alone; a Pipeline
+    as ``params`` gives its stage's replicas.
     Raises ValueError when no parameter requires grad, for a tensor given twice, for replicas that do
     not match, for ``optimizer_params`` with an Optimizer, for update_on_kvstore=False with an async
     store; TypeError for bad ``params``.
@@ -185,8 +187,10 @@ class Trainer:
                  update_on_kvstore: bool | None = None, key_prefix: str | None = None,
                  compression_params: Mapping[str, Any] | None = None, overlap: bool | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 extra_weights: Callable[[], Mapping[str, Any]] | None = None) -> None:
-        params, kvstore, overlap = trainer_args(params, kvstore, overlap)  # a Pipeline: docs/pipeline.md
+                 extra_weights: Callable[[], Mapping[str, Any]] | None = None,
+                 workers: Iterable[int] | None = None) -> None:
+        # a Pipeline as params: docs/pipeline.md
+        params, kvstore, overlap, workers = trainer_args(params, kvstore, overlap, workers)
         replicas = [[(n, p) for n, p in named if p.requires_grad] for named in _replica_sets(params)]
         named = replicas[0]
         if not named:
@@ -236,6 +240,7 @@ class Trainer:
             overlap = self._kv.type.startswith("dist") and not self._update_on_kvstore and len(replicas) == 1
         self._bucket_bytes = bucket_bytes
         self._extra_weights = extra_weights
+        self._workers = None if workers is None else sorted(workers)  # the keys' worker set (None: all)
         self._overlap = Overlap(self._kv, self._keys, self._params, self._update_on_kvstore,
                                 bucket_bytes) if overlap and len(replicas) == 1 else None
 
@@ -318,12 +323,19 @@ class Trainer:
             return
         if self._compression_params:  # gluon's compression_params (docs/compression.md)
             self._kv.set_gradient_compression(self._compression_params)
-        self._kv.init(self._keys, self._params)
+        self._init_keys()
         self._kv.pull(self._keys, out=self._per_key(self._replicas))
         if self._update_on_kvstore:
             self._kv.set_optimizer(self._optimizer)
         self._initialized = True
         self._mark_weights()
+
+    def _init_keys(self) -> None:
+        """Collective over the keys' workers: make the keys with the lowest one's weights."""
+        if self._workers is None:
+            self._kv.init(self._keys, self._params)
+        else:
+            self._kv.init(self._keys, self._params, workers=self._workers)
 
     def _mark_weights(self) -> None:
         """Remember the parameters' versions now that the store has set their weights."""
@@ -352,7 +364,7 @@ class Trainer:
         self._steps_since_reload = 0
         self._generation += 1
         self._keys = [f"{self._prefix}@{self._generation}/{name}" for name in self._names]
-        self._kv.init(self._keys, self._params)
+        self._init_keys()
         self._kv.pull(self._keys, out=self._per_key(self._replicas))
         if self._overlap is not None:  # its hooks push to the keys: new ones from now on
             self._overlap.close()

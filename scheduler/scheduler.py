@@ -63,6 +63,10 @@ def _quorum(value: object) -> int | None:
 
 
 STATUS_LINGER = 2.5  # seconds the scheduler waits at exit for a STATUS poller's last request
+# ... and for a poller that follows the job (the TensorBoard writer, which asks every second and says
+# "follow"), however long since its last request: a loaded driver's late poll still gets the last
+# interval's figures; a follower that died costs the exit this much
+FOLLOW_LINGER = 10.0
 
 
 
@@ -132,6 +136,7 @@ class Scheduler:
         self.map_body: dict = {}  # the map every node got, but its own fields (a restart gets it too)
         self.status_asks = 0  # STATUS requests answered, and when the last came (monotonic)
         self.status_at = -math.inf
+        self._followed = False  # a poller that follows the job asked (see _linger_for_status)
         self.stats = SchedulerStats(time.monotonic(), time.time())
         self.mode: str | None = None  # the cluster's, once the map is out
         self.map_at: float | None = None  # when the map went out (monotonic)
@@ -511,6 +516,9 @@ class Scheduler:
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
         if rank in self.left or self._is_lost("worker", rank):
             return
+        # its final snapshot, held from now on (a heartbeat comes on another connection: it may be read
+        # after this LEAVE, or not at all under load, and STATUS must have the last interval's figures)
+        self._keep_snapshot("worker", rank, msg.body.get("stats"), time.monotonic())
         if failure is not None:  # it is dying: the others must not carry on as if it had left
             self._declare_lost("worker", rank, failure)
             return
@@ -532,11 +540,8 @@ class Scheduler:
         if role == "server":
             self._bind_server(identity)
         self.liveness.beat(role, rank, now)
-        known = (role, rank) in self.hosts
-        refused = self.stats.heartbeat(role, rank, msg.body.get("stats"), known, now)
-        if refused is not None and known and (role, rank) not in self._refusals_logged:
-            self._refusals_logged.add((role, rank))  # once per node: a bad snapshot is not news twice
-            log.warning("ignoring the stats in %s %d's heartbeats: %s", role, rank, refused[:300])
+        left = role == "worker" and rank in self.left  # its LEAVE carried a later snapshot than this beat's
+        self._keep_snapshot(role, rank, None if left else msg.body.get("stats"), now)
         body = {"lost": self.lost}
         if role == "worker":  # so a worker learns within a beat who has left, not at its next barrier
             body["left"] = sorted(self.left)
@@ -546,6 +551,15 @@ class Scheduler:
         self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
         if self._die is not None:
             self._die("beat")
+
+    def _keep_snapshot(self, role: str, rank: int, snapshot: Any, now: float) -> None:
+        """Hold ``snapshot`` (None: none came) as the latest of ``role rank`` (a heartbeat's, a
+        LEAVE's); a bad one is logged once per node and dropped."""
+        known = (role, rank) in self.hosts
+        refused = self.stats.heartbeat(role, rank, snapshot, known, now)
+        if refused is not None and known and (role, rank) not in self._refusals_logged:
+            self._refusals_logged.add((role, rank))  # once per node: a bad snapshot is not news twice
+            log.warning("ignoring the stats in %s %d's heartbeats: %s", role, rank, refused[:300])
 
     def _on_status(self, identity: bytes, msg: Message) -> None:
         """STATUS from a node (sealed with the session, once the map is out), or sealed with the secret
@@ -575,6 +589,8 @@ class Scheduler:
             return Message(Op.OK, self.status_body())
         if not self._pollers.allow(identity, time.monotonic()):
             return None
+        if msg.body.get("follow") is True:
+            self._followed = True
         return Message(Op.OK, self._status_asked())
 
     def _status_asked(self) -> dict:
@@ -584,11 +600,17 @@ class Scheduler:
         return self.status_body()
 
     def _linger_for_status(self) -> None:
-        """After shutdown, when something polls STATUS (launch.py's TensorBoard writer, kvstore.status):
-        answer one more request, or wait STATUS_LINGER seconds, so it sees every node's last snapshot."""
-        if time.monotonic() - self.status_at > STATUS_LINGER:
+        """After shutdown, when something polls STATUS, answer one more request so it sees every
+        node's last snapshot: wait for it up to FOLLOW_LINGER seconds when a poller follows the job
+        (the TensorBoard writer), however long ago it last asked; else, when one asked within
+        STATUS_LINGER seconds (kvstore.status), up to STATUS_LINGER."""
+        if self._followed:
+            wait = FOLLOW_LINGER
+        elif time.monotonic() - self.status_at <= STATUS_LINGER:
+            wait = STATUS_LINGER
+        else:
             return
-        asked, deadline = self.status_asks, time.monotonic() + STATUS_LINGER
+        asked, deadline = self.status_asks, time.monotonic() + wait
         while self.status_asks == asked and time.monotonic() < deadline:
             self.service.poll_once(0.1)
 

@@ -635,6 +635,16 @@ class DistKVStore(KVStore):
         """
         self._close(None)
 
+    def _final_stats(self) -> dict[str, Any]:
+        """The LEAVE's ``{"stats": snapshot}``: the scheduler holds this worker's final counters from its
+        LEAVE on, whether or not the last heartbeat (another connection) is read first.  ``{}`` when
+        the snapshot fails to build (logged; the LEAVE goes all the same)."""
+        try:
+            return {"stats": self._snapshot()}
+        except Exception as exc:  # noqa: BLE001 - a broken snapshot must not keep this worker counted in
+            log.warning("the LEAVE goes without this worker's final stats: %s", str(exc)[:300])
+            return {}
+
     def _stop_heartbeat(self, timeout: float) -> None:
         """Stop the heartbeat thread (its last beat carries the final snapshot) and wait for it."""
         assert self._heartbeat is not None
@@ -673,7 +683,9 @@ class DistKVStore(KVStore):
             self._stop_heartbeat(timeout)  # the last beat before LEAVE: after the last LEAVE none is answered
         lost = self._io.failure
         if not isinstance(lost, NodeLostError) or lost.role != "scheduler":
-            body = {} if failure is None else {"failure": failure}
+            body = self._final_stats()
+            if failure is not None:
+                body["failure"] = failure
             wait = timeout + (self._cfg.heartbeat_timeout if riding else 0.0)  # a restart's gap, the reply
             try:  # after a lost peer too: the scheduler counts this worker out and can finish
                 leave = self._io.submit(SCHEDULER, Message(Op.LEAVE, body), "leave message to the scheduler",

@@ -99,9 +99,9 @@ class ScalarWriter(threading.Thread):
         self.join(timeout)
 
     def run(self) -> None:
-        # At once, then every interval: the scheduler hears from the start that a poller asks, so it
-        # waits at its end for one more STATUS, sent after every role's final counters, however
-        # short the job (its linger; docs/observability.md).
+        # At once, then every interval: the scheduler hears from the start that a poller follows the
+        # job, so it waits at its end (bounded) for one more STATUS, sent after every role's final
+        # counters, however short the job or late a poll (its linger; docs/observability.md).
         client = StatusClient(self.settings, self.where)
         try:
             client = self._poll(client, max(2.0, 3 * self.interval))
@@ -118,7 +118,7 @@ class ScalarWriter(threading.Thread):
         before the cluster map (the scheduler answers from then on over a channel of its own, whose
         first reply would not open on this one: asking twice could miss the scheduler's last one)."""
         try:
-            body = client.status(timeout)
+            body = client.status(timeout, follow=True)  # the scheduler holds at exit for our next one
         except KVStoreError as exc:  # the scheduler is starting or gone: the next poll may work
             log.debug("no STATUS for TensorBoard: %s", exc)
             return client

@@ -42,28 +42,31 @@ class StatusClient:
         self._renewed = False  # a fresh channel was tried since the last reply that opened
         self._refused = False  # the last reply was the scheduler's refusal of this secret
 
-    def status(self, timeout: float) -> dict[str, Any]:
+    def status(self, timeout: float, follow: bool = False) -> dict[str, Any]:
         """The scheduler's STATUS reply body; raises DeadlineExceededError past ``timeout`` seconds,
-        AuthenticationError when it refuses this secret (or its reply does not verify).
+        AuthenticationError when it refuses this secret (or its reply does not verify).  ``follow``:
+        this client polls for the whole job (the TensorBoard writer), so the exiting scheduler holds,
+        bounded, for its next request (scheduler/scheduler.py ``FOLLOW_LINGER``).
 
         The scheduler answers STATUS from a new channel once the cluster map is out, whose numbers
         start over: after a reply that fails to open, the request is asked once more from a fresh
         channel (a new label), so one client lasts across the rendezvous."""
+        extra = {"follow": True} if follow else {}
         try:
-            body = self._ask(timeout)
+            body = self._ask(timeout, extra)
         except AuthenticationError:
             if self._renewed or self._refused:
                 raise
             self._renewed = True
             self.channel, self.polled = channel_for(self.cfg, new_label("status")), None
-            body = self._ask(timeout)
+            body = self._ask(timeout, extra)
         self._renewed = False
         return body
 
-    def _ask(self, timeout: float) -> dict[str, Any]:
+    def _ask(self, timeout: float, extra: dict[str, Any]) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         if self.polled is None:
-            first = self._request(self.channel, timeout)
+            first = self._request(self.channel, timeout, extra)
             session = first.get("session")
             if not isinstance(session, bytes):
                 if "schema" in first:  # no secret: nothing to seal with, so the status came at once
@@ -72,7 +75,8 @@ class StatusClient:
             self.polled = channel_for(self.cfg, new_label("status"))
             self.polled.set_session(poll_session(session))
             self._session = session
-        return self._request(self.polled, max(0.0, deadline - time.monotonic()), {"session": self._session})
+        return self._request(self.polled, max(0.0, deadline - time.monotonic()),
+                             {**extra, "session": self._session})
 
     def _request(self, channel: Channel, timeout: float,
                  body: dict[str, Any] | None = None) -> dict[str, Any]:

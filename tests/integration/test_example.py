@@ -24,8 +24,9 @@ def _launch(args: list[str], timeout: float, env: dict[str, str] | None = None) 
     return output
 
 
-def _final_accuracy(output: str) -> float:
-    match = re.search(r"\[worker 0\] final test accuracy (\d\.\d+)", output)
+def _final_accuracy(output: str, worker: int = 0) -> float:
+    """The final test accuracy ``worker`` printed (a pipeline's: its last stage of replica 0)."""
+    match = re.search(rf"\[worker {worker}\] final test accuracy (\d\.\d+)", output)
     assert match, output
     return float(match.group(1))
 
@@ -162,14 +163,14 @@ def test_pipeline_example_two_stages_two_replicas_through_launcher() -> None:
     pytest.importorskip("sklearn")
     output = _launch(["-n", "4", "-s", "1", "examples/pipeline_digits.py"], timeout=130)
     assert "4 workers: 2 stages x 2 replicas" in output, output
-    assert _final_accuracy(output) >= 0.90
+    assert _final_accuracy(output, worker=1) >= 0.90
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.seeds) for s in (1, 2))])
 def test_pipeline_example_pipedream_trains_like_the_synchronous_schedules(seed: int) -> None:
-    """launch.py -n 2 -s 1 --schedule pipedream at its default epochs (an update per micro-batch, the whole
-    model gathered through the store for rank 0's evaluation) ends >= 0.95 and within 0.01 of 1f1b's
+    """launch.py -n 2 -s 1 --schedule pipedream at its default epochs (an update per micro-batch, evaluated
+    through the pipeline on the last stage) ends >= 0.95 and within 0.01 of 1f1b's
     accuracy over the same 2 stages, at the default seed and two others (marked ``seeds``: second tier)."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
@@ -180,5 +181,5 @@ def test_pipeline_example_pipedream_trains_like_the_synchronous_schedules(seed: 
         rc, outputs[schedule] = finish(proc, timeout=130)
         assert rc == 0, outputs[schedule]
     assert "2 stages x 1 replicas, balance [1, 6], pipedream" in outputs["pipedream"], outputs["pipedream"]
-    pipedream, synchronous = _final_accuracy(outputs["pipedream"]), _final_accuracy(outputs["1f1b"])
+    pipedream, synchronous = (_final_accuracy(outputs[s], worker=1) for s in ("pipedream", "1f1b"))
     assert pipedream >= 0.95 and pipedream >= synchronous - 0.01, (pipedream, synchronous)

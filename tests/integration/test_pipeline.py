@@ -184,7 +184,8 @@ def trainer_reference(dtype: torch.dtype) -> dict[str, np.ndarray]:
 
 def hybrid(kv, dtype: torch.dtype, update_on_kvstore: bool, schedule: str,
            checkpoint: str) -> dict[str, np.ndarray]:
-    """Stage kv.rank % 2 of replica kv.rank // 2, on that replica's half of each batch, through a Trainer."""
+    """Stage kv.rank % 2 of replica kv.rank // 2, on that replica's half of each batch, through a Trainer;
+    the stage's weights (the only ones this rank holds)."""
     from kvstore.trainer import Trainer
 
     model = copy.deepcopy(MODELS[dtype])
@@ -200,13 +201,13 @@ def hybrid(kv, dtype: torch.dtype, update_on_kvstore: bool, schedule: str,
             trainer.step(pipe.replicas)  # each replica's gradient is its half's mean: average the two
     finally:
         pipe.close()
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return {k: v.detach().numpy().copy() for k, v in pipe.state_dict().items()}
 
 
 @pytest.mark.timeout(90)
 def test_two_replicas_per_stage_through_a_trainer_match_one_process(make_cluster) -> None:
     """2 stages x 2 replicas (dist_sync): a Trainer over the Pipeline, optimizer on the servers or on the
-    workers, gives every rank one process's weights for the whole model."""
+    workers, gives each stage's replicas one process's weights for that stage."""
     cluster = make_cluster(num_workers=4, **FAST)
     references = {dtype: trainer_reference(dtype) for dtype in (torch.float64, torch.float32)}
     # workers' optimizer first: once set on the servers, an optimizer applies to every key's pushes
@@ -214,11 +215,14 @@ def test_two_replicas_per_stage_through_a_trainer_match_one_process(make_cluster
              (True, "gpipe", "always", torch.float32)]
     for uok, schedule, checkpoint, dtype in cases:
         reference = references[dtype]
-        for part in cluster.run(lambda kv, u=uok, s=schedule, c=checkpoint, d=dtype: hybrid(kv, d, u, s, c)):
-            assert sorted(part) == sorted(reference)
-            for key, value in reference.items():
-                np.testing.assert_allclose(part[key], value, rtol=1e-12 if dtype == torch.float64 else 1e-5,
-                                           atol=0, err_msg=f"{key} {schedule} {checkpoint} {dtype}")
+        parts = cluster.run(lambda kv, u=uok, s=schedule, c=checkpoint, d=dtype: hybrid(kv, d, u, s, c))
+        assert sorted({k for part in parts for k in part}) == sorted(reference)
+        for rank, part in enumerate(parts):
+            assert sorted(part) == sorted(parts[rank % 2])  # the stage's replicas hold the same keys
+            for key, value in part.items():
+                rtol = 1e-12 if dtype == torch.float64 else 1e-5
+                np.testing.assert_allclose(value, reference[key], rtol=rtol, atol=0,
+                                           err_msg=f"{key} {schedule} {checkpoint} {dtype}")
 
 
 @pytest.mark.timeout(60)

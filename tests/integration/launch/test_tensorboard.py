@@ -11,8 +11,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kvstore.net import transport
 from tests.helpers import finish, launch, poll_for
 
 pytest.importorskip("tensorboard")
@@ -177,3 +179,32 @@ def test_trainer_histograms_reach_the_workers_event_files(tmp_path: Path, kept_p
             assert last.step == 6 and last.histogram_value.num == size, (rank, name, last)
             grads = events.Histograms(f"grads/{name}")[-1].histogram_value
             assert sum(grads.bucket) == size and grads.min <= grads.max
+
+
+def test_a_writer_polling_later_than_the_linger_still_gets_the_final_counters(tmp_path: Path,
+                                                                              make_cluster) -> None:
+    """A TensorBoard writer whose next poll comes later than STATUS_LINGER after its last one (a loaded
+    driver) still writes the worker's final counters: the exiting scheduler holds for it."""
+    from kvstore.launch.tensorboard import ScalarWriter
+
+    # no periodic beat during the job: the counters reach the scheduler only when the worker leaves
+    cluster = make_cluster(num_workers=1, num_servers=1, KVSTORE_HEARTBEAT_INTERVAL=30,
+                           KVSTORE_HEARTBEAT_TIMEOUT=120)
+    where = transport.address("127.0.0.1", int(cluster.env["DMLC_PS_ROOT_PORT"]))
+    # polls at once, then 5 s after each reply: twice STATUS_LINGER (2.5 s), past any window of it
+    writer = ScalarWriter(str(tmp_path / "run"), cluster.cfg, where, interval=5.0)
+    writer.start()
+    try:
+        poll_for(lambda: writer.polls >= 1, 30, "the writer's first STATUS")
+        kv = cluster.workers[0]
+        kv.init("w", np.zeros(4, np.float32))
+        for _ in range(3):
+            kv.push("w", np.ones(4, np.float32))
+        kv.close()
+        scheduler = cluster.procs.procs[0][1]
+        poll_for(lambda: scheduler.poll() is not None, 30, "the scheduler to exit")
+    finally:
+        writer.stop()
+    assert scheduler.returncode == 0, cluster.procs.output()
+    assert _last_values(tmp_path / "run" / "worker-0", {"ops/push"}) == {"ops/push": 3}, \
+        cluster.procs.output()

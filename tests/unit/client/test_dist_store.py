@@ -170,6 +170,19 @@ def test_close_leaves_every_server_then_the_scheduler_and_refuses_later_calls() 
     assert [msg.op for _, msg in mux.sent].count(Op.LEAVE) == 3
 
 
+def test_the_schedulers_leave_carries_the_workers_final_counters() -> None:
+    """close()'s LEAVE to the scheduler carries this worker's final snapshot (its pushes counted), so
+    the scheduler holds the last interval's figures whether or not the last heartbeat is read first."""
+    kv, mux = fake_store()
+    kv.init("w", np.zeros(4, np.float32))
+    for _ in range(3):
+        kv.push("w", np.ones(4, np.float32))
+    kv.close()
+    (body,) = [msg.body for target, msg in mux.sent if msg.op is Op.LEAVE and target == -1]
+    assert body["stats"]["role"] == "worker" and body["stats"]["ops"]["push"] == 3
+    assert "failure" not in body
+
+
 def test_membership_is_a_tagged_barrier_whose_reply_is_the_view(store) -> None:
     """membership(tag) joins one barrier carrying the tag; the view it returns is the reply's (the held
     slots, the barriers passed) and stays as kv.view; num_present counts it."""

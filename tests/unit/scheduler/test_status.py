@@ -43,7 +43,7 @@ class Peer:
         if op is Op.STATUS and reply is not None and set(reply.body) == {"session"}:
             self.channel = Channel(self.channel.key, new_label(self.identity.decode()))
             self.channel.set_session(poll_session(reply.body["session"]))
-            return self.send(op, {"session": reply.body["session"]}, sender)
+            return self.send(op, {**(body or {}), "session": reply.body["session"]}, sender)
         return reply
 
     def raw_replies(self) -> list[list[Any]]:
@@ -148,6 +148,24 @@ def test_only_an_outsiders_status_holds_the_scheduler_at_exit(sched, monkeypatch
     sched._linger_for_status()
     assert time.monotonic() - started >= 1.5
 
+
+def test_a_following_poller_holds_the_exiting_scheduler_however_long_ago_it_asked(sched, monkeypatch):
+    """A poller that says it follows the job (the TensorBoard writer) holds the exiting scheduler for
+    FOLLOW_LINGER even when its last STATUS is older than STATUS_LINGER; one that does not, not then."""
+    import kvstore.scheduler.scheduler as scheduler_process
+
+    monkeypatch.setattr(scheduler_process, "STATUS_LINGER", 0.0)  # every request is already too old
+    monkeypatch.setattr(scheduler_process, "FOLLOW_LINGER", 1.0)
+    complete(sched)
+    assert Peer(sched, "tool").send(Op.STATUS).op is Op.OK
+    started = time.monotonic()
+    sched._linger_for_status()
+    assert time.monotonic() - started < 1.0
+    assert Peer(sched, "writer").send(Op.STATUS, {"follow": True}).op is Op.OK
+    started = time.monotonic()
+    sched._linger_for_status()
+    assert time.monotonic() - started >= 1.0
+
 def beat(peer: Peer, role: str, rank: int, stats: Any = None) -> Message:
     body = {"role": role, "rank": rank}
     if stats is not None:
@@ -165,6 +183,21 @@ def test_heartbeat_snapshots_are_kept_latest_only_and_listed(sched):
     assert [(n["role"], n["rank"]) for n in nodes] == [("server", 0), ("worker", 1)]
     assert nodes[1]["last_op"] == "pull" and nodes[0]["rounds_applied"] == 4
     assert len(sched.stats.snapshots) == 2
+
+
+def test_a_leaves_snapshot_is_the_workers_last_and_a_later_beat_does_not_replace_it(sched):
+    """A worker's LEAVE carries its final snapshot: STATUS lists it from then on, even when the final
+    heartbeat (another connection) never comes or is read after the LEAVE with an older snapshot."""
+    peers = complete(sched)
+    beat(peers["w0"], "worker", 0, node_snapshot("worker", 0, "h", 7, 0.0, 1.0, "push", 1.0))
+    final = node_snapshot("worker", 0, "h", 7, 0.0, 3.0, "barrier", 3.0)
+    assert peers["w0"].send(Op.LEAVE, {"stats": final}, sender=0).op is Op.OK
+    tool = Peer(sched, "tool")
+    (worker,) = [n for n in tool.send(Op.STATUS).body["nodes"] if n["role"] == "worker"]
+    assert worker["last_op"] == "barrier"
+    beat(peers["w0"], "worker", 0, node_snapshot("worker", 0, "h", 7, 0.0, 2.0, "pull", 2.0))
+    (worker,) = [n for n in tool.send(Op.STATUS).body["nodes"] if n["role"] == "worker"]
+    assert worker["last_op"] == "barrier"
 
 
 @pytest.mark.parametrize("stats", [

@@ -1,0 +1,155 @@
+"""A pipeline's layers described without being built, and each built by the one stage that runs it.
+
+A Pipeline takes its layers in one of three forms (docs/pipeline.md, "Stage-local models"):
+
+- built modules (an ``nn.Sequential`` or a list): every rank has them; a rank keeps its stage's and
+  moves the others to torch's ``meta`` device (:func:`release`), which frees their storage;
+- modules on the ``meta`` device (``with torch.device("meta"): model = nn.Sequential(...)``): a rank
+  materialises only its stage's (``to_empty`` then each submodule's ``reset_parameters()``);
+- factories: a :class:`LayerSpec` (``LayerSpec(nn.Linear, 64, 64)``) or any callable that returns a
+  module: a rank calls only its stage's.
+
+Layers built here (factories and meta modules) are initialised under a seed of their own, derived
+from the Pipeline's ``seed`` and the layer's index (:func:`seeded`), so the weights do not depend on
+which rank builds a layer or what it built before: :func:`build` makes the same whole model in one
+process, the reference a stage-local run is compared with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvstore.errors import ConfigError
+
+
+class LayerSpec:
+    """A layer described, not built: ``LayerSpec(nn.Linear, 64, 64)()`` builds ``nn.Linear(64, 64)``
+    (DeepSpeed's ``LayerSpec``).  The stage that runs the layer builds it; the others never do."""
+
+    def __init__(self, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        if not callable(factory):
+            raise ConfigError(f"a LayerSpec needs a module class or factory, not {factory!r}")
+        self.factory, self.args, self.kwargs = factory, args, kwargs
+
+    def __call__(self) -> Any:
+        return self.factory(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        name = getattr(self.factory, "__name__", repr(self.factory))
+        args = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"LayerSpec({name}, {', '.join(args)})" if args else f"LayerSpec({name})"
+
+
+def described(model: Any) -> list[Any]:
+    """The entries of ``model`` (an ``nn.Sequential`` or a list of modules and factories), each a module
+    or a callable that builds one.  Raises ConfigError for anything else or an empty model."""
+    import torch
+
+    if isinstance(model, torch.nn.Sequential):
+        entries = list(model)
+    elif isinstance(model, (list, tuple)) and all(
+            isinstance(e, torch.nn.Module) or callable(e) for e in model):
+        entries = list(model)
+    else:
+        raise ConfigError("a Pipeline needs an nn.Sequential or a list of modules or layer factories "
+                          f"(LayerSpec), not {type(model).__name__}")
+    if not entries:
+        raise ConfigError("a Pipeline needs at least one layer")
+    return entries
+
+
+def on_meta(module: Any) -> bool:
+    """Whether any parameter or buffer of ``module`` lives on the ``meta`` device (not allocated)."""
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def parameter_count(entry: Any, index: int) -> int:
+    """The number of parameter elements of layer ``index``; a factory is built on the ``meta`` device to
+    count them (no memory).  Raises ConfigError when a factory returns something other than a module."""
+    import torch
+
+    if isinstance(entry, torch.nn.Module):
+        return sum(p.numel() for p in entry.parameters())
+    with torch.device("meta"):
+        layer = _called(entry, index)
+    return sum(p.numel() for p in layer.parameters())
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The torch seed layer ``index`` is built under (a Pipeline's ``seed``; the same in one process)."""
+    return (seed * 1_000_003 + index) % (1 << 63)
+
+
+@contextlib.contextmanager
+def seeded(seed: int, index: int) -> Iterator[None]:
+    """Run the block with torch's CPU generator seeded for layer ``index``, then restore the caller's
+    generator state (the stage's other random draws do not move)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, index))
+        yield
+
+
+def materialise(entry: Any, index: int, seed: int) -> Any:
+    """Layer ``index`` built for use: a built module as it is, a meta module allocated on the CPU and
+    reset under its seed, a factory called under its seed.  Raises ConfigError for a meta module that
+    holds parameters no ``reset_parameters()`` initialises, or a factory that returns no module."""
+    import torch
+
+    if isinstance(entry, torch.nn.Module):
+        if not on_meta(entry):
+            return entry
+        with seeded(seed, index):
+            entry.to_empty(device="cpu")
+            _reset(entry, index)
+        return entry
+    with seeded(seed, index):
+        return _called(entry, index)
+
+
+def release(layer: Any) -> None:
+    """Free a built layer's storage: its parameters and buffers move to the ``meta`` device in place
+    (the caller's model keeps the module and its shapes, with no memory behind them)."""
+    if not on_meta(layer):
+        layer.to("meta")
+
+
+def build(model: Any, seed: int = 0) -> Any:
+    """The whole model as one process gets it: an ``nn.Sequential`` of every layer, built (factories)
+    or materialised (meta modules) under the same per-layer seeds as a Pipeline's stages.  Raises as
+    :func:`materialise`."""
+    import torch
+
+    return torch.nn.Sequential(*[materialise(e, i, seed) for i, e in enumerate(described(model))])
+
+
+def _called(factory: Callable[[], Any], index: int) -> Any:
+    import torch
+
+    layer = factory()
+    if not isinstance(layer, torch.nn.Module):
+        raise ConfigError(f"layer {index}'s factory {factory!r} returned {type(layer).__name__}, not an "
+                          "nn.Module")
+    return layer
+
+
+def _reset(module: Any, index: int) -> None:
+    """Initialise a module just allocated by ``to_empty``: every submodule that owns parameters or
+    buffers must have ``reset_parameters()`` (torch's ``_reset_parameters()`` of attention, or
+    ``reset_running_stats()`` for buffers only)."""
+    for name, sub in module.named_modules():
+        owns = (any(True for _ in sub.parameters(recurse=False))
+                or any(True for _ in sub.buffers(recurse=False)))
+        if not owns:
+            continue
+        reset = (getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+                 or getattr(sub, "reset_running_stats", None))
+        if reset is None:
+            where = f"{type(sub).__name__} at {name!r}" if name else type(sub).__name__
+            raise ConfigError(f"layer {index} was built on the meta device, but its {where} has no "
+                              "reset_parameters() to initialise it: build that layer with a LayerSpec "
+                              "instead")
+        reset()
