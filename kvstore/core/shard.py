@@ -29,6 +29,11 @@ Rules (docs/architecture.md, SEMANTICS.md):
   early chunks, so it is bit-identical whatever the arrival order.  Either way a
   round keeps one accumulator, not every pushed array, and every worker must
   split a key at the same offsets within a round (:mod:`kvstore.core.rounds`).
+* Worker sets (docs/worker-sets.md): a key may belong to a set of workers (``members``, given at
+  init).  Its rounds expect (active workers) ∩ (members): the same round code, only the expected
+  ranks narrowed; a non-member's push or pull raises :class:`~kvstore.errors.NotAMemberError`,
+  changing nothing.  Its members' init meets in :class:`~kvstore.core.worker_sets.InitRendezvous`
+  (:meth:`ShardState.meet`).  A key without a set pays one ``None`` check.
 * ``dist_async``: each contribution is applied (assigned, or updated) once it
   is complete: a whole push on arrival, chunks once the last one arrives (they
   are gathered in a buffer until then); every chunk of it is acked then.
