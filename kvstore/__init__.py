@@ -23,6 +23,7 @@ from kvstore.core import checkpoint as checkpoint
 from kvstore.core import lr_scheduler as lr_scheduler
 from kvstore.core import optimizer as optimizer
 from kvstore.core import snapshot as snapshot
+from kvstore.core.worker_sets import WorkerSet
 from kvstore.errors import (
     AuthenticationError,
     ChildFailed,
@@ -38,6 +39,7 @@ from kvstore.errors import (
     KeyTypeError,
     KVStoreError,
     NodeLostError,
+    NotAMemberError,
     NotEnoughSlotsError,
     OptimizerError,
     PlacementError,
@@ -80,6 +82,7 @@ __all__ = [
     "DeadlineExceededError", "NodeLostError", "ProtocolError", "AuthenticationError",
     "RemoteError", "StoreClosedError", "OptimizerError", "FormatError",
     "UnsupportedError", "StallError", "IntegrityError", "CollectiveMismatchError", "TooFewWorkersError",
+    "NotAMemberError", "WorkerSet",
     # the launchers' (launch.py, kvstore.ray.run, kvstore.spark.run)
     "ChildFailed", "StartFailed", "SyncFailed", "PlacementError", "RoleFailed", "SparkJobFailed",
     "NotEnoughSlotsError", "TaskFailed", "FeedError",

@@ -23,10 +23,12 @@ from kvstore.core import xp
 from kvstore.core.membership import Membership, check_tag
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key, check_key
+from kvstore.core.worker_sets import WorkerSet, worker_set
 from kvstore.errors import (
     ConfigError,
     DuplicateInitError,
     KeyNotInitializedError,
+    NotAMemberError,
     StoreClosedError,
     UnsupportedError,
     public,
@@ -138,6 +140,8 @@ class KVStore(abc.ABC):
     def __init__(self, name: str) -> None:
         self._type = name
         self._meta: dict[Key, V.Meta] = {}
+        self._sets: dict[Key, WorkerSet] = {}  # keys of a worker set (docs/worker-sets.md) -> the set
+        self._foreign: dict[Key, WorkerSet] = {}  # keys this worker is not a member of (its init said so)
         self._lock = threading.RLock()
         self._closed = False
         self._device_mode = name in DEVICE_TYPES
@@ -216,7 +220,7 @@ class KVStore(abc.ABC):
 
     # -- primitives ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def _init(self, items: list[tuple[Key, np.ndarray]]) -> None: ...
+    def _init(self, items: list[tuple[Key, np.ndarray]], members: WorkerSet | None = None) -> None: ...
 
     @abc.abstractmethod
     def _push(self, groups: list[Pushed], priority: int) -> None:
@@ -304,6 +308,8 @@ class KVStore(abc.ABC):
         try:
             return self._meta[key]
         except KeyError:
+            if key in self._foreign:
+                raise self._not_member(key, self._foreign[key], "push or pull") from None
             if key in self._sparse.metas:
                 raise TypeError(f"key {key!r} is row_sparse: push row-sparse values to it and read it with "
                                 "row_sparse_pull (or pull, below kvstore.sparse.WHOLE_PULL_BYTES)") from None
@@ -312,31 +318,51 @@ class KVStore(abc.ABC):
 
     @public
     def init(self, key: Any, value: Any = None, stype: str = "default", shape: Any = None, dtype: Any = None,
-             init: Any = None, dynamic: Any = None, width: Any = None) -> None:
+             init: Any = None, dynamic: Any = None, width: Any = None, workers: Any = None) -> None:
         """Initialise one key or a list of keys (collective in dist modes: every worker calls it).
 
         Only rank 0's value is stored.  ``stype='row_sparse'``, or no value with ``shape``, ``dtype``
         and ``init`` (``'zeros'``, ``'uniform'``, ``'normal'``), makes row-sparse tables
         (docs/sparse.md); ``dynamic=True`` (or a dict: capacity, policy, admit_after, ttl) with ``width``
         makes dynamic tables, whose ids are any 64-bit value (docs/sparse.md, "Dynamic tables").
+        ``workers`` (worker ranks or a :class:`WorkerSet`) makes the keys a worker set's
+        (docs/worker-sets.md): only its members call init (the lowest present member's value is
+        stored), push and pull them, and a dist_sync round sums the members' pushes.
         Raises :class:`DuplicateInitError` for a key that exists, :class:`KeyTypeError` for a bad key,
-        TypeError for a bad value.
+        TypeError for a bad value, :class:`NotAMemberError` on a worker outside ``workers``,
+        :class:`ConfigError` for a worker set of row-sparse keys (or under a quorum or staleness bound).
         """
         self._check_open()
+        members = worker_set(workers, self.num_workers)
+        if members is not None and (self._sparse.wants_init(value, stype, dynamic) or stype != "default"):
+            raise ConfigError("worker sets hold dense keys only: a row-sparse or dynamic table belongs to "
+                              "every worker (init it without workers=)")
         if self._sparse.wants_init(value, stype, dynamic):
             self._sparse.init(key, value, stype, shape, dtype, init, dynamic, width)
             return
         pairs = group(key, value)
+        if members is not None and self.rank not in members:
+            with self._lock:
+                for k, _ in pairs:
+                    self._foreign[k] = members
+            raise self._not_member(pairs[0][0], members, "init")
         with self._lock:
             for k, _ in pairs:
                 if k in self._meta or k in self._sparse.metas:
                     raise DuplicateInitError(f"key {k!r} is already initialised")
         metas = {k: V.meta_of(vs[0]) for k, vs in pairs}
         items = [(k, xp.to_numpy(vs[0])) for k, vs in pairs]
-        self._init(items)  # not under the lock: in dist modes it waits for every worker
+        self._init(items, members)  # not under the lock: in dist modes it waits for every worker
         with self._lock:
             self._meta.update(metas)
+            if members is not None:
+                self._sets.update(dict.fromkeys(metas, members))
         self._initialised(list(metas))
+
+    def _not_member(self, key: Key, members: WorkerSet, what: str) -> NotAMemberError:
+        """The error refusing this worker's ``what`` of ``key``, a key of the worker set ``members``."""
+        return NotAMemberError(f"worker {self.rank} is not in worker set {members} of key {key!r}: only "
+                               f"its members may {what} it (docs/worker-sets.md)")
 
     def _initialised(self, keys: list[Key]) -> None:
         """Called after ``keys`` were initialised (a dist store restores their snapshot state)."""

@@ -33,7 +33,10 @@ due, a number of values that does not match the number of keys, a read-only
                                            differ (shapes, dtypes, root rank, keys); raised on every
                                            worker, naming the ranks and what differs
      +-- TooFewWorkersError                an elastic job shrank below launch.py --min-workers: the
-                                           first barrier after it fails on every worker
+     |                                     first barrier after it fails on every worker
+     +-- NotAMemberError(PermissionError)  init, push or pull of a key of a worker set (docs/worker-sets.md)
+                                           by a worker outside that set; the message names the key,
+                                           the set and the worker
 
 The launchers' errors are KVStoreErrors too, defined here as well (this module imports neither Ray
 nor Spark; ``kvstore.ray`` and ``kvstore.spark`` re-export theirs)::
@@ -242,6 +245,12 @@ class TaskFailed(KVStoreError, RuntimeError):
         super().__init__(f"[{self.MARK}] {message}")
 
 
+class NotAMemberError(KVStoreError, PermissionError):
+    """A worker outside a key's worker set (``kv.init(..., workers=...)``, docs/worker-sets.md) called
+    init, push or pull of that key; the message names the key, the set and the worker.  Nothing was
+    changed: a server refuses such a request too, leaving the key as it was."""
+
+
 class FeedError(KVStoreError):
     """The streaming feed of ``kvstore.spark.run(data=df, epochs=E)`` failed: its Spark job failed, a
     batch did not come within ``feed_timeout``, or a connection to the driver's feed closed; the
@@ -254,7 +263,7 @@ _CODES: dict[str, type[KVStoreError]] = {
                 ShapeMismatchError, DTypeMismatchError, KeyTypeError, DeadlineExceededError, StallError,
                 NodeLostError, ProtocolError, AuthenticationError, IntegrityError, RemoteError,
                 StoreClosedError, OptimizerError, FormatError, UnsupportedError, CollectiveMismatchError,
-                TooFewWorkersError)
+                TooFewWorkersError, NotAMemberError)
 }
 
 

@@ -27,6 +27,7 @@ from kvstore.core.optimizer import Optimizer, from_spec
 from kvstore.core.partition import Key
 from kvstore.core.sparse_update import apply_rows
 from kvstore.core.values import Meta
+from kvstore.core.worker_sets import WorkerSet
 from kvstore.device import settle
 from kvstore.errors import DTypeMismatchError, OptimizerError, ShapeMismatchError, UnsupportedError
 
@@ -140,7 +141,7 @@ class LocalKVStore(KVStore):
             self._optimizer.states[key] = {n: xp.like(total, xp.to_numpy(a)) for n, a in state.items()}
         return stored
 
-    def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
+    def _init(self, items: list[tuple[Key, np.ndarray]], members: WorkerSet | None = None) -> None:
         with self._lock:
             for key, array in items:
                 self._store[key] = precision.master(array)  # bfloat16: a float32 master copy

@@ -35,7 +35,8 @@ from kvstore.base import KVStore, layer_calls
 from kvstore.client.instance import process_store
 from kvstore.client.meter import HistogramRecorder
 from kvstore.core import agreement
-from kvstore.errors import ConfigError
+from kvstore.core.worker_sets import WorkerSet, worker_set
+from kvstore.errors import ConfigError, NotAMemberError
 from kvstore.sparse_reduce import SparseGrads
 from kvstore.stores import create
 
@@ -279,15 +280,18 @@ class _Distributed:
     _kv_skipped: list[tuple[str, Tensor]]  # float parameters that took no gradient when wrapped
     _kv_sparse: SparseGrads  # the parameters whose sparse gradients go through row-sparse keys
     _kv_histograms: HistogramRecorder  # KVSTORE_HISTOGRAM_EVERY's weight and gradient histograms
+    _kv_set: WorkerSet | None  # process_set: the workers its keys belong to (None: every worker)
 
     def __init__(self, optimizer: Any, kv: KVStore, op: str, prefix: str,
-                 ordered: list[tuple[str, Tensor]], passes: int, sparse_as_dense: bool = False) -> None:
+                 ordered: list[tuple[str, Tensor]], passes: int, sparse_as_dense: bool = False,
+                 process_set: WorkerSet | None = None) -> None:
         """Share ``optimizer``'s state (its ``__init__`` is not run again) and reduce over ``kv``: keys
         ``f"{prefix}/grad/{name}"`` of the ``ordered`` named parameters, whose backward passes are
         counted against ``passes`` (backward_passes_per_step); sparse gradients are made dense first
-        with ``sparse_as_dense``, else they go through row-sparse keys (:class:`SparseGrads`)."""
+        with ``sparse_as_dense``, else they go through row-sparse keys (:class:`SparseGrads`); the keys
+        belong to ``process_set`` when given (docs/worker-sets.md)."""
         self.__dict__.update(optimizer.__dict__)
-        self._kv, self._kv_op = kv, op
+        self._kv, self._kv_op, self._kv_set = kv, op, process_set
         self._kv_keys = [f"{prefix}/grad/{name}" for name, _ in ordered]
         self._kv_present = f"{prefix}/present"
         self._kv_params = [p for _, p in ordered]
@@ -339,7 +343,8 @@ class _Distributed:
             _no_store_optimizer(self._kv, "DistributedOptimizer.step")
             mine = ((key, tuple(p.shape), str(p.dtype).removeprefix("torch."))
                     for key, p in zip(self._kv_keys, params))
-            layer_calls(self._kv).agree("DistributedOptimizer's first step", agreement.digest(mine))
+            if self._kv_set is None:  # a process set's members compare them at its keys' init
+                layer_calls(self._kv).agree("DistributedOptimizer's first step", agreement.digest(mine))
             sparse.decide(params)  # collective, once: which parameters have sparse gradients
         dense = [i for i in range(len(params)) if i not in sparse.chosen]
         grads = [_dense_grad(params[i]) for i in dense]
@@ -347,12 +352,14 @@ class _Distributed:
         keys = [self._kv_keys[i] for i in dense]
         if not self._kv_ready:
             self._kv.init([*keys, self._kv_present],
-                          [torch.zeros_like(g) for g in grads] + [torch.zeros_like(present)])
+                          [torch.zeros_like(g) for g in grads] + [torch.zeros_like(present)],
+                          workers=self._kv_set)
             sparse.init(params)
             self._kv_ready = True
         sparse.push(params)  # returns at once: the rows are summed while the pushpull runs
         self._kv.pushpull([*keys, self._kv_present], [*grads, present])
-        scale = 1.0 / self._kv.num_workers if self._kv_op == "average" else 1.0
+        workers = self._kv.num_workers if self._kv_set is None else len(self._kv_set)
+        scale = 1.0 / workers if self._kv_op == "average" else 1.0
         for i, g in zip(dense, grads):
             if scale != 1.0:
                 g.mul_(scale)
@@ -498,7 +505,8 @@ def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, T
                          kv: KVStore | str | None = None, op: str = "average",
                          key_prefix: str | None = None, backward_passes_per_step: int = 1,
                          compression: str | dict[str, Any] | None = None,
-                         sparse_as_dense: bool = False) -> Any:
+                         sparse_as_dense: bool = False,
+                         process_set: WorkerSet | Iterable[int] | None = None) -> Any:
     """Wrap a ``torch.optim.Optimizer`` so that ``step()`` first reduces gradients over the workers.
 
     Returns an instance of a subclass of ``type(optimizer)`` sharing its ``param_groups``, ``state``
@@ -517,6 +525,13 @@ def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, T
     ``torch.optim.SparseAdam``), or are made dense first with ``sparse_as_dense``.  Raises ValueError for
     a bad ``op``, ``backward_passes_per_step`` or parameters, TypeError for something that is no torch
     optimizer or a parameter dtype the store does not carry.
+
+    ``process_set`` (worker ranks or a :class:`kvstore.WorkerSet`, Horovod's name) reduces over those
+    workers only: its keys are that worker set's (docs/worker-sets.md), only its members construct and
+    step it, 'average' divides by its size, and sparse gradients are made dense.  Give members a
+    ``key_prefix`` unless every member makes the same wrappers in the same order.  Raises
+    :class:`NotAMemberError` on a worker outside it, ValueError with ``compression`` (set the store's
+    compression on every worker instead).
     """
     import torch
 
@@ -533,7 +548,18 @@ def DistributedOptimizer(optimizer: Any, named_parameters: Iterable[tuple[str, T
         raise ValueError("this optimizer is already a DistributedOptimizer")
     cls = type(f"Distributed{base.__name__}", (_Distributed, base), {"__module__": __name__})
     store = _store(kv)
+    members = worker_set(process_set, store.num_workers)
+    if members is not None:
+        if store.rank not in members:
+            raise NotAMemberError(f"worker {store.rank} is not in process set {members}: only its members "
+                                  "construct and step its DistributedOptimizer (docs/worker-sets.md)")
+        if compression not in (None, "none"):
+            raise ValueError("compression is the store's, set by every worker: call "
+                             "kv.set_gradient_compression on every worker instead of passing it with a "
+                             "process_set")
+        sparse_as_dense = True  # row-sparse keys belong to every worker
     if compression not in (None, "none"):
         store.set_gradient_compression({"type": compression} if isinstance(compression, str) else compression)
     prefix = f"distopt{_next(store, 'optimizer')}" if key_prefix is None else key_prefix
-    return cls(optimizer, store, op, prefix, ordered, backward_passes_per_step, bool(sparse_as_dense))
+    return cls(optimizer, store, op, prefix, ordered, backward_passes_per_step, bool(sparse_as_dense),
+               members)

@@ -309,15 +309,17 @@ class DataPath:
         return self._sum(key, meta, values, out=buffer, host=True).reshape(-1)  # a GPU sum comes to host
 
     def send_planned(self, op: Op, keys: tuple, sends: list[Send], arrays: list[np.ndarray],
-                     send_keys: list[list[Key]], priority: int = 0, hold: bool = False) -> list[Request]:
+                     send_keys: list[list[Key]], priority: int = 0, hold: bool = False,
+                     extra: dict | None = None) -> list[Request]:
         """Send a fast plan's messages (``sends[i]`` carrying ``arrays[i]``, the whole values of
         ``send_keys[i]``) at ``priority`` as one run under the push window, as :meth:`send` does;
         return their requests.  ``hold``: a PUSH of one message, held for a pull to take along
         (``FastPath.pull``; the module docstring).
-        An INIT's messages (``keys`` and ``send_keys`` unused) leave as one run, so a key's chunks do."""
+        An INIT's messages (``keys`` and ``send_keys`` unused; ``extra``: fields added to each body,
+        a worker set's ``workers``) leave as one run, so a key's chunks do."""
         if op is Op.INIT:
             with self._send_lock:
-                return [self.submit(op, s, a) for s, a in zip(sends, arrays)]
+                return [self.submit(op, s, a, extra) for s, a in zip(sends, arrays)]
         window, deadline = self.window, time.monotonic() + self._cfg.request_timeout
         window.wait_room(keys, deadline, self.mux.wait)  # KVSTORE_PUSH_WINDOW
         self._raise_failure(keys)  # a refused earlier push of these keys: nothing is sent

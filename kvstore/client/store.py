@@ -40,6 +40,7 @@ from kvstore.core.membership import Membership, check_tag, view_of
 from kvstore.core.optimizer import Optimizer
 from kvstore.core.partition import Key
 from kvstore.core.plan import Send, collect, pack, plan
+from kvstore.core.worker_sets import WorkerSet
 from kvstore.errors import (
     DeadlineExceededError,
     DTypeMismatchError,
@@ -356,15 +357,20 @@ class DistKVStore(KVStore):
         self._compress.restore(self._cfg, rank, workers, self._rejoin.at is not None)
 
     # -- the data path ------------------------------------------------------------------------------
-    def _init(self, items: list[tuple[Key, np.ndarray]]) -> None:
+    def _init(self, items: list[tuple[Key, np.ndarray]], members: WorkerSet | None = None) -> None:
+        extra = None if members is None else {"workers": list(members.ranks)}
+
         def send_all() -> None:
             flats = {key: array.reshape(-1) for key, array in self._collective_calls.resumed(items)}
             entries = [(key, flat.dtype, self._path.pieces(key, flat.size)) for key, flat in flats.items()]
             sends = plan(entries, self._cfg.batch_bytes, self._cluster.chunk_bytes)  # big slices in chunks
-            self._path.wait(self._path.send_planned(Op.INIT, (), sends, [pack(s, flats) for s in sends], []))
-
+            self._path.wait(self._path.send_planned(Op.INIT, (), sends, [pack(s, flats) for s in sends], [],
+                                                    extra=extra))
 
         if self._rejoin.at is not None:  # a restarted worker: the servers hold every key already
+            return
+        if members is not None:
+            self._init_set(items, members, send_all)
             return
         started = self._meter.begin("init")
         sent = agreement.digest((key, array.shape, array.dtype.name) for key, array in items)
@@ -373,9 +379,38 @@ class DistKVStore(KVStore):
         finally:
             self._meter.end("init", started)
 
+    def _init_set(self, items: list[tuple[Key, np.ndarray]], members: WorkerSet,
+                  send_all: Callable[[], None]) -> None:
+        """Init of a worker set's keys (docs/worker-sets.md): the lowest member not known to have
+        left sends the values; then every member meets the others at each server holding a piece of
+        the keys, which answers once every member present has come, or with CollectiveMismatchError
+        when their keys, shapes, dtypes or sets differ.  Raises DeadlineExceededError naming the set
+        when a member does not come within KVSTORE_REQUEST_TIMEOUT."""
+        started = self._meter.begin("init")
+        try:
+            left = set(self._barriers.left)
+            if self.rank == min((r for r in members.ranks if r not in left), default=self.rank):
+                send_all()
+            per_server: dict[int, list[tuple[Key, int, str]]] = {}
+            for key, array in items:
+                digest = agreement.digest([(key, array.shape, array.dtype.name)])
+                for piece in self._path.pieces(key, array.size):
+                    per_server.setdefault(piece.server, []).append((key, piece.stop - piece.start, digest))
+            body = {"workers": list(members.ranks)}
+            requests = [self._io.submit(server, Message(Op.INIT, dict(body, keys=[k for k, _, _ in entries],
+                                                                      sizes=[n for _, n, _ in entries],
+                                                                      meet=[d for _, _, d in entries])),
+                                        f"init of {len(items)} key(s) of worker set {members} at server "
+                                        f"{server}: waits for every member present to call it")
+                        for server, entries in sorted(per_server.items())]
+            self._path.wait(requests)
+        finally:
+            self._meter.end("init", started)
+
     def _initialised(self, keys: list[Key]) -> None:
         self._fast.forget()  # a list that held an unknown key may be eligible now
-        self._collective_calls.initialised(keys)
+        if not any(key in self._sets for key in keys):  # a set's keys: no all-worker collective
+            self._collective_calls.initialised(keys)
         for key in keys:  # placed now, so that no push or pull computes a placement
             self._path.pieces(key)
 

@@ -87,6 +87,7 @@ def _at_rest(state: _KeyState, first: _KeyState, size: int, dtype: np.dtype) -> 
     value = state.value
     return (not state.rounds and not state.waiting_pulls and not state.assembling and not state.offset
             and not state.debts  # an aborted round's debts are checked per key (ShardState.abort)
+            and state.members is None  # a worker set's rounds and members are checked per key
             and value.ndim == 1 and value.size == size and value.dtype == dtype
             and state.base == first.base and state.submitted == state.applied == first.submitted
             and state.next_round == first.next_round)

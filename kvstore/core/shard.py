@@ -29,6 +29,11 @@ Rules (docs/architecture.md, SEMANTICS.md):
   early chunks, so it is bit-identical whatever the arrival order.  Either way a
   round keeps one accumulator, not every pushed array, and every worker must
   split a key at the same offsets within a round (:mod:`kvstore.core.rounds`).
+* Worker sets (docs/worker-sets.md): a key may belong to a set of workers (``members``, given at
+  init).  Its rounds expect (active workers) ∩ (members): the same round code, only the expected
+  ranks narrowed; a non-member's push or pull raises :class:`~kvstore.errors.NotAMemberError`,
+  changing nothing.  Its members' init meets in :class:`~kvstore.core.worker_sets.InitRendezvous`
+  (:meth:`ShardState.meet`).  A key without a set pays one ``None`` check.
 * ``dist_async``: each contribution is applied (assigned, or updated) once it
   is complete: a whole push on arrival, chunks once the last one arrives (they
   are gathered in a buffer until then); every chunk of it is acked then.
@@ -83,11 +88,14 @@ from kvstore.core.replies import _SILENT, Completion, _acks, _Assembly, _part_of
 from kvstore.core.rounds import Round
 from kvstore.core.staging import Staged, stage
 from kvstore.core.staleness import StalenessGate
+from kvstore.core.worker_sets import InitRendezvous
 from kvstore.errors import (
     CollectiveMismatchError,
+    ConfigError,
     DTypeMismatchError,
     DuplicateInitError,
     KeyNotInitializedError,
+    NotAMemberError,
     ProtocolError,
     ShapeMismatchError,
 )
@@ -111,6 +119,7 @@ class _KeyState:
     # ^ token, worker, target (contributions that must be applied first), lo, hi
     debts: dict[int, deque[_Debt]] = field(default_factory=dict)  # worker -> its owed aborted rounds
     promised: int = 0  # a restarted server: rounds the workers' retries will have opened (promise)
+    members: frozenset[int] | None = None  # the key's worker set (None: every worker)
 
     def numbering(self) -> dict[int, int]:
         """Each worker's pushes as a shard records them: contributions applied, or (dist_async) its
@@ -158,6 +167,7 @@ class ShardState:
         self._keys: dict[Key, _KeyState] = {}
         self._staged_inits: dict[Key, Staged] = {}   # chunked INITs of keys not stored yet
         self._staged_states: dict[Key, Staged] = {}  # chunked STATE_SETs not installed yet
+        self.rendezvous = InitRendezvous(clock)  # worker-set keys whose members' init has not met yet
 
     def __contains__(self, key: Key) -> bool:
         return key in self._keys
@@ -191,7 +201,8 @@ class ShardState:
         for key, state in self._keys.items():
             if state.rounds and now - state.rounds[0].opened > older_than:
                 rnd = state.rounds[0]
-                found.append((key, now - rnd.opened, sorted(self.active - rnd.complete)))
+                waits = self.active if state.members is None else self.active & state.members
+                found.append((key, now - rnd.opened, sorted(waits - rnd.complete)))
         return found
 
     def drop_waiting_pulls(self, key: Key) -> list[Any]:
@@ -204,28 +215,101 @@ class ShardState:
         """Return the stored value of ``key``; raise :class:`KeyNotInitializedError` if absent."""
         return self._get(key).value
 
-    def init(self, key: Key, value: np.ndarray) -> None:
-        """Store the first value of ``key``; raise :class:`DuplicateInitError` if it exists."""
+    def init(self, key: Key, value: np.ndarray, members: Iterable[int] | None = None) -> None:
+        """Store the first value of ``key``, of the worker set ``members`` (None: every worker); raise
+        :class:`DuplicateInitError` if it exists, :class:`ConfigError` for a set this store cannot have
+        (:meth:`check_members`)."""
         if key in self._keys:
             raise DuplicateInitError(f"key {key!r} is already initialised on this server")
-        self._keys[key] = _KeyState(value=np.array(value, copy=True))
+        found = self.check_members(key, members)
+        self._keys[key] = _KeyState(value=np.array(value, copy=True), members=found)
         self._staged_inits.pop(key, None)
+        if found is not None:
+            self.rendezvous.expect(key, found)
 
-    def init_chunk(self, worker: int, key: Key, value: np.ndarray, lo: int, total: int) -> bool:
+    def meet(self, token: Any, worker: int, key: Key, members: Iterable[int],
+             digest: str) -> list[Completion]:
+        """``worker`` called the init of ``key``, a key of the worker set ``members``, with arguments
+        whose digest is ``digest`` (:mod:`kvstore.core.agreement`); answer every member's ``token``
+        once the key is stored (from the lowest member's INIT) and every member present has met: with
+        an ack, or, when their digests or sets differ, with one :class:`CollectiveMismatchError` (the
+        key is then dropped: the init did not happen).  Returns what this answers.  Raises, changing
+        nothing: ``ValueError`` for a worker that is not a rank or a bad set (as :meth:`init`),
+        :class:`NotAMemberError` for a worker outside ``members``, :class:`DuplicateInitError` for a
+        key stored and met already, :class:`ConfigError` as :meth:`check_members`."""
+        self._check_worker(worker)
+        found = self.check_members(key, members)
+        if found is None:
+            raise ProtocolError(f"an init rendezvous of key {key!r} names no worker set")
+        if worker not in found:
+            raise self._not_member(key, found, worker, "init")
+        self.rendezvous.arrive(token, worker, key, found, digest, key in self._keys)
+        return self.met(key)
+
+    def met(self, key: Key) -> list[Completion]:
+        """What storing ``key`` (an INIT of a worker-set key, after :meth:`init` or the last chunk of
+        :meth:`init_chunk`) answers of its init rendezvous (:meth:`meet`); a failed one drops the key."""
+        state = self._keys.get(key)
+        done, failed = self.rendezvous.complete(key, None if state is None else state.members, self.active)
+        if failed:
+            del self._keys[key]  # not initialised: every member's init raises
+        return done
+
+    def expire_meets(self, older_than: float) -> list[Completion]:
+        """Fail the init rendezvous open for more than ``older_than`` seconds (``DeadlineExceededError``
+        naming the missing members, to every member that came); their keys are dropped."""
+        if not self.rendezvous:
+            return []
+        done: list[Completion] = []
+        for key, failed in self.rendezvous.expired(older_than, self.active, self._keys.__contains__):
+            self._keys.pop(key, None)
+            done += failed
+        return done
+
+    def members_of(self, key: Key) -> tuple[int, ...] | None:
+        """``key``'s worker set, sorted (None: every worker).  Raises :class:`KeyNotInitializedError`."""
+        found = self._get(key).members
+        return None if found is None else tuple(sorted(found))
+
+    def check_members(self, key: Key, members: Iterable[int] | None) -> frozenset[int] | None:
+        """``members`` as a key's worker set (None: every worker).  Raises ``ValueError`` for a rank
+        outside the job or an empty set, :class:`ConfigError` under a quorum or a staleness bound (their
+        rounds count every worker: docs/worker-sets.md)."""
+        if members is None:
+            return None
+        found = frozenset(members)
+        if not found or not all(type(w) is int and 0 <= w < self.num_workers for w in found):
+            raise ValueError(f"key {key!r}: worker set {sorted(found)!r} is not a non-empty set of ranks "
+                             f"in [0, {self.num_workers})")
+        if self.quorum is not None or self.gate is not None:
+            knob = "KVSTORE_SYNC_QUORUM" if self.quorum is not None else "a staleness bound (dist_async)"
+            raise ConfigError(f"key {key!r}: worker sets are refused under {knob}, whose rounds count "
+                              "every worker of the job; init the key without workers=, or run without it")
+        return found
+
+    def init_chunk(self, worker: int, key: Key, value: np.ndarray, lo: int, total: int,
+                   members: Iterable[int] | None = None) -> bool:
         """Take elements ``[lo, lo + value.size)`` of ``key``'s first value (1-D, ``total`` elements)
         from ``worker``; store it once its chunks cover it, in order, and return whether it is stored
         (until then the key is not initialised).  A chunk at offset 0 starts afresh (a retried init).
         Raises, changing nothing: :class:`DuplicateInitError` for a stored key; ``ValueError`` for a
         worker that is not a rank; :class:`ProtocolError` for a chunk that is empty, not 1-D, outside
-        ``[0, total)``, or does not continue the value gathered so far (offset, total, dtype, worker);
-        ``TypeError`` if ``lo`` is not an int."""
+        ``[0, total)``, or does not continue the value gathered so far (offset, total, dtype, worker,
+        ``members``: the key's worker set); ``TypeError`` if ``lo`` is not an int; as :meth:`init` for
+        ``members``."""
         self._check_worker(worker)
         if key in self._keys:
             raise DuplicateInitError(f"key {key!r} is already initialised on this server")
-        bufs = stage(self._staged_inits, "INIT", worker, key, [value], lo, total, None)
+        found = self.check_members(key, members)
+        if found is not None and worker not in found:
+            raise self._not_member(key, found, worker, "init")
+        bufs = stage(self._staged_inits, "INIT", worker, key, [value], lo, total,
+                     None if found is None else sorted(found))
         if bufs is None:
             return False
-        self._keys[key] = _KeyState(value=bufs[0])  # ours: no copy
+        self._keys[key] = _KeyState(value=bufs[0], members=found)  # ours: no copy
+        if found is not None:
+            self.rendezvous.expect(key, found)
         return True
 
     def state_chunk(self, worker: int, key: Key, arrays: list[np.ndarray], lo: int,
@@ -318,6 +402,8 @@ class ShardState:
         checked = []
         for _, key, lo, hi in entries:
             state = self._get(key)
+            if state.members is not None and worker not in state.members:
+                raise self._not_member(key, state.members, worker, "pull")
             stored = state.value
             if whole and (lo != 0 or hi != stored.size):
                 raise ShapeMismatchError(f"pull of key {key!r} asks for {hi - lo} elements; this server "
@@ -370,11 +456,14 @@ class ShardState:
             state.debts.pop(worker, None)  # it will push no more
             if state.assembling.pop(worker, None) is not None:
                 state.submitted[worker] -= 1  # never to be applied: its later pulls need not wait
+            members = self.active if state.members is None else self.active & state.members
             for rnd in state.rounds:
-                rnd.leave(worker, self.active, state.value.size)
+                rnd.leave(worker, members, state.value.size)
             done += self._close_rounds(state, key)
             if self.gate is not None:  # it no longer counts as the slowest
                 done += self.gate.release(key, state.applied, self.active)
+        for key in self.rendezvous.pending():  # a member that left is not waited for at init
+            done += self.met(key)
         return done
 
     # -- aborted rounds: a pushpull refused for its values fails every worker's call -----------
@@ -388,14 +477,16 @@ class ShardState:
         not sent that round owe it; one that owed it already pays its debt, aborting nothing more).
         ``rounds`` (one per key, as a quorum's push carries them) names that round: under a quorum, a
         round already closed without the worker is left alone, the refusal counted as its late push.
-        Keys not held here are skipped; nothing happens in dist_async.  Raises ``ValueError`` for a
-        worker that is not a rank, or for ``rounds`` of another length than ``keys``."""
+        Keys not held here, and keys of a worker set ``worker`` is not in, are skipped; nothing happens
+        in dist_async.  Raises ``ValueError`` for a worker that is not a rank, or for ``rounds`` of
+        another length than ``keys``."""
         self._check_worker(worker)
         keys = list(keys)
         sent: list[int | None] = [None] * len(keys) if rounds is None else list(rounds)
         if len(sent) != len(keys):
             raise ValueError(f"{len(sent)} rounds for {len(keys)} keys")
-        held = [(key, r) for key, r in zip(keys, sent) if key in self._keys]
+        held = [(key, r) for key, r in zip(keys, sent) if key in self._keys  # a non-member's refused
+                and (self._keys[key].members is None or worker in self._keys[key].members)]  # one: none
         if not self.sync or not held:
             return []
         keys = [key for key, _ in held]
@@ -425,7 +516,7 @@ class ShardState:
             return []
         size, first = state.value.size, number - state.base
         aborted = [state.rounds.pop() for _ in range(len(state.rounds) - first)][::-1]
-        tail: dict[int, int] = dict.fromkeys(self._at(number) - {worker}, 0)  # worker -> covered
+        tail: dict[int, int] = dict.fromkeys(self._at(number, state.members) - {worker}, 0)  # -> covered
         silent: set[int] = set()  # workers with a pushpull in the aborted rounds (its pull answers it)
         done: list[Completion] = []
         for rnd in aborted:
@@ -490,11 +581,13 @@ class ShardState:
         self.settle()
         return [(key, s.value, s.base, s.numbering()) for key, s in self._keys.items()]
 
-    def restore(self, key: Key, value: np.ndarray, rounds: int, applied: dict[int, int]) -> None:
-        """Store ``key`` as a shard image recorded it: a copy of ``value``, ``rounds`` closed and each
-        worker's contributions ``applied`` (none pending).  Raises :class:`DuplicateInitError` if it
-        is stored already."""
-        self.init(key, value)
+    def restore(self, key: Key, value: np.ndarray, rounds: int, applied: dict[int, int],
+                members: Iterable[int] | None = None) -> None:
+        """Store ``key`` as a shard image recorded it: a copy of ``value``, ``rounds`` closed, each
+        worker's contributions ``applied`` (none pending) and its worker set ``members``.  Raises
+        :class:`DuplicateInitError` if it is stored already, as :meth:`init` for ``members``."""
+        self.init(key, value, members)
+        self.rendezvous.forget(key)  # its members met before the image was taken
         state = self._keys[key]
         state.base = rounds
         state.applied, state.submitted, state.numbered = dict(applied), dict(applied), dict(applied)
@@ -585,6 +678,11 @@ class ShardState:
         except KeyError:
             raise KeyNotInitializedError(f"key {key!r} has not been initialised (call init first)") from None
 
+    @staticmethod
+    def _not_member(key: Key, members: frozenset[int], worker: int, what: str) -> NotAMemberError:
+        return NotAMemberError(f"worker {worker} is not in worker set {sorted(members)} of key {key!r}: "
+                               f"only its members may {what} it (refused, nothing changed)")
+
     def _check_worker(self, worker: int) -> None:
         if not (isinstance(worker, int) and 0 <= worker < self.num_workers):
             raise ValueError(f"worker rank {worker!r} is not in [0, {self.num_workers})")
@@ -600,6 +698,8 @@ class ShardState:
         chunk's ``[lo, hi)`` and the sync round it joins (``-1 - round`` when late, 0 in async, None
         when ``worker`` owes it to an aborted round: refused, see :meth:`abort`)."""
         state = self._get(key)
+        if state.members is not None and worker not in state.members:
+            raise self._not_member(key, state.members, worker, "push")
         stored = state.value
         if type(lo) is not int:
             lo = operator.index(lo)
@@ -674,9 +774,12 @@ class ShardState:
         if not self.sync:
             return self._accept_async(state, key, token, worker, value, lo, hi, size, sent)
         i = number - state.base
+        members = state.members
         while len(state.rounds) <= i:  # more than one only for a rejoiner's round (_checked_push)
-            state.rounds.append(Round(self._ranks, self.clock()))
-        if state.rounds[i].contribute(token, worker, value, lo, hi, size, self.ordered, self._at(number)):
+            ranks = self._ranks if members is None else [w for w in self._ranks if w in members]
+            state.rounds.append(Round(ranks, self.clock()))
+        if state.rounds[i].contribute(token, worker, value, lo, hi, size, self.ordered,
+                                      self._at(number, members)):
             state.next_round[worker] = number + 1
         return self._close_rounds(state, key) if i == 0 else []
 
@@ -722,15 +825,16 @@ class ShardState:
     def _close_rounds(self, state: _KeyState, key: Key) -> list[Completion]:
         """Close the oldest rounds while they are done; return their acks and the pulls released."""
         rounds, size = state.rounds, state.value.size
-        if not rounds or not self._closes(rounds[0], size, state.base):
+        members = state.members
+        if not rounds or not self._closes(rounds[0], size, state.base, members):
             return []  # nothing applied: no pull can be released
         done: list[Completion] = []
-        while rounds and self._closes(rounds[0], size, state.base):
+        while rounds and self._closes(rounds[0], size, state.base, members):
             rnd, number = rounds.popleft(), state.base
             state.base += 1
             total = rnd.total(size)  # scaled by quorum, or as a quorum of the rest while a worker is away
             unscaled = self.quorum is None and not self.away and self.joins.keys() <= self.newcomers
-            self._apply(state, key, total if unscaled else rnd.scaled(total, self._members(number)),
+            self._apply(state, key, total if unscaled else rnd.scaled(total, self._members(number, members)),
                         rnd.covered)
             if self.on_close is not None:
                 self.on_close(key, self.clock() - rnd.opened, rnd.last)
@@ -738,29 +842,35 @@ class ShardState:
                 done.extend(_acks(tokens))
         return done + self._release_pulls(state)
 
-    def _members(self, number: int) -> int:
+    def _members(self, number: int, members: frozenset[int] | None = None) -> int:
         """The workers a quorum-scaled round ``number`` stands for: every worker under a quorum, else
-        the active and away ones but newcomers that joined after it (a join is not an absence)."""
+        the active and away ones but newcomers that joined after it (a join is not an absence); of a
+        key's worker set ``members``, only those in it."""
         if self.quorum is not None:
             return self.num_workers
-        late = sum(1 for w in self.newcomers if w in self.active and self.joins.get(w, 0) > number)
-        return len(self.active) + len(self.away) - late
+        late = sum(1 for w in self.newcomers if w in self.active and self.joins.get(w, 0) > number
+                   and (members is None or w in members))
+        if members is None:
+            return len(self.active) + len(self.away) - late
+        return len(self.active & members) + len(members.intersection(self.away)) - late
 
     def _check_present(self) -> None:
         if not all(isinstance(w, int) and 0 <= w < self.num_workers for w in self.active):
             raise ValueError(f"present workers {sorted(self.active)!r} are not all in "
                              f"[0, {self.num_workers})")
 
-    def _closes(self, rnd: Round, size: int, number: int) -> bool:
-        """Whether round ``number`` may close: every live worker's contribution is in, or a quorum's."""
-        return rnd.done(self._at(number)) or (self.quorum is not None and rnd.reached(self.quorum, size))
+    def _closes(self, rnd: Round, size: int, number: int, members: frozenset[int] | None = None) -> bool:
+        """Whether round ``number`` (of a key of the worker set ``members``) may close: every live
+        worker's contribution is in, or a quorum's."""
+        return (rnd.done(self._at(number, members))
+                or (self.quorum is not None and rnd.reached(self.quorum, size)))
 
-    def _at(self, number: int) -> set[int]:
-        """The workers round ``number`` of a key waits for: the active ones, but a rejoined worker
-        only from the round it rejoined at (:mod:`kvstore.core.rejoin`)."""
-        if not self.joins:
-            return self.active
-        return {w for w in self.active if self.joins.get(w, 0) <= number}
+    def _at(self, number: int, members: frozenset[int] | None = None) -> set[int]:
+        """The workers round ``number`` of a key waits for: the active ones (of the key's worker set
+        ``members``, when it has one), but a rejoined worker only from the round it rejoined at
+        (:mod:`kvstore.core.rejoin`)."""
+        at = self.active if not self.joins else {w for w in self.active if self.joins.get(w, 0) <= number}
+        return at if members is None else at & members
 
     def _apply(self, state: _KeyState, key: Key, total: np.ndarray, workers: Iterable[int]) -> None:
         if self.updater is None:

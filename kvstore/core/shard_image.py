@@ -46,6 +46,7 @@ class KeyImage:
     bf16: bool = False                           # held as the float32 master copy of a bfloat16 key
     count: int | None = None                     # the key's optimizer update count (None: no state)
     states: dict[str, np.ndarray] = field(default_factory=dict)
+    members: tuple[int, ...] | None = None       # the key's worker set (None: every worker)
 
 
 @dataclass
@@ -85,7 +86,8 @@ def capture(state: ShardState, optimizer: Optimizer | None, bf16_keys: set[Key],
     keys: dict[Key, KeyImage] = {}
     spare = spare or {}
     for key, value, rounds, applied in state.applied_state():  # key groups form again afterwards
-        image = KeyImage(value, rounds if state.sync else 0, applied, key in bf16_keys)
+        image = KeyImage(value, rounds if state.sync else 0, applied, key in bf16_keys,
+                         members=state.members_of(key))
         found = optimizer.get_state(key) if optimizer is not None else None
         if found is not None:
             old = spare.get(key)
@@ -110,9 +112,12 @@ def to_file(image: ShardImage) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         for name, array in held.states.items():
             states[name] = f"{index}/state/{len(states)}"
             arrays[states[name]] = array
-        entries.append({"key": key, "value": f"{index}/value", "round": held.round,
-                        "applied": [[w, n] for w, n in sorted(held.applied.items())], "bfloat16": held.bf16,
-                        "count": held.count, "states": states})
+        entry = {"key": key, "value": f"{index}/value", "round": held.round,
+                 "applied": [[w, n] for w, n in sorted(held.applied.items())], "bfloat16": held.bf16,
+                 "count": held.count, "states": states}
+        if held.members is not None:  # absent: every worker (a shard written before worker sets)
+            entry["workers"] = list(held.members)
+        entries.append(entry)
     manifest = {"kind": KIND, "rank": image.rank, "number": image.number, "mode": image.mode,
                 "num_workers": image.num_workers, "optimizer": image.optimizer,
                 "num_update": image.num_update, "step": image.step(), "keys": entries,
@@ -146,10 +151,14 @@ def _key_image(entry: Any, arrays: dict[str, np.ndarray], where: str) -> tuple[K
         if state is None or state.size != value.size:
             raise FormatError(f"{where}: key {key!r}'s state {name!r} is missing or not the value's size")
         found[name] = state
-    count = entry.get("count")
+    count, workers = entry.get("count"), entry.get("workers")
+    if workers is not None and not (isinstance(workers, list) and workers):
+        raise FormatError(f"{where}: key {key!r}: 'workers' is a non-empty list of worker ranks")
     image = KeyImage(value, _count(entry.get("round"), "'round'", where), pairs,
                      entry.get("bfloat16") is True,
-                     None if count is None else _count(count, "'count'", where), found)
+                     None if count is None else _count(count, "'count'", where), found,
+                     None if workers is None else tuple(sorted({_count(w, "a worker rank", where)
+                                                                for w in workers})))
     return key, image
 
 

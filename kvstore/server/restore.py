@@ -94,7 +94,7 @@ def install(requests: Requests, image: ShardImage, session: str) -> None:
         optimizer.num_update = image.num_update
         requests.set_optimizer(optimizer)
     for key, held in image.keys.items():
-        state.restore(key, held.value, held.round, held.applied)
+        state.restore(key, held.value, held.round, held.applied, held.members)
         if held.bf16:
             requests.mark_precision([key], True)
         if held.count is not None and optimizer is not None:

@@ -37,6 +37,7 @@ from kvstore.errors import (
     DTypeMismatchError,
     DuplicateInitError,
     KVStoreError,
+    NotAMemberError,
     OptimizerError,
     ProtocolError,
     ShapeMismatchError,
@@ -63,6 +64,9 @@ MB = 1 << 20
 # INBOUND_MESSAGES x the largest message (a chunk, or a slice of up to 4 chunks; kvstore.core.plan).
 INBOUND_MESSAGES = 8
 BOUND_CONNECTIONS = 4  # connections a worker rank is bound to (its LEAVE must come from one of them)
+MAX_SET = 1 << 16  # ranks an INIT's worker set may name
+MEET_SHARE = 0.9  # of KVSTORE_REQUEST_TIMEOUT a worker-set init waits on a server for missing members
+MEET_POLL = 0.1  # seconds between looks at that deadline while a worker-set init is open
 MAX_REASON = 160  # characters of a refused pushpull's reason quoted in its round's abort error
 SETTLE_POLL = 0.01  # seconds between looks at a shard write an optimizer change waits for
 
@@ -347,28 +351,59 @@ class Server:
         return optimizer
 
     def _on_init(self, identity: bytes, msg: Message) -> None:
+        """Store the first values of an INIT's keys (``workers``: of that worker set), or, with
+        ``meet``, take a worker set's init rendezvous (answered once every member present has met:
+        docs/worker-sets.md)."""
         self._bind(msg.sender, identity)
+        members = _members(msg.body)
+        if "meet" in msg.body:
+            self._on_meet(identity, msg, members)
+            return
         msg, bf16 = _widened(msg)  # a bfloat16 key is held as a float32 master copy
         keys, values, _, lo = self._entries(msg, True)
         if lo is not None:  # a chunk: the key is stored with its last chunk
             total = msg.body.get("total")
             if not (isinstance(total, int) and not isinstance(total, bool) and total > 0):
                 raise ProtocolError("an INIT chunk ('lo') needs the slice's element count 'total' > 0")
-            stored = self.state.init_chunk(msg.sender, keys[0], values[0], lo, total)
+            stored = self.state.init_chunk(msg.sender, keys[0], values[0], lo, total, members)
             if stored:
                 self._requests.mark_precision(keys, bf16)
                 log.debug("key %r initialised from its chunks", keys[0])
             self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+            if stored and members is not None:
+                self._requests.reply_all(self.state.met(keys[0]))
             return
         if len(set(keys)) != len(keys):
             raise ProtocolError("INIT names a key twice")
         for key in keys:
             if key in self.state:
                 raise DuplicateInitError(f"key {key!r} is already initialised on this server")
+        if members is not None:
+            self.state.check_members(keys[0], members)  # raises before anything is stored
+            if msg.sender not in members:
+                raise NotAMemberError(f"worker {msg.sender} is not in worker set {members} of key "
+                                      f"{keys[0]!r}: only its members may init it (refused, nothing changed)")
         for key, value in zip(keys, values):
-            self.state.init(key, value)
+            self.state.init(key, value, members)
         self._requests.mark_precision(keys, bf16)
         self.service.reply(identity, Message(Op.OK, seq=msg.seq))
+        if members is not None:
+            for key in keys:
+                self._requests.reply_all(self.state.met(key))
+
+    def _on_meet(self, identity: bytes, msg: Message, members: list[int] | None) -> None:
+        """A member's init rendezvous of a worker set's keys (``meet``: one digest per key); each key's
+        entry is answered by :meth:`ShardState.meet` once the rendezvous completes."""
+        keys, _, _, _ = self._entries(msg, False)
+        digests = msg.body.get("meet")
+        if members is None or not (isinstance(digests, list) and len(digests) == len(keys)
+                                   and all(isinstance(d, str) for d in digests)):
+            raise ProtocolError("an INIT rendezvous ('meet') carries 'workers' and one digest per key")
+        batch = Batch(identity, msg.seq, len(keys))
+        done = []
+        for i, (key, digest) in enumerate(zip(keys, digests)):
+            done += self.state.meet((batch, i), msg.sender, key, members, digest)
+        self._requests.reply_all(done)
 
     def _on_shm_attach(self, identity: bytes, msg: Message) -> None:
         """Map the worker's offered segment (``kvstore.net.shm``); reply whether that worked, and why not."""
@@ -551,7 +586,9 @@ class Server:
                     beat = Message(Op.HEARTBEAT, {"role": "server", "rank": rank}, sender=rank)
                     transport.send(scheduler.sock, scheduler.channel.seal(beat, "scheduler"))
                 unsettled = self._unsettled or self._unsettled_sets
-                ready = poller.wait(SETTLE_POLL if unsettled else self.cfg.heartbeat_interval)
+                idle = min(self.cfg.heartbeat_interval, MEET_POLL) if self.state.rendezvous else \
+                    self.cfg.heartbeat_interval  # a worker-set init's deadline is watched
+                ready = poller.wait(SETTLE_POLL if unsettled else idle)
                 if self.service.sock in ready:
                     self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
                 if scheduler.sock in ready and self._from_scheduler(scheduler):
@@ -565,9 +602,11 @@ class Server:
             transport.close(scheduler.sock, linger=1.0)
 
     def _housekeeping(self) -> None:
-        """Between messages: the rounds' stall inspector, the segments of peers that are gone
-        unmapped, and a shard when one is due."""
+        """Between messages: the rounds' stall inspector, worker-set inits whose members did not all
+        come in time failed, the segments of peers that are gone unmapped, and a shard when one is due."""
         self.meter.tick(self.state, self._abort_pulls, self.service.drops.totals)
+        if self.state.rendezvous:  # answered before the members' own deadline (KVSTORE_REQUEST_TIMEOUT)
+            self._requests.reply_all(self.state.expire_meets(self.cfg.request_timeout * MEET_SHARE))
         gone = self.service.shm.sweep() if self.service.shm is not None else 0
         if gone:
             log.info("unmapped the shared-memory segment(s) of %d peer process(es) that are gone", gone)
@@ -635,6 +674,17 @@ def _present(cluster: dict) -> list[int] | None:
     if not absent:
         return None
     return [w for w in range(cluster["num_workers"]) if w not in set(absent)]
+
+
+def _members(body: dict) -> list[int] | None:
+    """An INIT's worker set (``workers``), or None: every worker.  Raises ProtocolError if malformed."""
+    found = body.get("workers")
+    if found is None:
+        return None
+    if not (isinstance(found, list) and found and len(found) <= MAX_SET
+            and all(type(w) is int for w in found)):
+        raise ProtocolError(f"an INIT's 'workers' is a list of 1 to {MAX_SET} worker ranks")
+    return sorted(set(found))
 
 
 def _field(body: dict, name: str) -> int:

@@ -30,6 +30,7 @@ TREE = {
     "UnsupportedError": NotImplementedError,
     "CollectiveMismatchError": ValueError,
     "TooFewWorkersError": None,
+    "NotAMemberError": PermissionError,
 }
 BUILTINS = {ValueError, KeyError, TypeError, TimeoutError, ConnectionError, PermissionError,
             NotImplementedError}
