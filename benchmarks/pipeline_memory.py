@@ -1,6 +1,6 @@
 """A model bigger than any of its workers (issue 41): K stages, each rank builds and holds only its own.
 
-    python launch.py -n 4 -s 2 benchmarks/pipeline_memory.py [--width 8192] [--layers 8] [--steps 2]
+    python launch.py -n 4 -s 2 benchmarks/pipeline_memory.py [--width 4096] [--layers 32] [--steps 2]
 
 The model is ``--layers`` Linear(width, width) layers (float32) with ReLU between them, described by
 ``LayerSpec``s: no rank ever builds another stage's layers.  Each rank trains its stage for ``--steps``
@@ -37,8 +37,8 @@ def peak_rss() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=8192)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -222,6 +222,11 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def _init(self, items: list[tuple[Key, np.ndarray]], members: WorkerSet | None = None) -> None: ...
 
+    def _init_value(self, value: Any) -> np.ndarray:
+        """A key's initial value as :meth:`_init` takes it: a C-contiguous numpy copy, which the store
+        may keep."""
+        return xp.to_numpy(value)
+
     @abc.abstractmethod
     def _push(self, groups: list[Pushed], priority: int) -> None:
         """Sum (:meth:`_sum`) and push each checked ``(key, meta, values)`` group."""
@@ -351,7 +356,7 @@ class KVStore(abc.ABC):
                 if k in self._meta or k in self._sparse.metas:
                     raise DuplicateInitError(f"key {k!r} is already initialised")
         metas = {k: V.meta_of(vs[0]) for k, vs in pairs}
-        items = [(k, xp.to_numpy(vs[0])) for k, vs in pairs]
+        items = [(k, self._init_value(vs[0])) for k, vs in pairs]
         self._init(items, members)  # not under the lock: in dist modes it waits for every worker
         with self._lock:
             self._meta.update(metas)

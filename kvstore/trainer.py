@@ -156,6 +156,9 @@ class ServerRescale:
         self.agreed = None
 
 
+CALL_BYTES = 64 << 20  # the most parameter bytes of one step's pushpull call (Trainer._pushpull)
+
+
 class Trainer:
     """Applies an optimizer to torch parameters, with gradients summed through a KVStore.
 
@@ -324,18 +327,20 @@ class Trainer:
         if self._compression_params:  # gluon's compression_params (docs/compression.md)
             self._kv.set_gradient_compression(self._compression_params)
         self._init_keys()
-        self._kv.pull(self._keys, out=self._per_key(self._replicas))
+        self._pull_weights()
         if self._update_on_kvstore:
             self._kv.set_optimizer(self._optimizer)
         self._initialized = True
         self._mark_weights()
 
     def _init_keys(self) -> None:
-        """Collective over the keys' workers: make the keys with the lowest one's weights."""
-        if self._workers is None:
-            self._kv.init(self._keys, self._params)
-        else:
-            self._kv.init(self._keys, self._params, workers=self._workers)
+        """Collective over the keys' workers: make the keys with the lowest one's weights, a call per
+        run (:meth:`_runs`)."""
+        for run in self._runs():
+            if self._workers is None:
+                self._kv.init(self._keys[run], self._params[run])
+            else:
+                self._kv.init(self._keys[run], self._params[run], workers=self._workers)
 
     def _mark_weights(self) -> None:
         """Remember the parameters' versions now that the store has set their weights."""
@@ -365,7 +370,7 @@ class Trainer:
         self._generation += 1
         self._keys = [f"{self._prefix}@{self._generation}/{name}" for name in self._names]
         self._init_keys()
-        self._kv.pull(self._keys, out=self._per_key(self._replicas))
+        self._pull_weights()
         if self._overlap is not None:  # its hooks push to the keys: new ones from now on
             self._overlap.close()
             self._overlap = Overlap(self._kv, self._keys, self._params, self._update_on_kvstore,
@@ -400,6 +405,31 @@ class Trainer:
         if not (self._initialized and self._servers_keep_rescale()):
             return 1.0
         return self._rescales.factor(self._scale / batch_size)
+
+    def _runs(self) -> list[slice]:
+        """The keys in runs of consecutive keys of at most ``CALL_BYTES`` of parameters each (a bigger key
+        alone): one store call per run keeps what is in flight at once, and so the transport's buffers
+        (shared memory segments, received frames), bounded for a model of any size; a model smaller than
+        that is one run."""
+        runs, start, total = [], 0, 0
+        for index, p in enumerate(self._params):
+            size = p.numel() * p.element_size()
+            if index > start and total + size > CALL_BYTES:
+                runs.append(slice(start, index))
+                start, total = index, 0
+            total += size
+        return runs + [slice(start, len(self._params))]
+
+    def _pushpull(self, values: list[list[Any]], outs: list[list[Any]] | None) -> None:
+        """Pushpull every key's ``values`` (into ``outs``, or into the values), a call per run."""
+        for run in self._runs():
+            self._kv.pushpull(self._keys[run], values[run], out=None if outs is None else outs[run])
+
+    def _pull_weights(self) -> None:
+        """Pull every key into every replica's parameters, a call per run."""
+        outs = self._per_key(self._replicas)
+        for run in self._runs():
+            self._kv.pull(self._keys[run], out=outs[run])
 
     def _per_key(self, by_device: list[list[Any]]) -> list[list[Any]]:
         """``[device][parameter]`` lists regrouped as ``[parameter][device]``, as the store takes them."""
@@ -448,7 +478,7 @@ class Trainer:
                 factor = self.gradient_factor(batch_size)
                 if factor != 1.0:  # a batch size other than the first use's
                     grads = [[g * factor for g in row] for row in grads]
-                self._kv.pushpull(self._keys, self._per_key(grads), out=self._per_key(self._replicas))
+                self._pushpull(self._per_key(grads), self._per_key(self._replicas))
             self._mark_weights()
             self._steps_since_reload += 1
         else:
@@ -474,7 +504,7 @@ class Trainer:
             self._rescales.factor(self._optimizer.rescale_grad)
         zeros = [[torch.zeros_like(p, memory_format=torch.contiguous_format) for p in replica]
                  for replica in self._replicas]
-        self._kv.pushpull(self._keys, self._per_key(zeros), out=self._per_key(self._replicas))
+        self._pushpull(self._per_key(zeros), self._per_key(self._replicas))
         self._mark_weights()
         self._steps_since_reload += 1
 
@@ -497,7 +527,7 @@ class Trainer:
         if self._overlapped(warn):
             return
         grads = self._grads(warn)
-        self._kv.pushpull(self._keys, self._per_key(grads))  # the sum lands in every replica's grad
+        self._pushpull(self._per_key(grads), None)  # the sum lands in every replica's grad
         for replica, row in zip(self._replicas, grads):
             for p, g in zip(replica, row):
                 if p.grad is None:

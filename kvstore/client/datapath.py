@@ -53,6 +53,7 @@ from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import Mux, Request
 from kvstore.client.window import PushWindow
 from kvstore.config import Config
+from kvstore.core import xp
 from kvstore.core.dtypes import BF16
 from kvstore.core.partition import Key, Piece, placement
 from kvstore.core.plan import SMALL_BYTES, Send, init_body, pack, plan
@@ -254,20 +255,22 @@ class DataPath:
             raise from_cluster(error)
 
     # -- sending pushes ------------------------------------------------------------------------------
-    def send(self, op: Op, groups: list[Pushed],
-             priority: int = 0) -> tuple[list[Key], list[Send], list[Request]]:
+    def send(self, op: Op, groups: list[Pushed], priority: int = 0,
+             borrow: bool = False) -> tuple[list[Key], list[Send], list[Request]]:
         """Sum every group (all before anything is sent), then queue the call's PUSH or PUSHPULL
         messages at ``priority`` as one run: another thread's messages cannot come between them in
         call order, so a key's chunks reach its server in order.  Chunks beyond the first
         ``Mux.pace_bytes`` of the call are paced (:func:`_paced`).  Waits for room in the push window
-        first; raises the failure of an earlier push of these keys (nothing sent).  Returns the keys,
+        first; raises the failure of an earlier push of these keys (nothing sent).  ``borrow``: the
+        caller waits for the replies before it returns (a blocking pushpull), so a lone CPU value is
+        sent as it is, not copied (a big key's push costs no second copy of it).  Returns the keys,
         the messages and their requests."""
         todo = {k: (meta, vs) for k, meta, vs in groups}
         deadline = time.monotonic() + self._cfg.request_timeout
         self.window.wait_room(todo, deadline, self.mux.wait)  # KVSTORE_PUSH_WINDOW
         self._raise_failure(todo)  # a refused earlier push of these keys: nothing is sent
         sends, packed = self.plan(todo)
-        flats = {k: self._flat(k, meta, vs, k in packed) for k, (meta, vs) in todo.items()}
+        flats = {k: self._flat(k, meta, vs, k in packed, borrow) for k, (meta, vs) in todo.items()}
         encode = self._compression.encode if self._compression.spec is not None else None
         while True:  # another thread may have filled a window meanwhile
             with self._send_lock:
@@ -286,21 +289,27 @@ class DataPath:
                     self.window.add(carriers, failures=op is Op.PUSH)
                     break
             self.window.wait_room(todo, deadline, self.mux.wait)
-        with self._lock:  # a key sent as views may reuse its buffer later
+        with self._lock:  # a key sent as views may reuse its buffer later (never a borrowed value)
             for key, held in carriers.items():
-                if key not in packed:
+                if key not in packed and not (borrow and _lone(todo[key][1])):
                     self._buffers[key] = (flats[key], held)
         return list(todo), sends, requests
 
-    def _flat(self, key: Key, meta: Meta, values: list[Any], packed: bool) -> np.ndarray:
+    def _flat(self, key: Key, meta: Meta, values: list[Any], packed: bool,
+              borrow: bool = False) -> np.ndarray:
         """One key's pushed sum as a flat numpy array that its messages may send.
 
         A key whose messages are all batches is copied when the batch is packed, so a single numpy
-        value is used as it is; any other sum goes into a buffer of ours: the key's buffer of its
+        value is used as it is; so is a lone CPU value the caller lends (``borrow``: it waits for the
+        replies); any other sum goes into a buffer of ours: the key's buffer of its
         previous push once every message of that push has been acknowledged (the server has it, so
         zmq is done with it), which saves a fresh allocation's page faults, else a new one."""
         if packed and len(values) == 1 and type(values[0]) is np.ndarray:
             return values[0].reshape(-1)
+        if borrow and _lone(values):
+            view = xp.numpy_view(values[0])
+            if view.flags.c_contiguous and view.dtype == meta.dtype:
+                return view.reshape(-1)
         buffer = None
         with self._lock:
             held = self._buffers.pop(key, None)
@@ -349,6 +358,12 @@ class DataPath:
         with self._send_lock:
             self.mux.hold(server)
             return dict(self._pushes)
+
+
+def _lone(values: list[Any]) -> bool:
+    """Whether a push's values are one array in this process's memory (numpy or a CPU tensor)."""
+    return len(values) == 1 and (type(values[0]) is np.ndarray
+                                 or (xp.is_tensor(values[0]) and not xp.is_cuda(values[0])))
 
 
 def _paced(sends: list[Send], flats: dict[Key, np.ndarray], pace: int) -> list[bool]:

@@ -34,7 +34,7 @@ from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import SCHEDULER, Mux, Request, Tamper
 from kvstore.client.sparse import DistRows, RowsLink
 from kvstore.client.window import PushWindow
-from kvstore.core import agreement
+from kvstore.core import agreement, xp
 from kvstore.core import values as V
 from kvstore.core.membership import Membership, check_tag, view_of
 from kvstore.core.optimizer import Optimizer
@@ -407,6 +407,11 @@ class DistKVStore(KVStore):
         finally:
             self._meter.end("init", started)
 
+    def _init_value(self, value: Any) -> np.ndarray:
+        """A key's initial value for :meth:`_init`, which sends it and waits: a view of a C-contiguous
+        CPU value (no copy of a big model's weights), else a contiguous copy."""
+        return np.ascontiguousarray(xp.numpy_view(value))
+
     def _initialised(self, keys: list[Key]) -> None:
         self._fast.forget()  # a list that held an unknown key may be eligible now
         if not any(key in self._sets for key in keys):  # a set's keys: no all-worker collective
@@ -542,7 +547,9 @@ class DistKVStore(KVStore):
                   outs: list[list[Any]] | None = None) -> list[Any]:
         started = self._meter.begin("pushpull")
         try:
-            return self._collect(*self._path.send(Op.PUSHPULL, groups, priority), outs, pushed=True)
+            # blocking: the values are lent, not copied, until the replies are in
+            return self._collect(*self._path.send(Op.PUSHPULL, groups, priority, borrow=True), outs,
+                                 pushed=True)
         finally:
             self._meter.end("pushpull", started)
             self._path.after_round()  # residuals, test hook

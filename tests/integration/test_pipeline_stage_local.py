@@ -230,7 +230,7 @@ def _memory_run(*args: str) -> list[dict]:
 @pytest.mark.pipemem
 @pytest.mark.timeout(1200)
 def test_a_model_bigger_than_any_worker_trains_in_four_stages() -> None:
-    """4 stages of a 2.1 GB model (8 Linear(8192, 8192), LayerSpecs): every rank's peak RSS is below the
+    """4 stages of a 2.1 GB model (32 Linear(4096, 4096), LayerSpecs): every rank's peak RSS is below the
     model's parameter bytes and at most the empty-stage baseline + 4 x its stage's parameter bytes + its
     activations, and it pushes its stage's bytes per step (marked ``pipemem``: second tier)."""
     baseline = _memory_run("--width", "8")
