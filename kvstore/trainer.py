@@ -46,6 +46,7 @@ from kvstore.core import checkpoint, storage, xp
 from kvstore.core import optimizer as kvoptimizer
 from kvstore.core.dtypes import BY_NAME, dtype_name
 from kvstore.core.optimizer import Optimizer
+from kvstore.errors import ConfigError
 from kvstore.overlap import DEFAULT_BUCKET_BYTES, Overlap
 from kvstore.pipeline.pipe import trainer_args
 from kvstore.stores import create
@@ -588,6 +589,7 @@ class Trainer:
         and writes the file itself, with no barrier: the servers' states as they
         are now, or its own (what ``kvstore.Session`` does on rank 0).
         """
+        self._check_states_kept("save_states")
         if collective:
             self._init_kvstore()
         elif not self._initialized:
@@ -617,6 +619,7 @@ class Trainer:
         key_prefix).  Raises :class:`FormatError` for a damaged file and
         :class:`OptimizerError` (or a key/shape error) for states that do not fit.
         """
+        self._check_states_kept("load_states")
         self._init_kvstore()
         if self._update_on_kvstore:
             with tempfile.TemporaryDirectory(prefix="kvstore-states-") as tmp:
@@ -638,6 +641,15 @@ class Trainer:
             self._optimizer = checkpoint.restore_optimizer(states, self._optimizer, self._weights())
             self._mirror_states()
 
+    def _check_states_kept(self, what: str) -> None:
+        """Raise ConfigError for ``what`` (a save or load of optimizer states) on a worker-set Trainer:
+        the writing worker holds its own set's keys only, so the file would miss the other sets'."""
+        if self._workers is not None:
+            raise ConfigError(f"Trainer.{what}: the optimizer states of a Trainer whose keys are in a "
+                              f"worker set ({self._workers}, a pipeline stage's) cannot be saved or loaded "
+                              "yet: each worker holds its own set's keys only (docs/worker-sets.md, 'Not "
+                              "done'); save the weights (Pipeline.save) instead")
+
     def _renamed(self, states: checkpoint.StatesFile, to_file: bool) -> checkpoint.StatesFile:
         """``states`` with this Trainer's keys as state files name them (``to_file``: the store's
         current keys become the first names, and the keys of the weights loaded before are left out)
@@ -658,6 +670,7 @@ class Trainer:
         temporary file, reads them and broadcasts them through the store), so every worker returns
         the same dict.  Raises OptimizerError when the store holds no optimizer.
         """
+        self._check_states_kept("state_dict")
         self._init_kvstore()
         if not self._update_on_kvstore:
             return _states_to_dict(checkpoint.optimizer_states(self._optimizer, self._weights(), True))
@@ -707,6 +720,7 @@ class Trainer:
         update_on_kvstore they go to the servers (collective).  Raises ValueError for a dict that is
         not a state dict, and what :meth:`load_states` raises for states that do not fit.
         """
+        self._check_states_kept("load_state_dict")
         states = _states_from_dict(state)
         self._init_kvstore()
         if self._update_on_kvstore:

@@ -384,16 +384,19 @@ class DistKVStore(KVStore):
         """Init of a worker set's keys (docs/worker-sets.md): the lowest member not known to have
         left sends the values; then every member meets the others at each server holding a piece of
         the keys, which answers once every member present has come, or with CollectiveMismatchError
-        when their keys, shapes, dtypes or sets differ.  Raises DeadlineExceededError naming the set
-        when a member does not come within KVSTORE_REQUEST_TIMEOUT."""
+        when their keys, shapes, dtypes or sets differ (anywhere in the call: every server compares the
+        whole call's digest, so a failed call leaves no key made).  Raises DeadlineExceededError naming
+        the set when a member does not come within KVSTORE_REQUEST_TIMEOUT."""
         started = self._meter.begin("init")
         try:
             left = set(self._barriers.left)
             if self.rank == min((r for r in members.ranks if r not in left), default=self.rank):
                 send_all()
+            # one digest of the whole call, met at every server: members that differ on any key fail at
+            # every server, so none keeps a key of a failed call and a corrected init can be retried
+            digest = agreement.digest((key, array.shape, array.dtype.name) for key, array in items)
             per_server: dict[int, list[tuple[Key, int, str]]] = {}
             for key, array in items:
-                digest = agreement.digest([(key, array.shape, array.dtype.name)])
                 for piece in self._path.pieces(key, array.size):
                     per_server.setdefault(piece.server, []).append((key, piece.stop - piece.start, digest))
             body = {"workers": list(members.ranks)}
@@ -403,14 +406,23 @@ class DistKVStore(KVStore):
                                         f"init of {len(items)} key(s) of worker set {members} at server "
                                         f"{server}: waits for every member present to call it")
                         for server, entries in sorted(per_server.items())]
-            self._path.wait(requests)
+            # every server's answer before raising: when this returns or raises, each server has ended
+            # this call's rendezvous, so a retry cannot meet the remains of this one
+            deadline, first = time.monotonic() + self._cfg.request_timeout, None
+            for request in requests:
+                try:
+                    self._path.wait([request], max(0.0, deadline - time.monotonic()))
+                except KVStoreError as exc:
+                    first = first or exc
+            if first is not None:
+                raise first
         finally:
             self._meter.end("init", started)
 
     def _init_value(self, value: Any) -> np.ndarray:
         """A key's initial value for :meth:`_init`, which sends it and waits: a view of a C-contiguous
         CPU value (no copy of a big model's weights), else a contiguous copy."""
-        return np.ascontiguousarray(xp.numpy_view(value))
+        return np.asarray(xp.numpy_view(value), order="C")  # keeps a 0-d value 0-d
 
     def _initialised(self, keys: list[Key]) -> None:
         self._fast.forget()  # a list that held an unknown key may be eligible now

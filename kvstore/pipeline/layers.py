@@ -90,23 +90,30 @@ _SEEDING = threading.Lock()  # torch's generator is the process's: stages run as
 def seeded(seed: int, index: int) -> Iterator[None]:
     """Run the block with torch's CPU generator seeded for layer ``index``, then restore the caller's
     generator state (the stage's other random draws do not move).  One block at a time per process:
-    stages that run as threads of one process would otherwise draw from each other's seeds."""
+    stages that run as threads of one process would otherwise draw from each other's seeds (a thread
+    that draws from torch's generator outside a build while another builds still moves it: torch has
+    one generator per process; draw from a ``torch.Generator`` of your own there)."""
     import torch
 
     with _SEEDING, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(layer_seed(seed, index))
+        torch.default_generator.manual_seed(layer_seed(seed, index))  # the CPU's only: CUDA's untouched
         yield
 
 
 def materialise(entry: Any, index: int, seed: int) -> Any:
     """Layer ``index`` built for use: a built module as it is, a meta module allocated on the CPU and
     reset under its seed, a factory called under its seed.  Raises ConfigError for a meta module that
-    holds parameters no ``reset_parameters()`` initialises, or a factory that returns no module."""
+    holds parameters no ``reset_parameters()`` initialises or that another Pipeline released, or a
+    factory that returns no module."""
     import torch
 
     if isinstance(entry, torch.nn.Module):
         if not on_meta(entry):
             return entry
+        if getattr(entry, RELEASED, False):
+            raise ConfigError(f"layer {index} was released to the meta device by another Pipeline made "
+                              "from the same model object (its weights are gone): give each Pipeline its "
+                              "own copy of a built model")
         with seeded(seed, index):
             entry.to_empty(device="cpu")
             _reset(entry, index)
@@ -115,11 +122,16 @@ def materialise(entry: Any, index: int, seed: int) -> Any:
         return _called(entry, index)
 
 
+RELEASED = "_kvstore_released_by_pipeline"  # set on a layer release() moved to meta
+
+
 def release(layer: Any) -> None:
     """Free a built layer's storage: its parameters and buffers move to the ``meta`` device in place
-    (the caller's model keeps the module and its shapes, with no memory behind them)."""
+    (the caller's model keeps the module and its shapes, with no memory behind them); the layer is
+    marked, so that no Pipeline mistakes it for a meta layer to initialise afresh."""
     if not on_meta(layer):
         layer.to("meta")
+        setattr(layer, RELEASED, True)
 
 
 def build(model: Any, seed: int = 0) -> Any:
@@ -144,8 +156,9 @@ def _called(factory: Callable[[], Any], index: int) -> Any:
 def _reset(module: Any, index: int) -> None:
     """Initialise a module just allocated by ``to_empty``: every submodule that owns parameters or
     buffers must have ``reset_parameters()`` (torch's ``_reset_parameters()`` of attention, or
-    ``reset_running_stats()`` for buffers only)."""
-    for name, sub in module.named_modules():
+    ``reset_running_stats()`` for buffers only).  Children are reset before their parent, as their
+    constructors ran before the parent's (attention's reset zeroes its output projection's bias)."""
+    for name, sub in _children_first(module):
         owns = (any(True for _ in sub.parameters(recurse=False))
                 or any(True for _ in sub.buffers(recurse=False)))
         if not owns:
@@ -158,3 +171,10 @@ def _reset(module: Any, index: int) -> None:
                               "reset_parameters() to initialise it: build that layer with a LayerSpec "
                               "instead")
         reset()
+
+
+def _children_first(module: Any, name: str = "") -> Iterator[tuple[str, Any]]:
+    """``(name, submodule)`` of ``module`` and everything under it, each child before its parent."""
+    for child_name, child in module.named_children():
+        yield from _children_first(child, f"{name}.{child_name}" if name else child_name)
+    yield name, module

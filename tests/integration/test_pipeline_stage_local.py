@@ -264,3 +264,54 @@ def test_a_trainer_over_a_stage_without_parameters_is_refused(make_cluster) -> N
             pipe.close()
 
     assert cluster.run(run) == [True, True]
+
+
+def test_a_meta_transformer_layer_materialises_as_its_factory_builds_it() -> None:
+    """A TransformerEncoderLayer built on meta gets its factory's weights: children are reset before
+    their parent (attention's reset zeroes its output projection's bias after the projection's own)."""
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True))
+    got = build(meta, seed=0)
+    spec = LayerSpec(torch.nn.TransformerEncoderLayer, 8, 2, 16, dropout=0.0, batch_first=True)
+    want = build([spec], seed=0)
+    assert torch.count_nonzero(got[0].self_attn.out_proj.bias) == 0
+    for name, value in want.state_dict().items():
+        assert torch.equal(got.state_dict()[name], value), name
+
+
+def test_a_layer_another_pipeline_released_is_refused_not_reinitialised() -> None:
+    """A built layer released to meta (another Pipeline made from the same model object kept a different
+    stage) is refused with a ConfigError when a Pipeline would build it, not drawn afresh; a layer built
+    on meta on purpose is still materialised."""
+    from kvstore.errors import ConfigError
+    from kvstore.pipeline import layers
+
+    model = built_model()
+    layers.release(model[0])
+    assert model[0].weight.is_meta
+    with pytest.raises(ConfigError, match="released to the meta device by another Pipeline"):
+        layers.materialise(model[0], 0, SEED)
+    assert not layers.materialise(meta_model()[0], 0, SEED).weight.is_meta
+
+
+@pytest.mark.timeout(60)
+def test_optimizer_states_of_a_stage_trainer_are_refused_by_name(make_cluster, tmp_path) -> None:
+    """A Trainer over a pipeline stage (its keys in the stage's worker set) refuses to save or load its
+    optimizer states (each rank holds its own stage's keys only) with a ConfigError naming why."""
+    from kvstore.errors import ConfigError
+    from kvstore.trainer import Trainer
+
+    cluster = make_cluster(num_workers=2, **FAST)
+
+    def run(kv):
+        pipe = Pipeline(specs(), stages=2, kv=kv, seed=SEED)
+        try:
+            trainer = Trainer(pipe, "sgd", {"learning_rate": 0.1}, key_prefix="states-refused")
+            for call in (trainer.state_dict, lambda: trainer.save_states(str(tmp_path / f"s{kv.rank}"))):
+                with pytest.raises(ConfigError, match="worker set"):
+                    call()
+            return True
+        finally:
+            pipe.close()
+
+    assert cluster.run(run) == [True, True]

@@ -91,3 +91,24 @@ def test_keys_initialised_after_set_optimizer_get_their_state_back(make_cluster,
     resumed.push(["a", "b"], [np.ones(2), np.ones(2)])
     np.testing.assert_array_equal(resumed.pull("a"), want)
     np.testing.assert_array_equal(resumed.pull("b"), want)
+
+
+@pytest.mark.timeout(90)
+def test_a_scalar_key_resumes_from_its_snapshot(make_cluster, tmp_path: Path) -> None:
+    """A 0-d key (a learnable scale) saved by save_checkpoint resumes under KVSTORE_RESUME with shape ()
+    (a dist init sends a view of its value: one that keeps a 0-d value 0-d)."""
+    import dataclasses
+
+    from kvstore.client.store import DistKVStore
+
+    first = make_cluster("dist_sync", 1, 1)
+    (kv,) = first.workers
+    kv.init("s", np.array(2.0, np.float32))
+    kv.push("s", np.array(3.0, np.float32))
+    kv.save_checkpoint(tmp_path / "snap")
+    second = make_cluster("dist_sync", 1, 1, connect=False)
+    resumed = DistKVStore("dist_sync", dataclasses.replace(second.cfg, resume=str(tmp_path / "snap")))
+    second.workers = [resumed]
+    resumed.init("s", np.array(0.0, np.float32))
+    got = resumed.pull("s")
+    assert got.shape == () and float(got) == 3.0

@@ -107,6 +107,29 @@ def test_members_that_disagree_at_init_fail_alike(cluster: Cluster) -> None:
     assert "worker 2" in str(errors[0]) or "2" in str(errors[0])
 
 
+def test_a_corrected_init_after_a_disagreement_on_one_server_succeeds(cluster: Cluster) -> None:
+    """Members agree on a key of one server and disagree on a key of the other: the call fails on both
+    and makes neither key (every server compares the whole call), so the corrected init succeeds and
+    its rounds sum."""
+    keys: dict[int, str] = {}
+    while len(keys) < 2:  # small keys: one on each server
+        name = unique_key("retry")
+        keys.setdefault(cluster.workers[0]._path.pieces(name, 4)[0].server, name)  # noqa: SLF001
+    a, b = keys[0], keys[1]
+
+    def run(kv):
+        wrong = np.zeros(5 if kv.rank == 2 else 4, np.float32)
+        with pytest.raises(CollectiveMismatchError):
+            kv.init([a, b], [np.zeros(4, np.float32), wrong], workers=[0, 2])
+        kv.init([a, b], [np.zeros(4, np.float32), np.zeros(4, np.float32)], workers=[0, 2])
+        return kv.pushpull([a, b], [np.ones(4, np.float32)] * 2)
+
+    got = by_rank(cluster, {0: run, 2: run})
+    for rank in (0, 2):
+        for value in got[rank]:
+            np.testing.assert_array_equal(value, np.full(4, 2, np.float32))
+
+
 def test_an_init_a_member_never_joins_fails_naming_it(cluster: Cluster) -> None:
     """Worker 0 inits a {0, 2} key alone: within KVSTORE_REQUEST_TIMEOUT it raises
     DeadlineExceededError naming member 2, and the key was not made (worker 2 may init it afresh)."""
