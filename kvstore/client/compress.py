@@ -139,12 +139,14 @@ class WorkerCompression:
 
 
 class RowResiduals:
-    """A worker's 2bit / 1bit residuals of row-sparse tables: per table, one float32 row per row id it
-    pushed, in at most ``budget`` bytes (:meth:`rows_for` rows: a :class:`DynamicRows` of zeros capped
-    at that many; past it, the rows pushed least recently are forgotten, approximately as a dynamic
-    table evicts, and start again at zero).  A push first :meth:`reserve` s its rows (never forgetting
-    one of them); the rows it has no room for travel uncompressed.  Each call is thread-safe; a push's
-    ``reserve`` and its ``quantise`` calls must not interleave with another push of the same table
+    """A worker's 2bit / 1bit (and fp16 / bf16 ``error_feedback``) residuals of row-sparse tables: per
+    table, one float32 row per row id it pushed, in at most ``budget`` bytes (:meth:`rows_for` rows: a
+    :class:`DynamicRows` of zeros capped at that many; past it, the rows pushed least recently are
+    forgotten, approximately as a dynamic table evicts, and start again at zero).  A push first
+    :meth:`reserve` s its rows (never forgetting one of them); the rows it has no room for travel
+    uncompressed (2bit, 1bit) or cast without a residual (fp16, bf16).  Each call is thread-safe; a
+    push's ``reserve`` and its ``quantise`` / ``cast`` calls must not interleave with another push of
+    the same table
     (:class:`kvstore.client.sparse.DistRows` sends one push at a time under its lock)."""
 
     def __init__(self, budget: int = ROW_RESIDUAL_BYTES) -> None:
@@ -197,6 +199,28 @@ class RowResiduals:
             packed = C.quantise(spec.type, flat, residual.reshape(-1), spec.threshold)
             table.weight[slots] = residual
         return packed
+
+    def cast(self, spec: C.Spec, key: Key, ids: np.ndarray, rows: np.ndarray, has: np.ndarray) -> np.ndarray:
+        """fp16 / bf16 ``spec`` with ``error_feedback``: the half-precision values (fp16, or bf16 bits as
+        uint16), shaped as ``rows``, of float32 ``rows`` ``(n, width)`` of distinct int64 ``ids`` of
+        table ``key``: a row with a residual row (``has``, from :meth:`reserve`) casts residual + row and
+        keeps what the cast lost, the others are cast as they are.  Raises KeyError as :meth:`quantise`."""
+        flat = np.ascontiguousarray(rows, np.float32)
+        kept = np.flatnonzero(has)
+        out = C.to_half(spec.type, flat.reshape(-1), None).reshape(flat.shape)
+        if not kept.size:
+            return out
+        with self._lock:
+            table = self.tables[key]
+            slots = table.map.get(np.asarray(ids[kept], np.int64))
+            if (slots < 0).any():
+                raise KeyError(f"table {key!r}: {int((slots < 0).sum())} row(s) of the push have no "
+                               "residual row (reserve them first)")
+            residual = table.weight[slots]  # a copy: the rows' residuals, in ids' order
+            out[kept] = C.to_half(spec.type, flat[kept].reshape(-1), residual.reshape(-1)).reshape(
+                kept.size, -1)
+            table.weight[slots] = residual
+        return out
 
     def residual(self, key: Key, ids: np.ndarray) -> np.ndarray:
         """The residual rows of ``ids`` of table ``key`` now (zeros for rows it keeps none of).

@@ -247,12 +247,17 @@ class DistRows:
             return None
         return spec
 
-    def _half(self, spec: C.Spec | None, rows: np.ndarray) -> tuple[np.ndarray, dict]:
+    def _half(self, spec: C.Spec | None, key: Key, ids: np.ndarray, rows: np.ndarray,
+              has: np.ndarray | None) -> tuple[np.ndarray, dict]:
         """``rows`` as they travel, and the push body's field saying so: fp16 or bf16 (bits) under that
-        compression; otherwise as they are (2bit and 1bit are coded per message: :meth:`_message`)."""
+        compression, with ``error_feedback`` through the rows' residuals (``has``: the rows given one);
+        otherwise as they are (2bit and 1bit are coded per message: :meth:`_messages`)."""
         if spec is None or spec.type not in C.CASTS:
             return rows, {}
-        half = C.to_half(spec.type, np.ascontiguousarray(rows).reshape(-1), None)
+        if has is not None:
+            half = self.link.residuals.cast(spec, key, ids, rows, has).reshape(-1)
+        else:
+            half = C.to_half(spec.type, np.ascontiguousarray(rows).reshape(-1), None)
         if spec.type == "bf16":
             half = half.view(np.float16)  # bfloat16 bits travel in a 2-byte wire dtype (as dense keys')
         return half.reshape(rows.shape[0], -1), {"half": spec.type}
@@ -282,10 +287,10 @@ class DistRows:
     def _send(self, key: Key, meta: R.SparseMeta, rnd: int, ids: np.ndarray,
               rows: np.ndarray) -> list[Request]:
         spec = self._encoding(meta)
-        rows, wire = self._half(spec, rows)
         has = None
-        if spec is not None and spec.type in C.QUANTISED:  # the push's rows get residuals together
-            has = self.link.residuals.reserve(key, ids, meta.width)
+        if spec is not None and spec.residual:  # the push's rows get residuals together (2bit, 1bit,
+            has = self.link.residuals.reserve(key, ids, meta.width)  # a cast's error_feedback)
+        rows, wire = self._half(spec, key, ids, rows, has)
         if meta.dynamic is not None:
             requests = []
             for server, where in self.dynamic_cuts(ids):

@@ -333,6 +333,30 @@ def test_half_precision_compression_casts_the_rows_a_push_carries(make_cluster, 
     np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=ids * 2**33).rows, cast)
 
 
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_half_precision_error_feedback_carries_each_rows_cast_error(make_cluster, kind) -> None:
+    """fp16/bf16 with error_feedback on rows: a row's second push casts the row plus what its first cast
+    lost (kept per row id on the worker), for a fixed and a dynamic table over 2 servers; the stored
+    rows (no optimizer: the last push's) are exactly that cast."""
+    from kvstore.core import compression as C
+
+    cluster = make_cluster("dist_sync", 1, 2)
+    (kv,) = cluster.workers
+    kv.set_gradient_compression({"type": kind, "error_feedback": True})
+    kv.init("f", shape=(50, W))
+    kv.init("d", width=W, dtype="float32", dynamic=True)
+    ids = np.array([3, 17, 41], np.int64)
+    rows = (1 + np.arange(3 * W, dtype=np.float32).reshape(3, W) * 1e-3) / 3
+    residual = np.zeros(3 * W, np.float32)
+    for _ in range(2):
+        expected = C.from_half(kind, C.to_half(kind, rows.reshape(-1), residual)).reshape(3, W)
+        kv.push(["f", "d"], [RowSparse(ids, rows, (50, W)), RowSparse(ids * 2**33, rows, (0, W))])
+        np.testing.assert_array_equal(kv.row_sparse_pull("f", row_ids=ids).rows, expected)
+        np.testing.assert_array_equal(kv.row_sparse_pull("d", row_ids=ids * 2**33).rows, expected)
+    plain = C.from_half(kind, C.to_half(kind, rows.reshape(-1), None)).reshape(3, W)
+    assert not np.array_equal(expected, plain)  # the second cast carried the first one's error
+
+
 @pytest.mark.parametrize("kind", ["2bit", "1bit"])
 def test_quantised_compression_codes_the_rows_and_carries_each_rows_residual(make_cluster, kind) -> None:
     """Under 2bit/1bit a push's rows arrive quantised (the stored rows, with no optimizer, are the

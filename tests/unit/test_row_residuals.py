@@ -152,3 +152,24 @@ def test_residual_of_a_table_never_pushed_is_a_key_error() -> None:
     """A table never pushed has no width to answer rows of: KeyError (not (n, 0) rows)."""
     with pytest.raises(KeyError):
         RowResiduals().residual("never", np.array([1, 2], np.int64))
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_a_cast_with_error_feedback_keeps_what_each_rows_cast_lost(kind: str) -> None:
+    """fp16 / bf16 with error_feedback on rows: what a row sent over pushes plus its residual equals what
+    was pushed (float32 rounding aside), by row id; a row with no room for a residual is cast as it is."""
+    spec = C.Spec(kind, error_feedback=True)
+    res = _rows(2, width=3)
+    grad = np.array([[1e-4, 1.0 + 1e-3, -3.3337], [0.1, 0.2, 0.3], [7.0001, 8, 9]], np.float32)
+    ids = np.array([4, 9, 11], np.int64)
+    sent = np.zeros((3, 3), np.float32)
+    for _ in range(3):
+        has = res.reserve("t", ids[:2], 3)
+        assert has.all()
+        full = np.concatenate([has, [False]])  # row 11 has no residual row (the budget is 2 rows)
+        half = res.cast(spec, "t", ids, grad, full)
+        sent += C.from_half(kind, half.reshape(-1)).reshape(3, 3)
+    np.testing.assert_allclose(sent[:2] + res.residual("t", ids[:2]), 3 * grad[:2], rtol=1e-5)
+    plain = C.from_half(kind, C.to_half(kind, grad[2].copy(), None))
+    np.testing.assert_array_equal(sent[2], 3 * plain)
+    assert not np.allclose(res.residual("t", ids[:2]), 0)  # the casts lost something, kept here
