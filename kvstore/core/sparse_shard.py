@@ -67,6 +67,7 @@ def dynamic_round_rows(rows: DynamicRows) -> int:
 @dataclass
 class _Round:
     parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    senders: list[int] = field(default_factory=list)  # the worker of each part
     done: set[int] = field(default_factory=set)
     tokens: list[Any] = field(default_factory=list)
     sent: dict[int, int] = field(default_factory=dict)  # rows each worker has sent in this round
@@ -81,6 +82,7 @@ class _Round:
                                 "(a dynamic table's: at most that many per push)")
         self.sent[sender] = count
         self.parts.append((local, rows))
+        self.senders.append(sender)
         self.tokens.append(token)
 
 
@@ -140,8 +142,9 @@ class RowTables:
     """The row-sparse keys a server holds."""
 
     def __init__(self, num_workers: int = 1, sync: bool = True, window: int = 4,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, ordered: bool = False) -> None:
         self.num_workers, self.sync, self.window = num_workers, sync, max(1, window)
+        self.ordered = ordered  # KVSTORE_SUM_ORDER=rank: a round's rows summed in rank order
         self.clock = clock
         self.live = set(range(num_workers))
         self.tables: dict[Key, Table] = {}
@@ -317,11 +320,16 @@ class RowTables:
         return self.quorum is not None and len(current.done & self.live) >= self.quorum
 
     def _apply(self, key: Key, table: Table, contribution: _Round) -> None:
-        if len(contribution.parts) == 1:  # one worker's one message: merged on the worker already
-            ids, rows = contribution.parts[0]
+        """Sum a round's rows (repeated ids added in the parts' order: by worker rank under
+        ``ordered``, a worker's chunks in their order, else as they came) and update the table."""
+        parts = contribution.parts
+        if self.ordered and len(parts) > 1:  # a stable sort: each worker's own chunks keep their order
+            parts = [parts[i] for i in sorted(range(len(parts)), key=contribution.senders.__getitem__)]
+        if len(parts) == 1:  # one worker's one message: merged on the worker already
+            ids, rows = parts[0]
         else:
-            ids = np.concatenate([p[0] for p in contribution.parts])
-            rows = np.concatenate([p[1] for p in contribution.parts])
+            ids = np.concatenate([p[0] for p in parts])
+            rows = np.concatenate([p[1] for p in parts])
         ids, rows = R.merge(ids, rows)
         pushed = len(contribution.done)
         if self.sync and self.quorum is not None and 0 < pushed < self.num_workers:

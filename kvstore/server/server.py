@@ -148,7 +148,7 @@ class Server:
         self.sparse = SparseServer(self._requests)  # row-sparse keys (server/sparse.py)
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
                               cluster.get("max_message_bytes", 0), cluster.get("staleness"),
-                              cluster.get("sync_quorum"))
+                              cluster.get("sync_quorum"), ordered=cfg.sum_order == "rank")
         self.sparse.tables.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self.meter.extra_held = self.sparse.nbytes
         self.meter.extra_tables = self.sparse.dynamic_stats

@@ -74,11 +74,12 @@ class SparseServer:
         # ^ (identity, seq, sets, (worker, call)): a settle request, answered once its sets are in a shard
 
     def configure(self, num_workers: int, sync: bool, window: int, max_bytes: int = 0,
-                  staleness: int | None = None, quorum: int | None = None) -> None:
+                  staleness: int | None = None, quorum: int | None = None, ordered: bool = False) -> None:
         """Set the cluster's worker count and mode (from the map), the largest reply of rows
-        (``KVSTORE_MAX_MESSAGE_BYTES``, 0: no limit), dist_async's ``staleness`` bound and dist_sync's
-        ``quorum`` (None: none)."""
-        self.tables = RowTables(num_workers, sync, window or (1 << 30))  # 0: no limit
+        (``KVSTORE_MAX_MESSAGE_BYTES``, 0: no limit), dist_async's ``staleness`` bound, dist_sync's
+        ``quorum`` (None: none) and whether a round's rows are summed in rank order
+        (``KVSTORE_SUM_ORDER=rank``)."""
+        self.tables = RowTables(num_workers, sync, window or (1 << 30), ordered=ordered)  # 0: no limit
         if not sync and staleness is not None:
             self.tables.gate = StalenessGate(staleness, window)
         if sync and quorum is not None and quorum < num_workers:

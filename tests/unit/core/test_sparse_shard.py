@@ -209,3 +209,18 @@ def test_a_quorum_closes_a_row_sparse_round_scaled_and_drops_the_late_push() -> 
     assert push(0, 1, 2.0) == ["2:1", "0:1"]
     assert tables.tables["k"].weight[1, 0] == 6.0
     assert [c.token for c in tables.pull(2, "k", 2, ids, "p")] == ["p"]  # its pushes are applied
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_sum_order_rank_adds_a_rounds_rows_in_rank_order_whatever_came_first(ordered: bool) -> None:
+    """KVSTORE_SUM_ORDER=rank on row-sparse rounds: a row pushed by workers 0, 1, 2 with 1e8, -1e8, 1
+    (float32) sums to ((1e8 - 1e8) + 1) = 1 in every arrival order; in arrival order it depends on it."""
+    values = {0: 1e8, 1: -1e8, 2: 1.0}
+    got = set()
+    for arrival in ((2, 0, 1), (0, 1, 2), (1, 2, 0)):
+        tables = RowTables(3, True, 2, ordered=ordered)
+        tables.init("e", (20, 2), np.dtype(np.float32), 10, 20, ZEROS)
+        for worker in arrival:
+            tables.push(worker, "e", 0, True, *_rows([12], values[worker]), worker)
+        got.add(float(tables.tables["e"].weight[2, 0]))
+    assert got == ({1.0} if ordered else {0.0, 1.0})
