@@ -307,7 +307,7 @@ class DataPath:
         if packed and len(values) == 1 and type(values[0]) is np.ndarray:
             return values[0].reshape(-1)
         if borrow and _lone(values):
-            view = xp.numpy_view(values[0])
+            view = values[0] if type(values[0]) is np.ndarray else xp.numpy_view(values[0])
             if view.flags.c_contiguous and view.dtype == meta.dtype:
                 return view.reshape(-1)
         buffer = None
