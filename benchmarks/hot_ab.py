@@ -3,7 +3,7 @@
 ``msg_cpu.py`` once with ``KVSTORE_PURE_PYTHON=0`` and once with ``=1``, the order swapped every block.
 
     python benchmarks/hot_ab.py [--blocks 3] [--configs 1w1s,4w2s] [--rounds 2000] [--tests latency,manykeys]
-                                [--env NAME=VALUE ...] [--sides NAME:VAR=VALUE NAME:VAR=VALUE] [--json out.json]
+                                [--env NAME=VALUE ...] [--sides A:VAR=VALUE B:VAR=VALUE] [--json out.json]
 
 ``--sides`` compares two other settings instead (e.g. ``header:KVSTORE_AUTH=header full:KVSTORE_AUTH=full``).
 Printed: every block's figures, then the median over blocks of each figure per side and the ratio
@@ -103,8 +103,9 @@ def main() -> None:
         summary[name] = {**values, "ratio": ratio}
         print(f"    {name:42} {first} {values[first]:10.1f}  {second} {values[second]:10.1f} {ratio:5.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "env": extra,
-                                               "sides": sides, "blocks": blocks, "medians": summary}, indent=2))
+        out = {"date": time.strftime("%Y-%m-%d %H:%M"), "env": extra, "sides": sides, "blocks": blocks,
+               "medians": summary}
+        Path(args.json).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

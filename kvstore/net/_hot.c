@@ -10,7 +10,8 @@
  *     returning the message's fields as a tuple (Python makes the Message and its array view).
  * Round semantics never come here.  configure() must be called once (kvstore.net.compact does) with the
  * ProtocolError class and the layout's constants, so they are defined in Python only.
- * SHA-256 is FIPS 180-4, written out here so the module needs no library beyond Python's headers.
+ * SHA-256 is FIPS 180-4, written out here so the module needs no library beyond Python's headers; on x86-64
+ * CPUs with the SHA extensions (SHA_EXTENSIONS: 1) its compression uses them, as OpenSSL does.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -58,6 +59,74 @@ static void sha_compress(uint32_t h[8], const uint8_t *p) {
     h[0] += a; h[1] += b; h[2] += c; h[3] += d; h[4] += e; h[5] += f; h[6] += g; h[7] += k;
 }
 
+/* x86-64 with the SHA extensions (checked at import by cpuid): the same compression, 4-5x faster. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+#define HOT_SHA_NI 1
+
+__attribute__((target("sha,sse4.1,ssse3"))) static void sha_compress_ni(uint32_t h[8], const uint8_t *p,
+                                                                         size_t blocks) {
+    const __m128i mask = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i state0, state1, tmp, msg, abef, cdgh, w[4];
+    size_t b;
+    int i;
+    tmp = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[0]), 0xB1);  /* CDAB */
+    state1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[4]), 0x1B);  /* EFGH */
+    state0 = _mm_alignr_epi8(tmp, state1, 8);  /* ABEF */
+    state1 = _mm_blend_epi16(state1, tmp, 0xF0);  /* CDGH */
+    for (b = 0; b < blocks; b++, p += 64) {
+        abef = state0;
+        cdgh = state1;
+        for (i = 0; i < 16; i++) {  /* four rounds each; w[i % 4] holds schedule words 4i..4i+3 */
+            __m128i x;
+            if (i < 4) {
+                x = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * i)), mask);
+            } else {
+                x = _mm_sha256msg1_epu32(w[i % 4], w[(i + 1) % 4]);
+                x = _mm_add_epi32(x, _mm_alignr_epi8(w[(i + 3) % 4], w[(i + 2) % 4], 4));
+                x = _mm_sha256msg2_epu32(x, w[(i + 3) % 4]);
+            }
+            w[i % 4] = x;
+            msg = _mm_add_epi32(x, _mm_loadu_si128((const __m128i *)&K256[4 * i]));
+            state1 = _mm_sha256rnds2_epu32(state1, state0, msg);
+            state0 = _mm_sha256rnds2_epu32(state0, state1, _mm_shuffle_epi32(msg, 0x0E));
+        }
+        state0 = _mm_add_epi32(state0, abef);
+        state1 = _mm_add_epi32(state1, cdgh);
+    }
+    tmp = _mm_shuffle_epi32(state0, 0x1B);  /* FEBA */
+    state1 = _mm_shuffle_epi32(state1, 0xB1);  /* DCHG */
+    state0 = _mm_blend_epi16(tmp, state1, 0xF0);  /* DCBA */
+    state1 = _mm_alignr_epi8(state1, tmp, 8);  /* HGFE */
+    _mm_storeu_si128((__m128i *)&h[0], state0);
+    _mm_storeu_si128((__m128i *)&h[4], state1);
+}
+
+static int cpu_has_sha(void) {
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 19)) || !(c & (1u << 9)))  /* SSE4.1, SSSE3 */
+        return 0;
+    if (__get_cpuid_max(0, NULL) < 7)
+        return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (b >> 29) & 1;  /* SHA */
+}
+#endif
+
+static int use_sha_ni = 0;  /* set at import */
+
+static void sha_blocks(uint32_t h[8], const uint8_t *p, size_t blocks) {
+#ifdef HOT_SHA_NI
+    if (use_sha_ni) {
+        sha_compress_ni(h, p, blocks);
+        return;
+    }
+#endif
+    for (; blocks; blocks--, p += 64)
+        sha_compress(h, p);
+}
+
 static void sha_init(Sha256 *s) {
     static const uint32_t iv[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
                                    0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
@@ -74,11 +143,14 @@ static void sha_update(Sha256 *s, const uint8_t *p, size_t n) {
         s->used += take; p += take; n -= take;
         if (s->used < 64)
             return;
-        sha_compress(s->h, s->block);
+        sha_blocks(s->h, s->block, 1);
         s->used = 0;
     }
-    for (; n >= 64; p += 64, n -= 64)
-        sha_compress(s->h, p);
+    if (n >= 64) {
+        sha_blocks(s->h, p, n / 64);
+        p += n & ~(size_t)63;
+        n &= 63;
+    }
     memcpy(s->block, p, n);
     s->used = n;
 }
@@ -537,7 +609,21 @@ static PyObject *hot_configure(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* sha_extensions(on): use the CPU's SHA extensions (where it has them) or the portable code; returns
+ * whether they were in use before (tests check both against hashlib). */
+static PyObject *hot_sha_extensions(PyObject *module, PyObject *arg) {
+    int on = PyObject_IsTrue(arg), was = use_sha_ni;
+    (void)module;
+    if (on < 0)
+        return NULL;
+#ifdef HOT_SHA_NI
+    use_sha_ni = on && cpu_has_sha();
+#endif
+    return PyBool_FromLong(was);
+}
+
 static PyMethodDef hot_methods[] = {
+    {"sha_extensions", hot_sha_extensions, METH_O, "Use the CPU's SHA extensions where it has them (or not)."},
     {"unpack", hot_unpack, METH_O, "The fields of a compact body (compact.unpack's checks)."},
     {"configure", hot_configure, METH_VARARGS, "Set the layout's constants and ProtocolError."},
     {NULL}};
@@ -554,10 +640,14 @@ PyMODINIT_FUNC PyInit__hot(void) {
     str_rounds = PyUnicode_InternFromString("rounds");
     if (str_keys == NULL || str_sizes == NULL || str_rounds == NULL)
         return NULL;
+#ifdef HOT_SHA_NI
+    use_sha_ni = cpu_has_sha();
+#endif
     m = PyModule_Create(&hot_module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(m, "Key", (PyObject *)&KeyType) < 0) {
+    if (PyModule_AddObjectRef(m, "Key", (PyObject *)&KeyType) < 0
+        || PyModule_AddIntConstant(m, "SHA_EXTENSIONS", use_sha_ni) < 0) {
         Py_DECREF(m);
         return NULL;
     }
