@@ -45,7 +45,7 @@ from typing import Any
 
 from kvstore.config import Config
 from kvstore.errors import AuthenticationError, ConfigError, IntegrityError, ProtocolError
-from kvstore.net import compact, protocol
+from kvstore.net import compact, native, protocol
 from kvstore.net.protocol import Message
 
 MAC_BYTES = 16  # the header MAC (HMAC-SHA256, truncated)
@@ -68,7 +68,9 @@ def derive_key(secret: str | None) -> bytes | None:
 
 
 def channel_for(cfg: Config, label: str) -> Channel:
-    """A channel keyed by ``cfg``'s ``KVSTORE_SECRET`` (and ``KVSTORE_AUTH``) sending as ``label``."""
+    """A channel keyed by ``cfg``'s ``KVSTORE_SECRET`` (and ``KVSTORE_AUTH``) sending as ``label`` (a node
+    starting: it also says, once, when the compiled message path is not built)."""
+    native.announce()
     return Channel(derive_key(cfg.secret), label, full=cfg.auth_full)
 
 
