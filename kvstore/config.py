@@ -426,6 +426,13 @@ def _encrypt(env: Mapping[str, str]) -> str | None:
     return None if mode == "off" else mode
 
 
+def pure_python(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KVSTORE_PURE_PYTHON=1`` asks for the pure-Python small-message path even where the
+    compiled one (``kvstore.net._hot``) is built.  Raises ConfigError for a value other than 0 or 1."""
+    env = os.environ if environ is None else environ
+    return bool(env_int(env, "KVSTORE_PURE_PYTHON", minimum=0, maximum=1, default=0))
+
+
 def in_cluster(environ: Mapping[str, str] | None = None) -> bool:
     """True when the environment names a distributed role (as the launcher sets it)."""
     env = os.environ if environ is None else environ

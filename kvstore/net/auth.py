@@ -27,6 +27,10 @@ stranger's message (answered once, unsigned) from an authenticated but malformed
 damaged one (answered sealed), and tags each refusal with a reason (:func:`refusal_reason`).
 Without a secret the MAC frame is empty and the other checks still apply; a node with a
 secret refuses unsigned messages and the other way round.
+
+Where the compiled ``kvstore.net._hot`` is built (``kvstore.net.native``), the header MAC and the
+compact layout's sealing, checking and decoding run in C, with the same bytes and checks; a channel
+made with ``compiled=False`` (and every channel under ``KVSTORE_PURE_PYTHON=1``) runs the Python.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import Any
 
 from kvstore.config import Config
 from kvstore.errors import AuthenticationError, ConfigError, IntegrityError, ProtocolError
-from kvstore.net import compact, protocol
+from kvstore.net import compact, native, protocol
 from kvstore.net.protocol import Message
 
 MAC_BYTES = 16  # the header MAC (HMAC-SHA256, truncated)
@@ -64,7 +68,9 @@ def derive_key(secret: str | None) -> bytes | None:
 
 
 def channel_for(cfg: Config, label: str) -> Channel:
-    """A channel keyed by ``cfg``'s ``KVSTORE_SECRET`` (and ``KVSTORE_AUTH``) sending as ``label``."""
+    """A channel keyed by ``cfg``'s ``KVSTORE_SECRET`` (and ``KVSTORE_AUTH``) sending as ``label`` (a node
+    starting: it also says, once, when the compiled message path is not built)."""
+    native.announce()
     return Channel(derive_key(cfg.secret), label, full=cfg.auth_full)
 
 
@@ -99,22 +105,26 @@ def is_heartbeat_label(label: str, role: str, rank: int) -> bool:
 class Channel:
     """Seals messages sent from ``label`` and opens messages addressed to one of ``names``."""
 
-    def __init__(self, key: bytes | None, label: str, full: bool = False, session: bytes = b"") -> None:
+    def __init__(self, key: bytes | None, label: str, full: bool = False, session: bytes = b"",
+                 compiled: bool = True) -> None:
         self.key, self.label, self.full = key, label, full
+        self._hot = compact.HOT if compiled else None  # the compiled layout and MAC, or None
         if full and key is not None:
             _poly1305()  # a missing package is a ConfigError when the node starts, not per message
         self.names = {label}
-        self._session_key = self._keyed(session)
+        self._session_key, self._hot_key = self._keyed(session)
         self._counter = itertools.count(1)
         self._last: dict[str, int] = {}  # sender label -> highest n accepted
         self._lock = threading.Lock()
 
-    def _keyed(self, session: bytes) -> Any:
-        """An HMAC object keyed by the secret and ``session``, copied for each message (None: no key)."""
+    def _keyed(self, session: bytes) -> tuple[Any, Any]:
+        """An HMAC object keyed by the secret and ``session``, copied for each message, and the same
+        key compiled (``_hot.Key``, None without the compiled path); (None, None) without a key."""
         if self.key is None:
-            return None
-        return hmac.new(hmac.new(self.key, b"session\0" + session, hashlib.sha256).digest(),
-                        digestmod=hashlib.sha256)
+            return None, None
+        key = hmac.new(self.key, b"session\0" + session, hashlib.sha256).digest()
+        return (hmac.new(key, digestmod=hashlib.sha256),
+                None if self._hot is None else self._hot.Key(key, MAC_BYTES))
 
     def rename(self, label: str) -> None:
         """Send as ``label`` and accept messages addressed to it (a server once it knows its rank)."""
@@ -133,10 +143,12 @@ class Channel:
 
     def set_session(self, session: bytes) -> None:
         """Key every later message to the cluster's ``session`` id (from the cluster map)."""
-        self._session_key = self._keyed(session)
+        self._session_key, self._hot_key = self._keyed(session)
 
     def _mac(self, frames: list[Any]) -> bytes:
         """The header MAC: over the frame count, each frame's length and the header (never arrays)."""
+        if self._hot_key is not None:
+            return self._hot_key.mac(frames)
         mac = self._session_key.copy()  # the keyed state is computed once per session
         mac.update(len(frames).to_bytes(4, "big"))
         for frame in frames:
@@ -157,6 +169,8 @@ class Channel:
         """The frames of ``msg`` addressed to ``to``, with this channel's next number and the MAC."""
         msg.auth = [self.label, next(self._counter), to]
         if self._session_key is not None and not self.full and compact.fits(msg):
+            if self._hot_key is not None:
+                return [compact.seal(self._hot_key, msg)]
             frame = compact.pack(msg, MAC_BYTES)  # one frame: [MAC | compact body]
             frame[:MAC_BYTES] = self._mac([memoryview(frame)[MAC_BYTES:]])
             return [frame]
@@ -173,7 +187,7 @@ class Channel:
         resolver), then :meth:`admit` of its auth.
         """
         self.verify(frames)
-        msg = decode(frames, resolve)
+        msg = decode(frames, resolve, self._hot is not None)
         self.admit(msg.auth)
         return msg
 
@@ -222,7 +236,8 @@ class Channel:
         if self._session_key is None:
             raise _refusal(AuthenticationError("a signed message reached a node without KVSTORE_SECRET "
                                                "(set the same secret on every node)"), REASON_MAC)
-        if not hmac.compare_digest(bytes(frame[:MAC_BYTES]), self._mac([frame[MAC_BYTES:]])):
+        if not (self._hot_key.verify(frame) if self._hot_key is not None
+                else hmac.compare_digest(bytes(frame[:MAC_BYTES]), self._mac([frame[MAC_BYTES:]]))):
             raise _refusal(AuthenticationError("message authentication failed (a peer without the "
                                                "cluster's KVSTORE_SECRET, or a damaged or stale message)"),
                            REASON_MAC)
@@ -259,12 +274,13 @@ def _is_compact(frame: Any) -> bool:
         return False
 
 
-def decode(frames: list[Any], resolve: Any = None) -> Message:
+def decode(frames: list[Any], resolve: Any = None, compiled: bool = True) -> Message:
     """The message in ``frames`` (MAC frame, header, arrays; or one compact frame) once
-    :meth:`Channel.verify` passed; ``resolve``: the shared-memory resolver (``protocol.decode``).
+    :meth:`Channel.verify` passed; ``resolve``: the shared-memory resolver (``protocol.decode``);
+    ``compiled``: a compact frame by the compiled layout where it is built.
     Raises ProtocolError, and nothing else, for frames that are no such message."""
     if len(frames) == 1 and _is_compact(frames[0]):
-        return compact.unpack(memoryview(frames[0])[MAC_BYTES:])
+        return compact.unpack(memoryview(frames[0])[MAC_BYTES:], compiled)
     return protocol.decode(frames[1:], resolve)
 
 

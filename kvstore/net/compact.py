@@ -17,7 +17,9 @@ as well as its header.  Anything else (more keys, a chunk, shared memory, compre
 op or body) keeps the general layout of ``kvstore.net.protocol``.
 
 Pure bytes in, bytes out; :func:`unpack` checks every field before it builds anything and raises
-:class:`ProtocolError`, and nothing else, on any input.
+:class:`ProtocolError`, and nothing else, on any input.  Where the compiled ``kvstore.net._hot`` is
+built (``kvstore.net.native``), :func:`seal` and :func:`unpack` run its C code, which makes the same
+bytes and the same checks (tests/unit/net/test_native.py); ``compiled=False`` runs the Python.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 
 from kvstore.core.dtypes import BY_NAME, DTYPES, dtype_name
 from kvstore.errors import ProtocolError
+from kvstore.net import native
 from kvstore.net.protocol import _OPS, PROTOCOL_VERSION, Message, Op
 
 MARKER = 0xC1
@@ -41,6 +44,11 @@ _NO_DTYPE = 255
 _REQUESTS = (Op.PUSH, Op.PULL, Op.PUSHPULL)
 _SHAPES = ({"keys", "sizes"}, {"keys", "sizes", "rounds"})
 MAX_BYTES = FIELDS.size + 3 * 255 + MAX_KEY_BYTES + MAX_ARRAY_BYTES  # the largest compact body
+HOT = native.module()  # the compiled layout, or None (the pure-Python path)
+if HOT is not None:  # the layout's constants live here only
+    HOT.configure(ProtocolError, PROTOCOL_VERSION, MARKER, _NO_DTYPE, FIELDS.size, MAX_BYTES, int(Op.OK),
+                  int(Op.PUSH), int(Op.PULL), int(Op.PUSHPULL), DTYPE_NAMES,
+                  tuple(BY_NAME[name].itemsize for name in DTYPE_NAMES))
 
 
 def fits(msg: Message) -> bool:
@@ -95,9 +103,31 @@ def pack(msg: Message, reserve: int) -> bytearray:
     return out
 
 
-def unpack(body: Any) -> Message:
+def seal(key: Any, msg: Message) -> bytes:
+    """The whole compact frame of ``msg`` (:func:`fits` must hold), its MAC first, made by ``key`` (a
+    compiled ``_hot.Key``): the bytes :func:`pack` and the channel's MAC make.  Raises ProtocolError
+    for a label or addressee over 255 bytes."""
+    label, n, to = msg.auth
+    array = msg.arrays[0] if msg.arrays else None
+    code = _NO_DTYPE if array is None else _DTYPE_CODE[dtype_name(array.dtype)]
+    sender = -1 if msg.sender is None else msg.sender
+    if msg.op is Op.OK:
+        return key.seal(msg.op, 0, code, label, to, None, msg.seq, sender, n, -1, -1, array)
+    body = msg.body
+    name, rounds = body["keys"][0], body.get("rounds")
+    return key.seal(msg.op, 1 if type(name) is int else 2, code, label, to, name, msg.seq, sender, n,
+                    body["sizes"][0], -1 if rounds is None else rounds[0],
+                    None if array is None else np.ascontiguousarray(array))
+
+
+def unpack(body: Any, compiled: bool = True) -> Message:
     """The message of a compact ``body`` (the frame after its MAC); raises ProtocolError unless
-    every field is well formed."""
+    every field is well formed.  ``compiled``: by the compiled layout where it is built."""
+    if compiled and HOT is not None:
+        op, fields, code, start, seq, sender, label, n, to = HOT.unpack(body)
+        arrays = [] if code == _NO_DTYPE else [np.frombuffer(memoryview(body)[start:],
+                                                             dtype=BY_NAME[DTYPE_NAMES[code]])]
+        return Message(op=_OPS[op], body=fields, arrays=arrays, seq=seq, sender=sender, auth=[label, n, to])
     view = memoryview(body).cast("B") if type(body) is not memoryview else body
     if view.nbytes < FIELDS.size or view.nbytes > MAX_BYTES:
         raise ProtocolError(f"a compact message of {view.nbytes} bytes (at least {FIELDS.size}, at most "

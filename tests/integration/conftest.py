@@ -78,6 +78,7 @@ def insider(kv: DistKVStore, label: str) -> Channel:
     use it to send well-sealed messages of their own making)."""
     channel = Channel(derive_key(SECRET), label)
     channel._session_key = kv._io.channel._session_key
+    channel._hot_key = kv._io.channel._hot_key  # the same key compiled (kvstore.net._hot), or None
     return channel
 
 
