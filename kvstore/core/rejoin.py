@@ -17,8 +17,9 @@ a new *incarnation* of the same rank, **rejoins** (REJOIN, in two steps, docs/fa
    has opened no round ``at`` yet (else the worker fails, and is restarted again if restarts remain).
 
 The server's row-sparse tables (:class:`RowRounds`, over :class:`kvstore.core.sparse_shard.RowTables`)
-take each step too: their rounds close without an away worker, the first round a REJOIN answers is
-the highest over the keys and the tables, and the worker counts from round ``at`` of every table.
+take each step of a restart too: their rounds close without an away worker, the first round a REJOIN
+answers is the highest over the keys and the tables, and the worker counts from round ``at`` of every
+table.  A new member's join (elastic) does not reach them (docs/elastic.md: tables are not elastic).
 
 So a restarted worker's first step is the job's step ``at`` and uses the same weights as the
 others' step ``at``: the rounds it missed closed without it, and none is applied twice.  This
@@ -98,7 +99,7 @@ class Rejoins:
                                 "not absent")
         done = self.away(worker, incarnation - 1) if worker in self.shard.active else []
         first = self.shard.readmit(worker, joining)
-        if self.rows is not None:
+        if self.rows is not None and not joining:  # an elastic job's tables are not elastic
             first = max(first, self.rows.readmit(worker))
         self.current[worker] = incarnation
         self.begun[worker] = first
@@ -115,7 +116,7 @@ class Rejoins:
         unbegun = first is None and incarnation > self.current.get(worker, 0)
         if unbegun:  # this server was restarted between the two steps: it lost the first, so it does both
             first = self.shard.first_round(worker)
-            if self.rows is not None:
+            if self.rows is not None and not joining:
                 first = max(first, self.rows.first_round(worker))
         elif first is None or self.current.get(worker, 0) != incarnation:
             raise ProtocolError(f"worker {worker} incarnation {incarnation} has not begun to rejoin")
@@ -128,6 +129,6 @@ class Rejoins:
             done = self.begin(worker, incarnation, joining)[1]
         del self.begun[worker]
         done += self.shard.rejoin_at(worker, at)
-        if self.rows is not None:
+        if self.rows is not None and not joining:
             self.rows.rejoin_at(worker, at)
         return done
