@@ -94,6 +94,7 @@ class DistRows:
     def __init__(self, link: RowsLink) -> None:
         self.link = link
         self._pushes: dict[Key, int] = {}  # key -> rounds pushed by this worker (under _counting)
+        self._origin: int | None = None  # a restarted worker: the round it rejoined at (rejoined())
         self._lock = threading.Lock()  # one push of a key leaves as one run, rounds in order
         self._counting = threading.Lock()  # a push's count and its queued messages, as one (never
         # held while waiting): a restarted server's hold (:meth:`hold`) sees both or neither
@@ -113,8 +114,24 @@ class DistRows:
         chunk = self.link.path.cluster.chunk_bytes or DEFAULT_CHUNK_BYTES
         return max(1, chunk // (meta.width * meta.dtype.itemsize + 8))
 
+    def rejoined(self, at: int) -> None:
+        """This worker is a restart that rejoined at round ``at`` (kvstore.client.joining.rejoin): the
+        servers hold its tables, and its push count of each starts at ``at`` (its first push of a
+        table joins round ``at``, its pulls wait for the rounds before it), as the servers count it."""
+        with self._counting:
+            self._origin = at
+            for key in self._pushes:
+                self._pushes[key] = max(self._pushes[key], at)
+
     def init(self, items: list[tuple[Key, R.SparseMeta, dict, np.ndarray | None]]) -> None:
-        """Create each table on its servers (rank 0 sends; collective), then its rows from a value."""
+        """Create each table on its servers (rank 0 sends; collective), then its rows from a value.  A
+        restarted worker (:meth:`rejoined`) sends nothing: the servers hold the tables already."""
+        if self._origin is not None:
+            with self._counting:
+                for key, _, _, _ in items:
+                    self._pushes.setdefault(key, self._origin)
+            return
+
         def send_all() -> None:
             requests = []
             for key, meta, spec, _ in items:

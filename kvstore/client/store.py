@@ -191,6 +191,8 @@ class DistKVStore(KVStore):
         log.info("joined %s cluster as worker %d of %d", self._mode, cluster.rank, cluster.num_workers)
         # a restarted worker (launch.py --max-restarts): counted again by every server from this round
         rejoin(self._io, cluster.num_servers, body, self._path.wait, self._rejoin)
+        if self._rejoin.at is not None:  # its tables' push counts start at that round, as the servers'
+            self._rows.rejoined(self._rejoin.at)
 
     @property
     def rejoined_at(self) -> int | None:

@@ -16,6 +16,11 @@ a new *incarnation* of the same rank, **rejoins** (REJOIN, in two steps, docs/fa
    from its shard between the two steps never saw the first: it takes both at once, as long as it
    has opened no round ``at`` yet (else the worker fails, and is restarted again if restarts remain).
 
+The server's row-sparse tables (:class:`RowRounds`, over :class:`kvstore.core.sparse_shard.RowTables`)
+take each step of a restart too: their rounds close without an away worker, the first round a REJOIN
+answers is the highest over the keys and the tables, and the worker counts from round ``at`` of every
+table.  A new member's join (elastic) does not reach them (docs/elastic.md: tables are not elastic).
+
 So a restarted worker's first step is the job's step ``at`` and uses the same weights as the
 others' step ``at``: the rounds it missed closed without it, and none is applied twice.  This
 assumes every key is pushed once per step, as a Trainer does (round numbers are per key).
@@ -25,9 +30,28 @@ worker's own: the most pushes of one key its earlier incarnations had applied he
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from kvstore.core.replies import Completion
 from kvstore.core.shard import ShardState
 from kvstore.errors import ProtocolError
+
+
+class RowRounds(Protocol):
+    """A server's row-sparse tables as a rejoin sees them (the server's row-sparse part answers what
+    each step releases itself: its requests are not the shard's)."""
+
+    def mark_away(self, worker: int) -> None:
+        """``worker`` is lost: the tables' rounds close without it (scaled), their answers sent."""
+
+    def first_round(self, worker: int) -> int:
+        """The first round no table has opened (dist_async: ``worker``'s most pushes of one table)."""
+
+    def readmit(self, worker: int) -> int:
+        """``worker`` counts again from :meth:`first_round`, which is returned."""
+
+    def rejoin_at(self, worker: int, at: int) -> None:
+        """``worker`` counts from round ``at`` of every table; what closes is answered."""
 
 
 def _incarnation(value: object, what: str) -> int:
@@ -40,8 +64,9 @@ def _incarnation(value: object, what: str) -> int:
 class Rejoins:
     """Which incarnation of each worker a server counts, over its ``shard`` (see the module docstring)."""
 
-    def __init__(self, shard: ShardState) -> None:
+    def __init__(self, shard: ShardState, rows: RowRounds | None = None) -> None:
         self.shard = shard
+        self.rows = rows  # the server's row-sparse tables (None: none)
         self.current: dict[int, int] = {}  # worker -> incarnation counted now (absent: 0)
         self.begun: dict[int, int] = {}  # worker -> the round begin() answered (until join_at)
 
@@ -54,7 +79,10 @@ class Rejoins:
         incarnation = _incarnation(incarnation, "AWAY")
         if incarnation < self.current.get(worker, 0) or worker in self.shard.away:
             return []
-        return self.shard.mark_away(worker, incarnation)
+        done = self.shard.mark_away(worker, incarnation)  # raises first for a worker that is not a rank
+        if self.rows is not None:
+            self.rows.mark_away(worker)
+        return done
 
     def begin(self, worker: int, incarnation: object, joining: bool = False) -> tuple[int, list[Completion]]:
         """A restarted ``worker`` (a new ``incarnation``) counts again from the first round no key has
@@ -71,6 +99,8 @@ class Rejoins:
                                 "not absent")
         done = self.away(worker, incarnation - 1) if worker in self.shard.active else []
         first = self.shard.readmit(worker, joining)
+        if self.rows is not None and not joining:  # an elastic job's tables are not elastic
+            first = max(first, self.rows.readmit(worker))
         self.current[worker] = incarnation
         self.begun[worker] = first
         return first, done
@@ -86,6 +116,8 @@ class Rejoins:
         unbegun = first is None and incarnation > self.current.get(worker, 0)
         if unbegun:  # this server was restarted between the two steps: it lost the first, so it does both
             first = self.shard.first_round(worker)
+            if self.rows is not None and not joining:
+                first = max(first, self.rows.first_round(worker))
         elif first is None or self.current.get(worker, 0) != incarnation:
             raise ProtocolError(f"worker {worker} incarnation {incarnation} has not begun to rejoin")
         if type(at) is not int or at < first:
@@ -96,4 +128,7 @@ class Rejoins:
         if unbegun:
             done = self.begin(worker, incarnation, joining)[1]
         del self.begun[worker]
-        return done + self.shard.rejoin_at(worker, at)
+        done += self.shard.rejoin_at(worker, at)
+        if self.rows is not None and not joining:
+            self.rows.rejoin_at(worker, at)
+        return done

@@ -6,7 +6,11 @@ every worker pushes every key it trains in every step, with no rows when it has 
 count one contribution per worker as dense keys do (MXNet's workers push every key every step too).
 
 * ``dist_sync``: a round closes once every live worker's last chunk of it is in; its rows are merged
-  (repeats summed) and applied once (``updater``), and its acks go out.  A pull carries how many
+  (repeats summed) and applied once (``updater``), and its acks go out.  A worker *away* (lost, to be
+  restarted: :meth:`RowTables.mark_away`) is not waited for, and a round closed without it has its
+  rows scaled by workers / pushes (as a quorum's, and as the dense keys' rounds are); its restart is
+  counted again from a round of every table (:meth:`RowTables.readmit`, :meth:`RowTables.rejoin_at`,
+  :mod:`kvstore.core.rejoin`).  A pull carries how many
   rounds its worker has pushed (``after``) and is answered once that many are applied
   (read-your-writes).  Rounds more than ``window`` ahead of the applied ones are refused.
 * ``dist_async``: a worker's chunks are gathered until its last one, then applied and acked; with a
@@ -154,6 +158,8 @@ class RowTables:
         self.quorum: int | None = None  # dist_sync's KVSTORE_SYNC_QUORUM (None: every live worker)
         self.on_late: Callable[[Key, int, int], None] | None = None  # (key, worker, round) dropped late
         self.late: dict[int, int] = {}  # worker -> late pushes dropped (quorum)
+        self.away: set[int] = set()  # lost workers to be restarted (kvstore.core.rejoin)
+        self.joins: dict[int, int] = {}  # rejoined worker -> the first round of every table it counts in
         self.sets = 0  # SPARSE_SETs (rows or state) and dense STATE_SETs taken by this process: a shard
         # is due when it moves (kvstore.server.shards), and a settle request waits for a shard holding them
         self.calls: dict[tuple[int, int], set[int]] = {}  # (worker, call) -> parts of an init's or
@@ -216,6 +222,55 @@ class RowTables:
         if self.sync:
             return max((t.applied for t in self.tables.values()), default=0)
         return max((max(t.pushed.values(), default=0) for t in self.tables.values()), default=0)
+
+    def mark_away(self, worker: int) -> list[Completion]:
+        """``worker`` is lost and will be restarted: rounds close without it, each round's rows then
+        scaled by workers / pushes (as :meth:`leave` otherwise); return what closing them answers."""
+        self.away.add(worker)  # first: the rounds leave() closes are scaled
+        self.joins.pop(worker, None)
+        return self.leave(worker)
+
+    def first_round(self, worker: int) -> int:
+        """What :meth:`readmit` of ``worker`` would answer now, changing nothing: dist_sync, the first
+        round no table has opened; dist_async, the most pushes of one table ``worker``'s earlier
+        incarnations had applied (by its own numbering)."""
+        first = 0
+        for table in self.tables.values():
+            if self.sync:
+                first = max(first, table.applied, max(table.rounds, default=-1) + 1)
+            else:
+                first = max(first, table.pushed.get(worker, 0), table.numbered.get(worker, 0))
+        return first
+
+    def readmit(self, worker: int) -> int:
+        """A restarted ``worker`` counts again, from the first round no table has opened (dist_sync:
+        rounds open before do not wait for it); return that round (:meth:`first_round`)."""
+        first = self.first_round(worker)
+        self.away.discard(worker)
+        self.live.add(worker)
+        if self.sync:
+            self.joins[worker] = first
+        return first
+
+    def rejoin_at(self, worker: int, at: int) -> list[Completion]:
+        """A readmitted ``worker`` counts from round ``at`` of every table (dist_sync; nothing changes
+        in dist_async): its pushes are numbered from ``at`` (its count restarts there, so no quorum
+        shift is kept), rounds before it close without it; return what closing them answers."""
+        if not self.sync:
+            return []
+        self.joins[worker] = at
+        done: list[Completion] = []
+        for key, table in self.tables.items():
+            table.offset.pop(worker, None)
+            done.extend(self._close(key, table))
+        return done
+
+    def _waits_for(self, number: int) -> set[int]:
+        """The workers round ``number`` of a table waits for: the live ones, but a rejoined worker
+        only from the round it rejoined at."""
+        if not self.joins:
+            return self.live
+        return {w for w in self.live if self.joins.get(w, 0) <= number}
 
     def local_ids(self, key: Key, ids: np.ndarray) -> tuple[Table, np.ndarray]:
         """``key``'s table and ``ids`` (global row ids, int64, 1-d) as positions in its row range;
@@ -313,9 +368,9 @@ class RowTables:
                 self.on_late(key, sender, rnd)
         return [Completion(token)]
 
-    def _closes(self, current: _Round) -> bool:
-        """Whether a round is complete: every live worker's push is in, or (quorum) that many."""
-        if self.live <= current.done:
+    def _closes(self, current: _Round, number: int) -> bool:
+        """Whether round ``number`` is complete: every push it waits for is in, or (quorum) that many."""
+        if self._waits_for(number) <= current.done:
             return True
         return self.quorum is not None and len(current.done & self.live) >= self.quorum
 
@@ -331,9 +386,13 @@ class RowTables:
             ids = np.concatenate([p[0] for p in parts])
             rows = np.concatenate([p[1] for p in parts])
         ids, rows = R.merge(ids, rows)
-        pushed = len(contribution.done)
-        if self.sync and self.quorum is not None and 0 < pushed < self.num_workers:
-            rows = rows * rows.dtype.type(self.num_workers / pushed)  # as if every worker had pushed
+        if self.sync and (self.quorum is not None or self.away or self.joins):
+            # as if every worker had pushed: under a quorum all of them, else the live and away ones
+            # (a worker that left stands for none), as ShardState scales a dense round
+            members = self.num_workers if self.quorum is not None else len(self.live) + len(self.away)
+            pushed = len(contribution.done)
+            if pushed and pushed != members:
+                rows = rows * rows.dtype.type(members / pushed)
         if table.dynamic is not None:
             self.dynamic_updater(key, table.dynamic, ids, rows)
         else:
@@ -344,7 +403,7 @@ class RowTables:
         done: list[Completion] = []
         while True:
             current = table.rounds.get(table.applied)
-            if current is None or not self._closes(current):
+            if current is None or not self._closes(current, table.applied):
                 break
             self._apply(key, table, current)  # an updater's error leaves the round open
             del table.rounds[table.applied]
@@ -382,7 +441,8 @@ class RowTables:
         for key, table in self.tables.items():
             current = table.rounds.get(table.applied)
             if current is not None and now - current.opened > older_than:
-                found.append((key, now - current.opened, sorted(self.live - current.done)))
+                found.append((key, now - current.opened,
+                              sorted(self._waits_for(table.applied) - current.done)))
         return found
 
     def drop_waiting(self, key: Key) -> list[Any]:

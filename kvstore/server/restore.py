@@ -207,7 +207,8 @@ class Restored:
             self.rejoins.current[worker] = incarnation
         self.origins[worker] = origin
         self.aligned[worker] = {k: r + origin for k, r in zip(keys, rounds) if k in state}
-        # a table's rounds have no origin: a restarted worker does not rejoin row-sparse tables
+        # a table's rounds carry no origin: a rejoined worker numbers its pushes of a table from the round
+        # it rejoined at (kvstore/client/sparse.py, DistRows.rejoined)
         self.aligned_tables[worker] = {k: r for k, r in zip(keys, rounds) if k in self.tables}
         self.nexts[worker] = {k: n + origin for k, n in zip(keys, nexts) if k in state}
         self.waiting.append((identity, msg.seq))

@@ -142,13 +142,13 @@ class Server:
         self.state.on_close = self.meter.round_closed
         self.state.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self._requests = Requests(service, self.state, self.meter)
-        self.rejoins = Rejoins(self.state)  # restarted workers (launch.py --max-restarts)
         self._used: dict[int, list[bytes]] = {}  # worker rank -> connections of its data requests
         self._refused_left: set[int] = set()  # workers whose push after their LEAVE was logged
         self.sparse = SparseServer(self._requests)  # row-sparse keys (server/sparse.py)
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
                               cluster.get("max_message_bytes", 0), cluster.get("staleness"),
                               cluster.get("sync_quorum"), ordered=cfg.sum_order == "rank")
+        self.rejoins = Rejoins(self.state, self.sparse)  # restarted workers (launch.py --max-restarts)
         self.sparse.tables.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self.meter.extra_held = self.sparse.nbytes
         self.meter.extra_tables = self.sparse.dynamic_stats

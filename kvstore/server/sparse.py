@@ -366,3 +366,21 @@ class SparseServer:
     def leave(self, sender: int) -> None:
         """A worker left: answer what no longer waits for it."""
         self._reply_all(self.tables.leave(sender))
+
+    # -- a worker's restart (kvstore.core.rejoin.RowRounds): the tables' side, their answers sent --
+
+    def mark_away(self, worker: int) -> None:
+        """``worker`` is lost, to be restarted: the tables' rounds close without it, scaled."""
+        self._reply_all(self.tables.mark_away(worker))
+
+    def first_round(self, worker: int) -> int:
+        """The first round no table has opened here (dist_async: ``worker``'s most pushes of one)."""
+        return self.tables.first_round(worker)
+
+    def readmit(self, worker: int) -> int:
+        """A restarted ``worker`` counts again from :meth:`first_round`, which is returned."""
+        return self.tables.readmit(worker)
+
+    def rejoin_at(self, worker: int, at: int) -> None:
+        """``worker`` counts from round ``at`` of every table; answer the rounds that close."""
+        self._reply_all(self.tables.rejoin_at(worker, at))

@@ -247,3 +247,56 @@ def test_a_lost_pipeline_stage_fails_the_job_even_under_max_restarts(launches) -
     assert time.monotonic() - started < 60, run.output
     assert "lost stages are not restarted" in run.output, run.output
     assert re.search(r"\[worker 0\].*worker 1 on \S+ is lost", run.output), run.output
+
+
+SPARSE_SCRIPT = Path(__file__).parent / "scripts" / "sparse_rejoin_train.py"
+SPARSE_STEPS = 12
+
+
+def _sparse_reference() -> dict[str, np.ndarray]:
+    """sparse_rejoin_train.py's rows and dense key after SPARSE_STEPS unbroken steps of 2 workers with
+    the same batches, in one local store (each step's pushes summed, then sgd momentum)."""
+    import importlib.util
+
+    import kvstore
+    from kvstore import RowSparse
+
+    spec = importlib.util.spec_from_file_location("sparse_rejoin_train", SPARSE_SCRIPT)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    kv = kvstore.create("local")
+    train.setup(kv)
+    for step in range(SPARSE_STEPS):
+        ids, grads, fixed, frows, dense = train.batch(step)
+        kv.push("d", [RowSparse(ids, grads, shape=(0, train.WIDTH))] * 2)
+        kv.push("f", [RowSparse(fixed, frows, shape=(train.FIXED_ROWS, train.WIDTH))] * 2)
+        kv.push("w", [dense, dense])
+    dynamic = kv.row_sparse_pull("d", row_ids=train.table_ids())
+    return {"d_ids": dynamic.indices, "d_rows": dynamic.rows,
+            "f_rows": kv.row_sparse_pull("f", row_ids=np.arange(train.FIXED_ROWS)).rows,
+            "w": kv.pull("w")}
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_mid_training_rejoins_the_row_sparse_tables(launches, tmp_path: Path) -> None:
+    """Worker 1 SIGKILLed after the dense key's round 4, before its tables' round 3, under
+    --max-restarts 1 (2 workers, 2 servers, a dynamic and a fixed table and a dense key, sgd momentum
+    on the servers, the same batch on every worker): the tables' rounds closed without it (3 at
+    least) are scaled by 2/1, it rejoins every table at the job's step, and every
+    worker's final rows equal an unbroken run's exactly (x * 2.0 and g + g are the same floats)."""
+    go = tmp_path / "go"
+    run = launches(["-n", "2", "-s", "2", "--max-restarts", "1", str(SPARSE_SCRIPT), str(SPARSE_STEPS),
+                    str(tmp_path / "w"), str(go)], {"KVSTORE_TEST_DIE_AT_ROUND": "1:4"})
+    rejoined = re.compile(r"\[worker 1\] rejoined the cluster as incarnation 1 at round (\d+)")
+    poll_for(lambda: rejoined.search(run.output) or run.proc.poll() is not None, 60, "worker 1's rejoin")
+    go.write_text("go")  # worker 0 waits before step PAUSE (7): the rejoin lands mid-training
+    assert run.finish(90) == 0, run.output
+    out = run.output
+    assert re.search(r"worker 1 exited with code 137; restarting it as incarnation 1", out), out
+    found = rejoined.search(out)
+    assert found and 4 <= int(found.group(1)) <= 7, out  # rounds 4.. closed without it, scaled
+    want = _sparse_reference()
+    for rank in (0, 1):
+        got = _weights(tmp_path / f"w.{rank}")
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=f"{name} on rank {rank}\n{out[-3000:]}")

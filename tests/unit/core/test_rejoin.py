@@ -160,3 +160,47 @@ def test_a_second_step_below_a_round_the_server_opened_is_refused_and_changes_no
         rejoins.join_at(1, 1, 1)
     assert rejoins.current == {} and 1 not in shard.active
     assert rejoins.join_at(1, 1, 2) == []  # the same rejoin at a round not opened yet
+
+
+class _Rows:
+    """A RowRounds over RowTables that keeps what each step answered."""
+
+    def __init__(self, tables) -> None:
+        self.tables, self.answered = tables, []
+
+    def mark_away(self, worker: int) -> None:
+        self.answered += [c.token for c in self.tables.mark_away(worker)]
+
+    def first_round(self, worker: int) -> int:
+        return self.tables.first_round(worker)
+
+    def readmit(self, worker: int) -> int:
+        return self.tables.readmit(worker)
+
+    def rejoin_at(self, worker: int, at: int) -> None:
+        self.answered += [c.token for c in self.tables.rejoin_at(worker, at)]
+
+
+def test_a_rejoin_counts_the_row_tables_rounds_and_takes_the_worker_back_in_them() -> None:
+    """With row tables, AWAY closes their rounds too, begin answers the furthest round over keys and
+    tables, and join_at counts the worker from that round of every table."""
+    from kvstore.core.sparse_shard import RowTables
+
+    shard = ShardState(2, sync=True, ordered=True, window=4)
+    shard.init("w", np.zeros(2))
+    tables = RowTables(2, True, 4)
+    tables.init("e", (4, 1), np.dtype(np.float32), 0, 4, {"type": "zeros", "seed": 0})
+    tables.updater = lambda key, weight, ids, got: weight.__setitem__(ids, weight[ids] + got)  # adds
+    rows = _Rows(tables)
+    rejoins = Rejoins(shard, rows)
+    one = (np.array([0], np.int64), np.ones((1, 1), np.float32))
+    tables.push(0, "e", 0, True, *one, "e0")
+    assert rejoins.away(1, 0) == [] and rows.answered == ["e0"]
+    tables.push(0, "e", 1, True, *one, "e1")  # the table is ahead of key 'w' (no round opened)
+    first, _ = rejoins.begin(1, 1)
+    assert first == 2 and shard.first_round(1) == 0
+    push(shard, 0, 1.0, "w0")  # round 0 of 'w' waits for worker 1 until join_at
+    assert [c.token for c in rejoins.join_at(1, 1, 2)] == ["w0"]
+    assert tables.push(0, "e", 2, True, *one, "a") == []  # round 2 of the table waits for worker 1
+    assert sorted(c.token for c in tables.push(1, "e", 2, True, *one, "b")) == ["a", "b"]
+    assert tables.tables["e"].weight[0, 0] == 6.0  # 2 + 2 (rounds scaled by 2/1) + 2

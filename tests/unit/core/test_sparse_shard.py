@@ -224,3 +224,74 @@ def test_sum_order_rank_adds_a_rounds_rows_in_rank_order_whatever_came_first(ord
             tables.push(worker, "e", 0, True, *_rows([12], values[worker]), worker)
         got.add(float(tables.tables["e"].weight[2, 0]))
     assert got == ({1.0} if ordered else {0.0, 1.0})
+
+
+def _adding(key: str, weight: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+    """An updater that adds a round's rows to the table's (the default one stores them)."""
+    weight[ids] += rows
+
+
+def test_a_round_waiting_for_an_away_worker_closes_every_row_scaled_by_workers_over_pushes() -> None:
+    """Workers 0 and 1 of 3 pushed, 2 goes away: the round closes, every row of it (one pushed by
+    worker 0 alone too) scaled by 3/2, as a dense round's sum is; later rounds need 0 and 1 only."""
+    t = RowTables(3, True, 4)
+    t.init("e", (20, 2), np.dtype(np.float32), 10, 20, ZEROS)
+    t.push(0, "e", 0, True, *_rows([11, 12], 2.0), "a")
+    t.push(1, "e", 0, True, *_rows([12], 2.0), "b")
+    assert sorted(c.token for c in t.mark_away(2)) == ["a", "b"]
+    weight = t.tables["e"].weight
+    assert weight[1, 0] == 3.0 and weight[2, 0] == 6.0  # 2 * 3/2 and (2 + 2) * 3/2
+    t.push(0, "e", 1, True, *_rows([13], 1.0), "c")
+    assert [c.token for c in t.push(1, "e", 1, True, *_rows([], 0.0), "d")] == ["c", "d"]
+    assert weight[3, 0] == 1.5
+    with pytest.raises(ProtocolError, match="has left"):  # the lost incarnation's late push
+        t.push(2, "e", 1, True, *_rows([13], 1.0), "late")
+
+
+def test_a_readmitted_worker_counts_from_the_first_round_no_table_opened() -> None:
+    """readmit answers the first round no table has opened (the furthest table's); rounds before it
+    close without the worker; its pull after that round waits for them; its push of that round joins
+    it, and a round every worker pushed is not scaled."""
+    t = RowTables(2, True, 4)
+    t.init("e", (20, 2), np.dtype(np.float32), 10, 20, ZEROS)
+    t.init("g", (4, 2), np.dtype(np.float32), 0, 4, ZEROS)
+    t.updater = _adding
+    t.mark_away(1)
+    t.push(0, "e", 0, True, *_rows([11], 1.0), "e0")  # closed at once, scaled by 2
+    t.push(0, "g", 0, True, np.array([1], np.int64), np.ones((1, 2), np.float32), "g0")
+    t.push(0, "e", 1, True, *_rows([11], 1.0), "e1")
+    assert t.first_round(1) == 2  # table e has applied rounds 0 and 1, g round 0
+    assert t.readmit(1) == 2 and t.rejoin_at(1, 2) == []
+    assert t.tables["e"].weight[1, 0] == 4.0 and t.tables["g"].weight[1, 0] == 2.0  # each round x 2
+    ids = np.array([1], np.int64)
+    assert t.pull(1, "g", 2, ids, "pull") == []  # table g has not closed round 1 yet
+    done = t.push(0, "g", 1, True, np.array([1], np.int64), np.ones((1, 2), np.float32), "g1")
+    assert [c.token for c in done] == ["g1", "pull"] and done[1].value[0, 0] == 4.0  # round 1 alone
+    assert t.push(0, "g", 2, True, np.array([2], np.int64), np.ones((1, 2), np.float32), "a") == []
+    done = t.push(1, "g", 2, True, np.array([2], np.int64), np.ones((1, 2), np.float32), "b")
+    assert sorted(c.token for c in done) == ["a", "b"]
+    assert t.tables["g"].weight[2, 0] == 2.0  # both pushed: 1 + 1, unscaled
+
+
+def test_rejoin_at_a_later_round_closes_the_rounds_before_it() -> None:
+    """A worker readmitted at round r (so round r waits for it) and told to count from r + 1: round
+    r closes without it, scaled; a push of a round below its own is refused by the window."""
+    t = _tables(workers=2, window=4)
+    t.mark_away(1)
+    assert t.readmit(1) == 0
+    assert t.push(0, "e", 0, True, *_rows([11], 1.0), "a") == []  # waits for the readmitted worker
+    assert [c.token for c in t.rejoin_at(1, 1)] == ["a"]
+    assert t.tables["e"].weight[1, 0] == 2.0
+    with pytest.raises(ProtocolError, match="KVSTORE_PUSH_WINDOW"):
+        t.push(1, "e", 0, True, *_rows([11], 1.0), "old")
+
+
+def test_in_dist_async_readmit_answers_the_workers_own_pushes_applied() -> None:
+    """dist_async: the round a restarted worker goes on from is the most pushes of one table its
+    earlier incarnations had applied; its pushes are applied at once meanwhile as before."""
+    t = _tables(sync=False)
+    for rnd in range(3):
+        t.push(1, "e", rnd, True, *_rows([11], 1.0), rnd)
+    t.mark_away(1)
+    assert t.first_round(1) == 3 and t.readmit(1) == 3 and t.rejoin_at(1, 3) == []
+    assert [c.token for c in t.push(1, "e", 3, True, *_rows([11], 1.0), "x")] == ["x"]
