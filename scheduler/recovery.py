@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.core.membership import MAX_TAG
 from kvstore.errors import AuthenticationError, ProtocolError
 from kvstore.launch import portfile
 from kvstore.net.auth import is_heartbeat_label
@@ -64,6 +65,8 @@ class Rebound:
     away: frozenset[int]  # workers it knows are away (being restarted)
     used: int  # restarts it knows were used
     counters: tuple[tuple[str, int], ...] = ()  # (label, number): its channels' numbers stand above these
+    view: tuple[int, frozenset[int], tuple[int, ...]] | None = None  # a worker's last tagged view:
+    # (number, left, tag), as the scheduler kept it (docs/elastic.md)
 
 
 def parse(body: dict[str, Any], num_workers: int, num_servers: int) -> Rebound:
@@ -90,7 +93,22 @@ def parse(body: dict[str, Any], num_workers: int, num_servers: int) -> Rebound:
     return Rebound(role, rank, incarnation, str(body.get("host"))[:256], port if role == "server" else None,
                    label, passed, _ranks(body.get("left", []), num_workers, "left"),
                    _ranks(body.get("away", []), num_workers, "away"), used,
-                   tuple((c[0], c[1]) for c in counters))
+                   tuple((c[0], c[1]) for c in counters), _view(body.get("view"), num_workers, passed))
+
+
+def _view(value: Any, num_workers: int, passed: int) -> tuple[int, frozenset[int], tuple[int, ...]] | None:
+    """A re-registration's last tagged membership view ``{"view": n, "left": [...], "tag": [...]}``
+    (absent: None) as ``(n, left, tag)``; ProtocolError when malformed or numbered past the barriers
+    the worker passed."""
+    if value is None:
+        return None
+    number, tag = value.get("view") if isinstance(value, dict) else None, \
+        value.get("tag") if isinstance(value, dict) else None
+    if not (type(number) is int and 0 < number <= passed and isinstance(tag, list) and len(tag) <= MAX_TAG
+            and all(type(t) is int for t in tag)):
+        raise ProtocolError("a re-registration's view must be {view: an int in [1, barriers passed], left: "
+                            f"ranks, tag: at most {MAX_TAG} ints}}")
+    return number, _ranks(value.get("left", []), num_workers, "view's left"), tuple(tag)
 
 
 def _server_entry(entry: Any) -> bool:
@@ -217,6 +235,16 @@ class Recovery:
     def used(self) -> int:
         """Restarts used: the most anyone knows of (the launcher's count includes this scheduler's)."""
         return max([self._used, *(n.used for n in self.nodes.values())])
+
+    @property
+    def last_view(self) -> dict[str, Any] | None:
+        """The job's last tagged membership view, as the scheduler keeps it (``{"view", "left", "tag"}``):
+        the highest-numbered one any worker re-registered with, or None."""
+        views = [n.view for n in self.nodes.values() if n.role == "worker" and n.view is not None]
+        if not views:
+            return None
+        number, left, tag = max(views, key=lambda v: v[0])
+        return {"view": number, "left": sorted(left), "tag": list(tag)}
 
     @property
     def generation(self) -> int:

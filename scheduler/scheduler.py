@@ -376,6 +376,7 @@ class Scheduler:
                             self.map_body["servers"])
         self.barrier.num_workers = self.cfg.num_workers - len(self.left) - len(away)
         self.barrier.generation = rec.generation
+        self._view = rec.last_view  # the epoch a worker that joins or restarts later comes into
         self.map_at, self.map_sent = now, True
         log.warning("cluster rebuilt %.2f s after this scheduler started: %d workers (left %s, away %s), "
                     "%d servers, %d barriers passed, %d of %d restarts used", now - self._started,
@@ -450,14 +451,22 @@ class Scheduler:
                                     and all(type(t) is int for t in tag)):
             raise ProtocolError(f"a barrier's tag must be a list of at most {MAX_TAG} ints")
         if after is not None and after < self.barrier.generation:  # released before a scheduler's death:
-            body = {"failures": [], "left": sorted(self.left)}  # its reply was lost: answered now
-            self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
+            self.service.reply(identity, Message(Op.OK, self._replayed(after), seq=msg.seq))  # reply lost
             return
         self.stalled.discard(rank)
         self.stats.arrive(rank, time.monotonic())
         self._release(self.barrier.arrive(rank, identity, msg.seq, failure, digest, tag))
         if self._die is not None:
             self._die("barrier")
+
+    def _replayed(self, after: int) -> dict:
+        """The answer to a barrier released before (its reply lost, maybe in a scheduler's death): the
+        view it agreed when it was the last tagged one (its number is ``after + 1``), else no view."""
+        view = self._view
+        if view is not None and view["view"] == after + 1:
+            return {"failures": [], "left": list(view["left"]), "view": view["view"],
+                    "tag": list(view["tag"])}
+        return {"failures": [], "left": sorted(self.left)}
 
     def _release(self, released: list[tuple[bytes, int]]) -> None:
         """Answer released barrier waiters: the failures reported at it and who has left (every worker

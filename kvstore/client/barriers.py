@@ -35,12 +35,16 @@ class Barriers:
 
     def __init__(self, io: Mux, cfg: Config, mode: str, rank: int, num_workers: int,
                  wait: Callable[[list, float, str], list], pushes: Callable[[], int] = lambda: 0,
-                 passed: int = 0, absent: list[int] | None = None, view: Membership | None = None) -> None:
+                 passed: int = 0, absent: list[int] | None = None, view: Membership | None = None,
+                 tagged: dict | None = None) -> None:
         self._io, self._cfg, self._mode, self._rank, self._num_workers = io, cfg, mode, rank, num_workers
         self.passed = passed  # barriers released so far (a restarted scheduler repeats only an open one)
         # the membership the last barrier passed agreed (before any: the map's, docs/elastic.md)
         self.view = view if view is not None else view_of({"absent": absent or []}, num_workers, passed)
         self._wait, self._pushes = wait, pushes
+        # the last tagged view as the scheduler keeps it ({"view", "left", "tag"}): a restarted scheduler
+        # learns it back from the workers' re-registrations (scheduler/recovery.py)
+        self.tagged = tagged
         self._lock = threading.Lock()
         # workers known to have left, and us; an elastic job's slots absent at the start (not warned of)
         self._left: set[int] = {rank, *(absent or ())}
@@ -126,6 +130,9 @@ class Barriers:
             self._passed()
             with self._lock:
                 self.view = view_of(body, self._num_workers, self.passed)
+                if body.get("tag") is not None and type(body.get("view")) is int:
+                    self.tagged = {"view": body["view"], "left": list(body.get("left", [])),
+                                   "tag": list(body["tag"])}
             self.warn_left(body.get("left", []))
             return body
         except DeadlineExceededError:

@@ -61,16 +61,19 @@ class WorkerRebind:
     number it passed, so the scheduler answers one released before its death at once)."""
 
     def __init__(self, io: Mux, cfg: kvconfig.Config, cmap: dict, mode: str,
-                 passed: Callable[[], int], left: Callable[[], list[int]]) -> None:
+                 passed: Callable[[], int], left: Callable[[], list[int]],
+                 tagged: Callable[[], dict | None] = lambda: None) -> None:
         self._io, self._cfg, self._mode, self._passed, self._left = io, cfg, mode, passed, left
+        self._tagged = tagged  # the last tagged membership view it passed (a restarted scheduler keeps it)
         self._map = {k: v for k, v in cmap.items() if k not in ("nonce", "rank", "role")}
 
     def identity(self) -> dict:
-        """The worker's re-registration (scheduler/recovery.py)."""
+        """The worker's re-registration (scheduler/recovery.py), with its last tagged membership view."""
         return {"role": "worker", "rank": self._io.rank, "incarnation": self._cfg.incarnation,
                 "host": address.advertised_host(self._cfg), "mode": self._mode,
                 "label": self._io.channel.label, "map": self._map, "passed": self._passed(),
-                "left": self._left(), "counters": [[self._io.channel.label, self._io.channel.reserve()]]}
+                "left": self._left(), "counters": [[self._io.channel.label, self._io.channel.reserve()]],
+                **({"view": view} if (view := self._tagged()) is not None else {})}
 
     def paused(self) -> None:
         """Hold what goes to the scheduler (its reply would never come)."""

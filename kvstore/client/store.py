@@ -154,7 +154,8 @@ class DistKVStore(KVStore):
                               self._compress, self._device_mode, cfg.hold_push)
         self._barriers = Barriers(self._io, cfg, self._mode, cluster.rank, cluster.num_workers,
                                   self._path.wait, self._meter.pushes, passed=body.get("barriers", 0),
-                                  absent=body.get("absent"), view=joined_view(body, cluster.num_workers))
+                                  absent=body.get("absent"), view=joined_view(body, cluster.num_workers),
+                                  tagged=body.get("view") if isinstance(body.get("view"), dict) else None)
         self._rows = DistRows(RowsLink(  # row_sparse keys (client/sparse.py)
             self._path, self._collective, cfg.request_timeout,
             lambda *a: self._collective_calls.resumed_table(*a),
@@ -180,7 +181,8 @@ class DistKVStore(KVStore):
                                         on_restarted=aligner.on_restarted,
                                         rebinder=WorkerRebind(self._io, cfg, body, self._mode,
                                                               lambda: self._barriers.passed,
-                                                              lambda: self._barriers.left),
+                                                              lambda: self._barriers.left,
+                                                              lambda: self._barriers.tagged),
                                         links=links)
             self._heartbeat.start()
             # after the first beat's thread is up: an offer to a server that died meanwhile waits for

@@ -324,3 +324,35 @@ def test_a_first_map_with_a_bad_seed_quorum_session_or_absent_slots_is_refused(c
     with pytest.raises(ProtocolError):
         book.admit(body("worker", 0, "w0", map={**MAP, **change}))
     assert book.nodes == {} and book.map is None and book.session is None
+
+
+def test_the_last_tagged_view_is_learnt_back_from_the_workers_and_bad_ones_are_refused():
+    """A worker re-registers with its last tagged membership view: the rebuild keeps the highest-numbered
+    one any worker had; a view numbered past the worker's barriers, or with a bad tag or left, is refused."""
+    book = Recovery(3, 1, session_digest(SESSION))
+    m3 = dict(MAP, num_workers=3)
+    for bad in ({"view": 5, "left": [], "tag": [1]}, {"view": 2, "left": [7], "tag": []},
+                {"view": 2, "left": [], "tag": ["x"]}, {"view": 2, "left": [], "tag": list(range(99))}, [2]):
+        with pytest.raises(ProtocolError):
+            book.admit(body("worker", 0, "w0", passed=3, view=bad, map=m3))
+    assert book.last_view is None
+    book.admit(body("worker", 0, "w0", passed=3, view={"view": 3, "left": [2], "tag": [4, 1]}, map=m3))
+    book.admit(body("worker", 1, "w1", passed=2, view={"view": 1, "left": [], "tag": [0]}, map=m3))
+    assert book.last_view == {"view": 3, "left": [2], "tag": [4, 1]}
+
+
+def test_a_restarted_scheduler_answers_a_replayed_tagged_barrier_with_its_view(tmp_path: Path):
+    """A membership barrier released just before the scheduler's death, whose reply one worker lost: the
+    restarted scheduler learns the view from the worker that saw it and answers the replay with that view
+    and tag (not a bare barrier), and keeps it as the job's last view."""
+    sched = restarted(tmp_path)
+    seen = {"view": 3, "left": [], "tag": [9]}
+    reregister(sched, "w0", "worker", 0, passed=3, view=seen)
+    s0, _ = reregister(sched, "s0", "server", 0)
+    s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})
+    w1, _ = reregister(sched, "w1", "worker", 1, passed=2)  # its reply to barrier 3 was lost
+    assert sched.map_sent
+    (late,) = w1.send(Op.BARRIER, {"after": 2, "tag": [9]}, sender=1)
+    assert late.op is Op.OK and late.body == {"failures": [], "left": [], "view": 3, "tag": [9]}
+    (older,) = w1.send(Op.BARRIER, {"after": 1}, sender=1)  # an untagged barrier before it: no view
+    assert older.body == {"failures": [], "left": []}
