@@ -268,6 +268,10 @@ static PyObject *Key_mac(KeyObject *self, PyObject *frames) {
     Py_ssize_t count, i, stack[8], *lengths = stack;
     Py_buffer head;
     uint8_t digest[32];
+    if (self->size == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "this Key was not initialised");
+        return NULL;
+    }
     seq = PySequence_Fast(frames, "frames must be a list of buffers");
     if (seq == NULL)
         return NULL;
@@ -326,6 +330,10 @@ static PyObject *Key_seal(KeyObject *self, PyObject *const *args, Py_ssize_t nar
     PyObject *out;
     if (nargs != 12) {
         PyErr_SetString(PyExc_TypeError, "seal takes 12 arguments");
+        return NULL;
+    }
+    if (self->size == 0 || ProtocolError == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "an initialised Key and kvstore.net._hot.configure() are needed");
         return NULL;
     }
     op = (int)PyLong_AsLong(args[0]);
@@ -401,6 +409,10 @@ static PyObject *Key_verify(KeyObject *self, PyObject *frame) {
     Py_buffer view;
     uint8_t digest[32], diff = 0;
     Py_ssize_t body, i;
+    if (self->size == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "this Key was not initialised");
+        return NULL;
+    }
     if (PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE) < 0)
         return NULL;
     if (view.len < self->size) {
@@ -582,28 +594,42 @@ done:
  *           names, itemsizes): the layout's constants, from kvstore.net.compact (names: a tuple of str). */
 static PyObject *hot_configure(PyObject *module, PyObject *args) {
     PyObject *error, *names, *sizes, *seq;
-    Py_ssize_t i;
+    Py_ssize_t i, n, fsize, maxb, sz[64];
+    int ver, mark, nodt, ok, push, pull, pushpull;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OiiinniiiiO!O", &error, &version, &marker, &nodtype, &fields_size, &max_bytes,
-                          &op_ok, &op_push, &op_pull, &op_pushpull, &PyTuple_Type, &names, &sizes))
+    if (!PyArg_ParseTuple(args, "OiiinniiiiO!O", &error, &ver, &mark, &nodt, &fsize, &maxb, &ok, &push, &pull,
+                          &pushpull, &PyTuple_Type, &names, &sizes))
         return NULL;
-    if (fields_size != 49) {
+    if (fsize != 49) {
         PyErr_SetString(PyExc_ValueError, "this build of kvstore.net._hot knows a 49-byte field layout only");
+        return NULL;
+    }
+    if (maxb < fsize) {
+        PyErr_SetString(PyExc_ValueError, "max_bytes is below the field layout's size");
         return NULL;
     }
     if ((seq = PySequence_Fast(sizes, "itemsizes must be a sequence")) == NULL)
         return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) > 64 || PySequence_Fast_GET_SIZE(seq) != PyTuple_GET_SIZE(names)) {
+    n = PySequence_Fast_GET_SIZE(seq);
+    if (n > 64 || n != PyTuple_GET_SIZE(names)) {
         Py_DECREF(seq);
         PyErr_SetString(PyExc_ValueError, "itemsizes must be one per dtype name, at most 64");
         return NULL;
     }
-    ndtypes = (int)PySequence_Fast_GET_SIZE(seq);
-    for (i = 0; i < ndtypes; i++)
-        itemsizes[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i));
+    for (i = 0; i < n; i++) {
+        sz[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i));
+        if (sz[i] < 1) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "every itemsize must be positive");
+            return NULL;
+        }
+    }
     Py_DECREF(seq);
-    if (PyErr_Occurred())
-        return NULL;
+    version = ver; marker = mark; nodtype = nodt; fields_size = fsize; max_bytes = maxb;
+    op_ok = ok; op_push = push; op_pull = pull; op_pushpull = pushpull;
+    memcpy(itemsizes, sz, sizeof(Py_ssize_t) * (size_t)n);
+    ndtypes = (int)n;
     Py_XSETREF(dtype_names, Py_NewRef(names));
     Py_XSETREF(ProtocolError, Py_NewRef(error));
     Py_RETURN_NONE;

@@ -112,7 +112,8 @@ def seal(key: Any, msg: Message) -> bytes:
     code = _NO_DTYPE if array is None else _DTYPE_CODE[dtype_name(array.dtype)]
     sender = -1 if msg.sender is None else msg.sender
     if msg.op is Op.OK:
-        return key.seal(msg.op, 0, code, label, to, None, msg.seq, sender, n, -1, -1, array)
+        return key.seal(msg.op, 0, code, label, to, None, msg.seq, sender, n, -1, -1,
+                        None if array is None else np.ascontiguousarray(array))
     body = msg.body
     name, rounds = body["keys"][0], body.get("rounds")
     return key.seal(msg.op, 1 if type(name) is int else 2, code, label, to, name, msg.seq, sender, n,
