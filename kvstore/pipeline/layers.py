@@ -13,14 +13,22 @@ Layers built here (factories and meta modules) are initialised under a seed of t
 from the Pipeline's ``seed`` and the layer's index (:func:`seeded`), so the weights do not depend on
 which rank builds a layer or what it built before: :func:`build` makes the same whole model in one
 process, the reference a stage-local run is compared with.
+
+Three kinds of layer carry more than one tensor from layer to layer (docs/pipeline.md, "Real models"):
+:class:`Save` and :class:`Take` make a skip connection (a tensor kept by one layer and used by a later
+one, on the same stage or another), and :class:`Tied` shares one module between several places of the
+model (an embedding and the output projection).  :func:`run` runs a list of layers with them; a layer
+may also return a tuple, which the next layer receives as its one argument (as ``nn.Sequential``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import torch
 
 from kvstore.errors import ConfigError
 
@@ -41,6 +49,141 @@ class LayerSpec:
         name = getattr(self.factory, "__name__", repr(self.factory))
         args = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
         return f"LayerSpec({name}, {', '.join(args)})" if args else f"LayerSpec({name})"
+
+
+class Save(torch.nn.Module):
+    """The identity, which also keeps its input under ``name`` for the later :class:`Take` of that name
+    (a skip connection; the input may be a tensor or a tuple of tensors)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a skip connection needs a non-empty str name, not {name!r}")
+        self.name = name
+
+    def forward(self, x: Any) -> Any:
+        return x
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
+
+
+class Take(torch.nn.Module):
+    """Combines its input with what the :class:`Save` of ``name`` kept: ``combine(x, saved)``, by default
+    ``x + saved`` (a residual).  ``combine`` may be a module (its parameters are this layer's) or any
+    callable."""
+
+    def __init__(self, name: str, combine: Callable[[Any, Any], Any] | None = None) -> None:
+        super().__init__()
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a skip connection needs a non-empty str name, not {name!r}")
+        if combine is not None and not callable(combine):
+            raise ConfigError(f"Take({name!r})'s combine must be callable, not {combine!r}")
+        self.name = name
+        self.combine = combine  # a module assigned here is registered as a submodule
+
+    def forward(self, x: Any, saved: Any) -> Any:  # noqa: D102
+        return x + saved if self.combine is None else self.combine(x, saved)
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
+
+
+class TiedLayer(torch.nn.Module):
+    """One place of a module shared under ``key``: ``forward(module, x)``, or ``module(x)``."""
+
+    def __init__(self, key: str, module: Any, forward: Callable[[Any, Any], Any] | None = None) -> None:
+        super().__init__()
+        self.key, self.module, self.apply = key, module, forward
+
+    def forward(self, x: Any) -> Any:
+        return self.module(x) if self.apply is None else self.apply(self.module, x)
+
+    def extra_repr(self) -> str:
+        return repr(self.key)
+
+
+class Tied:
+    """A layer whose module is shared with every other ``Tied`` of the same ``key`` (DeepSpeed's
+    TiedLayerSpec): ``factory()`` builds the module once (the first place's), each place runs
+    ``forward(module, x)`` (``module(x)`` when None).  On a pipeline, each stage that holds a place
+    builds the module under the first place's seed, and the places' gradients are summed through the
+    store (the Trainer's key of the first place's name, in a worker set of the stages that hold it)."""
+
+    def __init__(self, key: str, factory: Callable[[], Any],
+                 forward: Callable[[Any, Any], Any] | None = None) -> None:
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"a tied layer needs a non-empty str key, not {key!r}")
+        if not callable(factory) or (forward is not None and not callable(forward)):
+            raise ConfigError(f"Tied({key!r}) needs a module factory and a callable forward (or None)")
+        self.key, self.factory, self.forward = key, factory, forward
+
+    def __call__(self) -> Any:
+        return TiedLayer(self.key, self.factory(), self.forward)
+
+    def __repr__(self) -> str:
+        return f"Tied({self.key!r}, {self.factory!r})"
+
+
+def run(layers: Iterable[Any], x: Any, skips: dict[str, Any]) -> Any:
+    """Run ``layers`` in order on ``x``: a :class:`Save` keeps its input in ``skips``, a :class:`Take`
+    pops its name from ``skips`` (a KeyError names a skip that was not kept), any other layer takes the
+    previous output as its one argument.  Returns the last output."""
+    for layer in layers:
+        if isinstance(layer, Save):
+            skips[layer.name] = x
+        elif isinstance(layer, Take):
+            if layer.name not in skips:
+                raise KeyError(f"Take({layer.name!r}) runs before its Save")
+            x = layer(x, skips.pop(layer.name))
+        else:
+            x = layer(x)
+    return x
+
+
+class Roles:
+    """What each layer of a model is, read without building it: the skip names each layer keeps
+    (``saves``) and uses (``takes``), and the key of each tied layer (``tied``).  Raises ConfigError for
+    a skip kept or used twice, used before it is kept, or never used."""
+
+    def __init__(self, entries: list[Any]) -> None:
+        self.saves: dict[str, int] = {}  # skip name -> the index of the layer that keeps it
+        self.takes: dict[str, int] = {}  # skip name -> the index of the layer that uses it
+        self.tied: dict[int, str] = {}  # layer index -> its tied key
+        self.first: dict[str, int] = {}  # tied key -> the index of its first place
+        for index, entry in enumerate(entries):
+            layer = _peek(entry, index)
+            if isinstance(layer, (Save, Take)):
+                book = self.saves if isinstance(layer, Save) else self.takes
+                if layer.name in book:
+                    raise ConfigError(f"skip {layer.name!r} is {'kept' if book is self.saves else 'used'} "
+                                      f"twice (layers {book[layer.name]} and {index})")
+                if isinstance(layer, Take) and layer.name not in self.saves:
+                    raise ConfigError(f"layer {index} uses skip {layer.name!r} before any layer keeps it")
+                book[layer.name] = index
+            key = layer.key if isinstance(layer, TiedLayer) else None
+            if key is not None:
+                self.tied[index] = key
+                self.first.setdefault(key, index)
+        unused = sorted(set(self.saves) - set(self.takes))
+        if unused:
+            raise ConfigError(f"skip(s) {unused} kept but never used (a Take of each name must follow)")
+
+    def seed_index(self, index: int) -> int:
+        """The index whose seed layer ``index`` is built under: a tied layer's first place."""
+        return self.first[self.tied[index]] if index in self.tied else index
+
+
+def _peek(entry: Any, index: int) -> Any:
+    """The module ``entry`` is or builds (a factory is built on the ``meta`` device: no memory)."""
+    import torch
+
+    if isinstance(entry, torch.nn.Module):
+        return entry
+    if isinstance(entry, LayerSpec) and entry.factory in (Save, Take):
+        return entry()  # no parameters to allocate
+    with torch.device("meta"):
+        return _called(entry, index)
 
 
 def described(model: Any) -> list[Any]:
@@ -138,9 +281,19 @@ def build(model: Any, seed: int = 0) -> Any:
     """The whole model as one process gets it: an ``nn.Sequential`` of every layer, built (factories)
     or materialised (meta modules) under the same per-layer seeds as a Pipeline's stages.  Raises as
     :func:`materialise`."""
-    import torch
-
-    return torch.nn.Sequential(*[materialise(e, i, seed) for i, e in enumerate(described(model))])
+    entries = described(model)
+    roles = Roles(entries)
+    built: dict[str, Any] = {}  # tied key -> the module its first place built
+    layers = []
+    for index, entry in enumerate(entries):
+        layer = materialise(entry, roles.seed_index(index), seed)
+        if index in roles.tied:
+            key = roles.tied[index]
+            if key in built and layer.module is not built[key]:
+                layer = TiedLayer(key, built[key], layer.apply)  # the places share one module
+            built.setdefault(key, layer.module)
+        layers.append(layer)
+    return torch.nn.Sequential(*layers)
 
 
 def _called(factory: Callable[[], Any], index: int) -> Any:
