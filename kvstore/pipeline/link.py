@@ -1,10 +1,14 @@
 """Stage-to-stage transport: one bound socket per pipeline worker, sealed messages to its neighbours.
 
 Each pipeline worker binds one ROUTER (port 0) and publishes its address through the
-scheduler (PIPE_PUBLISH); after a barrier it looks its neighbours up (PIPE_LOOKUP) and
-connects a DEALER to each.  Activations go forward and gradients backward as sealed
-messages (``kvstore.net.auth``, keyed by the cluster's secret and session), each array a
-raw frame (zero-copy for big ones).  Every wait has a deadline (KVSTORE_REQUEST_TIMEOUT)
+scheduler (PIPE_PUBLISH); after a barrier it looks its peers up (PIPE_LOOKUP) and connects a
+DEALER to each: its neighbours, and the ranks a skip connection or an interleaved schedule's
+wrap-around joins it to.  Activations go forward and gradients backward as sealed messages
+(``kvstore.net.auth``, keyed by the cluster's secret and session), each array a raw frame
+(zero-copy for big ones).  A message travels on a *channel*, ``(op, part, name)``: its kind, the
+model part that receives it and its skip name ("" for the main boundary); the routes say which rank
+sends on each channel this rank receives, and a message from any other rank is dropped.  A message
+to a part of this rank goes straight into its inbox.  Every wait has a deadline (KVSTORE_REQUEST_TIMEOUT)
 and watches the store's heartbeat: a lost worker is raised as the store raises it.
 
 Anyone may connect to the bound socket, so it has a server's limits against a stranger: zmq's
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -48,6 +53,20 @@ INBOUND_MESSAGES = 4
 TRIM_AFTER_BYTES = 16 << 20  # refused bytes after which freed heap goes back to the OS (at most 1/s)
 BIG_REFUSAL = 1 << 20  # a refused message of this many bytes is freed with the heap trimmed at once
 MAX_CHUNKS = 1 << 16  # micro-batches of a step when the caller does not say (the most a stage may announce)
+MAX_ARRAYS = 256  # tensors in one message (a tuple boundary's elements)
+Channel = tuple[int, int, str]  # (op, part, name): PIPE_ACT or PIPE_GRAD, the receiving part, the skip name
+Key = tuple[int, int, int, int, str]  # (op, step, mb, part, name): one message of one step
+
+
+def neighbour_routes(prev: int | None, nxt: int | None) -> dict[Channel, int]:
+    """The routes of a stage that only talks to its neighbours (part 0): activations from ``prev``,
+    gradients from ``nxt``."""
+    routes: dict[Channel, int] = {}
+    if prev is not None:
+        routes[(Op.PIPE_ACT, 0, "")] = prev
+    if nxt is not None:
+        routes[(Op.PIPE_GRAD, 0, "")] = nxt
+    return routes
 
 
 def label(rank: int) -> str:
@@ -56,16 +75,18 @@ def label(rank: int) -> str:
 
 
 class StageLink:
-    """Worker ``rank``'s pipeline socket and its connections to the ranks ``prev`` and ``next``
-    (None at the ends).  ``names`` maps a rank to the words naming it in errors ("stage 0 (worker 2)").
+    """Worker ``rank``'s pipeline socket and its connections to its peers.  ``routes`` maps each channel
+    this rank receives on to the rank that sends on it; ``peers`` are the other ranks it sends to (it
+    connects to both).  ``names`` maps a rank to the words naming it in errors ("stage 0 (worker 2)").
     A step has at most ``chunks`` micro-batches: what waits in the inbox is at most one message per
-    (kind, step, micro-batch) of this step and the next, so at most ``4 * chunks`` messages."""
+    (channel, step, micro-batch) of this step and the next, so at most ``2 * len(routes) * chunks``."""
 
-    def __init__(self, kv: DistKVStore, prev: int | None, nxt: int | None, names: dict[int, str],
-                 chunks: int = MAX_CHUNKS) -> None:
+    def __init__(self, kv: DistKVStore, routes: Mapping[Channel, int], names: dict[int, str],
+                 chunks: int = MAX_CHUNKS, peers: Iterable[int] = ()) -> None:
         access = kv.stage_access(label(kv.rank))  # its channel is sealed with the cluster's session
         cfg, self.channel, self.request = access.cfg, access.channel, access.request
-        self.kv, self.rank, self.prev, self.next, self.names = kv, kv.rank, prev, nxt, names
+        self.kv, self.rank, self.names = kv, kv.rank, names
+        self.routes = dict(routes)
         self.chunks = chunks
         self.timeout = cfg.request_timeout
         self.max_bytes = cfg.max_message_bytes  # every node's frame limit (the cluster map checks they agree)
@@ -75,8 +96,8 @@ class StageLink:
         self.sock, port = transport.bind_router(host, 0, inbound=INBOUND_MESSAGES,
                                                 max_frame_bytes=cfg.max_message_bytes, curve=curve)
         self.peers: dict[int, Any] = {}
-        self.inbox: dict[tuple[int, int, int], tuple[np.ndarray, dict]] = {}  # (op, step, mb) -> array, body
-        self.taken: set[tuple[int, int, int]] = set()  # keys received already (a repeat is dropped)
+        self.inbox: dict[Key, tuple[list[np.ndarray], dict]] = {}  # message key -> arrays, body
+        self.taken: set[Key] = set()  # keys received already (a repeat is dropped)
         self.drops = DropLog(log)  # what the socket refused, counted by reason and logged now and then
         self._untrimmed, self._untrimmed_bytes = 0, 0  # refused since the heap was last trimmed
         try:
@@ -84,7 +105,7 @@ class StageLink:
             self.poller.add(self.sock)
             self.request(Op.PIPE_PUBLISH, {"host": host, "port": port}, "pipeline address")
             kv.barrier()  # every stage has published before anyone looks up
-            for peer in (p for p in (prev, nxt) if p is not None):
+            for peer in sorted({*self.routes.values(), *peers} - {self.rank}):
                 self.peers[peer] = self._connect(peer, curve)
         except BaseException:
             self.close()
@@ -102,9 +123,13 @@ class StageLink:
         return transport.connect_dealer(transport.address(found[0], found[1]), curve=curve)
 
     def send(self, peer: int, op: Op, body: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        """Seal and send one message to neighbour ``peer``; raises NodeLostError when that fails, and
-        ConfigError for an array bigger than KVSTORE_MAX_MESSAGE_BYTES: the receiving socket would
-        drop it (zmq's frame limit) and its stage wait out its deadline for it."""
+        """Seal and send one message to ``peer`` (into this rank's own inbox when ``peer`` is this rank);
+        raises NodeLostError when that fails, and ConfigError for an array bigger than
+        KVSTORE_MAX_MESSAGE_BYTES: the receiving socket would drop it (zmq's frame limit) and its stage
+        wait out its deadline for it."""
+        if peer == self.rank:
+            self._file(Message(op, body, [np.array(a) for a in arrays], sender=self.rank), body["step"])
+            return
         big = max((a.nbytes for a in arrays), default=0)
         if self.max_bytes and big > self.max_bytes:
             raise ConfigError(f"{self.names[self.rank]} cannot send {self.names[peer]} the {KINDS[op]} of "
@@ -115,34 +140,37 @@ class StageLink:
                                                            label(peer)))
 
     def abort(self, message: str, step: int) -> None:
-        """Tell every neighbour this stage failed ``step`` (they raise RemoteError instead of waiting)."""
+        """Tell every peer this stage failed ``step`` (they raise RemoteError instead of waiting)."""
         for peer in self.peers:
             try:
                 self.send(peer, Op.PIPE_ABORT, {"message": message[:2000], "step": step}, [])
             except KVStoreError:
                 pass  # it may be the one that is gone
 
-    def receive(self, op: Op, step: int, mb: int) -> tuple[np.ndarray, dict]:
-        """The ``op`` (PIPE_ACT or PIPE_GRAD) array and body of micro-batch ``mb`` of ``step`` (waits).
+    def receive(self, op: Op, step: int, mb: int, part: int = 0,
+                name: str = "") -> tuple[list[np.ndarray], dict]:
+        """The arrays and body of micro-batch ``mb`` of ``step`` on channel ``(op, part, name)`` (waits).
 
         Raises :class:`DeadlineExceededError` naming the awaited stage after KVSTORE_REQUEST_TIMEOUT,
         the store's :class:`NodeLostError` once the heartbeat reports a lost node, and
-        :class:`RemoteError` when a neighbour aborted the step.
+        :class:`RemoteError` when a peer aborted the step.
         """
-        peer = self.prev if op == Op.PIPE_ACT else self.next
+        peer = self.routes[(op, part, name)]
+        key = (op, step, mb, part, name)
         self._forget_before(step)
         deadline = time.monotonic() + self.timeout
-        while (op, step, mb) not in self.inbox:
+        while key not in self.inbox:
             self._check_alive()
             left = deadline - time.monotonic()
             if left <= 0:
+                what = KINDS[op] + (f" of skip {name!r}" if name else "")
                 raise DeadlineExceededError(
-                    f"{self.names[self.rank]} waited {self.timeout:g} s for the {KINDS[op]} of micro-batch "
+                    f"{self.names[self.rank]} waited {self.timeout:g} s for the {what} of micro-batch "
                     f"{mb} from {self.names[peer]} (KVSTORE_REQUEST_TIMEOUT)")
             if self.poller.wait(min(left, TICK)):
-                self._drain(step, (op, step, mb))
-        self.taken.add((op, step, mb))
-        return self.inbox.pop((op, step, mb))
+                self._drain(step, key)
+        self.taken.add(key)
+        return self.inbox.pop(key)
 
     def _forget_before(self, step: int) -> None:
         """Drop what an earlier step left waiting (a failed step's late messages) and its receipts."""
@@ -160,7 +188,7 @@ class StageLink:
             raise NodeLostError(f"{self.names[exc.rank]} is lost, so {self.names[self.rank]} stops: {exc}",
                                 role=exc.role, rank=exc.rank, host=exc.host) from None
 
-    def _drain(self, step: int, wanted: tuple[int, int, int]) -> None:
+    def _drain(self, step: int, wanted: Key) -> None:
         """File waiting messages in the inbox until ``wanted`` is there; drop and count what is not for
         us (anyone may connect, so nothing read here may raise but a neighbour's PIPE_ABORT).  Reads at
         most DRAIN_LIMIT messages, so a flood cannot keep the caller from its deadline, and stops at
@@ -215,8 +243,8 @@ class StageLink:
             transport.trim_heap()
 
     def _file(self, msg: Message, step: int) -> None:
-        if msg.sender not in (self.prev, self.next):
-            raise ProtocolError(f"a pipeline message from worker {msg.sender}, not a neighbour")
+        if msg.sender not in self.peers and msg.sender != self.rank:
+            raise ProtocolError(f"a pipeline message from worker {msg.sender}, not a peer")
         if msg.op == Op.PIPE_ABORT:
             got_step, text = msg.body.get("step"), msg.body.get("message")
             if type(got_step) is not int or not isinstance(text, str) or len(msg.arrays) > 0:
@@ -225,19 +253,22 @@ class StageLink:
             if got_step != step:
                 return  # an earlier step's failure, already raised here
             raise RemoteError(f"{self.names[msg.sender]} failed the step: {text[:2000]}")
-        expected = {Op.PIPE_ACT: self.prev, Op.PIPE_GRAD: self.next}.get(msg.op)
         got_step, mb = msg.body.get("step"), msg.body.get("mb")
-        if expected is None or msg.sender != expected or len(msg.arrays) != 1:
+        part, name = msg.body.get("part", 0), msg.body.get("name", "")
+        if type(part) is not int or not isinstance(name, str) or msg.op not in KINDS:
             raise ProtocolError(f"unexpected {msg.op.name} from worker {msg.sender}")
+        if self.routes.get((msg.op, part, name)) != msg.sender or len(msg.arrays) > MAX_ARRAYS:
+            raise ProtocolError(f"unexpected {msg.op.name} from worker {msg.sender} for part {part} "
+                                f"{name!r} with {len(msg.arrays)} arrays")
         if (type(got_step) is not int or type(mb) is not int or not step <= got_step <= step + 1
                 or not 0 <= mb < self.chunks):
             raise ProtocolError(f"{msg.op.name} from worker {msg.sender} for step {got_step!r} micro-batch "
                                 f"{mb!r} (this step is {step}, of at most {self.chunks} micro-batches)")
-        key = (msg.op, got_step, mb)
+        key = (msg.op, got_step, mb, part, name)
         if key in self.inbox or key in self.taken:
             raise ProtocolError(f"a repeated {msg.op.name} from worker {msg.sender} for step {got_step} "
                                 f"micro-batch {mb}")
-        self.inbox[key] = (msg.arrays[0], msg.body)
+        self.inbox[key] = (list(msg.arrays), msg.body)
 
     def close(self) -> None:
         """Close every socket (idempotent).  What the connections to the neighbours have not sent yet
