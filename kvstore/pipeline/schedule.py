@@ -108,10 +108,10 @@ def interleaved(stages: int, chunks: int, stage: int, virtual: int) -> list[Chun
     forwards = [(m, c) for group in groups for c in range(virtual) for m in group]
     backwards = [(m, c) for group in groups for c in reversed(range(virtual)) for m in group]
     warmup = min((virtual - 1) * len(groups[0]) + stages - stage - 1, len(forwards))
-    ops: list[ChunkOp] = [("F", m, c) for m, c in forwards[:warmup]]
+    order: list[ChunkOp] = [("F", m, c) for m, c in forwards[:warmup]]
     for (fm, fc), (bm, bc) in zip(forwards[warmup:], backwards):
-        ops += [("F", fm, fc), ("B", bm, bc)]
-    return ops + [("B", m, c) for m, c in backwards[len(forwards) - warmup:]]
+        order += [("F", fm, fc), ("B", bm, bc)]
+    return order + [("B", m, c) for m, c in backwards[len(forwards) - warmup:]]
 
 
 def ops(schedule: str, stages: int, chunks: int, stage: int, virtual: int = 1) -> list[ChunkOp]:
@@ -309,9 +309,9 @@ def _waiting(stage: int, op: ChunkOp, stages: int, parts: int, done: Container[t
     return f"rank {stage} at {kind}{mb} of chunk {chunk} waits for {' and '.join(missing)}"
 
 
-def _check_complete(stage: int, ops: Sequence[ChunkOp], chunks: int, virtual: int) -> None:
+def _check_complete(stage: int, order: Sequence[ChunkOp], chunks: int, virtual: int) -> None:
     want = [(kind, mb, chunk) for kind in "FB" for mb in range(chunks) for chunk in range(virtual)]
-    count = Counter(tuple(op) for op in ops)
+    count = Counter(tuple(op) for op in order)
     missing = [op for op in want if op not in count]
     extra = [op for op, times in count.items() if times > 1 or op not in set(want)]
     if missing or extra:
