@@ -80,13 +80,6 @@ def _cut(balance: Sequence[int] | str | None, entries: list[Any], parts: int) ->
     return plan_.check_balance(balance, len(entries), parts)
 
 
-def _ops(schedule: str, stages: int, chunks: int, stage: int, virtual: int) -> list[tuple[str, int, int]]:
-    """The (kind, micro-batch, chunk) ops of ``stage``."""
-    if virtual != 1:
-        raise ConfigError("virtual > 1 needs schedule 'interleaved'")
-    return [(kind, mb, 0) for kind, mb in plan_.plan(schedule, stages, chunks, stage)]
-
-
 def _default_store() -> DistKVStore:
     from kvstore.client.instance import process_store
 
@@ -110,7 +103,7 @@ class Pipeline:
         roles = layers_.Roles(entries)
         if type(virtual) is not int or virtual < 1:
             raise ConfigError(f"virtual must be an int >= 1 (model parts per stage), not {virtual!r}")
-        _ops(schedule, max(stages, 1), max(chunks, 1), 0, virtual)  # checks the name and virtual
+        plan_.ops(schedule, max(stages, 1), max(chunks, 1), 0, virtual)  # checks the name and virtual
         plan_.checkpointed(checkpoint, 0, 1)
         if type(chunks) is not int or chunks < 1:
             raise ConfigError(f"chunks must be an int >= 1, not {chunks!r}")
@@ -443,7 +436,7 @@ class _Run:
         if pipe.is_last and _batch(self.y, self.me) != sum(self.sizes):
             raise ShapeMismatchError(f"{self.me} got {_batch(self.y, self.me)} targets for a batch of "
                                      f"{sum(self.sizes)}")
-        for kind, mb, c in _ops(pipe.schedule, pipe.stages, chunks, pipe.stage, pipe.virtual):
+        for kind, mb, c in plan_.ops(pipe.schedule, pipe.stages, chunks, pipe.stage, pipe.virtual):
             for norm in pipe.deferred:
                 norm.begin(mb)  # a checkpointed forward recomputed in B mb is not counted again
             self._forward(mb, c) if kind == "F" else self._backward(mb, c)

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from kvstore.errors import RemoteError, ShapeMismatchError  # noqa: E402
 from kvstore.pipeline import LayerSpec, Pipeline, Save, Take, Tied  # noqa: E402
 from kvstore.pipeline.layers import build  # noqa: E402
+from kvstore.pipeline.schedule import held_bound  # noqa: E402
 
 STEPS, BATCH, WIDTH, SEED = 3, 12, 6, 7
 FAST = {"KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_HEARTBEAT_TIMEOUT": "3",
@@ -61,7 +62,7 @@ def layers() -> list:
 
 # stages -> balance: 4 stages put the skip's Save on stage 0 and its Take on stage 3, the tuple between
 # stages 1 and 2; 2 stages put the tuple between stages 0 and 1.  The tied places: stage 0 and the last.
-BALANCE = {2: [3, 5], 4: [2, 1, 2, 3]}
+BALANCE = {2: [3, 5], 4: [2, 1, 2, 3], 6: [2, 1, 1, 1, 1, 2]}
 
 
 def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -85,12 +86,12 @@ def reference() -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def trained(kv, stages: int, schedule: str, update_on_kvstore: bool) -> dict:
+def trained(kv, stages: int, schedule: str, update_on_kvstore: bool, virtual: int = 1) -> dict:
     """This rank's stage trained through a Trainer on its replica's share of each batch: its state."""
     from kvstore.trainer import Trainer
 
-    pipe = Pipeline(layers(), stages=stages, balance=BALANCE[stages], kv=kv, chunks=3, schedule=schedule,
-                    seed=SEED)
+    pipe = Pipeline(layers(), stages=stages, balance=BALANCE[stages * virtual], kv=kv, chunks=3,
+                    schedule=schedule, seed=SEED, virtual=virtual)
     trainer = Trainer(pipe, "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                       update_on_kvstore=update_on_kvstore, key_prefix=f"real-{stages}-{schedule}")
     share = BATCH // pipe.replicas
@@ -103,29 +104,33 @@ def trained(kv, stages: int, schedule: str, update_on_kvstore: bool) -> dict:
             trainer.step(pipe.replicas)
     finally:
         pipe.close()
+    bound = held_bound(schedule, stages, 3, pipe.stage, virtual)
     return {"state": {k: v.detach().numpy().copy() for k, v in pipe.state_dict().items()},
-            "workers": pipe.key_workers()}
+            "workers": pipe.key_workers(), "held": (pipe.max_held, bound)}
 
 
-CASES = [  # (workers, stages, schedule, update_on_kvstore)
-    (2, 2, "1f1b", True),
-    (4, 4, "1f1b", False),
-    (4, 2, "gpipe", True),
+CASES = [  # (workers, stages, schedule, update_on_kvstore, virtual)
+    (2, 2, "1f1b", True, 1),
+    (4, 4, "1f1b", False, 1),
+    (4, 2, "gpipe", True, 1),
+    (2, 2, "interleaved", False, 2),  # parts 0, 2 on stage 0: the tuple goes from stage 1 back to stage 0
+    (2, 2, "interleaved", True, 3),  # 6 parts, M = 3: the skip joins parts 0 and 4, both on stage 0
 ]
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("workers,stages,schedule,uok", CASES,
+@pytest.mark.parametrize("workers,stages,schedule,uok,virtual", CASES,
                          ids=[f"{c[1]}stages-x{c[0] // c[1]}-{c[2]}" for c in CASES])
 def test_tuples_skips_and_tied_weights_match_one_process(make_cluster, workers, stages, schedule,
-                                                         uok) -> None:
+                                                         uok, virtual) -> None:
     """A tuple boundary, a skip across stages and a tied weight: each stage's weights after 3 steps are
     one process's within 1e-12 (the tied places equal, their key in a set of the stages holding them)."""
     expected = reference()
     cluster = make_cluster(num_workers=workers, **FAST)
-    parts = cluster.run(lambda kv: trained(kv, stages, schedule, uok))
+    parts = cluster.run(lambda kv: trained(kv, stages, schedule, uok, virtual))
     merged: dict[str, np.ndarray] = {}
     for rank, part in enumerate(parts):
+        assert part["held"][0] == part["held"][1], part["held"]  # the schedule's activation bound, reached
         for name, value in part["state"].items():
             if name in merged:  # another replica of the stage
                 np.testing.assert_array_equal(value, merged[name])
