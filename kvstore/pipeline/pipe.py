@@ -12,7 +12,6 @@ averages over the batch.  docs/pipeline.md.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from kvstore.client.store import DistKVStore
 from kvstore.errors import ConfigError, DTypeMismatchError, ShapeMismatchError
 from kvstore.net.protocol import Op
 from kvstore.pipeline import batchnorm
+from kvstore.pipeline import device as device_
 from kvstore.pipeline import layers as layers_
 from kvstore.pipeline import schedule as plan_
 from kvstore.pipeline.link import StageLink
@@ -98,7 +98,7 @@ class Pipeline:
                  schedule: str = "gpipe", checkpoint: str = "except_last", kv: KVStore | None = None,
                  deferred_batch_norm: bool = False,
                  optimizer: Callable[[Iterable[Any]], Any] | None = None, seed: int = 0,
-                 virtual: int = 1, sample: Any = None) -> None:
+                 virtual: int = 1, sample: Any = None, device: Any = None) -> None:
         entries = layers_.described(module)
         roles = layers_.Roles(entries)
         if type(virtual) is not int or virtual < 1:
@@ -117,6 +117,7 @@ class Pipeline:
         self.virtual = virtual
         self.replicas = plan_.check_workers(self.kv.num_workers, stages)
         self.stage, self.replica = plan_.stage_of(self.kv.rank, stages)
+        self.device = device_.stage_device(device, self.stage)
         parts = stages * virtual
         cut = _cut(balance, entries, parts)
         self.topology = Topology(stages, virtual, self.replicas, cut, roles)
@@ -139,6 +140,7 @@ class Pipeline:
         self.next = rank + 1 if self.stage < stages - 1 else None
         self.link = StageLink(self.kv, self.topology.routes(self.stage, self.replica), self.names,
                               chunks=self.chunks)
+        self.mover = device_.Mover(self.device, self.link.send, self.link.timeout, self.names[rank])
         self.steps = 0
         self.max_held = 0  # the most micro-batches whose activations this stage held at once (last step)
         self._averaged = False  # whether average_replicas has made its keys
@@ -163,6 +165,7 @@ class Pipeline:
                 shared.setdefault(key, layer.module)
             if deferred:
                 layer = batchnorm.convert(layer)
+            layer = layer.to(self.device)  # in place: a caller's module moves with it
             if isinstance(module, torch.nn.Sequential) and layer is not entry:
                 module[index] = layer  # the caller's model holds what the stage trains
             own.append(layer)
@@ -367,6 +370,7 @@ class Pipeline:
         except BaseException as exc:
             for norm in self.deferred:
                 norm.commit(apply=False)
+            self.mover.pending.clear()  # a failed step's outputs go nowhere
             self.link.abort(f"{self.names[self.kv.rank]}: {type(exc).__name__}: {exc}", self.steps)
             raise
 
@@ -382,6 +386,7 @@ class Pipeline:
             with torch.no_grad():
                 return _Run(self, x, None, None).predict()
         except BaseException as exc:
+            self.mover.pending.clear()
             self.link.abort(f"{self.names[self.kv.rank]}: {type(exc).__name__}: {exc}", self.steps)
             raise
         finally:
@@ -440,6 +445,7 @@ class _Run:
             for norm in pipe.deferred:
                 norm.begin(mb)  # a checkpointed forward recomputed in B mb is not counted again
             self._forward(mb, c) if kind == "F" else self._backward(mb, c)
+        pipe.mover.flush(wait=True)
         pipe.max_held = self.peak
         if not pipe.is_last:
             return None, None
@@ -460,6 +466,7 @@ class _Run:
                     outputs.append(out)
                 else:
                     self._send_outputs(mb, part, out, kept)
+        self.pipe.mover.flush(wait=True)
         return _cat(outputs) if self.pipe.is_last else None
 
     # -- inputs -------------------------------------------------------------------------------
@@ -474,7 +481,7 @@ class _Run:
         or tensors received (checked), each a leaf that requires grad when it is floating point."""
         if part == 0:
             start = sum(self.sizes[:mb])
-            inputs = {"": [t[start:start + self.sizes[mb]] for t in _elements(self.x)]}
+            inputs = {"": [self.pipe.mover.place(t[start:start + self.sizes[mb]]) for t in _elements(self.x)]}
             self.forms[(0, "")] = None if isinstance(self.x, torch.Tensor) else len(inputs[""])
         else:
             inputs = {"": self._receive_activation(mb, part, "")}
@@ -482,8 +489,15 @@ class _Run:
             inputs[name] = self._receive_activation(mb, part, name)
         return inputs
 
+    def _receive(self, op: Op, mb: int, part: int, name: str) -> tuple[list[Any], dict]:
+        """A message of this step from the link; what this stage's GPU copies hold back is sent first
+        when it has to wait (the peer may be waiting for it)."""
+        if (op, self.step, mb, part, name) not in self.link.inbox:
+            self.pipe.mover.flush(wait=True)
+        return self.link.receive(op, self.step, mb, part, name)
+
     def _receive_activation(self, mb: int, part: int, name: str) -> list[Any]:
-        arrays, body = self.link.receive(Op.PIPE_ACT, self.step, mb, part, name)
+        arrays, body = self._receive(Op.PIPE_ACT, mb, part, name)
         frm = self.pipe.names[self.link.routes[(Op.PIPE_ACT, part, name)]]
         if mb == 0 and name == "" and not self.sizes:
             self.sizes = _sizes(body.get("sizes"), self.me, frm)
@@ -493,9 +507,7 @@ class _Run:
                                      f"{mb}")
         self.forms[(part, name)] = form
         self._check_activation(arrays, mb, part, name, frm)
-        with warnings.catch_warnings():  # a read-only frame: autograd never writes to its input
-            warnings.simplefilter("ignore", UserWarning)
-            tensors = [torch.from_numpy(a) for a in arrays]
+        tensors = self.pipe.mover.arrive(arrays)
         grad = torch.is_grad_enabled()
         return [t.requires_grad_(grad and t.is_floating_point()) for t in tensors]
 
@@ -578,7 +590,7 @@ class _Run:
         """Micro-batch ``mb``'s loss (weighted by its share of the batch when the loss is averaged and the
         stage updates once per batch); adds it to the step's."""
         start = sum(self.sizes[:mb])
-        target = _slice(self.y, start, self.sizes[mb])
+        target = self.pipe.mover.place(_slice(self.y, start, self.sizes[mb]))
         share = self.sizes[mb] / sum(self.sizes) if self.scale else 1.0
         loss = self.loss_fn(out, target)
         if self.pipe.stash is None:  # one update per batch: the batch's loss; else per micro-batch
@@ -600,8 +612,7 @@ class _Run:
                 body["tuple"] = len(tensors)
             if mb == 0 and name == "":
                 body["sizes"] = self.sizes
-            self.link.send(self.top.rank(dest, self.pipe.replica), Op.PIPE_ACT, body,
-                           [t.detach().contiguous().numpy() for t in tensors])
+            self.pipe.mover.post(self.top.rank(dest, self.pipe.replica), Op.PIPE_ACT, body, tensors)
             sent[name] = tensors
         return sent
 
@@ -635,31 +646,27 @@ class _Run:
                 continue  # the inputs x need no gradient
             dest = part - 1 if name == "" else self.top.skips[name][0]
             present = [i for i, g in enumerate(mine) if g is not None]
-            self.link.send(self.top.rank(dest, pipe.replica), Op.PIPE_GRAD,
-                           {"step": self.step, "mb": mb, "part": dest, "name": name, "present": present},
-                           [mine[i].contiguous().numpy() for i in present])
+            pipe.mover.post(self.top.rank(dest, pipe.replica), Op.PIPE_GRAD,
+                            {"step": self.step, "mb": mb, "part": dest, "name": name, "present": present},
+                            [mine[i] for i in present])
 
     def _receive_gradient(self, mb: int, part: int, name: str, outs: list[Any]) -> list[tuple[int, Any]]:
         """The gradients the part that took ``name`` (or the next part) sent for ``outs``: (index, grad)
         of each output that has one; ShapeMismatchError naming both stages for a wrong one."""
-        arrays, body = self.link.receive(Op.PIPE_GRAD, self.step, mb, part, name)
+        arrays, body = self._receive(Op.PIPE_GRAD, mb, part, name)
         frm = self.pipe.names[self.link.routes[(Op.PIPE_GRAD, part, name)]]
         present = body.get("present", [0] if len(arrays) == 1 and len(outs) == 1 else None)
         if (not isinstance(present, list) or len(present) != len(arrays) or len(set(present)) != len(present)
                 or not all(type(i) is int and 0 <= i < len(outs) for i in present)):
             raise ShapeMismatchError(f"{self.me} received from {frm} a malformed gradient of micro-batch "
                                      f"{mb}")
-        got = []
         for index, array in zip(present, arrays):
             out = outs[index]
             if tuple(array.shape) != tuple(out.shape) or str(array.dtype) != _dtype(out):
                 raise ShapeMismatchError(f"{self.me} received from {frm} a gradient of {array.dtype} "
                                          f"{tuple(array.shape)} for micro-batch {mb}; its output was "
                                          f"{out.dtype} {tuple(out.shape)}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                got.append((index, torch.from_numpy(array)))
-        return got
+        return list(zip(present, self.pipe.mover.arrive(arrays)))
 
 
 def _elements(value: Any) -> list[Any]:
