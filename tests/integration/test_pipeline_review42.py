@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore.errors import ConfigError  # noqa: E402
-from kvstore.pipeline import LayerSpec, Pipeline, Tied  # noqa: E402
+from kvstore.pipeline import LayerSpec, Pipeline, Save, Take, Tied  # noqa: E402
 from kvstore.pipeline.layers import build  # noqa: E402
 
 WIDTH, BATCH, SEED = 4, 6, 3
@@ -142,3 +142,44 @@ def test_a_tuple_boundary_of_300_tensors_trains_or_is_refused_clearly(make_clust
         return
     assert first is None, first
     assert last == pytest.approx(expected, rel=1e-12), last
+
+
+class Double(torch.nn.Module):
+    """2 x (a fresh tensor)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+@pytest.mark.xfail(strict=True, reason="a boundary tensor that is a view of the caller's x (a skip "
+                   "kept from the input, an identity or view layer) goes to zmq zero-copy; predict returns "
+                   "while it still waits in the DEALER's queue, so the caller's next write to x changes what "
+                   "the next stage receives")
+@pytest.mark.timeout(90)
+def test_predict_skip_of_the_input_is_not_changed_by_the_callers_later_write(make_cluster) -> None:
+    """The first stage keeps its input x as a skip for the last (Save at layer 0): once its predict has
+    returned, the caller overwriting x does not change the last stage's outputs (3 x as it was)."""
+    import threading
+
+    chunks, rows, width = 16, 64, 4096  # 2 MiB float64 per micro-batch: more than the socket buffers hold
+    x = torch.randn(chunks * rows, width, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    expected = 3 * x
+    written = threading.Event()
+    cluster = make_cluster(num_workers=2, **FAST)
+
+    def run(kv):
+        pipe = Pipeline([Save("s"), LayerSpec(Double), Take("s")], stages=2, balance=[2, 1], kv=kv,
+                        chunks=chunks)
+        try:
+            if pipe.is_first:
+                pipe.predict(x)
+                x.zero_()  # the caller reuses its buffer for the next batch
+                written.set()
+                return None
+            assert written.wait(60), "stage 0 did not return"
+            return pipe.predict(None)
+        finally:
+            pipe.close()
+
+    _, got = cluster.run(run)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
