@@ -347,8 +347,8 @@ class Trainer:
             groups.setdefault(members, []).append(index)
         # Every worker inits its sets in one global order (a set's members each make the same calls):
         # no two workers wait for each other in opposite orders.
-        for members in sorted(groups):
-            for run in self._runs(groups[members]):
+        for members in sorted(groups):  # and each set's keys by name: its members list them alike
+            for run in self._runs(sorted(groups[members], key=self._keys.__getitem__)):
                 self._kv.init([self._keys[i] for i in run], [self._params[i] for i in run],
                               workers=list(members))
 

@@ -12,7 +12,9 @@ averages over the batch.  docs/pipeline.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import itertools
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from kvstore.pipeline import batchnorm
 from kvstore.pipeline import device as device_
 from kvstore.pipeline import layers as layers_
 from kvstore.pipeline import schedule as plan_
-from kvstore.pipeline.link import StageLink
+from kvstore.pipeline.link import MAX_ARRAYS, StageLink
 from kvstore.pipeline.memory import SavedBytes
 from kvstore.pipeline.stash import WeightStash
 from kvstore.pipeline.topology import Topology
@@ -43,6 +45,11 @@ def trainer_args(params: Any, kvstore: KVStore | str | None, overlap: bool | Non
         raise ConfigError(f"{params.names[params.kv.rank]} holds no trainable parameter (balance "
                           f"{params.balance}): a Trainer over a Pipeline needs one in every stage")
     store = params.kv if kvstore is None else kvstore
+    # The stage's own keys first, in model order, then the tied ones by name: every stage that holds a
+    # tied key calls the store for it in the same order, so no two stages wait for each other's calls
+    # in opposite orders (a model of several runs makes a store call per run).
+    tied = {name for name, members in params.key_workers().items() if members != params.stage_ranks}
+    named = [(n, p) for n, p in named if n not in tied] + sorted((n, p) for n, p in named if n in tied)
     return named, store, False, params.key_workers() if workers is None else workers
 
 
@@ -80,6 +87,10 @@ def _cut(balance: Sequence[int] | str | None, entries: list[Any], parts: int) ->
     return plan_.check_balance(balance, len(entries), parts)
 
 
+# Pipelines made on each store in this process: every rank makes the same ones in the same order
+_MADE: weakref.WeakKeyDictionary[DistKVStore, Iterator[int]] = weakref.WeakKeyDictionary()
+
+
 def _default_store() -> DistKVStore:
     from kvstore.client.instance import process_store
 
@@ -113,6 +124,7 @@ class Pipeline:
         if not isinstance(store, DistKVStore):
             raise ConfigError(f"a Pipeline needs a dist store (dist_sync), not {store.type!r}")
         self.kv = store
+        self.ident = next(_MADE.setdefault(store, itertools.count()))  # names this Pipeline's own keys
         self.stages, self.chunks, self.schedule, self.checkpoint = stages, chunks, schedule, checkpoint
         self.virtual = virtual
         self.replicas = plan_.check_workers(self.kv.num_workers, stages)
@@ -279,14 +291,15 @@ class Pipeline:
 
     def average_replicas(self) -> None:
         """Collective over this stage's replicas: each ends with the mean of their weights, through the
-        store's keys ``pipeline.<name>`` in the stage's worker set (made at the first call; no other
+        store's keys ``pipeline.<i>.<name>`` in the stage's worker set (i numbers the Pipelines made on
+        the store) (made at the first call; no other
         stage's keys are touched).  'pipedream' calls it after each step when a stage has replicas.  The
         store must have no optimizer (a round stores the sum of the members' pushes); raises the store's
         errors."""
         named = list(self.named_parameters())
         if not named:
             return
-        keys = [f"pipeline.{name}" for name, _ in named]
+        keys = [f"pipeline.{self.ident}.{name}" for name, _ in named]
         if not self._averaged:
             self.kv.init(keys, [p.detach() for _, p in named], workers=self.stage_ranks)
             self._averaged = True
@@ -296,7 +309,7 @@ class Pipeline:
     def sum_tied_grads(self) -> None:
         """Collective over the stages that hold a place of a tied module (one replica: without a Trainer,
         which sums them itself): each place's ``.grad`` becomes the sum of every place's, through the
-        store's keys ``pipeline.tied.<replica>.<name>`` (made at the first call) in a worker set of the
+        store's keys ``pipeline.<i>.tied.<replica>.<name>`` (made at the first call) in a worker set of the
         replica's ranks holding it.  The store must have no optimizer; raises the store's errors."""
         tied = self.topology.tied_stages()
         roles = self.topology.roles
@@ -305,7 +318,7 @@ class Pipeline:
                 continue
             named = [(n, p) for n, p in self.named_parameters()
                      if int(n.split(".", 1)[0]) in roles.tied and roles.tied[int(n.split(".", 1)[0])] == key]
-            keys = [f"pipeline.tied.{self.replica}.{n}" for n, _ in named]
+            keys = [f"pipeline.{self.ident}.tied.{self.replica}.{n}" for n, _ in named]
             members = [self.replica * self.stages + s for s in tied[key]]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in named]
             if not self._tied_keys:
@@ -417,6 +430,9 @@ class _Run:
         self.x, self.y = x, y
         self.scale, self.return_outputs = scale_grads, return_outputs
         self.sizes: list[int] = plan_.split_sizes(_batch(x, self.me), pipe.chunks) if pipe.is_first else []
+        # the caller's x: a boundary tensor that is a view of it is copied before it is sent (zmq sends
+        # big frames without a copy, after the call that queued them has returned)
+        self.callers = {t.untyped_storage().data_ptr() for t in _elements(x)} if pipe.is_first else set()
         self.first: dict[str, list[Any]] | None = None  # micro-batch 0's inputs of the first part
         self.held: dict[tuple[int, int], _Held] = {}  # (mb, chunk) -> what its backward needs
         self.outputs: list[Any] = []  # the last part's outputs, when asked for
@@ -612,7 +628,8 @@ class _Run:
                 body["tuple"] = len(tensors)
             if mb == 0 and name == "":
                 body["sizes"] = self.sizes
-            self.pipe.mover.post(self.top.rank(dest, self.pipe.replica), Op.PIPE_ACT, body, tensors)
+            owned = [t.clone() if t.untyped_storage().data_ptr() in self.callers else t for t in tensors]
+            self.pipe.mover.post(self.top.rank(dest, self.pipe.replica), Op.PIPE_ACT, body, owned)
             sent[name] = tensors
         return sent
 
@@ -680,6 +697,9 @@ def _tensors(value: Any, what: str) -> list[Any]:
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        if len(value) > MAX_ARRAYS:
+            raise ConfigError(f"{what} is a tuple of {len(value)} tensors: a stage boundary carries at most "
+                              f"{MAX_ARRAYS} (stack them)")
         return list(value)
     raise ConfigError(f"{what} crosses a stage boundary: it must be a tensor or a tuple of tensors, not "
                       f"{type(value).__name__}")

@@ -1,6 +1,8 @@
 """Reproducers from the hostile review of the real-model pipeline runtime (issues 42 items 1/4, 47
-items 1/2): each pins behaviour the runtime should have and does not yet, marked xfail(strict=True)
-with the reason until it is fixed.  Small float64 models on in-process workers of a real cluster.
+items 1/2), each failing before its fix: tied keys in opposite orders on two stages (init and calls per
+run), a tuple boundary wider than a message may be, a skip that is a view of the caller's x, and two
+Pipelines summing tied gradients on one store.  Small float64 models on in-process workers of a real
+cluster.
 """
 
 from __future__ import annotations
@@ -40,9 +42,6 @@ def _batches(steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randn(BATCH, WIDTH, generator=gen, dtype=torch.float64)) for _ in range(steps)]
 
 
-@pytest.mark.xfail(strict=True, reason="Trainer._init_keys inits a worker set's keys in each worker's "
-                   "parameter order; the two stages name the tied keys in opposite orders, so the set's "
-                   "init call differs between its members (CollectiveMismatchError / deadline)")
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("uok", [False, True], ids=["local-update", "update-on-kvstore"])
 def test_two_tied_modules_in_opposite_orders_train_as_one_process(make_cluster, uok) -> None:
@@ -88,9 +87,6 @@ def _train_nested(make_cluster, uok: bool) -> None:
         np.testing.assert_allclose(merged[name], value, rtol=1e-12, atol=0, err_msg=name)
 
 
-@pytest.mark.xfail(strict=True, reason="Trainer._pushpull (and _init_keys) make one blocking call per "
-                   "run of CALL_BYTES in each worker's parameter order: two tied keys in opposite orders on "
-                   "the two stages, each a run of its own, wait for each other (deadline)")
 @pytest.mark.timeout(90)
 def test_tied_keys_in_opposite_orders_in_separate_runs_do_not_deadlock(make_cluster, monkeypatch) -> None:
     """With every key a store call of its own (CALL_BYTES made tiny, as a model of 64 MB tied tensors
@@ -116,9 +112,6 @@ class Gather(torch.nn.Module):
         return torch.stack(xs).sum(0)
 
 
-@pytest.mark.xfail(strict=True, reason="the receiving link drops a message of more than MAX_ARRAYS (256) "
-                   "arrays as 'unexpected', and the sender does not check: a legitimate wide tuple boundary "
-                   "times out instead of training or failing clearly")
 @pytest.mark.timeout(60)
 def test_a_tuple_boundary_of_300_tensors_trains_or_is_refused_clearly(make_cluster) -> None:
     """A boundary tuple of 300 tensors either crosses the stages (the loss is one process's) or the
@@ -151,10 +144,6 @@ class Double(torch.nn.Module):
         return 2 * x
 
 
-@pytest.mark.xfail(strict=True, reason="a boundary tensor that is a view of the caller's x (a skip "
-                   "kept from the input, an identity or view layer) goes to zmq zero-copy; predict returns "
-                   "while it still waits in the DEALER's queue, so the caller's next write to x changes what "
-                   "the next stage receives")
 @pytest.mark.timeout(90)
 def test_predict_skip_of_the_input_is_not_changed_by_the_callers_later_write(make_cluster) -> None:
     """The first stage keeps its input x as a skip for the last (Save at layer 0): once its predict has
@@ -191,9 +180,6 @@ def _tied_pair() -> list:
                                                                                forward=_transposed)]
 
 
-@pytest.mark.xfail(strict=True, reason="sum_tied_grads names its keys pipeline.tied.<replica>.<name> with no "
-                   "prefix of the Pipeline's own: a second Pipeline on the same store makes the same keys "
-                   "(DuplicateInitError); average_replicas' pipeline.<name> keys share the flaw")
 @pytest.mark.timeout(90)
 def test_a_second_pipeline_on_the_same_store_sums_its_tied_gradients(make_cluster) -> None:
     """A Pipeline made after another one was closed (same store, same model) sums its tied places'
