@@ -10,36 +10,41 @@ stream; the compute stream waits for that copy, the CPU does not.  docs/pipeline
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
+from kvstore import config
 from kvstore.errors import ConfigError, DeadlineExceededError
 
 TICK = 0.0005  # seconds between polls of a copy's event while a deadline runs
 
 
-def default_device(environ: Mapping[str, str] = os.environ, cuda_devices: int | None = None) -> str:
+def default_device(environ: Mapping[str, str] | None = None, cuda_devices: int | None = None) -> str:
     """The device a stage runs on when none is given: the CPU, unless CUDA is available and the
     launcher gave this worker GPUs (``LOCAL_RANK`` set): then its first visible GPU (``cuda:0``) when
     ``CUDA_VISIBLE_DEVICES`` narrows what it sees (``launch.py --gpus-per-worker``), else
-    ``cuda:LOCAL_RANK`` (torchrun's workers see every GPU of the host)."""
+    ``cuda:LOCAL_RANK`` (torchrun's workers see every GPU of the host).  ``environ``: the process's by
+    default (read through :func:`kvstore.config.gpu_placement`)."""
+    import torch
+
     count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
-    local = environ.get("LOCAL_RANK", "")
+    local, visible = config.gpu_placement(environ)
     if count == 0 or not local.isdigit():
         return "cpu"
-    if environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+    if visible:
         return "cuda:0"
     return f"cuda:{int(local)}" if int(local) < count else "cpu"
 
 
-def stage_device(device: Any, stage: int) -> torch.device:
-    """This stage's device from a Pipeline's ``device``: None (:func:`default_device`), one device, or a
-    sequence with one per stage.  Raises ConfigError for a device torch does not know or CUDA absent."""
+def stage_device(device: Any, stage: int) -> Any:
+    """This stage's ``torch.device`` from a Pipeline's ``device``: None (:func:`default_device`), one
+    device, or a sequence with one per stage.  Raises ConfigError for a device torch does not know or
+    CUDA absent."""
+    import torch
+
     if isinstance(device, Sequence) and not isinstance(device, str):
         if stage >= len(device):
             raise ConfigError(f"device {list(device)} names no device for stage {stage}")
@@ -56,11 +61,13 @@ def stage_device(device: Any, stage: int) -> torch.device:
 
 
 class Mover:
-    """Moves one stage's boundary tensors between its ``device`` and the host; ``send(peer, op, body,
-    arrays)`` is the link's.  Every wait for a copy has the link's ``timeout``."""
+    """Moves one stage's boundary tensors between its ``device`` (a ``torch.device``) and the host;
+    ``send(peer, op, body, arrays)`` is the link's.  Every wait for a copy has the link's ``timeout``."""
 
-    def __init__(self, device: torch.device, send: Callable[[int, Any, dict, list[np.ndarray]], None],
+    def __init__(self, device: Any, send: Callable[[int, Any, dict, list[np.ndarray]], None],
                  timeout: float, me: str) -> None:
+        import torch
+
         self.device, self.send_now, self.timeout, self.me = device, send, timeout, me
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -69,6 +76,8 @@ class Mover:
     def post(self, peer: int, op: Any, body: dict, tensors: list[Any]) -> None:
         """Send ``tensors`` (detached) to ``peer``: at once from the CPU; from a GPU once their copy to
         pinned host memory, started here on the side stream, is done (:meth:`flush`)."""
+        import torch
+
         if not self.cuda or all(t.device.type == "cpu" for t in tensors):
             self.send_now(peer, op, body, [t.detach().contiguous().cpu().numpy() for t in tensors])
             return
@@ -78,6 +87,9 @@ class Mover:
             host = []
             for t in tensors:
                 t = t.detach()
+                if t.device.type != "cuda":  # a CPU element of a GPU stage's tuple
+                    host.append(t.contiguous())
+                    continue
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 buf.copy_(t, non_blocking=True)
                 t.record_stream(self.stream)  # its memory is not reused before the copy is done
@@ -113,6 +125,8 @@ class Mover:
         on a GPU staged in pinned memory and copied on the side stream, the compute stream waiting."""
         import warnings
 
+        import torch
+
         with warnings.catch_warnings():  # a read-only frame: autograd never writes to its input
             warnings.simplefilter("ignore", UserWarning)
             host = [torch.from_numpy(a) for a in arrays]
@@ -135,6 +149,8 @@ class Mover:
 
     def place(self, value: Any) -> Any:
         """A tensor (or a tuple's tensors) of the caller's, on the device (x's slices, y's)."""
+        import torch
+
         if isinstance(value, torch.Tensor):
             return value.to(self.device, non_blocking=False) if value.device != self.device else value
         return type(value)(self.place(v) for v in value)

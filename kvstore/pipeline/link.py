@@ -524,7 +524,9 @@ class StageLink:
         part, name = msg.body.get("part", 0), msg.body.get("name", "")
         if type(part) is not int or not isinstance(name, str) or msg.op not in KINDS:
             raise ProtocolError(f"unexpected {msg.op.name} from worker {msg.sender}")
-        if self.routes.get((msg.op, part, name)) != msg.sender or len(msg.arrays) > MAX_ARRAYS:
+        count = len(msg.arrays)  # an activation carries at least one tensor; a gradient may carry none
+        if (self.routes.get((msg.op, part, name)) != msg.sender or count > MAX_ARRAYS
+                or (msg.op == Op.PIPE_ACT and count == 0)):
             raise ProtocolError(f"unexpected {msg.op.name} from worker {msg.sender} for part {part} "
                                 f"{name!r} with {len(msg.arrays)} arrays")
         if (type(got_step) is not int or type(mb) is not int or not step <= got_step <= step + 1

@@ -17,8 +17,6 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from kvstore.base import KVStore
 from kvstore.client.store import DistKVStore
 from kvstore.errors import ConfigError, DTypeMismatchError, ShapeMismatchError
@@ -110,6 +108,8 @@ class Pipeline:
                  deferred_batch_norm: bool = False,
                  optimizer: Callable[[Iterable[Any]], Any] | None = None, seed: int = 0,
                  virtual: int = 1, sample: Any = None, device: Any = None) -> None:
+        import torch
+
         entries = layers_.described(module)
         roles = layers_.Roles(entries)
         if type(virtual) is not int or virtual < 1:
@@ -165,6 +165,8 @@ class Pipeline:
         """Part ``part``'s layers, built or materialised here (a tied place under its first place's seed,
         sharing the module of a place built before on this stage; deferred batch norms converted, written
         back into a caller's ``nn.Sequential``)."""
+        import torch
+
         own = []
         shared = self._shared
         for index in self.topology.layer_range(part):
@@ -186,6 +188,8 @@ class Pipeline:
     def _release_others(self, entries: list[Any]) -> None:
         """Move the other stages' built layers to ``meta`` in place, freeing their storage (a layer that
         shares a tensor with this stage's, a tied place, is left as it is)."""
+        import torch
+
         mine = {index for part in self.local for index in self.topology.layer_range(part)}
         kept = {id(t) for t in self._tensors(self.module)}
         for index, entry in enumerate(entries):
@@ -311,6 +315,8 @@ class Pipeline:
         which sums them itself): each place's ``.grad`` becomes the sum of every place's, through the
         store's keys ``pipeline.<i>.tied.<replica>.<name>`` (made at the first call) in a worker set of the
         replica's ranks holding it.  The store must have no optimizer; raises the store's errors."""
+        import torch
+
         tied = self.topology.tied_stages()
         roles = self.topology.roles
         for key in sorted(tied):
@@ -345,6 +351,8 @@ class Pipeline:
         """Load this stage's part of a checkpoint :meth:`save` wrote (any rank, any time; a model cut
         at the same balance).  Raises FileNotFoundError, FormatError, KeyError as
         :meth:`load_state_dict`."""
+        import torch
+
         from kvstore.core import storage
         from kvstore.core.checkpoint import load_arrays
 
@@ -392,6 +400,8 @@ class Pipeline:
         inputs ``x`` (others None), cut into ``chunks`` micro-batches; every stage runs in eval mode
         under ``torch.no_grad`` (no autograd graph, nothing saved, the live weights under 'pipedream').
         Returns the whole batch's output on the last stage, None elsewhere.  Raises as :meth:`step`."""
+        import torch
+
         self.steps += 1
         modes = [m.training for m in self.module.modules()]
         self.module.eval()
@@ -495,6 +505,8 @@ class _Run:
     def _inputs(self, mb: int, part: int) -> dict[str, list[Any]]:
         """Micro-batch ``mb``'s inputs of ``part``, per channel name ("" the main boundary): slices of x,
         or tensors received (checked), each a leaf that requires grad when it is floating point."""
+        import torch
+
         if part == 0:
             start = sum(self.sizes[:mb])
             inputs = {"": [self.pipe.mover.place(t[start:start + self.sizes[mb]]) for t in _elements(self.x)]}
@@ -513,10 +525,16 @@ class _Run:
         return self.link.receive(op, self.step, mb, part, name)
 
     def _receive_activation(self, mb: int, part: int, name: str) -> list[Any]:
+        import torch
+
         arrays, body = self._receive(Op.PIPE_ACT, mb, part, name)
         frm = self.pipe.names[self.link.routes[(Op.PIPE_ACT, part, name)]]
         if mb == 0 and name == "" and not self.sizes:
             self.sizes = _sizes(body.get("sizes"), self.me, frm)
+            if len(self.sizes) > self.pipe.chunks:
+                raise ConfigError(f"{self.me} was made with chunks={self.pipe.chunks}, and {frm} cut its "
+                                  f"batch into {len(self.sizes)} micro-batches: every stage needs the same "
+                                  "chunks")
         form = body.get("tuple")
         if not (form is None and len(arrays) == 1) and not (type(form) is int and form == len(arrays)):
             raise ShapeMismatchError(f"{self.me} received from {frm} a malformed boundary of micro-batch "
@@ -619,6 +637,8 @@ class _Run:
     def _send_outputs(self, mb: int, part: int, out: Any, kept: dict[str, Any]) -> dict[str, list[Any]]:
         """Send micro-batch ``mb``'s main output to the next part and each kept skip to the part that uses
         it (with the micro-batch sizes at micro-batch 0); the tensors sent, per channel name."""
+        import torch
+
         sent: dict[str, list[Any]] = {}
         for name, value, dest in [("", out, part + 1)] + [
                 (n, kept[n], self.top.skips[n][1]) for n in self.top.skips_out(part)]:
@@ -635,6 +655,8 @@ class _Run:
 
     # -- backward -----------------------------------------------------------------------------
     def _backward(self, mb: int, c: int) -> None:
+        import torch
+
         pipe, part = self.pipe, self.pipe.local[c]
         held = self.held.pop((mb, c))
         outs: list[Any] = []
@@ -688,12 +710,16 @@ class _Run:
 
 def _elements(value: Any) -> list[Any]:
     """A boundary value's tensors: itself, or a tuple's or list's elements."""
+    import torch
+
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
 def _tensors(value: Any, what: str) -> list[Any]:
     """The tensors of a value sent across a boundary; ConfigError for anything but a tensor or a tuple
     (or list) of tensors."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
@@ -720,17 +746,23 @@ def _batch(value: Any, me: str) -> int:
 
 
 def _slice(value: Any, start: int, size: int) -> Any:
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value[start:start + size]
     return type(value)(v[start:start + size] for v in value)
 
 
 def _detached(value: Any) -> Any:
+    import torch
+
     return value.detach() if isinstance(value, torch.Tensor) else tuple(v.detach() for v in value)
 
 
 def _cat(outputs: list[Any]) -> Any:
     """Micro-batches' outputs as one batch's: concatenated (element-wise for tuples)."""
+    import torch
+
     if isinstance(outputs[0], torch.Tensor):
         return torch.cat(outputs)
     return tuple(torch.cat(parts) for parts in zip(*outputs))
