@@ -15,16 +15,16 @@ CHECKPOINTS = ("always", "except_last", "never")
 Op = tuple[str, int]  # ("F" | "B", micro-batch index)
 
 
-def balance_by_weight(weights: Sequence[int], stages: int) -> list[int]:
-    """Layers per stage: contiguous runs of ``weights`` (e.g. parameter counts) whose heaviest run is
-    as light as possible, each stage holding at least one layer.  Raises :class:`ConfigError` when
-    there are fewer layers than stages."""
+def balance_by_weight(weights: Sequence[float], stages: int) -> list[int]:
+    """Layers per stage: contiguous runs of ``weights`` (parameter counts, or measured costs as floats:
+    ``kvstore.pipeline.profile``) whose heaviest run is as light as possible, each stage holding at
+    least one layer.  Raises :class:`ConfigError` when there are fewer layers than stages."""
     n = len(weights)
     if stages < 1 or n < stages:
         raise ConfigError(f"cannot cut {n} layers into {stages} stages (each stage needs a layer)")
-    best: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    best: dict[tuple[int, int], tuple[float, list[int]]] = {}
 
-    def solve(start: int, k: int) -> tuple[int, list[int]]:
+    def solve(start: int, k: int) -> tuple[float, list[int]]:
         """Cut layers[start:] into k stages: (heaviest stage, sizes)."""
         if (start, k) in best:
             return best[(start, k)]
