@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvstore.base import KVStore
-from kvstore.errors import ConfigError, RemoteError
+from kvstore.errors import ConfigError, DeadlineExceededError, RemoteError
 from kvstore.pipeline import layers as layers_
 from kvstore.pipeline import schedule as plan_
 from kvstore.pipeline.memory import SavedBytes
@@ -57,9 +57,10 @@ def agreed_costs(kv: KVStore, entries: Sequence[Any], sample: Any, mode: str, se
     entries; only worker 0 builds and runs any layer, and only worker 0 needs ``sample``).  The costs travel
     through ``kv.broadcast`` under a key of their own per call (``pipeline.costs.<n>``, n counting this
     store's calls).  The other workers wait for worker 0 at the store's init barrier, whose deadline is
-    ``KVSTORE_REQUEST_TIMEOUT``: they raise DeadlineExceededError when the measurement takes longer.
-    Raises ConfigError for an unknown mode (on every worker); when worker 0's measurement fails, worker 0
-    raises its error and the others RemoteError naming the layer, without waiting out a deadline."""
+    ``KVSTORE_REQUEST_TIMEOUT``: when the measurement takes longer, they raise DeadlineExceededError, and
+    so does worker 0 when it comes to the barrier they left.  Raises ConfigError for an unknown mode or a
+    bad count (on every worker); when worker 0's measurement fails, worker 0 raises its error and the
+    others RemoteError naming the layer, without waiting out a deadline."""
     import numpy as np
 
     entries = list(entries)
@@ -80,7 +81,13 @@ def agreed_costs(kv: KVStore, entries: Sequence[Any], sample: Any, mode: str, se
         except Exception as exc:  # told to the others first, then raised here
             value[-1], error = float(index), exc
     out = np.zeros_like(value)
-    kv.broadcast(f"pipeline.costs.{n}", value, out=out)
+    try:
+        kv.broadcast(f"pipeline.costs.{n}", value, out=out)
+    except DeadlineExceededError as exc:
+        raise DeadlineExceededError(
+            f"{exc}, while worker 0 measured the layers' {mode} for balance={mode!r}: a measurement longer "
+            "than KVSTORE_REQUEST_TIMEOUT needs a higher one, or a balance given as a list (measured once "
+            "with kvstore.pipeline.profile.layer_costs)") from exc
     if error is not None:
         raise error
     if out[-1] >= 0:
