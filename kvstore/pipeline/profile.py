@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import statistics
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvstore.base import KVStore
@@ -35,24 +36,48 @@ MODES = ("parameters", "time", "memory")  # what ``balance=`` may name (or a lis
 MEASURED = ("time", "memory")  # the modes measured on a sample
 REPEATS = 5  # timed runs of each layer (their median is its time), after WARMUP untimed ones
 WARMUP = 1
+Timer = Callable[[], float]  # seconds, e.g. time.perf_counter (wall) or time.thread_time (this thread's CPU)
 
 _calls: weakref.WeakKeyDictionary[KVStore, int] = weakref.WeakKeyDictionary()  # agreed_costs calls per store
 _calls_lock = threading.Lock()
 
 
+@dataclasses.dataclass(frozen=True)
+class _How:
+    """How layers are measured: ``repeats`` timed runs after ``warmup`` (on ``timer``), and the optimizer
+    states per trainable parameter that ``'memory'`` counts.  Raises ConfigError for a bad count."""
+
+    repeats: int
+    optimizer_states: int
+    warmup: int
+    timer: Timer
+
+    def __post_init__(self) -> None:
+        for name, least in (("repeats", 1), ("optimizer_states", 0), ("warmup", 0)):
+            count = getattr(self, name)
+            if type(count) is not int or count < least:
+                raise ConfigError(f"{name} must be an int >= {least}, not {count!r}")
+        if not callable(self.timer):
+            raise ConfigError(f"timer must be a callable returning seconds, not {self.timer!r}")
+
+
 def layer_costs(entries: Sequence[Any], sample: Any, mode: str, seed: int = 0, repeats: int = REPEATS,
-                optimizer_states: int = 1, warmup: int = WARMUP) -> list[float]:
+                optimizer_states: int = 1, *, warmup: int = WARMUP,
+                timer: Timer = time.perf_counter) -> list[float]:
     """One cost per layer of ``entries`` (as a Pipeline takes them: modules, meta modules, factories),
-    measured on ``sample`` (a micro-batch for the first layer): seconds of forward+backward (``'time'``)
-    or bytes (``'memory'``).  Layers are built one at a time under a Pipeline's per-layer seeds and dropped
-    after; a built module is measured as it is and left unchanged (no ``.grad``, buffers restored).  Raises
-    ConfigError for an unknown mode, a missing sample or bad counts, and whatever a layer raises on its
-    input."""
-    return list(_each_cost(list(entries), sample, mode, seed, repeats, optimizer_states, warmup))
+    measured on ``sample`` (a micro-batch for the first layer): seconds of forward+backward on ``timer``
+    (``'time'``; wall time by default, ``time.thread_time`` counts this thread's CPU only, which a shared
+    machine's load hardly moves when torch runs on one thread) or bytes (``'memory'``).  Layers are built
+    one at a time under a Pipeline's per-layer seeds and dropped after; a built module is measured as it
+    is and left unchanged (no ``.grad``, buffers restored).  Raises ConfigError for an unknown mode, a
+    missing sample or a bad count, and whatever a layer raises on its input."""
+    how = _How(repeats, optimizer_states, warmup, timer)
+    return list(_each_cost(list(entries), sample, mode, seed, how))
 
 
 def agreed_costs(kv: KVStore, entries: Sequence[Any], sample: Any, mode: str, seed: int = 0,
-                 repeats: int = REPEATS, optimizer_states: int = 1, warmup: int = WARMUP) -> list[float]:
+                 repeats: int = REPEATS, optimizer_states: int = 1, *, warmup: int = WARMUP,
+                 timer: Timer = time.perf_counter) -> list[float]:
     """Worker 0's :func:`layer_costs`, on every worker (collective: every worker calls it, with the same
     entries; only worker 0 builds and runs any layer, and only worker 0 needs ``sample``).  The costs travel
     through ``kv.broadcast`` under a key of their own per call (``pipeline.costs.<n>``, n counting this
@@ -65,7 +90,7 @@ def agreed_costs(kv: KVStore, entries: Sequence[Any], sample: Any, mode: str, se
 
     entries = list(entries)
     _check_mode(mode, MEASURED)
-    _check_counts(repeats, optimizer_states, warmup)
+    how = _How(repeats, optimizer_states, warmup, timer)
     with _calls_lock:
         n = _calls.get(kv, 0)
         _calls[kv] = n + 1
@@ -76,7 +101,7 @@ def agreed_costs(kv: KVStore, entries: Sequence[Any], sample: Any, mode: str, se
     if kv.rank == 0:
         value[-1], index = -1.0, 0
         try:
-            for cost in _each_cost(entries, sample, mode, seed, repeats, optimizer_states, warmup):
+            for cost in _each_cost(entries, sample, mode, seed, how):
                 value[index], index = cost, index + 1
         except Exception as exc:  # told to the others first, then raised here
             value[-1], error = float(index), exc
@@ -97,7 +122,8 @@ def agreed_costs(kv: KVStore, entries: Sequence[Any], sample: Any, mode: str, se
 
 
 def choose(balance: str | Sequence[int] | None, entries: Sequence[Any], parts: int, kv: KVStore | None,
-           sample: Any, seed: int = 0, repeats: int = REPEATS, optimizer_states: int = 1) -> list[int]:
+           sample: Any, seed: int = 0, repeats: int = REPEATS, optimizer_states: int = 1, *,
+           warmup: int = WARMUP, timer: Timer = time.perf_counter) -> list[int]:
     """Layers per stage for a Pipeline's ``balance``: None or ``'parameters'`` (the contiguous cut whose
     heaviest stage holds the fewest parameters, counted without allocating), ``'time'`` or ``'memory'``
     (the same cut of the costs :func:`agreed_costs` measures on ``sample``; collective, needs ``kv``), or
@@ -114,7 +140,8 @@ def choose(balance: str | Sequence[int] | None, entries: Sequence[Any], parts: i
         if parts < 1 or len(entries) < parts:  # before anyone measures, on every worker alike
             raise ConfigError(f"cannot cut {len(entries)} layers into {parts} stages (each stage needs a "
                               "layer)")
-        costs = agreed_costs(kv, entries, sample, balance, seed, repeats, optimizer_states)
+        costs = agreed_costs(kv, entries, sample, balance, seed, repeats, optimizer_states, warmup=warmup,
+                             timer=timer)
         return plan_.balance_by_weight(costs, parts)
     if isinstance(balance, Sequence):
         return plan_.check_balance(balance, len(entries), parts)
@@ -127,15 +154,7 @@ def _check_mode(mode: Any, allowed: Sequence[str]) -> None:
         raise ConfigError(f"balance mode {mode!r} is not one of {', '.join(map(repr, allowed))}")
 
 
-def _check_counts(repeats: int, optimizer_states: int, warmup: int) -> None:
-    for name, count, least in (("repeats", repeats, 1), ("optimizer_states", optimizer_states, 0),
-                               ("warmup", warmup, 0)):
-        if type(count) is not int or count < least:
-            raise ConfigError(f"{name} must be an int >= {least}, not {count!r}")
-
-
-def _each_cost(entries: list[Any], sample: Any, mode: str, seed: int, repeats: int, optimizer_states: int,
-               warmup: int) -> Iterator[float]:
+def _each_cost(entries: list[Any], sample: Any, mode: str, seed: int, how: _How) -> Iterator[float]:
     """Each layer's cost in turn (see :func:`layer_costs`); checks its arguments before the first."""
     import torch
 
@@ -143,16 +162,15 @@ def _each_cost(entries: list[Any], sample: Any, mode: str, seed: int, repeats: i
     if sample is None:
         raise ConfigError(f"balance={mode!r} measures the layers on a sample batch: pass sample= (a "
                           "micro-batch of the first stage's input)")
-    _check_counts(repeats, optimizer_states, warmup)
     roles = layers_.Roles(entries)
     x, skips = _detached(sample, grad=False), {}
     with torch.random.fork_rng(devices=[]):  # dropout & co. draw here: the caller's generator stays put
         for index, entry in enumerate(entries):
             with _built(entry, roles.seed_index(index), seed) as layer:
                 if mode == "time":
-                    cost, x, skips = _timed(layer, x, skips, repeats, warmup)
+                    cost, x, skips = _timed(layer, x, skips, how)
                 else:
-                    cost, x, skips = _sized(layer, x, skips, optimizer_states)
+                    cost, x, skips = _sized(layer, x, skips, how.optimizer_states)
                 x, skips = _detached(x), {k: _detached(v) for k, v in skips.items()}  # its graph goes
             del layer  # freed before the next layer is built
             yield cost
@@ -178,19 +196,19 @@ def _built(entry: Any, index: int, seed: int) -> Iterator[Any]:
     yield layers_.materialise(entry, index, seed)
 
 
-def _timed(layer: Any, x: Any, skips: dict[str, Any], repeats: int,
-           warmup: int) -> tuple[float, Any, dict[str, Any]]:
-    """The median seconds of ``layer``'s forward+backward on ``x`` over ``repeats`` runs after ``warmup``;
-    its output and the skips after it (the last run's)."""
+def _timed(layer: Any, x: Any, skips: dict[str, Any], how: _How) -> tuple[float, Any, dict[str, Any]]:
+    """The median seconds of ``layer``'s forward+backward on ``x`` over ``how.repeats`` runs after its
+    warm-up ones; its output and the skips after it (the last run's)."""
     times = []
-    for run in range(warmup + repeats):
+    for run in range(how.warmup + how.repeats):
         trial = dict(skips)  # a Take pops its skip: each run starts from the same ones
-        start = time.perf_counter()
+        timed = run >= how.warmup
+        start = how.timer() if timed else 0.0
         out = layers_.run([layer], x, trial)
         _backward(layer, out, [x, *skips.values()])
         _synchronise(out)
-        if run >= warmup:
-            times.append(time.perf_counter() - start)
+        if timed:
+            times.append(how.timer() - start)
     return statistics.median(times), out, trial
 
 

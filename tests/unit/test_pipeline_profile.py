@@ -41,6 +41,23 @@ def test_a_layer_with_64_times_the_flops_is_measured_slower() -> None:
     assert costs[0] > 4 * costs[2], costs
 
 
+def test_time_reads_the_timer_given_around_each_run() -> None:
+    """'time' reads the timer given (e.g. time.thread_time) before and after each timed run, not around the
+    warm-up: a clock that moves 1 s per read makes every layer cost 1 s; a timer not callable is refused."""
+    reads: list[float] = []
+
+    def clock() -> float:
+        reads.append(float(len(reads)))
+        return reads[-1]
+
+    linear = LayerSpec(torch.nn.Linear, 4, 4)
+    costs = layer_costs([linear, linear], torch.randn(2, 4), "time", repeats=3, warmup=1, timer=clock)
+    assert costs == [1.0, 1.0]
+    assert len(reads) == 2 * 2 * 3  # two layers, two reads for each of 3 timed runs
+    with pytest.raises(ConfigError, match="timer"):
+        layer_costs([linear], torch.randn(2, 4), "time", timer=3.0)
+
+
 def test_memory_is_parameters_gradients_states_and_saved_activations() -> None:
     """'memory' of Linear(16, 8) then Tanh on a (4, 16) float32 sample, by hand: the Linear holds its 136
     parameters, their gradients and 2 optimizer states each, and saves its input; Tanh saves its output."""
