@@ -430,7 +430,7 @@ def main() -> None:
     parser.add_argument("--balance-stages", default="2,4", help="K values of the balance part")
     parser.add_argument("--balance-width", type=int, default=512)
     parser.add_argument("--balance-hidden", type=int, default=1024, help="the wide MLPs' hidden width")
-    parser.add_argument("--balance-tokens", type=int, default=64)
+    parser.add_argument("--balance-tokens", type=int, default=96)
     parser.add_argument("--balance-batch", type=int, default=16)
     parser.add_argument("--balance-chunks", type=int, default=1)
     parser.add_argument("--balance-longs", type=int, default=8, help="Linear layers over every token")

@@ -199,13 +199,14 @@ def _built(entry: Any, index: int, seed: int) -> Iterator[Any]:
 def _timed(layer: Any, x: Any, skips: dict[str, Any], how: _How) -> tuple[float, Any, dict[str, Any]]:
     """The median seconds of ``layer``'s forward+backward on ``x`` over ``how.repeats`` runs after its
     warm-up ones; its output and the skips after it (the last run's)."""
-    times = []
+    times: list[float] = []
+    seeds: list[Any] | None = None  # the output gradients, made once: a stage receives them, never makes them
     for run in range(how.warmup + how.repeats):
         trial = dict(skips)  # a Take pops its skip: each run starts from the same ones
         timed = run >= how.warmup
         start = how.timer() if timed else 0.0
         out = layers_.run([layer], x, trial)
-        _backward(layer, out, [x, *skips.values()])
+        seeds = _backward(layer, out, [x, *skips.values()], seeds)
         _synchronise(out)
         if timed:
             times.append(how.timer() - start)
@@ -254,17 +255,21 @@ def _detached(value: Any, grad: bool = True) -> Any:
     return value
 
 
-def _backward(layer: Any, out: Any, inputs: list[Any]) -> None:
-    """The backward of ``layer``'s ``out`` with a gradient of ones per float output, to its inputs and
-    parameters, with ``torch.autograd.grad``: nothing is accumulated into any ``.grad``."""
+def _backward(layer: Any, out: Any, inputs: list[Any], seeds: list[Any] | None) -> list[Any] | None:
+    """The backward of ``layer``'s ``out`` to its inputs and parameters with ``torch.autograd.grad``
+    (nothing is accumulated into any ``.grad``), from ``seeds``, or from a gradient of ones per float
+    output that has a graph when None; returns the gradients it started from."""
     import torch
 
     outs = [t for t in _tensors(out) if t.grad_fn is not None]
     if not outs:
-        return
+        return seeds
+    if seeds is None:
+        seeds = [torch.ones_like(t) for t in outs]
     leaves = {id(t): t for t in _tensors(inputs) if t.requires_grad}
     leaves.update({id(p): p for p in layer.parameters() if p.requires_grad})
-    torch.autograd.grad(outs, list(leaves.values()), [torch.ones_like(t) for t in outs], allow_unused=True)
+    torch.autograd.grad(outs, list(leaves.values()), seeds, allow_unused=True)
+    return seeds
 
 
 def _synchronise(out: Any) -> None:
