@@ -330,7 +330,7 @@ def balance_worker(args: argparse.Namespace) -> None:
         stages = kv.num_workers
         costs = agreed_costs(kv, entries, sample, "time", repeats=args.balance_repeats, timer=timer)
         cuts = {"parameters": choose("parameters", entries, stages, kv, sample),
-                "time": balance_by_weight(costs, stages)}
+                "time": balance_by_weight(costs, stages, even=True)}
         best: dict[str, dict[str, float]] = {}
         for _ in range(args.rounds):
             for rule, balance in cuts.items():

@@ -126,8 +126,9 @@ def choose(balance: str | Sequence[int] | None, entries: Sequence[Any], parts: i
            warmup: int = WARMUP, timer: Timer = time.perf_counter) -> list[int]:
     """Layers per stage for a Pipeline's ``balance``: None or ``'parameters'`` (the contiguous cut whose
     heaviest stage holds the fewest parameters, counted without allocating), ``'time'`` or ``'memory'``
-    (the same cut of the costs :func:`agreed_costs` measures on ``sample``; collective, needs ``kv``), or
-    a list of ``parts`` positive ints summing to the number of layers.  Raises ConfigError for anything
+    (the contiguous cut of the costs :func:`agreed_costs` measures on ``sample`` whose costliest stage
+    costs least, and of those the one whose cheapest stage costs most; collective, needs ``kv``), or a
+    list of ``parts`` positive ints summing to the number of layers.  Raises ConfigError for anything
     else, and as :func:`agreed_costs`."""
     entries = list(entries)
     if balance is None or balance == "parameters":
@@ -142,7 +143,7 @@ def choose(balance: str | Sequence[int] | None, entries: Sequence[Any], parts: i
                               "layer)")
         costs = agreed_costs(kv, entries, sample, balance, seed, repeats, optimizer_states, warmup=warmup,
                              timer=timer)
-        return plan_.balance_by_weight(costs, parts)
+        return plan_.balance_by_weight(costs, parts, even=True)
     if isinstance(balance, Sequence):
         return plan_.check_balance(balance, len(entries), parts)
     raise ConfigError(f"balance must be None, one of {', '.join(map(repr, MODES))}, or a list of layers per "

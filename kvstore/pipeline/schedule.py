@@ -15,10 +15,11 @@ CHECKPOINTS = ("always", "except_last", "never")
 Op = tuple[str, int]  # ("F" | "B", micro-batch index)
 
 
-def balance_by_weight(weights: Sequence[float], stages: int) -> list[int]:
+def balance_by_weight(weights: Sequence[float], stages: int, even: bool = False) -> list[int]:
     """Layers per stage: contiguous runs of ``weights`` (parameter counts, or measured costs as floats:
     ``kvstore.pipeline.profile``) whose heaviest run is as light as possible, each stage holding at
-    least one layer.  Raises :class:`ConfigError` when there are fewer layers than stages."""
+    least one layer; with ``even``, of those cuts the one whose lightest run is heaviest (else the
+    first found).  Raises :class:`ConfigError` when there are fewer layers than stages."""
     n = len(weights)
     if stages < 1 or n < stages:
         raise ConfigError(f"cannot cut {n} layers into {stages} stages (each stage needs a layer)")
@@ -40,7 +41,41 @@ def balance_by_weight(weights: Sequence[float], stages: int) -> list[int]:
         best[(start, k)] = result
         return result
 
-    return solve(0, stages)[1]
+    sizes = solve(0, stages)[1]
+    return _evened(weights, sizes) if even else sizes
+
+
+def _runs(weights: Sequence[float], sizes: Sequence[int]) -> list[float]:
+    """The total weight of each stage of the cut ``sizes``."""
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    return [sum(weights[end - size:end]) for end, size in zip(ends, sizes)]
+
+
+def _evened(weights: Sequence[float], cut: list[int]) -> list[int]:
+    """The contiguous cut into as many runs as ``cut``, none heavier than its heaviest, whose lightest
+    run is heaviest (``cut`` itself when none is)."""
+    n, stages, cap = len(weights), len(cut), max(_runs(weights, cut))
+    best: dict[tuple[int, int], tuple[float, list[int]] | None] = {}
+
+    def solve(start: int, k: int) -> tuple[float, list[int]] | None:
+        """Cut layers[start:] into k runs under the cap: (lightest run, sizes), or None."""
+        if (start, k) not in best:
+            result: tuple[float, list[int]] | None = None
+            if k == 1:
+                total = sum(weights[start:])
+                result = (total, [n - start]) if total <= cap else None
+            else:
+                for end in range(start + 1, n - k + 2):
+                    first, rest = sum(weights[start:end]), solve(end, k - 1)
+                    if first > cap or rest is None:
+                        continue
+                    if result is None or min(first, rest[0]) > result[0]:
+                        result = (min(first, rest[0]), [end - start, *rest[1]])
+            best[(start, k)] = result
+        return best[(start, k)]
+
+    found = solve(0, stages)
+    return cut if found is None else found[1]
 
 
 def check_balance(balance: Sequence[int], layers: int, stages: int) -> list[int]:
