@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -309,9 +310,10 @@ def balance_worker(args: argparse.Namespace) -> None:
     'parameters'; for 'time', what ``choose('time', ...)`` does, ``balance_by_weight`` of the costs
     ``agreed_costs`` measured, kept to be reported), run
     ``--rounds`` x ``--iters`` timed steps through a K-stage Pipeline per rule (the rules alternate by
-    round), and print each rule's RESULT line for this stage: its least forward+backward ms per step, as
-    wall time outside the waits for a neighbour and as the main thread's CPU time, and the profile's ms
-    for the stage's layers."""
+    round), and print each rule's RESULT line for this stage: the median over those steps of its
+    forward+backward ms per step, as wall time outside the waits for a neighbour and as the main thread's
+    CPU time (the median, as the profile takes each layer's), and the profile's ms for the stage's
+    layers."""
     import torch
 
     import kvstore
@@ -331,26 +333,26 @@ def balance_worker(args: argparse.Namespace) -> None:
         costs = agreed_costs(kv, entries, sample, "time", repeats=args.balance_repeats, timer=timer)
         cuts = {"parameters": choose("parameters", entries, stages, kv, sample),
                 "time": balance_by_weight(costs, stages, even=True)}
-        best: dict[str, dict[str, float]] = {}
+        found: dict[str, dict[str, list[float]]] = {rule: {} for rule in cuts}
         for _ in range(args.rounds):
             for rule, balance in cuts.items():
                 pipe = Pipeline(entries, stages=stages, balance=balance, chunks=args.balance_chunks,
                                 checkpoint="never", kv=kv)
-                found = _balance_steps(kv, pipe, x, y, args.iters)
-                mine = best.setdefault(rule, found)
-                best[rule] = {k: min(v, mine[k]) for k, v in found.items()}
+                for name, values in _balance_steps(kv, pipe, x, y, args.iters).items():
+                    found[rule].setdefault(name, []).extend(values)
         for rule, balance in cuts.items():
+            median = {name: statistics.median(values) for name, values in found[rule].items()}
             stage = kv.rank % stages
             offset = sum(balance[:stage])
             print("RESULT " + json.dumps({
-                "rule": rule, "stages": stages, "stage": stage, "balance": balance, **best[rule],
+                "rule": rule, "stages": stages, "stage": stage, "balance": balance, **median,
                 "profile": sum(costs[offset:offset + balance[stage]]) * 1e3 * args.balance_chunks,
                 "long": costs[-1] * 1e3, "wide": costs[1] * 1e3}), flush=True)
 
 
-def _balance_steps(kv: Any, pipe: Any, x: Any, y: Any, iters: int) -> dict[str, float]:
-    """The stage's least busy ms in ``iters`` steps after 2 warm-up ones, as wall time (a step's time less
-    its waits for a neighbour) and as the main thread's CPU time, and the least step ms."""
+def _balance_steps(kv: Any, pipe: Any, x: Any, y: Any, iters: int) -> dict[str, list[float]]:
+    """The stage's busy ms in each of ``iters`` steps after 2 warm-up ones, as wall time (a step's time
+    less its waits for a neighbour) and as the main thread's CPU time, and each step's ms."""
     import torch
 
     waited = [0.0]
@@ -364,7 +366,7 @@ def _balance_steps(kv: Any, pipe: Any, x: Any, y: Any, iters: int) -> dict[str, 
             waited[0] += time.perf_counter() - start
 
     pipe.link.receive = timed_receive
-    busy = cpu = step = float("inf")
+    found: dict[str, list[float]] = {"busy": [], "cpu": [], "step": []}
     try:
         for i in range(iters + 2):
             kv.barrier()
@@ -373,10 +375,11 @@ def _balance_steps(kv: Any, pipe: Any, x: Any, y: Any, iters: int) -> dict[str, 
             pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, torch.nn.functional.mse_loss)
             took, used = time.perf_counter() - start, time.thread_time() - cpu_start
             if i >= 2:
-                busy, cpu, step = min(busy, took - waited[0]), min(cpu, used), min(step, took)
+                for name, value in (("busy", took - waited[0]), ("cpu", used), ("step", took)):
+                    found[name].append(value * 1e3)
     finally:
         pipe.close()
-    return {"busy": busy * 1e3, "cpu": cpu * 1e3, "step": step * 1e3}
+    return found
 
 
 def balance_part(args: argparse.Namespace) -> None:
@@ -387,7 +390,7 @@ def balance_part(args: argparse.Namespace) -> None:
     print(f"balance by measured cost: {args.balance_wides} MLPs {width} -> {hidden} -> {width} on the first "
           f"token, then {args.balance_longs} Linear({width}, {width}) over {args.balance_tokens} tokens; "
           f"batch {args.balance_batch} as {args.balance_chunks} micro-batch(es), gpipe; "
-          f"each stage's least of {args.rounds} rounds x {args.iters} steps; profile: median of "
+          f"each stage's median of {args.rounds} rounds x {args.iters} steps; profile: median of "
           f"{args.balance_repeats} runs per layer on {args.balance_timer} time (load average {load})")
     print(f"{'K':>2} {'rule':10} {'balance':15} {'wall ms per stage':27} {'max/min':>7} "
           f"{'CPU ms per stage':27} {'max/min':>7} {'profile ms per stage':26} {'step ms':>7}")
