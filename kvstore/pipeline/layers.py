@@ -141,6 +141,19 @@ def run(layers: Iterable[Any], x: Any, skips: dict[str, Any]) -> Any:
     return x
 
 
+class Part(torch.nn.Sequential):
+    """A run of a model's layers: a stage, or one of the parts an interleaved stage holds.  ``part(x)``
+    runs them as ``nn.Sequential`` does; ``part(x, skips)`` also takes the skips earlier parts kept and
+    returns ``(output, the skips kept here for later parts)`` (``skips`` is not changed: a checkpoint's
+    recomputation calls it again with the same dict)."""
+
+    def forward(self, x: Any, skips: dict[str, Any] | None = None) -> Any:  # noqa: D102
+        if skips is None:
+            return run(self, x, {})
+        kept = dict(skips)
+        return run(self, x, kept), kept
+
+
 class Roles:
     """What each layer of a model is, read without building it: the skip names each layer keeps
     (``saves``) and uses (``takes``), and the key of each tied layer (``tied``).  Raises ConfigError for
@@ -165,6 +178,7 @@ class Roles:
             if key is not None:
                 self.tied[index] = key
                 self.first.setdefault(key, index)
+        self.count = len(entries)
         unused = sorted(set(self.saves) - set(self.takes))
         if unused:
             raise ConfigError(f"skip(s) {unused} kept but never used (a Take of each name must follow)")
@@ -278,8 +292,9 @@ def release(layer: Any) -> None:
 
 
 def build(model: Any, seed: int = 0) -> Any:
-    """The whole model as one process gets it: an ``nn.Sequential`` of every layer, built (factories)
-    or materialised (meta modules) under the same per-layer seeds as a Pipeline's stages.  Raises as
+    """The whole model as one process gets it: a :class:`Part` (an ``nn.Sequential`` that runs skip
+    connections) of every layer, built (factories) or materialised (meta modules) under the same
+    per-layer seeds as a Pipeline's stages, tied places sharing one module.  Raises as
     :func:`materialise`."""
     entries = described(model)
     roles = Roles(entries)
@@ -293,7 +308,7 @@ def build(model: Any, seed: int = 0) -> Any:
                 layer = TiedLayer(key, built[key], layer.apply)  # the places share one module
             built.setdefault(key, layer.module)
         layers.append(layer)
-    return torch.nn.Sequential(*layers)
+    return Part(*layers)
 
 
 def _called(factory: Callable[[], Any], index: int) -> Any:
