@@ -44,13 +44,15 @@ _calls_lock = threading.Lock()
 
 @dataclasses.dataclass(frozen=True)
 class _How:
-    """How layers are measured: ``repeats`` timed runs after ``warmup`` (on ``timer``), and the optimizer
-    states per trainable parameter that ``'memory'`` counts.  Raises ConfigError for a bad count."""
+    """How layers are measured: ``repeats`` timed runs after ``warmup`` (on ``timer``), the optimizer
+    states per trainable parameter that ``'memory'`` counts, and the ``device`` layers run on (None:
+    where they are built).  Raises ConfigError for a bad count."""
 
     repeats: int
     optimizer_states: int
     warmup: int
     timer: Timer
+    device: Any = None
 
     def __post_init__(self) -> None:
         for name, least in (("repeats", 1), ("optimizer_states", 0), ("warmup", 0)):
@@ -62,22 +64,24 @@ class _How:
 
 
 def layer_costs(entries: Sequence[Any], sample: Any, mode: str, seed: int = 0, repeats: int = REPEATS,
-                optimizer_states: int = 1, *, warmup: int = WARMUP,
-                timer: Timer = time.perf_counter) -> list[float]:
+                optimizer_states: int = 1, *, warmup: int = WARMUP, timer: Timer = time.perf_counter,
+                device: Any = None) -> list[float]:
     """One cost per layer of ``entries`` (as a Pipeline takes them: modules, meta modules, factories),
     measured on ``sample`` (a micro-batch for the first layer): seconds of forward+backward on ``timer``
     (``'time'``; wall time by default, ``time.thread_time`` counts this thread's CPU only, which a shared
     machine's load hardly moves when torch runs on one thread) or bytes (``'memory'``).  Layers are built
     one at a time under a Pipeline's per-layer seeds and dropped after; a built module is measured as it
-    is and left unchanged (no ``.grad``, buffers restored).  Raises ConfigError for an unknown mode, a
-    missing sample or a bad count, and whatever a layer raises on its input."""
-    how = _How(repeats, optimizer_states, warmup, timer)
+    is and left unchanged (no ``.grad``, buffers restored).  With a ``device`` (a stage's, e.g.
+    ``'cuda:0'``) the sample and each layer run there: a built module elsewhere is measured on a copy
+    moved there, one layer at a time.  Raises ConfigError for an unknown mode or device, a missing sample
+    or a bad count, and whatever a layer raises on its input."""
+    how = _How(repeats, optimizer_states, warmup, timer, device)
     return list(_each_cost(list(entries), sample, mode, seed, how))
 
 
 def agreed_costs(kv: KVStore, entries: Sequence[Any], sample: Any, mode: str, seed: int = 0,
                  repeats: int = REPEATS, optimizer_states: int = 1, *, warmup: int = WARMUP,
-                 timer: Timer = time.perf_counter) -> list[float]:
+                 timer: Timer = time.perf_counter, device: Any = None) -> list[float]:
     """Worker 0's :func:`layer_costs`, on every worker (collective: every worker calls it, with the same
     entries; only worker 0 builds and runs any layer, and only worker 0 needs ``sample``).  The costs travel
     through ``kv.broadcast`` under a key of their own per call (``pipeline.costs.<n>``, n counting this
@@ -90,7 +94,7 @@ def agreed_costs(kv: KVStore, entries: Sequence[Any], sample: Any, mode: str, se
 
     entries = list(entries)
     _check_mode(mode, MEASURED)
-    how = _How(repeats, optimizer_states, warmup, timer)
+    how = _How(repeats, optimizer_states, warmup, timer, device)
     with _calls_lock:
         n = _calls.get(kv, 0)
         _calls[kv] = n + 1
@@ -123,7 +127,7 @@ def agreed_costs(kv: KVStore, entries: Sequence[Any], sample: Any, mode: str, se
 
 def choose(balance: str | Sequence[int] | None, entries: Sequence[Any], parts: int, kv: KVStore | None,
            sample: Any, seed: int = 0, repeats: int = REPEATS, optimizer_states: int = 1, *,
-           warmup: int = WARMUP, timer: Timer = time.perf_counter) -> list[int]:
+           warmup: int = WARMUP, timer: Timer = time.perf_counter, device: Any = None) -> list[int]:
     """Layers per stage for a Pipeline's ``balance``: None or ``'parameters'`` (the contiguous cut whose
     heaviest stage holds the fewest parameters, counted without allocating), ``'time'`` or ``'memory'``
     (the contiguous cut of the costs :func:`agreed_costs` measures on ``sample`` whose costliest stage
@@ -142,7 +146,7 @@ def choose(balance: str | Sequence[int] | None, entries: Sequence[Any], parts: i
             raise ConfigError(f"cannot cut {len(entries)} layers into {parts} stages (each stage needs a "
                               "layer)")
         costs = agreed_costs(kv, entries, sample, balance, seed, repeats, optimizer_states, warmup=warmup,
-                             timer=timer)
+                             timer=timer, device=device)
         return plan_.balance_by_weight(costs, parts, even=True)
     if isinstance(balance, Sequence):
         return plan_.check_balance(balance, len(entries), parts)
@@ -164,10 +168,11 @@ def _each_cost(entries: list[Any], sample: Any, mode: str, seed: int, how: _How)
         raise ConfigError(f"balance={mode!r} measures the layers on a sample batch: pass sample= (a "
                           "micro-batch of the first stage's input)")
     roles = layers_.Roles(entries)
-    x, skips = _detached(sample, grad=False), {}
+    device = _device(how.device)
+    x, skips = _detached(_moved(sample, device), grad=False), {}
     with torch.random.fork_rng(devices=[]):  # dropout & co. draw here: the caller's generator stays put
         for index, entry in enumerate(entries):
-            with _built(entry, roles.seed_index(index), seed) as layer:
+            with _built(entry, roles.seed_index(index), seed, device) as layer:
                 if mode == "time":
                     cost, x, skips = _timed(layer, x, skips, how)
                 else:
@@ -178,11 +183,15 @@ def _each_cost(entries: list[Any], sample: Any, mode: str, seed: int, how: _How)
 
 
 @contextlib.contextmanager
-def _built(entry: Any, index: int, seed: int) -> Iterator[Any]:
-    """Layer ``index`` built for measuring: a factory's or a meta module's copy's (dropped after), or a
-    built module as it is, whose buffers (batch norm's running statistics) are restored after."""
+def _built(entry: Any, index: int, seed: int, device: Any) -> Iterator[Any]:
+    """Layer ``index`` built for measuring on ``device`` (None: where it is built): a factory's or a meta
+    module's copy's, or a copy of a built module elsewhere (dropped after), or a built module as it is,
+    whose buffers (batch norm's running statistics) are restored after."""
     import torch
 
+    if isinstance(entry, torch.nn.Module) and not layers_.on_meta(entry) and not _on(entry, device):
+        yield copy.deepcopy(entry).to(device)  # the caller's module stays where it is
+        return
     if isinstance(entry, torch.nn.Module) and not layers_.on_meta(entry):
         kept = [(b, b.detach().clone()) for b in entry.buffers()]
         try:
@@ -194,7 +203,43 @@ def _built(entry: Any, index: int, seed: int) -> Iterator[Any]:
         return
     if isinstance(entry, torch.nn.Module):  # on meta: the caller's module stays there for the Pipeline
         entry = copy.deepcopy(entry)
-    yield layers_.materialise(entry, index, seed)
+    layer = layers_.materialise(entry, index, seed)
+    yield layer if device is None else layer.to(device)
+
+
+def _device(device: Any) -> Any:
+    """``device`` as a torch device (None stays None; a CUDA device without an index gets the current
+    one); ConfigError when torch does not know it."""
+    import torch
+
+    if device is None:
+        return None
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r} is not a torch device: {exc}") from None
+    if chosen.type == "cuda" and chosen.index is None:
+        chosen = torch.device("cuda", torch.cuda.current_device())
+    return chosen
+
+
+def _on(module: Any, device: Any) -> bool:
+    """Whether every parameter and buffer of ``module`` is on ``device`` (None: wherever it is)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return device is None or all(t.device == device for t in tensors)
+
+
+def _moved(value: Any, device: Any) -> Any:
+    """``value`` with each tensor (in tuples and lists too) on ``device`` (None: as it is)."""
+    import torch
+
+    if device is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(item, device) for item in value)
+    return value
 
 
 def _timed(layer: Any, x: Any, skips: dict[str, Any], how: _How) -> tuple[float, Any, dict[str, Any]]:

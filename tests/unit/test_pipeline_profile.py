@@ -132,6 +132,26 @@ def test_a_built_module_is_measured_in_place_and_left_unchanged() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_a_device_runs_the_sample_and_layers_there_and_leaves_a_built_module_where_it_is() -> None:
+    """``device=``: the sample and each layer run there; a built module already there is measured in place
+    (the same costs as without a device), one elsewhere on a copy (the meta device stands in for a GPU
+    here), so the caller's module stays on the CPU, unchanged; an unknown device is a ConfigError."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sample = torch.randn(4, 8)
+    expected = layer_costs(model, sample, "memory")
+    assert layer_costs(model, sample, "memory", device="cpu") == expected
+    assert layer_costs([LayerSpec(torch.nn.Linear, 8, 8)], sample, "memory", device=torch.device("cpu")) == [
+        expected[0]]
+    elsewhere = layer_costs(model, sample, "time", repeats=1, device="meta")
+    assert len(elsewhere) == 3
+    assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    with pytest.raises(ConfigError, match="'gpu9' is not a torch device"):
+        layer_costs(model, sample, "time", device="gpu9")
+
+
 def test_factories_and_meta_layers_are_built_one_at_a_time_and_left_as_they_were() -> None:
     """Factories are called one at a time (each layer dropped before the next is built); a meta model stays
     on meta, so a Pipeline can still materialise it under its seeds."""
