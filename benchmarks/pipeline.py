@@ -325,7 +325,7 @@ def balance_worker(args: argparse.Namespace) -> None:
 
     import kvstore
     from kvstore.pipeline import Pipeline
-    from kvstore.pipeline.profile import agreed_costs, choose
+    from kvstore.pipeline.profile import SLACK, agreed_costs, choose
     from kvstore.pipeline.schedule import balance_by_weight
 
     torch.set_num_threads(1)
@@ -339,7 +339,7 @@ def balance_worker(args: argparse.Namespace) -> None:
         stages = kv.num_workers
         costs = agreed_costs(kv, entries, sample, "time", repeats=args.balance_repeats, timer=timer)
         cuts = {"parameters": choose("parameters", entries, stages, kv, sample),
-                "time": balance_by_weight(costs, stages, even=True)}
+                "time": balance_by_weight(costs, stages, slack=SLACK)}
         found: dict[str, dict[str, list[float]]] = {rule: {} for rule in cuts}
         for _ in range(args.rounds):
             for rule, balance in cuts.items():

@@ -36,6 +36,7 @@ MODES = ("parameters", "time", "memory")  # what ``balance=`` may name (or a lis
 MEASURED = ("time", "memory")  # the modes measured on a sample
 REPEATS = 5  # timed runs of each layer (their median is its time), after WARMUP untimed ones
 WARMUP = 1
+SLACK = 0.05  # a measured cut's costliest stage may cost this much more than least, for a more even cut
 Timer = Callable[[], float]  # seconds, e.g. time.perf_counter (wall) or time.thread_time (this thread's CPU)
 
 _calls: weakref.WeakKeyDictionary[KVStore, int] = weakref.WeakKeyDictionary()  # agreed_costs calls per store
@@ -130,10 +131,10 @@ def choose(balance: str | Sequence[int] | None, entries: Sequence[Any], parts: i
            warmup: int = WARMUP, timer: Timer = time.perf_counter, device: Any = None) -> list[int]:
     """Layers per stage for a Pipeline's ``balance``: None or ``'parameters'`` (the contiguous cut whose
     heaviest stage holds the fewest parameters, counted without allocating), ``'time'`` or ``'memory'``
-    (the contiguous cut of the costs :func:`agreed_costs` measures on ``sample`` whose costliest stage
-    costs least, and of those the one whose cheapest stage costs most; collective, needs ``kv``), or a
-    list of ``parts`` positive ints summing to the number of layers.  Raises ConfigError for anything
-    else, and as :func:`agreed_costs`."""
+    (of the contiguous cuts of the costs :func:`agreed_costs` measures on ``sample`` whose costliest
+    stage costs at most ``1 + SLACK`` times the least it can, the one whose cheapest stage costs most;
+    collective, needs ``kv``), or a list of ``parts`` positive ints summing to the number of layers.
+    Raises ConfigError for anything else, and as :func:`agreed_costs`."""
     entries = list(entries)
     if balance is None or balance == "parameters":
         return plan_.balance_by_weight([layers_.parameter_count(e, i) for i, e in enumerate(entries)], parts)
@@ -147,7 +148,7 @@ def choose(balance: str | Sequence[int] | None, entries: Sequence[Any], parts: i
                               "layer)")
         costs = agreed_costs(kv, entries, sample, balance, seed, repeats, optimizer_states, warmup=warmup,
                              timer=timer, device=device)
-        return plan_.balance_by_weight(costs, parts, even=True)
+        return plan_.balance_by_weight(costs, parts, slack=SLACK)
     if isinstance(balance, Sequence):
         return plan_.check_balance(balance, len(entries), parts)
     raise ConfigError(f"balance must be None, one of {', '.join(map(repr, MODES))}, or a list of layers per "

@@ -23,14 +23,18 @@ Op = tuple[str, int]  # ("F" | "B", micro-batch index)
 ChunkOp = tuple[str, int, int]  # ("F" | "B", micro-batch index, local chunk c: part c * K + stage)
 
 
-def balance_by_weight(weights: Sequence[float], stages: int, even: bool = False) -> list[int]:
+def balance_by_weight(weights: Sequence[float], stages: int, slack: float | None = None) -> list[int]:
     """Layers per stage: contiguous runs of ``weights`` (parameter counts, or measured costs as floats:
-    ``kvstore.pipeline.profile``) whose heaviest run is as light as possible, each stage holding at
-    least one layer; with ``even``, of those cuts the one whose lightest run is heaviest (else the
-    first found).  Raises :class:`ConfigError` when there are fewer layers than stages."""
+    ``kvstore.pipeline.profile``) whose heaviest run is as light as possible (the first such cut found),
+    each stage holding at least one layer.  With a ``slack`` (>= 0): of the cuts whose heaviest run is
+    at most ``1 + slack`` times that, the one whose lightest run is heaviest (measured costs are noisy:
+    a heaviest stage a few percent heavier can buy a much more even cut).  Raises :class:`ConfigError`
+    when there are fewer layers than stages or the slack is negative."""
     n = len(weights)
     if stages < 1 or n < stages:
         raise ConfigError(f"cannot cut {n} layers into {stages} stages (each stage needs a layer)")
+    if slack is not None and not slack >= 0:
+        raise ConfigError(f"slack must be a number >= 0, not {slack!r}")
     best: dict[tuple[int, int], tuple[float, list[int]]] = {}
 
     def solve(start: int, k: int) -> tuple[float, list[int]]:
@@ -50,7 +54,7 @@ def balance_by_weight(weights: Sequence[float], stages: int, even: bool = False)
         return result
 
     sizes = solve(0, stages)[1]
-    return _evened(weights, sizes) if even else sizes
+    return sizes if slack is None else _evened(weights, sizes, max(_runs(weights, sizes)) * (1 + slack))
 
 
 def _runs(weights: Sequence[float], sizes: Sequence[int]) -> list[float]:
@@ -59,10 +63,10 @@ def _runs(weights: Sequence[float], sizes: Sequence[int]) -> list[float]:
     return [sum(weights[end - size:end]) for end, size in zip(ends, sizes)]
 
 
-def _evened(weights: Sequence[float], cut: list[int]) -> list[int]:
-    """The contiguous cut into as many runs as ``cut``, none heavier than its heaviest, whose lightest
-    run is heaviest (``cut`` itself when none is)."""
-    n, stages, cap = len(weights), len(cut), max(_runs(weights, cut))
+def _evened(weights: Sequence[float], cut: list[int], cap: float) -> list[int]:
+    """The contiguous cut into as many runs as ``cut``, none heavier than ``cap`` (``cut``'s heaviest or
+    more), whose lightest run is heaviest (``cut`` itself when none is)."""
+    n, stages = len(weights), len(cut)
     best: dict[tuple[int, int], tuple[float, list[int]] | None] = {}
 
     def solve(start: int, k: int) -> tuple[float, list[int]] | None:

@@ -14,7 +14,7 @@ from kvstore.errors import ConfigError  # noqa: E402
 from kvstore.pipeline import LayerSpec, Save, Take  # noqa: E402
 from kvstore.pipeline import layers as L  # noqa: E402
 from kvstore.pipeline import schedule as S  # noqa: E402
-from kvstore.pipeline.profile import agreed_costs, choose, layer_costs  # noqa: E402
+from kvstore.pipeline.profile import SLACK, agreed_costs, choose, layer_costs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 F32 = 4  # bytes of a float32
@@ -199,26 +199,33 @@ def test_costs_one_to_eight_cut_where_the_time_is_even() -> None:
     where their parameter counts (1:8 the other way) would load the first stage with most of the work."""
     noise = [1 + 0.01 * ((7 * i) % 5 - 2) for i in range(36)]
     costs = [c * n for c, n in zip([8.0] * 4 + [1.0] * 32, noise)]
-    assert S.balance_by_weight(costs, 2) == S.balance_by_weight(costs, 2, even=True) == [4, 32]
-    assert S.balance_by_weight(costs, 4, even=True) == [2, 2, 16, 16]
+    assert S.balance_by_weight(costs, 2) == S.balance_by_weight(costs, 2, slack=SLACK) == [4, 32]
+    assert S.balance_by_weight(costs, 4, slack=SLACK) == [2, 2, 16, 16]
     by_params = S.balance_by_weight([1] * 4 + [8] * 32, 2)
     assert by_params == [20, 16]
     first = sum(costs[:by_params[0]])
     assert first / sum(costs[by_params[0]:]) > 2
 
 
-def test_even_keeps_the_least_heaviest_stage_and_lifts_the_lightest() -> None:
-    """Of the cuts whose heaviest stage is lightest, ``even`` takes one whose lightest stage is heaviest
-    (the first found may leave a stage nearly empty); without it the cut is as before."""
+def test_slack_keeps_the_heaviest_stage_near_least_and_lifts_the_lightest() -> None:
+    """With ``slack=0``, of the cuts whose heaviest stage is lightest, the one whose lightest is heaviest
+    (the first found may leave a stage nearly empty); with 5%, a heaviest stage up to 5% heavier for a
+    more even cut (noise in measured costs must not buy a 1% lighter heaviest stage with a far lighter
+    lightest); without a slack the cut is as before; a negative slack is a ConfigError."""
     weights = [1] * 6 + [5, 5]
     assert S.balance_by_weight(weights, 4) == [1, 5, 1, 1]  # heaviest 5, lightest 1
-    assert S.balance_by_weight(weights, 4, even=True) == [3, 3, 1, 1]  # heaviest 5, lightest 3
+    assert S.balance_by_weight(weights, 4, slack=0) == [3, 3, 1, 1]  # heaviest 5, lightest 3
     costs = [2.5, 0.1, 0.1, 2.4, 0.2, 2.6]
     for stages in (1, 2, 3, 6):
-        plain, even = S.balance_by_weight(costs, stages), S.balance_by_weight(costs, stages, even=True)
+        plain, even = S.balance_by_weight(costs, stages), S.balance_by_weight(costs, stages, slack=0.0)
         assert max(S._runs(costs, even)) == max(S._runs(costs, plain))
         assert min(S._runs(costs, even)) >= min(S._runs(costs, plain))
-    assert S.balance_by_weight([0, 0, 0], 3, even=True) == [1, 1, 1]
+    assert S.balance_by_weight([0, 0, 0], 3, slack=0) == [1, 1, 1]
+    noisy = [1.0] * 64 + [10.0] * 4 + [9.8] * 4  # 4 of the costly layers: 40, or 39.2
+    assert S.balance_by_weight(noisy, 4, slack=0) == [35, 30, 3, 4]  # 35 / 39 / 30 / 39.2: 1.31
+    assert S.balance_by_weight(noisy, 4, slack=0.05) == [32, 32, 4, 4]  # 32 / 32 / 40 / 39.2: 1.25
+    with pytest.raises(ConfigError, match="slack"):
+        S.balance_by_weight(noisy, 4, slack=-0.1)
 
 
 def test_choose_each_balance() -> None:
@@ -241,7 +248,7 @@ def test_choose_each_balance() -> None:
         sample = torch.randn(64, 32)  # saved activations outweigh the first Linear's parameters
         costs = agreed_costs(kv, entries, sample, "memory", optimizer_states=0)
         assert costs == layer_costs(entries, sample, "memory", optimizer_states=0)
-        cut = S.balance_by_weight(costs, 2, even=True)
+        cut = S.balance_by_weight(costs, 2, slack=SLACK)
         assert choose("memory", entries, 2, kv, sample, optimizer_states=0) == cut
         assert len(choose("time", entries, 3, kv, sample, repeats=1)) == 3
     finally:
