@@ -2,16 +2,18 @@
 
 :func:`layer_costs` builds the layers one at a time (never the whole model: no rank may be able to hold
 it), runs the sample forward through them in order and measures each layer alone: its input is detached
-(``requires_grad`` on float tensors, as a stage receives an activation), so its backward stops at its own
-input.  ``'time'`` is the median wall time of a forward and a backward after a warm-up (the idea of
-torchgpipe's ``balance_by_time``); ``'memory'`` is the bytes a training stage holds for the layer: its
-parameters, their gradients and ``optimizer_states`` copies of them (1 for momentum SGD, 2 for Adam), its
-buffers, and the activations autograd saves for its backward on the sample (counted with saved-tensor
-hooks as :mod:`kvstore.pipeline.memory` does: each storage once, weights not counted).
+(``requires_grad`` on float tensors, as a stage receives an activation; the first layer gets the sample
+as given), so its backward stops at its own input.  ``'time'`` is the median time of a forward and a
+backward after a warm-up, on a timer (wall time by default; the idea of torchgpipe's
+``balance_by_time``); ``'memory'`` is the bytes a training stage holds for the layer: its parameters,
+their gradients and ``optimizer_states`` copies of them (1 for momentum SGD, 2 for Adam), its buffers,
+and the activations autograd saves for its backward on the sample (counted with saved-tensor hooks as
+:mod:`kvstore.pipeline.memory` does: each storage once, weights not counted).
 
 :func:`agreed_costs` gives every worker worker 0's measurement through the store, so that every rank cuts
 the model the same way, and :func:`choose` is the ``balance`` argument of a Pipeline turned into layers
-per stage.  docs/pipeline.md, "Balance by measured cost".
+per stage (the measured modes cut with a slack of :data:`SLACK`).  docs/pipeline.md, "Balance by
+measured cost"; tests/unit/test_pipeline_profile.py, tests/integration/test_pipeline_balance.py.
 """
 
 from __future__ import annotations
