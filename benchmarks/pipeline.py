@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -286,6 +287,145 @@ def report(args: argparse.Namespace, mine: dict, torch_: dict) -> None:
             print(f"torch {key}: {value}")
 
 
+BALANCE_RULES = ("parameters", "time")  # the cut by parameter count, then by measured forward+backward time
+
+
+def balance_model(width: int, hidden: int, longs: int, wides: int) -> list[Any]:
+    """The balance part's layers, as factories on (batch, tokens, width) tensors: ``wides`` wide MLPs
+    (width -> hidden -> width) applied to the first token only and added to every token (many parameters,
+    little compute), then ``longs`` Linear(width, width) applied to every token (few parameters, much
+    compute)."""
+    import torch
+
+    from kvstore.pipeline import LayerSpec
+
+    class Wide(torch.nn.Module):
+        """``x + mlp(x[:, 0])``: a wide layer whose compute does not grow with the tokens."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.down(torch.tanh(self.up(x[:, 0])))[:, None, :]
+
+    return [LayerSpec(Wide)] * wides + [LayerSpec(torch.nn.Linear, width, width) for _ in range(longs)]
+
+
+def balance_worker(args: argparse.Namespace) -> None:
+    """Under launch.py -n K: cut the balance model by each rule (every rank alike: ``profile.choose`` for
+    'parameters'; for 'time', what ``choose('time', ...)`` does, ``balance_by_weight`` of the costs
+    ``agreed_costs`` measured, kept to be reported), run
+    ``--rounds`` x ``--iters`` timed steps through a K-stage Pipeline per rule (the rules alternate by
+    round), and print each rule's RESULT line for this stage: the median over those steps of its
+    forward+backward ms per step, as wall time outside the waits for a neighbour and as the main thread's
+    CPU time (the median, as the profile takes each layer's), and the profile's ms for the stage's
+    layers."""
+    import torch
+
+    import kvstore
+    from kvstore.pipeline import Pipeline
+    from kvstore.pipeline.profile import SLACK, agreed_costs, choose
+    from kvstore.pipeline.schedule import balance_by_weight
+
+    torch.set_num_threads(1)
+    timer = time.thread_time if args.balance_timer == "cpu" else time.perf_counter
+    gen = torch.Generator().manual_seed(1)
+    shape = (args.balance_batch, args.balance_tokens, args.balance_width)
+    x, y = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+    sample = x[:-(-args.balance_batch // args.balance_chunks)]  # the first micro-batch
+    entries = balance_model(args.balance_width, args.balance_hidden, args.balance_longs, args.balance_wides)
+    with kvstore.create("dist_sync") as kv:
+        stages = kv.num_workers
+        costs = agreed_costs(kv, entries, sample, "time", repeats=args.balance_repeats, timer=timer)
+        cuts = {"parameters": choose("parameters", entries, stages, kv, sample),
+                "time": balance_by_weight(costs, stages, slack=SLACK)}
+        found: dict[str, dict[str, list[float]]] = {rule: {} for rule in cuts}
+        for _ in range(args.rounds):
+            for rule, balance in cuts.items():
+                pipe = Pipeline(entries, stages=stages, balance=balance, chunks=args.balance_chunks,
+                                checkpoint="never", kv=kv)
+                for name, values in _balance_steps(kv, pipe, x, y, args.iters).items():
+                    found[rule].setdefault(name, []).extend(values)
+        for rule, balance in cuts.items():
+            median = {name: statistics.median(values) for name, values in found[rule].items()}
+            stage = kv.rank % stages
+            offset = sum(balance[:stage])
+            print("RESULT " + json.dumps({
+                "rule": rule, "stages": stages, "stage": stage, "balance": balance, **median,
+                "profile": sum(costs[offset:offset + balance[stage]]) * 1e3 * args.balance_chunks,
+                "long": costs[-1] * 1e3, "wide": costs[1] * 1e3}), flush=True)
+
+
+def _balance_steps(kv: Any, pipe: Any, x: Any, y: Any, iters: int) -> dict[str, list[float]]:
+    """The stage's busy ms in each of ``iters`` steps after 2 warm-up ones, as wall time (a step's time
+    less its waits for a neighbour) and as the main thread's CPU time, and each step's ms."""
+    import torch
+
+    waited = [0.0]
+    receive = pipe.link.receive
+
+    def timed_receive(*a: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return receive(*a)
+        finally:
+            waited[0] += time.perf_counter() - start
+
+    pipe.link.receive = timed_receive
+    found: dict[str, list[float]] = {"busy": [], "cpu": [], "step": []}
+    try:
+        for i in range(iters + 2):
+            kv.barrier()
+            pipe.module.zero_grad()
+            waited[0], start, cpu_start = 0.0, time.perf_counter(), time.thread_time()
+            pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, torch.nn.functional.mse_loss)
+            took, used = time.perf_counter() - start, time.thread_time() - cpu_start
+            if i >= 2:
+                for name, value in (("busy", took - waited[0]), ("cpu", used), ("step", took)):
+                    found[name].append(value * 1e3)
+    finally:
+        pipe.close()
+    return found
+
+
+def balance_part(args: argparse.Namespace) -> None:
+    """Launch K stage processes (and a server) per K of ``--balance-stages``; print each rule's balance and
+    each stage's measured forward+backward ms per step (wall and CPU), with max/min."""
+    width, hidden = args.balance_width, args.balance_hidden
+    load = " / ".join(f"{v:.1f}" for v in os.getloadavg())
+    print(f"balance by measured cost: {args.balance_wides} MLPs {width} -> {hidden} -> {width} on the first "
+          f"token, then {args.balance_longs} Linear({width}, {width}) over {args.balance_tokens} tokens; "
+          f"batch {args.balance_batch} as {args.balance_chunks} micro-batch(es), gpipe; "
+          f"each stage's median of {args.rounds} rounds x {args.iters} steps; profile: median of "
+          f"{args.balance_repeats} runs per layer on {args.balance_timer} time (load average {load})")
+    print(f"{'K':>2} {'rule':10} {'balance':15} {'wall ms per stage':27} {'max/min':>7} "
+          f"{'CPU ms per stage':27} {'max/min':>7} {'profile ms per stage':26} {'step ms':>7}")
+    knobs = ("width", "hidden", "tokens", "batch", "chunks", "longs", "wides", "repeats", "timer")
+    for stages in [int(k) for k in args.balance_stages.split(",")]:
+        argv = [sys.executable, "launch.py", "-n", str(stages), "-s", "1", __file__, "--balance-worker",
+                "--iters", str(args.iters), "--rounds", str(args.rounds),
+                *(f"--balance-{k}={vars(args)['balance_' + k]}" for k in knobs)]
+        env = {**os.environ, "KVSTORE_REQUEST_TIMEOUT": "600", "OMP_NUM_THREADS": "1"}
+        env.pop("KVSTORE_SECRET", None)
+        done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(argv)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+        lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
+        items = [json.loads(line) for line in lines]
+        for rule in BALANCE_RULES:
+            rows = sorted((i for i in items if i["rule"] == rule), key=lambda i: i["stage"])
+            wall, cpu = [i["busy"] for i in rows], [i["cpu"] for i in rows]
+            profile = [i["profile"] for i in rows]
+            cells = [" / ".join(f"{v:.1f}" for v in values) for values in (wall, cpu, profile)]
+            step, cut = max(i["step"] for i in rows), str(rows[0]["balance"])
+            print(f"{stages:2d} {rule:10} {cut:15} {cells[0]:27} {max(wall) / min(wall):7.2f} "
+                  f"{cells[1]:27} {max(cpu) / min(cpu):7.2f} {cells[2]:26} {step:7.1f}")
+        long, wide = items[0]["long"], items[0]["wide"]
+        print(f"   profiled ms per layer: Linear over the tokens {long:.2f}, wide MLP {wide:.2f} "
+              f"({long / wide:.1f}:1)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", default="1,2,4,8")
@@ -295,9 +435,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="ours then torch's, this many times")
     parser.add_argument("--torch-timeout", type=float, default=120)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--balance", action="store_true",
+                        help="run the balance part instead: stages cut by parameter count and by time")
+    parser.add_argument("--balance-stages", default="2,4", help="K values of the balance part")
+    parser.add_argument("--balance-width", type=int, default=512)
+    parser.add_argument("--balance-hidden", type=int, default=1024, help="the wide MLPs' hidden width")
+    parser.add_argument("--balance-tokens", type=int, default=96)
+    parser.add_argument("--balance-batch", type=int, default=16)
+    parser.add_argument("--balance-chunks", type=int, default=1)
+    parser.add_argument("--balance-longs", type=int, default=8, help="Linear layers over every token")
+    parser.add_argument("--balance-wides", type=int, default=64, help="wide MLPs on the first token")
+    parser.add_argument("--balance-repeats", type=int, default=15, help="profiled runs per layer")
+    parser.add_argument("--balance-timer", choices=("cpu", "wall"), default="cpu",
+                        help="the profile's clock: this thread's CPU time (load hardly moves it), or wall")
+    parser.add_argument("--balance-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.balance_worker:
+        return balance_worker(args)
+    if args.balance:
+        return balance_part(args)
     report(args, *best_rounds([(ours(args), theirs(args)) for _ in range(args.rounds)]))
 
 

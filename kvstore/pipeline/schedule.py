@@ -23,16 +23,21 @@ Op = tuple[str, int]  # ("F" | "B", micro-batch index)
 ChunkOp = tuple[str, int, int]  # ("F" | "B", micro-batch index, local chunk c: part c * K + stage)
 
 
-def balance_by_weight(weights: Sequence[int], stages: int) -> list[int]:
-    """Layers per stage: contiguous runs of ``weights`` (e.g. parameter counts) whose heaviest run is
-    as light as possible, each stage holding at least one layer.  Raises :class:`ConfigError` when
-    there are fewer layers than stages."""
+def balance_by_weight(weights: Sequence[float], stages: int, slack: float | None = None) -> list[int]:
+    """Layers per stage: contiguous runs of ``weights`` (parameter counts, or measured costs as floats:
+    ``kvstore.pipeline.profile``) whose heaviest run is as light as possible (the first such cut found),
+    each stage holding at least one layer.  With a ``slack`` (>= 0): of the cuts whose heaviest run is
+    at most ``1 + slack`` times that, the one whose lightest run is heaviest (measured costs are noisy:
+    a heaviest stage a few percent heavier can buy a much more even cut).  Raises :class:`ConfigError`
+    when there are fewer layers than stages or the slack is negative."""
     n = len(weights)
     if stages < 1 or n < stages:
         raise ConfigError(f"cannot cut {n} layers into {stages} stages (each stage needs a layer)")
-    best: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    if slack is not None and not slack >= 0:
+        raise ConfigError(f"slack must be a number >= 0, not {slack!r}")
+    best: dict[tuple[int, int], tuple[float, list[int]]] = {}
 
-    def solve(start: int, k: int) -> tuple[int, list[int]]:
+    def solve(start: int, k: int) -> tuple[float, list[int]]:
         """Cut layers[start:] into k stages: (heaviest stage, sizes)."""
         if (start, k) in best:
             return best[(start, k)]
@@ -48,7 +53,41 @@ def balance_by_weight(weights: Sequence[int], stages: int) -> list[int]:
         best[(start, k)] = result
         return result
 
-    return solve(0, stages)[1]
+    sizes = solve(0, stages)[1]
+    return sizes if slack is None else _evened(weights, sizes, max(_runs(weights, sizes)) * (1 + slack))
+
+
+def _runs(weights: Sequence[float], sizes: Sequence[int]) -> list[float]:
+    """The total weight of each stage of the cut ``sizes``."""
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    return [sum(weights[end - size:end]) for end, size in zip(ends, sizes)]
+
+
+def _evened(weights: Sequence[float], cut: list[int], cap: float) -> list[int]:
+    """The contiguous cut into as many runs as ``cut``, none heavier than ``cap`` (``cut``'s heaviest or
+    more), whose lightest run is heaviest (``cut`` itself when none is)."""
+    n, stages = len(weights), len(cut)
+    best: dict[tuple[int, int], tuple[float, list[int]] | None] = {}
+
+    def solve(start: int, k: int) -> tuple[float, list[int]] | None:
+        """Cut layers[start:] into k runs under the cap: (lightest run, sizes), or None."""
+        if (start, k) not in best:
+            result: tuple[float, list[int]] | None = None
+            if k == 1:
+                total = sum(weights[start:])
+                result = (total, [n - start]) if total <= cap else None
+            else:
+                for end in range(start + 1, n - k + 2):
+                    first, rest = sum(weights[start:end]), solve(end, k - 1)
+                    if first > cap or rest is None:
+                        continue
+                    if result is None or min(first, rest[0]) > result[0]:
+                        result = (min(first, rest[0]), [end - start, *rest[1]])
+            best[(start, k)] = result
+        return best[(start, k)]
+
+    found = solve(0, stages)
+    return cut if found is None else found[1]
 
 
 def check_balance(balance: Sequence[int], layers: int, stages: int) -> list[int]:
