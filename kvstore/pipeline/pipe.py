@@ -21,7 +21,7 @@ from kvstore.base import KVStore
 from kvstore.client.store import DistKVStore
 from kvstore.errors import ConfigError, DTypeMismatchError, ShapeMismatchError
 from kvstore.net.protocol import Op
-from kvstore.pipeline import batchnorm
+from kvstore.pipeline import batchnorm, profile
 from kvstore.pipeline import device as device_
 from kvstore.pipeline import layers as layers_
 from kvstore.pipeline import schedule as plan_
@@ -76,15 +76,6 @@ def load_state_dict(directory: str) -> dict[str, Any]:
     return state
 
 
-def _cut(balance: Sequence[int] | str | None, entries: list[Any], parts: int) -> list[int]:
-    """Layers per part: ``balance`` checked, or by parameter count when None."""
-    if balance is None:
-        return plan_.balance_by_weight([layers_.parameter_count(e, i) for i, e in enumerate(entries)], parts)
-    if isinstance(balance, str):
-        raise ConfigError(f"balance {balance!r} is not known")
-    return plan_.check_balance(balance, len(entries), parts)
-
-
 # Pipelines made on each store in this process: every rank makes the same ones in the same order
 _MADE: weakref.WeakKeyDictionary[DistKVStore, Iterator[int]] = weakref.WeakKeyDictionary()
 
@@ -131,7 +122,7 @@ class Pipeline:
         self.stage, self.replica = plan_.stage_of(self.kv.rank, stages)
         self.device = device_.stage_device(device, self.stage)
         parts = stages * virtual
-        cut = _cut(balance, entries, parts)
+        cut = profile.choose(balance, entries, parts, self.kv, sample, seed, device=self.device)
         self.topology = Topology(stages, virtual, self.replicas, cut, roles)
         self.balance = self.topology.balance  # layers per part (per stage when virtual == 1)
         self.local = self.topology.local_parts(self.stage)  # the parts this rank runs, in chunk order

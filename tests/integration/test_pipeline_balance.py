@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore.errors import DeadlineExceededError, RemoteError  # noqa: E402
-from kvstore.pipeline import LayerSpec, Save, Take  # noqa: E402
+from kvstore.pipeline import LayerSpec, Pipeline, Save, Take  # noqa: E402
 from kvstore.pipeline.profile import agreed_costs, choose  # noqa: E402
 
 FAST = {"KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_HEARTBEAT_TIMEOUT": "3",
@@ -43,7 +43,7 @@ def outcome(call) -> Any:
 @pytest.mark.timeout(90)
 def test_every_worker_gets_worker_0s_costs_and_only_worker_0_measures(make_cluster) -> None:
     """Worker 1 gets exactly worker 0's measured costs (time, then memory: a key per call) and the same cut,
-    builds no layer, and needs no sample."""
+    builds no layer, and needs no sample; a Pipeline made with balance='memory' cuts as choose does."""
     cluster = make_cluster(num_workers=2, **FAST)
 
     def run(kv):
@@ -53,11 +53,20 @@ def test_every_worker_gets_worker_0s_costs_and_only_worker_0_measures(make_clust
         times = agreed_costs(kv, entries, sample, "time", repeats=3)
         memory = agreed_costs(kv, entries, sample, "memory", optimizer_states=1)
         cut = choose("time", entries, 2, kv, sample, repeats=3)
-        return {"times": times, "memory": memory, "cut": cut, "built": built}
+        by_memory = choose("memory", entries, 2, kv, sample)
+        pipe = Pipeline(specs([]), stages=2, balance="memory", sample=sample, kv=kv)  # measures again
+        try:
+            x, y = torch.randn(8, 16), torch.randn(8, 4)
+            pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, torch.nn.functional.mse_loss)
+        finally:
+            pipe.close()
+        return {"times": times, "memory": memory, "cut": cut, "built": built, "pipe": pipe.balance,
+                "by_memory": by_memory}
 
     first, second = cluster.run(run)
     assert second["times"] == first["times"] and second["memory"] == first["memory"]
     assert second["cut"] == first["cut"] and sum(first["cut"]) == 6
+    assert first["pipe"] == second["pipe"] == first["by_memory"]  # Pipeline(balance='memory', sample=x)
     assert len(first["times"]) == 6 and all(t > 0 for t in first["times"])
     linear = lambda a, b: (a * b + b) * 4 * 3  # noqa: E731 - float32 parameters, gradients, one state
     assert first["memory"][0] == linear(16, 64) + 32 * 16 * 4  # its input saved
