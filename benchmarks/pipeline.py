@@ -7,7 +7,9 @@ Every process runs ``torch.set_num_threads(1)`` (and ``OMP_NUM_THREADS=1``): 2 s
 against 1 process on this 2-core machine.  The model: 8 Linear(width, width) layers with Tanh,
 4 per stage.  Reported per (schedule, M): the mean step ms (best of the timed steps, after 2
 warm-up steps), the bubble fraction measured as 1 - busy / step time per stage (busy: the
-step's time outside waits for a neighbour) against (K-1)/(M+K-1), the peak activation memory
+step's time outside waits for a neighbour) against the schedule's theoretical one (``theory``:
+``schedule.bubble``, (K-1)/(Mv+K-1) for M >= K, v = 2 parts per stage under 'interleaved', 1 for the
+others; it assumes every part costs the same and messages are free), the peak activation memory
 per stage measured in the last timed step (``Pipeline.peak_saved_bytes``: the most bytes autograd
 held for the stage's backwards at once, counted by saved-tensor hooks, weights not counted), and
 ``x1proc`` (one process's step ms, measured by stage 0 just before the row, / ours: > 1 is a
@@ -43,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-SCHEDULES = ("gpipe", "1f1b", "pipedream")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "pipedream")
+VIRTUAL = {"interleaved": 2}  # parts per stage: 'interleaved' cuts the 16 layers into 4 parts of 4
 
 
 def model(width: int) -> Any:
@@ -118,8 +121,9 @@ def time_stage(kv: Any, args: argparse.Namespace, schedule: str, m: int) -> dict
 
     x, y = data(args.width, args.batch)
     sgd = (lambda ps: torch.optim.SGD(ps, lr=0.001)) if schedule == "pipedream" else None
+    virtual = VIRTUAL.get(schedule, 1)
     pipe = Pipeline(model(args.width), stages=2, chunks=m, schedule=schedule, checkpoint="never", kv=kv,
-                    optimizer=sgd, balance=[8, 8])
+                    optimizer=sgd, balance=[16 // (2 * virtual)] * (2 * virtual), virtual=virtual)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.001)
     waited = [0.0]
     receive = pipe.link.receive
@@ -265,12 +269,14 @@ def _mean_ms(items: list[dict]) -> float:
 
 def report(args: argparse.Namespace, mine: dict, torch_: dict) -> None:
     """Print the table."""
+    from kvstore.pipeline.schedule import bubble as plan_bubble
+
     bases = [i["base"] for items in mine.values() for i in items if i["base"]]
     load = " / ".join(f"{v:.1f}" for v in os.getloadavg())
     print(f"one process: {min(bases):.1f} to {max(bases):.1f} ms/step, measured before each row (K = 2, "
           f"width {args.width}, batch {args.batch}, best of {args.rounds} rounds; load average {load})")
-    print(f"{'schedule':10} {'M':>2} {'ms':>7} {'1proc ms':>8} {'1proc/M':>7} {'bubble':>11} "
-          f"{'(K-1)/(M+K-1)':>13} {'act KiB/stage':>14} {'x1proc':>6} {'x1proc/M':>8} {'torch ms':>9} "
+    print(f"{'schedule':11} {'M':>2} {'ms':>7} {'1proc ms':>8} {'1proc/M':>7} {'bubble':>11} "
+          f"{'theory':>6} {'act KiB/stage':>14} {'x1proc':>6} {'x1proc/M':>8} {'torch ms':>9} "
           f"{'/torch':>6} {'cpu ms/stage':>12} {'1proc cpu':>9}")
     for (schedule, m), items in sorted(mine.items()):
         ms, base = _mean_ms(items), next(i["base"] for i in items if i["base"])
@@ -281,7 +287,8 @@ def report(args: argparse.Namespace, mine: dict, torch_: dict) -> None:
         acts = "/".join(f"{i['act_kib']:.0f}" for i in by_stage)
         other = torch_.get(f"{schedule}/{m}")
         tms = f"{other:9.1f} {ms / other:6.2f}" if isinstance(other, float) else f"{'n/a':>9} {'':>6}"
-        print(f"{schedule:10} {m:2d} {ms:7.1f} {base:8.1f} {same:7.1f} {bubbles:>11} {1 / (m + 1):13.2f} "
+        theory = plan_bubble(schedule, 2, m, VIRTUAL.get(schedule, 1))
+        print(f"{schedule:11} {m:2d} {ms:7.1f} {base:8.1f} {same:7.1f} {bubbles:>11} {theory:6.2f} "
               f"{acts:>14} {base / ms:6.2f} {same / ms:8.2f} {tms} {cpus:>12} {base_cpu:9.1f}")
     for key, value in torch_.items():
         if not isinstance(value, float):

@@ -433,6 +433,13 @@ def pure_python(environ: Mapping[str, str] | None = None) -> bool:
     return bool(env_int(env, "KVSTORE_PURE_PYTHON", minimum=0, maximum=1, default=0))
 
 
+def gpu_placement(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """``(LOCAL_RANK, CUDA_VISIBLE_DEVICES)`` as the launcher (``--gpus-per-worker``) or torchrun set
+    them for this worker ("" when unset): where a pipeline stage's default device comes from."""
+    env = os.environ if environ is None else environ
+    return env.get("LOCAL_RANK", "").strip(), env.get("CUDA_VISIBLE_DEVICES", "").strip()
+
+
 def in_cluster(environ: Mapping[str, str] | None = None) -> bool:
     """True when the environment names a distributed role (as the launcher sets it)."""
     env = os.environ if environ is None else environ

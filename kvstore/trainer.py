@@ -37,7 +37,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, overload
 
 from kvstore import config as kvconfig
 from kvstore.base import KVStore, layer_calls
@@ -179,8 +179,9 @@ class Trainer:
     ``extra_weights``: with update_on_kvstore=False, the weights (key -> numpy array) of keys outside
     ``params`` that this Trainer's optimizer also updates (a SparseTrainer's tables): their states are
     saved and loaded with the Trainer's.  ``workers``: the worker set of this Trainer's keys (docs/api.md,
-    "Worker sets"): only those workers make and step it, and its rounds wait for them alone; a Pipeline
-    as ``params`` gives its stage's replicas.
+    "Worker sets"), or a mapping from each parameter's name to its key's set: only those workers make and
+    step it, and its rounds wait for them alone; a Pipeline as ``params`` gives its stage's replicas (and
+    for a tied module's parameters every stage holding it).
     Raises ValueError when no parameter requires grad, for a tensor given twice, for replicas that do
     not match, for ``optimizer_params`` with an Optimizer, for update_on_kvstore=False with an async
     store; TypeError for bad ``params``.
@@ -192,7 +193,7 @@ class Trainer:
                  compression_params: Mapping[str, Any] | None = None, overlap: bool | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  extra_weights: Callable[[], Mapping[str, Any]] | None = None,
-                 workers: Iterable[int] | None = None) -> None:
+                 workers: Iterable[int] | Mapping[str, Iterable[int]] | None = None) -> None:
         # a Pipeline as params: docs/pipeline.md
         params, kvstore, overlap, workers = trainer_args(params, kvstore, overlap, workers)
         replicas = [[(n, p) for n, p in named if p.requires_grad] for named in _replica_sets(params)]
@@ -244,7 +245,7 @@ class Trainer:
             overlap = self._kv.type.startswith("dist") and not self._update_on_kvstore and len(replicas) == 1
         self._bucket_bytes = bucket_bytes
         self._extra_weights = extra_weights
-        self._workers = None if workers is None else sorted(workers)  # the keys' worker set (None: all)
+        self._workers = _worker_sets(workers, self._names)  # each key's worker set (None: all workers)
         self._overlap = Overlap(self._kv, self._keys, self._params, self._update_on_kvstore,
                                 bucket_bytes) if overlap and len(replicas) == 1 else None
 
@@ -337,11 +338,19 @@ class Trainer:
     def _init_keys(self) -> None:
         """Collective over the keys' workers: make the keys with the lowest one's weights, a call per
         run (:meth:`_runs`)."""
-        for run in self._runs():
-            if self._workers is None:
+        if self._workers is None:
+            for run in self._runs():
                 self._kv.init(self._keys[run], self._params[run])
-            else:
-                self._kv.init(self._keys[run], self._params[run], workers=self._workers)
+            return
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for index, members in enumerate(self._workers):
+            groups.setdefault(members, []).append(index)
+        # Every worker inits its sets in one global order (a set's members each make the same calls):
+        # no two workers wait for each other in opposite orders.
+        for members in sorted(groups):  # and each set's keys by name: its members list them alike
+            for run in self._runs(sorted(groups[members], key=self._keys.__getitem__)):
+                self._kv.init([self._keys[i] for i in run], [self._params[i] for i in run],
+                              workers=list(members))
 
     def _mark_weights(self) -> None:
         """Remember the parameters' versions now that the store has set their weights."""
@@ -407,19 +416,28 @@ class Trainer:
             return 1.0
         return self._rescales.factor(self._scale / batch_size)
 
-    def _runs(self) -> list[slice]:
+    @overload
+    def _runs(self) -> list[slice]: ...
+    @overload
+    def _runs(self, among: list[int]) -> list[list[int]]: ...
+
+    def _runs(self, among: list[int] | None = None) -> list[slice] | list[list[int]]:
         """The keys in runs of consecutive keys of at most ``CALL_BYTES`` of parameters each (a bigger key
         alone): one store call per run keeps what is in flight at once, and so the transport's buffers
         (shared memory segments, received frames), bounded for a model of any size; a model smaller than
-        that is one run."""
+        that is one run.  Slices of every key, or lists of the indices ``among``."""
+        order = list(range(len(self._params))) if among is None else among
         runs, start, total = [], 0, 0
-        for index, p in enumerate(self._params):
-            size = p.numel() * p.element_size()
-            if index > start and total + size > CALL_BYTES:
-                runs.append(slice(start, index))
-                start, total = index, 0
+        for at, index in enumerate(order):
+            size = self._params[index].numel() * self._params[index].element_size()
+            if at > start and total + size > CALL_BYTES:
+                runs.append((start, at))
+                start, total = at, 0
             total += size
-        return runs + [slice(start, len(self._params))]
+        runs.append((start, len(order)))
+        if among is None:
+            return [slice(a, b) for a, b in runs]
+        return [order[a:b] for a, b in runs]
 
     def _pushpull(self, values: list[list[Any]], outs: list[list[Any]] | None) -> None:
         """Pushpull every key's ``values`` (into ``outs``, or into the values), a call per run."""
@@ -645,8 +663,9 @@ class Trainer:
         """Raise ConfigError for ``what`` (a save or load of optimizer states) on a worker-set Trainer:
         the writing worker holds its own set's keys only, so the file would miss the other sets'."""
         if self._workers is not None:
+            ranks = sorted({rank for members in self._workers for rank in members})
             raise ConfigError(f"Trainer.{what}: the optimizer states of a Trainer whose keys are in a "
-                              f"worker set ({self._workers}, a pipeline stage's) cannot be saved or loaded "
+                              f"worker set ({ranks}, a pipeline stage's) cannot be saved or loaded "
                               "yet: each worker holds its own set's keys only (docs/worker-sets.md, 'Not "
                               "done'); save the weights (Pipeline.save) instead")
 
@@ -766,3 +785,18 @@ def _states_from_dict(state: Mapping[str, Any]) -> checkpoint.StatesFile:
         return checkpoint.StatesFile(state["optimizer"], int(state["num_update"]), entries)
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"not a Trainer state dict ({type(exc).__name__}: {exc})") from None
+
+
+def _worker_sets(workers: Iterable[int] | Mapping[str, Iterable[int]] | None,
+                 names: list[str]) -> list[tuple[int, ...]] | None:
+    """Each key's worker set (sorted ranks) from a Trainer's ``workers``: one set for every key, or a
+    mapping from parameter name to set; None for all workers.  Raises ValueError for a name missing."""
+    if workers is None:
+        return None
+    if isinstance(workers, Mapping):
+        missing = [n for n in names if n not in workers]
+        if missing:
+            raise ValueError(f"workers has no worker set for parameter(s) {missing[:4]}")
+        return [tuple(sorted(workers[n])) for n in names]
+    members = tuple(sorted(workers))
+    return [members] * len(names)

@@ -74,6 +74,9 @@ class Op(enum.IntEnum):
     SHM_ATTACH = 33  # worker -> server: {"pid", "fd", "nonce", "bytes"}; reply OK {"attached": bool, "why"}
     ALIGN = 34  # worker -> restarted server: {"incarnation", "origin", "keys", "rounds"}; OK when all have
     ROUND_ABORT = 35  # worker -> servers: {"keys", "reason"}: its pushpull of them was refused (dist_sync)
+    # A stage's same-host segment for a peer (kvstore.pipeline.link.StageShm): {"offer": SHM_ATTACH's body}
+    # from the stage; {"attached": bool, "why": str} back; {"free": [offset, ...]}: ranges the peer has read
+    PIPE_SHM = 36
     # Data ops carry {"keys": [...], "sizes": [...]} (+ "lo" for a chunk of one key, kvstore.core.plan) and
     # one flat array holding every key's elements in order (none for PULL); replies to PULL and
     # PUSHPULL carry the values the same way, once every key of the request is answered.

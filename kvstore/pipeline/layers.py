@@ -24,11 +24,11 @@ may also return a tuple, which the next layer receives as its one argument (as `
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from types import SimpleNamespace
 from typing import Any
-
-import torch
 
 from kvstore.errors import ConfigError
 
@@ -51,56 +51,89 @@ class LayerSpec:
         return f"LayerSpec({name}, {', '.join(args)})" if args else f"LayerSpec({name})"
 
 
-class Save(torch.nn.Module):
-    """The identity, which also keeps its input under ``name`` for the later :class:`Take` of that name
-    (a skip connection; the input may be a tensor or a tuple of tensors)."""
+@functools.cache
+def modules() -> SimpleNamespace:
+    """The torch module classes of this file, :class:`Save`, :class:`Take`, :class:`TiedLayer` and
+    :class:`Part`, made at their first use (kvstore never imports torch when a module loads);
+    ``kvstore.pipeline.Save`` and the others are these."""
+    import torch
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"a skip connection needs a non-empty str name, not {name!r}")
-        self.name = name
+    class Save(torch.nn.Module):
+        """The identity, which also keeps its input under ``name`` for the later :class:`Take` of that name
+        (a skip connection; the input may be a tensor or a tuple of tensors)."""
 
-    def forward(self, x: Any) -> Any:
-        return x
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"a skip connection needs a non-empty str name, not {name!r}")
+            self.name = name
 
-    def extra_repr(self) -> str:
-        return repr(self.name)
+        def forward(self, x: Any) -> Any:
+            return x
 
-
-class Take(torch.nn.Module):
-    """Combines its input with what the :class:`Save` of ``name`` kept: ``combine(x, saved)``, by default
-    ``x + saved`` (a residual).  ``combine`` may be a module (its parameters are this layer's) or any
-    callable."""
-
-    def __init__(self, name: str, combine: Callable[[Any, Any], Any] | None = None) -> None:
-        super().__init__()
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"a skip connection needs a non-empty str name, not {name!r}")
-        if combine is not None and not callable(combine):
-            raise ConfigError(f"Take({name!r})'s combine must be callable, not {combine!r}")
-        self.name = name
-        self.combine = combine  # a module assigned here is registered as a submodule
-
-    def forward(self, x: Any, saved: Any) -> Any:  # noqa: D102
-        return x + saved if self.combine is None else self.combine(x, saved)
-
-    def extra_repr(self) -> str:
-        return repr(self.name)
+        def extra_repr(self) -> str:
+            return repr(self.name)
 
 
-class TiedLayer(torch.nn.Module):
-    """One place of a module shared under ``key``: ``forward(module, x)``, or ``module(x)``."""
+    class Take(torch.nn.Module):
+        """Combines its input with what the :class:`Save` of ``name`` kept: ``combine(x, saved)``, by default
+        ``x + saved`` (a residual).  ``combine`` may be a module (its parameters are this layer's) or any
+        callable."""
 
-    def __init__(self, key: str, module: Any, forward: Callable[[Any, Any], Any] | None = None) -> None:
-        super().__init__()
-        self.key, self.module, self.apply = key, module, forward
+        def __init__(self, name: str, combine: Callable[[Any, Any], Any] | None = None) -> None:
+            super().__init__()
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"a skip connection needs a non-empty str name, not {name!r}")
+            if combine is not None and not callable(combine):
+                raise ConfigError(f"Take({name!r})'s combine must be callable, not {combine!r}")
+            self.name = name
+            self.combine = combine  # a module assigned here is registered as a submodule
 
-    def forward(self, x: Any) -> Any:
-        return self.module(x) if self.apply is None else self.apply(self.module, x)
+        def forward(self, x: Any, saved: Any) -> Any:  # noqa: D102
+            return x + saved if self.combine is None else self.combine(x, saved)
 
-    def extra_repr(self) -> str:
-        return repr(self.key)
+        def extra_repr(self) -> str:
+            return repr(self.name)
+
+
+    class TiedLayer(torch.nn.Module):
+        """One place of a module shared under ``key``: ``forward(module, x)``, or ``module(x)``."""
+
+        def __init__(self, key: str, module: Any, forward: Callable[[Any, Any], Any] | None = None) -> None:
+            super().__init__()
+            self.key, self.module, self.apply = key, module, forward
+
+        def forward(self, x: Any) -> Any:
+            return self.module(x) if self.apply is None else self.apply(self.module, x)
+
+        def extra_repr(self) -> str:
+            return repr(self.key)
+
+    class Part(torch.nn.Sequential):
+        """A run of a model's layers: a stage, or one of the parts an interleaved stage holds.  ``part(x)``
+        runs them as ``nn.Sequential`` does; ``part(x, skips)`` also takes the skips earlier parts kept and
+        returns ``(output, the skips kept here for later parts)`` (``skips`` is not changed: a checkpoint's
+        recomputation calls it again with the same dict)."""
+
+        def forward(self, x: Any, skips: dict[str, Any] | None = None) -> Any:  # noqa: D102
+            if skips is None:
+                return run(self, x, {})
+            kept = dict(skips)
+            return run(self, x, kept), kept
+
+    for cls in (Save, Take, TiedLayer, Part):
+        cls.__qualname__ = cls.__name__
+    return SimpleNamespace(Save=Save, Take=Take, TiedLayer=TiedLayer, Part=Part)
+
+
+LAZY = ("Save", "Take", "TiedLayer", "Part")
+
+
+def __getattr__(name: str) -> Any:
+    """``layers.Save`` and the other torch classes of :func:`modules`, made at first use."""
+    if name in LAZY:
+        return getattr(modules(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Tied:
@@ -119,7 +152,7 @@ class Tied:
         self.key, self.factory, self.forward = key, factory, forward
 
     def __call__(self) -> Any:
-        return TiedLayer(self.key, self.factory(), self.forward)
+        return modules().TiedLayer(self.key, self.factory(), self.forward)
 
     def __repr__(self) -> str:
         return f"Tied({self.key!r}, {self.factory!r})"
@@ -129,10 +162,11 @@ def run(layers: Iterable[Any], x: Any, skips: dict[str, Any]) -> Any:
     """Run ``layers`` in order on ``x``: a :class:`Save` keeps its input in ``skips``, a :class:`Take`
     pops its name from ``skips`` (a KeyError names a skip that was not kept), any other layer takes the
     previous output as its one argument.  Returns the last output."""
+    kinds = modules()
     for layer in layers:
-        if isinstance(layer, Save):
+        if isinstance(layer, kinds.Save):
             skips[layer.name] = x
-        elif isinstance(layer, Take):
+        elif isinstance(layer, kinds.Take):
             if layer.name not in skips:
                 raise KeyError(f"Take({layer.name!r}) runs before its Save")
             x = layer(x, skips.pop(layer.name))
@@ -151,20 +185,22 @@ class Roles:
         self.takes: dict[str, int] = {}  # skip name -> the index of the layer that uses it
         self.tied: dict[int, str] = {}  # layer index -> its tied key
         self.first: dict[str, int] = {}  # tied key -> the index of its first place
+        kinds = modules()
         for index, entry in enumerate(entries):
             layer = _peek(entry, index)
-            if isinstance(layer, (Save, Take)):
-                book = self.saves if isinstance(layer, Save) else self.takes
+            if isinstance(layer, (kinds.Save, kinds.Take)):
+                book = self.saves if isinstance(layer, kinds.Save) else self.takes
                 if layer.name in book:
                     raise ConfigError(f"skip {layer.name!r} is {'kept' if book is self.saves else 'used'} "
                                       f"twice (layers {book[layer.name]} and {index})")
-                if isinstance(layer, Take) and layer.name not in self.saves:
+                if isinstance(layer, kinds.Take) and layer.name not in self.saves:
                     raise ConfigError(f"layer {index} uses skip {layer.name!r} before any layer keeps it")
                 book[layer.name] = index
-            key = layer.key if isinstance(layer, TiedLayer) else None
+            key = layer.key if isinstance(layer, kinds.TiedLayer) else None
             if key is not None:
                 self.tied[index] = key
                 self.first.setdefault(key, index)
+        self.count = len(entries)
         unused = sorted(set(self.saves) - set(self.takes))
         if unused:
             raise ConfigError(f"skip(s) {unused} kept but never used (a Take of each name must follow)")
@@ -180,7 +216,7 @@ def _peek(entry: Any, index: int) -> Any:
 
     if isinstance(entry, torch.nn.Module):
         return entry
-    if isinstance(entry, LayerSpec) and entry.factory in (Save, Take):
+    if isinstance(entry, LayerSpec) and entry.factory in (modules().Save, modules().Take):
         return entry()  # no parameters to allocate
     with torch.device("meta"):
         return _called(entry, index)
@@ -278,8 +314,9 @@ def release(layer: Any) -> None:
 
 
 def build(model: Any, seed: int = 0) -> Any:
-    """The whole model as one process gets it: an ``nn.Sequential`` of every layer, built (factories)
-    or materialised (meta modules) under the same per-layer seeds as a Pipeline's stages.  Raises as
+    """The whole model as one process gets it: a :class:`Part` (an ``nn.Sequential`` that runs skip
+    connections) of every layer, built (factories) or materialised (meta modules) under the same
+    per-layer seeds as a Pipeline's stages, tied places sharing one module.  Raises as
     :func:`materialise`."""
     entries = described(model)
     roles = Roles(entries)
@@ -290,10 +327,10 @@ def build(model: Any, seed: int = 0) -> Any:
         if index in roles.tied:
             key = roles.tied[index]
             if key in built and layer.module is not built[key]:
-                layer = TiedLayer(key, built[key], layer.apply)  # the places share one module
+                layer = modules().TiedLayer(key, built[key], layer.apply)  # the places share one module
             built.setdefault(key, layer.module)
         layers.append(layer)
-    return torch.nn.Sequential(*layers)
+    return modules().Part(*layers)
 
 
 def _called(factory: Callable[[], Any], index: int) -> Any:

@@ -1,18 +1,26 @@
-"""Pure pipeline planning: layer balance, rank mapping, and each stage's order of operations.
+"""Pure pipeline planning: layer balance, rank mapping, each stage's order of operations, and a
+simulation of a step's timing under a schedule.
 
 No I/O, no torch: every function here is a plain computation with unit tests
 (tests/unit/test_pipeline_schedule.py).  docs/pipeline.md draws the schedules.
+
+With K ranks per replica and v virtual stages per rank (``'interleaved'``; v = 1 otherwise), the model
+is cut into K * v parts; part s runs on rank s % K as its local chunk s // K.  Activations flow from
+part s to s + 1 (rank K - 1's chunk c feeds rank 0's chunk c + 1), gradients from s + 1 to s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "pipedream")
+SCHEDULES = ("gpipe", "1f1b", "pipedream", "interleaved")
 CHECKPOINTS = ("always", "except_last", "never")
 Op = tuple[str, int]  # ("F" | "B", micro-batch index)
+ChunkOp = tuple[str, int, int]  # ("F" | "B", micro-batch index, local chunk c: part c * K + stage)
 
 
 def balance_by_weight(weights: Sequence[int], stages: int) -> list[int]:
@@ -86,21 +94,155 @@ def one_f_one_b(stages: int, chunks: int, stage: int) -> list[Op]:
     return ops + [("B", m) for m in range(backward, chunks)]
 
 
-def plan(schedule: str, stages: int, chunks: int, stage: int) -> list[Op]:
-    """The ops of ``stage`` under ``schedule`` ('gpipe', '1f1b', or 'pipedream': 1F1B's order, each
-    backward followed by an update); raises :class:`ConfigError` for another name."""
+def interleaved(stages: int, chunks: int, stage: int, virtual: int) -> list[ChunkOp]:
+    """Interleaved 1F1B (Megatron-LM's schedule) at ``stage``, which holds ``virtual`` chunks.
+
+    The micro-batches go in groups (:func:`_groups`: K each, M % K spread over them, one group when
+    M <= K); forwards take each group through chunk 0, 1, ..., v - 1, backwards through v - 1, ..., 0.
+    Stage i runs ``(v - 1) * g0 + K - i - 1`` warm-up forwards (g0 the first group's size), then one
+    forward one backward, then the remaining backwards.  Any M >= 1 runs without deadlock; v = 1 is
+    :func:`one_f_one_b`'s order.  Raises :class:`ConfigError` for a bad argument."""
+    _check(stages, chunks, stage)
+    _check_virtual("interleaved", virtual)
+    groups = _groups(stages, chunks)
+    forwards = [(m, c) for group in groups for c in range(virtual) for m in group]
+    backwards = [(m, c) for group in groups for c in reversed(range(virtual)) for m in group]
+    warmup = min((virtual - 1) * len(groups[0]) + stages - stage - 1, len(forwards))
+    order: list[ChunkOp] = [("F", m, c) for m, c in forwards[:warmup]]
+    for (fm, fc), (bm, bc) in zip(forwards[warmup:], backwards):
+        order += [("F", fm, fc), ("B", bm, bc)]
+    return order + [("B", m, c) for m, c in backwards[len(forwards) - warmup:]]
+
+
+def ops(schedule: str, stages: int, chunks: int, stage: int, virtual: int = 1) -> list[ChunkOp]:
+    """The ops of ``stage`` under ``schedule``, each with its local chunk: ``'gpipe'``, ``'1f1b'`` and
+    ``'pipedream'`` hold one chunk (``virtual`` must be 1, c = 0), ``'interleaved'`` any ``virtual``
+    >= 1 (1 is 1F1B's order).  Raises :class:`ConfigError` for an unknown name or a bad argument."""
+    _check_virtual(schedule, virtual)
+    if schedule == "interleaved":
+        return interleaved(stages, chunks, stage, virtual)
     if schedule == "gpipe":
-        return gpipe(stages, chunks, stage)
-    if schedule in ("1f1b", "pipedream"):
-        return one_f_one_b(stages, chunks, stage)
-    raise ConfigError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        return [(kind, mb, 0) for kind, mb in gpipe(stages, chunks, stage)]
+    return [(kind, mb, 0) for kind, mb in one_f_one_b(stages, chunks, stage)]
 
 
-def max_held(ops: Sequence[Op]) -> int:
-    """The most micro-batches whose activations are held at once while running ``ops``."""
+def plan(schedule: str, stages: int, chunks: int, stage: int) -> list[Op]:
+    """The ops of ``stage`` under ``schedule`` ('gpipe', '1f1b', 'pipedream': 1F1B's order, each
+    backward followed by an update, or 'interleaved' with one chunk per rank: 1F1B's order too);
+    raises :class:`ConfigError` for another name."""
+    return [(kind, mb) for kind, mb, _ in ops(schedule, stages, chunks, stage)]
+
+
+def held_bound(schedule: str, stages: int, chunks: int, stage: int, virtual: int = 1) -> int:
+    """The most (micro-batch, chunk) activations ``stage`` holds at once (its forward done, its
+    backward not yet) under ``schedule``: M for gpipe, ``min(K - i, M)`` for 1f1b and pipedream,
+    ``min((v - 1) * g0 + K - i, M * v)`` for interleaved (g0: the first group's size, K when
+    K divides M).  Raises :class:`ConfigError` for a bad argument."""
+    _check(stages, chunks, stage)
+    _check_virtual(schedule, virtual)
+    if schedule == "gpipe":
+        return chunks
+    if schedule != "interleaved":
+        return min(stages - stage, chunks)
+    first = len(_groups(stages, chunks)[0])
+    return min((virtual - 1) * first + stages - stage, chunks * virtual)
+
+
+def bubble(schedule: str, stages: int, chunks: int, virtual: int = 1) -> float:
+    """The fraction of a step's wall time each rank idles under ``schedule`` (the same at every
+    rank, whatever a part's forward and backward cost): ``1 - M v / (v max(M, K) + min(M, K) - 1)``,
+    i.e. ``(K - 1) / (M v + K - 1)`` when M >= K.  Raises :class:`ConfigError` for a bad argument."""
+    _check(stages, chunks, 0)
+    _check_virtual(schedule, virtual)
+    span = virtual * max(chunks, stages) + min(chunks, stages) - 1  # in (forward + backward) times
+    return (span - chunks * virtual) / span
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One op of a simulated rank: ``op`` ("F" | "B", micro-batch, local chunk) ran from ``start``
+    to ``end``."""
+
+    op: ChunkOp
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A simulated step: each rank's ops in the order it ran them, with their times (from 0)."""
+
+    ranks: tuple[tuple[Slot, ...], ...]
+
+    @property
+    def makespan(self) -> float:
+        """The step's wall time: the end of the last op of any rank."""
+        return max((slot.end for rank in self.ranks for slot in rank), default=0.0)
+
+    def busy(self, rank: int) -> float:
+        """The time ``rank`` spent running ops."""
+        return sum(slot.end - slot.start for slot in self.ranks[rank])
+
+    def idle(self, rank: int) -> float:
+        """The fraction of the step's wall time ``rank`` idled (0 for an empty step)."""
+        span = self.makespan
+        return (span - self.busy(rank)) / span if span else 0.0
+
+
+def simulate(schedule: str, stages: int, chunks: int, virtual: int = 1, forward: float = 1.0,
+             backward: float = 2.0) -> Timeline:
+    """Every rank of one replica running its :func:`ops` under ``schedule`` (see
+    :func:`simulate_ops`).  Raises :class:`ConfigError` for a bad argument or a deadlock."""
+    return simulate_ops([ops(schedule, stages, chunks, stage, virtual) for stage in range(stages)],
+                        chunks, virtual, forward, backward)
+
+
+def simulate_ops(rank_ops: Sequence[Sequence[ChunkOp]], chunks: int, virtual: int = 1,
+                 forward: float = 1.0, backward: float = 2.0) -> Timeline:
+    """A discrete-event run of ``rank_ops[i]``, rank i's ops in order, with ``len(rank_ops)`` ranks
+    of ``virtual`` chunks: F of part s for micro-batch m waits for F of part s - 1 for m, B of part s
+    for F of part s and B of part s + 1 (the last part's B for its F only); each op of a part takes
+    ``forward`` or ``backward``; sends cost nothing and never block.  Raises :class:`ConfigError`
+    when a rank's list is not every (F, B) of its parts once, or when the ranks deadlock (naming
+    what each waits for)."""
+    stages = len(rank_ops)
+    if stages < 1 or chunks < 1 or virtual < 1 or not forward >= 0 or not backward >= 0:
+        raise ConfigError(f"cannot simulate {stages} ranks x {virtual} chunks, {chunks} micro-batches, "
+                          f"costs {forward} and {backward}")
+    for stage, rank in enumerate(rank_ops):
+        _check_complete(stage, rank, chunks, virtual)
+    parts = stages * virtual
+    done: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, part) -> end
+    slots: list[list[Slot]] = [[] for _ in range(stages)]
+    free = [0.0] * stages
+    remaining = sum(len(rank) for rank in rank_ops)
+    while remaining:
+        ran = 0
+        for stage, rank in enumerate(rank_ops):
+            while len(slots[stage]) < len(rank):
+                kind, mb, chunk = op = rank[len(slots[stage])]
+                needs = _needs(kind, mb, chunk * stages + stage, parts)
+                if any(need not in done for need in needs):
+                    break
+                start = max([free[stage], *(done[need] for need in needs)])
+                free[stage] = end = start + (forward if kind == "F" else backward)
+                done[(kind, mb, chunk * stages + stage)] = end
+                slots[stage].append(Slot(op, start, end))
+                ran += 1
+        if not ran:
+            raise ConfigError("the schedule deadlocks: " + "; ".join(
+                _waiting(stage, rank[len(slots[stage])], stages, parts, done)
+                for stage, rank in enumerate(rank_ops) if len(slots[stage]) < len(rank)))
+        remaining -= ran
+    return Timeline(tuple(tuple(rank) for rank in slots))
+
+
+def max_held(ops: Sequence[Op] | Sequence[ChunkOp]) -> int:
+    """The most micro-batches (or (micro-batch, chunk) pairs) whose activations are held at once
+    while running ``ops``."""
     held = peak = 0
-    for kind, _ in ops:
-        held += 1 if kind == "F" else -1
+    for op in ops:
+        held += 1 if op[0] == "F" else -1
         peak = max(peak, held)
     return peak
 
@@ -125,3 +267,53 @@ def split_sizes(batch: int, chunks: int) -> list[int]:
 def _check(stages: int, chunks: int, stage: int) -> None:
     if stages < 1 or chunks < 1 or not 0 <= stage < stages:
         raise ConfigError(f"stage {stage} of {stages} with {chunks} micro-batches is not a pipeline")
+
+
+def _check_virtual(schedule: str, virtual: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if type(virtual) is not int or virtual < 1:
+        raise ConfigError(f"virtual must be an int >= 1 (chunks per rank), not {virtual!r}")
+    if virtual != 1 and schedule != "interleaved":
+        raise ConfigError(f"schedule {schedule!r} runs one chunk per rank (virtual=1), not {virtual}: "
+                          f"virtual stages need schedule 'interleaved'")
+
+
+def _groups(stages: int, chunks: int) -> list[range]:
+    """The micro-batches in floor(M / K) consecutive groups of near-equal sizes, each at least K,
+    the larger first (Megatron's groups of K when K divides M); one group when M <= K.  A group
+    smaller than K would idle rank 0 waiting for its next chunk's input; the first group is the
+    largest because the warm-up is counted from it."""
+    count = max(chunks // stages, 1)
+    size, extra = divmod(chunks, count)
+    groups, start = [], 0
+    for index in range(count):
+        end = start + size + (index < extra)
+        groups.append(range(start, end))
+        start = end
+    return groups
+
+
+def _needs(kind: str, mb: int, part: int, parts: int) -> list[tuple[str, int, int]]:
+    """The ops (kind, micro-batch, part) that op (kind, mb) of ``part`` waits for."""
+    if kind == "F":
+        return [("F", mb, part - 1)] if part else []
+    return [("F", mb, part)] + ([("B", mb, part + 1)] if part < parts - 1 else [])
+
+
+def _waiting(stage: int, op: ChunkOp, stages: int, parts: int, done: Container[tuple[str, int, int]]) -> str:
+    """What ``stage``, stuck at ``op``, waits for, in words."""
+    kind, mb, chunk = op
+    missing = [f"{k}{m} of part {p} (rank {p % stages} chunk {p // stages})"
+               for k, m, p in _needs(kind, mb, chunk * stages + stage, parts) if (k, m, p) not in done]
+    return f"rank {stage} at {kind}{mb} of chunk {chunk} waits for {' and '.join(missing)}"
+
+
+def _check_complete(stage: int, order: Sequence[ChunkOp], chunks: int, virtual: int) -> None:
+    want = [(kind, mb, chunk) for kind in "FB" for mb in range(chunks) for chunk in range(virtual)]
+    count = Counter(tuple(op) for op in order)
+    missing = [op for op in want if op not in count]
+    extra = [op for op, times in count.items() if times > 1 or op not in set(want)]
+    if missing or extra:
+        raise ConfigError(f"rank {stage} must run every F and B of its {virtual} chunks for {chunks} "
+                          f"micro-batches once: missing {missing}, extra or repeated {extra}")

@@ -37,8 +37,8 @@ class WeightStash:
         self.log: list[tuple[int, int, int, int]] = []  # (mb, forward, backward, live) versions, one step
         self.peak = 0  # the most versions held at once
 
-    def forward(self, mb: int, inp: Any, run: Callable[[Callable[[Any], Any], Any], Any]) -> Any:
-        """Micro-batch ``mb``'s output, computed by ``run(fn, inp)`` with ``fn`` the stage on the
+    def forward(self, mb: int, args: tuple[Any, ...], run: Callable[..., Any]) -> Any:
+        """Micro-batch ``mb``'s output, computed by ``run(fn, *args)`` with ``fn`` the stage on the
         current version's snapshot."""
         from torch.func import functional_call
 
@@ -51,21 +51,28 @@ class WeightStash:
         self.snapshots[self.version] = (weights, users + 1)
         self.forward_version[mb] = self.version
         self.peak = max(self.peak, len(self.snapshots))
-        return run(lambda x: functional_call(self.module, weights, (x,)), inp)
+        return run(lambda *a: functional_call(self.module, weights, a), *args)
 
-    def backward(self, mb: int, out: Any, grad: Any, inp: Any) -> Any:
-        """Backward micro-batch ``mb`` on its forward's snapshot, update the live weights with that
-        gradient (one optimizer step), and return the gradient of ``inp`` (None when it needs none)."""
+    def backward(self, mb: int, outs: list[Any], grads: list[Any], inputs: list[Any]) -> list[Any]:
+        """Backward micro-batch ``mb``'s ``outs`` (with ``grads``; None for a loss) on its forward's
+        snapshot, update the live weights with that gradient (one optimizer step), and return the
+        gradient of each of ``inputs`` (None where it needs none)."""
         import torch
 
         version = self.forward_version.pop(mb)
         weights, users = self.snapshots[version]
         names = [k for k, w in weights.items() if w.requires_grad]
-        wrt = [weights[k] for k in names] + ([inp] if inp.requires_grad else [])
-        grads = torch.autograd.grad(out, wrt, grad_outputs=grad, allow_unused=True)
+        wanted = [t for t in inputs if t.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        wrt = [weights[k] for k in names] + wanted
+        if pairs and wrt:
+            grads_ = torch.autograd.grad([o for o, _ in pairs], wrt, grad_outputs=[g for _, g in pairs],
+                                         allow_unused=True)
+        else:
+            grads_ = (None,) * len(wrt)
         used = self.stamps[id(weights[names[0]])] if names else version
         self.log.append((mb, version, used, self.version))
-        for name, g in zip(names, grads):
+        for name, g in zip(names, grads_):
             p = self.live[name]
             p.grad = torch.zeros_like(p) if g is None else g
         if self.optimizer is not None:
@@ -78,7 +85,8 @@ class WeightStash:
                 del self.stamps[id(w)]
         else:
             self.snapshots[version] = (weights, users - 1)
-        return grads[len(names)] if inp.requires_grad else None
+        by_input = iter(grads_[len(names):])
+        return [next(by_input) if t.requires_grad else None for t in inputs]
 
     def weights(self) -> Iterator[Any]:
         """Every snapshot tensor held now."""

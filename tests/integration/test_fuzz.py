@@ -36,7 +36,7 @@ from kvstore.net import compact, shm, transport
 from kvstore.net.auth import MAC_BYTES, Channel, derive_key
 from kvstore.net.auth import decode as open_frames
 from kvstore.net.protocol import MAX_DIMS, PROTOCOL_VERSION, Message, Op
-from kvstore.pipeline.link import StageLink
+from kvstore.pipeline.link import StageLink, neighbour_routes
 
 from .conftest import SECRET, Cluster, insider
 
@@ -570,7 +570,9 @@ def _bad_pipe_messages() -> list[tuple[Op, dict, list[np.ndarray], Any]]:
     one = [ACT]
     cases = [(Op.PIPE_ACT, {"step": s, "mb": 0}, one, 0) for s in ("0", None, True, -1, 2, 2**64 - 1, 0.0)]
     cases += [(Op.PIPE_ACT, {"step": 0, "mb": m}, one, 0) for m in ("0", None, True, -1, 2, 2**63 - 1)]
-    cases += [(Op.PIPE_ACT, {"step": 0, "mb": 0}, arrays, 0) for arrays in ([], one * 2)]
+    cases += [(Op.PIPE_ACT, {"step": 0, "mb": 0}, arrays, 0) for arrays in ([], one * 257)]  # 1..256 tensors
+    cases += [(Op.PIPE_ACT, {"step": 0, "mb": 0, "part": p}, one, 0) for p in ("0", None, 1, -1)]
+    cases += [(Op.PIPE_ACT, {"step": 0, "mb": 0, "name": n}, one, 0) for n in (0, None, "skip")]
     cases += [(Op.PIPE_ACT, {"step": 0, "mb": 0}, one, s) for s in (1, 5)]  # itself, a stranger
     cases += [(Op.PIPE_GRAD, {"step": 0, "mb": 0}, one, 0), (Op.PUSH, {"step": 0, "mb": 0}, one, 0)]
     cases += [(Op.PIPE_ABORT, body, arrays, sender) for body, arrays, sender in (
@@ -607,7 +609,7 @@ def _fuzz_stage(kv: Any, link: Any) -> np.ndarray:
     finally:
         target.close()
     kv.barrier()  # stage 0 sends its activation now
-    array, _ = link.receive(Op.PIPE_ACT, 0, 0)
+    (array,), _ = link.receive(Op.PIPE_ACT, 0, 0)
     assert link.inbox == {} and link.drops.totals["unexpected"] >= len(_bad_pipe_messages()) - 1
     return array
 
@@ -620,7 +622,8 @@ def test_malformed_pipe_messages_leave_a_stage_receiving(make_cluster) -> None:
     cluster.connect(request_timeout=60.0)
 
     def run(kv):
-        link = StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, PIPE_NAMES, chunks=2)
+        link = StageLink(kv, neighbour_routes(None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None),
+                         PIPE_NAMES, chunks=2)
         try:
             if kv.rank == 1:
                 array = _fuzz_stage(kv, link)
@@ -716,7 +719,8 @@ def test_bad_seals_oversized_and_overlong_messages_leave_stages_training(make_cl
         done.set()
 
     def train(kv) -> tuple[int, dict]:
-        link = StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, PIPE_NAMES, chunks=1)
+        link = StageLink(kv, neighbour_routes(None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None),
+                         PIPE_NAMES, chunks=1)
         try:
             if kv.rank == 0:
                 kv.barrier()  # both links are up
@@ -729,9 +733,9 @@ def test_bad_seals_oversized_and_overlong_messages_leave_stages_training(make_cl
                 if kv.rank == 0:
                     extra -= 1 - more  # 20 steps after the attack is sent
                     link.send(1, Op.PIPE_ACT, {"step": step, "mb": 0, "extra": extra}, [ACT + step])
-                    np.testing.assert_array_equal(link.receive(Op.PIPE_GRAD, step, 0)[0], ACT - step)
+                    np.testing.assert_array_equal(link.receive(Op.PIPE_GRAD, step, 0)[0][0], ACT - step)
                 else:
-                    act, body = link.receive(Op.PIPE_ACT, step, 0)
+                    (act,), body = link.receive(Op.PIPE_ACT, step, 0)
                     np.testing.assert_array_equal(act, ACT + step)
                     link.send(0, Op.PIPE_GRAD, {"step": step, "mb": 0}, [ACT - step])
                     extra = body["extra"]

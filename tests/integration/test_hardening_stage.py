@@ -19,7 +19,7 @@ import pytest
 
 from kvstore import heap
 from kvstore.net.protocol import Op
-from kvstore.pipeline.link import StageLink
+from kvstore.pipeline.link import StageLink, neighbour_routes
 from tests.helpers import Processes, poll_for, python
 
 from .test_hardening_memory import rss_mb
@@ -128,11 +128,11 @@ def steps(kv, link: StageLink, first: int, until: Any) -> tuple[int, int]:
         if kv.rank == 0:
             more = not until()
             link.send(1, Op.PIPE_ACT, {"step": step, "mb": 0, "more": more}, [ACT + step])
-            grad, _ = link.receive(Op.PIPE_GRAD, step, 0)
+            (grad,), _ = link.receive(Op.PIPE_GRAD, step, 0)
             np.testing.assert_array_equal(grad, (ACT + step) * 2)
             work()
         else:
-            act, body = link.receive(Op.PIPE_ACT, step, 0)
+            (act,), body = link.receive(Op.PIPE_ACT, step, 0)
             np.testing.assert_array_equal(act, ACT + step)
             work()
             link.send(0, Op.PIPE_GRAD, {"step": step, "mb": 0}, [act * 2])
@@ -150,7 +150,8 @@ def run_stages(make_cluster, victim, attacker, timeout: float = 30.0) -> list[An
     cluster.connect(request_timeout=timeout)
 
     def run(kv):
-        link = StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, NAMES, chunks=1)
+        routes = neighbour_routes(None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None)
+        link = StageLink(kv, routes, NAMES, chunks=1)
         try:
             return (attacker if kv.rank == 0 else victim)(kv, link)
         finally:

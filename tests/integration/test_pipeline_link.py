@@ -16,10 +16,11 @@ import zmq
 from kvstore.errors import ConfigError, DeadlineExceededError, RemoteError
 from kvstore.net import transport
 from kvstore.net.protocol import Op
-from kvstore.pipeline.link import StageLink
+from kvstore.pipeline.link import StageLink, neighbour_routes
 
 NAMES = {0: "stage 0 (worker 0)", 1: "stage 1 (worker 1)"}
 ACT = np.arange(4, dtype=np.float32)
+ROUTES = {0: neighbour_routes(None, 1), 1: neighbour_routes(0, None)}  # stage 0 -> stage 1
 Side = Callable[[Any, StageLink], Any]
 
 
@@ -30,7 +31,7 @@ def _pair(make_cluster, timeout: float, first: Side, second: Side, **settings: s
     cluster.connect(request_timeout=timeout)
 
     def run(kv):
-        link = StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, NAMES, chunks=2)
+        link = StageLink(kv, ROUTES[kv.rank], NAMES, chunks=2)
         try:
             return (first if kv.rank == 0 else second)(kv, link)
         finally:
@@ -68,7 +69,7 @@ def test_a_message_of_too_many_frames_is_dropped_not_raised(make_cluster) -> Non
             transport.send(stranger, [b"x"] * (transport.MAX_FRAMES + 5))
             assert link.poller.wait(10), "the stranger's message never arrived"
             kv.barrier()
-            array, _ = link.receive(Op.PIPE_ACT, 0, 0)
+            (array,), _ = link.receive(Op.PIPE_ACT, 0, 0)
             kv.barrier()
         finally:
             transport.close(stranger)
@@ -87,7 +88,7 @@ def test_repeats_and_out_of_range_micro_batches_do_not_pile_up(make_cluster) -> 
             for step, mb in ((0, 0), (0, 0), (0, 5), (0, 1), (1, 0), (1, 0), (1, 1))]
 
     def second(kv, link: StageLink) -> tuple:
-        got = [link.receive(Op.PIPE_ACT, step, mb)[0] for step, mb in ((0, 0), (1, 0), (1, 1))]
+        got = [link.receive(Op.PIPE_ACT, step, mb)[0][0] for step, mb in ((0, 0), (1, 0), (1, 1))]
         kv.barrier()
         return got, dict(link.inbox), link.drops.totals["unexpected"]
 
@@ -124,7 +125,7 @@ def test_a_stage_that_closes_right_after_sending_still_delivers(make_cluster) ->
     big = np.arange(1 << 21, dtype=np.float32)  # 8 MiB: still in the DEALER's queue when it closes
 
     def first(kv, link: StageLink) -> np.ndarray:
-        return link.receive(Op.PIPE_GRAD, 0, 0)[0]
+        return link.receive(Op.PIPE_GRAD, 0, 0)[0][0]
 
     def second(kv, link: StageLink) -> None:
         link.send(0, Op.PIPE_GRAD, {"step": 0, "mb": 0}, [big])
@@ -176,7 +177,7 @@ def test_an_array_over_the_frame_limit_is_refused_by_its_sender(make_cluster) ->
         return refused
 
     def second(kv, link: StageLink) -> np.ndarray:
-        array, _ = link.receive(Op.PIPE_ACT, 0, 1)
+        (array,), _ = link.receive(Op.PIPE_ACT, 0, 1)
         kv.barrier()
         return array
 
@@ -225,16 +226,16 @@ def test_a_stranger_holding_a_neighbours_routing_identity_does_not_cut_it_off(ma
         _hijack_before_barrier(kv, 1 - kv.rank, hijackers)
 
     def run(kv) -> list[np.ndarray]:
-        link = StageLink(kv, None if kv.rank == 0 else 0, 1 if kv.rank == 0 else None, NAMES, chunks=2)
+        link = StageLink(kv, ROUTES[kv.rank], NAMES, chunks=2)
         got = []
         try:
             for step in range(2):
                 for mb in range(2):
                     if kv.rank == 0:
                         link.send(1, Op.PIPE_ACT, {"step": step, "mb": mb}, [ACT + step])
-                        got.append(link.receive(Op.PIPE_GRAD, step, mb)[0])
+                        got.append(link.receive(Op.PIPE_GRAD, step, mb)[0][0])
                     else:
-                        array, _ = link.receive(Op.PIPE_ACT, step, mb)
+                        (array,), _ = link.receive(Op.PIPE_ACT, step, mb)
                         got.append(array)
                         link.send(0, Op.PIPE_GRAD, {"step": step, "mb": mb}, [array * 2])
             kv.barrier()
