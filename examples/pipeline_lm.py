@@ -28,13 +28,13 @@ through ``pipe.predict`` (forward only) and prints it next to a bigram model's (
 training text with add-k smoothing) on the same validation bytes, in nats and bits per byte; the exit code
 is 1 unless the model's loss is below the bigram's.  ``--one-process`` trains the same model
 (``kvstore.pipeline.build(layers, seed)``: the same weights) on the same batches with the same optimizer
-in this process, the reference the pipeline is compared with.
+in this process, the reference the pipeline is compared with.  Every process runs one torch thread.
+``--device cuda`` runs the model on a GPU: in one process, or each stage (two stages may share a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import platform
@@ -194,7 +194,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=30, help="steps of linear warm-up, then a cosine")
     parser.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' seed")
     parser.add_argument("--one-process", action="store_true", help="train the same model in this process")
-    parser.add_argument("--device", default="cpu", help="'cuda' puts the one-process model on the GPU")
+    parser.add_argument("--device", default=None,
+                        help="where the model runs, e.g. 'cuda'; default: the CPU in one process, and each "
+                        "stage the GPU the launcher gave its worker (--gpus-per-worker), else the CPU")
     parser.add_argument("--smoke", action="store_true", help="a short, small run (the test suite's)")
     if parser.parse_known_args(argv)[0].smoke:
         parser.set_defaults(**SMOKE)  # the preset replaces the defaults; flags given still win
@@ -202,9 +204,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def optimizer_params(args: argparse.Namespace) -> dict[str, Any]:
-    """Adam with a linear warm-up to ``--lr`` and a cosine decay to zero at the last step."""
+    """Adam with a linear warm-up to ``--lr`` (cut short for a run shorter than it) and a cosine decay to
+    zero at the last step."""
     schedule = kvstore.lr_scheduler.CosineScheduler(max_update=args.steps, base_lr=args.lr,
-                                                    warmup_steps=args.warmup)
+                                                    warmup_steps=min(args.warmup, args.steps - 1))
     return {"learning_rate": args.lr, "lr_scheduler": schedule}
 
 
@@ -237,7 +240,7 @@ def report(args: argparse.Namespace, data: Data, loss: float, where: str, took: 
 
 def one_process(args: argparse.Namespace) -> bool:
     """Train ``build(layers, seed)`` in this process on the same batches with the same optimizer; report."""
-    device = torch.device(args.device)
+    device = torch.device(args.device or "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: this torch sees no CUDA device")
     data = Data(args)
@@ -261,29 +264,19 @@ def one_process(args: argparse.Namespace) -> bool:
     return report(args, data, total / len(data.val_x), "one process", took)
 
 
-def stage_device(device: str) -> dict[str, str]:
-    """The Pipeline's ``device`` argument, where this Pipeline takes one; raises SystemExit for a device
-    other than the CPU where it does not."""
-    if "device" in inspect.signature(Pipeline).parameters:
-        return {"device": device}
-    if torch.device(device).type != "cpu":
-        raise SystemExit(f"--device {device}: this Pipeline runs its stages on the CPU only; --one-process "
-                         f"trains the model on {device}")
-    return {}
-
-
 def pipeline(args: argparse.Namespace, kv: kvstore.KVStore) -> bool | None:
     """Train this worker's stage; on the last stage of replica 0, report and return whether the model beat
     the bigram (None elsewhere)."""
     stages = args.stages or kv.num_workers
     pipe = Pipeline(layers(args.d_model, args.blocks, args.heads, args.context), stages=stages,
                     chunks=args.chunks, schedule="1f1b", checkpoint="never", kv=kv, seed=args.seed,
-                    **stage_device(args.device))
+                    device=args.device)
     data = Data(args, pipe.replica)
     trainer = Trainer(pipe, "adam", optimizer_params(args))
     if kv.rank == 0:
         print(f"{kv.num_workers} workers: {stages} stages x {pipe.replicas} replicas, balance "
-              f"{pipe.balance}, 1f1b, {args.chunks} micro-batches, {data.describe()}", flush=True)
+              f"{pipe.balance}, 1f1b, {args.chunks} micro-batches, on {pipe.device}, {data.describe()}",
+              flush=True)
     start = time.perf_counter()
     try:
         for step, (x, y) in enumerate(data.batches):

@@ -37,10 +37,19 @@ def _losses(output: str, where: str) -> tuple[float, float]:
     return float(match.group(1)), float(match.group(2))
 
 
+def _first_loss(output: str) -> float:
+    """The training loss the run printed for its first step (the initial weights on the first batch)."""
+    match = re.search(r"step    0  loss (\d+\.\d+)", output)
+    assert match, output
+    return float(match.group(1))
+
+
 @pytest.mark.timeout(150)
 def test_smoke_beats_the_bigram_through_two_stages_and_in_one_process() -> None:
     """--smoke through launch.py in 2 stages (1f1b, the embedding tied to the output projection) and the
-    same preset in one process each exit 0 with a validation loss below the bigram's on the same bytes."""
+    same preset in one process each exit 0 with a validation loss below the bigram's on the same bytes,
+    and start from the same model: their first step's loss is the same (the tied output projection built
+    on the last stage under the embedding's seed)."""
     env = dict(os.environ)
     staged = launch(["-n", "2", "-s", "1", "examples/pipeline_lm.py", "--smoke"], env)
     alone = subprocess.Popen([sys.executable, "examples/pipeline_lm.py", "--smoke", "--one-process"],
@@ -60,6 +69,7 @@ def test_smoke_beats_the_bigram_through_two_stages_and_in_one_process() -> None:
     alone_loss, bigram_alone = _losses(output_alone, "one process")
     assert bigram == bigram_alone  # the same text, split the same way
     assert staged_loss < bigram and alone_loss < bigram, (staged_loss, alone_loss, bigram)
+    assert abs(_first_loss(output) - _first_loss(output_alone)) <= 2e-4, (output, output_alone)
 
 
 def test_bigram_loss_is_the_add_k_estimate_by_hand() -> None:
