@@ -2,7 +2,7 @@
 
 Run a cluster of 4 workers (4 stages, the default: one stage per worker) and 1 server on this machine::
 
-    python launch.py -n 4 -s 1 examples/pipeline_lm.py                   # 4 stages, about 3 minutes
+    python launch.py -n 4 -s 1 examples/pipeline_lm.py                   # 4 stages, 1.5-3 minutes on 2 cores
     python launch.py -n 2 -s 1 examples/pipeline_lm.py                   # 2 stages
     python examples/pipeline_lm.py --one-process                         # the same training in one process
     python launch.py -n 2 -s 1 examples/pipeline_lm.py --smoke           # the test suite's short run
