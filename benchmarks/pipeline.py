@@ -21,6 +21,21 @@ I/O thread too) against ``1proc cpu``, one process's: unlike wall time it hardly
 the other engineers' load, so it shows what the pipeline costs in work.
 ``--rounds`` runs ours then torch's that many times and keeps each row's fastest round (the
 shared machine's load comes and goes).
+
+``--lm`` times the language model of examples/pipeline_lm.py instead (``--lm-d-model``, ``--lm-blocks``,
+``--lm-context``, ``--lm-batch`` windows), 2 stages cut in half, 1F1B, per M: ours (``pipe.step``, then a
+Trainer with SGD in the worker: the store sums each stage's gradients, the tied embedding's over the two
+stages that hold it) against torch.distributed.pipelining's Schedule1F1B on the same model and cut, whose
+stages each hold a copy of the embedding (it has no weights tied across stages): the benchmark sums the
+copies' gradients by hand, a ``dist.all_reduce`` over gloo between the two stages, before SGD.
+
+    python benchmarks/pipeline.py --lm [--chunks 2,4,8] [--iters 6] [--rounds 3]
+
+``--balance`` cuts a model whose layers' parameters and compute disagree (wide MLPs, then Linear layers
+over every token) into 2 and 4 stages by parameter count and by measured time (``balance='time'``'s
+profile) and prints each stage's measured forward+backward per step and max/min:
+
+    python benchmarks/pipeline.py --balance [--iters 6] [--rounds 3] [--balance-repeats 25]
 """
 
 from __future__ import annotations
@@ -426,6 +441,258 @@ def balance_part(args: argparse.Namespace) -> None:
               f"({long / wide:.1f}:1)")
 
 
+# ------------------------------------------------------------------------------- the language model (--lm)
+
+def lm_example() -> Any:
+    """examples/pipeline_lm.py as a module: its model is the one timed (the examples folder is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pipeline_lm", REPO / "examples" / "pipeline_lm.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def lm_layers(args: argparse.Namespace) -> list[Any]:
+    """The example's layer factories at its default size (d_model 128, 4 blocks, 4 heads, context 64)."""
+    return lm_example().layers(args.lm_d_model, args.lm_blocks, 4, args.lm_context)
+
+
+def lm_data(args: argparse.Namespace) -> tuple[Any, Any]:
+    """A fixed batch of random byte windows: inputs (batch, context) and targets shifted by one."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    windows = torch.randint(0, 256, (args.lm_batch, args.lm_context + 1), generator=gen)
+    return windows[:, :-1], windows[:, 1:]
+
+
+def lm_cut(n: int) -> list[int]:
+    """Layers per stage for both pipelines: the first half of the layers on stage 0."""
+    return [n // 2, n - n // 2]
+
+
+def lm_one_process(args: argparse.Namespace, chunks: int) -> tuple[float, float]:
+    """Best step ms and least CPU ms of the whole model in this process (forward and backward of the batch as
+    ``chunks`` micro-batches in turn, then SGD; the tied weight is one tensor here)."""
+    import torch
+
+    from kvstore.pipeline import build
+
+    torch.set_num_threads(1)
+    lm, (x, y) = lm_example(), lm_data(args)
+    net = build(lm_layers(args), 0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.001)
+    best = cpu = float("inf")
+    for i in range(args.iters + 2):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+            (lm.lm_loss(net(xs), ys) * len(xs) / len(x)).backward()
+        opt.step()
+        if i >= 2:
+            best = min(best, time.perf_counter() - start)
+            cpu = min(cpu, time.process_time() - cpu_start)
+    return best * 1e3, cpu * 1e3
+
+
+def lm_worker(args: argparse.Namespace) -> None:
+    """Under launch.py -n 2: time the language model's 1F1B step on this stage for each M; print LMRESULT
+    lines (stage 0 adds one process's figures, measured just before each row)."""
+    import torch
+
+    import kvstore
+    from kvstore.pipeline import Pipeline
+    from kvstore.trainer import Trainer
+
+    torch.set_num_threads(1)
+    lm, (x, y) = lm_example(), lm_data(args)
+    with kvstore.create("dist_sync") as kv:
+        for m in [int(c) for c in args.chunks.split(",")]:
+            base = dict(zip(("base", "base_cpu"), lm_one_process(args, m))) if kv.rank == 0 else {}
+            layers = lm_layers(args)
+            pipe = Pipeline(layers, stages=2, balance=lm_cut(len(layers)), chunks=m, schedule="1f1b",
+                            checkpoint="never", kv=kv, seed=0)
+            # the optimizer in the worker, as torch's side has it; the store sums the stage's gradients
+            # (the tied weight's over the two stages that hold it)
+            trainer = Trainer(pipe, "sgd", {"learning_rate": 0.001}, update_on_kvstore=False,
+                              key_prefix=f"m{m}.")  # each M's Pipeline its own keys
+            best = {"pipe": float("inf"), "step": float("inf"), "cpu": float("inf")}
+            try:
+                for i in range(args.iters + 2):
+                    kv.barrier()
+                    start, cpu_start = time.perf_counter(), time.process_time()
+                    pipe.module.zero_grad()
+                    pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, lm.lm_loss)
+                    piped = time.perf_counter()
+                    trainer.step(1)
+                    if i >= 2:
+                        best["pipe"] = min(best["pipe"], piped - start)
+                        best["step"] = min(best["step"], time.perf_counter() - start)
+                        best["cpu"] = min(best["cpu"], time.process_time() - cpu_start)
+            finally:
+                pipe.close()
+            ms = {k: v * 1e3 for k, v in best.items()}
+            print("LMRESULT " + json.dumps({"m": m, "stage": pipe.stage, **ms, **base}), flush=True)
+
+
+def lm_ours(args: argparse.Namespace) -> dict[int, list[dict]]:
+    """Launch 2 workers and a server running :func:`lm_worker`; their LMRESULT lines by M."""
+    argv = [sys.executable, "launch.py", "-n", "2", "-s", "1", __file__, "--worker", "--lm", *lm_argv(args)]
+    env = {**os.environ, "KVSTORE_REQUEST_TIMEOUT": "600", "OMP_NUM_THREADS": "1"}
+    env.pop("KVSTORE_SECRET", None)
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    found: dict[int, list[dict]] = {}
+    for line in done.stdout.splitlines():
+        if "LMRESULT " in line:
+            item = json.loads(line.split("LMRESULT ", 1)[1])
+            found.setdefault(item["m"], []).append(item)
+    return found
+
+
+def lm_argv(args: argparse.Namespace) -> list[str]:
+    """The language model's options, passed on to the launched workers."""
+    return ["--chunks", args.chunks, "--iters", str(args.iters), "--lm-batch", str(args.lm_batch),
+            "--lm-d-model", str(args.lm_d_model), "--lm-blocks", str(args.lm_blocks),
+            "--lm-context", str(args.lm_context)]
+
+
+def _lm_torch_rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
+    """One stage of the language model under torch.distributed.pipelining's 1F1B over gloo, for each M."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results: dict[str, Any] = {}
+    try:
+        for m in [int(c) for c in args.chunks.split(",")]:
+            try:
+                results[str(m)] = _lm_torch_time(rank, m, args)
+            except Exception as exc:  # noqa: BLE001 - reported as the figure
+                results[str(m)] = f"{type(exc).__name__}: {exc}"[:200]
+            dist.barrier()
+    finally:
+        Path(f"{out}.{rank}").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def _lm_torch_time(rank: int, m: int, args: argparse.Namespace) -> dict[str, float]:
+    """Best ms of torch's 1F1B step with ``m`` micro-batches on this rank's stage: the schedule alone
+    (``pipe``), and with the tied weight's gradient summed and SGD applied (``step``); least CPU ms.
+    torch's pipelining has no weights tied across stages: each rank holds a copy of the embedding, and
+    its gradient is summed by hand, an ``all_reduce`` over gloo between the two stages."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from kvstore.pipeline import build
+
+    lm, (x, y) = lm_example(), lm_data(args)
+    whole = list(build(lm_layers(args), 0))
+    cut = lm_cut(len(whole))[0]
+    sub = torch.nn.Sequential(*whole[:cut] if rank == 0 else whole[cut:])
+    tied = (whole[0] if rank == 0 else whole[-1]).module.weight  # the embedding, this rank's copy
+    stage = PipelineStage(sub, rank, 2, torch.device("cpu"))
+    sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=lm.lm_loss)
+    opt = torch.optim.SGD(sub.parameters(), lr=0.001)
+    best = {"pipe": float("inf"), "step": float("inf"), "cpu": float("inf")}
+    for i in range(args.iters + 2):
+        dist.barrier()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        opt.zero_grad()
+        sched.step(x) if rank == 0 else sched.step(target=y)
+        piped = time.perf_counter()
+        dist.all_reduce(tied.grad)  # the tied weight's two gradients summed, by hand
+        opt.step()
+        if i >= 2:
+            best["pipe"] = min(best["pipe"], piped - start)
+            best["step"] = min(best["step"], time.perf_counter() - start)
+            best["cpu"] = min(best["cpu"], time.process_time() - cpu_start)
+    return {k: v * 1e3 for k, v in best.items()}
+
+
+def lm_theirs(args: argparse.Namespace) -> dict[str, Any]:
+    """torch.distributed.pipelining's figures by M: each rank's ``pipe``, ``step`` and ``cpu`` ms."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="pp-lm-") as tmp:
+        out = os.path.join(tmp, "rank")
+        ctx = mp.spawn(_lm_torch_rank, args=(port, args, out), nprocs=2, join=False)
+        deadline = time.monotonic() + args.torch_timeout
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                    proc.join()
+                return {"error": f"no result within {args.torch_timeout} s (hung)"}
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    return {m: [r[m] for r in ranks] if all(isinstance(r[m], dict) for r in ranks) else ranks[0][m]
+            for m in ranks[0]}
+
+
+def lm_best(rounds: list[tuple[dict, dict]]) -> tuple[dict[int, list[dict]], dict[str, Any]]:
+    """Per M, ours and torch's fastest round (by the mean of the stages' step ms), with one process's best
+    figures over every round on ours' stage 0."""
+    mine: dict[int, list[dict]] = {}
+    bases: dict[int, dict[str, float]] = {}
+    theirs_: dict[str, Any] = {}
+    for ours_, torch_ in rounds:
+        for m, items in ours_.items():
+            if m not in mine or _lm_ms(items) < _lm_ms(mine[m]):
+                mine[m] = items
+            seen = bases.setdefault(m, {})
+            for name in ("base", "base_cpu"):
+                best = min(i[name] for i in items if name in i)
+                seen[name] = min(best, seen.get(name, best))
+        for m, value in torch_.items():
+            old = theirs_.get(m)
+            if not isinstance(old, list) or (isinstance(value, list) and _lm_ms(value) < _lm_ms(old)):
+                theirs_[m] = value
+    return {m: [{**i, **bases[m]} for i in items] for m, items in mine.items()}, theirs_
+
+
+def _lm_ms(items: list[dict], name: str = "step") -> float:
+    return sum(i[name] for i in items) / len(items)
+
+
+def lm_report(args: argparse.Namespace, mine: dict[int, list[dict]], torch_: dict[str, Any]) -> None:
+    """Print the language model's table: per M, ours and torch's step (and schedule-only) ms per stage."""
+    load = " / ".join(f"{v:.1f}" for v in os.getloadavg())
+    print(f"language model (examples/pipeline_lm.py: d_model {args.lm_d_model}, {args.lm_blocks} blocks, "
+          f"context {args.lm_context}, tied embedding), batch {args.lm_batch} windows, K = 2 stages "
+          f"{lm_cut(args.lm_blocks + 4)}, 1F1B, best of {args.rounds} rounds; load average {load}")
+    print("ours: pipe.step, then a Trainer (SGD in the worker) sums each stage's gradients through the "
+          "store, the tied weight's over both stages;")
+    print("torch: Schedule1F1B.step, then all_reduce of the tied weight's gradient over gloo (by hand: no "
+          "tied weights across stages there), then SGD; ms are the mean of the 2 stages")
+    print(f"{'M':>2} {'ours ms':>8} {'pipe only':>9} {'torch ms':>9} {'sched only':>10} {'/torch':>6} "
+          f"{'1proc ms':>8} {'x1proc':>6} {'cpu ms/stage':>13} {'torch cpu':>13} {'1proc cpu':>9}")
+    for m, items in sorted(mine.items()):
+        step, piped = _lm_ms(items), _lm_ms(items, "pipe")
+        cpus = "/".join(f"{i['cpu']:.0f}" for i in sorted(items, key=lambda i: i["stage"]))
+        base, base_cpu = items[0]["base"], items[0]["base_cpu"]
+        other = torch_.get(str(m))
+        if isinstance(other, list):
+            theirs_ = (f"{_lm_ms(other):9.1f} {_lm_ms(other, 'pipe'):10.1f} {step / _lm_ms(other):6.2f}",
+                       "/".join(f"{r['cpu']:.0f}" for r in other))
+        else:
+            theirs_ = (f"{'n/a':>9} {'':>10} {'':>6}", "")
+        print(f"{m:2d} {step:8.1f} {piped:9.1f} {theirs_[0]} {base:8.1f} {base / step:6.2f} {cpus:>13} "
+              f"{theirs_[1]:>13} {base_cpu:9.1f}")
+    for m, value in torch_.items():
+        if not isinstance(value, list):
+            print(f"torch M={m}: {value}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", default="1,2,4,8")
@@ -449,7 +716,17 @@ def main() -> None:
     parser.add_argument("--balance-timer", choices=("cpu", "wall"), default="cpu",
                         help="the profile's clock: this thread's CPU time (load hardly moves it), or wall")
     parser.add_argument("--balance-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--lm", action="store_true", help="the language model of examples/pipeline_lm.py, "
+                        "1F1B, against torch's (the tied gradient summed by hand there)")
+    parser.add_argument("--lm-batch", type=int, default=32, help="--lm: windows per step")
+    parser.add_argument("--lm-d-model", type=int, default=128)
+    parser.add_argument("--lm-blocks", type=int, default=4)
+    parser.add_argument("--lm-context", type=int, default=64)
     args = parser.parse_args()
+    if args.lm:
+        if args.worker:
+            return lm_worker(args)
+        return lm_report(args, *lm_best([(lm_ours(args), lm_theirs(args)) for _ in range(args.rounds)]))
     if args.worker:
         return worker(args)
     if args.balance_worker:
