@@ -226,8 +226,9 @@ def _torch_time(rank: int, cls: Any, m: int, x: Any, y: Any, args: argparse.Name
     return best * 1e3
 
 
-def theirs(args: argparse.Namespace) -> dict[str, Any]:
-    """torch.distributed.pipelining's results by 'schedule/M' (the mean of the 2 ranks' ms)."""
+def _torch_ranks(target: Any, args: argparse.Namespace, prefix: str) -> list[dict] | str:
+    """Run ``target(rank, port, args, out)`` on 2 spawned processes (torch.distributed over gloo on a free
+    port; each writes its JSON to ``out.<rank>``): each rank's results, or why there are none."""
     import socket
 
     import torch.multiprocessing as mp
@@ -235,17 +236,24 @@ def theirs(args: argparse.Namespace) -> dict[str, Any]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="pp-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         out = os.path.join(tmp, "rank")
-        ctx = mp.spawn(_torch_rank, args=(port, args, out), nprocs=2, join=False)
+        ctx = mp.spawn(target, args=(port, args, out), nprocs=2, join=False)
         deadline = time.monotonic() + args.torch_timeout
         while not ctx.join(timeout=2):
             if time.monotonic() > deadline:
                 for proc in ctx.processes:
                     proc.kill()
                     proc.join()
-                return {"error": f"no result within {args.torch_timeout} s (hung)"}
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+                return f"no result within {args.torch_timeout} s (hung)"
+        return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+
+
+def theirs(args: argparse.Namespace) -> dict[str, Any]:
+    """torch.distributed.pipelining's results by 'schedule/M' (the mean of the 2 ranks' ms)."""
+    ranks = _torch_ranks(_torch_rank, args, "pp-")
+    if isinstance(ranks, str):
+        return {"error": ranks}
     return {k: (sum(r[k] for r in ranks) / 2 if all(isinstance(r[k], float) for r in ranks) else ranks[0][k])
             for k in ranks[0]}
 
@@ -617,24 +625,9 @@ def _lm_torch_time(rank: int, m: int, args: argparse.Namespace) -> dict[str, flo
 
 def lm_theirs(args: argparse.Namespace) -> dict[str, Any]:
     """torch.distributed.pipelining's figures by M: each rank's ``pipe``, ``step`` and ``cpu`` ms."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="pp-lm-") as tmp:
-        out = os.path.join(tmp, "rank")
-        ctx = mp.spawn(_lm_torch_rank, args=(port, args, out), nprocs=2, join=False)
-        deadline = time.monotonic() + args.torch_timeout
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                    proc.join()
-                return {"error": f"no result within {args.torch_timeout} s (hung)"}
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    ranks = _torch_ranks(_lm_torch_rank, args, "pp-lm-")
+    if isinstance(ranks, str):
+        return {"error": ranks}
     return {m: [r[m] for r in ranks] if all(isinstance(r[m], dict) for r in ranks) else ranks[0][m]
             for m in ranks[0]}
 
