@@ -657,6 +657,10 @@ static PyMethodDef hot_methods[] = {
 static struct PyModuleDef hot_module = {PyModuleDef_HEAD_INIT, "_hot", "The compiled small-message path.", -1,
                                         hot_methods, NULL, NULL, NULL, NULL};
 
+/* What kvstore.net.native expects (native.ABI): raised whenever a function's arguments or results change,
+ * so that a build left from an older source (an editable install not rebuilt) is not used. */
+#define HOT_ABI 1
+
 PyMODINIT_FUNC PyInit__hot(void) {
     PyObject *m;
     if (PyType_Ready(&KeyType) < 0)
@@ -673,7 +677,8 @@ PyMODINIT_FUNC PyInit__hot(void) {
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "Key", (PyObject *)&KeyType) < 0
-        || PyModule_AddIntConstant(m, "SHA_EXTENSIONS", use_sha_ni) < 0) {
+        || PyModule_AddIntConstant(m, "SHA_EXTENSIONS", use_sha_ni) < 0
+        || PyModule_AddIntConstant(m, "ABI", HOT_ABI) < 0) {
         Py_DECREF(m);
         return NULL;
     }

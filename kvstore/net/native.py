@@ -20,6 +20,7 @@ from kvstore import config
 
 log = logging.getLogger("kvstore.net")
 _missing: list[str] = []  # why the compiled module could not be imported (at most one entry)
+ABI = 1  # the compiled module's HOT_ABI this source calls (_hot.c): another is a stale build, not used
 
 
 @functools.cache
@@ -32,6 +33,10 @@ def module() -> ModuleType | None:
         from kvstore.net import _hot  # type: ignore[attr-defined]  # built by setup.py, when it could be
     except ImportError as exc:
         _missing.append(str(exc))
+        return None
+    if getattr(_hot, "ABI", None) != ABI:  # built from an older source: its calls may not match ours
+        _missing.append(f"the built module is stale (ABI {getattr(_hot, 'ABI', None)}, this source {ABI}): "
+                        "rebuild it (pip install -e . or python setup.py build_ext --inplace)")
         return None
     return _hot
 

@@ -209,3 +209,24 @@ def test_without_the_compiled_module_the_pure_path_runs_with_one_log_line(how: s
     assert len(logged) == (1 if how == "missing" else 0), out.stdout
     if logged:  # said once a node channel is made, not at import (a command's --help stays quiet)
         assert "pure-Python" in lines[logged[0]] and logged[0] > lines.index("IMPORTED")
+
+
+def test_a_stale_build_is_not_used(monkeypatch) -> None:
+    """A compiled module built from an older source (its ABI is not the one native.py calls) is not used:
+    the pure-Python path runs, and why is kept for the node's log line."""
+    import types
+
+    from kvstore.net import native
+
+    stale = types.ModuleType("kvstore.net._hot")
+    stale.ABI = native.ABI - 1
+    monkeypatch.setitem(sys.modules, "kvstore.net._hot", stale)
+    monkeypatch.setattr(sys.modules["kvstore.net"], "_hot", stale, raising=False)  # `from . import _hot`
+    monkeypatch.setattr(native, "_missing", [])
+    monkeypatch.delenv("KVSTORE_PURE_PYTHON", raising=False)
+    native.module.cache_clear()
+    try:
+        assert native.module() is None
+        assert "stale" in native._missing[0] and "rebuild" in native._missing[0]
+    finally:
+        native.module.cache_clear()  # the next caller imports the real one again
