@@ -334,6 +334,7 @@ class StageLink:
         self.peers: dict[int, Any] = {}
         self.inbox: dict[Key, tuple[list[np.ndarray], dict]] = {}  # message key -> arrays, body
         self.taken: set[Key] = set()  # keys received already (a repeat is dropped)
+        self.ahead: tuple[int, str] | None = None  # a failure of the next step told while in this one
         self.drops = DropLog(log)  # what the socket refused, counted by reason and logged now and then
         self._untrimmed, self._untrimmed_bytes = 0, 0  # refused since the heap was last trimmed
         try:
@@ -407,6 +408,8 @@ class StageLink:
         peer = self.routes[(op, part, name)]
         key = (op, step, mb, part, name)
         self._forget_before(step)
+        if self.ahead is not None and self.ahead[0] == step and key not in self.inbox:
+            raise RemoteError(self.ahead[1])
         deadline = time.monotonic() + self.timeout
         while key not in self.inbox:
             self._check_alive()
@@ -507,9 +510,12 @@ class StageLink:
             if type(got_step) is not int or not isinstance(text, str) or len(msg.arrays) > 0:
                 raise ProtocolError(f"a PIPE_ABORT from worker {msg.sender} needs an int step, a str message "
                                     "and no arrays")
+            failure = f"{self.names[msg.sender]} failed the step: {text[:2000]}"
+            if got_step == step + 1:  # a peer already in the next step failed it: raised when it begins
+                self.ahead = (got_step, failure)
             if got_step != step:
                 return  # an earlier step's failure, already raised here
-            raise RemoteError(f"{self.names[msg.sender]} failed the step: {text[:2000]}")
+            raise RemoteError(failure)
         if msg.op == Op.PIPE_SHM:
             if msg.sender == self.rank:
                 raise ProtocolError("a PIPE_SHM from this stage itself")

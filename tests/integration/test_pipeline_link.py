@@ -253,3 +253,26 @@ def test_a_stranger_holding_a_neighbours_routing_identity_does_not_cut_it_off(ma
         for mb in range(2):
             np.testing.assert_array_equal(second[2 * step + mb], ACT + step)
             np.testing.assert_array_equal(first[2 * step + mb], (ACT + step) * 2)
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_of_the_next_step_read_early_is_raised_when_that_step_begins(make_cluster) -> None:
+    """A neighbour already in step 1 fails it while this stage is still receiving step 0: the abort, read
+    among step 0's messages, is kept and raised as RemoteError when this stage waits in step 1, not after
+    a deadline."""
+    sent = [(Op.PIPE_ABORT, {"step": 1, "message": "it broke ahead"}, []),
+            (Op.PIPE_ACT, {"step": 0, "mb": 0}, [ACT])]
+
+    def second(kv, link: StageLink) -> tuple:
+        (array,), _ = link.receive(Op.PIPE_ACT, 0, 0)  # reads the abort first, then the activation
+        start = time.monotonic()
+        with pytest.raises(RemoteError) as caught:
+            link.receive(Op.PIPE_ACT, 1, 0)
+        waited = time.monotonic() - start
+        kv.barrier()
+        return array, str(caught.value), waited
+
+    array, text, waited = _pair(make_cluster, 5.0, _send_then_wait(*sent), second)[1]
+    np.testing.assert_array_equal(array, ACT)
+    assert text == "stage 0 (worker 0) failed the step: it broke ahead"
+    assert waited < 2.5  # at once, not after the 5 s deadline
