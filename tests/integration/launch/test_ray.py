@@ -293,6 +293,46 @@ def test_launch_restarts_a_dead_command_worker_in_its_actor(tag: str, ray_addres
     assert poll_for(lambda: _nothing_left(tag), 20, "every role, tether and keeper to exit")
 
 
+def test_an_elastic_job_on_ray_grows_from_two_to_three_workers(tag: str, ray_address: str,
+                                                             tmp_path: Path) -> None:
+    """--min-workers 2 --max-workers 3 on Ray: 2 of 3 slots start; worker 0's first 'join' in the control
+    file starts a worker actor in slot 2 (KVSTORE_JOIN=1, incarnation 1) that takes the current weights
+    and step and trains; its second finds every slot held and is refused and logged; every round's update
+    is the sum over the workers in it, and the job exits 0 with nothing left."""
+    script = str(Path(__file__).parents[1] / "scripts" / "ray_elastic.py")
+    rc, out = finish(_launch(["-n", "2", "-s", "1", "--ray-address", ray_address, "--min-workers", "2",
+                              "--max-workers", "3", script, str(tmp_path / "rec"), "3"], tag), timeout=100)
+    assert rc == 0, out
+    assert "elastic job of 3 worker slots: append a line 'join' to" in out, out
+    assert "starting worker 2 (incarnation 1) to join the running job" in out, out
+    assert "all 3 worker slots (max_workers) are held: refused" in out, out
+    records = {}
+    for path in tmp_path.glob("rec.*.*"):
+        records[int(path.name.split(".")[1])] = [line.split() for line in path.read_text().splitlines()]
+    assert sorted(records) == [0, 1, 2], out  # one process per slot: the second join started nothing
+    pushed: dict[int, set[int]] = {}  # step -> ranks that pushed in it
+    seen: dict[int, set[tuple[int, float]]] = {}  # step -> (members, value) the workers read
+    for rank, lines in records.items():
+        start, end = lines[0], lines[-1]
+        assert start[0] == "start" and end[0] == "end", (rank, lines)
+        assert start[3:] == (["1", "1", "3"] if rank == 2 else ["0", "0", "3"]), start  # JOIN, incarnation, W
+        steps = [int(line[0]) for line in lines[1:-1]]
+        assert steps == list(range(int(start[1]), int(end[1]))), rank  # every step from its start, once
+        for step, members, value in lines[1:-1]:
+            pushed.setdefault(int(step), set()).add(rank)
+            seen.setdefault(int(step), set()).add((int(members), float(value)))
+    expected, values = 0.0, {}  # the reference: sgd (lr 1) over the sum of 2**rank of each round's workers
+    for step in sorted(pushed):
+        expected -= sum(2.0 ** r for r in pushed[step])
+        values[step] = expected
+        assert seen[step] == {(sum(1 << r for r in pushed[step]), expected)}, (step, pushed[step], seen[step])
+    first = int(records[2][0][1])
+    assert first > 3 and float(records[2][0][2]) == values[first - 1]  # the weights after the round before
+    assert sorted(pushed) == list(range(len(pushed)))  # no step missing
+    assert [sorted(pushed[s]) for s in sorted(pushed)][-5:] == [[0, 1, 2]] * 5
+    assert poll_for(lambda: _nothing_left(tag), 20, "every role, tether and keeper to exit")
+
+
 # -- the Python API -----------------------------------------------------------------------------------
 
 @pytest.mark.timeout(180)  # run 90 s + 20 s + 20 s
