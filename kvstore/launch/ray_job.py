@@ -203,6 +203,13 @@ class RayJob:
         or for a job that is not elastic)."""
         return None if self.control is None else self.control.path
 
+    @property
+    def held_slots(self) -> set[int]:
+        """The worker slots a live worker holds now, as this driver last saw them (one that exited, with
+        any code, holds none)."""
+        return {h.spec.rank for h in list(self._handles)
+                if h.spec.role == "worker" and h.spec.rank is not None and not h.dead and h.exit_code is None}
+
     def add_worker(self) -> None:
         """Ask for one more worker, as a line ``join`` appended to the control file does: the supervision
         loop (:meth:`wait`) starts it, or logs and refuses the join when every slot is held.  Raises
@@ -221,8 +228,7 @@ class RayJob:
         assert self.control is not None
         for _ in range(self.control.asked()):
             workers = [h for h in self._handles if h.spec.role == "worker"]
-            held = {h.spec.rank for h in workers if not h.dead and h.exit_code is None}
-            found = self.control.slot({r for r in held if r is not None}, self._incarnations)
+            found = self.control.slot(self.held_slots, self._incarnations)
             if found is None:
                 log.error("a worker's join was asked, but all %d worker slots (max_workers) are held: "
                           "refused", self.control.slots)

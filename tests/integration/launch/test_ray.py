@@ -151,6 +151,39 @@ def raise_on_rank_1() -> None:
     kv.pull("x")
 
 
+def leave_and_rejoin(marker_dir: str) -> tuple[int, str, str, int]:
+    """Elastic, 2 slots: worker 1 leaves for good after 3 rounds; worker 0 goes on alone (touching
+    MARKER_DIR/solo) until it has had 3 rounds with a joiner, who stops after the same 3.  Each step pushes
+    2**rank under sgd (lr 1), so a round's drop names its workers.  Returns (rank, KVSTORE_JOIN,
+    KVSTORE_INCARNATION, its first step)."""
+    import kvstore
+
+    kv = kvstore.create("dist_sync")
+    rank, joined = kv.rank, os.environ.get("KVSTORE_JOIN", "0")
+    kv.init("w", np.zeros(4))
+    kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=1.0))
+    w = np.empty(4)
+    kv.pull("w", out=w)
+    first = step = kv.rejoined_at or 0
+    alone = joined == "1"  # worker 0 counts rounds with the joiner once it has trained alone
+    both = 0
+    deadline = time.monotonic() + 60
+    while both < 3 and not (rank == 1 and joined == "0" and step == 3):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker {rank} saw no 3 rounds with a joiner within 60 s")
+        time.sleep(0.01)  # the step's compute
+        kv.push("w", np.full(4, 2.0 ** rank))
+        new = np.empty(4)
+        kv.pull("w", out=new)
+        members, w, step = int((w - new)[0]), new, step + 1
+        if members == 1:
+            alone = True
+            (Path(marker_dir) / "solo").touch()
+        both += members == 3 and alone
+    kv.close()
+    return rank, joined, os.environ.get("KVSTORE_INCARNATION", "0"), first
+
+
 class _StuckActor(ray_actor.RoleActor):
     """A role actor whose start of a command never returns (bounded at 120 s), as a stuck one would not."""
 
@@ -349,6 +382,41 @@ def test_run_a_function_returns_results_in_rank_order(tag: str, ray_address: str
     assert "[scheduler]" in out.getvalue() and "[server 1]" in out.getvalue()
     assert poll_for(lambda: _nothing_left(tag), 20, "every role, tether, keeper and worker actor to exit")
     assert poll_for(_all_cpus_free, 20, "the job's CPUs to be released") and _no_live_placement_groups()
+
+
+@pytest.mark.timeout(180)  # solo 60 s + wait 90 s + 20 s
+def test_add_worker_starts_a_function_worker_in_a_slot_left_for_good(tag: str, ray_address: str,
+                                                                    tmp_path: Path) -> None:
+    """start(fn, 2, 1, max_workers=2): worker 1 leaves for good (exit 0) and its slot is free again; then
+    job.add_worker() starts a new worker actor in it (KVSTORE_JOIN=1, incarnation 1) that trains with
+    worker 0 from the job's step; the results are by slot, the joiner's in slot 1."""
+    env = {**ROLE_ENV, "KVSTORE_TEST_TAG": tag}
+    job = kvray.start(leave_and_rejoin, 2, 1, args=(str(tmp_path),), env=env, stdout=io.StringIO(),
+                      min_workers=1, max_workers=2)
+    assert job.control_file is not None and Path(job.control_file).exists()
+    outcome: dict[str, object] = {}
+
+    def wait() -> None:
+        try:
+            outcome["results"] = job.wait(90)
+        except BaseException as exc:  # noqa: BLE001 -- reported by the assertion below
+            outcome["error"] = exc
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    try:
+        assert poll_for(lambda: (tmp_path / "solo").exists() and job.held_slots == {0} or "error" in outcome,
+                        60, "worker 1 to leave and worker 0 to train alone"), outcome
+        job.add_worker()
+    finally:
+        waiter.join(100)
+        job.stop()
+    assert "error" not in outcome, outcome
+    results = outcome["results"]
+    assert results[0] == (0, "0", "0", 0), results
+    assert results[1][:3] == (1, "1", "1") and results[1][3] > 3, results  # the joiner, from the job's step
+    assert not Path(job.control_file).exists()  # its private folder is removed with the job
+    assert poll_for(lambda: _nothing_left(tag), 20, "every role, tether, keeper and worker actor to exit")
 
 
 @pytest.mark.timeout(150)  # run 90 s + 20 s
