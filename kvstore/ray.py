@@ -66,7 +66,8 @@ def run(target: Sequence[str] | str | Callable[..., Any], num_workers: int, num_
         env: Mapping[str, str] | None = None, scheduler_cpus: float = DEFAULT_SCHEDULER_CPUS,
         server_cpus: float = DEFAULT_SERVER_CPUS, worker_cpus: float = DEFAULT_WORKER_CPUS,
         worker_gpus: float = 0.0, placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
-        cwd: str | None = None, timeout: float | None = None, stdout: TextIO | None = None) -> list[Any]:
+        cwd: str | None = None, timeout: float | None = None, stdout: TextIO | None = None,
+        min_workers: int | None = None, max_workers: int | None = None) -> list[Any]:
     """Run a kvstore cluster on Ray to its end: 1 scheduler, ``num_servers`` servers (default:
     ``num_workers``) and ``num_workers`` workers, each a Ray actor.
 
@@ -86,14 +87,22 @@ def run(target: Sequence[str] | str | Callable[..., Any], num_workers: int, num_
     roles' directory where it exists (default: this one); ``timeout`` bounds the whole run;
     role output lines go to ``stdout`` (default ``sys.stdout``) prefixed ``[worker 1] `` etc.
 
+    ``max_workers`` B makes an elastic job (docs/elastic.md), as ``launch.py --max-workers``: B worker
+    slots (``DMLC_NUM_WORKER=B``), ``num_workers`` of them started; a line ``join`` appended to
+    ``$KVSTORE_ELASTIC_CONTROL`` (or :meth:`RayJob.add_worker`) starts a worker actor in the lowest free
+    slot; the results are then by slot, None for a slot never held.  ``min_workers`` A
+    (``KVSTORE_MIN_WORKERS``): a barrier with fewer workers present fails.
+
     Raises PlacementError, RoleFailed (with ``role``, ``rank``, ``exit_code``),
-    DeadlineExceededError, or ValueError for bad counts or sizes; every role, actor and the
+    DeadlineExceededError, or ValueError for bad counts or sizes (``min_workers <= num_workers <=
+    max_workers`` must hold); every role, actor and the
     placement group are gone when it returns or raises.
     """
     job = RayJob(target, num_workers, num_workers if num_servers is None else num_servers, args=args,
                  kwargs=kwargs, address=address, env=env, scheduler_cpus=scheduler_cpus,
                  server_cpus=server_cpus, worker_cpus=worker_cpus, worker_gpus=worker_gpus,
-                 placement_timeout=placement_timeout, cwd=cwd, stdout=stdout)
+                 placement_timeout=placement_timeout, cwd=cwd, stdout=stdout, min_workers=min_workers,
+                 max_workers=max_workers)
     job.start()
     return job.wait(timeout)
 
@@ -107,7 +116,8 @@ def launch(cfg: LaunchConfig, settings: kvconfig.Config) -> int:
     code, failed = 0, None
     try:
         job = RayJob(cfg.command, cfg.num_workers, cfg.num_servers, address=cfg.ray_address, env=cfg.env,
-                     settings=settings, max_restarts=cfg.max_restarts, **cfg.ray_options)
+                     settings=settings, max_restarts=cfg.max_restarts, min_workers=cfg.min_workers,
+                     max_workers=cfg.max_workers, **cfg.ray_options)
         job.connect()
         signal.signal(signal.SIGTERM, roles.raise_interrupt)  # after ray.init, which sets its own
         job.start()

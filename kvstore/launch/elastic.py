@@ -1,9 +1,10 @@
-"""Elastic membership under the local launcher (``launch.py --min-workers A --max-workers B -n N``,
+"""Elastic membership under the local and Ray launchers (``launch.py --min-workers A --max-workers B -n N``,
 docs/elastic.md): the job has B worker slots, N of them started; a worker is added while it runs by a
 line ``join`` appended to the control file, whose path every role gets as ``KVSTORE_ELASTIC_CONTROL``.
 
-Pure bookkeeping here (:class:`JoinControl`): the lines asked since the last look, and which slot a new
-worker takes (the lowest no live worker holds) with which incarnation (one above any the slot had).
+Pure bookkeeping here, shared by both: :class:`JoinControl` (the lines asked since the last look, and
+which slot a new worker takes, the lowest no live worker holds, with which incarnation, one above any
+the slot had) and :func:`elastic_slots` (the counts' checks).
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ class JoinControl:
         if not free:
             return None
         return free[0], incarnations.get(free[0], 0) + 1
+
+
+def elastic_slots(num_workers: int, min_workers: int | None, max_workers: int | None,
+                   max_restarts: int) -> int:
+    """The job's worker slots: ``max_workers``, or ``num_workers`` for a job that is not elastic.  Raises
+    ValueError unless ``1 <= min_workers <= num_workers <= max_workers`` (each defaulting to
+    ``num_workers``), or for an elastic job with ``max_restarts`` (not supported yet)."""
+    if min_workers is None and max_workers is None:
+        return num_workers
+    low = num_workers if min_workers is None else min_workers
+    high = num_workers if max_workers is None else max_workers
+    if not 1 <= low <= num_workers <= high:
+        raise ValueError(f"min_workers {low} <= num_workers {num_workers} <= max_workers {high} must hold "
+                         "(and at least 1)")
+    if max_restarts:
+        raise ValueError("max_workers with max_restarts is not supported yet (docs/elastic.md)")
+    return high
 
 
 def control_path(workdir: str) -> str:

@@ -137,10 +137,10 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="local, ray: restart a worker that dies (same rank, a new incarnation), at "
                         "most K times in all; the others go on without it meanwhile (docs/failures.md)")
     parser.add_argument("--min-workers", type=int, metavar="A",
-                        help="local: an elastic job (with --max-workers): A workers at least")
+                        help="local, ray: an elastic job (with --max-workers): A workers at least")
     parser.add_argument("--max-workers", type=int, metavar="B",
-                        help="local: an elastic job of B worker slots, -n of them started; a line 'join' "
-                        "appended to $KVSTORE_ELASTIC_CONTROL starts one more (docs/elastic.md)")
+                        help="local, ray: an elastic job of B worker slots, -n of them started; a line "
+                        "'join' appended to $KVSTORE_ELASTIC_CONTROL starts one more (docs/elastic.md)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker's command")
     return parser
 
@@ -223,7 +223,7 @@ def _extra_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
 
 
 def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--min-workers A --max-workers B``: A <= -n <= B, the local launcher, no --max-restarts yet.
+    """``--min-workers A --max-workers B``: A <= -n <= B, the local or ray launcher, no --max-restarts yet.
     Raises SystemExit (through ``parser.error``) otherwise."""
     if args.min_workers is None and args.max_workers is None:
         return
@@ -232,9 +232,9 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if not 1 <= low <= args.num_workers <= high:
         parser.error(f"--min-workers {low} <= -n {args.num_workers} <= --max-workers {high} must hold "
                      "(and at least 1)")
-    if args.launcher != "local":
-        parser.error(f"--min-workers and --max-workers apply to --launcher local only, not {args.launcher} "
-                     "(docs/elastic.md)")
+    if args.launcher not in ("local", "ray"):
+        parser.error("--min-workers and --max-workers apply to --launcher local and ray, not "
+                     f"{args.launcher} (docs/elastic.md)")
     if args.max_restarts:
         parser.error("--max-workers with --max-restarts is not supported yet (docs/elastic.md)")
 

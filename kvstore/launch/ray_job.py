@@ -13,7 +13,9 @@ import logging
 import os
 import secrets
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from kvstore import config as kvconfig
 from kvstore.errors import DeadlineExceededError, RoleFailed
 from kvstore.launch import envrules as roles
 from kvstore.launch import ray_cluster
+from kvstore.launch.elastic import CONTROL_VARIABLE, JoinControl, control_path, elastic_slots
 from kvstore.launch.output import ExceptionLine
 from kvstore.launch.ray_actor import Call, RoleActor
 from kvstore.launch.ray_plan import (
@@ -70,6 +73,11 @@ class RayJob:
     ``actor(role, rank)`` is the Ray actor of a role (``ray.kill`` it to see the
     job fail).  Use it as a context manager, or call :meth:`stop`, so it is
     always torn down.
+
+    An elastic job (``max_workers`` B, docs/elastic.md) places a bundle for each of its B worker slots
+    and starts ``num_workers`` of them; :meth:`add_worker`, or a line ``join`` appended to the control
+    file (``control_file``, every role's ``KVSTORE_ELASTIC_CONTROL``), starts one more worker actor in
+    the lowest slot no live worker holds, with ``KVSTORE_JOIN=1`` and the slot's next incarnation.
     """
 
     def __init__(self, target: Sequence[str] | Callable[..., Any], num_workers: int, num_servers: int, *,
@@ -78,17 +86,28 @@ class RayJob:
                  scheduler_cpus: float = DEFAULT_SCHEDULER_CPUS, server_cpus: float = DEFAULT_SERVER_CPUS,
                  worker_cpus: float = DEFAULT_WORKER_CPUS, worker_gpus: float = 0.0,
                  placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT, cwd: str | None = None,
-                 stdout: TextIO | None = None, max_restarts: int = 0) -> None:
+                 stdout: TextIO | None = None, max_restarts: int = 0, min_workers: int | None = None,
+                 max_workers: int | None = None) -> None:
         self.function = target if callable(target) else None
         self.command = None if callable(target) else (shlex.split(target) if isinstance(target, str)
                                                        else list(target))
         if self.command is not None and not self.command:
             raise ValueError("the worker command is empty")
         self.args, self.kwargs = tuple(args), dict(kwargs or {})
-        self.roles = role_specs(num_workers, num_servers, scheduler_cpus=scheduler_cpus,
+        self.slots = elastic_slots(num_workers, min_workers, max_workers, max_restarts)
+        self.roles = role_specs(self.slots, num_servers, scheduler_cpus=scheduler_cpus,
                                 server_cpus=server_cpus, worker_cpus=worker_cpus, worker_gpus=worker_gpus)
         self.num_workers, self.num_servers = num_workers, num_servers
         self.extra = dict(env or {})
+        if max_workers is not None:  # B slots, num_workers present at the start (docs/elastic.md)
+            self.extra["KVSTORE_ELASTIC_WORKERS"] = str(num_workers)
+        if min_workers is not None:  # a barrier with fewer present fails (docs/elastic.md)
+            self.extra["KVSTORE_MIN_WORKERS"] = str(min_workers)
+        self.elastic = max_workers is not None
+        self.control: JoinControl | None = None  # the elastic control file, made by start()
+        self._incarnations: dict[int, int] = {}  # elastic: slot -> the highest incarnation it had
+        self._workers_left: set[int] = set()  # the slots whose worker has not exited yet
+        self._node_ips: list[str] = []  # each bundle's node, once placed
         caller = kvconfig.child_environ({})  # a copy of this process's environment
         self.settings = settings or kvconfig.load({**caller, **self.extra})
         self.forwarded = roles.forwarded(caller)
@@ -123,17 +142,13 @@ class RayJob:
         """
         try:
             self.connect()
-            node_ips = self._place()
+            if self.elastic:
+                self._open_control()
+            node_ips = self._node_ips = self._place()
             root_uri = node_ips[0]
             for index, spec in enumerate(self.roles):
-                if spec.role == "worker" and self.function is not None:
-                    # the secret goes as start_function's argument, never in the runtime_env: Ray logs that
-                    env = self._env(spec, root_uri, 0, node_ips[index])
-                    self._spawn(index, node_ips[index], {name: env[name] for name in _PROCESS_START_VARS
-                                                         if name in env},
-                                call=(self.function, self.args, self.kwargs))
-                else:
-                    self._spawn(index, node_ips[index])
+                if spec.role != "worker" or spec.rank < self.num_workers:  # the other slots wait for joins
+                    self._spawn_role(index, root_uri)
             self._created()
             scheduler = self._handles[0]
             env = self._env(scheduler.spec, root_uri, 0, scheduler.node_ip)
@@ -144,23 +159,96 @@ class RayJob:
             self._root = (root_uri, port)
             log.info("scheduler on %s:%d; starting %d servers and %d workers", root_uri, port,
                      self.num_servers, self.num_workers)
-            starts = []
-            for handle in self._handles[1:]:
-                env = self._env(handle.spec, root_uri, port, handle.node_ip)
-                if handle.spec.role == "worker" and self.function is not None:
-                    ref = handle.actor.start_function.remote(env)
-                elif handle.spec.role == "worker":
-                    ref = handle.actor.start_command.remote(self.command, env, self.cwd,
-                                                            self.settings.shutdown_timeout)
-                else:
-                    ref = handle.actor.start_command.remote(["-m", "kvstore.server"], env, self.cwd,
-                                                            self.settings.shutdown_timeout, python=True)
-                starts.append((handle, ref))
-            self._started(starts)
+            self._started([(handle, self._start_role(handle, self._env(handle.spec, root_uri, port,
+                                                                       handle.node_ip)))
+                           for handle in self._handles[1:]])
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _spawn_role(self, index: int, root_uri: str) -> _Handle:
+        """Create the actor of role ``index`` in its bundle (a function worker's with its call)."""
+        spec, node_ip = self.roles[index], self._node_ips[index]
+        if spec.role == "worker" and self.function is not None:
+            # the secret goes as start_function's argument, never in the runtime_env: Ray logs that
+            env = self._env(spec, root_uri, 0, node_ip)
+            start_vars = {name: env[name] for name in _PROCESS_START_VARS if name in env}
+            return self._spawn(index, node_ip, start_vars, call=(self.function, self.args, self.kwargs))
+        return self._spawn(index, node_ip)
+
+    def _start_role(self, handle: _Handle, env: dict[str, str]) -> Any:
+        """Ask the (created) actor of a server or worker to start its role with ``env``; return the call."""
+        if handle.spec.role == "worker" and self.function is not None:
+            return handle.actor.start_function.remote(env)
+        if handle.spec.role == "worker":
+            return handle.actor.start_command.remote(self.command, env, self.cwd,
+                                                     self.settings.shutdown_timeout)
+        return handle.actor.start_command.remote(["-m", "kvstore.server"], env, self.cwd,
+                                                 self.settings.shutdown_timeout, python=True)
+
+    # elastic membership ----------------------------------------------------------------------------
+    def _open_control(self) -> None:
+        """Create the elastic job's control file in a private directory of the driver's machine, give its
+        path to every role (``KVSTORE_ELASTIC_CONTROL``) and log it."""
+        folder = tempfile.mkdtemp(prefix="kvstore-ray-elastic-")
+        self.control = JoinControl(control_path(folder), self.slots)
+        self.extra[CONTROL_VARIABLE] = self.control.path
+        log.info("elastic job of %d worker slots: append a line 'join' to %s to add a worker", self.slots,
+                 self.control.path)
+
+    @property
+    def control_file(self) -> str | None:
+        """The elastic job's control file (its roles' ``KVSTORE_ELASTIC_CONTROL``; None before :meth:`start`
+        or for a job that is not elastic)."""
+        return None if self.control is None else self.control.path
+
+    @property
+    def held_slots(self) -> set[int]:
+        """The worker slots a live worker holds now, as this driver last saw them (one that exited, with
+        any code, holds none)."""
+        return {h.spec.rank for h in list(self._handles)
+                if h.spec.role == "worker" and h.spec.rank is not None and not h.dead and h.exit_code is None}
+
+    def add_worker(self) -> None:
+        """Ask for one more worker, as a line ``join`` appended to the control file does: the supervision
+        loop (:meth:`wait`) starts it, or logs and refuses the join when every slot is held.  Raises
+        ValueError for a job without ``max_workers`` or not started, OSError when the file cannot be
+        written."""
+        if self.control is None:
+            raise ValueError("add_worker needs an elastic job (max_workers) that has started")
+        with open(self.control.path, "a") as control:
+            control.write("join\n")
+
+    def _join_workers(self) -> None:
+        """Start a worker actor for each join asked since the last look, each in the lowest slot no live
+        worker holds (a left slot's old actor is killed first), with ``KVSTORE_JOIN=1`` and the slot's next
+        incarnation; log and refuse a join with every slot held.  Raises RoleFailed or
+        DeadlineExceededError as the start does."""
+        assert self.control is not None
+        for _ in range(self.control.asked()):
+            workers = [h for h in self._handles if h.spec.role == "worker"]
+            found = self.control.slot(self.held_slots, self._incarnations)
+            if found is None:
+                log.error("a worker's join was asked, but all %d worker slots (max_workers) are held: "
+                          "refused", self.control.slots)
+                continue
+            slot, incarnation = found
+            log.info("starting worker %d (incarnation %d) to join the running job", slot, incarnation)
+            self._incarnations[slot] = incarnation
+            for old in workers:  # a worker that left: its actor holds the slot's bundle
+                if old.spec.rank == slot and not old.dead:
+                    old.dead = True
+                    ray.kill(old.actor)
+            handle = self._spawn_role(1 + self.num_servers + slot, self._root[0])
+            timeout = self.placement_timeout
+            self._wait_calls([(handle, handle.actor.__ray_ready__.remote())], timeout,
+                             f"was not created within {timeout:g} s (the placement timeout)", created=True)
+            env = self._env(handle.spec, *self._root, handle.node_ip)
+            env.update({"KVSTORE_JOIN": "1", "KVSTORE_INCARNATION": str(incarnation)})
+            self._started([(handle, self._start_role(handle, env))])
+            self._pending[handle.actor.drain.remote(_POLL)] = handle
+            self._workers_left.add(slot)
 
     def _created(self) -> None:
         """Wait for every role's actor to be created (its process started, its runtime_env set up, a
@@ -217,7 +305,7 @@ class RayJob:
 
     def _env(self, spec: RoleSpec, root_uri: str, port: int, node_ip: str) -> dict[str, str]:
         """The environment of the role ``spec`` on ``node_ip`` (see :func:`role_environ`)."""
-        return role_environ(spec, num_workers=self.num_workers, num_servers=self.num_servers,
+        return role_environ(spec, num_workers=self.slots, num_servers=self.num_servers,
                             secret=self.secret, root_uri=root_uri, root_port=port, node_ip=node_ip,
                             forwarded=self.forwarded, extra=self.extra)
 
@@ -268,7 +356,7 @@ class RayJob:
     # supervise -------------------------------------------------------------------------------------
     def actor(self, role: str, rank: int | None = None) -> Any:
         """The Ray actor handle of ``role`` ``rank`` (e.g. ``job.actor('worker', 1)``)."""
-        for handle in self._handles:
+        for handle in reversed(self._handles):  # a slot's latest worker
             if handle.spec.role == role and handle.spec.rank == rank:
                 return handle.actor
         raise KeyError(f"no {role} {rank} in this job" if rank is not None else f"no {role} in this job")
@@ -291,8 +379,12 @@ class RayJob:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._pending = {h.actor.drain.remote(_POLL): h for h in self._handles
                          if not h.dead and h.exit_code is None}
-        workers_left = {h.spec.rank for h in self._handles if h.spec.role == "worker"}
+        workers_left = self._workers_left
+        workers_left.update(h.spec.rank for h in self._handles if h.spec.role == "worker" and not h.dead
+                            and h.exit_code is None)
         while workers_left:
+            if self.control is not None:
+                self._join_workers()
             self._poll(deadline, workers_left)
         # The scheduler and servers exit 0 by themselves once every worker has left; as with the
         # local launcher, how they exit after the last worker is not checked.
@@ -302,11 +394,14 @@ class RayJob:
         for handle in self._pending.values():
             log.warning("%s did not exit within %g s of the workers; stopping it", handle.spec.name,
                         self.settings.shutdown_timeout)
+        if self.elastic:  # by slot, the last worker's; None for a slot never held
+            return [self._results.get(slot) for slot in range(self.slots)]
         return [self._results[rank] for rank in range(self.num_workers)]
 
     def _poll(self, deadline: float | None, workers_left: set[int], final: bool = False) -> None:
         """Wait up to a second for one actor's drain(); print its lines and act on its exit."""
-        wait_for = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+        tick = 0.1 if self.control is not None else 1.0  # an elastic job reads its control file each 0.1 s
+        wait_for = tick if deadline is None else max(0.0, min(tick, deadline - time.monotonic()))
         ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=wait_for)
         if not ready:
             if deadline is not None and time.monotonic() >= deadline and not final:
@@ -436,6 +531,8 @@ class RayJob:
             if self._started_ray:
                 ray.shutdown()
                 self._started_ray = False
+            if self.control is not None:
+                shutil.rmtree(os.path.dirname(self.control.path), ignore_errors=True)
 
     def _release(self, alive: list[_Handle]) -> None:
         """Release the tethers of ``alive``, give the roles ``KVSTORE_SHUTDOWN_TIMEOUT`` to exit, print

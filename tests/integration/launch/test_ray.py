@@ -151,6 +151,39 @@ def raise_on_rank_1() -> None:
     kv.pull("x")
 
 
+def leave_and_rejoin(marker_dir: str) -> tuple[int, str, str, int]:
+    """Elastic, 2 slots: worker 1 leaves for good after 3 rounds; worker 0 goes on alone (touching
+    MARKER_DIR/solo) until it has had 3 rounds with a joiner, who stops after the same 3.  Each step pushes
+    2**rank under sgd (lr 1), so a round's drop names its workers.  Returns (rank, KVSTORE_JOIN,
+    KVSTORE_INCARNATION, its first step)."""
+    import kvstore
+
+    kv = kvstore.create("dist_sync")
+    rank, joined = kv.rank, os.environ.get("KVSTORE_JOIN", "0")
+    kv.init("w", np.zeros(4))
+    kv.set_optimizer(kvstore.optimizer.create("sgd", learning_rate=1.0))
+    w = np.empty(4)
+    kv.pull("w", out=w)
+    first = step = kv.rejoined_at or 0
+    alone = joined == "1"  # worker 0 counts rounds with the joiner once it has trained alone
+    both = 0
+    deadline = time.monotonic() + 60
+    while both < 3 and not (rank == 1 and joined == "0" and step == 3):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker {rank} saw no 3 rounds with a joiner within 60 s")
+        time.sleep(0.01)  # the step's compute
+        kv.push("w", np.full(4, 2.0 ** rank))
+        new = np.empty(4)
+        kv.pull("w", out=new)
+        members, w, step = int((w - new)[0]), new, step + 1
+        if members == 1:
+            alone = True
+            (Path(marker_dir) / "solo").touch()
+        both += members == 3 and alone
+    kv.close()
+    return rank, joined, os.environ.get("KVSTORE_INCARNATION", "0"), first
+
+
 class _StuckActor(ray_actor.RoleActor):
     """A role actor whose start of a command never returns (bounded at 120 s), as a stuck one would not."""
 
@@ -293,6 +326,46 @@ def test_launch_restarts_a_dead_command_worker_in_its_actor(tag: str, ray_addres
     assert poll_for(lambda: _nothing_left(tag), 20, "every role, tether and keeper to exit")
 
 
+def test_an_elastic_job_on_ray_grows_from_two_to_three_workers(tag: str, ray_address: str,
+                                                             tmp_path: Path) -> None:
+    """--min-workers 2 --max-workers 3 on Ray: 2 of 3 slots start; worker 0's first 'join' in the control
+    file starts a worker actor in slot 2 (KVSTORE_JOIN=1, incarnation 1) that takes the current weights
+    and step and trains; its second finds every slot held and is refused and logged; every round's update
+    is the sum over the workers in it, and the job exits 0 with nothing left."""
+    script = str(Path(__file__).parents[1] / "scripts" / "ray_elastic.py")
+    rc, out = finish(_launch(["-n", "2", "-s", "1", "--ray-address", ray_address, "--min-workers", "2",
+                              "--max-workers", "3", script, str(tmp_path / "rec"), "3"], tag), timeout=100)
+    assert rc == 0, out
+    assert "elastic job of 3 worker slots: append a line 'join' to" in out, out
+    assert "starting worker 2 (incarnation 1) to join the running job" in out, out
+    assert "all 3 worker slots (max_workers) are held: refused" in out, out
+    records = {}
+    for path in tmp_path.glob("rec.*.*"):
+        records[int(path.name.split(".")[1])] = [line.split() for line in path.read_text().splitlines()]
+    assert sorted(records) == [0, 1, 2], out  # one process per slot: the second join started nothing
+    pushed: dict[int, set[int]] = {}  # step -> ranks that pushed in it
+    seen: dict[int, set[tuple[int, float]]] = {}  # step -> (members, value) the workers read
+    for rank, lines in records.items():
+        start, end = lines[0], lines[-1]
+        assert start[0] == "start" and end[0] == "end", (rank, lines)
+        assert start[3:] == (["1", "1", "3"] if rank == 2 else ["0", "0", "3"]), start  # JOIN, incarnation, W
+        steps = [int(line[0]) for line in lines[1:-1]]
+        assert steps == list(range(int(start[1]), int(end[1]))), rank  # every step from its start, once
+        for step, members, value in lines[1:-1]:
+            pushed.setdefault(int(step), set()).add(rank)
+            seen.setdefault(int(step), set()).add((int(members), float(value)))
+    expected, values = 0.0, {}  # the reference: sgd (lr 1) over the sum of 2**rank of each round's workers
+    for step in sorted(pushed):
+        expected -= sum(2.0 ** r for r in pushed[step])
+        values[step] = expected
+        assert seen[step] == {(sum(1 << r for r in pushed[step]), expected)}, (step, pushed[step], seen[step])
+    first = int(records[2][0][1])
+    assert first > 3 and float(records[2][0][2]) == values[first - 1]  # the weights after the round before
+    assert sorted(pushed) == list(range(len(pushed)))  # no step missing
+    assert [sorted(pushed[s]) for s in sorted(pushed)][-5:] == [[0, 1, 2]] * 5
+    assert poll_for(lambda: _nothing_left(tag), 20, "every role, tether and keeper to exit")
+
+
 # -- the Python API -----------------------------------------------------------------------------------
 
 @pytest.mark.timeout(180)  # run 90 s + 20 s + 20 s
@@ -309,6 +382,41 @@ def test_run_a_function_returns_results_in_rank_order(tag: str, ray_address: str
     assert "[scheduler]" in out.getvalue() and "[server 1]" in out.getvalue()
     assert poll_for(lambda: _nothing_left(tag), 20, "every role, tether, keeper and worker actor to exit")
     assert poll_for(_all_cpus_free, 20, "the job's CPUs to be released") and _no_live_placement_groups()
+
+
+@pytest.mark.timeout(180)  # solo 60 s + wait 90 s + 20 s
+def test_add_worker_starts_a_function_worker_in_a_slot_left_for_good(tag: str, ray_address: str,
+                                                                    tmp_path: Path) -> None:
+    """start(fn, 2, 1, max_workers=2): worker 1 leaves for good (exit 0) and its slot is free again; then
+    job.add_worker() starts a new worker actor in it (KVSTORE_JOIN=1, incarnation 1) that trains with
+    worker 0 from the job's step; the results are by slot, the joiner's in slot 1."""
+    env = {**ROLE_ENV, "KVSTORE_TEST_TAG": tag}
+    job = kvray.start(leave_and_rejoin, 2, 1, args=(str(tmp_path),), env=env, stdout=io.StringIO(),
+                      min_workers=1, max_workers=2)
+    assert job.control_file is not None and Path(job.control_file).exists()
+    outcome: dict[str, object] = {}
+
+    def wait() -> None:
+        try:
+            outcome["results"] = job.wait(90)
+        except BaseException as exc:  # noqa: BLE001 -- reported by the assertion below
+            outcome["error"] = exc
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    try:
+        assert poll_for(lambda: (tmp_path / "solo").exists() and job.held_slots == {0} or "error" in outcome,
+                        60, "worker 1 to leave and worker 0 to train alone"), outcome
+        job.add_worker()
+    finally:
+        waiter.join(100)
+        job.stop()
+    assert "error" not in outcome, outcome
+    results = outcome["results"]
+    assert results[0] == (0, "0", "0", 0), results
+    assert results[1][:3] == (1, "1", "1") and results[1][3] > 3, results  # the joiner, from the job's step
+    assert not Path(job.control_file).exists()  # its private folder is removed with the job
+    assert poll_for(lambda: _nothing_left(tag), 20, "every role, tether, keeper and worker actor to exit")
 
 
 @pytest.mark.timeout(150)  # run 90 s + 20 s

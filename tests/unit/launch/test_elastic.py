@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.launch.elastic import JoinControl
+from kvstore.launch.elastic import JoinControl, elastic_slots
 from kvstore.launch.options import parse_args
 
 
@@ -33,11 +33,24 @@ def test_a_joiner_takes_the_lowest_free_slot_one_incarnation_up() -> None:
 
 
 def test_elastic_options_are_checked() -> None:
-    """--min-workers <= -n <= --max-workers, the local launcher only, not with --max-restarts."""
+    """--min-workers <= -n <= --max-workers, the local and ray launchers only, not with --max-restarts."""
     cfg = parse_args(["-n", "2", "--min-workers", "1", "--max-workers", "4", "x.py"])
     assert (cfg.min_workers, cfg.max_workers, cfg.num_workers) == (1, 4, 2)
+    cfg = parse_args(["-n", "2", "--max-workers", "3", "--launcher", "ray", "x.py"])
+    assert (cfg.launcher, cfg.max_workers) == ("ray", 3)
     for bad in (["-n", "5", "--max-workers", "4"], ["-n", "2", "--min-workers", "3"],
                 ["-n", "2", "--max-workers", "4", "--max-restarts", "1"],
                 ["-n", "2", "--max-workers", "4", "--launcher", "mpi"]):
         with pytest.raises(SystemExit):
             parse_args([*bad, "x.py"])
+
+
+def test_elastic_slots_checks_the_counts_as_the_launcher_does() -> None:
+    """elastic_slots (the Ray launcher's check): B slots, N for a job that is not elastic; ValueError
+    unless 1 <= A <= N <= B, or for an elastic job with restarts."""
+    assert elastic_slots(2, None, None, 0) == 2
+    assert elastic_slots(2, None, None, 3) == 2  # not elastic: restarts are fine
+    assert elastic_slots(2, 1, 4, 0) == 4 and elastic_slots(2, 2, None, 0) == 2
+    for bad in ((5, None, 4, 0), (2, 3, None, 0), (2, 0, 4, 0), (2, None, 4, 1)):
+        with pytest.raises(ValueError):
+            elastic_slots(*bad)
