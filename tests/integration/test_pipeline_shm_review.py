@@ -103,3 +103,66 @@ def test_a_strided_array_goes_through_shared_memory_as_over_tcp(make_cluster) ->
     (error, lent, sent), _ = cluster.run(run)
     count, free, size = lent  # now: the ValueError, and a 256 KiB range neither lent nor free
     assert (error, sent, count, free) == (None, 1, 0, size - shm.HEAD), (error, sent, lent)
+
+
+@pytest.mark.timeout(60)
+def test_an_aborted_step_and_a_reopened_link_leave_no_range_lent_and_no_segment_mapped(make_cluster) -> None:
+    """Stage 0 sends two 256 KiB activations through shared memory and aborts the step before the third; the
+    next step's arrive through it, every range comes back; a second link on the same stores (a Pipeline
+    closed and reopened) offers and uses a new segment, and closing it leaves no segment mapped."""
+    big = np.arange(1 << 16, dtype=np.float32)  # 256 KiB
+    cluster = make_cluster(num_workers=2, connect=False)
+    cluster.connect(request_timeout=10.0)
+
+    def maps() -> int:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
+            return sum("kvstore-shm" in line for line in fh)
+
+    def lifetime(kv) -> tuple[object, ...]:
+        from kvstore.errors import RemoteError
+
+        link = StageLink(kv, ROUTES[kv.rank], NAMES, chunks=4)
+        try:
+            if kv.rank == 0:
+                link.send(1, Op.PIPE_ACT, {"step": 0, "mb": 0}, [big])  # offers (TCP)
+                link.receive(Op.PIPE_GRAD, 0, 0)  # attached
+                for mb in (1, 2):
+                    link.send(1, Op.PIPE_ACT, {"step": 1, "mb": mb}, [big + mb])
+                link.abort("stage 0 failed", 1)
+                for mb in range(3):
+                    link.send(1, Op.PIPE_ACT, {"step": 2, "mb": mb}, [big - mb])
+                for mb in range(3):
+                    link.receive(Op.PIPE_GRAD, 2, mb)
+                lane = link.shm.offered[1]
+                whole = lane.segment.free_bytes() == lane.segment.size - shm.HEAD
+                return link.shm.stats.sent, len(lane.lent), whole
+            link.receive(Op.PIPE_ACT, 0, 0)
+            link.send(0, Op.PIPE_GRAD, {"step": 0, "mb": 0}, [np.ones(4, np.float32)])
+            aborted = False
+            try:
+                for mb in (1, 2, 3):
+                    link.receive(Op.PIPE_ACT, 1, mb)
+            except RemoteError:
+                aborted = True
+            wrong = 0
+            for mb in range(3):
+                wrong += not np.array_equal(link.receive(Op.PIPE_ACT, 2, mb)[0][0], big - mb)
+                link.send(0, Op.PIPE_GRAD, {"step": 2, "mb": mb}, [np.ones(4, np.float32)])
+            return aborted, wrong, link.shm.stats.received
+        finally:
+            link.close()
+
+    def run(kv):
+        kv.barrier()
+        before = maps()
+        first = lifetime(kv)
+        kv.barrier()
+        second = lifetime(kv)
+        kv.barrier()
+        return first, second, maps() - before
+
+    (first0, second0, left0), (first1, second1, left1) = cluster.run(run)
+    for (sent, lent, whole), (aborted, wrong, received) in ((first0, first1), (second0, second1)):
+        assert (sent, lent, whole) == (5, 0, True), (sent, lent, whole)
+        assert (aborted, wrong, received) == (True, 0, 5), (aborted, wrong, received)
+    assert left0 == left1 == 0
