@@ -34,8 +34,8 @@ def _model() -> object:
 @pytest.mark.timeout(90)
 def test_an_evaluation_loop_of_predict_gives_its_ranges_back(make_cluster) -> None:
     """One training step attaches stage 0's segment for stage 1; then 8 predict calls of 2 micro-batches of
-    192 KiB through a 1 MiB segment (room for 5 at once): stage 1 has read each before the next call, so
-    none should find the segment full."""
+    192 KiB through a 1 MiB segment (room for 5 at once), a barrier after each: stage 1 has read each call's
+    activations and said so before the next call, so none should find the segment full."""
     seeded = _model()
     cluster = make_cluster(num_workers=2, KVSTORE_SHM_BYTES=str(1 << 20), **FAST)
 
@@ -53,6 +53,7 @@ def test_an_evaluation_loop_of_predict_gives_its_ranges_back(make_cluster) -> No
             pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, torch.nn.functional.mse_loss)
             for _ in range(8):
                 pipe.predict(x if pipe.is_first else None)
+                kv.barrier()  # stage 1 has read this call's activations (and sent its 'free') before the next
             return copy.copy(pipe.link.shm.stats)
         finally:
             pipe.close()
