@@ -292,8 +292,12 @@ def _described(path: str, size: int) -> tuple[os.stat_result, str]:
     """The file ``path`` (a ``/proc/<pid>/fd/<n>`` link) names, and why it is refused ("": it is not):
     not a memfd, a memfd of huge pages (a fault there raises SIGBUS when the pool is empty), another
     size.  Raises :class:`OSError` when the link cannot be read."""
-    target, info = os.readlink(path), os.stat(path)
-    if not (target.startswith("/memfd:") and stat.S_ISREG(info.st_mode)):
+    target = os.readlink(path)
+    if not target.startswith("/memfd:"):  # before any stat: a stat of a stalled FUSE file never returns
+        return os.lstat(path), (f"the descriptor names {target[:60]!r}, not a memfd: a server maps only a "
+                                "sealed memfd (docs/shm.md)")
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
         return info, (f"the descriptor names {target[:60]!r}, not a memfd: a server maps only a sealed "
                       "memfd (docs/shm.md)")
     if info.st_blksize != mmap.PAGESIZE:

@@ -158,7 +158,7 @@ class StageShm:
             if off is None:
                 self._full(peer, lane, array.nbytes)
                 continue
-            lane.segment.write(off, array)
+            lane.segment.write(off, np.ascontiguousarray(array))  # a strided array as TCP sends it
             lane.lent.add(off)
             if msg.shm is None:
                 msg.shm = [None] * len(msg.arrays)
@@ -166,6 +166,15 @@ class StageShm:
             self.stats.sent += 1
             self.stats.sent_bytes += array.nbytes
         return None
+
+    def short(self, peer: int, msg: Message) -> bool:
+        """Whether ``peer``'s attached segment lacks the free bytes for ``msg``'s big arrays now (its
+        "free" messages may be waiting, unread, in the socket)."""
+        lane = self.offered.get(peer)
+        if self.off is not None or lane is None or not lane.attached:
+            return False
+        need = sum(a.nbytes for a in msg.arrays if a.nbytes >= shm.MIN_BYTES)
+        return need > 0 and lane.segment.free_bytes() < need
 
     def unplace(self, peer: int, msg: Message) -> None:
         """Give back the ranges :meth:`place` took for ``msg`` (it could not be sealed)."""
@@ -374,15 +383,16 @@ class StageLink:
                               f"{self.max_bytes} (a frame its socket refuses); use more micro-batches "
                               f"(chunks) or raise KVSTORE_MAX_MESSAGE_BYTES")
         msg = Message(op, body, arrays, sender=self.rank)
+        if self.shm.short(peer, msg):  # a stage that only sends (a first stage's predict) reads the
+            self._drain(body.get("step", 0), None)  # peer's "free" messages here, or never
         offer = self.shm.place(peer, msg)  # big arrays into the peer's segment, once it has mapped it
         if offer is not None:
             self._post(peer, offer)
         try:
-            frames = self.channel.seal(msg, label(peer))
+            transport.send(self.peers[peer], self.channel.seal(msg, label(peer)))
         except BaseException:
             self.shm.unplace(peer, msg)
             raise
-        transport.send(self.peers[peer], frames)
 
     def _post(self, peer: int, msg: Message) -> None:
         """Seal and send ``msg`` to ``peer``; raises NodeLostError when that fails."""
@@ -440,7 +450,7 @@ class StageLink:
             raise NodeLostError(f"{self.names[exc.rank]} is lost, so {self.names[self.rank]} stops: {exc}",
                                 role=exc.role, rank=exc.rank, host=exc.host) from None
 
-    def _drain(self, step: int, wanted: Key) -> None:
+    def _drain(self, step: int, wanted: Key | None) -> None:
         """File waiting messages in the inbox until ``wanted`` is there; drop and count what is not for
         us (anyone may connect, so nothing read here may raise but a neighbour's PIPE_ABORT).  Reads at
         most DRAIN_LIMIT messages, so a flood cannot keep the caller from its deadline, and stops at

@@ -1,5 +1,5 @@
 """Hostile review of the pipeline stages' same-host shared memory (kvstore/pipeline/link.py, StageShm):
-reproducers of what the review found, each xfail(strict=True) with its reason until it is fixed.
+reproducers of what the review found, each failing before its fix.
 Stages are in-process workers of a real cluster, as in tests/integration/test_pipeline_shm.py."""
 
 from __future__ import annotations
@@ -27,10 +27,6 @@ def _model() -> object:
     return torch.nn.Sequential(torch.nn.Linear(8, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 3)).double()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "review: a first stage that only sends (Pipeline.predict) never reads its socket, so its peer's PIPE_SHM "
-    "'free' messages are never taken: every range stays lent, the segment fills (its pages all touched) and "
-    "the rest goes over TCP with a 'full' warning"))
 @pytest.mark.timeout(90)
 def test_an_evaluation_loop_of_predict_gives_its_ranges_back(make_cluster) -> None:
     """One training step attaches stage 0's segment for stage 1; then 8 predict calls of 2 micro-batches of
@@ -63,10 +59,6 @@ def test_an_evaluation_loop_of_predict_gives_its_ranges_back(make_cluster) -> No
     assert sent.full == 0, sent
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "review: StageShm.place writes array.reshape(-1).view(np.uint8), which raises ValueError for a strided "
-    "1-D array (TCP's protocol.encode makes it contiguous first); the range taken before the raise is "
-    "neither lent nor given back, so it is lost for good"))
 @pytest.mark.timeout(60)
 def test_a_strided_array_goes_through_shared_memory_as_over_tcp(make_cluster) -> None:
     """StageLink.send of a non-contiguous 256 KiB array (every other float of a 512 KiB one) after the
