@@ -119,6 +119,22 @@ def baselines(args: argparse.Namespace, m: int) -> dict[str, float]:
     return {"base": base, "base_cpu": base_cpu, "same": same}
 
 
+def time_waits(pipe: Any) -> list[float]:
+    """Make ``pipe``'s link add the seconds each receive waits to the returned cell (reset it per step)."""
+    waited = [0.0]
+    receive = pipe.link.receive
+
+    def timed_receive(*a: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return receive(*a)
+        finally:
+            waited[0] += time.perf_counter() - start
+
+    pipe.link.receive = timed_receive
+    return waited
+
+
 def time_stage(kv: Any, args: argparse.Namespace, schedule: str, m: int) -> dict[str, Any]:
     """This stage's best step of ``schedule`` with ``m`` micro-batches: its ms, the share of it spent
     waiting for a neighbour, the micro-batches held, and the measured peak of saved activations."""
@@ -132,17 +148,7 @@ def time_stage(kv: Any, args: argparse.Namespace, schedule: str, m: int) -> dict
     pipe = Pipeline(model(args.width), stages=2, chunks=m, schedule=schedule, checkpoint="never", kv=kv,
                     optimizer=sgd, balance=[16 // (2 * virtual)] * (2 * virtual), virtual=virtual)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.001)
-    waited = [0.0]
-    receive = pipe.link.receive
-
-    def timed_receive(*a: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return receive(*a)
-        finally:
-            waited[0] += time.perf_counter() - start
-
-    pipe.link.receive = timed_receive
+    waited = time_waits(pipe)
     best, cpu = (float("inf"), 0.0), float("inf")
     try:
         for i in range(args.iters + 2):
@@ -385,17 +391,7 @@ def _balance_steps(kv: Any, pipe: Any, x: Any, y: Any, iters: int) -> dict[str, 
     less its waits for a neighbour) and as the main thread's CPU time, and each step's ms."""
     import torch
 
-    waited = [0.0]
-    receive = pipe.link.receive
-
-    def timed_receive(*a: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return receive(*a)
-        finally:
-            waited[0] += time.perf_counter() - start
-
-    pipe.link.receive = timed_receive
+    waited = time_waits(pipe)
     found: dict[str, list[float]] = {"busy": [], "cpu": [], "step": []}
     try:
         for i in range(iters + 2):

@@ -11,20 +11,8 @@ import pytest
 
 from kvstore.net import shm
 from kvstore.net.protocol import Op
-from kvstore.pipeline.link import StageLink, neighbour_routes
-
-NAMES = {0: "stage 0 (worker 0)", 1: "stage 1 (worker 1)"}
-ROUTES = {0: neighbour_routes(None, 1), 1: neighbour_routes(0, None)}  # stage 0 -> stage 1
-FAST = {"KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_HEARTBEAT_TIMEOUT": "3",
-        "KVSTORE_REQUEST_TIMEOUT": "20"}
-WIDTH = 4096  # a micro-batch of 6 rows crosses the boundary as 6 x 4096 float64: 192 KiB >= shm.MIN_BYTES
-
-
-def _model() -> object:
-    """A seeded 2-layer MLP, made in the test's thread (torch's global generator is not per thread)."""
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 3)).double()
+from kvstore.pipeline.link import StageLink
+from tests.integration.test_pipeline_shm import FAST, NAMES, ROUTES, _model
 
 
 @pytest.mark.timeout(90)
