@@ -55,6 +55,17 @@ class JoinControl:
             return None
         return free[0], incarnations.get(free[0], 0) + 1
 
+    def join(self, held: set[int], incarnations: dict[int, int], flag: str) -> tuple[int, int] | None:
+        """:meth:`slot` for an asked join, logged: the worker to start, or None (refused, logged as the
+        launcher's ``flag`` names the slots: ``--max-workers``, ``max_workers``)."""
+        found = self.slot(held, incarnations)
+        if found is None:
+            log.error("a worker's join was asked, but all %d worker slots (%s) are held: refused",
+                      self.slots, flag)
+        else:
+            log.info("starting worker %d (incarnation %d) to join the running job", *found)
+        return found
+
 
 def elastic_slots(num_workers: int, min_workers: int | None, max_workers: int | None,
                    max_restarts: int) -> int:

@@ -254,13 +254,10 @@ class Cluster:
             for c in workers:
                 n = int(c.spec.env.get("KVSTORE_INCARNATION", "0"))
                 incarnations[c.spec.rank] = max(n, incarnations.get(c.spec.rank, 0))
-            found = self.control.slot({r for r in held if r is not None}, incarnations)
+            found = self.control.join({r for r in held if r is not None}, incarnations, "--max-workers")
             if found is None:
-                log.error("a worker's join was asked, but all %d worker slots (--max-workers) are held: "
-                          "refused", self.control.slots)
                 continue
             slot, incarnation = found
-            log.info("starting worker %d (incarnation %d) to join the running job", slot, incarnation)
             self._start("worker", slot, list(self.worker_argv),
                         {"DMLC_WORKER_ID": str(slot), "KVSTORE_JOIN": "1",
                          "KVSTORE_INCARNATION": str(incarnation)}, defaults={"OMP_NUM_THREADS": "1"})

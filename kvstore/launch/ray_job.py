@@ -228,13 +228,10 @@ class RayJob:
         assert self.control is not None
         for _ in range(self.control.asked()):
             workers = [h for h in self._handles if h.spec.role == "worker"]
-            found = self.control.slot(self.held_slots, self._incarnations)
+            found = self.control.join(self.held_slots, self._incarnations, "max_workers")
             if found is None:
-                log.error("a worker's join was asked, but all %d worker slots (max_workers) are held: "
-                          "refused", self.control.slots)
                 continue
             slot, incarnation = found
-            log.info("starting worker %d (incarnation %d) to join the running job", slot, incarnation)
             self._incarnations[slot] = incarnation
             for old in workers:  # a worker that left: its actor holds the slot's bundle
                 if old.spec.rank == slot and not old.dead:
