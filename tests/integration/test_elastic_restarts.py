@@ -34,7 +34,7 @@ def _steps(folder: Path, rank: int, incarnation: str | None = None) -> int:
 def _max_step(folder: Path) -> int:
     """The highest step any worker has recorded so far."""
     steps = [int(line.split()[0]) for path in folder.glob("rec.*.*")
-             for line in path.read_text().splitlines() if line[:1].isdigit() and len(line.split()) == 4]
+             for line in path.read_text().splitlines() if line[:1].isdigit() and len(line.split()) == 5]
     return max(steps, default=0)
 
 
@@ -146,3 +146,45 @@ def test_a_scheduler_sigkilled_after_a_join_is_restarted_and_a_later_join_is_tak
     records = read_records(tmp_path)
     assert sorted(rank for rank, _ in records) == [0, 1, 2, 3], output  # one process per slot
     _check(records)
+
+
+@pytest.mark.timeout(120)
+def test_a_server_sigkilled_after_a_join_restarts_with_the_joined_worker_present(
+        launches, tmp_path: Path) -> None:  # noqa: F811
+    """A job 2 -> 3 of 3 slots; server 1 SIGKILLed while the three train restarts from its shard (the
+    job's own folder, with no settings) with the joined slot present: it waits for worker 2 to align
+    with the others and counts it in every round after; each element's every update is the sum over the
+    workers that pushed (the reference), but for the one step where server 1's element went back to its
+    shard (the rounds since it are lost, as for any server restart)."""
+    stop = tmp_path / "stop"
+    run = launches(["-n", "2", "-s", "2", "--max-workers", "3", "--max-restarts", "1", str(SCRIPT),
+                    str(tmp_path / "rec"), str(stop)], {**ENV, "KVSTORE_HEARTBEAT_TIMEOUT": "3"})
+    poll_for(lambda: _steps(tmp_path, 0) >= 10, 60, f"worker 0's steps:\n{run.output}")
+    _join(run)
+    poll_for(lambda: _steps(tmp_path, 2) >= 30, 60, f"worker 2's steps:\n{run.output}")
+    (pid,) = role_pids(run.tag, "KVSTORE_SERVER_ID=1")
+    os.kill(pid, signal.SIGKILL)
+    poll_for(lambda: "workers aligned after the restart" in run.output, 60, f"the alignment:\n{run.output}")
+    aligned = _max_step(tmp_path)
+    poll_for(lambda: _max_step(tmp_path) >= aligned + 30, 60, f"steps after the restart:\n{run.output}")
+    _stop(tmp_path, stop)
+    assert run.finish(60) == 0, run.output
+    assert "server 1 exited with code 137; restarting it as incarnation 1" in run.output, run.output
+    assert "waiting for workers [0, 1, 2] to align" in run.output, run.output  # worker 2 present there
+    pushed: dict[int, set[int]] = defaultdict(set)
+    drops: dict[int, set[tuple[float, float]]] = defaultdict(set)
+    for (rank, _), lines in read_records(tmp_path).items():
+        for line in lines[1:]:
+            if line[0] != "end":
+                pushed[int(line[0])].add(rank)
+                drops[int(line[0])].add((float(line[1]), float(line[4])))
+    assert max(pushed) >= aligned + 30 and {0, 1, 2} in pushed.values()
+    off = {0: [], 1: []}  # element (first, last) -> the steps its update was not the reference's
+    for step in range(max(pushed) + 1):
+        assert len(drops[step]) == 1, (step, drops[step])  # every worker read the same
+        ((first, last),) = drops[step]
+        reference = sum(2.0 ** r for r in pushed[step])
+        off[0] += [step] * (first != reference)
+        off[1] += [step] * (last != reference)
+    bad = [steps for steps in off.values() if steps]
+    assert len(bad) <= 1 and all(len(steps) == 1 for steps in bad), off  # one element, one step: the shard's

@@ -9,7 +9,8 @@ to $KVSTORE_ELASTIC_CONTROL itself.  A worker started as a join (KVSTORE_JOIN) S
 DIE_AFTER steps of its own, once the step is recorded (so its pushes are exactly its recorded steps);
 its restart (no KVSTORE_JOIN) does not.  Every worker stops at the step written in STOP_FILE once
 that file exists.  Each process writes ``start STEP VALUE UNIFORM INCARNATION JOIN``, then
-``step drop value uniform`` per step, then ``end STEP``, to OUT_PREFIX.RANK.PID.
+``step drop value uniform last_drop`` per step (``drop`` and ``value`` of element 0,
+``last_drop`` of the last element, on the other server), then ``end STEP``, to OUT_PREFIX.RANK.PID.
 """
 
 import os
@@ -44,7 +45,8 @@ while stop_at is None or step < stop_at:
     new = np.empty(300)
     kv.pull("w", out=new)
     drop = w - new
-    record.write(f"{step} {float(drop[0])!r} {float(new[0])!r} {int(np.all(drop == drop[0]))}\n")
+    record.write(f"{step} {float(drop[0])!r} {float(new[0])!r} {int(np.all(drop == drop[0]))} "
+                 f"{float(drop[-1])!r}\n")
     w, step, own = new, step + 1, own + 1
     if joined and own == die_after:
         record.close()
