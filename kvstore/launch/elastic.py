@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
+
+from kvstore.launch.roleprocess import RoleState
 
 log = logging.getLogger("kvstore.launcher")
 CONTROL_VARIABLE = "KVSTORE_ELASTIC_CONTROL"
@@ -91,13 +94,13 @@ def restart_env(env: dict[str, str], incarnation: int) -> dict[str, str]:
     return {**{k: v for k, v in env.items() if k != JOIN_VARIABLE}, "KVSTORE_INCARNATION": str(incarnation)}
 
 
-def left_slots(workers: list[tuple[int | None, str]]) -> list[int]:
+def left_slots(workers: Iterable[tuple[int | None, RoleState]]) -> list[int]:
     """The worker slots that have left for good, from ``(rank, state)`` of every worker process a
-    launch started (``state`` a :class:`~kvstore.launch.roleprocess.RoleState` value): those where one
-    exited 0 (``succeeded``) and none is live (starting, running, or failed and being restarted), so
-    a slot a later join took is not one of them.  Ascending."""
-    done = {rank for rank, state in workers if rank is not None and state == "succeeded"}
-    live = {rank for rank, state in workers if state in ("starting", "running", "failed")}
+    launch started: those where one exited 0 (SUCCEEDED) and none is live (STARTING, RUNNING, or
+    FAILED and being restarted), so a slot a later join took is not one of them.  Ascending."""
+    done = {rank for rank, state in workers if rank is not None and state is RoleState.SUCCEEDED}
+    live = {rank for rank, state in workers
+            if state in (RoleState.STARTING, RoleState.RUNNING, RoleState.FAILED)}
     return sorted(done - live)
 
 

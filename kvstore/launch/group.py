@@ -156,7 +156,7 @@ class RoleGroup:
             log.error("the scheduler and %s died together: not survivable, the restarted scheduler could "
                       "not rebuild the cluster without them (docs/failures.md)", ", ".join(together))
             return False
-        left = left_slots([(r.spec.rank, r.state.value) for r in self.roles if r.spec.role == "worker"])
+        left = left_slots([(r.spec.rank, r.state) for r in self.roles if r.spec.role == "worker"])
         env = {"DMLC_PS_ROOT_PORT": str(policy.port), "KVSTORE_RESTARTS_USED": str(used + 1),
                "KVSTORE_RECOVER_LEFT": ",".join(map(str, left))}
         try:

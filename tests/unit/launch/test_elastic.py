@@ -70,10 +70,11 @@ def test_a_joined_workers_restart_is_the_slots_next_incarnation_without_the_join
 def test_left_slots_are_those_that_exited_0_and_no_live_worker_holds() -> None:
     """A slot whose worker exited 0 has left unless a later join holds it (starting, running, or failed
     and being restarted); a slot never started is not the launcher's to name."""
-    workers = [(0, "running"), (1, "succeeded"), (2, "succeeded"), (2, "running"), (3, "succeeded"),
-               (3, "failed"), (4, "stopped")]
+    ok, live, failed = RoleState.SUCCEEDED, RoleState.RUNNING, RoleState.FAILED
+    workers = [(0, live), (1, ok), (2, ok), (2, RoleState.STARTING), (3, ok), (3, failed),
+               (4, RoleState.STOPPED)]
     assert left_slots(workers) == [1]
-    assert left_slots([(0, "succeeded"), (1, "succeeded")]) == [0, 1]
+    assert left_slots([(0, ok), (1, ok)]) == [0, 1]
     assert left_slots([]) == []
 
 
