@@ -170,7 +170,8 @@ def check_map(cmap: Any, num_workers: int, num_servers: int, session: bytes,
 class Recovery:
     """Who has re-registered with a restarted scheduler, checked against the old session's digest.
 
-    ``left``: workers the launcher saw exit 0 (``KVSTORE_RECOVER_LEFT``); ``used``: restarts the
+    ``left``: worker slots the launcher saw exit 0 that no live worker holds (``KVSTORE_RECOVER_LEFT``);
+    a member's word that a worker has left yields to that worker's own re-registration; ``used``: restarts the
     launcher has used (``KVSTORE_RESTARTS_USED``); ``settings``: the map's fields the scheduler's own
     configuration sets (:func:`check_map`).  The cluster is rebuilt (:attr:`complete`) once every
     server and every worker that has neither left nor is away has re-registered.
@@ -199,7 +200,7 @@ class Recovery:
         if prior is not None and (prior.label, prior.incarnation) != (node.label, node.incarnation):
             raise ProtocolError(f"{node.role} {node.rank} has re-registered already (incarnation "
                                 f"{prior.incarnation}) from another connection; refused")
-        if node.role == "worker" and node.rank in self.left:
+        if node.role == "worker" and node.rank in self._left:  # the launcher's word: no live process
             raise ProtocolError(f"worker {node.rank} has left the cluster; it cannot re-register")
         others = {n.label: key for key, n in self.nodes.items() if key != (node.role, node.rank)}
         if node.label in others:
@@ -220,10 +221,17 @@ class Recovery:
                 incarnations[node.rank] = node.incarnation
         return node
 
+    def gone_for_good(self, rank: int) -> bool:
+        """Whether the launcher saw worker slot ``rank`` exit 0 with no live worker in it since."""
+        return rank in self._left
+
     @property
     def left(self) -> set[int]:
-        """Workers that have left: those the launcher saw exit 0 and those any member knows of."""
-        return self._left.union(*(n.left for n in self.nodes.values()))
+        """Workers that have left: those the launcher saw exit 0 and those any member knows of, but
+        a worker that re-registered itself (an elastic job's slot another member still knew absent,
+        joined since: docs/elastic.md)."""
+        back = {rank for role, rank in self.nodes if role == "worker"}
+        return self._left.union(*(n.left for n in self.nodes.values())) - back
 
     @property
     def away(self) -> set[int]:

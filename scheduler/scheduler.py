@@ -44,7 +44,7 @@ from kvstore.net.status_client import poll_session
 from .extension import SchedulerAPI
 from .observe import PollGate, SchedulerStats, node_rows, scheduler_snapshot
 from .pipes import PipesExtension
-from .recovery import Rebound, Recovery, die_hook, parse, read_digest, write_digest
+from .recovery import Rebound, Recovery, die_hook, own_counters, parse, read_digest, write_digest
 from .restarts import RestartsExtension
 from .state import Barrier, Challenges, Liveness, Node, Rendezvous, hello_nonce, mixed_calls
 
@@ -338,9 +338,33 @@ class Scheduler:
             raise AuthenticationError("this re-registration carries another cluster's session: refused")
         node = parse(body, self.cfg.num_workers, self.cfg.num_servers)
         if self._labels.get(node.label) != (node.role, node.rank) or self._is_lost(node.role, node.rank):
-            raise ProtocolError(f"{node.role} {node.rank} is not this node's to take back: refused")
+            if not self._back_after_rebuild(node):
+                raise ProtocolError(f"{node.role} {node.rank} is not this node's to take back: refused")
+            return {"session": self.session, "rebound": True}
         self._rebind(node)
         return {"session": self.session, "rebound": True}
+
+    def _back_after_rebuild(self, node: Rebound) -> bool:
+        """An elastic job's worker re-registering (with the session) after this restarted scheduler's
+        rebuild took its slot for absent: its join came within a heartbeat of the death, so no other
+        member had heard of it (docs/elastic.md).  It counts again, present, and True is returned;
+        False (the caller refuses it) for anything else: not a restarted elastic scheduler's, a slot not
+        absent, lost, or one the launcher saw exit 0, or a label another node holds."""
+        rec, rank = self._recovery, node.rank
+        if rec is None or self.cfg.elastic_workers is None or node.role != "worker" or rank not in self.left \
+                or rec.gone_for_good(rank) or self._is_lost("worker", rank) or node.label in self._labels:
+            return False
+        self.left.discard(rank)
+        self.map_body["absent"] = sorted(self.left)  # what a server restarted later starts with
+        self.barrier.num_workers += 1
+        self.restarts.book.admit(rank, node.incarnation)
+        for counter_label, number in own_counters(node, set(self._labels)).counters:
+            self.service.channel.floor(counter_label, number)
+        self._rebind(node)
+        self.liveness.watch("worker", rank, time.monotonic())
+        log.warning("worker %d (incarnation %d) re-registered after the rebuild, which took its slot for "
+                    "absent (a join no other member had heard of): counted again", rank, node.incarnation)
+        return True
 
     def _rebind(self, node: Rebound) -> None:
         """Watch a re-registered node from now; its requests (by their label) are its rank's."""
@@ -371,6 +395,8 @@ class Scheduler:
         rec, now = self._recovery, time.monotonic()
         assert rec is not None
         self.left = rec.left
+        if self.cfg.elastic_workers is not None:  # a server restarted later starts with these absent
+            self.map_body["absent"] = sorted(self.left)
         away = rec.away
         self.restarts.adopt(rec.used, {key: n.incarnation for key, n in rec.nodes.items()}, away, now,
                             self.map_body["servers"])

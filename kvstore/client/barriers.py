@@ -48,6 +48,9 @@ class Barriers:
         self._lock = threading.Lock()
         # workers known to have left, and us; an elastic job's slots absent at the start (not warned of)
         self._left: set[int] = {rank, *(absent or ())}
+        # the slots the scheduler last said have left (or are absent): an elastic job's join takes one
+        # out again, so this, not the warned-of union above, is what a re-registration reports
+        self._told: set[int] = set(absent or ())
         self._unwarned: dict[int, int] = {}  # left, not warned about yet -> this worker's pushes then
 
     def collective(self, what: str, action: Callable[[], Any], digest: str | None = None) -> None:
@@ -153,9 +156,10 @@ class Barriers:
 
     @property
     def left(self) -> list[int]:
-        """The other workers known to have left."""
+        """The other workers the scheduler last said have left (an elastic job's absent slots too; a
+        slot joined since is no longer among them)."""
         with self._lock:
-            return sorted(self._left - {self._rank})
+            return sorted(self._told - {self._rank})
 
     def warn_left(self, left: list[int]) -> None:
         """Note the workers a barrier or heartbeat reply says have left (called with each).  dist_sync:
@@ -164,6 +168,7 @@ class Barriers:
         a job warn nobody; other modes: one info line at once."""
         with self._lock:  # several threads may pass barriers
             new, self._left = sorted(set(left) - self._left), self._left | set(left)
+            self._told = set(left)
             if self._mode != "dist_sync":
                 due = new
             else:

@@ -4,16 +4,22 @@ line ``join`` appended to the control file, whose path every role gets as ``KVST
 
 Pure bookkeeping here, shared by both: :class:`JoinControl` (the lines asked since the last look, and
 which slot a new worker takes, the lowest no live worker holds, with which incarnation, one above any
-the slot had) and :func:`elastic_slots` (the counts' checks).
+the slot had) and :func:`elastic_slots` (the counts' checks).  Under ``--max-restarts`` a joined worker
+that dies is restarted as any worker is: the next incarnation of its slot, without ``KVSTORE_JOIN``
+(:func:`restart_env`), so it rejoins as a restart; one that exits 0 has left for good.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
+
+from kvstore.launch.roleprocess import RoleState
 
 log = logging.getLogger("kvstore.launcher")
 CONTROL_VARIABLE = "KVSTORE_ELASTIC_CONTROL"
+JOIN_VARIABLE = "KVSTORE_JOIN"  # set on a joining worker only: its restart is no join (a rejoin of its slot)
 
 
 class JoinControl:
@@ -67,11 +73,10 @@ class JoinControl:
         return found
 
 
-def elastic_slots(num_workers: int, min_workers: int | None, max_workers: int | None,
-                   max_restarts: int) -> int:
+def elastic_slots(num_workers: int, min_workers: int | None, max_workers: int | None) -> int:
     """The job's worker slots: ``max_workers``, or ``num_workers`` for a job that is not elastic.  Raises
     ValueError unless ``1 <= min_workers <= num_workers <= max_workers`` (each defaulting to
-    ``num_workers``), or for an elastic job with ``max_restarts`` (not supported yet)."""
+    ``num_workers``).  Restarts (``--max-restarts``) combine with an elastic job (docs/elastic.md)."""
     if min_workers is None and max_workers is None:
         return num_workers
     low = num_workers if min_workers is None else min_workers
@@ -79,9 +84,24 @@ def elastic_slots(num_workers: int, min_workers: int | None, max_workers: int | 
     if not 1 <= low <= num_workers <= high:
         raise ValueError(f"min_workers {low} <= num_workers {num_workers} <= max_workers {high} must hold "
                          "(and at least 1)")
-    if max_restarts:
-        raise ValueError("max_workers with max_restarts is not supported yet (docs/elastic.md)")
     return high
+
+
+def restart_env(env: dict[str, str], incarnation: int) -> dict[str, str]:
+    """The environment of a role's restart as ``incarnation``: ``env`` with that
+    ``KVSTORE_INCARNATION`` and without ``KVSTORE_JOIN`` (a joined worker's restart rejoins its slot,
+    it does not join an absent one)."""
+    return {**{k: v for k, v in env.items() if k != JOIN_VARIABLE}, "KVSTORE_INCARNATION": str(incarnation)}
+
+
+def left_slots(workers: Iterable[tuple[int | None, RoleState]]) -> list[int]:
+    """The worker slots that have left for good, from ``(rank, state)`` of every worker process a
+    launch started: those where one exited 0 (SUCCEEDED) and none is live (STARTING, RUNNING, or
+    FAILED and being restarted), so a slot a later join took is not one of them.  Ascending."""
+    done = {rank for rank, state in workers if rank is not None and state is RoleState.SUCCEEDED}
+    live = {rank for rank, state in workers
+            if state in (RoleState.STARTING, RoleState.RUNNING, RoleState.FAILED)}
+    return sorted(done - live)
 
 
 def control_path(workdir: str) -> str:

@@ -21,6 +21,7 @@ import queue
 import time
 from collections.abc import Callable
 
+from kvstore.launch.elastic import left_slots, restart_env
 from kvstore.launch.portfile import read_digest
 from kvstore.launch.roleprocess import Killed, RoleProcess, RoleState
 
@@ -155,9 +156,9 @@ class RoleGroup:
             log.error("the scheduler and %s died together: not survivable, the restarted scheduler could "
                       "not rebuild the cluster without them (docs/failures.md)", ", ".join(together))
             return False
-        others = [r for r in self.roles if r.spec.role == "worker" and r.state is RoleState.SUCCEEDED]
+        left = left_slots([(r.spec.rank, r.state) for r in self.roles if r.spec.role == "worker"])
         env = {"DMLC_PS_ROOT_PORT": str(policy.port), "KVSTORE_RESTARTS_USED": str(used + 1),
-               "KVSTORE_RECOVER_LEFT": ",".join(str(r.spec.rank) for r in others)}
+               "KVSTORE_RECOVER_LEFT": ",".join(map(str, left))}
         try:
             os.remove(policy.port_file)  # written again once the cluster is rebuilt
         except FileNotFoundError:
@@ -166,16 +167,17 @@ class RoleGroup:
                             env)
 
     def restart(self, role: RoleProcess, why: str, env: dict[str, str] | None = None) -> bool:
-        """Start the FAILED ``role`` again with the next ``KVSTORE_INCARNATION`` (and ``env``), once its
-        process is reaped and what it left in its group killed; False when it cannot be started (it is
-        then FAILED again).  ``why`` goes into the log line."""
+        """Start the FAILED ``role`` again with the next ``KVSTORE_INCARNATION`` (and ``env``; a joined
+        worker's without ``KVSTORE_JOIN``: :func:`restart_env`), once its process is reaped and what it
+        left in its group killed; False when it cannot be started (it is then FAILED again).  ``why``
+        goes into the log line."""
         role.stop(0.0)  # exited already: reaped, its group's leftovers SIGKILLed, its output read
         incarnation = int(role.spec.env.get("KVSTORE_INCARNATION", "0")) + 1
         log.warning("%s exited with code %s; restarting it as incarnation %d (%s)", role.name,
                     role.exit_code, incarnation, why)
         role.restart()
-        role.spec = dataclasses.replace(role.spec, env={**role.spec.env, **(env or {}),
-                                                        "KVSTORE_INCARNATION": str(incarnation)})
+        role.spec = dataclasses.replace(role.spec, env=restart_env({**role.spec.env, **(env or {})},
+                                                                   incarnation))
         try:
             role.start()
         except OSError as exc:

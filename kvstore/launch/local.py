@@ -242,14 +242,16 @@ class Cluster:
 
     def join_workers(self) -> int:
         """Start a worker for each join asked in the control file since the last call (an elastic job;
-        none otherwise), each in the lowest slot no live worker holds; return how many started.  A
-        join with every slot held is logged and refused.  Raises StartFailed."""
+        none otherwise), each in the lowest slot no live worker holds (a FAILED one holds its slot: it
+        is being restarted, or the launch fails); return how many started.  A join with every slot
+        held is logged and refused.  Raises StartFailed."""
         if self.control is None:
             return 0
         started = 0
         for _ in range(self.control.asked()):
             workers = [c for c in self.children if c.spec.role == "worker"]
-            held = {c.spec.rank for c in workers if c.state in (RoleState.STARTING, RoleState.RUNNING)}
+            held = {c.spec.rank for c in workers
+                    if c.state in (RoleState.STARTING, RoleState.RUNNING, RoleState.FAILED)}
             incarnations: dict[int, int] = {}
             for c in workers:
                 n = int(c.spec.env.get("KVSTORE_INCARNATION", "0"))

@@ -135,12 +135,14 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="start from the snapshot kv.save_checkpoint(DIR) wrote (any number of servers)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="local, ray: restart a worker that dies (same rank, a new incarnation), at "
-                        "most K times in all; the others go on without it meanwhile (docs/failures.md)")
+                        "most K times in all; the others go on without it meanwhile (docs/failures.md); "
+                        "with --max-workers a joined worker's restart rejoins its slot (docs/elastic.md)")
     parser.add_argument("--min-workers", type=int, metavar="A",
                         help="local, ray: an elastic job (with --max-workers): A workers at least")
     parser.add_argument("--max-workers", type=int, metavar="B",
                         help="local, ray: an elastic job of B worker slots, -n of them started; a line "
-                        "'join' appended to $KVSTORE_ELASTIC_CONTROL starts one more (docs/elastic.md)")
+                        "'join' appended to $KVSTORE_ELASTIC_CONTROL starts one more (docs/elastic.md); "
+                        "with --max-restarts a worker that dies is restarted, one that exits 0 has left")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker's command")
     return parser
 
@@ -223,8 +225,8 @@ def _extra_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dic
 
 
 def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--min-workers A --max-workers B``: A <= -n <= B, the local or ray launcher, no --max-restarts yet.
-    Raises SystemExit (through ``parser.error``) otherwise."""
+    """``--min-workers A --max-workers B``: A <= -n <= B, the local or ray launcher (``--max-restarts``
+    combines with them).  Raises SystemExit (through ``parser.error``) otherwise."""
     if args.min_workers is None and args.max_workers is None:
         return
     low = args.num_workers if args.min_workers is None else args.min_workers
@@ -235,8 +237,6 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.launcher not in ("local", "ray"):
         parser.error("--min-workers and --max-workers apply to --launcher local and ray, not "
                      f"{args.launcher} (docs/elastic.md)")
-    if args.max_restarts:
-        parser.error("--max-workers with --max-restarts is not supported yet (docs/elastic.md)")
 
 
 def _ssh_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, int | None]]:

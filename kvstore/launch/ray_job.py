@@ -94,7 +94,7 @@ class RayJob:
         if self.command is not None and not self.command:
             raise ValueError("the worker command is empty")
         self.args, self.kwargs = tuple(args), dict(kwargs or {})
-        self.slots = elastic_slots(num_workers, min_workers, max_workers, max_restarts)
+        self.slots = elastic_slots(num_workers, min_workers, max_workers)
         self.roles = role_specs(self.slots, num_servers, scheduler_cpus=scheduler_cpus,
                                 server_cpus=server_cpus, worker_cpus=worker_cpus, worker_gpus=worker_gpus)
         self.num_workers, self.num_servers = num_workers, num_servers
@@ -243,6 +243,7 @@ class RayJob:
                              f"was not created within {timeout:g} s (the placement timeout)", created=True)
             env = self._env(handle.spec, *self._root, handle.node_ip)
             env.update({"KVSTORE_JOIN": "1", "KVSTORE_INCARNATION": str(incarnation)})
+            handle.incarnation = incarnation  # its restart (--max-restarts) is the slot's next, no join
             self._started([(handle, self._start_role(handle, env))])
             self._pending[handle.actor.drain.remote(_POLL)] = handle
             self._workers_left.add(slot)
@@ -433,10 +434,14 @@ class RayJob:
 
     def _restart(self, handle: _Handle, code: int) -> None:
         """Start the failed command worker ``handle`` again in its actor, with the next
-        ``KVSTORE_INCARNATION`` (one of the restarts left).  Raises RoleFailed when its actor died or
+        ``KVSTORE_INCARNATION`` (one of the restarts left; a joined worker's restart has no
+        ``KVSTORE_JOIN``: it rejoins its slot).  Raises RoleFailed when its actor died or
         the start raised, DeadlineExceededError past ``KVSTORE_CONNECT_TIMEOUT``."""
         self.restarts_left -= 1
         handle.incarnation += 1
+        if handle.spec.rank is not None:  # a join in its slot later takes one above this restart's
+            self._incarnations[handle.spec.rank] = max(handle.incarnation,
+                                                       self._incarnations.get(handle.spec.rank, 0))
         log.warning("%s exited with code %d; restarting it in its actor as incarnation %d (%d restarts "
                     "left)", handle.spec.name, code, handle.incarnation, self.restarts_left)
         env = self._env(handle.spec, *self._root, handle.node_ip)

@@ -47,3 +47,16 @@ def test_a_worker_re_registers_with_the_last_tagged_view_it_passed() -> None:
     barriers.join()
     identity = rebind.identity()
     assert identity["view"] == {"view": 1, "left": [2], "tag": [5, 6]} and identity["passed"] == 2
+
+
+def test_a_worker_re_registers_with_the_slots_the_scheduler_last_said_have_left() -> None:
+    """An elastic job's absent slots are reported left until the scheduler's word no longer names one
+    (a join took it): the re-registration then leaves it out, so a restarted scheduler waits for it."""
+    cfg = kvconfig.load({"DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "1"})
+    barriers = Barriers(_Io(), cfg, "dist_sync", 1, 4, lambda requests, timeout, knob: [], absent=[2, 3])
+    rebind = WorkerRebind(_Io(), cfg, {}, "dist_sync", lambda: 0, lambda: barriers.left)
+    assert rebind.identity()["left"] == [2, 3]
+    barriers.warn_left([3])  # a heartbeat reply after the join of slot 2
+    assert rebind.identity()["left"] == [3] and barriers.left == [3]
+    barriers.warn_left([0, 3])  # worker 0 left
+    assert rebind.identity()["left"] == [0, 3]

@@ -12,6 +12,7 @@ from kvstore.net.auth import heartbeat_label, is_heartbeat_label
 from kvstore.net.protocol import Message, Op
 from kvstore.scheduler.recovery import Recovery, session_digest, write_digest
 from kvstore.scheduler.scheduler import Scheduler
+from tests.unit.scheduler.test_elastic import join
 from tests.unit.scheduler.test_scheduler import Peer, complete, make_scheduler
 
 SESSION = b"s" * 16
@@ -356,3 +357,69 @@ def test_a_restarted_scheduler_answers_a_replayed_tagged_barrier_with_its_view(t
     assert late.op is Op.OK and late.body == {"failures": [], "left": [], "view": 3, "tag": [9]}
     (older,) = w1.send(Op.BARRIER, {"after": 1}, sender=1)  # an untagged barrier before it: no view
     assert older.body == {"failures": [], "left": []}
+
+
+def test_a_worker_that_re_registers_has_not_left_whatever_another_member_still_knew():
+    """An elastic job's slot a member still knew absent (joined since) is not left once that worker
+    re-registers itself, in either order; the launcher's word (no live process) still refuses a rank."""
+    m4 = dict(MAP, num_workers=4, absent=[2, 3])
+    book = Recovery(4, 1, session_digest(SESSION), left=[1])
+    book.admit(body("worker", 0, "w0", left=[1, 2, 3], map=m4))  # its word of slot 2 predates the join
+    assert book.left == {1, 2, 3} and book.missing() == [("server", 0)]
+    book.admit(body("worker", 2, "w2", incarnation=1, left=[1, 3], map=m4))
+    assert book.left == {1, 3} and book.missing() == [("server", 0)]
+    with pytest.raises(ProtocolError, match="has left"):
+        book.admit(body("worker", 1, "w1", map=m4))
+    book.admit(body("server", 0, "s0", map=m4))
+    assert book.complete and book.left == {1, 3}
+
+
+def test_a_restarted_elastic_scheduler_rebuilds_a_joined_slot_as_present_and_takes_a_later_join(
+        tmp_path: Path):
+    """Slots 0 and 1 started, 2 joined before the death: the members' maps still name 2 absent, but
+    worker 2 re-registers, so the rebuilt scheduler counts 0, 1 and 2 in barriers, its map names only
+    slot 3 absent (a server restarted later starts with that), a join of slot 2 is refused and a join
+    of slot 3 is admitted."""
+    sched = restarted_elastic(tmp_path)
+    m4 = dict(MAP, num_workers=4, absent=[2, 3])
+    s0, _ = reregister(sched, "s0", "server", 0, map=m4)
+    s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})
+    reregister(sched, "w0", "worker", 0, passed=2, left=[3], map=m4)
+    reregister(sched, "w1", "worker", 1, passed=2, left=[3], map=m4)
+    assert not sched.map_sent  # no member's word says worker 2 left: it is waited for
+    reregister(sched, "w2", "worker", 2, passed=2, incarnation=1, left=[3], map=m4)
+    assert sched.map_sent and sched.left == {3} and sched.map_body["absent"] == [3]
+    assert sched.barrier.num_workers == 3 and sched.barrier.generation == 2
+    assert join(sched, "x2", 2, 2).op is Op.ERROR  # present: refused
+    reply = join(sched, "w3", 3, 1)
+    assert reply.op is Op.MAP and reply.body["join"] and reply.body["rank"] == 3, reply.body
+    assert sched.left == set() and sched.barrier.num_workers == 4
+
+
+def restarted_elastic(tmp_path: Path) -> Scheduler:
+    """A second incarnation of a scheduler of 4 worker slots (2 started) and 1 server whose first had
+    SESSION."""
+    port_file = str(tmp_path / "scheduler.port")
+    write_digest(port_file, SESSION)
+    return make_scheduler(KVSTORE_INCARNATION="1", KVSTORE_PORT_FILE=port_file, KVSTORE_MAX_RESTARTS="2",
+                          KVSTORE_RESTARTS_USED="1", DMLC_NUM_WORKER="4", KVSTORE_ELASTIC_WORKERS="2",
+                          KVSTORE_SCHEDULER_RESTARTS="1")
+
+
+def test_a_joined_worker_no_other_member_knew_of_is_counted_again_when_it_re_registers_late(
+        tmp_path: Path):
+    """Worker 2 joined a heartbeat before the death: the others' word still names it left, so the
+    rebuild does not wait for it; its re-registration after the rebuild (its session, its own label)
+    counts it again as present, and a stranger's claim on slot 3 is still refused."""
+    sched = restarted_elastic(tmp_path)
+    m4 = dict(MAP, num_workers=4, absent=[2, 3])
+    s0, _ = reregister(sched, "s0", "server", 0, map=m4)
+    s0.send(Op.HEARTBEAT, {"role": "server", "rank": 0})
+    reregister(sched, "w0", "worker", 0, passed=2, left=[2, 3], map=m4)
+    reregister(sched, "w1", "worker", 1, passed=2, left=[2, 3], map=m4)
+    assert sched.map_sent and sched.left == {2, 3} and sched.barrier.num_workers == 2
+    _, reply = reregister(sched, "w2", "worker", 2, passed=2, incarnation=1, left=[3], map=m4)
+    assert reply.op is Op.MAP and reply.body["rebound"], reply.body
+    assert sched.left == {3} and sched.map_body["absent"] == [3] and sched.barrier.num_workers == 3
+    _, refused = reregister(sched, "x3", "worker", 3, passed=2, session=b"y" * 16, map=m4)
+    assert refused.op is Op.ERROR and sched.left == {3}
