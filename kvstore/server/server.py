@@ -479,7 +479,7 @@ class Server:
             done = self.rejoins.join_at(worker, body.get("incarnation"), body.get("at"),
                                         bool(body.get("join")))
             if self.restored is not None:  # its pushes count from round ``at`` now
-                self.restored.origins[worker] = body["at"]
+                self.restored.rejoined(worker, body["at"])
             self.service.reply(identity, Message(Op.OK, seq=msg.seq))
             log.warning("worker %d %s (incarnation %s) at round %d", worker,
                         "joined" if body.get("join") else "rejoined", body["incarnation"], body["at"])
