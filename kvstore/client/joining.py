@@ -93,6 +93,8 @@ class Rejoin:
         self.restarted = restarted
         self.second: dict[int, Request] = {}  # server -> its REJOIN with ``at`` (the second step)
         self.at: int | None = None  # the round it rejoins at (final once no server is pending)
+        # the step it learnt (kv.rejoined_at): ``at``, but a dist_async join's, the job's update count
+        self.step: int | None = None
 
     def pending(self, server: int) -> bool:
         """Whether ``server`` has not yet answered this worker's whole rejoin (False for a worker that
@@ -105,10 +107,12 @@ def rejoin(io: Mux, servers: int, cmap: dict, request_all: Callable[[list[Reques
            progress: Rejoin | None = None) -> int | None:
     """A restarted worker's rejoin (the map's ``rejoin``; None for any other map): REJOIN to every
     server, which counts it again from the first round no key has opened there and replies that
-    round; then REJOIN with ``at``, the highest of them, so every server counts it from that round
-    of every key (kvstore/core/rejoin.py).  ``progress`` records each second step as it is sent.
-    Returns ``at``.  Raises what the requests raise (DeadlineExceededError after
-    KVSTORE_REQUEST_TIMEOUT), ProtocolError for a reply without a round."""
+    round and the step the worker learns; then REJOIN with ``at``, the highest round, so every server
+    counts it from that round of every key (kvstore/core/rejoin.py).  ``progress`` records each
+    second step as it is sent, and the highest step (``kv.rejoined_at``: ``at``, but a ``dist_async``
+    join's is the job's update count).  Returns ``at``.  Raises what the requests raise
+    (DeadlineExceededError after KVSTORE_REQUEST_TIMEOUT), ProtocolError for a reply without a round
+    or with a step that is not an int >= 0."""
     if not cmap.get("rejoin"):
         return None
     progress = Rejoin(True) if progress is None else progress
@@ -120,13 +124,18 @@ def rejoin(io: Mux, servers: int, cmap: dict, request_all: Callable[[list[Reques
     rounds = [reply.body.get("round") for reply in replies]
     if not all(type(r) is int and r >= 0 for r in rounds):
         raise ProtocolError(f"a server answered a REJOIN without a round: {rounds!r}"[:200])
+    steps = [reply.body.get("step", r) for reply, r in zip(replies, rounds)]
+    if not all(type(s) is int and s >= 0 for s in steps):
+        raise ProtocolError(f"a server's REJOIN reply has a step that is not an int >= 0: {steps!r}"[:200])
     progress.at = at = max(rounds, default=0)  # set before any server can answer the second step
+    step = max(steps, default=0)
     for i in range(servers):
         progress.second[i] = io.submit(i, Message(Op.REJOIN, {"incarnation": incarnation, "at": at,
                                                               **joining}), f"{what} {i}")
     request_all(list(progress.second.values()))
-    log.warning("%s the cluster as incarnation %s at round %d", "joined" if joining else "rejoined",
-                incarnation, at)
+    progress.step = step
+    log.warning("%s the cluster as incarnation %s at round %d%s", "joined" if joining else "rejoined",
+                incarnation, at, f" (the job's update count {step})" if step != at else "")
     return at
 
 

@@ -200,8 +200,10 @@ class DistKVStore(KVStore):
     def rejoined_at(self) -> int | None:
         """None in a worker's first incarnation; in a restarted one, the step to go on from: in
         dist_sync the round it rejoined at (the steps the job has done), in dist_async the pushes
-        of its earlier incarnations the servers applied (its own steps); docs/failures.md."""
-        return self._rejoin.at
+        of its earlier incarnations the servers applied (its own steps); docs/failures.md.  In a
+        worker that joined an elastic job: in dist_sync the same, in dist_async the job's update
+        count (the most pushes applied to one key, every worker's together); docs/elastic.md."""
+        return self._rejoin.step
 
     # -- properties -----------------------------------------------------------------------------
     @property

@@ -25,7 +25,14 @@ So a restarted worker's first step is the job's step ``at`` and uses the same we
 others' step ``at``: the rounds it missed closed without it, and none is applied twice.  This
 assumes every key is pushed once per step, as a Trainer does (round numbers are per key).
 In ``dist_async``, where nothing waits for anyone, the round :meth:`Rejoins.begin` answers is the
-worker's own: the most pushes of one key its earlier incarnations had applied here (its steps).
+worker's own: the most pushes of one key its earlier incarnations had applied here (its steps).  It
+stays the origin of the worker's push numbers (a restarted server screens retried pushes by them,
+kvstore/server/restore.py), also for a new member that joins an elastic job (docs/elastic.md), whose
+slot may have been held before: its pushes number on from the slot's count, so none is taken for a
+retry of the previous member's.  What a worker learns as its step (:meth:`Rejoins.step`,
+``kv.rejoined_at``) is the round in ``dist_sync`` and after a ``dist_async`` restart (its own steps);
+a ``dist_async`` join learns the job's update count instead: the most pushes applied to one key,
+every worker's together (:meth:`ShardState.updates`).
 """
 
 from __future__ import annotations
@@ -104,6 +111,12 @@ class Rejoins:
         self.current[worker] = incarnation
         self.begun[worker] = first
         return first, done
+
+    def step(self, first: int, joining: bool = False) -> int:
+        """The step a worker that :meth:`begin` answered ``first`` learns from this server (its
+        ``kv.rejoined_at`` is the highest over the servers): ``first``, but for a new member of a
+        ``dist_async`` job (``joining``) the job's update count here (:meth:`ShardState.updates`)."""
+        return self.shard.updates() if joining and not self.shard.sync else first
 
     def join_at(self, worker: int, incarnation: object, at: object,
                 joining: bool = False) -> list[Completion]:

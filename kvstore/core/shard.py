@@ -626,13 +626,18 @@ class ShardState:
         dist_async the most contributions of one key its earlier incarnations had applied.  Its lost
         incarnation's contributions in open rounds are applied when they close.  With ``joining``, a
         new member takes an absent slot (elastic, docs/elastic.md): the same, but no round is scaled
-        for it.  Raises ``ValueError`` for a worker that is not a rank, or, joining, is not absent."""
+        for it, and under a staleness bound it starts level with the slowest present worker of each
+        key (:meth:`StalenessGate.join`).  Raises ``ValueError`` for a worker that is not a rank, or,
+        joining, is not absent."""
         self._check_worker(worker)
         if joining and (worker in self.active or worker in self.away):
             raise ValueError(f"worker {worker} is present (or away); a new member joins an absent slot")
         self.settle()
         if joining:
             self.newcomers.add(worker)
+            if self.gate is not None:
+                for key, state in self._keys.items():
+                    self.gate.join(key, worker, state.applied, self.active)
         else:
             self.newcomers.discard(worker)
         first = self.first_round(worker)
@@ -654,6 +659,12 @@ class ShardState:
         for state in self._keys.values():
             first = max(first, state.base + len(state.rounds) if self.sync else state.applied.get(worker, 0))
         return first
+
+    def updates(self) -> int:
+        """The most contributions applied to one key here, every worker's together (every incarnation
+        of every slot): in dist_async the key's update count, the servers' optimizer's count for it."""
+        self.settle()
+        return max((sum(state.applied.values()) for state in self._keys.values()), default=0)
 
     def rejoin_at(self, worker: int, at: int) -> list[Completion]:
         """A readmitted ``worker`` counts from round ``at`` of every key (dist_sync; nothing changes in

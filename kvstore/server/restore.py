@@ -216,6 +216,12 @@ class Restored:
             self.expected.add(worker)
         self.settle()
 
+    def rejoined(self, worker: int, at: int) -> None:
+        """``worker`` rejoined (or, a new member, joined) at round ``at``: its pushes number from there
+        (its origin), so those of a new member of a slot held before are not screened as retries of
+        the previous member's (core/rejoin.py)."""
+        self.origins[worker] = at
+
     def forget(self, worker: int) -> None:
         """``worker`` left or went away: the alignment no longer waits for it."""
         self.expected.discard(worker)

@@ -466,17 +466,20 @@ class Server:
 
     def _on_rejoin(self, identity: bytes, msg: Message) -> None:
         """A restarted worker (a new incarnation of its rank) counts again: first from the round no key
-        has opened here (replied as ``round``), then, with ``at``, from that round of every key."""
+        has opened here (replied as ``round``, with the ``step`` it learns, core/rejoin.py), then, with
+        ``at``, from that round of every key."""
         worker, body = self._requests.sender(msg), msg.body
         self._bind(worker, identity)  # its new incarnation's connection
         if "at" not in body:
-            first, done = self.rejoins.begin(worker, body.get("incarnation"), bool(body.get("join")))
-            self.service.reply(identity, Message(Op.OK, {"round": first}, seq=msg.seq))
+            joining = bool(body.get("join"))
+            first, done = self.rejoins.begin(worker, body.get("incarnation"), joining)
+            reply = {"round": first, "step": self.rejoins.step(first, joining)}
+            self.service.reply(identity, Message(Op.OK, reply, seq=msg.seq))
         else:
             done = self.rejoins.join_at(worker, body.get("incarnation"), body.get("at"),
                                         bool(body.get("join")))
             if self.restored is not None:  # its pushes count from round ``at`` now
-                self.restored.origins[worker] = body["at"]
+                self.restored.rejoined(worker, body["at"])
             self.service.reply(identity, Message(Op.OK, seq=msg.seq))
             log.warning("worker %d %s (incarnation %s) at round %d", worker,
                         "joined" if body.get("join") else "rejoined", body["incarnation"], body["at"])

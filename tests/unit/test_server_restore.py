@@ -197,3 +197,22 @@ def test_a_restarted_servers_tables_go_on_from_the_workers_oldest_unanswered_rou
         in caplog.text
     done = tables.push(1, "t", 4, True, np.array([4], np.int64), np.ones((1, 2), np.float32), "retry")
     assert [c.token for c in done] == ["retry"] and np.array_equal(tables.table("t").weight, rows)
+
+
+def test_a_new_member_of_a_left_slot_is_not_screened_as_its_predecessors_retries() -> None:
+    """dist_async, restarted from a shard in which slot 1's earlier member (left since) had 3 pushes
+    applied: a new member that joins slot 1 numbers its pushes on from the slot's count (the round its
+    REJOIN answered), so its first push is applied, not dropped as a retry of the old member's."""
+    state = GroupedShardState(2, sync=False)
+    image = ShardImage(rank=0, number=1, mode="dist_async", num_workers=2, optimizer=None, num_update=0,
+                       keys={"k": KeyImage(np.zeros(2, np.float32), 0, {0: 5, 1: 3})}, session="s")
+    restored = Restored(_requests(state), Rejoins(state), image, {"left": [1]}, "s")
+    first, _ = restored.rejoins.begin(1, 1, joining=True)
+    assert (first, restored.rejoins.step(first, joining=True)) == (3, 8)
+    restored.rejoins.join_at(1, 1, first, joining=True)
+    restored.rejoined(1, first)
+    push = Message(Op.PUSH, {"keys": ["k"], "rounds": [0]})
+    push.sender = 1
+    assert restored.screen(push) == set()  # its push number 0 is the slot's 4th push: new
+    restored.rejoined(1, 0)  # had it numbered from 0, the old member's count would drop it
+    assert restored.screen(push) == {0}

@@ -111,3 +111,92 @@ def test_present_must_be_slots() -> None:
     """Present ranks outside the slots are refused."""
     with pytest.raises(ValueError):
         ShardState(2, sync=True, present=(0, 5))
+
+
+# -- dist_async: a join learns the job's update count; under a staleness bound it starts level -------
+
+def make_async(slots: int = 3, present: tuple[int, ...] = (0, 1),
+               staleness: int | None = None) -> tuple[ShardState, Rejoins]:
+    """A dist_async shard of ``slots`` slots, ``present`` of them present, holding 'w' = [0, 0] updated
+    by sgd with lr 1 (each push lowers it by the value pushed)."""
+    shard = ShardState(slots, sync=False, updater=lambda key, grad, weight: weight - grad,
+                       staleness=staleness, present=present)
+    shard.init("w", np.zeros(2))
+    return shard, Rejoins(shard)
+
+
+def pushes(shard: ShardState, worker: int, count: int, tag: str) -> list:
+    """``count`` pushes of 1 from ``worker``; the tokens they answer."""
+    return [t for i in range(count) for t in push(shard, worker, 1.0, f"{tag}{i}")]
+
+
+def test_a_dist_async_join_learns_the_jobs_update_count_and_a_restart_its_own_steps() -> None:
+    """dist_async: a new member's step is the key's update count (every worker's pushes applied), its
+    round the slot's own count (0: never held); a restarted worker's step stays its own pushes."""
+    shard, rejoins = make_async()
+    pushes(shard, 0, 3, "a")
+    pushes(shard, 1, 2, "b")
+    first, _ = rejoins.begin(2, 1, joining=True)
+    assert (first, rejoins.step(first, joining=True)) == (0, 5)
+    assert rejoins.join_at(2, 1, 0, joining=True) == []
+    assert pulled(shard, 2) == [[-5.0, -5.0]]  # the servers' latest value, at once
+    assert push(shard, 2, 1.0, "c") == ["c"]  # applied on arrival, as any worker's
+    first, _ = rejoins.begin(1, 1)  # a restart of worker 1: its own steps
+    assert (first, rejoins.step(first)) == (2, 2)
+    np.testing.assert_array_equal(shard.value("w"), [-6.0, -6.0])
+
+
+def test_a_dist_async_left_slot_joined_again_numbers_on_from_the_slot_and_learns_the_job() -> None:
+    """A slot left for good and joined by a new incarnation: its round (the origin of its push numbers)
+    is the slot's count, so its pushes follow the old member's; its step the job's update count."""
+    shard, rejoins = make_async(present=(0, 1))
+    pushes(shard, 1, 3, "a")
+    shard.leave(1)
+    pushes(shard, 0, 4, "b")
+    first, _ = rejoins.begin(1, 1, joining=True)
+    assert (first, rejoins.step(first, joining=True)) == (3, 7)
+    rejoins.join_at(1, 1, first, joining=True)
+    assert pushes(shard, 1, 2, "c") == ["c0", "c1"]
+    assert shard.applied_state()[0][3] == {0: 4, 1: 5}  # the slot's numbering goes on: 3 + 2
+    np.testing.assert_array_equal(shard.value("w"), [-9.0, -9.0])  # every push applied once
+
+
+def test_in_dist_sync_a_joins_step_is_its_round() -> None:
+    """dist_sync: the step a joiner learns is the round it joins at."""
+    shard, rejoins = make()
+    push(shard, 0, 1.0, "a")
+    push(shard, 1, 1.0, "b")
+    first, _ = rejoins.begin(2, 1, joining=True)
+    assert (first, rejoins.step(first, joining=True)) == (1, 1)
+
+
+def test_under_staleness_a_newcomer_starts_level_with_the_slowest_and_holds_no_one() -> None:
+    """KVSTORE_STALENESS=1: workers 0 and 1 have pushed 4 times each when worker 2 joins a never-held
+    slot; it counts as level with them, so worker 0's next push (1 ahead) is acknowledged, as is the
+    newcomer's own; counted from 0 it would have held worker 0's acks until it had pushed 4 times."""
+    shard, rejoins = make_async(staleness=1)
+    for i in range(4):
+        assert push(shard, 0, 1.0, f"a{i}") == [f"a{i}"]
+        assert push(shard, 1, 1.0, f"b{i}") == [f"b{i}"]
+    rejoins.begin(2, 1, joining=True)
+    rejoins.join_at(2, 1, 0, joining=True)
+    assert push(shard, 0, 1.0, "a4") == ["a4"]
+    assert push(shard, 2, 1.0, "c0") == ["c0"]
+    assert push(shard, 0, 1.0, "a5") == []  # 2 ahead of worker 1 (and the newcomer): held
+    assert sorted(push(shard, 1, 1.0, "b4")) == ["a5", "b4"]
+    assert shard.gate.max_lead == 2
+
+
+def test_under_staleness_a_left_slots_new_member_is_not_held_by_its_predecessors_count() -> None:
+    """A slot whose old member pushed 6 times left; worker 0 has pushed 2: the new member of the slot
+    counts level with worker 0, so its pushes are acknowledged (counted from 6, all would be held)."""
+    shard, rejoins = make_async(present=(0, 1), staleness=1)
+    for i in range(6):
+        push(shard, 1, 1.0, f"b{i}")
+        if i < 2:
+            push(shard, 0, 1.0, f"a{i}")
+    shard.leave(1)
+    rejoins.begin(1, 1, joining=True)
+    rejoins.join_at(1, 1, 6, joining=True)
+    assert push(shard, 1, 1.0, "c0") == ["c0"]
+    assert push(shard, 0, 1.0, "a2") == ["a2"]
