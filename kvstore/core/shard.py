@@ -77,7 +77,7 @@ import copy
 import operator
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,8 @@ class ShardState:
         self.away: dict[int, int] = {}  # lost workers to be restarted -> incarnation (core/rejoin.py)
         self.joins: dict[int, int] = {}  # rejoined worker -> first round of every key it counts in
         self.newcomers: set[int] = set()  # joined an absent slot (elastic): never a reason to scale
+        self._lagging: dict[int, int] = {}  # worker in joins -> keys whose rounds are still below its first
+        self.retirable: set[int] = set()  # workers of joins every key may have reached: see retire_joins
         self._ranks = sorted(self.active)       # the same, sorted: what a new round expects
         self.sync = sync
         self.updater = updater
@@ -224,6 +226,8 @@ class ShardState:
         found = self.check_members(key, members)
         self._keys[key] = _KeyState(value=np.array(value, copy=True), members=found)
         self._staged_inits.pop(key, None)
+        if self.joins:
+            self._lag_new_key()
         if found is not None:
             self.rendezvous.expect(key, found)
 
@@ -308,6 +312,8 @@ class ShardState:
         if bufs is None:
             return False
         self._keys[key] = _KeyState(value=bufs[0], members=found)  # ours: no copy
+        if self.joins:
+            self._lag_new_key()
         if found is not None:
             self.rendezvous.expect(key, found)
         return True
@@ -590,6 +596,7 @@ class ShardState:
         self.rendezvous.forget(key)  # its members met before the image was taken
         state = self._keys[key]
         state.base = rounds
+        self.retirable.update(self.joins)  # a round count that jumped: retire_joins looks again
         state.applied, state.submitted, state.numbered = dict(applied), dict(applied), dict(applied)
 
     def realign(self, key: Key, origins: dict[int, int], floor: int | None = None) -> None:
@@ -601,6 +608,7 @@ class ShardState:
         if floor is not None:
             state.base = floor
             state.next_round = dict.fromkeys(self.active, floor)
+            self.retirable.update(self.joins)  # a round count that jumped: retire_joins looks again
 
     def promise(self, key: Key, rounds: int) -> None:
         """A restored ``key`` (dist_sync): the workers' retried pushes will have opened its rounds up to
@@ -617,6 +625,8 @@ class ShardState:
         self._check_worker(worker)
         self.away[worker] = incarnation  # first: the rounds leave() closes are scaled
         self.joins.pop(worker, None)
+        self._lagging.pop(worker, None)
+        self.retirable.discard(worker)
         self.newcomers.discard(worker)  # its restart rejoins as a restart
         return self.leave(worker)
 
@@ -650,7 +660,59 @@ class ShardState:
             state.next_round.pop(worker, None)
         if self.sync:
             self.joins[worker] = first
+            self._count_lagging(worker)
         return first
+
+    def retire_joins(self, begun: Container[int] = ()) -> list[int]:
+        """Forget each rejoined or joined worker whose first round every key has reached (every round
+        below it closed), but those in ``begun`` (their rejoin's second step is still to come): its
+        entry in ``joins`` then changes nothing, since every open and later round counts it, so the
+        plain round rules and the key groups serve again; return the workers forgotten.  O(keys): the
+        server calls it between messages once :attr:`retirable` names a worker (each key's round
+        count is followed as its rounds close, so no call is needed before)."""
+        self.retirable.clear()
+        if not self.joins:
+            return []
+        floor = min((state.base for state in self._keys.values()), default=0)
+        gone = [worker for worker, at in self.joins.items() if at <= floor and worker not in begun]
+        for worker in self.joins.keys() - gone - set(begun):
+            self._count_lagging(worker)  # after a jump of the counts (a restore): followed again
+        for worker in gone:
+            del self.joins[worker]
+            self._lagging.pop(worker, None)
+            self.newcomers.discard(worker)  # counted in every round from here: no longer late anywhere
+            if self.quorum is None:  # its quorum numbering's origin (rejoin_at) is read under a quorum only
+                for state in self._keys.values():
+                    state.offset.pop(worker, None)
+        return gone
+
+    def _count_lagging(self, worker: int) -> None:
+        """Count the keys whose rounds are still below ``worker``'s first (``joins``); none left makes
+        it :attr:`retirable`.  O(keys), at a rejoin's steps only."""
+        at = self.joins[worker]
+        lagging = sum(1 for state in self._keys.values() if state.base < at)
+        if lagging:
+            self._lagging[worker] = lagging
+            self.retirable.discard(worker)
+        else:
+            self._lagging.pop(worker, None)
+            self.retirable.add(worker)
+
+    def _lag_new_key(self) -> None:
+        """A key stored after a rejoin starts at round 0: below each rejoined worker's first round."""
+        for worker, at in self.joins.items():
+            if at > 0:
+                self._lagging[worker] = self._lagging.get(worker, 0) + 1
+                self.retirable.discard(worker)
+
+    def _passed(self, base: int) -> None:
+        """A key's rounds reached ``base``: one key fewer lags behind a rejoined worker starting there."""
+        for worker, at in self.joins.items():
+            if at == base and worker in self._lagging:
+                self._lagging[worker] -= 1
+                if not self._lagging[worker]:
+                    del self._lagging[worker]
+                    self.retirable.add(worker)
 
     def first_round(self, worker: int) -> int:
         """What :meth:`readmit` of ``worker`` would answer now, changing nothing: dist_sync, the first
@@ -674,6 +736,7 @@ class ShardState:
             return []
         self.settle()
         self.joins[worker] = at
+        self._count_lagging(worker)
         done: list[Completion] = []
         for key, state in self._keys.items():
             state.next_round[worker] = at
@@ -843,6 +906,8 @@ class ShardState:
         while rounds and self._closes(rounds[0], size, state.base, members):
             rnd, number = rounds.popleft(), state.base
             state.base += 1
+            if self._lagging:  # a rejoin in progress (rare): follow the keys up to its first round
+                self._passed(state.base)
             total = rnd.total(size)  # scaled by quorum, or as a quorum of the rest while a worker is away
             unscaled = self.quorum is None and not self.away and self.joins.keys() <= self.newcomers
             self._apply(state, key, total if unscaled else rnd.scaled(total, self._members(number, members)),

@@ -605,9 +605,13 @@ class Server:
             transport.close(scheduler.sock, linger=1.0)
 
     def _housekeeping(self) -> None:
-        """Between messages: the rounds' stall inspector, worker-set inits whose members did not all
+        """Between messages: the rounds' stall inspector, rejoined workers forgotten once every key is
+        past their first round (ShardState.retire_joins), worker-set inits whose members did not all
         come in time failed, the segments of peers that are gone unmapped, and a shard when one is due."""
         self.meter.tick(self.state, self._abort_pulls, self.service.drops.totals)
+        if self.state.retirable:  # empty but once every key is past a rejoined worker's first round
+            for worker in self.state.retire_joins(self.rejoins.begun):
+                log.info("worker %d's rejoin is complete on every key: the key groups serve again", worker)
         if self.state.rendezvous:  # answered before the members' own deadline (KVSTORE_REQUEST_TIMEOUT)
             self._requests.reply_all(self.state.expire_meets(self.cfg.request_timeout * MEET_SHARE))
         gone = self.service.shm.sweep() if self.service.shm is not None else 0

@@ -200,3 +200,79 @@ def test_under_staleness_a_left_slots_new_member_is_not_held_by_its_predecessors
     rejoins.join_at(1, 1, 6, joining=True)
     assert push(shard, 1, 1.0, "c0") == ["c0"]
     assert push(shard, 0, 1.0, "a2") == ["a2"]
+
+
+def _restarted_and_joined(retire: bool) -> tuple[ShardState, list]:
+    """Worker 1 of 3 restarted (rejoined at round 1) and slot 3 joined at round 1 by a newcomer; round 0
+    closed, then three more rounds pushed by all four; ``retire`` calls retire_joins() after round 0.
+    Returns the shard and what retire_joins() returned at each call (before and after round 0)."""
+    shard = ShardState(4, sync=True, ordered=True, window=2, present=(0, 1, 2))
+    shard.init("w", np.zeros(2))
+    rejoins = Rejoins(shard)
+    push(shard, 0, 1.0, "a0")
+    push(shard, 2, 2.0, "c0")
+    rejoins.away(1, 0)  # round 0 closes scaled as a quorum of the rest: (1 + 2) * 3 / 2
+    for worker, incarnation, joining in ((1, 1, False), (3, 1, True)):
+        first, _ = rejoins.begin(worker, incarnation, joining)
+        rejoins.join_at(worker, incarnation, first, joining)
+    seen = [shard.retire_joins()] if retire else []
+    for step in range(1, 4):
+        for worker in range(4):
+            push(shard, worker, float(step * 10 + worker), f"{step}-{worker}")
+        if retire and step == 1:
+            seen.append(shard.retire_joins())
+    return shard, seen
+
+
+def test_rejoined_and_joined_workers_are_forgotten_once_every_key_is_past_their_round() -> None:
+    """retire_joins() keeps a rejoin's first round while a round below it may be open, forgets it once
+    every key has reached it, and the rounds after are summed exactly as without forgetting."""
+    kept, _ = _restarted_and_joined(retire=False)
+    shard, seen = _restarted_and_joined(retire=True)
+    assert seen == [[1, 3], []]  # round 0 closed already: both first rounds (1) are reached at once
+    assert shard.joins == {} and shard.newcomers == set()
+    assert kept.joins == {1: 1, 3: 1}
+    np.testing.assert_array_equal(shard.value("w"), kept.value("w"))
+
+
+def test_a_rejoin_whose_round_is_ahead_is_kept_until_the_key_reaches_it() -> None:
+    """A newcomer joined at round 2 of a key still at round 0 is kept until rounds 0 and 1 closed."""
+    shard, rejoins = make()
+    shard.init("v", np.zeros(2))
+    rejoins.begin(2, 1, joining=True)
+    rejoins.join_at(2, 1, 2, joining=True)
+    assert not shard.retirable and shard.retire_joins() == []
+    for step in range(2):
+        for key in ("w", "v"):
+            for worker in (0, 1):
+                shard.push(f"{key}{step}{worker}", worker, key, np.ones(2))
+            last = step == 1 and key == "v"
+            assert shard.retirable == ({2} if last else set()), (step, key)  # followed as rounds close
+    assert shard.retire_joins() == [2] and not shard.retirable
+    assert shard.joins == {}
+    push(shard, 0, 1.0, "a2")
+    push(shard, 1, 1.0, "b2")
+    assert shard.open_rounds() == 1  # round 2 waits for the newcomer, as before it was forgotten
+
+
+def test_a_key_stored_after_a_rejoin_lags_until_its_rounds_reach_the_rejoiners() -> None:
+    """A key stored after a rejoin at round 1 starts at round 0: the worker is retirable only once
+    that key's round 0 closed too."""
+    shard, rejoins = make()
+    push(shard, 0, 1.0, "a0")
+    rejoins.begin(2, 1, joining=True)
+    rejoins.join_at(2, 1, 1, joining=True)
+    shard.init("late", np.zeros(2))
+    push(shard, 1, 1.0, "b0")  # 'w' reaches round 1
+    assert not shard.retirable
+    for worker in (0, 1):
+        shard.push(f"late{worker}", worker, "late", np.ones(2))
+    assert shard.retirable == {2} and shard.retire_joins() == [2]
+
+
+def test_a_rejoin_between_its_two_steps_is_not_forgotten() -> None:
+    """A worker whose rejoin has begun but not joined at a round yet is kept, however far the keys are."""
+    shard, rejoins = make()
+    rejoins.begin(2, 1, joining=True)
+    assert shard.retire_joins(rejoins.begun) == []
+    assert shard.joins == {2: 0}

@@ -180,3 +180,23 @@ def test_a_shard_image_and_its_progress_see_the_groups_rounds():
     for key in KEYS:
         assert image.keys[key].round == 3
         np.testing.assert_array_equal(image.keys[key].value, np.full(SIZE, 2.0))
+
+
+def test_a_rejoined_worker_keeps_the_key_groups_off_until_it_is_forgotten():
+    """A restarted worker's rejoin serves every key per key (no group is made) until retire_joins()
+    forgets it once every key reached its round; then, the keys at rest, a batch makes its group again."""
+    from kvstore.core.rejoin import Rejoins
+    state = make(GroupedShardState, 2, sync=True)
+    rejoins = Rejoins(state)
+    rejoins.away(1, 0)
+    first, _ = rejoins.begin(1, 1)
+    rejoins.join_at(1, 1, first + 1)
+    assert state.group_of(list(KEYS), list(SIZES), np.ones(12), create=True) is None
+    assert state.retire_joins() == []  # round 0 of every key is still to close
+    for key, size in zip(KEYS, SIZES):
+        state.push("t", 0, key, np.ones(size))  # round 0 closes without the rejoiner
+    assert state.retire_joins() == [1]
+    for worker in (0, 1):  # round 1: the rejoiner's first, per key
+        for key, size in zip(KEYS, SIZES):
+            state.push("t", worker, key, np.ones(size))
+    assert state.group_of(list(KEYS), list(SIZES), np.ones(12), create=True) is not None
