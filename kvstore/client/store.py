@@ -411,6 +411,11 @@ class DistKVStore(KVStore):
                                                     extra=extra))
 
         if self._rejoin.at is not None:  # a restarted worker: the servers hold every key already
+            if self._rejoin.at == 0 and self._cfg.join and not self._barriers.view.tag and not self._at_start:
+                log.warning("worker %d joined before the job's first round, and no tagged membership view "
+                            "says the others have stored the weights: a joiner skips init and set_optimizer, "
+                            "so if they are still setting up, their collectives wait for it and its pulls "
+                            "find no key; call kv.await_view() first (docs/elastic.md)", self.rank)
             return
         if members is not None:
             self._init_set(items, members, send_all)
