@@ -31,6 +31,7 @@ import numpy as np
 
 from kvstore import config as kvconfig
 from kvstore.client.meter import log_scalar
+from kvstore.client.store import DistKVStore
 from kvstore.core import checkpoint, progress, storage
 from kvstore.core.membership import EpochSplit, Membership
 from kvstore.errors import ConfigError, FormatError
@@ -242,10 +243,11 @@ class Session:
         that view in rank order (:class:`EpochSplit`), so every sample is in one worker's batches per
         epoch whoever joins or leaves.  A worker without a batch in a step (a part one batch short, or
         one that joined mid-epoch and so owns none of it) pushes zeros (``Trainer.step_without_data``);
-        :meth:`stop` takes effect at the epoch's end.  Raises ConfigError without update_on_kvstore,
-        for an epoch whose view's parts are all smaller than ``min_batch``, for a worker that joined
-        (``KVSTORE_JOIN``) before the job's first epoch view, for a checkpoint of another schedule, or
-        a mid-epoch one resumed with another worker count."""
+        :meth:`stop` takes effect at the epoch's end.  A worker that joined (``KVSTORE_JOIN``) before
+        the job's first epoch view waits for it first (:meth:`_await_first_view`).  Raises ConfigError
+        without update_on_kvstore, for an epoch whose view's parts are all smaller than ``min_batch``,
+        for a checkpoint of another schedule, or a mid-epoch one resumed with another worker count;
+        DeadlineExceededError when a joiner's wait for the first view runs out."""
         if int(epochs) < 1:
             raise ValueError(f"epochs must be at least 1, got {epochs!r}")
         EpochSplit(samples, 1, batch_size, min_batch)  # the counts' checks
@@ -253,11 +255,7 @@ class Session:
             raise ConfigError("Session.run(split=True) needs update_on_kvstore=True: a worker without a "
                               "batch in a step pushes zeros and takes the servers' weights (docs/elastic.md)")
         kv = self.trainer.kvstore
-        if kvconfig.load().join and len(kv.view.tag) != 2:  # KVSTORE_JOIN: a dist worker that joined
-            raise ConfigError("this worker joined the job before its first epoch's membership view was "
-                              "agreed (the others may not even have stored the weights yet): a split "
-                              "Session takes joins only once the job's first epoch has begun; ask for joins "
-                              "after the first step (docs/elastic.md)")
+        self._await_first_view()
         # no worker count: each epoch's split follows its view (a mid-epoch resume checks the epoch's)
         self._settings_now = {"samples": samples, "batch_size": batch_size, "min_batch": min_batch,
                               "seed": self.seed, "split": True}
@@ -300,6 +298,22 @@ class Session:
             self.save()
         return self.step
 
+    def _await_first_view(self) -> None:
+        """A worker that joined (``KVSTORE_JOIN``) before the job agreed any tagged membership view:
+        it counts in the others' barriers from its registration, so it follows them (their init,
+        set_optimizer...; ``kv.await_view``) until they agree the first epoch's view, which names it
+        too; then the weights and the optimizer are on the servers and it goes on as any joiner, with
+        its part of that epoch.  Raises what ``await_view`` raises (DeadlineExceededError after
+        KVSTORE_CONNECT_TIMEOUT)."""
+        kv = self.trainer.kvstore
+        if not (isinstance(kv, DistKVStore) and kv.rejoined_at is not None and not kv.view.tag
+                and kvconfig.load().join):
+            return
+        log.info("session: worker %d joined before the job's first epoch view; waiting for it", kv.rank)
+        view = kv.await_view()
+        log.info("session: worker %d comes into view %d %s of ranks %s", kv.rank, view.number, view.tag,
+                 list(view.ranks))
+
     def _split_start(self, samples: int, batch_size: int,
                      min_batch: int) -> tuple[int, int, Membership | None]:
         """Where a split run starts at ``self.step``: ``(epoch, index, view)``, view None when the loop
@@ -311,7 +325,7 @@ class Session:
         if self.rejoined:
             view = kv.view
             if len(view.tag) != 2:
-                if self.step == 0:  # restarted before the first epoch's view (joins are refused): it joins it
+                if self.step == 0:  # a restart before the first epoch view (a join awaited it): it joins it
                     return 0, 0, None
                 raise ConfigError(f"this worker came into the job at step {self.step}, but the job's last "
                                   "membership view names no epoch: a split Session joins only a job whose "

@@ -142,10 +142,12 @@ class ServerRescale:
 
     def factor(self, rescale: float) -> float:
         """What a step whose rescale is ``rescale`` multiplies its gradients by (the first call, on every
-        worker at once, agrees on the servers' value; a restarted worker's reads the value the others
-        agreed on long ago).  Raises what the collective raises."""
+        worker at once, agrees on the servers' value; a restarted or joined worker's reads the value the
+        others agreed on long ago, unless it joined before the job's first step: ``joined_at_start``).
+        Raises what the collective raises."""
         if self.agreed is None:
-            if getattr(self.kv, "rejoined_at", None) is None:  # a restarted worker: the others agreed
+            kv = self.kv  # a restarted or joined worker: the others agreed (not yet, for one in at the start)
+            if getattr(kv, "rejoined_at", None) is None or getattr(kv, "joined_at_start", False):
                 layer_calls(self.kv).collective("the servers' rescale_grad",
                                                 lambda: self.kv.set_optimizer_params(rescale_grad=rescale))
             servers = self.kv.get_optimizer()

@@ -476,12 +476,15 @@ class Scheduler:
         if tag is not None and not (isinstance(tag, list) and len(tag) <= MAX_TAG
                                     and all(type(t) is int for t in tag)):
             raise ProtocolError(f"a barrier's tag must be a list of at most {MAX_TAG} ints")
+        follow = msg.body.get("follow", False)  # a joiner before the first view: pairs with any call
+        if type(follow) is not bool:
+            raise ProtocolError("a barrier's 'follow' must be a bool")
         if after is not None and after < self.barrier.generation:  # released before a scheduler's death:
             self.service.reply(identity, Message(Op.OK, self._replayed(after), seq=msg.seq))  # reply lost
             return
         self.stalled.discard(rank)
         self.stats.arrive(rank, time.monotonic())
-        self._release(self.barrier.arrive(rank, identity, msg.seq, failure, digest, tag))
+        self._release(self.barrier.arrive(rank, identity, msg.seq, failure, digest, tag, follow))
         if self._die is not None:
             self._die("barrier")
 

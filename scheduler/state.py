@@ -141,7 +141,9 @@ class Barrier:
     operation failed); the release hands every worker the failures of that
     generation, so no worker carries on as if the operation had worked.  A worker may also carry a
     digest of its arguments to a collective (``kvstore.core.agreement``): the release hands every
-    worker every digest of the generation, so each can see whether they all agree.
+    worker every digest of the generation, so each can see whether they all agree.  A worker that
+    joined before the job's first tagged view may *follow* (``arrive(..., follow=True)``): it counts as
+    arrived but is no call of its own, so it pairs with whatever the others call (docs/elastic.md).
     """
 
     def __init__(self, num_workers: int) -> None:
@@ -155,11 +157,12 @@ class Barrier:
         self.released_tag: list[int] | None = None  # the lowest rank's tag of the last released one
         # the last released one's calls when they differ (rank -> its tag, None for a plain barrier)
         self.released_mixed: dict[int, list[int] | None] = {}
+        self.followers: set[int] = set()  # ranks that follow this generation: paired with any call
         self.generation = 0  # barriers released so far: a worker says which it passed (a restart's resend)
 
     def arrive(self, rank: int, identity: bytes, seq: int,
                failure: Any = None, digest: str | None = None,
-               tag: list[int] | None = None) -> list[tuple[bytes, int]]:
+               tag: list[int] | None = None, follow: bool = False) -> list[tuple[bytes, int]]:
         """Record ``rank``'s arrival; return every (identity, seq) to release, or [] to wait on.
 
         A rank that arrives again in the same generation (it retried after its
@@ -168,9 +171,15 @@ class Barrier:
         :attr:`released_failures` holds the failures reported in the generation, and
         :attr:`released_digests` its digests, :attr:`released_tag` its lowest rank's tag (None: none),
         and :attr:`released_mixed` every rank's call when they were not all one (membership views of
-        differing tags, or a view among plain barriers; empty otherwise).
+        differing tags, or a view among plain barriers; empty otherwise).  A ``follow`` arrival is
+        left out of that comparison (it pairs with any call; it carries no failure, digest or tag).
         """
         self.waiting[rank] = (identity, seq)
+        if follow:
+            self.followers.add(rank)
+            failure = digest = tag = None
+        else:
+            self.followers.discard(rank)
         if failure is None:
             self.failures.pop(rank, None)
         else:
@@ -189,8 +198,8 @@ class Barrier:
 
     def _released(self) -> list[tuple[bytes, int]]:
         """End the generation: every waiter, its failures, digests and tags kept as the released ones."""
-        calls = {rank: self.tags.get(rank) for rank in sorted(self.waiting)}
-        released, self.waiting = list(self.waiting.values()), {}
+        calls = {rank: self.tags.get(rank) for rank in sorted(self.waiting) if rank not in self.followers}
+        released, self.waiting, self.followers = list(self.waiting.values()), {}, set()
         self.generation += 1
         self.released_failures, self.failures = self.failures, {}
         self.released_digests, self.digests = self.digests, {}
@@ -204,6 +213,7 @@ class Barrier:
         self.failures.pop(rank, None)
         self.digests.pop(rank, None)
         self.tags.pop(rank, None)
+        self.followers.discard(rank)
         return self.waiting.pop(rank, None) is not None
 
     def leave(self, rank: int) -> list[tuple[bytes, int]]:
@@ -217,7 +227,7 @@ class Barrier:
     def drain(self) -> list[tuple[bytes, int]]:
         """Give up the current generation: return every waiting (identity, seq) and forget them."""
         waiting, self.waiting, self.failures, self.digests = list(self.waiting.values()), {}, {}, {}
-        self.tags = {}
+        self.tags, self.followers = {}, set()
         return waiting
 
 

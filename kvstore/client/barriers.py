@@ -112,16 +112,19 @@ class Barriers:
             raise from_cluster(error_from_code(info["code"], message))
 
     def join(self, failure: dict[str, str] | None = None, digest: str | None = None,
-             tag: tuple[int, ...] | None = None) -> dict:
+             tag: tuple[int, ...] | None = None, follow: bool = False) -> dict:
         """Join the scheduler's barrier (with a ``failure``, ``digest`` or membership ``tag`` to hand
-        every worker); return its reply's body (``failures``, ``left``, ``view``, ``digests``) and keep
-        the membership it agreed as :attr:`view`.  A barrier the scheduler released with
-        TooFewWorkersError or CollectiveMismatchError counts as passed (so does every worker's)."""
+        every worker; or, ``follow``, as no call of its own: paired with whatever the others call);
+        return its reply's body (``failures``, ``left``, ``view``, ``digests``) and keep the membership
+        it agreed as :attr:`view`.  A barrier the scheduler released with TooFewWorkersError or
+        CollectiveMismatchError counts as passed (so does every worker's)."""
         body: dict[str, Any] = {} if failure is None else {"failure": failure}
         if digest is not None:
             body["digest"] = digest
         if tag is not None:
             body["tag"] = list(tag)
+        if follow:
+            body["follow"] = True
         body["after"] = self.passed
         request = self._io.submit(SCHEDULER, Message(Op.BARRIER, body), "barrier among all workers")
         try:

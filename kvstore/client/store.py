@@ -171,6 +171,7 @@ class DistKVStore(KVStore):
             rows=self._rows, sparse_metas=lambda: dict(self._sparse.metas)))
         self._heartbeat: Heartbeat | None = None
         self._rejoin = Rejoin(bool(body.get("rejoin")))  # a restarted worker: rejoined below
+        self._at_start = False  # a joiner that came in at the job's first view (await_view)
         if joined.heartbeat:  # restarted servers: realign
             links = ServerLinks(cluster.servers, cfg.heartbeat_interval, cfg.heartbeat_timeout,
                                 transport.curve_keys(cfg))  # partitions from a server (net/links.py)
@@ -249,6 +250,44 @@ class DistKVStore(KVStore):
         finally:
             self._meter.end("barrier", started, blocked="barrier")
         return self._barriers.view
+
+    @public
+    def await_view(self, timeout: float | None = None) -> Membership:
+        """For a worker that joined an elastic job before the job agreed a tagged membership view (a
+        split Session's first epoch, docs/elastic.md): meet the others' barriers, each as no call of
+        its own (it pairs with their plain barriers, collectives and views alike), until one agrees a
+        tagged view, and return it (:attr:`view` from then on); at once when :attr:`view` is tagged.
+        ``timeout``: seconds, KVSTORE_CONNECT_TIMEOUT by default (a barrier asked before it ends may
+        take up to KVSTORE_REQUEST_TIMEOUT more).  Raises DeadlineExceededError naming what it
+        waited for, and what a barrier raises (NodeLostError, TooFewWorkersError...)."""
+        self._check_open()
+        budget = self._cfg.connect_timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + budget
+        while not self._barriers.view.tag:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError(
+                    f"worker {self.rank} joined before the job's first tagged membership view and waited "
+                    f"{budget:g} s (KVSTORE_CONNECT_TIMEOUT) for the others to store the weights and agree "
+                    f"it; none came (the last barrier passed: {self._barriers.passed}): do the others run "
+                    "a split Session (kvstore.Session.run(split=True))?")
+            try:
+                reply = self._barriers.join(follow=True)
+            except DeadlineExceededError:
+                continue  # withdrawn from it, nothing passed: ask again while the deadline allows
+            if not reply:
+                raise DeadlineExceededError("a barrier this worker followed was released but its reply was "
+                                            "given up on (KVSTORE_REQUEST_TIMEOUT): whether it agreed the "
+                                            "view is unknown")
+        if self._rejoin.at == 0:  # no round had opened when it joined: the job's first step is ahead
+            self._at_start = True
+        return self._barriers.view
+
+    @property
+    def joined_at_start(self) -> bool:
+        """Whether this worker joined before the job's first step and came in at its first view
+        (:meth:`await_view`, no round opened yet): it takes part in the first step's collectives (the
+        Trainer's rescale_grad agreement) with the others, unlike a worker that joins a running job."""
+        return self._at_start
 
     # -- plumbing -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -374,6 +413,11 @@ class DistKVStore(KVStore):
                                                     extra=extra))
 
         if self._rejoin.at is not None:  # a restarted worker: the servers hold every key already
+            if self._rejoin.at == 0 and self._cfg.join and not self._barriers.view.tag and not self._at_start:
+                log.warning("worker %d joined before the job's first round, and no tagged membership view "
+                            "says the others have stored the weights: a joiner skips init and set_optimizer, "
+                            "so if they are still setting up, their collectives wait for it and its pulls "
+                            "find no key; call kv.await_view() first (docs/elastic.md)", self.rank)
             return
         if members is not None:
             self._init_set(items, members, send_all)

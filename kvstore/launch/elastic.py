@@ -4,9 +4,10 @@ line ``join`` appended to the control file, whose path every role gets as ``KVST
 
 Pure bookkeeping here, shared by both: :class:`JoinControl` (the lines asked since the last look, and
 which slot a new worker takes, the lowest no live worker holds, with which incarnation, one above any
-the slot had) and :func:`elastic_slots` (the counts' checks).  Under ``--max-restarts`` a joined worker
-that dies is restarted as any worker is: the next incarnation of its slot, without ``KVSTORE_JOIN``
-(:func:`restart_env`), so it rejoins as a restart; one that exits 0 has left for good.
+the slot had), :func:`job_ending` (a join asked as the job ends is refused) and :func:`elastic_slots`
+(the counts' checks).  Under ``--max-restarts`` a joined worker that dies is restarted as any worker
+is: the next incarnation of its slot, without ``KVSTORE_JOIN`` (:func:`restart_env`), so it rejoins as
+a restart; one that exits 0 has left for good.
 """
 
 from __future__ import annotations
@@ -61,9 +62,15 @@ class JoinControl:
             return None
         return free[0], incarnations.get(free[0], 0) + 1
 
-    def join(self, held: set[int], incarnations: dict[int, int], flag: str) -> tuple[int, int] | None:
+    def join(self, held: set[int], incarnations: dict[int, int], flag: str,
+             ending: str | None = None) -> tuple[int, int] | None:
         """:meth:`slot` for an asked join, logged: the worker to start, or None (refused, logged as the
-        launcher's ``flag`` names the slots: ``--max-workers``, ``max_workers``)."""
+        launcher's ``flag`` names the slots: ``--max-workers``, ``max_workers``; or, with ``ending``,
+        the reason the job is ending, :func:`job_ending`: a worker started now would find no job)."""
+        if ending is not None:
+            log.warning("a worker's join was asked as the job ends (%s): refused, the job is not failed "
+                        "for it", ending)
+            return None
         found = self.slot(held, incarnations)
         if found is None:
             log.error("a worker's join was asked, but all %d worker slots (%s) are held: refused",
@@ -71,6 +78,17 @@ class JoinControl:
         else:
             log.info("starting worker %d (incarnation %d) to join the running job", *found)
         return found
+
+
+def job_ending(live_workers: int, scheduler_gone: bool) -> str | None:
+    """Why an elastic job is ending, so that a join asked now is refused (docs/elastic.md), or None:
+    its scheduler is gone (exited, or its port closed: it does once every worker has left), or no
+    worker is running (``live_workers``: those started and not exited)."""
+    if scheduler_gone:
+        return "the scheduler is gone, as it goes once every worker has left"
+    if live_workers == 0:
+        return "every worker has exited"
+    return None
 
 
 def elastic_slots(num_workers: int, min_workers: int | None, max_workers: int | None) -> int:

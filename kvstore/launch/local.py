@@ -31,7 +31,7 @@ from kvstore.errors import ChildFailed, ConfigError, StartFailed, SyncFailed
 from kvstore.launch import envrules as roles
 from kvstore.launch import gpus, tether
 from kvstore.launch import tensorboard as kvtensorboard
-from kvstore.launch.elastic import CONTROL_VARIABLE, JoinControl, control_path
+from kvstore.launch.elastic import CONTROL_VARIABLE, JoinControl, control_path, job_ending
 from kvstore.launch.group import RoleGroup, SchedulerRestart
 from kvstore.launch.interrupts import held_interrupts
 from kvstore.launch.node import python_if_script
@@ -244,7 +244,7 @@ class Cluster:
         """Start a worker for each join asked in the control file since the last call (an elastic job;
         none otherwise), each in the lowest slot no live worker holds (a FAILED one holds its slot: it
         is being restarted, or the launch fails); return how many started.  A join with every slot
-        held is logged and refused.  Raises StartFailed."""
+        held, or asked as the job ends (:func:`job_ending`), is logged and refused.  Raises StartFailed."""
         if self.control is None:
             return 0
         started = 0
@@ -256,7 +256,8 @@ class Cluster:
             for c in workers:
                 n = int(c.spec.env.get("KVSTORE_INCARNATION", "0"))
                 incarnations[c.spec.rank] = max(n, incarnations.get(c.spec.rank, 0))
-            found = self.control.join({r for r in held if r is not None}, incarnations, "--max-workers")
+            found = self.control.join({r for r in held if r is not None}, incarnations, "--max-workers",
+                                      ending=job_ending(len(held), self._scheduler_gone()))
             if found is None:
                 continue
             slot, incarnation = found
@@ -265,6 +266,14 @@ class Cluster:
                          "KVSTORE_INCARNATION": str(incarnation)}, defaults={"OMP_NUM_THREADS": "1"})
             started += 1
         return started
+
+    def _scheduler_gone(self) -> bool:
+        """Whether the scheduler has exited or closed its port (it does once every worker has left):
+        nothing listens where a worker started now would register."""
+        if any(c.spec.role == "scheduler" and c.exit_code is not None for c in self.children):
+            return True
+        where = transport.address(self.base_env["DMLC_PS_ROOT_URI"], int(self.base_env["DMLC_PS_ROOT_PORT"]))
+        return address.probe(where, 1.0) == address.REFUSED
 
     def _has_shard(self, role: RoleProcess) -> bool:
         """Whether server ``role`` has written a shard it can be restarted from (here, not over ssh)."""

@@ -135,3 +135,21 @@ def test_a_job_that_shrinks_below_min_workers_fails_with_a_named_error(tmp_path:
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     assert "TooFewWorkersError" in output and "fewer than --min-workers 2" in output, output
+
+
+def test_a_join_before_a_plain_job_stored_its_weights_awaits_its_tagged_view(tmp_path: Path) -> None:
+    """A worker joined before the others' init (a script with no Session) awaits the tagged view they
+    agree once the weights are stored, following their init's and set_optimizer's barriers; then it
+    pulls the initial weights and counts in every round from the first: each step lowers the key by
+    1 + 2 + 4 on every worker."""
+    script = Path(__file__).parent / "scripts" / "elastic_early_join.py"
+    proc = subprocess.run([python(), "launch.py", "-n", "2", "-s", "1", "--min-workers", "2",
+                           "--max-workers", "3", str(script), str(tmp_path / "rec"), "3"],
+                          cwd=REPO, env={**os.environ, **ENV, "KVSTORE_REQUEST_TIMEOUT": "10"},
+                          capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    found = {rank: (tmp_path / f"rec.{rank}").read_text().split("\n") for rank in range(3)}
+    for rank, (values, joined, _) in found.items():
+        assert [float(v) for v in values.split()] == [0.0, -7.0, -14.0, -21.0], (rank, output[-4000:])
+        assert joined == ("0 1" if rank == 2 else "None 0")

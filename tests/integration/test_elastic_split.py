@@ -1,7 +1,7 @@
 """A split Session's edge cases in elastic dist_sync jobs (docs/elastic.md): joins at an epoch's first
 step, workers without a batch in their process's first step, a leaver's last barrier, checkpoints once
-worker 0 has left, a join before the job's first view.  KVSTORE_REQUEST_TIMEOUT is short, so a hang
-fails fast."""
+worker 0 has left, a join before the job's first view (it waits for it), a join as the job ends
+(refused).  KVSTORE_REQUEST_TIMEOUT is short, so a hang fails fast."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import shutil
 import subprocess
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import REPO, python
 
@@ -110,15 +112,48 @@ def test_checkpoints_go_on_after_worker_0_leaves_and_a_resume_finds_them(tmp_pat
     assert (meta["epoch"], meta["index"], meta["epoch_start"], meta["epoch_workers"]) == (1, 3, 2, 1)
 
 
-def test_a_join_before_the_jobs_first_view_is_refused_with_a_named_error(tmp_path: Path) -> None:
-    """A join asked before anyone's first step (no weights stored, no epoch view agreed yet) fails its
-    split Session with a ConfigError saying so, and the launch fails, instead of the joiner dying of
-    KeyNotInitializedError."""
+def weights(tmp_path: Path, ranks: int) -> dict[int, dict[int, float]]:
+    """Each worker's weights after each of its steps (step -> the first element), by rank."""
+    found = {}
+    for rank in range(ranks):
+        path = tmp_path / f"rec.w.{rank}"
+        if path.exists():
+            pairs = (line.split() for line in path.read_text().splitlines())
+            found[rank] = {int(step): float(w) for step, w in pairs}
+    return found
+
+
+@pytest.mark.parametrize("mode", ["join_at_begin", "join_after_init"])
+def test_a_join_before_the_jobs_first_view_waits_for_it_and_takes_a_part(tmp_path: Path, mode: str) -> None:
+    """A worker joined before anyone's first step (before the first init, or after init and
+    set_optimizer) follows the others' barriers until the first epoch's view, which names it: it trains
+    a part of every epoch, every sample is seen once per epoch, and every step's update (read by every
+    worker) is the sum of 2**rank over the workers with a batch in it, nothing lost or applied twice."""
     proc = launch(tmp_path, ["-n", "2", "--min-workers", "2", "--max-workers", "3"],
-                  "join_at_begin", "12", "2", "1", "2")
+                  mode, "12", "2", "1", "2")
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output[-4000:]
-    assert "ConfigError: this worker joined the job before its first epoch's membership view" in output, \
-        output[-4000:]
-    assert "KeyNotInitializedError" not in output, output[-4000:]
-    assert "data" not in (tmp_path / "rec.2").read_text()
+    assert proc.returncode == 0, output[-4000:]
+    assert "KeyNotInitializedError" not in output and "ConfigError" not in output, output[-4000:]
+    found = records(tmp_path, 3)
+    assert sorted(found) == [0, 1, 2], output[-4000:]
+    assert rows_by_epoch(found) == {e: list(range(12)) for e in range(2)}
+    for rank in range(3):  # parts of 4 samples, 2 steps an epoch: each a batch in every step
+        assert [line[:3] for line in found[rank][:-1]] == [[str(s), "data", str(s // 2)] for s in range(4)]
+        assert found[rank][-1] == ["end", "4"]
+    drop = {s: sum(2 ** rank for rank, lines in found.items() for line in lines
+                   if line[0] == str(s) and line[1] == "data") for s in range(4)}
+    reference = {s: -float(sum(drop[t] for t in range(s + 1))) for s in range(4)}
+    assert weights(tmp_path, 3) == {rank: reference for rank in range(3)}
+
+
+def test_a_join_asked_after_the_last_worker_left_does_not_fail_the_launch(tmp_path: Path) -> None:
+    """Worker 0 asks for a join once every worker has closed its store and the scheduler has exited, and
+    is still running when the launcher reads it: the join is refused and logged, no worker starts, and
+    the launch exits 0."""
+    proc = launch(tmp_path, ["-n", "2", "--min-workers", "1", "--max-workers", "3"],
+                  "join_at_end", "8", "2", "1", "1")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "join was asked as the job ends" in output and "refused" in output, output[-4000:]
+    assert "starting worker 2" not in output, output[-4000:]
+    assert rows_by_epoch(records(tmp_path, 3)) == {0: list(range(8))}

@@ -370,13 +370,48 @@ def test_a_worker_coming_in_at_the_first_step_of_the_tagged_epoch_uses_that_epoc
         assert session._split_start(50, 4, 1) == (1, 0, view)
 
 
-def test_a_split_session_refuses_a_join_before_the_jobs_first_epoch_view(monkeypatch) -> None:
-    """A worker that joined (KVSTORE_JOIN=1) while the job's last view names no epoch raises ConfigError
-    before it touches the store (nothing initialised, no step)."""
-    from kvstore.core.membership import Membership
+def test_a_split_session_joined_before_the_first_view_awaits_it_then_trains_its_part(monkeypatch) -> None:
+    """A worker that joined (KVSTORE_JOIN=1) while the job's last view names no epoch first awaits the
+    first view (kv.await_view), before it touches the store; that view names it, so it trains its part of
+    epoch 0 from step 0 (8 samples over ranks 0, 1, 2: parts of 3, 3 and 2 in batches of 2, two steps:
+    its part is one batch, then zeros)."""
+    from kvstore.client.store import DistKVStore
+    from kvstore.core.membership import EpochSplit, Membership
+    from kvstore.core.progress import split_order
+
+    calls: list[str] = []
+
+    class EarlyJoiner(DistKVStore):
+        """A dist store of worker 2 joined before the first view (nothing is sent)."""
+
+        rank, num_workers, rejoined_at, cluster_id = 2, 3, 0, "c"
+
+        def __init__(self) -> None:  # no cluster: only what the Session reads
+            self._view = Membership(0, (0, 1, 2), 3)
+
+        @property
+        def view(self) -> Membership:
+            return self._view
+
+        def await_view(self, timeout: float | None = None) -> Membership:
+            calls.append("await_view")
+            self._view = Membership(4, (0, 1, 2), 3, (0, 0))
+            return self._view
+
+    class Trainer:
+        update_on_kvstore = True
+        kvstore = EarlyJoiner()
+
+        def init_kvstore(self) -> None:
+            calls.append("init_kvstore")
+
+        def step_without_data(self) -> None:
+            calls.append("zero")
 
     monkeypatch.setenv("KVSTORE_JOIN", "1")
-    early = kvstore.Session(_Comer(2, Membership(0, (0, 1), 4)))
-    with pytest.raises(ConfigError, match="before its first epoch's membership view"):
-        early.run(lambda b: None, 50, 4, 1, split=True)
-    assert early.step == 0 and early.rejoined is False
+    rows: list[list[int]] = []
+    early = kvstore.Session(Trainer())
+    assert early.run(lambda b: rows.append(b.rows.tolist()), 8, 2, 1, split=True) == 2
+    assert calls == ["await_view", "init_kvstore", "zero"] and early.rejoined
+    lo, hi = EpochSplit(8, 3, 2, 1).bounds(2)
+    assert rows == [split_order(0, 0, 8)[lo:hi].tolist()] and hi - lo == 2

@@ -515,3 +515,29 @@ def test_a_step_without_data_pushes_zeros_and_needs_updates_on_the_store():
                             update_on_kvstore=False)
     with pytest.raises(RuntimeError, match="update_on_kvstore"):
         local.step_without_data()
+
+
+@pytest.mark.parametrize(("rejoined_at", "at_start", "agrees"),
+                         [(None, False, True), (3, False, False), (0, False, False), (0, True, True)])
+def test_the_first_step_agreement_is_met_by_every_worker_in_at_the_job_s_start(
+        rejoined_at: int | None, at_start: bool, agrees: bool) -> None:
+    """The servers' rescale_grad is agreed (a collective that sets it) by a first worker and by one that
+    joined before the job's first step (kv.joined_at_start); a worker that restarted or joined a running
+    job reads the agreed value instead."""
+    from kvstore.local import LocalKVStore
+    from kvstore.trainer import ServerRescale
+
+    class Store(LocalKVStore):
+        def __init__(self) -> None:
+            super().__init__("local")
+            self.rejoined_at, self.joined_at_start = rejoined_at, at_start
+            self.params: list[dict] = []
+
+        def set_optimizer_params(self, **params: float) -> None:
+            self.params.append(params)
+            super().set_optimizer_params(**params)
+
+    kv = Store()
+    kv.set_optimizer(kvopt.create("sgd", learning_rate=0.1, rescale_grad=0.5))
+    assert ServerRescale(kv).factor(0.25) == (1.0 if agrees else 0.5)
+    assert kv.params == ([{"rescale_grad": 0.25}] if agrees else [])

@@ -7,6 +7,8 @@ import time
 import numpy as np
 import pytest
 
+from kvstore.client.mux import SCHEDULER
+from kvstore.client.store import DistKVStore, Joined
 from kvstore.errors import (
     DeadlineExceededError,
     KeyNotInitializedError,
@@ -14,8 +16,8 @@ from kvstore.errors import (
     ShapeMismatchError,
     StoreClosedError,
 )
-from kvstore.net.protocol import Op
-from tests.unit.client.fake_transport import SERVERS, FakeMux, fake_store
+from kvstore.net.protocol import Message, Op
+from tests.unit.client.fake_transport import SERVERS, FakeMux, fake_config, fake_store
 
 
 @pytest.fixture
@@ -231,3 +233,59 @@ def test_a_barrier_failed_for_paired_calls_counts_as_passed(store) -> None:
     del mux.refuse[Op.BARRIER]
     kv.membership((1, 4))
     assert [m.body["after"] for t, m in mux.sent if m.op is Op.BARRIER] == [0, 1]
+
+
+class _JoiningMux(FakeMux):
+    """A FakeMux whose servers answer a REJOIN with round 0 (no round opened yet) and whose scheduler
+    answers barriers with ``replies`` in turn (then the plain default)."""
+
+    def __init__(self, replies: list[dict]) -> None:
+        super().__init__(len(SERVERS))
+        self.replies = replies
+
+    def _answer(self, target: int, msg: Message) -> Message:
+        if msg.op is Op.REJOIN:
+            return Message(Op.OK, {"round": 0})
+        if target == SCHEDULER and msg.op is Op.BARRIER and self.replies and not msg.body.get("cancel"):
+            return Message(Op.OK, self.replies.pop(0))
+        return super()._answer(target, msg)
+
+
+def joiner(replies: list[dict]) -> tuple[DistKVStore, _JoiningMux]:
+    """Worker 1 of 2 slots, joined (KVSTORE_JOIN) before the job agreed any tagged view."""
+    mux = _JoiningMux(replies)
+    body = {"rank": 1, "num_workers": 2, "seed": 7, "session": b"fake", "push_window": 2, "chunk_bytes": 0,
+            "servers": [["10.0.0.1", 9001], ["10.0.0.2", 9002]], "rejoin": True, "join": True,
+            "incarnation": 1, "barriers": 0}
+    return DistKVStore("dist_sync", fake_config(join=True), joined=Joined(body, SERVERS, mux,
+                                                                          heartbeat=False)), mux
+
+
+def test_a_worker_joined_before_the_first_view_follows_barriers_until_one_agrees_it() -> None:
+    """await_view follows the others' barriers (each marked follow, counted as passed) until a reply
+    carries a tagged view, returns it (kv.view from then on) and marks the worker in at the job's
+    start; called again, it returns at once."""
+    plain = {"failures": [], "left": []}
+    kv, mux = joiner([plain, dict(plain, digests=[[[0], "d"]]), dict(plain, view=3, tag=[0, 0])])
+    try:
+        assert kv.rejoined_at == 0 and not kv.view.tag and not kv.joined_at_start
+        view = kv.await_view()
+        sent = [m.body for t, m in mux.sent if m.op is Op.BARRIER]
+        assert sent == [{"follow": True, "after": n} for n in range(3)]
+        assert (view.tag, view.ranks, view.number) == ((0, 0), (0, 1), 3) and kv.view == view
+        assert kv.joined_at_start
+        assert kv.await_view() == view and mux.ops().count(Op.BARRIER) == 3
+    finally:
+        kv.close()
+
+
+def test_a_first_view_that_never_comes_fails_the_wait_with_a_named_deadline() -> None:
+    """While the others agree no tagged view, await_view follows their barriers until its timeout, then
+    raises DeadlineExceededError naming KVSTORE_CONNECT_TIMEOUT and what it waited for."""
+    kv, _ = joiner([])
+    try:
+        with pytest.raises(DeadlineExceededError, match="first tagged .*KVSTORE_CONNECT_TIMEOUT"):
+            kv.await_view(0.2)
+        assert not kv.joined_at_start
+    finally:
+        kv.close()

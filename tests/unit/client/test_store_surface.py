@@ -18,7 +18,11 @@ COMMON = {"barrier", "broadcast", "close", "get_gradient_compression", "get_opti
 # scheduler_request became stage_access: the pipeline's one hook, which now also gives the stage's
 # settings and session-sealed channel (the store kept one public name for it, not two); cluster_id
 # (issue 43: kvstore.Session tells its cluster's checkpoints from an earlier cluster's) is API, not a seam
-DIST = COMMON | {"check_alive", "cluster_id", "rejoined_at", "stage_access", "stats"}
+# await_view and joined_at_start (issue 45: a worker that joined before the job's first tagged membership
+# view follows the others' barriers until one agrees it, then meets the first step's collectives with
+# them, docs/elastic.md) are API, as membership and rejoined_at are
+DIST = COMMON | {"await_view", "check_alive", "cluster_id", "joined_at_start", "rejoined_at", "stage_access",
+                 "stats"}
 DATA_PATH = {"mux", "window", "cluster", "plan", "pieces", "submit", "wait", "receive", "after_round", "send",
              "send_planned", "hold"}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.launch.elastic import JoinControl, elastic_slots, left_slots, restart_env
+from kvstore.launch.elastic import JoinControl, elastic_slots, job_ending, left_slots, restart_env
 from kvstore.launch.group import RoleGroup
 from kvstore.launch.options import parse_args
 from kvstore.launch.roleprocess import RoleProcess, RoleSpec, RoleState
@@ -34,6 +34,19 @@ def test_a_joiner_takes_the_lowest_free_slot_one_incarnation_up() -> None:
     assert control.slot({0, 2, 3}, {0: 0, 1: 0, 2: 1, 3: 1}) == (1, 1)
     assert control.slot({0, 1, 3}, {2: 1, 3: 1}) == (2, 2)
     assert control.slot({0, 1, 2, 3}, {}) is None
+
+
+def test_a_join_asked_as_the_job_ends_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The job is ending once its scheduler is gone (every worker left) or no worker runs: a join
+    then is refused with the reason logged, even with slots free; otherwise it takes a slot."""
+    assert job_ending(2, False) is None
+    assert "scheduler is gone" in (job_ending(1, True) or "")
+    assert job_ending(0, False) == "every worker has exited"
+    control = JoinControl("/dev/null", 4)
+    with caplog.at_level("WARNING", logger="kvstore.launcher"):
+        assert control.join(set(), {0: 0, 1: 0}, "--max-workers", ending=job_ending(0, False)) is None
+    assert "join was asked as the job ends (every worker has exited): refused" in caplog.text
+    assert control.join({0}, {0: 0, 1: 0}, "--max-workers", ending=job_ending(1, False)) == (1, 1)
 
 
 def test_elastic_options_are_checked() -> None:

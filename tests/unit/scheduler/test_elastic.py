@@ -143,3 +143,31 @@ def test_membership_views_of_differing_tags_fail_on_every_worker() -> None:
     (r0,) = peers["w0"].replies()
     assert r0.body["code"] == r1.body["code"] == "CollectiveMismatchError", (r0.body, r1.body)
     assert join(sched, "w2", 2, 1).body.get("view") is None
+
+
+def test_a_worker_that_joined_before_the_first_view_follows_any_call_up_to_it() -> None:
+    """A joiner's follow barriers pair with the others' plain (digest-carrying) barriers and with their
+    membership view, which names it and gives it the tag; a follow that is not a bool is refused."""
+    sched, peers = elastic()
+    peer = Peer(sched, "w2")
+    (challenge,) = peer.send(Op.HELLO, {"nonce": "n-w2"})
+    body = {"role": "worker", "host": "h", "rank": 2, "mode": "dist_sync", "incarnation": 1,
+            "challenge": challenge.body["challenge"], "join": True}
+    (cmap,) = peer.send(Op.REGISTER, body)
+    assert cmap.op is Op.MAP and cmap.body["barriers"] == 0 and "view" not in cmap.body
+    peer.channel.set_session(sched.session)
+    (refused,) = peer.send(Op.BARRIER, {"follow": "yes"}, sender=2)
+    assert refused.op is Op.ERROR and "follow" in refused.body["message"]
+    assert peers["w0"].send(Op.BARRIER, {"digest": "d", "after": 0}, sender=0) == []
+    assert peers["w1"].send(Op.BARRIER, {"digest": "d", "after": 0}, sender=1) == []
+    (plain,) = peer.send(Op.BARRIER, {"follow": True, "after": 0}, sender=2)
+    assert plain.op is Op.OK and "tag" not in plain.body and plain.body["digests"] == [[[0, 1], "d"]]
+    assert [r.op for name in ("w0", "w1") for r in peers[name].replies()] == [Op.OK, Op.OK]
+    assert peers["w0"].send(Op.BARRIER, {"tag": [0, 0], "after": 1}, sender=0) == []
+    assert peer.send(Op.BARRIER, {"follow": True, "after": 1}, sender=2) == []
+    (r1,) = peers["w1"].send(Op.BARRIER, {"tag": [0, 0], "after": 1}, sender=1)
+    (r0,) = peers["w0"].replies()
+    (view,) = peer.replies()
+    for reply in (r0, r1, view):
+        assert reply.op is Op.OK and reply.body["view"] == 2 and reply.body["tag"] == [0, 0], reply.body
+        assert reply.body["left"] == [3]

@@ -336,3 +336,20 @@ def test_a_quorum_the_workers_disagree_on_or_out_of_range_is_a_config_error():
     big.register(_worker(1, None))
     with pytest.raises(ConfigError, match=r"outside \[1, 2\]"):
         big.quorum(default=None)
+
+
+def test_a_follower_pairs_with_any_call_and_carries_nothing() -> None:
+    """A follow arrival counts toward the release but is left out of the calls compared (a view with a
+    follower is no mixed generation), and its failure, digest and tag are dropped; a cancel forgets it."""
+    b = Barrier(3)
+    failure = {"code": "x", "message": "m"}
+    assert b.arrive(2, b"w2", 1, failure=failure, digest="z", tag=[9], follow=True) == []
+    assert b.arrive(0, b"w0", 1, tag=[0, 0]) == []
+    assert len(b.arrive(1, b"w1", 1, tag=[0, 0])) == 3
+    assert b.released_mixed == {} and b.released_tag == [0, 0]
+    assert b.released_failures == {} and b.released_digests == {}
+    assert b.arrive(2, b"w2", 2, follow=True) == [] and b.cancel(2) and b.followers == set()
+    b.arrive(2, b"w2", 3)  # arrives again, as a call of its own: compared
+    b.arrive(0, b"w0", 2, tag=[1, 4])
+    assert len(b.arrive(1, b"w1", 2, tag=[1, 4])) == 3
+    assert b.released_mixed == {0: [1, 4], 1: [1, 4], 2: None}
