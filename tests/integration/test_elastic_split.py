@@ -150,10 +150,24 @@ def test_a_join_asked_after_the_last_worker_left_does_not_fail_the_launch(tmp_pa
     """Worker 0 asks for a join once every worker has closed its store and the scheduler has exited, and
     is still running when the launcher reads it: the join is refused and logged, no worker starts, and
     the launch exits 0."""
-    proc = launch(tmp_path, ["-n", "2", "--min-workers", "1", "--max-workers", "3"],
-                  "join_at_end", "8", "2", "1", "1")
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
+    argv = [python(), "launch.py", "-s", "1", "-n", "2", "--min-workers", "1", "--max-workers", "3",
+            str(SCRIPT), str(tmp_path / "rec"), "join_at_end", "8", "2", "1", "1"]
+    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **ENV}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:  # to the launcher's exit (the test's timeout bounds it)
+            lines.append(line)
+            if "join was asked as the job ends" in line:
+                (tmp_path / "rec-refused").touch()  # worker 0 may exit now
+        returncode = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    output = "".join(lines)
+    assert returncode == 0, output[-4000:]
     assert "join was asked as the job ends" in output and "refused" in output, output[-4000:]
     assert "starting worker 2" not in output, output[-4000:]
     assert rows_by_epoch(records(tmp_path, 3)) == {0: list(range(8))}

@@ -8,8 +8,8 @@ anyone's first step (before the job's first view and its first init) and both wa
 MODE ``join_after_init``: the same once the first workers have stored the weights and set the optimizer
 (``trainer.init_kvstore()``), still before the first view.  MODE ``join_at_end``: after its run and
 ``kv.close()``, worker 0 waits (deadline-bounded) until the scheduler's port is closed (the job has
-ended), asks for one join, and keeps running for two seconds (twenty of the launcher's reads of the
-control file) before it exits.  MODE ``leave_barrier``: worker 1 stops after epoch 0 and meets one
+ended), asks for one join, and keeps running until the test, which reads the launcher's output, has
+seen the launcher refuse it (it creates OUT-refused; at most 60 s).  MODE ``leave_barrier``: worker 1 stops after epoch 0 and meets one
 more ``kv.barrier()`` before it closes its store.  MODE ``rank0_leaves``: worker 0 stops after epoch 0.
 MODE ``plain``: nothing else.  With CKPT, a checkpoint every step (rank 0 of each epoch's view writes it).
 
@@ -114,4 +114,8 @@ if mode == "join_at_end" and rank == 0:
     wait_for_the_scheduler_to_exit()
     with open(os.environ["KVSTORE_ELASTIC_CONTROL"], "a") as control:
         control.write("join\n")
-    time.sleep(2.0)  # still running while the launcher reads the line (every 0.1 s): it must refuse it
+    deadline = time.monotonic() + 60  # still running while the launcher reads the line: it must refuse it
+    while not os.path.exists(f"{out}-refused"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the launcher did not refuse the join within 60 s ({out}-refused)")
+        time.sleep(0.05)  # polling interval of a deadline-bounded wait
