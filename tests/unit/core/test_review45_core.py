@@ -1,0 +1,37 @@
+"""Review 45 reproducers (core): each pins behaviour the newest elastic work gets wrong, marked
+xfail(strict) so the branch stays green until it is fixed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.core.rejoin import Rejoins
+from kvstore.core.shard import ShardState
+
+
+def _step(shard: ShardState, key: str, workers: tuple[int, ...], tag: str) -> list:
+    """One round of ``key``: a push of 1 from each of ``workers``; the tokens answered."""
+    return [c.token for w in workers for c in shard.push(f"{tag}-{w}", w, key, np.ones(2))]
+
+
+@pytest.mark.xfail(strict=True, reason="review 45: a worker-set key the rejoined worker is not a member "
+                                       "of, pushed less often, keeps its rejoin from ever retiring")
+def test_a_worker_set_key_outside_the_rejoined_worker_does_not_hold_its_retirement() -> None:
+    """Worker 2 of 3 restarted and rejoined at round 2 of 'w'; 'g' is a key of the worker set {0, 1}
+    (whose rounds never wait for worker 2) and has had one round: once 'w' is past round 2, nothing is
+    left that counts worker 2 late, yet retire_joins() forgets it only once 'g' too reaches round 2."""
+    shard = ShardState(3, sync=True)
+    shard.init("w", np.zeros(2))
+    shard.init("g", np.zeros(2), members=(0, 1))
+    rejoins = Rejoins(shard)
+    for r in range(2):
+        _step(shard, "w", (0, 1, 2), f"w{r}")
+    _step(shard, "g", (0, 1), "g0")
+    rejoins.away(2, 0)
+    first, _ = rejoins.begin(2, 1)
+    rejoins.join_at(2, 1, first)
+    assert first == 2
+    for r in range(2, 5):
+        assert len(_step(shard, "w", (0, 1, 2), f"w{r}")) == 3  # every round of 'w' counts worker 2
+    assert shard.retire_joins(rejoins.begun) == [2]
