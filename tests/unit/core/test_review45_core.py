@@ -58,3 +58,18 @@ def test_a_key_stored_after_a_rejoin_counts_the_rejoined_worker_from_its_first_r
     assert len(_step(shard, "k", (2, 0, 1), "k0")) == 3
     assert [c.value.tolist() for c in shard.pull("p0", 0, "k")] == [[3.0, 3.0]]
     assert [c.value.tolist() for c in shard.pull("p2", 2, "k")] == [[3.0, 3.0]]
+
+
+@pytest.mark.xfail(strict=True, reason="review 45: a server restarted between a joiner's two REJOIN steps "
+                                       "refuses its second (the slot is present in the restarted server's "
+                                       "map): the join fails")
+def test_a_server_restarted_between_a_joiners_two_rejoin_steps_takes_the_second() -> None:
+    """Worker 2 joined (admitted by the scheduler, so a server restarted now has slot 2 present in its map)
+    and had its first REJOIN answered by server 1's previous incarnation, which was then SIGKILLed; the
+    restarted server (restored at round 5) gets the second step, with ``at`` 5: it counts worker 2 from
+    round 5 (join_at's path for a server that lost the first step), and round 5 closes with all three."""
+    shard = ShardState(3, sync=True, present=(0, 1, 2))  # the map of a server restarted after the admission
+    shard.restore("w", np.zeros(2), 5, {0: 5, 1: 5})
+    rejoins = Rejoins(shard)
+    rejoins.join_at(2, 1, 5, joining=True)
+    assert len(_step(shard, "w", (0, 1, 2), "w5")) == 3
