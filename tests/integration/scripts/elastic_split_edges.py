@@ -9,9 +9,10 @@ MODE ``join_after_init``: the same once the first workers have stored the weight
 (``trainer.init_kvstore()``), still before the first view.  MODE ``join_at_end``: after its run and
 ``kv.close()``, worker 0 waits (deadline-bounded) until the scheduler's port is closed (the job has
 ended), asks for one join, and keeps running until the test, which reads the launcher's output, has
-seen the launcher refuse it (it creates OUT-refused; at most 60 s).  MODE ``leave_barrier``: worker 1 stops after epoch 0 and meets one
-more ``kv.barrier()`` before it closes its store.  MODE ``rank0_leaves``: worker 0 stops after epoch 0.
-MODE ``plain``: nothing else.  With CKPT, a checkpoint every step (rank 0 of each epoch's view writes it).
+seen the launcher refuse it (it creates OUT-refused; at most 60 s).  MODE ``leave_barrier``: worker 1
+stops after epoch 0 and meets one more ``kv.barrier()`` before it closes its store.  MODE
+``rank0_leaves``: worker 0 stops after epoch 0.  MODE ``plain``: nothing else.  With CKPT, a
+checkpoint every step (rank 0 of each epoch's view writes it).
 
 Each step a worker with a batch pushes ``2**rank`` (sgd, lr 1, on the servers).  Each worker writes
 OUT.RANK: per step ``STEP data EPOCH ROWS`` (ROWS: its sample ids, comma-separated) or ``STEP zero``,

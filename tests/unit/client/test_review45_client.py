@@ -1,0 +1,70 @@
+"""Review 45 reproducers (client side): each pins behaviour the newest elastic work gets wrong, marked
+xfail(strict) so the branch stays green until it is fixed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.client.mux import SCHEDULER
+from kvstore.client.store import DistKVStore, Joined
+from kvstore.net.protocol import Message, Op
+from tests.unit.client.fake_transport import SERVERS, FakeMux, fake_config
+
+
+class _AsyncJoinMux(FakeMux):
+    """Servers of a dist_async job that has applied ``updates`` pushes: a REJOIN of a slot never held
+    before answers round 0 (the slot's own count) and step ``updates`` (the job's count); the scheduler
+    answers the first barrier with a tagged view."""
+
+    def __init__(self, updates: int) -> None:
+        super().__init__(len(SERVERS))
+        self.updates = updates
+
+    def _answer(self, target: int, msg: Message) -> Message:
+        if msg.op is Op.REJOIN:
+            return Message(Op.OK, {"round": 0, "step": self.updates} if "at" not in msg.body else {})
+        if target == SCHEDULER and msg.op is Op.BARRIER and not msg.body.get("cancel"):
+            return Message(Op.OK, {"failures": [], "left": [], "view": 9, "tag": [1, 0]})
+        return super()._answer(target, msg)
+
+
+@pytest.mark.xfail(strict=True, reason="review 45: a dist_async joiner of a running job is taken as "
+                                       "joined at the job's start (its fresh slot's count is 0)")
+def test_a_dist_async_joiner_of_a_running_job_is_not_in_at_its_start() -> None:
+    """A dist_async worker that joins a fresh slot of a job with 500 updates applied (REJOIN: round 0,
+    step 500) and awaits a tagged view is not joined_at_start: it must not meet the first step's
+    rescale_grad agreement the others met long ago (kv.joined_at_start reads the slot's count, 0)."""
+    mux = _AsyncJoinMux(500)
+    body = {"rank": 2, "num_workers": 3, "seed": 7, "session": b"fake", "push_window": 2, "chunk_bytes": 0,
+            "servers": [["10.0.0.1", 9001], ["10.0.0.2", 9002]], "rejoin": True, "join": True,
+            "incarnation": 1, "barriers": 0}
+    kv = DistKVStore("dist_async", fake_config(join=True),
+                     joined=Joined(body, SERVERS, mux, heartbeat=False))
+    try:
+        assert kv.rejoined_at == 500  # the job's update count: the job is running
+        kv.await_view()
+        assert not kv.joined_at_start
+    finally:
+        kv.close()
+
+
+@pytest.mark.xfail(strict=True, reason="review 45: every dist_async joiner of a fresh slot is warned it "
+                                       "joined before the job's first round and told to call await_view")
+def test_a_dist_async_joiner_of_a_running_job_is_not_told_to_await_a_first_view(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A dist_async worker joining a fresh slot of a job with 500 updates applied, in a script that agrees
+    no views, skips init without the warning meant for a joiner before the job's first round (which
+    tells it to call kv.await_view(), a wait no view of such a job ever ends)."""
+    mux = _AsyncJoinMux(500)
+    body = {"rank": 2, "num_workers": 3, "seed": 7, "session": b"fake", "push_window": 2, "chunk_bytes": 0,
+            "servers": [["10.0.0.1", 9001], ["10.0.0.2", 9002]], "rejoin": True, "join": True,
+            "incarnation": 1, "barriers": 0}
+    kv = DistKVStore("dist_async", fake_config(join=True),
+                     joined=Joined(body, SERVERS, mux, heartbeat=False))
+    try:
+        with caplog.at_level("WARNING", logger="kvstore"):
+            kv.init("w", np.zeros(4))
+        assert not [r for r in caplog.records if "await_view" in r.getMessage()], caplog.text
+    finally:
+        kv.close()
