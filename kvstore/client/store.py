@@ -278,7 +278,7 @@ class DistKVStore(KVStore):
                 raise DeadlineExceededError("a barrier this worker followed was released but its reply was "
                                             "given up on (KVSTORE_REQUEST_TIMEOUT): whether it agreed the "
                                             "view is unknown")
-        if self._rejoin.at == 0:  # no round had opened when it joined: the job's first step is ahead
+        if self._rejoin.step == 0:  # nothing applied when it joined (dist_async: the job's count)
             self._at_start = True
         return self._barriers.view
 
@@ -413,7 +413,8 @@ class DistKVStore(KVStore):
                                                     extra=extra))
 
         if self._rejoin.at is not None:  # a restarted worker: the servers hold every key already
-            if self._rejoin.at == 0 and self._cfg.join and not self._barriers.view.tag and not self._at_start:
+            early = self._rejoin.step == 0 and not self._barriers.view.tag and not self._at_start
+            if early and self._cfg.join:
                 log.warning("worker %d joined before the job's first round, and no tagged membership view "
                             "says the others have stored the weights: a joiner skips init and set_optimizer, "
                             "so if they are still setting up, their collectives wait for it and its pulls "

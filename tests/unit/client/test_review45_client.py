@@ -1,5 +1,5 @@
-"""Review 45 reproducers (client side): each pins behaviour the newest elastic work gets wrong, marked
-xfail(strict) so the branch stays green until it is fixed."""
+"""Review 45's reproducers (client side), fixed: a dist_async joiner of a running job tells whether it came
+in at the job's start by the job's update count (``kv.rejoined_at``), not by its fresh slot's count."""
 
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ class _AsyncJoinMux(FakeMux):
         return super()._answer(target, msg)
 
 
-@pytest.mark.xfail(strict=True, reason="review 45: a dist_async joiner of a running job is taken as "
-                                       "joined at the job's start (its fresh slot's count is 0)")
 def test_a_dist_async_joiner_of_a_running_job_is_not_in_at_its_start() -> None:
     """A dist_async worker that joins a fresh slot of a job with 500 updates applied (REJOIN: round 0,
     step 500) and awaits a tagged view is not joined_at_start: it must not meet the first step's
@@ -49,8 +47,6 @@ def test_a_dist_async_joiner_of_a_running_job_is_not_in_at_its_start() -> None:
         kv.close()
 
 
-@pytest.mark.xfail(strict=True, reason="review 45: every dist_async joiner of a fresh slot is warned it "
-                                       "joined before the job's first round and told to call await_view")
 def test_a_dist_async_joiner_of_a_running_job_is_not_told_to_await_a_first_view(
         caplog: pytest.LogCaptureFixture) -> None:
     """A dist_async worker joining a fresh slot of a job with 500 updates applied, in a script that agrees
