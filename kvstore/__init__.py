@@ -46,6 +46,7 @@ from kvstore.errors import (
     ProtocolError,
     RemoteError,
     RoleFailed,
+    SchedulerRebuildingError,
     ShapeMismatchError,
     SparkJobFailed,
     StallError,
@@ -82,7 +83,7 @@ __all__ = [
     "DeadlineExceededError", "NodeLostError", "ProtocolError", "AuthenticationError",
     "RemoteError", "StoreClosedError", "OptimizerError", "FormatError",
     "UnsupportedError", "StallError", "IntegrityError", "CollectiveMismatchError", "TooFewWorkersError",
-    "NotAMemberError", "WorkerSet",
+    "NotAMemberError", "SchedulerRebuildingError", "WorkerSet",
     # the launchers' (launch.py, kvstore.ray.run, kvstore.spark.run)
     "ChildFailed", "StartFailed", "SyncFailed", "PlacementError", "RoleFailed", "SparkJobFailed",
     "NotEnoughSlotsError", "TaskFailed", "FeedError",

@@ -128,6 +128,12 @@ class ProtocolError(KVStoreError):
     """A message was malformed, of another protocol version, or of an unknown op."""
 
 
+class SchedulerRebuildingError(ProtocolError):
+    """A scheduler restarted under ``--max-restarts`` is still rebuilding the cluster from its nodes'
+    re-registrations: a new registration (a join, a restarted worker) is refused for now, and
+    registration asks again until ``KVSTORE_CONNECT_TIMEOUT`` (kvstore/net/handshake.py)."""
+
+
 class AuthenticationError(KVStoreError, PermissionError):
     """A peer could not prove it holds the cluster secret."""
 
@@ -263,7 +269,7 @@ _CODES: dict[str, type[KVStoreError]] = {
                 ShapeMismatchError, DTypeMismatchError, KeyTypeError, DeadlineExceededError, StallError,
                 NodeLostError, ProtocolError, AuthenticationError, IntegrityError, RemoteError,
                 StoreClosedError, OptimizerError, FormatError, UnsupportedError, CollectiveMismatchError,
-                TooFewWorkersError, NotAMemberError)
+                TooFewWorkersError, NotAMemberError, SchedulerRebuildingError)
 }
 
 

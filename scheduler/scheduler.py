@@ -29,6 +29,7 @@ from kvstore.errors import (
     KVStoreError,
     NodeLostError,
     ProtocolError,
+    SchedulerRebuildingError,
     StallError,
     TooFewWorkersError,
 )
@@ -159,8 +160,8 @@ class Scheduler:
         restarted scheduler refuses while it rebuilds the cluster."""
         if "session" not in msg.body:
             if self._recovery is not None and not self.map_sent:
-                raise ProtocolError("the restarted scheduler is still rebuilding the cluster from its nodes' "
-                                    "re-registrations; a restarted node cannot join it yet")
+                raise SchedulerRebuildingError("the restarted scheduler is still rebuilding the cluster from "
+                                               "its nodes' re-registrations; a new node cannot join yet")
             return restart(identity, msg)
         self.challenges.check(identity, msg.body.get("challenge"))
         cmap = self._reregister(identity, msg.body, sender_label(msg))
@@ -224,8 +225,8 @@ class Scheduler:
             self._adopt_session()  # after the reply: it is sealed without the session, as the node expects
             return
         if self._recovery is not None:
-            raise ProtocolError("this scheduler was restarted: it takes back the running cluster's nodes "
-                                "only; a new node cannot register")
+            raise SchedulerRebuildingError("this scheduler was restarted and takes back the running "
+                                           "cluster's nodes first; a new node cannot register yet")
         node = Node(identity=identity, role=str(body.get("role")), host=str(body.get("host")),
                     port=body.get("port"), wanted_rank=body.get("rank"), mode=body.get("mode"),
                     quorum=_quorum(body.get("quorum")), label=label)

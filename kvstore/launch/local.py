@@ -125,6 +125,7 @@ class Cluster:
         self.shard_dir = default_shards(cfg, self.base_env, self.inherited)
         self.scheduler_restart: SchedulerRestart | None = None  # --max-restarts, local: set by start()
         self.control: JoinControl | None = None  # --max-workers: the elastic control file, set by start()
+        self._held_joins = 0  # joins asked while the scheduler was being restarted: asked again later
         self.worker_argv: list[str] = []  # what every worker runs (a joining one too)
         if cfg.max_workers is not None:  # B slots, -n present at the start (docs/elastic.md)
             self.base_env["DMLC_NUM_WORKER"] = str(cfg.max_workers)
@@ -244,11 +245,14 @@ class Cluster:
         """Start a worker for each join asked in the control file since the last call (an elastic job;
         none otherwise), each in the lowest slot no live worker holds (a FAILED one holds its slot: it
         is being restarted, or the launch fails); return how many started.  A join with every slot
-        held, or asked as the job ends (:func:`job_ending`), is logged and refused.  Raises StartFailed."""
+        held, or asked as the job ends (:func:`job_ending`), is logged and refused; one asked while a
+        lost scheduler is being restarted waits until the restarted one has rebuilt the cluster.
+        Raises StartFailed."""
         if self.control is None:
             return 0
-        started = 0
-        for _ in range(self.control.asked()):
+        started, asked = 0, self._held_joins + self.control.asked()
+        self._held_joins = 0
+        for i in range(asked):
             workers = [c for c in self.children if c.spec.role == "worker"]
             held = {c.spec.rank for c in workers
                     if c.state in (RoleState.STARTING, RoleState.RUNNING, RoleState.FAILED)}
@@ -256,8 +260,14 @@ class Cluster:
             for c in workers:
                 n = int(c.spec.env.get("KVSTORE_INCARNATION", "0"))
                 incarnations[c.spec.rank] = max(n, incarnations.get(c.spec.rank, 0))
+            gone = self._scheduler_gone()
+            if gone and self._scheduler_restarting():  # not the job's end: the scheduler comes back
+                if not self._held_joins:
+                    log.info("a worker's join waits until the restarted scheduler has rebuilt the cluster")
+                self._held_joins = asked - i
+                break
             found = self.control.join({r for r in held if r is not None}, incarnations, "--max-workers",
-                                      ending=job_ending(len(held), self._scheduler_gone()))
+                                      ending=job_ending(len(held), gone))
             if found is None:
                 continue
             slot, incarnation = found
@@ -274,6 +284,15 @@ class Cluster:
             return True
         where = transport.address(self.base_env["DMLC_PS_ROOT_URI"], int(self.base_env["DMLC_PS_ROOT_PORT"]))
         return address.probe(where, 1.0) == address.REFUSED
+
+    def _scheduler_restarting(self) -> bool:
+        """Whether a lost scheduler is being restarted (--max-restarts): it failed and the launcher has
+        yet to restart it, or the restarted one has not rebuilt the cluster (no port file yet)."""
+        policy = self.scheduler_restart
+        if policy is None:
+            return False
+        return policy.rebuilding() or any(c.spec.role == "scheduler" and c.state is RoleState.FAILED
+                                          for c in self.children)
 
     def _has_shard(self, role: RoleProcess) -> bool:
         """Whether server ``role`` has written a shard it can be restarted from (here, not over ssh)."""

@@ -9,10 +9,19 @@ import time
 from typing import Any
 
 from kvstore import config as kvconfig
-from kvstore.errors import AuthenticationError, KVStoreError, ProtocolError, error_from_code
+from kvstore.errors import (
+    AuthenticationError,
+    DeadlineExceededError,
+    KVStoreError,
+    ProtocolError,
+    SchedulerRebuildingError,
+    error_from_code,
+)
 from kvstore.net import protocol, transport
 from kvstore.net.auth import Channel
 from kvstore.net.protocol import Message, Op
+
+REBUILD_POLL = 0.1  # seconds between registrations a restarted scheduler refused while rebuilding
 
 
 def register(sock: object, channel: Channel, cfg: kvconfig.Config, body: dict, what: str) -> Message:
@@ -23,9 +32,31 @@ def register(sock: object, channel: Channel, cfg: kvconfig.Config, body: dict, w
     echoing the nonce) gives the session the channel is then keyed to.  Raises
     :class:`DeadlineExceededError` after ``KVSTORE_CONNECT_TIMEOUT``,
     :class:`AuthenticationError` when the secrets differ, or the scheduler's error
-    (e.g. an incomplete rendezvous) as its typed exception.
+    (e.g. an incomplete rendezvous) as its typed exception.  A restarted scheduler still rebuilding
+    the cluster (:class:`SchedulerRebuildingError`) is asked again until the deadline.
     """
     deadline = time.monotonic() + cfg.connect_timeout
+    while True:
+        try:
+            cmap = _handshake(sock, channel, cfg, body, what, deadline)
+            break
+        except SchedulerRebuildingError as exc:  # a restarted scheduler takes its old nodes back first
+            if time.monotonic() + REBUILD_POLL >= deadline:
+                raise DeadlineExceededError(
+                    f"{what}: the restarted scheduler at {cfg.root_address} was still rebuilding the cluster "
+                    f"after {cfg.connect_timeout:g} s (KVSTORE_CONNECT_TIMEOUT): {exc}") from None
+            time.sleep(REBUILD_POLL)  # then a fresh HELLO: the last one's exchange is over
+    session = cmap.body.get("session")
+    if not isinstance(session, bytes):
+        raise ProtocolError("the cluster map carries no session id")
+    channel.set_session(session)
+    return cmap
+
+
+def _handshake(sock: object, channel: Channel, cfg: kvconfig.Config, body: dict, what: str,
+               deadline: float) -> Message:
+    """One HELLO, CHALLENGE, REGISTER, MAP exchange by ``deadline``; the MAP.  Raises as :func:`register`,
+    and :class:`SchedulerRebuildingError` for a restarted scheduler that takes no new node yet."""
     nonce = secrets.token_hex(16)
     transport.send(sock, channel.seal(Message(Op.HELLO, {"nonce": nonce}), "scheduler"))
     challenge = _answer(sock, channel, cfg, deadline, what, Op.CHALLENGE, nonce)
@@ -33,12 +64,7 @@ def register(sock: object, channel: Channel, cfg: kvconfig.Config, body: dict, w
         raise ProtocolError("the scheduler's CHALLENGE carries no challenge")
     body = dict(body, challenge=challenge.body["challenge"])
     transport.send(sock, channel.seal(Message(Op.REGISTER, body), "scheduler"))
-    cmap = _answer(sock, channel, cfg, deadline, what, Op.MAP, nonce)
-    session = cmap.body.get("session")
-    if not isinstance(session, bytes):
-        raise ProtocolError("the cluster map carries no session id")
-    channel.set_session(session)
-    return cmap
+    return _answer(sock, channel, cfg, deadline, what, Op.MAP, nonce)
 
 
 def _answer(sock: Any, channel: Channel, cfg: kvconfig.Config, deadline: float, what: str,
