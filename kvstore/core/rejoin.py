@@ -10,9 +10,10 @@ a new *incarnation* of the same rank, **rejoins** (REJOIN, in two steps, docs/fa
    round of any key that no worker has opened yet on this server, which is returned.  Rounds open
    before do not wait for it; rounds from there on do, so none can close without it meanwhile.
 3. :meth:`Rejoins.join_at` (its second REJOIN, with ``at``, the highest such round over every
-   server): it counts from round ``at`` of every key.  Its pulls wait until the rounds before
-   ``at`` are closed (they do not need it), so it reads the value every other worker reads before
-   its push of round ``at``, and its first push of each key joins round ``at``.  A server restarted
+   server): it counts from round ``at`` of every key held then.  Its pulls wait until the rounds
+   before ``at`` are closed (they do not need it), so it reads the value every other worker reads
+   before its push of round ``at``, and its first push of each key joins round ``at``.  A key stored
+   later counts it from its own round 0, as every other worker.  A server restarted
    from its shard between the two steps never saw the first: it takes both at once, as long as it
    has opened no round ``at`` yet (else the worker fails, and is restarted again if restarts remain).
 

@@ -255,19 +255,23 @@ def test_a_rejoin_whose_round_is_ahead_is_kept_until_the_key_reaches_it() -> Non
     assert shard.open_rounds() == 1  # round 2 waits for the newcomer, as before it was forgotten
 
 
-def test_a_key_stored_after_a_rejoin_lags_until_its_rounds_reach_the_rejoiners() -> None:
-    """A key stored after a rejoin at round 1 starts at round 0: the worker is retirable only once
-    that key's round 0 closed too."""
+def test_a_key_stored_after_a_rejoin_counts_the_joiner_from_its_round_0_and_holds_no_retirement() -> None:
+    """A key stored after a join at round 1 counts the newcomer from its own round 0 (review 45: the
+    join's round is of the keys held then): the worker is retirable once 'w' reaches round 1, and
+    the new key's round 0 waits for the newcomer's push and sums it with the others'."""
     shard, rejoins = make()
     push(shard, 0, 1.0, "a0")
     rejoins.begin(2, 1, joining=True)
     rejoins.join_at(2, 1, 1, joining=True)
     shard.init("late", np.zeros(2))
-    push(shard, 1, 1.0, "b0")  # 'w' reaches round 1
     assert not shard.retirable
+    push(shard, 1, 1.0, "b0")  # 'w' reaches round 1
+    assert shard.retirable == {2}
     for worker in (0, 1):
-        shard.push(f"late{worker}", worker, "late", np.ones(2))
-    assert shard.retirable == {2} and shard.retire_joins() == [2]
+        assert shard.push(f"late{worker}", worker, "late", np.ones(2)) == []  # waits for worker 2
+    assert sorted(c.token for c in shard.push("late2", 2, "late", np.ones(2))) == ["late0", "late1", "late2"]
+    np.testing.assert_array_equal(shard.value("late"), [3.0, 3.0])
+    assert shard.retire_joins() == [2]
 
 
 def test_a_rejoin_between_its_two_steps_is_not_forgotten() -> None:

@@ -37,9 +37,6 @@ def test_a_worker_set_key_outside_the_rejoined_worker_does_not_hold_its_retireme
     assert shard.retire_joins(rejoins.begun) == [2]
 
 
-@pytest.mark.xfail(strict=True, reason="review 45: a key stored after a rejoin is taken as below the "
-                                       "rejoined worker's first round: its pull waits on rounds that wait "
-                                       "for it")
 def test_a_key_stored_after_a_rejoin_counts_the_rejoined_worker_from_its_first_round() -> None:
     """Worker 2 rejoined at round 3 of 'w'; then 'k' is stored (a key inited later) and all three push it
     once: worker 2's pull of 'k' is answered with that round's sum, as the others' are.  (It waits
