@@ -700,7 +700,7 @@ class ShardState:
         self.joins[worker] = at
         lagging = 0
         for state in self._keys.values():
-            if state.base < at:
+            if state.base < at and (state.members is None or worker in state.members):
                 state.joined[worker] = at
                 lagging += 1
             else:

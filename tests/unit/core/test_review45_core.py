@@ -15,8 +15,6 @@ def _step(shard: ShardState, key: str, workers: tuple[int, ...], tag: str) -> li
     return [c.token for w in workers for c in shard.push(f"{tag}-{w}", w, key, np.ones(2))]
 
 
-@pytest.mark.xfail(strict=True, reason="review 45: a worker-set key the rejoined worker is not a member "
-                                       "of, pushed less often, keeps its rejoin from ever retiring")
 def test_a_worker_set_key_outside_the_rejoined_worker_does_not_hold_its_retirement() -> None:
     """Worker 2 of 3 restarted and rejoined at round 2 of 'w'; 'g' is a key of the worker set {0, 1}
     (whose rounds never wait for worker 2) and has had one round: once 'w' is past round 2, nothing is
