@@ -1,10 +1,9 @@
-"""Review 45 reproducers (core): each pins behaviour the newest elastic work gets wrong, marked
-xfail(strict) so the branch stays green until it is fixed."""
+"""Review 45 reproducers (core): each pinned behaviour the newest elastic work got wrong (marked
+xfail(strict) until fixed; all three are fixed now)."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from kvstore.core.rejoin import Rejoins
 from kvstore.core.shard import ShardState
@@ -55,9 +54,6 @@ def test_a_key_stored_after_a_rejoin_counts_the_rejoined_worker_from_its_first_r
     assert [c.value.tolist() for c in shard.pull("p2", 2, "k")] == [[3.0, 3.0]]
 
 
-@pytest.mark.xfail(strict=True, reason="review 45: a server restarted between a joiner's two REJOIN steps "
-                                       "refuses its second (the slot is present in the restarted server's "
-                                       "map): the join fails")
 def test_a_server_restarted_between_a_joiners_two_rejoin_steps_takes_the_second() -> None:
     """Worker 2 joined (admitted by the scheduler, so a server restarted now has slot 2 present in its map)
     and had its first REJOIN answered by server 1's previous incarnation, which was then SIGKILLed; the
