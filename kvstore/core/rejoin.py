@@ -10,11 +10,16 @@ a new *incarnation* of the same rank, **rejoins** (REJOIN, in two steps, docs/fa
    round of any key that no worker has opened yet on this server, which is returned.  Rounds open
    before do not wait for it; rounds from there on do, so none can close without it meanwhile.
 3. :meth:`Rejoins.join_at` (its second REJOIN, with ``at``, the highest such round over every
-   server): it counts from round ``at`` of every key.  Its pulls wait until the rounds before
-   ``at`` are closed (they do not need it), so it reads the value every other worker reads before
-   its push of round ``at``, and its first push of each key joins round ``at``.  A server restarted
+   server): it counts from round ``at`` of every key held then.  Its pulls wait until the rounds
+   before ``at`` are closed (they do not need it), so it reads the value every other worker reads
+   before its push of round ``at``, and its first push of each key joins round ``at``.  A key stored
+   later counts it from its own round 0, as every other worker.  A server restarted
    from its shard between the two steps never saw the first: it takes both at once, as long as it
    has opened no round ``at`` yet (else the worker fails, and is restarted again if restarts remain).
+   A new member's join (elastic) that such a server never saw admitted finds its slot present there
+   (in the map it restarted with), or away (its ALIGN said it was rejoining): a server that counts
+   no incarnation of that slot takes the join as the slot's, scaling nothing for it, when it lost
+   the first step, or gets the first step after its restart (``restarted``).
 
 The server's row-sparse tables (:class:`RowRounds`, over :class:`kvstore.core.sparse_shard.RowTables`)
 take each step of a restart too: their rounds close without an away worker, the first round a REJOIN
@@ -71,9 +76,10 @@ def _incarnation(value: object, what: str) -> int:
 class Rejoins:
     """Which incarnation of each worker a server counts, over its ``shard`` (see the module docstring)."""
 
-    def __init__(self, shard: ShardState, rows: RowRounds | None = None) -> None:
+    def __init__(self, shard: ShardState, rows: RowRounds | None = None, restarted: bool = False) -> None:
         self.shard = shard
         self.rows = rows  # the server's row-sparse tables (None: none)
+        self.restarted = restarted  # restarted from its shard: a join may find its slot taken here
         self.current: dict[int, int] = {}  # worker -> incarnation counted now (absent: 0)
         self.begun: dict[int, int] = {}  # worker -> the round begin() answered (until join_at)
 
@@ -95,17 +101,26 @@ class Rejoins:
         """A restarted ``worker`` (a new ``incarnation``) counts again from the first round no key has
         opened here; return that round and what making the old incarnation away answered.  With
         ``joining``, a new member takes the absent slot ``worker`` (elastic: no round is scaled for
-        it).  Raises, changing nothing: ProtocolError for an incarnation not above the one counted now,
-        or a join of a slot that is not absent; ValueError for a worker that is not a rank."""
+        it), or, on a server ``restarted`` that counts no incarnation of it, the slot present or away
+        in its map (the module docstring).  Raises, changing nothing: ProtocolError for an incarnation
+        not above the one counted now, or a join of a slot that is not absent (but as said);
+        ValueError for a worker that is not a rank."""
+        return self._begin(worker, incarnation, joining, self.restarted)
+
+    def _begin(self, worker: int, incarnation: object, joining: bool,
+               restarted: bool) -> tuple[int, list[Completion]]:
+        """:meth:`begin`; ``restarted``: this server may never have seen the join admitted."""
         incarnation = _incarnation(incarnation, "REJOIN")
         if incarnation <= self.current.get(worker, 0):
             raise ProtocolError(f"worker {worker} rejoins as incarnation {incarnation}, but incarnation "
                                 f"{self.current.get(worker, 0)} is counted already")
-        if joining and (worker in self.shard.active or worker in self.shard.away):
+        taken = worker in self.shard.active or worker in self.shard.away
+        unseen = joining and taken and restarted and self.current.get(worker, 0) == 0
+        if joining and taken and not unseen:
             raise ProtocolError(f"worker {worker} joins as incarnation {incarnation}, but its slot is "
                                 "not absent")
-        done = self.away(worker, incarnation - 1) if worker in self.shard.active else []
-        first = self.shard.readmit(worker, joining)
+        done = self.away(worker, incarnation - 1) if worker in self.shard.active and not unseen else []
+        first = self.shard.readmit(worker, joining, unseen)
         if self.rows is not None and not joining:  # an elastic job's tables are not elastic
             first = max(first, self.rows.readmit(worker))
         self.current[worker] = incarnation
@@ -138,8 +153,8 @@ class Rejoins:
                                 f">= {first}, the round this server "
                                 f"{'opens next' if unbegun else 'answered'}")
         done: list[Completion] = []
-        if unbegun:
-            done = self.begin(worker, incarnation, joining)[1]
+        if unbegun:  # a join it never saw admitted may find its slot present or away (restarted)
+            done = self._begin(worker, incarnation, joining, restarted=True)[1]
         del self.begun[worker]
         done += self.shard.rejoin_at(worker, at)
         if self.rows is not None and not joining:

@@ -120,6 +120,8 @@ class _KeyState:
     debts: dict[int, deque[_Debt]] = field(default_factory=dict)  # worker -> its owed aborted rounds
     promised: int = 0  # a restarted server: rounds the workers' retries will have opened (promise)
     members: frozenset[int] | None = None  # the key's worker set (None: every worker)
+    joined: dict[int, int] = field(default_factory=dict)  # a rejoin in progress: worker -> its first
+    # round of this key (rounds below it do not wait for it); gone once the key's rounds reach it
 
     def numbering(self) -> dict[int, int]:
         """Each worker's pushes as a shard records them: contributions applied, or (dist_async) its
@@ -158,9 +160,9 @@ class ShardState:
         self.active = set(range(num_workers)) if present is None else set(present)
         self._check_present()
         self.away: dict[int, int] = {}  # lost workers to be restarted -> incarnation (core/rejoin.py)
-        self.joins: dict[int, int] = {}  # rejoined worker -> first round of every key it counts in
+        self.joins: dict[int, int] = {}  # rejoined worker -> its first round (of the keys held then)
         self.newcomers: set[int] = set()  # joined an absent slot (elastic): never a reason to scale
-        self._lagging: dict[int, int] = {}  # worker in joins -> keys whose rounds are still below its first
+        self._lagging: dict[int, int] = {}  # worker in joins -> keys holding its first round (joined)
         self.retirable: set[int] = set()  # workers of joins every key may have reached: see retire_joins
         self._ranks = sorted(self.active)       # the same, sorted: what a new round expects
         self.sync = sync
@@ -226,8 +228,6 @@ class ShardState:
         found = self.check_members(key, members)
         self._keys[key] = _KeyState(value=np.array(value, copy=True), members=found)
         self._staged_inits.pop(key, None)
-        if self.joins:
-            self._lag_new_key()
         if found is not None:
             self.rendezvous.expect(key, found)
 
@@ -312,8 +312,6 @@ class ShardState:
         if bufs is None:
             return False
         self._keys[key] = _KeyState(value=bufs[0], members=found)  # ours: no copy
-        if self.joins:
-            self._lag_new_key()
         if found is not None:
             self.rendezvous.expect(key, found)
         return True
@@ -522,7 +520,7 @@ class ShardState:
             return []
         size, first = state.value.size, number - state.base
         aborted = [state.rounds.pop() for _ in range(len(state.rounds) - first)][::-1]
-        tail: dict[int, int] = dict.fromkeys(self._at(number, state.members) - {worker}, 0)  # -> covered
+        tail: dict[int, int] = dict.fromkeys(self._at(number, state) - {worker}, 0)  # -> covered
         silent: set[int] = set()  # workers with a pushpull in the aborted rounds (its pull answers it)
         done: list[Completion] = []
         for rnd in aborted:
@@ -624,23 +622,28 @@ class ShardState:
         return what closing them answers.  Raises ``ValueError`` for a worker that is not a rank."""
         self._check_worker(worker)
         self.away[worker] = incarnation  # first: the rounds leave() closes are scaled
-        self.joins.pop(worker, None)
+        if self.joins.pop(worker, None) is not None:
+            for state in self._keys.values():
+                state.joined.pop(worker, None)
         self._lagging.pop(worker, None)
         self.retirable.discard(worker)
         self.newcomers.discard(worker)  # its restart rejoins as a restart
         return self.leave(worker)
 
-    def readmit(self, worker: int, joining: bool = False) -> int:
+    def readmit(self, worker: int, joining: bool = False, unseen: bool = False) -> int:
         """A restarted ``worker`` counts again, from the first round no key has opened yet (dist_sync:
-        rounds open before do not wait for it, its pulls wait for them); return that round, or in
-        dist_async the most contributions of one key its earlier incarnations had applied.  Its lost
-        incarnation's contributions in open rounds are applied when they close.  With ``joining``, a
-        new member takes an absent slot (elastic, docs/elastic.md): the same, but no round is scaled
-        for it, and under a staleness bound it starts level with the slowest present worker of each
-        key (:meth:`StalenessGate.join`).  Raises ``ValueError`` for a worker that is not a rank, or,
-        joining, is not absent."""
+        rounds open before do not wait for it, its pulls wait for them, each key held now keeping
+        that origin until its rounds reach it); return that round, or in dist_async the most
+        contributions of one key its earlier incarnations had applied.  Its lost incarnation's
+        contributions in open rounds are applied when they close.  With ``joining``, a new member
+        takes an absent slot (elastic, docs/elastic.md): the same, but no round is scaled for it, and
+        under a staleness bound it starts level with the slowest present worker of each key
+        (:meth:`StalenessGate.join`); with ``unseen`` too, the slot may be present or away here (a
+        server restarted after the join was admitted: its map has the slot, which it never counted).
+        Raises ``ValueError`` for a worker that is not a rank, or, joining, is not absent (but
+        ``unseen``)."""
         self._check_worker(worker)
-        if joining and (worker in self.active or worker in self.away):
+        if joining and not unseen and (worker in self.active or worker in self.away):
             raise ValueError(f"worker {worker} is present (or away); a new member joins an absent slot")
         self.settle()
         if joining:
@@ -659,38 +662,49 @@ class ShardState:
             state.submitted[worker] = state.applied.get(worker, 0) + pending
             state.next_round.pop(worker, None)
         if self.sync:
-            self.joins[worker] = first
-            self._count_lagging(worker)
+            self._join_keys(worker, first)
         return first
 
     def retire_joins(self, begun: Container[int] = ()) -> list[int]:
-        """Forget each rejoined or joined worker whose first round every key has reached (every round
-        below it closed), but those in ``begun`` (their rejoin's second step is still to come): its
-        entry in ``joins`` then changes nothing, since every open and later round counts it, so the
-        plain round rules and the key groups serve again; return the workers forgotten.  O(keys): the
-        server calls it between messages once :attr:`retirable` names a worker (each key's round
-        count is followed as its rounds close, so no call is needed before)."""
+        """Forget each rejoined or joined worker that no key holds a first round for any more (each
+        key held at its rejoin has reached it: every round below it closed), but those in ``begun``
+        (their rejoin's second step is still to come): its entry in ``joins`` then changes nothing,
+        since every open and later round counts it, so the plain round rules and the key groups serve
+        again; return the workers forgotten.  O(keys): the server calls it between messages once
+        :attr:`retirable` names a worker (each key's entries are dropped as its rounds reach them, so
+        no call is needed before; a key never pushed again keeps its entry, and the worker)."""
         self.retirable.clear()
         if not self.joins:
             return []
-        floor = min((state.base for state in self._keys.values()), default=0)
-        gone = [worker for worker, at in self.joins.items() if at <= floor and worker not in begun]
-        for worker in self.joins.keys() - gone - set(begun):
-            self._count_lagging(worker)  # after a jump of the counts (a restore): followed again
+        lagging: dict[int, int] = {}
+        for state in self._keys.values():  # after a jump of the counts (a restore): followed again
+            if state.joined:
+                self._passed(state, recount=False)
+                for worker in state.joined:
+                    lagging[worker] = lagging.get(worker, 0) + 1
+        self._lagging = lagging
+        gone = [worker for worker in self.joins if worker not in lagging and worker not in begun]
         for worker in gone:
             del self.joins[worker]
-            self._lagging.pop(worker, None)
             self.newcomers.discard(worker)  # counted in every round from here: no longer late anywhere
             if self.quorum is None:  # its quorum numbering's origin (rejoin_at) is read under a quorum only
                 for state in self._keys.values():
                     state.offset.pop(worker, None)
         return gone
 
-    def _count_lagging(self, worker: int) -> None:
-        """Count the keys whose rounds are still below ``worker``'s first (``joins``); none left makes
-        it :attr:`retirable`.  O(keys), at a rejoin's steps only."""
-        at = self.joins[worker]
-        lagging = sum(1 for state in self._keys.values() if state.base < at)
+    def _join_keys(self, worker: int, at: int) -> None:
+        """``worker`` counts from round ``at`` of each key held now whose worker set it is in: such a
+        key below ``at`` keeps ``at`` as its first round (``joined``) until its rounds reach it; a key
+        stored later counts it from round 0.  Counts the keys that hold it (none left makes it
+        :attr:`retirable`).  O(keys), at a rejoin's steps only."""
+        self.joins[worker] = at
+        lagging = 0
+        for state in self._keys.values():
+            if state.base < at and (state.members is None or worker in state.members):
+                state.joined[worker] = at
+                lagging += 1
+            else:
+                state.joined.pop(worker, None)
         if lagging:
             self._lagging[worker] = lagging
             self.retirable.discard(worker)
@@ -698,21 +712,20 @@ class ShardState:
             self._lagging.pop(worker, None)
             self.retirable.add(worker)
 
-    def _lag_new_key(self) -> None:
-        """A key stored after a rejoin starts at round 0: below each rejoined worker's first round."""
-        for worker, at in self.joins.items():
-            if at > 0:
-                self._lagging[worker] = self._lagging.get(worker, 0) + 1
-                self.retirable.discard(worker)
-
-    def _passed(self, base: int) -> None:
-        """A key's rounds reached ``base``: one key fewer lags behind a rejoined worker starting there."""
-        for worker, at in self.joins.items():
-            if at == base and worker in self._lagging:
-                self._lagging[worker] -= 1
-                if not self._lagging[worker]:
-                    del self._lagging[worker]
-                    self.retirable.add(worker)
+    def _passed(self, state: _KeyState, recount: bool = True) -> None:
+        """Drop the first rounds of ``state`` (a key's) that its rounds have reached; with ``recount``,
+        a worker no key holds one for any more becomes :attr:`retirable`."""
+        base = state.base
+        for worker in [w for w, at in state.joined.items() if at <= base]:
+            del state.joined[worker]
+            if not recount:
+                continue
+            left = self._lagging.get(worker, 0) - 1
+            if left > 0:
+                self._lagging[worker] = left
+            else:
+                self._lagging.pop(worker, None)
+                self.retirable.add(worker)
 
     def first_round(self, worker: int) -> int:
         """What :meth:`readmit` of ``worker`` would answer now, changing nothing: dist_sync, the first
@@ -729,14 +742,14 @@ class ShardState:
         return max((sum(state.applied.values()) for state in self._keys.values()), default=0)
 
     def rejoin_at(self, worker: int, at: int) -> list[Completion]:
-        """A readmitted ``worker`` counts from round ``at`` of every key (dist_sync; nothing changes in
-        dist_async): its next push of each joins round ``at``, its quorum rounds count from there,
-        rounds before it close without it; return what closing them answers."""
+        """A readmitted ``worker`` counts from round ``at`` of every key held now (dist_sync; nothing
+        changes in dist_async): its next push of each joins round ``at``, its quorum rounds count from
+        there, rounds before it close without it; return what closing them answers.  A key stored
+        later counts it from round 0 (:meth:`_join_keys`)."""
         if not self.sync:
             return []
         self.settle()
-        self.joins[worker] = at
-        self._count_lagging(worker)
+        self._join_keys(worker, at)
         done: list[Completion] = []
         for key, state in self._keys.items():
             state.next_round[worker] = at
@@ -853,7 +866,7 @@ class ShardState:
             ranks = self._ranks if members is None else [w for w in self._ranks if w in members]
             state.rounds.append(Round(ranks, self.clock()))
         if state.rounds[i].contribute(token, worker, value, lo, hi, size, self.ordered,
-                                      self._at(number, members)):
+                                      self._at(number, state)):
             state.next_round[worker] = number + 1
         return self._close_rounds(state, key) if i == 0 else []
 
@@ -899,33 +912,33 @@ class ShardState:
     def _close_rounds(self, state: _KeyState, key: Key) -> list[Completion]:
         """Close the oldest rounds while they are done; return their acks and the pulls released."""
         rounds, size = state.rounds, state.value.size
-        members = state.members
-        if not rounds or not self._closes(rounds[0], size, state.base, members):
+        if not rounds or not self._closes(rounds[0], size, state.base, state):
             return []  # nothing applied: no pull can be released
         done: list[Completion] = []
-        while rounds and self._closes(rounds[0], size, state.base, members):
+        while rounds and self._closes(rounds[0], size, state.base, state):
             rnd, number = rounds.popleft(), state.base
             state.base += 1
-            if self._lagging:  # a rejoin in progress (rare): follow the keys up to its first round
-                self._passed(state.base)
             total = rnd.total(size)  # scaled by quorum, or as a quorum of the rest while a worker is away
             unscaled = self.quorum is None and not self.away and self.joins.keys() <= self.newcomers
-            self._apply(state, key, total if unscaled else rnd.scaled(total, self._members(number, members)),
+            self._apply(state, key, total if unscaled else rnd.scaled(total, self._members(number, state)),
                         rnd.covered)
+            if state.joined:  # a rejoin in progress (rare): follow the key up to its first round
+                self._passed(state)
             if self.on_close is not None:
                 self.on_close(key, self.clock() - rnd.opened, rnd.last)
             for tokens in rnd.tokens.values():
                 done.extend(_acks(tokens))
         return done + self._release_pulls(state)
 
-    def _members(self, number: int, members: frozenset[int] | None = None) -> int:
-        """The workers a quorum-scaled round ``number`` stands for: every worker under a quorum, else
-        the active and away ones but newcomers that joined after it (a join is not an absence); of a
-        key's worker set ``members``, only those in it."""
+    def _members(self, number: int, state: _KeyState) -> int:
+        """The workers a quorum-scaled round ``number`` of a key (``state``) stands for: every worker
+        under a quorum, else the active and away ones but newcomers that joined after it (a join is
+        not an absence); of the key's worker set, only those in it."""
         if self.quorum is not None:
             return self.num_workers
-        late = sum(1 for w in self.newcomers if w in self.active and self.joins.get(w, 0) > number
-                   and (members is None or w in members))
+        members = state.members
+        late = sum(1 for w, at in state.joined.items() if at > number and w in self.newcomers
+                   and w in self.active and (members is None or w in members))
         if members is None:
             return len(self.active) + len(self.away) - late
         return len(self.active & members) + len(members.intersection(self.away)) - late
@@ -935,17 +948,18 @@ class ShardState:
             raise ValueError(f"present workers {sorted(self.active)!r} are not all in "
                              f"[0, {self.num_workers})")
 
-    def _closes(self, rnd: Round, size: int, number: int, members: frozenset[int] | None = None) -> bool:
-        """Whether round ``number`` (of a key of the worker set ``members``) may close: every live
-        worker's contribution is in, or a quorum's."""
-        return (rnd.done(self._at(number, members))
+    def _closes(self, rnd: Round, size: int, number: int, state: _KeyState) -> bool:
+        """Whether round ``number`` of a key (``state``) may close: every live worker's contribution
+        is in, or a quorum's."""
+        return (rnd.done(self._at(number, state))
                 or (self.quorum is not None and rnd.reached(self.quorum, size)))
 
-    def _at(self, number: int, members: frozenset[int] | None = None) -> set[int]:
-        """The workers round ``number`` of a key waits for: the active ones (of the key's worker set
-        ``members``, when it has one), but a rejoined worker only from the round it rejoined at
-        (:mod:`kvstore.core.rejoin`)."""
-        at = self.active if not self.joins else {w for w in self.active if self.joins.get(w, 0) <= number}
+    def _at(self, number: int, state: _KeyState) -> set[int]:
+        """The workers round ``number`` of a key (``state``) waits for: the active ones (of the key's
+        worker set, when it has one), but a rejoined worker only from its first round of the key
+        (``joined``: the round it rejoined at, for a key held then; :mod:`kvstore.core.rejoin`)."""
+        joined, members = state.joined, state.members
+        at = self.active if not joined else {w for w in self.active if joined.get(w, 0) <= number}
         return at if members is None else at & members
 
     def _apply(self, state: _KeyState, key: Key, total: np.ndarray, workers: Iterable[int]) -> None:
@@ -958,7 +972,7 @@ class ShardState:
 
     def _add_pull(self, state: _KeyState, token: Any, worker: int, lo: int, hi: int) -> list[Completion]:
         target = state.submitted.get(worker, 0)
-        if state.applied.get(worker, 0) >= target and state.base >= self.joins.get(worker, 0):
+        if state.applied.get(worker, 0) >= target and state.base >= state.joined.get(worker, 0):
             return [Completion(token, _part_of(state.value, lo, hi))]
         state.waiting_pulls.append((token, worker, target, lo, hi))
         return []
@@ -968,7 +982,7 @@ class ShardState:
             return []
         ready, waiting = [], []
         for entry in state.waiting_pulls:
-            ok = state.applied.get(entry[1], 0) >= entry[2] and state.base >= self.joins.get(entry[1], 0)
+            ok = state.applied.get(entry[1], 0) >= entry[2] and state.base >= state.joined.get(entry[1], 0)
             (ready if ok else waiting).append(entry)
         state.waiting_pulls = waiting
         value = state.value

@@ -148,7 +148,8 @@ class Server:
         self.sparse.configure(self.state.num_workers, self.state.sync, self.state.window,
                               cluster.get("max_message_bytes", 0), cluster.get("staleness"),
                               cluster.get("sync_quorum"), ordered=cfg.sum_order == "rank")
-        self.rejoins = Rejoins(self.state, self.sparse)  # restarted workers (launch.py --max-restarts)
+        self.rejoins = Rejoins(self.state, self.sparse,  # restarted workers (launch.py --max-restarts)
+                               restarted=image is not None)
         self.sparse.tables.on_late = self.meter.late_push  # quorum: a push for a round already applied
         self.meter.extra_held = self.sparse.nbytes
         self.meter.extra_tables = self.sparse.dynamic_stats

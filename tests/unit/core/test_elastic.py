@@ -107,6 +107,66 @@ def test_a_restart_still_scales_beside_a_newcomer() -> None:
     np.testing.assert_array_equal(shard.value("w"), [4.0, 4.0])  # 3 pushes scaled by 4/3
 
 
+def _restored(present: tuple[int, ...] = (0, 1, 2)) -> ShardState:
+    """A 3-slot dist_sync shard as a server restarted from its shard finds it: 'w' restored at round 5
+    (workers 0 and 1 applied 5 each), the slots ``present`` in its map."""
+    shard = ShardState(3, sync=True, ordered=True, present=present)
+    shard.restore("w", np.zeros(2), 5, {0: 5, 1: 5})
+    return shard
+
+
+def test_a_restarted_server_takes_a_joins_first_step_for_a_slot_present_in_its_map() -> None:
+    """A server restarted after a join was admitted (slot 2 present in its map, never counted there)
+    takes the join's first REJOIN as the slot's join: round 5, opened by 0 and 1 before, closes
+    without the newcomer and unscaled (1 + 2, not x 3/2), and round 6 waits for it."""
+    shard = _restored()
+    rejoins = Rejoins(shard, restarted=True)
+    push(shard, 0, 1.0, "a5")
+    push(shard, 1, 2.0, "b5")
+    first, done = rejoins.begin(2, 1, joining=True)
+    assert (first, done) == (6, [])
+    assert sorted(c.token for c in rejoins.join_at(2, 1, first, joining=True)) == ["a5", "b5"]
+    np.testing.assert_array_equal(shard.value("w"), [3.0, 3.0])
+    assert push(shard, 0, 1.0, "a6") == [] and push(shard, 1, 1.0, "b6") == []
+    assert sorted(push(shard, 2, 1.0, "c6")) == ["a6", "b6", "c6"]
+
+
+def test_a_server_never_restarted_still_refuses_a_join_of_a_present_slot() -> None:
+    """Without a restart, a join's first step for a present slot is refused, changing nothing (its map
+    saw every admission)."""
+    shard = _restored()
+    rejoins = Rejoins(shard)
+    with pytest.raises(ProtocolError, match="not absent"):
+        rejoins.begin(2, 1, joining=True)
+    assert rejoins.current == {} and shard.newcomers == set()
+
+
+def test_a_restarted_server_takes_a_joins_second_step_for_a_slot_its_align_made_away() -> None:
+    """The joiner's ALIGN to the restarted server said it was rejoining, so slot 2 is away there; the
+    join's second step alone (the first was lost with the old server) takes the slot as a join: it
+    counts from ``at`` and the rounds from there are summed over all three, unscaled."""
+    shard = _restored()
+    rejoins = Rejoins(shard, restarted=True)
+    rejoins.away(2, 0)
+    assert rejoins.join_at(2, 1, 5, joining=True) == []
+    assert 2 in shard.active and 2 not in shard.away and shard.newcomers == {2}
+    for w, v in ((0, 1.0), (1, 2.0), (2, 3.0)):
+        push(shard, w, v, f"r5-{w}")
+    np.testing.assert_array_equal(shard.value("w"), [6.0, 6.0])
+
+
+def test_a_join_of_a_slot_whose_incarnation_a_restarted_server_counts_is_refused() -> None:
+    """A restarted server that counts incarnation 1 of slot 2 refuses a join of it: its slot is held."""
+    shard = _restored()
+    rejoins = Rejoins(shard, restarted=True)
+    rejoins.away(2, 0)
+    first, _ = rejoins.begin(2, 1)
+    rejoins.join_at(2, 1, first)
+    with pytest.raises(ProtocolError, match="not absent"):
+        rejoins.begin(2, 2, joining=True)
+    assert rejoins.current == {2: 1} and shard.newcomers == set()
+
+
 def test_present_must_be_slots() -> None:
     """Present ranks outside the slots are refused."""
     with pytest.raises(ValueError):
@@ -255,19 +315,23 @@ def test_a_rejoin_whose_round_is_ahead_is_kept_until_the_key_reaches_it() -> Non
     assert shard.open_rounds() == 1  # round 2 waits for the newcomer, as before it was forgotten
 
 
-def test_a_key_stored_after_a_rejoin_lags_until_its_rounds_reach_the_rejoiners() -> None:
-    """A key stored after a rejoin at round 1 starts at round 0: the worker is retirable only once
-    that key's round 0 closed too."""
+def test_a_key_stored_after_a_rejoin_counts_the_joiner_from_its_round_0_and_holds_no_retirement() -> None:
+    """A key stored after a join at round 1 counts the newcomer from its own round 0 (review 45: the
+    join's round is of the keys held then): the worker is retirable once 'w' reaches round 1, and
+    the new key's round 0 waits for the newcomer's push and sums it with the others'."""
     shard, rejoins = make()
     push(shard, 0, 1.0, "a0")
     rejoins.begin(2, 1, joining=True)
     rejoins.join_at(2, 1, 1, joining=True)
     shard.init("late", np.zeros(2))
-    push(shard, 1, 1.0, "b0")  # 'w' reaches round 1
     assert not shard.retirable
+    push(shard, 1, 1.0, "b0")  # 'w' reaches round 1
+    assert shard.retirable == {2}
     for worker in (0, 1):
-        shard.push(f"late{worker}", worker, "late", np.ones(2))
-    assert shard.retirable == {2} and shard.retire_joins() == [2]
+        assert shard.push(f"late{worker}", worker, "late", np.ones(2)) == []  # waits for worker 2
+    assert sorted(c.token for c in shard.push("late2", 2, "late", np.ones(2))) == ["late0", "late1", "late2"]
+    np.testing.assert_array_equal(shard.value("late"), [3.0, 3.0])
+    assert shard.retire_joins() == [2]
 
 
 def test_a_rejoin_between_its_two_steps_is_not_forgotten() -> None:

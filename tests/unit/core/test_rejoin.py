@@ -204,3 +204,30 @@ def test_a_rejoin_counts_the_row_tables_rounds_and_takes_the_worker_back_in_them
     assert tables.push(0, "e", 2, True, *one, "a") == []  # round 2 of the table waits for worker 1
     assert sorted(c.token for c in tables.push(1, "e", 2, True, *one, "b")) == ["a", "b"]
     assert tables.tables["e"].weight[0, 0] == 6.0  # 2 + 2 (rounds scaled by 2/1) + 2
+
+
+def test_a_key_whose_round_count_jumps_past_the_rejoin_round_lets_retire_joins_forget_it() -> None:
+    """Worker 1 rejoined at round 3 of 'w' (at round 0); a realignment moves 'w' on to round 5 at once
+    (no round closes): retire_joins() finds the key past round 3 and forgets the rejoin."""
+    shard, rejoins = make(2)
+    rejoins.away(1, 0)
+    first, _ = rejoins.begin(1, 1)
+    rejoins.join_at(1, 1, first + 3)
+    assert shard.retire_joins() == [] and shard.joins == {1: 3}
+    shard.realign("w", {}, floor=5)
+    assert shard.retirable == {1} and shard.retire_joins() == [1] and shard.joins == {}
+
+
+def test_a_rejoiners_pull_of_a_key_stored_after_its_rejoin_is_answered_at_once() -> None:
+    """Worker 1 rejoined at round 2 of 'w'; key 'k' stored afterwards is at round 0, which is the
+    rejoiner's start there too: its pull of 'k' is answered at once, not held until 'k' reaches 2."""
+    shard, rejoins = make(2)
+    for r in range(2):
+        push(shard, 0, 1.0, f"a{r}")
+        push(shard, 1, 1.0, f"b{r}")
+    rejoins.away(1, 0)
+    first, _ = rejoins.begin(1, 1)
+    rejoins.join_at(1, 1, first)
+    assert first == 2
+    shard.init("k", np.full(2, 7.0))
+    assert [c.value.tolist() for c in shard.pull("p", 1, "k")] == [[7.0, 7.0]]

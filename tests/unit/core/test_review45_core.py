@@ -1,10 +1,9 @@
-"""Review 45 reproducers (core): each pins behaviour the newest elastic work gets wrong, marked
-xfail(strict) so the branch stays green until it is fixed."""
+"""Review 45 reproducers (core): each pinned behaviour the newest elastic work got wrong (marked
+xfail(strict) until fixed; all three are fixed now)."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from kvstore.core.rejoin import Rejoins
 from kvstore.core.shard import ShardState
@@ -15,8 +14,6 @@ def _step(shard: ShardState, key: str, workers: tuple[int, ...], tag: str) -> li
     return [c.token for w in workers for c in shard.push(f"{tag}-{w}", w, key, np.ones(2))]
 
 
-@pytest.mark.xfail(strict=True, reason="review 45: a worker-set key the rejoined worker is not a member "
-                                       "of, pushed less often, keeps its rejoin from ever retiring")
 def test_a_worker_set_key_outside_the_rejoined_worker_does_not_hold_its_retirement() -> None:
     """Worker 2 of 3 restarted and rejoined at round 2 of 'w'; 'g' is a key of the worker set {0, 1}
     (whose rounds never wait for worker 2) and has had one round: once 'w' is past round 2, nothing is
@@ -37,9 +34,6 @@ def test_a_worker_set_key_outside_the_rejoined_worker_does_not_hold_its_retireme
     assert shard.retire_joins(rejoins.begun) == [2]
 
 
-@pytest.mark.xfail(strict=True, reason="review 45: a key stored after a rejoin is taken as below the "
-                                       "rejoined worker's first round: its pull waits on rounds that wait "
-                                       "for it")
 def test_a_key_stored_after_a_rejoin_counts_the_rejoined_worker_from_its_first_round() -> None:
     """Worker 2 rejoined at round 3 of 'w'; then 'k' is stored (a key inited later) and all three push it
     once: worker 2's pull of 'k' is answered with that round's sum, as the others' are.  (It waits
@@ -60,9 +54,6 @@ def test_a_key_stored_after_a_rejoin_counts_the_rejoined_worker_from_its_first_r
     assert [c.value.tolist() for c in shard.pull("p2", 2, "k")] == [[3.0, 3.0]]
 
 
-@pytest.mark.xfail(strict=True, reason="review 45: a server restarted between a joiner's two REJOIN steps "
-                                       "refuses its second (the slot is present in the restarted server's "
-                                       "map): the join fails")
 def test_a_server_restarted_between_a_joiners_two_rejoin_steps_takes_the_second() -> None:
     """Worker 2 joined (admitted by the scheduler, so a server restarted now has slot 2 present in its map)
     and had its first REJOIN answered by server 1's previous incarnation, which was then SIGKILLed; the
