@@ -117,6 +117,18 @@ def test_a_joined_worker_killed_is_restarted_as_its_slots_next_incarnation_and_r
     _check(records, scaled_for=2)
 
 
+def _grown(launches, tmp_path: Path, stop: Path, slots: int, heartbeat_timeout: int):  # noqa: F811
+    """A job of 2 workers of ``slots`` under --max-restarts 1, grown to 3 by a join once worker 0 has
+    done 10 steps, returned once the joiner (worker 2) has done 30."""
+    env = {**ENV, "KVSTORE_HEARTBEAT_TIMEOUT": str(heartbeat_timeout)}
+    run = launches(["-n", "2", "-s", "2", "--max-workers", str(slots), "--max-restarts", "1", str(SCRIPT),
+                    str(tmp_path / "rec"), str(stop)], env)
+    poll_for(lambda: _steps(tmp_path, 0) >= 10, 60, f"worker 0's steps:\n{run.output}")
+    _join(run)
+    poll_for(lambda: _steps(tmp_path, 2) >= 30, 60, f"worker 2's steps:\n{run.output}")
+    return run
+
+
 @pytest.mark.timeout(120)
 def test_a_scheduler_sigkilled_after_a_join_is_restarted_and_a_later_join_is_taken(
         launches, tmp_path: Path) -> None:  # noqa: F811
@@ -124,11 +136,7 @@ def test_a_scheduler_sigkilled_after_a_join_is_restarted_and_a_later_join_is_tak
     node re-registers (the joined worker 2 as present), a join asked after the rebuild takes slot 3; the
     job ends 0, every round the unscaled sum over its workers (the reference), one process per slot."""
     stop = tmp_path / "stop"
-    run = launches(["-n", "2", "-s", "2", "--max-workers", "4", "--max-restarts", "1", str(SCRIPT),
-                    str(tmp_path / "rec"), str(stop)], {**ENV, "KVSTORE_HEARTBEAT_TIMEOUT": "6"})
-    poll_for(lambda: _steps(tmp_path, 0) >= 10, 60, f"worker 0's steps:\n{run.output}")
-    _join(run)
-    poll_for(lambda: _steps(tmp_path, 2) >= 30, 60, f"worker 2's steps:\n{run.output}")
+    run = _grown(launches, tmp_path, stop, slots=4, heartbeat_timeout=6)
     (pid,) = role_pids(run.tag, "DMLC_ROLE=scheduler")
     os.kill(pid, signal.SIGKILL)
     poll_for(lambda: "cluster rebuilt" in run.output, 60, f"the rebuild:\n{run.output}")
@@ -157,11 +165,7 @@ def test_a_server_sigkilled_after_a_join_restarts_with_the_joined_worker_present
     workers that pushed (the reference), but for the one step where server 1's element went back to its
     shard (the rounds since it are lost, as for any server restart)."""
     stop = tmp_path / "stop"
-    run = launches(["-n", "2", "-s", "2", "--max-workers", "3", "--max-restarts", "1", str(SCRIPT),
-                    str(tmp_path / "rec"), str(stop)], {**ENV, "KVSTORE_HEARTBEAT_TIMEOUT": "3"})
-    poll_for(lambda: _steps(tmp_path, 0) >= 10, 60, f"worker 0's steps:\n{run.output}")
-    _join(run)
-    poll_for(lambda: _steps(tmp_path, 2) >= 30, 60, f"worker 2's steps:\n{run.output}")
+    run = _grown(launches, tmp_path, stop, slots=3, heartbeat_timeout=3)
     (pid,) = role_pids(run.tag, "KVSTORE_SERVER_ID=1")
     os.kill(pid, signal.SIGKILL)
     poll_for(lambda: "workers aligned after the restart" in run.output, 60, f"the alignment:\n{run.output}")

@@ -29,16 +29,20 @@ class _AsyncJoinMux(FakeMux):
         return super()._answer(target, msg)
 
 
+def _async_joiner(updates: int) -> DistKVStore:
+    """A dist_async store of worker 2 that joined a fresh slot of a job with ``updates`` applied."""
+    body = {"rank": 2, "num_workers": 3, "seed": 7, "session": b"fake", "push_window": 2, "chunk_bytes": 0,
+            "servers": [["10.0.0.1", 9001], ["10.0.0.2", 9002]], "rejoin": True, "join": True,
+            "incarnation": 1, "barriers": 0}
+    return DistKVStore("dist_async", fake_config(join=True),
+                       joined=Joined(body, SERVERS, _AsyncJoinMux(updates), heartbeat=False))
+
+
 def test_a_dist_async_joiner_of_a_running_job_is_not_in_at_its_start() -> None:
     """A dist_async worker that joins a fresh slot of a job with 500 updates applied (REJOIN: round 0,
     step 500) and awaits a tagged view is not joined_at_start: it must not meet the first step's
     rescale_grad agreement the others met long ago (kv.joined_at_start reads the slot's count, 0)."""
-    mux = _AsyncJoinMux(500)
-    body = {"rank": 2, "num_workers": 3, "seed": 7, "session": b"fake", "push_window": 2, "chunk_bytes": 0,
-            "servers": [["10.0.0.1", 9001], ["10.0.0.2", 9002]], "rejoin": True, "join": True,
-            "incarnation": 1, "barriers": 0}
-    kv = DistKVStore("dist_async", fake_config(join=True),
-                     joined=Joined(body, SERVERS, mux, heartbeat=False))
+    kv = _async_joiner(500)
     try:
         assert kv.rejoined_at == 500  # the job's update count: the job is running
         kv.await_view()
@@ -52,12 +56,7 @@ def test_a_dist_async_joiner_of_a_running_job_is_not_told_to_await_a_first_view(
     """A dist_async worker joining a fresh slot of a job with 500 updates applied, in a script that agrees
     no views, skips init without the warning meant for a joiner before the job's first round (which
     tells it to call kv.await_view(), a wait no view of such a job ever ends)."""
-    mux = _AsyncJoinMux(500)
-    body = {"rank": 2, "num_workers": 3, "seed": 7, "session": b"fake", "push_window": 2, "chunk_bytes": 0,
-            "servers": [["10.0.0.1", 9001], ["10.0.0.2", 9002]], "rejoin": True, "join": True,
-            "incarnation": 1, "barriers": 0}
-    kv = DistKVStore("dist_async", fake_config(join=True),
-                     joined=Joined(body, SERVERS, mux, heartbeat=False))
+    kv = _async_joiner(500)
     try:
         with caplog.at_level("WARNING", logger="kvstore"):
             kv.init("w", np.zeros(4))
