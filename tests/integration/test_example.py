@@ -137,6 +137,7 @@ def test_resume_on_a_fresh_cluster_matches_unbroken_run(tmp_path: Path, optimize
         assert np.array_equal(got[name], value), f"{name} differs after the resume"
 
 
+@pytest.mark.examples  # second tier: the Spark launcher's runs are in launch/test_spark.py
 @pytest.mark.timeout(180)
 def test_spark_example_reaches_accuracy() -> None:
     """examples/spark_digits.py trains the digits MLP inside a local Spark application to >= 0.90."""

@@ -44,6 +44,7 @@ def _first_loss(output: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.examples  # second tier: the pipeline's parts are tested in test_pipeline_real_models.py
 @pytest.mark.timeout(150)
 def test_smoke_beats_the_bigram_through_two_stages_and_in_one_process() -> None:
     """--smoke through launch.py in 2 stages (1f1b, the embedding tied to the output projection) and the
