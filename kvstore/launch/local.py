@@ -347,10 +347,27 @@ def default_shards(cfg: LaunchConfig, base_env: dict[str, str], inherited: dict[
     if not env.get("KVSTORE_SNAPSHOT_EVERY"):
         base_env["KVSTORE_SNAPSHOT_EVERY"] = DEFAULT_SNAPSHOT_EVERY
     if env.get("KVSTORE_SNAPSHOT_DIR"):
+        check_shard_folder(env["KVSTORE_SNAPSHOT_DIR"])
         return None
     folder = base_env["KVSTORE_SNAPSHOT_DIR"] = tempfile.mkdtemp(prefix="kvstore-shards-")
     log.info("servers' shards in %s (this job's own, for --max-restarts; removed after the job)", folder)
     return folder
+
+
+def check_shard_folder(path: str) -> None:
+    """A local ``KVSTORE_SNAPSHOT_DIR`` the servers of a ``--max-restarts`` job keep their shards in: made
+    if missing and written once (a file made and removed) before any role starts, so that a folder no
+    server could write fails the launch at once, named, not each server at its start, where the exit
+    code raced a server's death (a storage URL is the servers' to check).  Raises ConfigError."""
+    if "://" in path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvstore-write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"KVSTORE_SNAPSHOT_DIR={path!r} cannot be written ({exc.strerror or exc}): under "
+                          "--max-restarts the servers keep their shards there") from None
 
 
 def start_timeline(base_env: dict[str, str], inherited: dict[str, str]) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,35 @@ def test_a_server_killed_right_after_set_optimizer_returns_restarts_with_the_opt
 
 
 OPTIMIZER_SCRIPT = Path(__file__).parent / "scripts" / "optimizer_restart_train.py"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["read-only", "under-a-file"])
+def test_a_shard_folder_no_server_can_write_fails_the_launch_before_anything_starts(
+        launches, tmp_path: Path, where: str) -> None:  # noqa: F811
+    """--max-restarts with a KVSTORE_SNAPSHOT_DIR that cannot be written (a read-only mount, as root; a
+    path under a file) fails the launch at once with exit 2, naming the folder, and starts no role: each
+    server used to fail at its start, its exit code racing a kill (issue 45 item 5)."""
+    folder = tmp_path / "shards"
+    if where == "under-a-file":
+        (tmp_path / "file").write_text("")
+        folder = tmp_path / "file" / "shards"
+    else:
+        folder.mkdir()
+        if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(folder), str(folder)]).returncode:
+            pytest.skip("a read-only bind mount needs root")
+        try:
+            mounted = subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)]).returncode == 0
+            assert mounted, "remount read-only failed"
+        except BaseException:
+            subprocess.run(["umount", str(folder)])
+            raise
+    try:
+        run = launches(["-n", "1", "-s", "1", "--max-restarts", "1", str(SCRIPT), "4", str(tmp_path / "w")],
+                       {"KVSTORE_SNAPSHOT_DIR": str(folder)})
+        assert run.finish(30) == 2, run.output
+        assert f"KVSTORE_SNAPSHOT_DIR='{folder}' cannot be written" in run.output, run.output
+        assert "[scheduler]" not in run.output and "[server 0]" not in run.output, run.output  # none ran
+    finally:
+        if where == "read-only":
+            subprocess.run(["umount", str(folder)])
