@@ -127,8 +127,12 @@ class Heartbeat(threading.Thread):
         try:
             if self.links is not None:
                 self.links.check(heard)  # makes the links: up before the first request is answered
-            while not self._stop_event.is_set():
+            last, beat_s, links_s = None, 0.0, 0.0  # the previous beat: when, how long it took to send,
+            while not self._stop_event.is_set():  # and how long the links check after it took
+                started = time.monotonic()
+                last = self._note_late(last, started, beat_s, links_s)
                 transport.send(sock, self._beat())
+                beat_s = time.monotonic() - started
                 if self._listen(sock, interval):
                     heard = time.monotonic()
                 if self._may_rebind() and (self._refused or time.monotonic() - heard > timeout / 3):
@@ -137,10 +141,12 @@ class Heartbeat(threading.Thread):
                     new = self._ride_over(gap, within)
                     if new is not None:
                         transport.close(sock)
-                        sock, heard, gap = new, time.monotonic(), None
+                        sock, heard, gap, last = new, time.monotonic(), None, None  # not late: rebound
                         continue
                 if self.links is not None and self.lost is None:
+                    checked = time.monotonic()
                     partitioned = self.links.check(heard)
+                    links_s = time.monotonic() - checked
                     if partitioned is not None:
                         self._report(partitioned)
                 if time.monotonic() - heard > timeout:
@@ -159,6 +165,19 @@ class Heartbeat(threading.Thread):
             transport.close(sock)
             if self.links is not None:
                 self.links.close()
+
+    def _note_late(self, last: float | None, started: float, beat_s: float, links_s: float) -> float:
+        """Log a beat that goes out more than half a heartbeat timeout late (what held this node's
+        heartbeat thread, before the scheduler names it lost); returns the beat's time.  ``beat_s`` and
+        ``links_s``: the previous beat's building and sending, and the links check after it."""
+        interval, timeout = self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout
+        if last is not None and started - last > interval + timeout / 2:
+            log.warning("this node's heartbeat went out %.2f s after the previous one (every %g s expected; "
+                        "a node silent for %g s is lost): the previous beat took %.2f s to send, the check of the "
+                        "server links %.2f s; the rest is this process not running its heartbeat thread "
+                        "(CPU starvation, a long hold of the GIL)", started - last, interval, timeout,
+                        beat_s, links_s)
+        return started
 
     def _listen(self, sock: Any, interval: float) -> bool:
         """Read replies for one interval (in short slices: stop() is quick); True if the scheduler's came."""

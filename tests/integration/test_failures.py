@@ -168,22 +168,24 @@ def test_pushes_from_a_left_worker_are_refused_by_the_server_state() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_server_busy_with_256_mb_still_heartbeats(make_cluster) -> None:
-    """adam on a 256 MB key keeps the server busy for longer than twice a 1 s heartbeat timeout: not lost."""
+    """adam on a 256 MB key keeps the server busy for longer than twice a 2 s heartbeat timeout (a
+    fifth of the default): not lost.  (At 1 s, once in many CI runs on 2 loaded cores, the test's own
+    worker went a second without a beat; a late beat now says so in the node's log.)"""
     cluster: Cluster = make_cluster("dist_sync", 1, 1, KVSTORE_HEARTBEAT_INTERVAL="0.2",
-                                    KVSTORE_HEARTBEAT_TIMEOUT="1")
+                                    KVSTORE_HEARTBEAT_TIMEOUT="2")
     (kv,) = cluster.workers
     n = 64 * 1024 * 1024  # float32: 256 MB
     kv.init("big", np.zeros(n, np.float32))
     kv.set_optimizer(kvstore.optimizer.create("adam", learning_rate=0.1))
     started, rounds = time.monotonic(), 0
-    while time.monotonic() - started < 2.5 and rounds < 10:  # busy for over twice the timeout
+    while time.monotonic() - started < 4.5 and rounds < 20:  # busy for over twice the timeout
         out = kv.pushpull("big", np.ones(n, np.float32), out=np.empty(n, np.float32))
         rounds += 1
     busy = time.monotonic() - started
     assert out[0] < 0 and out[-1] == out[0]
     _, scheduler_log = _proc(cluster, "scheduler")
     assert "is lost" not in scheduler_log.read_text()
-    assert busy > 2.0, f"only {busy:.2f} s of work: the test proves nothing on this machine"
+    assert busy > 4.0, f"only {busy:.2f} s of work: the test proves nothing on this machine"
 
 
 def test_close_does_not_wait_for_a_slower_peers_round(make_cluster) -> None:

@@ -364,3 +364,22 @@ def test_a_status_flood_gets_a_bounded_number_of_replies(sched):
     assert sched.service.drops.totals["status-over-rate"] >= 400
     assert Peer(sched, "other").send(Op.STATUS).op is Op.OK
     assert all(peers["w0"].send(Op.STATUS, sender=0) is not None for _ in range(50))
+
+
+def test_a_late_heartbeat_is_logged_with_what_held_it(caplog):
+    """A beat that goes out more than half a heartbeat timeout after the previous one is logged by the
+    node itself, with the previous beat's send time and the links check's; an on-time one is not."""
+    from kvstore.net.heartbeat import Heartbeat
+
+    cfg = kvconfig.load({"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1", "KVSTORE_SECRET": SECRET,
+                         "KVSTORE_HEARTBEAT_INTERVAL": "0.2", "KVSTORE_HEARTBEAT_TIMEOUT": "1"})
+    hb = Heartbeat(cfg, "worker", 0, b"s" * 16, lambda error: None)
+    with caplog.at_level(logging.WARNING, logger="kvstore.heartbeat"):
+        assert hb._note_late(None, 5.0, 0.0, 0.0) == 5.0  # the first beat
+        assert hb._note_late(5.0, 5.69, 0.01, 0.2) == 5.69  # 0.2 + 0.5 allowed
+        assert not caplog.records
+        hb._note_late(5.69, 6.5, 0.25, 0.125)
+    (record,) = caplog.records
+    assert "went out 0.81 s after the previous one" in record.message
+    assert "every 0.2 s expected" in record.message and "silent for 1 s is lost" in record.message
+    assert "0.25 s to send" in record.message and "links 0.12 s" in record.message
