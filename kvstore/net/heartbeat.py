@@ -173,9 +173,9 @@ class Heartbeat(threading.Thread):
         interval, timeout = self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout
         if last is not None and started - last > interval + timeout / 2:
             log.warning("this node's heartbeat went out %.2f s after the previous one (every %g s expected; "
-                        "a node silent for %g s is lost): the previous beat took %.2f s to send, the check of the "
-                        "server links %.2f s; the rest is this process not running its heartbeat thread "
-                        "(CPU starvation, a long hold of the GIL)", started - last, interval, timeout,
+                        "a node silent for %g s is lost): the previous beat took %.2f s to send, the check "
+                        "of the server links %.2f s; the rest is this process not running its heartbeat "
+                        "thread (CPU starvation, a long hold of the GIL)", started - last, interval, timeout,
                         beat_s, links_s)
         return started
 
