@@ -110,6 +110,7 @@ class Config:
     snapshot_dir: str | None = None  # KVSTORE_SNAPSHOT_DIR: where servers write their shards
     shm: bool = True  # KVSTORE_SHM: big arrays between a worker and a server on its host go by shared memory
     shm_bytes: int = DEFAULT_SHM_BYTES  # KVSTORE_SHM_BYTES: the size of each worker's segment per server
+    unix_links: bool = True  # KVSTORE_UNIX_LINKS: a same-host worker talks to a server over a Unix socket
     histogram_every: int = 0  # KVSTORE_HISTOGRAM_EVERY=N: weight/gradient histograms every N steps (0: off)
     malloc_tune: bool = True  # KVSTORE_MALLOC_TUNE: fixed glibc heap thresholds in servers and workers
 
@@ -235,10 +236,11 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
 
 
 def _shm(env: Mapping[str, str]) -> dict[str, Any]:
-    """Same-host shared memory: on or off, and each segment's size (at least 1 MiB)."""
+    """Same-host shared memory: on or off, and each segment's size (at least 1 MiB); Unix-socket links."""
     return {"shm": bool(env_int(env, "KVSTORE_SHM", minimum=0, maximum=1, default=1)),
             "shm_bytes": env_int(env, "KVSTORE_SHM_BYTES", minimum=1 << 20, maximum=1 << 40,
                                  default=DEFAULT_SHM_BYTES),
+            "unix_links": bool(env_int(env, "KVSTORE_UNIX_LINKS", minimum=0, maximum=1, default=1)),
             "malloc_tune": bool(env_int(env, "KVSTORE_MALLOC_TUNE", minimum=0, maximum=1, default=1))}
 
 

@@ -65,6 +65,7 @@ from kvstore.net import transport
 from kvstore.net.auth import Channel, decode
 from kvstore.net.protocol import Message, Op
 from kvstore.net.shm import Segment
+from kvstore.net.unixlink import UnixLink
 
 log = logging.getLogger("kvstore.dist")
 SCHEDULER = -1  # target index of the scheduler socket; servers are 0..S-1
@@ -132,6 +133,10 @@ class Mux:
         self.max_frame_bytes = max_frame_bytes  # the cluster's KVSTORE_MAX_MESSAGE_BYTES (0: none)
         self.channel = channel  # seals every request, opens every reply
         self._send = transport.send if tamper is None else _tampered(tamper)  # tests only: the docstring
+        self._tamper = tamper
+        self._heartbeat = threading.local()  # .on: this thread is the heartbeat's nudge (never waits)
+        self._link_pending = False  # a link holds bytes the heartbeat's send left (the leader sends them)
+        self._spares: dict[int, transport.Socket] = {}  # zmq sockets of servers reached over a link
         self._io = threading.Lock()  # the sockets (and the outbox's order on the wire)
         self._lock = threading.Lock()  # seq, sealing order, the in-flight table, failure, closing
         self._outbox = SendQueue()  # (target, request, seq, nbytes), unsealed, by priority (_lock)
@@ -163,6 +168,28 @@ class Mux:
         self._poller.add(self._wake_r.fileno())
         for sock in self.sockets.values():
             self._poller.add(sock)
+
+    def cancelled(self) -> bool:
+        """Whether the store failed or closed (a link's send that waits gives up then)."""
+        return self._closed or self.failure is not None
+
+    def use_link(self, target: int, link: UnixLink | None) -> None:
+        """Send everything for server ``target`` over ``link`` (kvstore.net.unixlink) from now on, its
+        zmq socket still read; None: back to that socket (the link is closed).  Call it with nothing in
+        flight to ``target`` (kvstore.client.unixlinks.attach does), so no message overtakes another."""
+        with self._io:
+            if self._swaps:
+                self._apply_swaps()
+            current = self.sockets[target]
+            if link is not None:
+                self._spares[target] = current
+                self.sockets[target] = link
+                self._poller.add(link)
+            elif isinstance(current, UnixLink):
+                self._poller.remove(current)
+                self._resolvers.pop(current, None)
+                current.close()
+                self.sockets[target] = self._spares.pop(target)
 
     def set_lanes(self, lanes: SharedLanes | None) -> None:
         """Move big arrays to and from the servers of ``lanes`` (kvstore.client.shmlanes) in shared memory;
@@ -360,8 +387,15 @@ class Mux:
         """Send sealed ``frames`` of request ``seq`` to ``target``; a failure fails that request (its
         waiting caller gets it), never the sender."""
         self._moved += 1
+        sock = self.sockets[target]
         try:
-            self._send(self.sockets[target], frames)
+            if type(sock) is UnixLink:
+                patient = not getattr(self._heartbeat, "on", False)
+                sock.send(frames if self._tamper is None else self._tamper(frames), patient)
+                if sock.pending:
+                    self._link_pending = True
+            else:
+                self._send(sock, frames)
         except Exception as exc:  # surface to the waiting caller
             with self._lock:
                 found = self._inflight.pop(seq, None)
@@ -421,10 +455,16 @@ class Mux:
             swaps, self._swaps = self._swaps, []
         for target, sock in swaps:
             old = self.sockets[target]
-            self._poller.remove(old)
+            if old not in self._retired:  # (a broken link is out of the poller already)
+                self._poller.remove(old)
             self._resolvers.pop(old, None)
-            transport.close(old)
+            _close(old)
             self._retired.add(old)
+            spare = self._spares.pop(target, None)
+            if spare is not None:  # the zmq socket beside a link
+                self._poller.remove(spare)
+                transport.close(spare)
+                self._retired.add(spare)
             self.sockets[target] = sock
             self._poller.add(sock)
 
@@ -461,7 +501,26 @@ class Mux:
     def nudge(self) -> None:
         """Send everything the outbox holds if nothing was sent since the last nudge (a paced big
         value's chunks nobody called to send), and a parked push still there.  The heartbeat calls
-        this each beat."""
+        this each beat; it never waits on a server (a link's record it cannot write at once is left to
+        the next sender or waiting thread)."""
+        self._heartbeat.on = True
+        try:
+            self._nudge()
+        finally:
+            self._heartbeat.on = False
+
+    def _nudge(self) -> None:
+        if self._link_pending and self._io.acquire(blocking=False):  # what the last beat left on links
+            try:
+                self._link_pending = False
+                for sock in list(self.sockets.values()):
+                    if type(sock) is UnixLink and sock.pending:
+                        sock.try_flush()
+                        self._link_pending = self._link_pending or bool(sock.pending)
+            except Exception as exc:  # noqa: BLE001 - the link is broken; its requests end as its loss says
+                log.warning("a link failed: %s", exc)
+            finally:
+                self._io.release()
         if self._parked is not None and self._park.acquire(blocking=False):  # the releaser's backstop
             try:  # (never waits: whoever holds _park is sending, taking or replacing it)
                 self._send_parked_locked()
@@ -542,6 +601,8 @@ class Mux:
         """Poll every socket and resolve what comes in until ``future`` is done (caller holds ``_io``)."""
         self._flush()
         while not future.done() and not self._closed:
+            if self._link_pending:
+                self._flush_links()
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -555,12 +616,27 @@ class Mux:
                 elif ready not in self._retired:
                     self._receive(ready)
 
+    def _flush_links(self) -> None:
+        """Write what the heartbeat's sends left on links (the caller holds ``_io``); a link that fails
+        is broken (its server's requests end as its loss or restart says)."""
+        self._link_pending = False
+        for sock in list(self.sockets.values()):
+            if type(sock) is UnixLink and sock.pending:
+                try:
+                    sock.flush()
+                except Exception as exc:  # noqa: BLE001 - the link is broken; logged, not raised
+                    log.warning("a link to server %d failed: %s", sock.server, exc)
+
     def _receive(self, sock: transport.Socket) -> None:
         """Open and match every reply waiting on ``sock`` (the caller holds ``_io``)."""
+        link = type(sock) is UnixLink
         while True:
             try:
-                frames = transport.recv_nowait(sock)
+                frames = sock.recv_nowait() if link else transport.recv_nowait(sock)
                 if frames is None:
+                    if link and sock.broken is not None and sock not in self._retired:
+                        self._poller.remove(sock)  # at its end for good: never polled again
+                        self._retired.add(sock)
                     return
                 msg = self.channel.open(frames, self._resolvers.get(sock))
             except IntegrityError as exc:  # an authentic header: its request can be failed at once
@@ -631,8 +707,9 @@ class Mux:
             pass
         if self._io.acquire(timeout=timeout):  # a leader lets go within one poll slice
             try:
-                for sock in [*self.sockets.values(), *(new for _, new in self._swaps)]:
-                    transport.close(sock)
+                swapped = [new for _, new in self._swaps]
+                for sock in [*self.sockets.values(), *swapped, *self._spares.values()]:
+                    _close(sock)
                 self._wake_r.close()
                 self._wake_w.close()
             finally:
@@ -642,6 +719,14 @@ class Mux:
         for request in left:
             _resolve(request, exc=StoreClosedError(f"{request.what}: the store was closed"))
         self.set_lanes(None)  # shared-memory segments: freed once no received array views them
+
+
+def _close(sock: Any) -> None:
+    """Close a zmq socket or a link."""
+    if type(sock) is UnixLink:
+        sock.close()
+    else:
+        transport.close(sock)
 
 
 def _resolve(request: Request, result: Message | None = None, exc: BaseException | None = None) -> None:

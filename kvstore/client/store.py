@@ -24,7 +24,7 @@ import numpy as np
 from kvstore import config as kvconfig
 from kvstore import logs
 from kvstore.base import KVStore, Pushed, known_key, once_each
-from kvstore.client import realign, shmlanes
+from kvstore.client import realign, shmlanes, unixlinks
 from kvstore.client.barriers import Barriers
 from kvstore.client.collective import CollectiveCalls, StoreLink
 from kvstore.client.compress import WorkerCompression
@@ -188,6 +188,7 @@ class DistKVStore(KVStore):
             self._heartbeat.start()
             # after the first beat's thread is up: an offer to a server that died meanwhile waits for
             # the heartbeat to name its restart (the offer is sent again to it) or its loss
+            unixlinks.attach(cfg, self._io, cluster.num_servers, cfg.connect_timeout)
             self._io.set_lanes(shmlanes.attach(cfg, self._io, cluster.num_servers, cfg.connect_timeout))
         if owner is not None:
             owner.close, owner.device_on = self._close, self._device_on

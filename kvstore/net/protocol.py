@@ -77,6 +77,9 @@ class Op(enum.IntEnum):
     # A stage's same-host segment for a peer (kvstore.pipeline.link.StageShm): {"offer": SHM_ATTACH's body}
     # from the stage; {"attached": bool, "why": str} back; {"free": [offset, ...]}: ranges the peer has read
     PIPE_SHM = 36
+    # A same-host worker's Unix-socket link to a server (kvstore.net.unixlink): {} over zmq, reply OK
+    # {"address": abstract name | None, "token": bytes, "why"}; then {"token"} over the link, reply OK
+    LINK = 37
     # Data ops carry {"keys": [...], "sizes": [...]} (+ "lo" for a chunk of one key, kvstore.core.plan) and
     # one flat array holding every key's elements in order (none for PULL); replies to PULL and
     # PUSHPULL carry the values the same way, once every key of the request is answered.

@@ -277,23 +277,40 @@ def trim_heap() -> bool:
 
 
 class Poller:
-    """Wait on several sockets (and plain file descriptors) at once."""
+    """Wait on several sockets (and plain file descriptors, or objects with ``fileno()``) at once."""
 
     def __init__(self) -> None:
         self._poller = zmq.Poller()
+        self._objects: dict[int, Any] = {}  # descriptor -> the object watched through it (not zmq's)
+
+    def _key(self, sock_or_fd: Any) -> Any:
+        if isinstance(sock_or_fd, (zmq.Socket, int)):
+            return sock_or_fd
+        fd = sock_or_fd.fileno()
+        self._objects[fd] = sock_or_fd
+        return fd
 
     def add(self, sock_or_fd: Any) -> None:
         """Watch ``sock_or_fd`` for incoming messages."""
-        self._poller.register(sock_or_fd, zmq.POLLIN)
+        self._poller.register(self._key(sock_or_fd), zmq.POLLIN)
 
     def remove(self, sock_or_fd: Any) -> None:
-        """Stop watching ``sock_or_fd``."""
-        self._poller.unregister(sock_or_fd)
+        """Stop watching ``sock_or_fd`` (before it is closed)."""
+        key = self._key(sock_or_fd)
+        self._poller.unregister(key)
+        if not isinstance(sock_or_fd, (zmq.Socket, int)):
+            del self._objects[key]
+
+    def set_write(self, sock_or_fd: Any, on: bool) -> None:
+        """Also report ``sock_or_fd`` (watched) when it can be written to (``on``), or no more."""
+        self._poller.modify(self._key(sock_or_fd), zmq.POLLIN | (zmq.POLLOUT if on else 0))
 
     def wait(self, timeout: float | None) -> list[Any]:
-        """Return the watched objects that are readable, waiting up to ``timeout`` seconds."""
+        """Return the watched objects that are readable (or writable, :meth:`set_write`), waiting up to
+        ``timeout`` seconds."""
         ms = None if timeout is None else max(0, int(timeout * 1000))
-        return [obj for obj, _ in self._poller.poll(ms)]
+        objects = self._objects
+        return [objects.get(obj, obj) if type(obj) is int else obj for obj, _ in self._poller.poll(ms)]
 
 
 def recv_within(sock: zmq.Socket, timeout: float, what: str) -> list[memoryview]:

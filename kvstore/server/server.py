@@ -50,6 +50,7 @@ from kvstore.net.heartbeat import Heartbeat
 from kvstore.net.protocol import Message, Op
 from kvstore.net.role import run_role
 from kvstore.net.router import Handler, RouterService
+from kvstore.net.unixlink import UnixLinks
 from kvstore.server import decompress, fastpath, restore
 from kvstore.server.meter import ServerMeter, record_arrivals
 from kvstore.server.peakmem import PeakMemory
@@ -120,13 +121,15 @@ class Server:
     row-sparse tables, served on a ROUTER's :class:`RouterService`."""
 
     def __init__(self, cfg: kvconfig.Config, service: RouterService, cluster: dict[str, Any],
-                 image: ShardImage | None = None, meter: ServerMeter | None = None) -> None:
+                 image: ShardImage | None = None, meter: ServerMeter | None = None,
+                 links: UnixLinks | None = None) -> None:
         """A server answering on ``service`` (over a bound ROUTER, or a fake transport's socket) in the
         cluster the scheduler's map ``cluster`` describes (its body: rank, session, mode, workers),
-        restarted from ``image`` when given.  Opens nothing and starts nothing: :meth:`run` serves.
+        restarted from ``image`` when given; ``links``: its listening Unix socket for same-host workers
+        (``service``'s endpoint, kvstore.net.unixlink).  Opens nothing and starts nothing: :meth:`run` serves.
         Raises :class:`ConfigError` for an image of another job or mode."""
         rank, session = cluster["rank"], bytes(cluster["session"])
-        self.cfg, self.service = cfg, service
+        self.cfg, self.service, self.links = cfg, service, links
         service.rank = rank
         service.channel.rename(server_name(rank, cfg.incarnation))  # workers' addressee
         service.channel.set_session(session)
@@ -165,7 +168,7 @@ class Server:
                     Op.OPTIMIZER_INFO: self._on_optimizer_info, Op.STATE_GET: self._on_state_get,
                     Op.STATE_SET: self._on_state_set, Op.LEAVE: self._on_leave, Op.REJOIN: self._on_rejoin,
                     Op.SHM_ATTACH: self._on_shm_attach, Op.ROUND_ABORT: self._on_round_abort,
-                    **self.sparse.handlers()}
+                    Op.LINK: self._on_link, **self.sparse.handlers()}
         if cfg.test_arrivals:  # tests only: the order data requests arrive in (KVSTORE_TEST_ARRIVALS)
             handlers = record_arrivals(cfg.test_arrivals, rank, handlers)
         service.handlers = {op: self._metered(op, h) for op, h in handlers.items()}
@@ -412,6 +415,20 @@ class Server:
         attached, why = (False, shm.unusable(self.cfg)) if peers is None else peers.attach(identity, msg.body)
         self.service.reply(identity, Message(Op.OK, {"attached": attached, "why": why}, seq=msg.seq))
 
+    def _on_link(self, identity: bytes, msg: Message) -> None:
+        """A same-host worker's Unix-socket link (kvstore.net.unixlink): over zmq, where to connect and
+        the token; over the new link, the token, which binds it to the worker.  Raises ProtocolError
+        for a token not offered, or one sent over zmq (nothing changed)."""
+        links = self.links
+        if "token" not in msg.body:
+            body = links.offer(identity) if links is not None else \
+                {"address": None, "why": "KVSTORE_UNIX_LINKS=0 or KVSTORE_ENCRYPT on this server"}
+            self.service.reply(identity, Message(Op.OK, body, seq=msg.seq))
+            return
+        if links is None or not links.is_pseudo(identity) or not links.bind(identity, msg.body["token"]):
+            raise ProtocolError("LINK: a token this server did not offer, or not over a new link")
+        self.service.reply(identity, Message(Op.OK, {"bound": True}, seq=msg.seq))
+
     def _segment_push_fits(self, msg: Message) -> None:
         """Before the arrays a request has in a worker's segment are copied out: a PUSH or PUSHPULL
         must name keys held here and declare no more bytes than they hold (a push declaring 1 GiB for
@@ -578,6 +595,10 @@ class Server:
         poller = transport.Poller()
         poller.add(self.service.sock)
         poller.add(scheduler.sock)
+        links = self.links
+        if links is not None:
+            links.poller = poller
+            poller.add(links.listener)
         try:
             while True:
                 lost = scheduler.heartbeat.lost
@@ -592,8 +613,12 @@ class Server:
                 unsettled = self._unsettled or self._unsettled_sets
                 idle = min(self.cfg.heartbeat_interval, MEET_POLL) if self.state.rendezvous else \
                     self.cfg.heartbeat_interval  # a worker-set init's deadline is watched
-                ready = poller.wait(SETTLE_POLL if unsettled else idle)
-                if self.service.sock in ready:
+                ready = poller.wait(0 if links is not None and links.pending else
+                                    SETTLE_POLL if unsettled else idle)
+                if links is not None:
+                    for obj in ready:
+                        links.ready(obj)  # accepts, reads, flushes replies; ignores the zmq sockets
+                if self.service.sock in ready or (links is not None and links.pending):
                     self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
                 if scheduler.sock in ready and self._from_scheduler(scheduler):
                     return 0
@@ -602,6 +627,8 @@ class Server:
             if self.shards is not None:
                 self.shards.close(self.cfg.shutdown_timeout)
             scheduler.heartbeat.stop()
+            if links is not None:
+                links.close_links()
             transport.close(self.service.sock)
             transport.close(scheduler.sock, linger=1.0)
 
@@ -738,7 +765,14 @@ def _serve(cfg: kvconfig.Config) -> int:
                           report_peers=False, stats=meter.snapshot,
                           rebinder=ServerRebind(cfg, rank, host, port, channel, cmap.body, rebound))
     heartbeat.start()  # beating while a restarted server installs its shard
-    server = Server(cfg, service, cmap.body, image, meter)
+    links = None
+    if cfg.unix_links and not cfg.encrypt:  # same-host workers' links (kvstore.net.unixlink)
+        try:
+            links = UnixLinks(service.endpoint, cfg.max_message_bytes)
+            service.endpoint = links
+        except OSError as exc:
+            log.warning("no Unix-socket links for same-host workers: %s", exc)
+    server = Server(cfg, service, cmap.body, image, meter, links)
     if not shm.unusable(cfg):  # workers on this host may offer segments
         service.shm = shm.ServerPeers(server.memory.checkpoint, cfg.max_message_bytes)
     logs.set_identity("server", rank)

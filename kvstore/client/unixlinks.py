@@ -1,0 +1,68 @@
+"""A worker's Unix-socket links to the servers on its host (``kvstore.net.unixlink``).
+
+:func:`attach` asks each server for a link (``Op.LINK`` over zmq), connects to the abstract socket a
+server names, and binds the link with the server's token over it; each server so reached gets every
+later request of this worker over its link (:meth:`kvstore.client.mux.Mux.use_link`).  A server on
+another host (or network namespace), one that offers none (``KVSTORE_UNIX_LINKS=0``, encryption on),
+or one that does not answer stays on zmq: one log line says which and why.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore.client.mux import Mux
+from kvstore.config import Config
+from kvstore.net.protocol import Message, Op
+from kvstore.net.unixlink import UnixLink
+
+log = logging.getLogger("kvstore.dist")
+
+
+def unusable(cfg: Config) -> str | None:
+    """Why this worker keeps every server on zmq, or None."""
+    if not cfg.unix_links:
+        return "KVSTORE_UNIX_LINKS=0"
+    if cfg.encrypt:
+        return f"KVSTORE_ENCRYPT={cfg.encrypt} keeps every byte on the encrypted sockets"
+    return None
+
+
+def attach(cfg: Config, wire: Mux, servers: int, timeout: float) -> list[int]:
+    """Link this worker to each of ``servers`` that offers a link it can reach; return their indices.
+    Call it with nothing in flight to the servers.  Raises nothing."""
+    why = unusable(cfg)
+    if why is not None:
+        log.info("Unix-socket links off: %s", why)
+        return []
+    offers = {i: wire.submit(i, Message(Op.LINK, {}), f"link offer from server {i}") for i in range(servers)}
+    linked: list[int] = []
+    missed: dict[int, str] = {}
+    for i, request in offers.items():
+        try:
+            body = wire.wait(request, timeout).body
+        except Exception as exc:  # noqa: BLE001 - an old server, or none in time: it stays on zmq
+            missed[i] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            continue
+        address, token = body.get("address"), body.get("token")
+        if not isinstance(address, str) or not isinstance(token, bytes):
+            missed[i] = str(body.get("why", "no link offered"))[:200]
+            continue
+        try:
+            link = UnixLink(address, i, cfg.max_message_bytes, cfg.request_timeout, wire.cancelled)
+        except OSError as exc:  # another host or network namespace
+            missed[i] = f"not reachable from here ({exc.strerror or exc})"
+            continue
+        wire.use_link(i, link)
+        try:
+            wire.wait(wire.submit(i, Message(Op.LINK, {"token": token}), f"link to server {i}"), timeout)
+        except Exception as exc:  # noqa: BLE001 - back to zmq
+            wire.use_link(i, None)
+            missed[i] = f"the link was refused: {type(exc).__name__}: {str(exc)[:200]}"
+            continue
+        linked.append(i)
+    if missed:
+        log.info("server(s) %s stay on zmq: %s", sorted(missed), next(iter(missed.values())))
+    if linked:
+        log.info("Unix-socket links to server(s) %s", linked)
+    return linked

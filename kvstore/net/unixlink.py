@@ -1,0 +1,491 @@
+"""Unix-socket links between a worker and a server on one host: the data path without zmq's I/O threads.
+
+A zmq message crosses two extra threads: the sender's I/O thread wakes to write it, the receiver's to
+read it and wake the receiving thread, in both directions of a round trip (the largest single item
+in both processes' profiles for a small key, issue 39).  Where a worker and a server share a host
+(and a network namespace), the worker's messages to that server go instead over one Unix stream
+socket that the sending thread writes and the receiving thread reads itself.  The frames are the
+sealed frames of the zmq path, byte for byte (MAC, header, arrays); only their framing differs:
+``<I`` the record's length after this field, ``<H`` the number of frames, a ``<I`` length per frame,
+then the frames.  A record longer than the receiver's limit, with too many frames or lengths that do
+not add up, closes the connection (logged): nothing read from it reaches the handlers unframed.
+
+How a link is made (``Op.LINK``, over zmq first): the worker asks; a server that listens answers with
+its abstract socket name (Linux's abstract namespace: no file, scoped to the network namespace, so
+only a process on the same host and namespace reaches it) and a random token bound to the worker's
+zmq identity; the worker connects and sends ``LINK {"token"}`` over the new socket, sealed as any
+request; the server binds the connection to that identity and answers over it.  From then on the
+server hands the connection's messages to its handlers under the worker's zmq identity (so shared
+memory, labels and replies keyed by it are unchanged) and sends that identity's replies over it; the
+worker sends everything for that server over it.  A stranger on the host that connects gets nothing:
+every message is authenticated by the router as before, a LINK with a token not offered (or over zmq)
+is refused, and a connection still unbound after UNBOUND_GRACE seconds is closed.
+
+Sending: a worker's send writes the whole record before it returns (the server reads its links on
+every turn of its loop, so this waits only while the server is inside a handler), in slices that
+check the worker's closing and failure, within the request deadline (:class:`DeadlineExceededError`
+naming the server).  The heartbeat's thread never waits on a server: what it sends (a paced chunk
+nobody else sent, a parked push) leaves the rest of its record pending for the next sender or the
+thread that waits for a reply.  A server's reply never waits: what the socket does not take at once is copied
+and queued, sent as the socket drains (its poller watches for that); a connection with
+``transport.ROUTER_SNDHWM`` replies queued drops the next one, as a ROUTER does.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import select
+import socket
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstore.errors import DeadlineExceededError, NodeLostError, ProtocolError
+from kvstore.net import transport
+
+log = logging.getLogger("kvstore.link")
+
+_LEN = struct.Struct("<I")
+_COUNT = struct.Struct("<H")
+READ_BYTES = 1 << 16  # what one read asks the kernel for (grown for a longer record)
+MAX_CONNECTIONS = 1024  # a server's links, bound or not: a local process cannot exhaust its descriptors
+UNBOUND_GRACE = 10.0  # seconds an unbound connection may stay silent before it is closed
+MAX_RECORD = 1 << 31  # a record's bytes where the cluster sets no KVSTORE_MAX_MESSAGE_BYTES
+IOV_MAX = 1000  # buffers handed to one sendmsg (Linux allows 1024)
+_SLICE = 0.05  # a blocked worker send re-checks its cancel flag this often (seconds)
+
+
+def record(frames: Sequence[Any]) -> tuple[list[Any], int]:
+    """The buffers of one record (its header, then the frames) and its total bytes."""
+    sizes = [memoryview(f).nbytes for f in frames]
+    header = _LEN.pack(2 + 4 * len(sizes) + sum(sizes)) + _COUNT.pack(len(sizes)) + \
+        struct.pack(f"<{len(sizes)}I", *sizes)
+    return [header, *frames], len(header) + sum(sizes)
+
+
+def _advance(buffers: list[Any], sent: int) -> list[memoryview]:
+    """What is left of ``buffers`` after the first ``sent`` bytes went out."""
+    left: list[memoryview] = []
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        if sent >= view.nbytes:
+            sent -= view.nbytes
+            continue
+        left.append(view[sent:])
+        sent = 0
+    return left
+
+
+def _sendmsg(sock: socket.socket, buffers: list[Any]) -> int:
+    """One nonblocking sendmsg of at most IOV_MAX buffers; bytes sent (0 when the socket is full)."""
+    try:
+        return sock.sendmsg(buffers[:IOV_MAX])
+    except (BlockingIOError, InterruptedError):
+        return 0
+
+
+class Reader:
+    """Reassembles records from a nonblocking stream socket; each as a list of frames (memoryviews of
+    one bytes object of its own)."""
+
+    def __init__(self, sock: socket.socket, max_bytes: int, max_frames: int = transport.MAX_FRAMES) -> None:
+        self.sock, self.max_bytes, self.max_frames = sock, max_bytes or MAX_RECORD, max_frames
+        self._buf = bytearray(READ_BYTES)
+        self._lo = self._hi = 0  # the unparsed bytes are _buf[_lo:_hi]
+
+    def read(self) -> tuple[list[list[memoryview]], bool]:
+        """The complete records the socket has now, and whether the peer closed its end.
+        Raises ProtocolError for a malformed record (the connection is to be closed)."""
+        records: list[list[memoryview]] = []
+        closed = False
+        while True:
+            self._room()
+            try:
+                n = self.sock.recv_into(memoryview(self._buf)[self._hi:])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # reset by the peer
+                closed = True
+                break
+            if n == 0:
+                closed = True
+                break
+            self._hi += n
+            self._parse(records)
+            if self._hi < len(self._buf):
+                break  # the kernel had no more than this
+        return records, closed
+
+    def _room(self) -> None:
+        """Make room after ``_hi``: move a partial record to the front, grow for a long one."""
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        need = READ_BYTES
+        if self._hi - self._lo >= 4:
+            need = max(need, 4 + _LEN.unpack_from(self._buf, self._lo)[0] - (self._hi - self._lo))
+        if len(self._buf) - self._hi >= min(need, READ_BYTES):
+            return
+        pending = self._hi - self._lo
+        if self._lo:
+            self._buf[:pending] = self._buf[self._lo:self._hi]
+            self._lo, self._hi = 0, pending
+        if len(self._buf) - self._hi < need:
+            self._buf.extend(bytes(need - (len(self._buf) - self._hi)))
+
+    def _parse(self, records: list[list[memoryview]]) -> None:
+        buf = self._buf
+        while self._hi - self._lo >= 6:
+            length = _LEN.unpack_from(buf, self._lo)[0]
+            count = _COUNT.unpack_from(buf, self._lo + 4)[0]
+            if count > self.max_frames or count == 0 or 2 + 4 * count > length:
+                raise ProtocolError(f"a link record of {count} frames in {length} bytes")
+            start = self._lo + 6
+            body = start + 4 * count
+            if self._hi < body:
+                return
+            sizes = struct.unpack_from(f"<{count}I", buf, start)
+            if max(sizes) > self.max_bytes:  # zmq's MAXMSGSIZE is per frame too
+                raise ProtocolError(f"a link frame of {max(sizes)} bytes exceeds the limit "
+                                    f"({self.max_bytes})")
+            if sum(sizes) != length - 2 - 4 * count:
+                raise ProtocolError("a link record's frame lengths do not add up to its length")
+            if self._hi - self._lo < 4 + length:
+                return
+            data = memoryview(bytes(buf[body:self._lo + 4 + length]))
+            frames, at = [], 0
+            for size in sizes:
+                frames.append(data[at:at + size])
+                at += size
+            records.append(frames)
+            self._lo += 4 + length
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        if len(buf) > 4 * READ_BYTES and self._hi - self._lo < READ_BYTES:  # a long record is gone
+            self._buf = bytearray(buf[self._lo:self._hi]) + bytearray(READ_BYTES)
+            self._hi -= self._lo
+            self._lo = 0
+
+
+class UnixLink:
+    """A worker's link to one server: it sends every request for that server, and reads the replies.
+    Polled like a zmq socket (``fileno``); :meth:`send` and :meth:`recv_nowait` as ``transport``'s."""
+
+    def __init__(self, name: str, server: int, max_bytes: int, timeout: float,
+                 cancelled: Callable[[], bool]) -> None:
+        """Connect to the abstract socket ``name``; raises OSError when it cannot be reached."""
+        self.server, self.timeout, self.cancelled = server, timeout, cancelled
+        self.address = name
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect("\0" + name)
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+        self.reader = Reader(self.sock, max_bytes)
+        self._records: collections.deque[list[memoryview]] = collections.deque()
+        self.broken: BaseException | None = None
+        self.pending: list[memoryview] = []  # bytes a send that could not wait left (copies)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, frames: Sequence[Any], wait: bool = True) -> bool:
+        """Write one message whole, after what earlier sends left (:attr:`pending`).  With ``wait``
+        False (the heartbeat's thread, which must not wait on a server) what the socket does not take
+        at once is copied and left pending, for the next send or :meth:`flush`.  Raises NodeLostError
+        (the server closed the link, or an earlier send broke it mid-record) or DeadlineExceededError
+        (not taken within the request deadline)."""
+        if self.broken is not None:
+            raise NodeLostError(f"server {self.server}'s link is broken: {self.broken}")
+        buffers, total = record(frames)
+        if self.pending:
+            if not wait:
+                self.pending += [memoryview(bytes(b)) for b in buffers]
+                self.try_flush()
+                return True
+            self.flush()
+        try:
+            sent = _sendmsg(self.sock, buffers)
+        except OSError as exc:
+            raise self._broke(exc) from None
+        if sent == total:
+            return True
+        left = _advance(buffers, sent)
+        if wait:
+            self._send_rest(left)
+        else:
+            self.pending = [memoryview(bytes(v)) for v in left]  # the caller's frames may change
+        return True
+
+    def flush(self) -> None:
+        """Write what earlier sends left pending, waiting as :meth:`send` does; raises as it does."""
+        if self.broken is not None:
+            raise NodeLostError(f"server {self.server}'s link is broken: {self.broken}")
+        left, self.pending = self.pending, []
+        self._send_rest(left)
+
+    def try_flush(self) -> None:
+        """Write what the socket takes of :attr:`pending` now, without waiting."""
+        try:
+            sent = _sendmsg(self.sock, self.pending)
+        except OSError as exc:
+            raise self._broke(exc) from None
+        self.pending = _advance(self.pending, sent)
+
+    def _send_rest(self, left: list[memoryview]) -> None:
+        deadline = time.monotonic() + self.timeout
+        while left:
+            if self.cancelled():
+                raise self._broke(NodeLostError("the store failed or closed mid-message"))
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                error = DeadlineExceededError(f"server {self.server} did not read a message within "
+                                              f"{self.timeout:g} s (KVSTORE_REQUEST_TIMEOUT)")
+                self._broke(error)
+                raise error
+            select.select([], [self.sock], [], min(wait, _SLICE))
+            try:
+                sent = _sendmsg(self.sock, left)
+            except OSError as exc:
+                raise self._broke(exc) from None
+            left = _advance(left, sent)
+
+    def _broke(self, why: BaseException) -> NodeLostError:
+        """Mark the link unusable (a record may be cut short); the error to raise."""
+        self.broken = why
+        return NodeLostError(f"server {self.server}'s link failed: {why}")
+
+    def recv_nowait(self) -> list[memoryview] | None:
+        """The next reply read, or None when none is complete.  When the server closed the link or sent
+        a malformed record, the link is broken from then on (logged; its sends raise NodeLostError)."""
+        if not self._records:
+            if self.broken is not None:
+                return None
+            try:
+                records, closed = self.reader.read()
+            except ProtocolError as exc:
+                log.warning("server %d's link sent a malformed record: %s", self.server, exc)
+                self._broke(exc)
+                return None
+            self._records.extend(records)
+            if closed and not self._records:
+                self._broke(NodeLostError(f"server {self.server} closed the link"))
+                return None
+            if not self._records:
+                return None
+        return self._records.popleft()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Conn:
+    """One accepted connection on a server: unbound until its token names a worker's identity."""
+
+    def __init__(self, sock: socket.socket, pseudo: bytes, max_bytes: int) -> None:
+        self.sock, self.pseudo = sock, pseudo
+        self.reader = Reader(sock, max_bytes)
+        self.identity: bytes | None = None  # the worker's zmq identity, once bound
+        self.out: collections.deque[memoryview] = collections.deque()  # unsent bytes, in order
+        self.queued = 0  # messages with bytes in ``out``
+        self.opened = time.monotonic()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+
+class UnixLinks:
+    """A server's listening socket and its links; wraps its zmq ROUTER as the service's endpoint
+    (:class:`kvstore.net.router.RouterSocket`): messages read from links come first."""
+
+    def __init__(self, router: Any, max_bytes: int, poller: transport.Poller | None = None) -> None:
+        self.router = router  # the zmq side (transport.Router)
+        self.max_bytes = max_bytes
+        self.name = f"kvstore-link-{os.getpid()}-{os.urandom(8).hex()}"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + self.name)
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.poller = poller
+        self._conns: dict[bytes, _Conn] = {}  # pseudo identity -> connection
+        self._bound: dict[bytes, _Conn] = {}  # worker identity -> its connection
+        self._tokens: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # token -> identity
+        self._pending: collections.deque[list[Any]] = collections.deque()
+        self._numbers = 0
+        self.dropped = 0
+
+    # -- setting a link up ---------------------------------------------------------------------------
+    def offer(self, identity: bytes) -> dict[str, Any]:
+        """The body of the LINK reply to ``identity``'s request over zmq: where to connect, the token."""
+        token = os.urandom(16)
+        self._tokens[token] = identity
+        while len(self._tokens) > MAX_CONNECTIONS:
+            self._tokens.popitem(last=False)
+        return {"address": self.name, "token": token}
+
+    def bind(self, pseudo: bytes, token: Any) -> bool:
+        """Bind connection ``pseudo`` to the identity ``token`` was offered to; False (nothing
+        changed) for an unknown token or a connection already bound."""
+        conn = self._conns.get(pseudo)
+        identity = self._tokens.pop(token, None) if isinstance(token, bytes) else None
+        if conn is None or identity is None or conn.identity is not None:
+            return False
+        old = self._bound.get(identity)
+        if old is not None:
+            self._close(old, "replaced by a new link of the same worker")
+        conn.identity = identity
+        self._bound[identity] = conn
+        return True
+
+    def is_pseudo(self, identity: bytes) -> bool:
+        """Whether ``identity`` names an unbound connection (only LINK may come from one)."""
+        conn = self._conns.get(identity)
+        return conn is not None and conn.identity is None
+
+    # -- the loop's side -----------------------------------------------------------------------------
+    def watched(self) -> list[Any]:
+        """What the server's poller watches for links: the listener and every connection."""
+        return [self.listener, *self._conns.values()]
+
+    def ready(self, obj: Any) -> bool:
+        """Handle a poll result: accept, read or flush; False when ``obj`` is not a link's."""
+        if obj is self.listener:
+            self._accept()
+            return True
+        if not isinstance(obj, _Conn) or obj.pseudo not in self._conns:
+            return False
+        if obj.out:
+            self._flush(obj)
+        self._read(obj)
+        return True
+
+    @property
+    def pending(self) -> bool:
+        """Whether messages read from links wait to be handled."""
+        return bool(self._pending)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("a link's connection could not be accepted: %s", exc)
+                return
+            self._expire()
+            if len(self._conns) >= MAX_CONNECTIONS:
+                sock.close()
+                log.warning("refused a link: %d connections are open", MAX_CONNECTIONS)
+                continue
+            sock.setblocking(False)
+            self._numbers += 1
+            conn = _Conn(sock, b"\0link" + self._numbers.to_bytes(8, "big"), self.max_bytes)
+            self._conns[conn.pseudo] = conn
+            if self.poller is not None:
+                self.poller.add(conn)
+
+    def _expire(self) -> None:
+        """Close unbound connections silent for UNBOUND_GRACE (a stranger's, or a worker's that died)."""
+        now = time.monotonic()
+        late = [c for c in self._conns.values() if c.identity is None and now - c.opened > UNBOUND_GRACE]
+        for conn in late:
+            self._close(conn, "no token in time")
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            records, closed = conn.reader.read()
+        except ProtocolError as exc:
+            self._close(conn, str(exc))
+            return
+        for frames in records:
+            if conn.identity is None and self._pending_unbound(conn):
+                self._close(conn, "a second message before its token was accepted")
+                return
+            self._pending.append([conn.identity or conn.pseudo, *frames])
+        if closed:
+            self._close(conn, None)
+
+    def _pending_unbound(self, conn: _Conn) -> bool:
+        return any(p[0] == conn.pseudo for p in self._pending)
+
+    def _close(self, conn: _Conn, why: str | None) -> None:
+        if why is not None:
+            log.warning("closed a link: %s", why)
+        self._conns.pop(conn.pseudo, None)
+        if conn.identity is not None and self._bound.get(conn.identity) is conn:
+            del self._bound[conn.identity]
+        if self.poller is not None:
+            try:
+                self.poller.remove(conn)
+            except KeyError:
+                pass
+        conn.sock.close()
+
+    # -- RouterSocket ---------------------------------------------------------------------------------
+    def send(self, identity: bytes, frames: Sequence[Any]) -> bool:
+        """A reply: over the identity's link when it has one (never waiting), else over zmq."""
+        conn = self._bound.get(identity) or self._conns.get(identity)
+        if conn is None:
+            return self.router.send(identity, frames)
+        if conn.queued >= transport.ROUTER_SNDHWM:
+            self.dropped += 1
+            return False
+        buffers, total = record(frames)
+        sent = 0
+        if not conn.out:
+            try:
+                sent = _sendmsg(conn.sock, buffers)
+            except OSError as exc:
+                self._close(conn, f"sending failed: {exc}")
+                raise NodeLostError(f"peer {identity!r}'s link is closed") from None
+            if sent == total:
+                return True
+        conn.out.extend(memoryview(bytes(v)) for v in _advance(buffers, sent))
+        conn.queued += 1
+        if self.poller is not None:
+            self.poller.set_write(conn, True)
+        return True
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.out:
+            try:
+                sent = _sendmsg(conn.sock, list(conn.out))
+            except OSError as exc:
+                self._close(conn, f"sending failed: {exc}")
+                return
+            if sent == 0:
+                return
+            left = _advance(list(conn.out), sent)
+            conn.out = collections.deque(left)
+        conn.queued = 0
+        if self.poller is not None:
+            self.poller.set_write(conn, False)
+
+    def recv(self, timeout: float | None) -> list[Any] | None:
+        """A message read from a link first, else the zmq side's (see RouterSocket)."""
+        if self._pending:
+            return self._pending.popleft()
+        return self.router.recv(timeout)
+
+    def close_links(self) -> None:
+        """Close every link and the listening socket (the zmq side stays open)."""
+        for conn in list(self._conns.values()):
+            self._close(conn, None)
+        self.listener.close()
+
+    def close(self) -> None:
+        """Close the links and the zmq side."""
+        self.close_links()
+        self.router.close()
+
+
+def unusable_errno(exc: OSError) -> bool:
+    """Whether a connect failure means the server is not on this host/namespace (not worth logging
+    as a fault)."""
+    return exc.errno in (errno.ECONNREFUSED, errno.ENOENT)
