@@ -95,10 +95,11 @@ def main() -> None:
                 print(f"    {name:42} {value:12.1f}", flush=True)
         blocks.append(entry)
     print(f"\nmedians of {args.blocks} blocks ({' '.join(args.env) or 'default settings'}):")
-    names = list(blocks[0][first]["figures"])
+    names = list(dict.fromkeys(name for b in blocks for side in sides for name in b[side]["figures"]))
     summary = {}
     for name in names:
-        values = {side: statistics.median(b[side]["figures"][name] for b in blocks) for side in sides}
+        # a thread one side lacks in a block (a link's worker has no zmq I/O thread) counts 0 there
+        values = {side: statistics.median(b[side]["figures"].get(name, 0.0) for b in blocks) for side in sides}
         ratio = values[first] / values[second] if values[second] else float("nan")
         summary[name] = {**values, "ratio": ratio}
         print(f"    {name:42} {first} {values[first]:10.1f}  {second} {values[second]:10.1f} {ratio:5.2f}x")
