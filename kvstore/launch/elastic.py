@@ -91,6 +91,17 @@ def job_ending(live_workers: int, scheduler_gone: bool) -> str | None:
     return None
 
 
+DEATH_UNSEEN = 5.0  # seconds a closed scheduler port, its process still running, holds a join
+
+
+def death_unseen(restarts: bool, scheduler_running: bool, live_workers: int, closed_for: float) -> bool:
+    """Whether a scheduler port found closed (for ``closed_for`` seconds) is more likely a SIGKILLed
+    scheduler the launcher has yet to see exit (and will restart: ``restarts``) than a job's end: its
+    process still counts as running and workers run.  A join asked then is held, not refused, for up
+    to DEATH_UNSEEN seconds (a scheduler closes its port at the job's end just before it exits)."""
+    return restarts and scheduler_running and live_workers > 0 and closed_for < DEATH_UNSEEN
+
+
 def elastic_slots(num_workers: int, min_workers: int | None, max_workers: int | None) -> int:
     """The job's worker slots: ``max_workers``, or ``num_workers`` for a job that is not elastic.  Raises
     ValueError unless ``1 <= min_workers <= num_workers <= max_workers`` (each defaulting to

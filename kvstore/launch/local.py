@@ -31,7 +31,7 @@ from kvstore.errors import ChildFailed, ConfigError, StartFailed, SyncFailed
 from kvstore.launch import envrules as roles
 from kvstore.launch import gpus, tether
 from kvstore.launch import tensorboard as kvtensorboard
-from kvstore.launch.elastic import CONTROL_VARIABLE, JoinControl, control_path, job_ending
+from kvstore.launch.elastic import CONTROL_VARIABLE, JoinControl, control_path, death_unseen, job_ending
 from kvstore.launch.group import RoleGroup, SchedulerRestart
 from kvstore.launch.interrupts import held_interrupts
 from kvstore.launch.node import python_if_script
@@ -126,6 +126,8 @@ class Cluster:
         self.scheduler_restart: SchedulerRestart | None = None  # --max-restarts, local: set by start()
         self.control: JoinControl | None = None  # --max-workers: the elastic control file, set by start()
         self._held_joins = 0  # joins asked while the scheduler was being restarted: asked again later
+        self._unseen_since: float | None = None  # when the scheduler's port was first seen closed while
+        # its process still counted as running (_scheduler_death_unseen)
         self.worker_argv: list[str] = []  # what every worker runs (a joining one too)
         if cfg.max_workers is not None:  # B slots, -n present at the start (docs/elastic.md)
             self.base_env["DMLC_NUM_WORKER"] = str(cfg.max_workers)
@@ -261,7 +263,10 @@ class Cluster:
                 n = int(c.spec.env.get("KVSTORE_INCARNATION", "0"))
                 incarnations[c.spec.rank] = max(n, incarnations.get(c.spec.rank, 0))
             gone = self._scheduler_gone()
-            if gone and self._scheduler_restarting():  # not the job's end: the scheduler comes back
+            if not gone:
+                self._unseen_since = None
+            if gone and (self._scheduler_restarting() or self._scheduler_death_unseen(held)):
+                # not the job's end: the scheduler comes back (or its death is yet to be seen)
                 if not self._held_joins:
                     log.info("a worker's join waits until the restarted scheduler has rebuilt the cluster")
                 self._held_joins = asked - i
@@ -284,6 +289,16 @@ class Cluster:
             return True
         where = transport.address(self.base_env["DMLC_PS_ROOT_URI"], int(self.base_env["DMLC_PS_ROOT_PORT"]))
         return address.probe(where, 1.0) == address.REFUSED
+
+    def _scheduler_death_unseen(self, held: set[int | None]) -> bool:
+        """Whether the scheduler's closed port is a SIGKILLed scheduler whose exit the launcher has yet
+        to see, under --max-restarts (:func:`kvstore.launch.elastic.death_unseen`)."""
+        running = any(c.spec.role == "scheduler" and c.state in (RoleState.STARTING, RoleState.RUNNING)
+                      for c in self.children)
+        now = time.monotonic()
+        if self._unseen_since is None:  # reset by join_workers once the port is open again
+            self._unseen_since = now
+        return death_unseen(self.scheduler_restart is not None, running, len(held), now - self._unseen_since)
 
     def _scheduler_restarting(self) -> bool:
         """Whether a lost scheduler is being restarted (--max-restarts): it failed and the launcher has

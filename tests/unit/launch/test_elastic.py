@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.launch.elastic import JoinControl, elastic_slots, job_ending, left_slots, restart_env
+from kvstore.launch.elastic import (
+    DEATH_UNSEEN,
+    JoinControl,
+    death_unseen,
+    elastic_slots,
+    job_ending,
+    left_slots,
+    restart_env,
+)
 from kvstore.launch.group import RoleGroup
 from kvstore.launch.options import parse_args
 from kvstore.launch.roleprocess import RoleProcess, RoleSpec, RoleState
@@ -111,3 +119,14 @@ def test_a_joined_worker_that_fails_is_restarted_without_kvstore_join() -> None:
         assert "KVSTORE_JOIN" not in child.spec.env
     finally:
         group.stop()
+
+
+def test_a_closed_scheduler_port_while_its_process_runs_holds_a_join_for_a_while() -> None:
+    """A join that finds the scheduler's port closed while its process still counts as running, workers
+    run and restarts are on waits (the launcher has yet to see a SIGKILL: a loaded CI run refused it as the
+    job's end); not without restarts, workers or a running process, nor past DEATH_UNSEEN."""
+    assert death_unseen(True, True, 2, 0.0) and death_unseen(True, True, 1, DEATH_UNSEEN - 0.1)
+    assert not death_unseen(False, True, 2, 0.0)
+    assert not death_unseen(True, False, 2, 0.0)
+    assert not death_unseen(True, True, 0, 0.0)
+    assert not death_unseen(True, True, 2, DEATH_UNSEEN)
