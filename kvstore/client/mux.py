@@ -391,6 +391,8 @@ class Mux:
         try:
             if type(sock) is UnixLink:
                 patient = not getattr(self._heartbeat, "on", False)
+                # False: the server closed the link (it died): the request stays in flight, as on a
+                # DEALER to a dead peer, for the server's restart (hold, resend) or its loss (fail)
                 sock.send(frames if self._tamper is None else self._tamper(frames), patient)
                 if sock.pending:
                     self._link_pending = True

@@ -24,11 +24,13 @@ is refused, and a connection still unbound after UNBOUND_GRACE seconds is closed
 Sending: a worker's send writes the whole record before it returns (the server reads its links on
 every turn of its loop, so this waits only while the server is inside a handler), in slices that
 check the worker's closing and failure, within the request deadline (:class:`DeadlineExceededError`
-naming the server).  The heartbeat's thread never waits on a server: what it sends (a paced chunk
-nobody else sent, a parked push) leaves the rest of its record pending for the next sender or the
-thread that waits for a reply.  A server's reply never waits: what the socket does not take at once is copied
-and queued, sent as the socket drains (its poller watches for that); a connection with
-``transport.ROUTER_SNDHWM`` replies queued drops the next one, as a ROUTER does.
+naming the server).  A link the server closed (its process died) takes nothing more, as a zmq socket
+to a dead peer: the requests wait for the server's restart (resent on zmq) or its loss.  The
+heartbeat's thread never waits on a server: what it sends (a paced chunk nobody else sent, a parked
+push) leaves the rest of its record pending for the next sender or the thread that waits for a reply.
+A server's reply never waits: what the socket does not take at once is copied and queued, sent as the
+socket drains (its poller watches for that); a connection with ``transport.ROUTER_SNDHWM`` replies
+queued drops the next one, as a ROUTER does.
 """
 
 from __future__ import annotations
@@ -195,53 +197,58 @@ class UnixLink:
         return self.sock.fileno()
 
     def send(self, frames: Sequence[Any], wait: bool = True) -> bool:
-        """Write one message whole, after what earlier sends left (:attr:`pending`).  With ``wait``
-        False (the heartbeat's thread, which must not wait on a server) what the socket does not take
-        at once is copied and left pending, for the next send or :meth:`flush`.  Raises NodeLostError
-        (the server closed the link, or an earlier send broke it mid-record) or DeadlineExceededError
-        (not taken within the request deadline)."""
+        """Write one message whole, after what earlier sends left (:attr:`pending`); False, nothing
+        written, once the server has closed the link (as a DEALER's message to a dead peer, the request
+        is left to the server's restart or loss).  With ``wait`` False (the heartbeat's thread, which
+        must not wait on a server) what the socket does not take at once is copied and left pending,
+        for the next send or :meth:`flush`.  Raises DeadlineExceededError (not taken within the request
+        deadline: the link is broken from then on)."""
         if self.broken is not None:
-            raise NodeLostError(f"server {self.server}'s link is broken: {self.broken}")
+            return False
         buffers, total = record(frames)
         if self.pending:
             if not wait:
                 self.pending += [memoryview(bytes(b)) for b in buffers]
                 self.try_flush()
-                return True
-            self.flush()
+                return self.broken is None
+            if not self.flush():
+                return False
         try:
             sent = _sendmsg(self.sock, buffers)
         except OSError as exc:
-            raise self._broke(exc) from None
+            self._broke(exc)
+            return False
         if sent == total:
             return True
         left = _advance(buffers, sent)
-        if wait:
-            self._send_rest(left)
-        else:
+        if not wait:
             self.pending = [memoryview(bytes(v)) for v in left]  # the caller's frames may change
-        return True
+            return True
+        return self._send_rest(left)
 
-    def flush(self) -> None:
-        """Write what earlier sends left pending, waiting as :meth:`send` does; raises as it does."""
+    def flush(self) -> bool:
+        """Write what earlier sends left pending, waiting as :meth:`send` does; False when the server
+        has closed the link.  Raises as :meth:`send` does."""
         if self.broken is not None:
-            raise NodeLostError(f"server {self.server}'s link is broken: {self.broken}")
+            return False
         left, self.pending = self.pending, []
-        self._send_rest(left)
+        return self._send_rest(left)
 
     def try_flush(self) -> None:
         """Write what the socket takes of :attr:`pending` now, without waiting."""
         try:
             sent = _sendmsg(self.sock, self.pending)
         except OSError as exc:
-            raise self._broke(exc) from None
+            self._broke(exc)
+            return
         self.pending = _advance(self.pending, sent)
 
-    def _send_rest(self, left: list[memoryview]) -> None:
+    def _send_rest(self, left: list[memoryview]) -> bool:
         deadline = time.monotonic() + self.timeout
         while left:
             if self.cancelled():
-                raise self._broke(NodeLostError("the store failed or closed mid-message"))
+                self._broke(NodeLostError("the store failed or closed mid-message"))
+                return False
             wait = deadline - time.monotonic()
             if wait <= 0:
                 error = DeadlineExceededError(f"server {self.server} did not read a message within "
@@ -252,17 +259,20 @@ class UnixLink:
             try:
                 sent = _sendmsg(self.sock, left)
             except OSError as exc:
-                raise self._broke(exc) from None
+                self._broke(exc)
+                return False
             left = _advance(left, sent)
+        return True
 
-    def _broke(self, why: BaseException) -> NodeLostError:
-        """Mark the link unusable (a record may be cut short); the error to raise."""
+    def _broke(self, why: BaseException) -> None:
+        """Mark the link unusable (a record may be cut short), logged once."""
+        if self.broken is None:
+            log.info("server %d's link is closed: %s", self.server, why)
         self.broken = why
-        return NodeLostError(f"server {self.server}'s link failed: {why}")
 
     def recv_nowait(self) -> list[memoryview] | None:
         """The next reply read, or None when none is complete.  When the server closed the link or sent
-        a malformed record, the link is broken from then on (logged; its sends raise NodeLostError)."""
+        a malformed record, the link is broken from then on (logged; its sends return False)."""
         if not self._records:
             if self.broken is not None:
                 return None
