@@ -99,12 +99,13 @@ class Reader:
         self._buf = bytearray(READ_BYTES)
         self._lo = self._hi = 0  # the unparsed bytes are _buf[_lo:_hi]
 
-    def read(self) -> tuple[list[list[memoryview]], bool]:
-        """The complete records the socket has now, and whether the peer closed its end.
-        Raises ProtocolError for a malformed record (the connection is to be closed)."""
+    def read(self, limit: int = 0) -> tuple[list[list[memoryview]], bool]:
+        """The complete records the socket has now (with ``limit``, no further read once that many are
+        in), and whether the peer closed its end.  Raises ProtocolError for a malformed record (the
+        connection is to be closed)."""
         records: list[list[memoryview]] = []
         closed = False
-        while True:
+        while not limit or len(records) < limit:
             self._room()
             try:
                 n = self.sock.recv_into(memoryview(self._buf)[self._hi:])
@@ -303,6 +304,7 @@ class _Conn:
         self.identity: bytes | None = None  # the worker's zmq identity, once bound
         self.out: collections.deque[memoryview] = collections.deque()  # unsent bytes, in order
         self.queued = 0  # messages with bytes in ``out``
+        self.waiting = 0  # its messages read and not yet handled
         self.opened = time.monotonic()
 
     def fileno(self) -> int:
@@ -313,8 +315,13 @@ class UnixLinks:
     """A server's listening socket and its links; wraps its zmq ROUTER as the service's endpoint
     (:class:`kvstore.net.router.RouterSocket`): messages read from links come first."""
 
-    def __init__(self, router: Any, max_bytes: int, poller: transport.Poller | None = None) -> None:
+    def __init__(self, router: Any, max_bytes: int, poller: transport.Poller | None = None,
+                 inbound: int = 8) -> None:
+        """Listen on a new abstract socket in front of ``router``; ``inbound``: the messages read from
+        one link and not yet handled beyond which it is not read (the kernel then holds its sender
+        back, as a ROUTER's inbound bound does).  Raises OSError when the socket cannot be made."""
         self.router = router  # the zmq side (transport.Router)
+        self.inbound = inbound
         self.max_bytes = max_bytes
         self.name = f"kvstore-link-{os.getpid()}-{os.urandom(8).hex()}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -325,7 +332,7 @@ class UnixLinks:
         self._conns: dict[bytes, _Conn] = {}  # pseudo identity -> connection
         self._bound: dict[bytes, _Conn] = {}  # worker identity -> its connection
         self._tokens: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # token -> identity
-        self._pending: collections.deque[list[Any]] = collections.deque()
+        self._pending: collections.deque[tuple[_Conn, list[Any]]] = collections.deque()
         self._numbers = 0
         self.dropped = 0
 
@@ -371,7 +378,8 @@ class UnixLinks:
             return False
         if obj.out:
             self._flush(obj)
-        self._read(obj)
+        if obj.waiting < self.inbound:  # else read once its messages are handled (flow control)
+            self._read(obj)
         return True
 
     @property
@@ -409,20 +417,18 @@ class UnixLinks:
 
     def _read(self, conn: _Conn) -> None:
         try:
-            records, closed = conn.reader.read()
+            records, closed = conn.reader.read(self.inbound - conn.waiting)
         except ProtocolError as exc:
             self._close(conn, str(exc))
             return
         for frames in records:
-            if conn.identity is None and self._pending_unbound(conn):
+            if conn.identity is None and conn.waiting:
                 self._close(conn, "a second message before its token was accepted")
                 return
-            self._pending.append([conn.identity or conn.pseudo, *frames])
+            conn.waiting += 1
+            self._pending.append((conn, frames))
         if closed:
             self._close(conn, None)
-
-    def _pending_unbound(self, conn: _Conn) -> bool:
-        return any(p[0] == conn.pseudo for p in self._pending)
 
     def _close(self, conn: _Conn, why: str | None) -> None:
         if why is not None:
@@ -480,7 +486,11 @@ class UnixLinks:
     def recv(self, timeout: float | None) -> list[Any] | None:
         """A message read from a link first, else the zmq side's (see RouterSocket)."""
         if self._pending:
-            return self._pending.popleft()
+            conn, frames = self._pending.popleft()
+            conn.waiting -= 1
+            if conn.pseudo not in self._conns:
+                return self.recv(timeout)  # closed meanwhile: its messages are dropped
+            return [conn.identity or conn.pseudo, *frames]
         return self.router.recv(timeout)
 
     def close_links(self) -> None:

@@ -768,7 +768,7 @@ def _serve(cfg: kvconfig.Config) -> int:
     links = None
     if cfg.unix_links and not cfg.encrypt:  # same-host workers' links (kvstore.net.unixlink)
         try:
-            links = UnixLinks(service.endpoint, cfg.max_message_bytes)
+            links = UnixLinks(service.endpoint, cfg.max_message_bytes, inbound=INBOUND_MESSAGES)
             service.endpoint = links
         except OSError as exc:
             log.warning("no Unix-socket links for same-host workers: %s", exc)

@@ -255,3 +255,35 @@ def test_a_send_that_may_not_wait_leaves_the_rest_pending_in_order():
     got = [[bytes(f) for f in links.recv(None)[1:]] for _ in range(3)]
     assert got == [[bytes(3 << 20)], [b"second"], [b"third"]] and not link.pending
     links.close()
+
+
+def test_a_link_is_not_read_while_its_messages_wait_to_be_handled():
+    """Flow control: once a link has ``inbound`` messages read and not handled, the server reads no
+    more of it (the kernel holds the sender back), however often it is polled; handling them lets the
+    rest in, in order."""
+    poller = transport.Poller()
+    links = UnixLinks(FakeRouter(), 1 << 20, poller, inbound=4)
+    poller.add(links.listener)
+    link = UnixLink(links.name, 0, 0, 5.0, lambda: False)
+    link.send([b"hi"])
+    _pump(links, poller, lambda: links.pending)
+    assert links.bind(links.recv(None)[0], links.offer(b"W")["token"])
+    sender = threading.Thread(target=lambda: [link.send([b"m%d" % i]) for i in range(2000)], daemon=True)
+    sender.start()  # it waits while the server does not read
+    _pump(links, poller, lambda: len(links._pending) >= 4)
+    first = len(links._pending)
+    for _ in range(20):
+        for obj in poller.wait(0.01):
+            links.ready(obj)
+    assert len(links._pending) == first < 2000 and sender.is_alive()
+    got = []
+    end = time.monotonic() + 10
+    while len(got) < 2000:
+        assert time.monotonic() < end
+        for obj in poller.wait(0.01):
+            links.ready(obj)
+        while links.pending:
+            got.append(bytes(links.recv(None)[1]))
+    assert got == [b"m%d" % i for i in range(2000)]
+    sender.join(5)
+    links.close()
