@@ -59,6 +59,8 @@ from kvstore.net.protocol import Message, Op
 from kvstore.sparse import SparseCalls
 
 log = logging.getLogger("kvstore.dist")
+_FORKS = [0]  # forks this process is removed from its first ancestor: a store works in its own process only
+os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 
 
 def mode_of(name: str) -> str:
@@ -139,7 +141,7 @@ class DistKVStore(KVStore):
         super().__init__(name)
         cfg.require_cluster(f"kvstore.create({name!r})")
         self._cfg = cfg
-        self._pid = os.getpid()
+        self._pid, self._forks = os.getpid(), _FORKS[0]
         self._mode = mode_of(name)
         joined = connect(cfg, self._mode) if joined is None else joined
         body, self._io = joined.body, joined.mux
@@ -292,7 +294,7 @@ class DistKVStore(KVStore):
 
     # -- plumbing -------------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if os.getpid() != self._pid:
+        if _FORKS[0] != self._forks:  # a forked child (no getpid() syscall on every call)
             raise StoreClosedError(f"this store belongs to process {self._pid}; a forked child must "
                                    "not use its parent's store")
         super()._check_open()
@@ -739,7 +741,7 @@ class DistKVStore(KVStore):
     def _close(self, failure: str | None) -> None:
         """close(); with ``failure`` (the process is dying of it) nothing is drained, and the
         scheduler is told this worker failed, so every other worker raises NodeLostError."""
-        if self._closed or os.getpid() != self._pid:
+        if self._closed or _FORKS[0] != self._forks:
             return
         self._closed = True
         error: BaseException | None = None
