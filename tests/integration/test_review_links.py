@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 
 import numpy as np
 import pytest
 
+from kvstore.client import unixlinks
+from kvstore.client.mux import Mux
+from kvstore.config import Config
 from kvstore.errors import KVStoreError
+from kvstore.net import transport
+from kvstore.net.auth import Channel, derive_key
+from kvstore.net.protocol import Message, Op
+from kvstore.net.router import RouterService
 from kvstore.net.unixlink import UnixLink
 
 from .conftest import unique_key
+
+KEY = derive_key("review-links-secret")
+SESSION = b"review-links-session"
 
 _STALLED = pytest.mark.xfail(strict=True, reason="review: a link send that outlives the request deadline "
                              "breaks the link for good while its server lives: every later request to "
@@ -49,3 +61,54 @@ def test_a_server_stalled_past_the_request_deadline_serves_the_worker_again(make
             kv.close()  # its LEAVE is lost the same way on the link: not the fixture's failure
         except KVStoreError:
             pass
+
+
+class _Offering(threading.Thread):
+    """A ROUTER served as a server serves LINK offers, naming ``address`` (with a token of its own)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(daemon=True)
+        self.sock, self.port = transport.bind_router("127.0.0.1")
+        self.service = RouterService(self.sock, Channel(KEY, "server0", session=SESSION))
+        self.service.handlers = {Op.LINK: lambda identity, msg: self.service.reply(
+            identity, Message(Op.OK, {"address": address, "token": b"t" * 16}, seq=msg.seq))}
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.service.poll_once(0.02)
+        transport.close(self.sock)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(10)
+
+
+@pytest.mark.xfail(strict=True, reason="review: a link the server closed before its token is answered is "
+                                       "taken out of the poller when read; use_link(i, None) removes it "
+                                       "again and raises KeyError out of attach (the worker fails to start)")
+@pytest.mark.timeout(60)
+def test_a_link_closed_before_its_token_is_answered_leaves_the_worker_on_zmq() -> None:
+    """A server that accepts the link's connection and closes it before answering the token (a server
+    at MAX_CONNECTIONS, which a local stranger can fill, does just that) leaves the worker on zmq:
+    attach raises nothing and returns no linked server."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"kvstore-review-{os.getpid()}-{os.urandom(4).hex()}"
+    listener.bind("\0" + name)
+    listener.listen(8)
+    closer = threading.Thread(target=lambda: listener.accept()[0].close(), daemon=True)
+    closer.start()
+    server = _Offering(name)
+    server.start()
+    unused, unused_port = transport.bind_router("127.0.0.1")  # the scheduler's socket, never used
+    wire = Mux(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
+               [transport.connect_dealer(transport.address("127.0.0.1", server.port))], 0,
+               Channel(KEY, "worker-test", session=SESSION))
+    try:
+        assert unixlinks.attach(Config(), wire, 1, 2.0) == []
+        assert type(wire.sockets[0]) is not UnixLink
+    finally:
+        wire.stop(5)
+        server.stop()
+        transport.close(unused)
+        listener.close()
