@@ -7,19 +7,20 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from kvstore.client import unixlinks
-from kvstore.client.mux import Mux
+from kvstore.client.mux import SCHEDULER, Mux
 from kvstore.config import Config
 from kvstore.errors import KVStoreError
 from kvstore.net import transport
 from kvstore.net.auth import Channel, derive_key
 from kvstore.net.protocol import Message, Op
 from kvstore.net.router import RouterService
-from kvstore.net.unixlink import UnixLink
+from kvstore.net.unixlink import UnixLink, UnixLinks
 
 from .conftest import unique_key
 
@@ -61,6 +62,19 @@ def test_a_server_stalled_past_the_request_deadline_serves_the_worker_again(make
             kv.close()  # its LEAVE is lost the same way on the link: not the fixture's failure
         except KVStoreError:
             pass
+
+
+class _Router:
+    """A server's zmq side that nothing reaches (the links are what a test drives)."""
+
+    def send(self, identity: bytes, frames: list) -> bool:
+        return True
+
+    def recv(self, timeout: float | None) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
 
 
 class _Offering(threading.Thread):
@@ -112,3 +126,34 @@ def test_a_link_closed_before_its_token_is_answered_leaves_the_worker_on_zmq() -
         server.stop()
         transport.close(unused)
         listener.close()
+
+
+@pytest.mark.xfail(strict=True, reason="review: the heartbeat thread's WorkerRebind.resumed()/paused() "
+                                       "(release/hold of the scheduler) flush the outbox with patient link "
+                                       "sends: it waits on a busy server up to the request deadline")
+@pytest.mark.timeout(60)
+def test_the_heartbeat_thread_releasing_the_scheduler_never_waits_on_a_link() -> None:
+    """The heartbeat's thread, resuming after a scheduler's restart (``Mux.release(SCHEDULER)``), sends
+    what the outbox holds without waiting on a server that does not read its link now (busy in a
+    handler): it returns at once, as :meth:`Mux.nudge` does, the rest left for the data path."""
+    links = UnixLinks(_Router(), 0)  # a server that never reads (its loop is busy elsewhere)
+    unused, unused_port = transport.bind_router("127.0.0.1")
+    spare, spare_port = transport.bind_router("127.0.0.1")
+    wire = Mux(transport.connect_dealer(transport.address("127.0.0.1", unused_port)),
+               [transport.connect_dealer(transport.address("127.0.0.1", spare_port))], 0,
+               Channel(KEY, "worker-test", session=SESSION))
+    try:
+        wire.use_link(0, UnixLink(links.name, 0, 0, 3.0, wire.cancelled))
+        wire.submit(0, Message(Op.PUSH, {"keys": ["w"]}, arrays=[np.zeros(4 << 20, np.float32)]),
+                    "push of a paced chunk", defer=True)  # left in the outbox, as a big push's later chunks
+        released = threading.Thread(target=wire.release, args=(SCHEDULER,), name="heartbeat-like")
+        started = time.monotonic()
+        released.start()  # the heartbeat's thread, as WorkerRebind.resumed() calls it
+        released.join(10)
+        took = time.monotonic() - started
+    finally:
+        wire.stop(5)
+        links.close()
+        transport.close(unused)
+        transport.close(spare)
+    assert took < 1.0, f"the heartbeat's thread waited {took:.1f} s on a server's link"
