@@ -99,7 +99,8 @@ def main() -> None:
     summary = {}
     for name in names:
         # a thread one side lacks in a block (a link's worker has no zmq I/O thread) counts 0 there
-        values = {side: statistics.median(b[side]["figures"].get(name, 0.0) for b in blocks) for side in sides}
+        values = {side: statistics.median(b[side]["figures"].get(name, 0.0) for b in blocks)
+                  for side in sides}
         ratio = values[first] / values[second] if values[second] else float("nan")
         summary[name] = {**values, "ratio": ratio}
         print(f"    {name:42} {first} {values[first]:10.1f}  {second} {values[second]:10.1f} {ratio:5.2f}x")

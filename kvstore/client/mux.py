@@ -56,7 +56,9 @@ from typing import Any, Protocol
 from kvstore.client.sendqueue import SendQueue
 from kvstore.errors import (
     AuthenticationError,
+    DeadlineExceededError,
     IntegrityError,
+    NodeLostError,
     ProtocolError,
     StoreClosedError,
     error_from_code,
@@ -134,7 +136,7 @@ class Mux:
         self.channel = channel  # seals every request, opens every reply
         self._send = transport.send if tamper is None else _tampered(tamper)  # tests only: the docstring
         self._tamper = tamper
-        self._heartbeat = threading.local()  # .on: this thread is the heartbeat's nudge (never waits)
+        self.heartbeat_thread: int | None = None  # its ident (set by the store): it never waits on a link
         self._link_pending = False  # a link holds bytes the heartbeat's send left (the leader sends them)
         self._spares: dict[int, transport.Socket] = {}  # zmq sockets of servers reached over a link
         self._io = threading.Lock()  # the sockets (and the outbox's order on the wire)
@@ -185,11 +187,35 @@ class Mux:
                 self._spares[target] = current
                 self.sockets[target] = link
                 self._poller.add(link)
+                resolver = self._resolvers.pop(current, None)
+                if resolver is not None:
+                    self._resolvers[link] = resolver
             elif isinstance(current, UnixLink):
-                self._poller.remove(current)
-                self._resolvers.pop(current, None)
-                current.close()
-                self.sockets[target] = self._spares.pop(target)
+                self._unlink(target)
+
+    def _unlink(self, target: int) -> None:
+        """Put server ``target``'s zmq socket back in place of its link, which is closed (the caller
+        holds ``_io``).  Its requests in flight stay in flight (a server that died: held and resent on
+        its restart, or failed with its loss; a live one answers what it read over zmq from now on), but
+        a LINK sent over it is failed: the link it asked for is gone."""
+        link = self.sockets[target]
+        if link not in self._retired:
+            self._poller.remove(link)
+            self._retired.add(link)
+        link.close()
+        spare = self._spares.pop(target)
+        self.sockets[target] = spare
+        resolver = self._resolvers.pop(link, None)
+        if resolver is not None:
+            self._resolvers[spare] = resolver
+        with self._lock:
+            asked = [(seq, r) for seq, r in self._inflight.items()
+                     if r.target == target and r.msg is not None and r.msg.op is Op.LINK]
+            for seq, _ in asked:
+                del self._inflight[seq]
+        for _, request in asked:
+            _resolve(request, exc=NodeLostError(f"server {target} closed the link before binding it"))
+        log.info("server %d is reached over zmq again: its link is closed", target)
 
     def set_lanes(self, lanes: SharedLanes | None) -> None:
         """Move big arrays to and from the servers of ``lanes`` (kvstore.client.shmlanes) in shared memory;
@@ -390,12 +416,7 @@ class Mux:
         sock = self.sockets[target]
         try:
             if type(sock) is UnixLink:
-                patient = not getattr(self._heartbeat, "on", False)
-                # False: the server closed the link (it died): the request stays in flight, as on a
-                # DEALER to a dead peer, for the server's restart (hold, resend) or its loss (fail)
-                sock.send(frames if self._tamper is None else self._tamper(frames), patient)
-                if sock.pending:
-                    self._link_pending = True
+                self._send_linked(target, sock, frames)
             else:
                 self._send(sock, frames)
         except Exception as exc:  # surface to the waiting caller
@@ -403,6 +424,24 @@ class Mux:
                 found = self._inflight.pop(seq, None)
             if found is not None:
                 _resolve(found, exc=exc)
+
+    def _send_linked(self, target: int, link: UnixLink, frames: list[Any]) -> None:
+        """Send over server ``target``'s link (the caller holds ``_io``); the heartbeat's thread never
+        waits on it.  A link that is closed (or breaks) is replaced by the server's zmq socket, and the
+        message goes there (a dead server's restart or loss ends it as on zmq).  Raises
+        DeadlineExceededError when the server did not read it in time (the link is replaced too)."""
+        if self._tamper is not None:
+            frames = self._tamper(frames)
+        try:
+            sent = link.send(frames, threading.get_ident() != self.heartbeat_thread)
+        except DeadlineExceededError:
+            self._unlink(target)
+            raise
+        if not sent:
+            self._unlink(target)
+            self._send(self.sockets[target], frames)
+        elif link.pending:
+            self._link_pending = True
 
     def _name(self, target: int) -> str:
         """The name ``target`` is sealed for (the scheduler, or a server's current name)."""
@@ -503,24 +542,18 @@ class Mux:
     def nudge(self) -> None:
         """Send everything the outbox holds if nothing was sent since the last nudge (a paced big
         value's chunks nobody called to send), and a parked push still there.  The heartbeat calls
-        this each beat; it never waits on a server (a link's record it cannot write at once is left to
-        the next sender or waiting thread)."""
-        self._heartbeat.on = True
-        try:
-            self._nudge()
-        finally:
-            self._heartbeat.on = False
-
-    def _nudge(self) -> None:
+        this each beat; its thread never waits on a server (a link's record it cannot write at once is
+        left to the next sender or waiting thread), whatever it sends through this Mux."""
         if self._link_pending and self._io.acquire(blocking=False):  # what the last beat left on links
             try:
                 self._link_pending = False
-                for sock in list(self.sockets.values()):
+                for target, sock in list(self.sockets.items()):
                     if type(sock) is UnixLink and sock.pending:
                         sock.try_flush()
-                        self._link_pending = self._link_pending or bool(sock.pending)
-            except Exception as exc:  # noqa: BLE001 - the link is broken; its requests end as its loss says
-                log.warning("a link failed: %s", exc)
+                        if sock.broken is not None:
+                            self._unlink(target)
+                        elif sock.pending:
+                            self._link_pending = True
             finally:
                 self._io.release()
         if self._parked is not None and self._park.acquire(blocking=False):  # the releaser's backstop
@@ -622,12 +655,15 @@ class Mux:
         """Write what the heartbeat's sends left on links (the caller holds ``_io``); a link that fails
         is broken (its server's requests end as its loss or restart says)."""
         self._link_pending = False
-        for sock in list(self.sockets.values()):
+        for target, sock in list(self.sockets.items()):
             if type(sock) is UnixLink and sock.pending:
                 try:
-                    sock.flush()
+                    flushed = sock.flush()
                 except Exception as exc:  # noqa: BLE001 - the link is broken; logged, not raised
                     log.warning("a link to server %d failed: %s", sock.server, exc)
+                    flushed = False
+                if not flushed:
+                    self._unlink(target)
 
     def _receive(self, sock: transport.Socket) -> None:
         """Open and match every reply waiting on ``sock`` (the caller holds ``_io``)."""
@@ -636,9 +672,8 @@ class Mux:
             try:
                 frames = sock.recv_nowait() if link else transport.recv_nowait(sock)
                 if frames is None:
-                    if link and sock.broken is not None and sock not in self._retired:
-                        self._poller.remove(sock)  # at its end for good: never polled again
-                        self._retired.add(sock)
+                    if link and sock.broken is not None and self.sockets.get(sock.server) is sock:
+                        self._unlink(sock.server)  # at its end: zmq again, never polled again
                     return
                 msg = self.channel.open(frames, self._resolvers.get(sock))
             except IntegrityError as exc:  # an authentic header: its request can be failed at once

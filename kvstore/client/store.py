@@ -188,6 +188,7 @@ class DistKVStore(KVStore):
                                                               lambda: self._barriers.tagged),
                                         links=links)
             self._heartbeat.start()
+            self._io.heartbeat_thread = self._heartbeat.ident  # it never waits on a server's link
             # after the first beat's thread is up: an offer to a server that died meanwhile waits for
             # the heartbeat to name its restart (the offer is sent again to it) or its loss
             unixlinks.attach(cfg, self._io, cluster.num_servers, cfg.connect_timeout)

@@ -36,9 +36,9 @@ queued drops the next one, as a ROUTER does.
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import os
+import resource
 import select
 import socket
 import struct
@@ -48,14 +48,18 @@ from typing import Any
 
 from kvstore.errors import DeadlineExceededError, NodeLostError, ProtocolError
 from kvstore.net import transport
+from kvstore.net.router import RouterSocket
 
 log = logging.getLogger("kvstore.link")
 
 _LEN = struct.Struct("<I")
 _COUNT = struct.Struct("<H")
 READ_BYTES = 1 << 16  # what one read asks the kernel for (grown for a longer record)
-MAX_CONNECTIONS = 1024  # a server's links, bound or not: a local process cannot exhaust its descriptors
-UNBOUND_GRACE = 10.0  # seconds an unbound connection may stay silent before it is closed
+MAX_CONNECTIONS = 1024  # a server's links, bound or not (fewer where the descriptor limit is low: _capacity)
+UNBOUND_GRACE = 10.0  # seconds an unbound connection may stay open before it is closed
+UNBOUND_BYTES = 4096  # the largest frame an unbound connection may send (its LINK is far smaller)
+TOKEN_TTL = 60.0  # seconds an offered token stays valid
+ACCEPT_PAUSE = 1.0  # seconds the listener is not watched after accept() ran out of descriptors
 MAX_RECORD = 1 << 31  # a record's bytes where the cluster sets no KVSTORE_MAX_MESSAGE_BYTES
 IOV_MAX = 1000  # buffers handed to one sendmsg (Linux allows 1024)
 _SLICE = 0.05  # a blocked worker send re-checks its cancel flag this often (seconds)
@@ -91,13 +95,14 @@ def _sendmsg(sock: socket.socket, buffers: list[Any]) -> int:
 
 
 class Reader:
-    """Reassembles records from a nonblocking stream socket; each as a list of frames (memoryviews of
-    one bytes object of its own)."""
+    """Reassembles records from a nonblocking stream socket; each as a list of frames (writable
+    memoryviews of one bytearray of its own, as zmq's frames are)."""
 
     def __init__(self, sock: socket.socket, max_bytes: int, max_frames: int = transport.MAX_FRAMES) -> None:
         self.sock, self.max_bytes, self.max_frames = sock, max_bytes or MAX_RECORD, max_frames
         self._buf = bytearray(READ_BYTES)
         self._lo = self._hi = 0  # the unparsed bytes are _buf[_lo:_hi]
+        self._verified = False  # whether the partial record at _lo has a checked header (its frames)
 
     def read(self, limit: int = 0) -> tuple[list[list[memoryview]], bool]:
         """The complete records the socket has now (with ``limit``, no further read once that many are
@@ -124,11 +129,12 @@ class Reader:
         return records, closed
 
     def _room(self) -> None:
-        """Make room after ``_hi``: move a partial record to the front, grow for a long one."""
+        """Make room after ``_hi``: move a partial record to the front, grow for a long one (only once
+        its header, with every frame's length, has been checked: a length alone allocates nothing)."""
         if self._lo == self._hi:
             self._lo = self._hi = 0
         need = READ_BYTES
-        if self._hi - self._lo >= 4:
+        if self._verified:
             need = max(need, 4 + _LEN.unpack_from(self._buf, self._lo)[0] - (self._hi - self._lo))
         if len(self._buf) - self._hi >= min(need, READ_BYTES):
             return
@@ -157,8 +163,10 @@ class Reader:
             if sum(sizes) != length - 2 - 4 * count:
                 raise ProtocolError("a link record's frame lengths do not add up to its length")
             if self._hi - self._lo < 4 + length:
+                self._verified = True
                 return
-            data = memoryview(bytes(buf[body:self._lo + 4 + length]))
+            self._verified = False
+            data = memoryview(buf[body:self._lo + 4 + length])  # a bytearray of its own: writable, as zmq's
             frames, at = [], 0
             for size in sizes:
                 frames.append(data[at:at + size])
@@ -315,7 +323,7 @@ class UnixLinks:
     """A server's listening socket and its links; wraps its zmq ROUTER as the service's endpoint
     (:class:`kvstore.net.router.RouterSocket`): messages read from links come first."""
 
-    def __init__(self, router: Any, max_bytes: int, poller: transport.Poller | None = None,
+    def __init__(self, router: RouterSocket, max_bytes: int, poller: transport.Poller | None = None,
                  inbound: int = 8) -> None:
         """Listen on a new abstract socket in front of ``router``; ``inbound``: the messages read from
         one link and not yet handled beyond which it is not read (the kernel then holds its sender
@@ -331,17 +339,22 @@ class UnixLinks:
         self.poller = poller
         self._conns: dict[bytes, _Conn] = {}  # pseudo identity -> connection
         self._bound: dict[bytes, _Conn] = {}  # worker identity -> its connection
-        self._tokens: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # token -> identity
+        # token -> (identity, when offered), oldest first
+        self._tokens: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
         self._pending: collections.deque[tuple[_Conn, list[Any]]] = collections.deque()
         self._numbers = 0
+        self._unbound = 0  # connections not yet bound (tick() closes those past UNBOUND_GRACE)
+        self._paused_until = 0.0  # the listener is out of the poller until then (descriptors ran out)
+        self._links_first = True  # recv() alternates links and zmq: neither starves the other
+        self.capacity = _capacity()
         self.dropped = 0
 
     # -- setting a link up ---------------------------------------------------------------------------
     def offer(self, identity: bytes) -> dict[str, Any]:
         """The body of the LINK reply to ``identity``'s request over zmq: where to connect, the token."""
         token = os.urandom(16)
-        self._tokens[token] = identity
-        while len(self._tokens) > MAX_CONNECTIONS:
+        self._tokens[token] = (identity, time.monotonic())
+        while len(self._tokens) > self.capacity:
             self._tokens.popitem(last=False)
         return {"address": self.name, "token": token}
 
@@ -349,14 +362,19 @@ class UnixLinks:
         """Bind connection ``pseudo`` to the identity ``token`` was offered to; False (nothing
         changed) for an unknown token or a connection already bound."""
         conn = self._conns.get(pseudo)
-        identity = self._tokens.pop(token, None) if isinstance(token, bytes) else None
-        if conn is None or identity is None or conn.identity is not None:
+        offered = self._tokens.pop(token, None) if isinstance(token, bytes) else None
+        if conn is None or offered is None or conn.identity is not None:
+            return False
+        identity, when = offered
+        if time.monotonic() - when > TOKEN_TTL:
             return False
         old = self._bound.get(identity)
         if old is not None:
             self._close(old, "replaced by a new link of the same worker")
         conn.identity = identity
+        conn.reader.max_bytes = self.max_bytes or MAX_RECORD
         self._bound[identity] = conn
+        self._unbound -= 1
         return True
 
     def is_pseudo(self, identity: bytes) -> bool:
@@ -393,27 +411,37 @@ class UnixLinks:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:
-                log.warning("a link's connection could not be accepted: %s", exc)
+            except OSError as exc:  # EMFILE, ENFILE: no descriptor for it; the listener stays readable
+                log.warning("a link's connection could not be accepted (%s): links are not accepted for "
+                            "%g s", exc, ACCEPT_PAUSE)
+                if self.poller is not None:
+                    self.poller.remove(self.listener)
+                    self._paused_until = time.monotonic() + ACCEPT_PAUSE
                 return
-            self._expire()
-            if len(self._conns) >= MAX_CONNECTIONS:
+            self.tick()
+            if len(self._conns) >= self.capacity:
                 sock.close()
-                log.warning("refused a link: %d connections are open", MAX_CONNECTIONS)
+                log.warning("refused a link: %d connections are open", self.capacity)
                 continue
             sock.setblocking(False)
             self._numbers += 1
-            conn = _Conn(sock, b"\0link" + self._numbers.to_bytes(8, "big"), self.max_bytes)
+            conn = _Conn(sock, b"\0link" + self._numbers.to_bytes(8, "big"), UNBOUND_BYTES)
             self._conns[conn.pseudo] = conn
+            self._unbound += 1
             if self.poller is not None:
                 self.poller.add(conn)
 
-    def _expire(self) -> None:
-        """Close unbound connections silent for UNBOUND_GRACE (a stranger's, or a worker's that died)."""
+    def tick(self) -> None:
+        """Between messages: close unbound connections open for UNBOUND_GRACE (a stranger's, or a
+        worker's that died), and watch the listener again after a pause."""
         now = time.monotonic()
-        late = [c for c in self._conns.values() if c.identity is None and now - c.opened > UNBOUND_GRACE]
-        for conn in late:
-            self._close(conn, "no token in time")
+        if self._paused_until and now >= self._paused_until and self.poller is not None:
+            self._paused_until = 0.0
+            self.poller.add(self.listener)
+        if self._unbound:
+            late = [c for c in self._conns.values() if c.identity is None and now - c.opened > UNBOUND_GRACE]
+            for conn in late:
+                self._close(conn, "no token in time")
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -433,7 +461,8 @@ class UnixLinks:
     def _close(self, conn: _Conn, why: str | None) -> None:
         if why is not None:
             log.warning("closed a link: %s", why)
-        self._conns.pop(conn.pseudo, None)
+        if self._conns.pop(conn.pseudo, None) is not None and conn.identity is None:
+            self._unbound -= 1
         if conn.identity is not None and self._bound.get(conn.identity) is conn:
             del self._bound[conn.identity]
         if self.poller is not None:
@@ -485,13 +514,14 @@ class UnixLinks:
 
     def recv(self, timeout: float | None) -> list[Any] | None:
         """A message read from a link first, else the zmq side's (see RouterSocket)."""
-        if self._pending:
-            conn, frames = self._pending.popleft()
-            conn.waiting -= 1
-            if conn.pseudo not in self._conns:
-                return self.recv(timeout)  # closed meanwhile: its messages are dropped
-            return [conn.identity or conn.pseudo, *frames]
-        return self.router.recv(timeout)
+        self._links_first = not self._links_first
+        if not self._links_first or not self._pending:
+            frames = self.router.recv(None if self._pending else timeout)
+            if frames is not None or not self._pending:
+                return frames
+        conn, frames = self._pending.popleft()  # (a closed link's last messages too: its LEAVE)
+        conn.waiting -= 1
+        return [conn.identity or conn.pseudo, *frames]
 
     def close_links(self) -> None:
         """Close every link and the listening socket (the zmq side stays open)."""
@@ -505,7 +535,13 @@ class UnixLinks:
         self.router.close()
 
 
-def unusable_errno(exc: OSError) -> bool:
-    """Whether a connect failure means the server is not on this host/namespace (not worth logging
-    as a fault)."""
-    return exc.errno in (errno.ECONNREFUSED, errno.ENOENT)
+def _capacity() -> int:
+    """How many links a server accepts: MAX_CONNECTIONS, or a quarter of its descriptor limit where
+    that is lower (the rest stay for its own files and zmq's sockets)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        return MAX_CONNECTIONS
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(16, min(MAX_CONNECTIONS, soft // 4))

@@ -618,6 +618,7 @@ class Server:
                 if links is not None:
                     for obj in ready:
                         links.ready(obj)  # accepts, reads, flushes replies; ignores the zmq sockets
+                    links.tick()
                 if self.service.sock in ready or (links is not None and links.pending):
                     self.service.drain(256)  # what is waiting, bounded: the scheduler is heard too
                 if scheduler.sock in ready and self._from_scheduler(scheduler):

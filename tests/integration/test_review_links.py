@@ -1,5 +1,5 @@
 """Hostile review of the Unix-socket links (issue 39) on real processes: reproducers that fail on the
-reviewed code (xfail strict), each beside the zmq behaviour it departs from (passing)."""
+reviewed code, each beside the zmq behaviour it departed from."""
 
 from __future__ import annotations
 
@@ -27,13 +27,8 @@ from .conftest import unique_key
 KEY = derive_key("review-links-secret")
 SESSION = b"review-links-session"
 
-_STALLED = pytest.mark.xfail(strict=True, reason="review: a link send that outlives the request deadline "
-                             "breaks the link for good while its server lives: every later request to "
-                             "that server is silently not sent and waits out its caller's deadline")
-
-
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("links", [pytest.param("1", marks=_STALLED, id="link"), pytest.param("0", id="zmq")])
+@pytest.mark.parametrize("links", [pytest.param("1", id="link"), pytest.param("0", id="zmq")])
 def test_a_server_stalled_past_the_request_deadline_serves_the_worker_again(make_cluster, links) -> None:
     """A same-host server stopped (SIGSTOP) for longer than KVSTORE_REQUEST_TIMEOUT while its worker
     pushes 32 MB fails that push at its deadline; once the server runs again (well within the heartbeat
@@ -98,9 +93,6 @@ class _Offering(threading.Thread):
         self.join(10)
 
 
-@pytest.mark.xfail(strict=True, reason="review: a link the server closed before its token is answered is "
-                                       "taken out of the poller when read; use_link(i, None) removes it "
-                                       "again and raises KeyError out of attach (the worker fails to start)")
 @pytest.mark.timeout(60)
 def test_a_link_closed_before_its_token_is_answered_leaves_the_worker_on_zmq() -> None:
     """A server that accepts the link's connection and closes it before answering the token (a server
@@ -128,9 +120,6 @@ def test_a_link_closed_before_its_token_is_answered_leaves_the_worker_on_zmq() -
         listener.close()
 
 
-@pytest.mark.xfail(strict=True, reason="review: the heartbeat thread's WorkerRebind.resumed()/paused() "
-                                       "(release/hold of the scheduler) flush the outbox with patient link "
-                                       "sends: it waits on a busy server up to the request deadline")
 @pytest.mark.timeout(60)
 def test_the_heartbeat_thread_releasing_the_scheduler_never_waits_on_a_link() -> None:
     """The heartbeat's thread, resuming after a scheduler's restart (``Mux.release(SCHEDULER)``), sends
@@ -146,7 +135,10 @@ def test_the_heartbeat_thread_releasing_the_scheduler_never_waits_on_a_link() ->
         wire.use_link(0, UnixLink(links.name, 0, 0, 3.0, wire.cancelled))
         wire.submit(0, Message(Op.PUSH, {"keys": ["w"]}, arrays=[np.zeros(4 << 20, np.float32)]),
                     "push of a paced chunk", defer=True)  # left in the outbox, as a big push's later chunks
-        released = threading.Thread(target=wire.release, args=(SCHEDULER,), name="heartbeat-like")
+        def resumed() -> None:  # the heartbeat's thread, as the store names it to its Mux
+            wire.heartbeat_thread = threading.get_ident()
+            wire.release(SCHEDULER)
+        released = threading.Thread(target=resumed, name="heartbeat-like")
         started = time.monotonic()
         released.start()  # the heartbeat's thread, as WorkerRebind.resumed() calls it
         released.join(10)

@@ -347,7 +347,7 @@ def test_op_values_are_stable():
         "HELLO": 20, "CHALLENGE": 21,
         "SPARSE_INIT": 22, "SPARSE_SET": 23, "SPARSE_PUSH": 24, "SPARSE_PULL": 25, "AWAY": 26, "REJOIN": 27,
         "PIPE_PUBLISH": 28, "PIPE_LOOKUP": 29, "PIPE_ACT": 30, "PIPE_GRAD": 31, "PIPE_ABORT": 32,
-        "SHM_ATTACH": 33, "ALIGN": 34, "ROUND_ABORT": 35, "PIPE_SHM": 36}
+        "SHM_ATTACH": 33, "ALIGN": 34, "ROUND_ABORT": 35, "PIPE_SHM": 36, "LINK": 37}
 
 
 # -- hostile array descriptions and headers: ProtocolError and nothing else ---------------------------

@@ -107,6 +107,7 @@ def _pump(links: UnixLinks, poller: transport.Poller, until, deadline: float = 5
         assert time.monotonic() < end, "the condition never held"
         for obj in poller.wait(0.05):
             links.ready(obj)
+        links.tick()  # as the server's loop does every turn
 
 
 def test_a_link_is_bound_by_its_token_and_carries_replies_both_ways():
@@ -209,11 +210,11 @@ def test_a_send_the_server_never_reads_ends_at_its_deadline_or_when_cancelled():
 
 
 def test_connections_beyond_the_bound_are_refused_and_silent_unbound_ones_expire(monkeypatch):
-    """A local process cannot hold more than MAX_CONNECTIONS links open; an unbound one silent past
-    UNBOUND_GRACE is closed when the next connection comes."""
-    monkeypatch.setattr(unixlink, "MAX_CONNECTIONS", 2)
+    """A local process cannot hold more than the server's capacity of links open; an unbound one past
+    UNBOUND_GRACE is closed by the loop's tick."""
     poller = transport.Poller()
     links = _server(poller)
+    links.capacity = 2
     poller.add(links.listener)
     socks = []
     for _ in range(3):
@@ -223,10 +224,12 @@ def test_connections_beyond_the_bound_are_refused_and_silent_unbound_ones_expire
     _pump(links, poller, lambda: _closed(socks[2]))
     assert len(links.watched()) == 3  # the listener and two
     monkeypatch.setattr(unixlink, "UNBOUND_GRACE", 0.0)
+    _pump(links, poller, lambda: _closed(socks[0]) and _closed(socks[1]))
+    assert len(links.watched()) == 1  # the two silent ones went: the listener alone
+    monkeypatch.setattr(unixlink, "UNBOUND_GRACE", 10.0)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect("\0" + links.name)
-    _pump(links, poller, lambda: _closed(socks[0]))
-    assert len(links.watched()) == 2  # the two silent ones went, the new one stays
+    _pump(links, poller, lambda: len(links.watched()) == 2)  # room again: accepted
     links.close()
 
 
