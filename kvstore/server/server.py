@@ -129,7 +129,7 @@ class Server:
         (``service``'s endpoint, kvstore.net.unixlink).  Opens nothing and starts nothing: :meth:`run` serves.
         Raises :class:`ConfigError` for an image of another job or mode."""
         rank, session = cluster["rank"], bytes(cluster["session"])
-        self.cfg, self.service, self.links = cfg, service, links
+        self.cfg, self.service, self._links = cfg, service, links
         service.rank = rank
         service.channel.rename(server_name(rank, cfg.incarnation))  # workers' addressee
         service.channel.set_session(session)
@@ -419,7 +419,7 @@ class Server:
         """A same-host worker's Unix-socket link (kvstore.net.unixlink): over zmq, where to connect and
         the token; over the new link, the token, which binds it to the worker.  Raises ProtocolError
         for a token not offered, or one sent over zmq (nothing changed)."""
-        links = self.links
+        links = self._links
         if "token" not in msg.body:
             body = links.offer(identity) if links is not None else \
                 {"address": None, "why": "KVSTORE_UNIX_LINKS=0 or KVSTORE_ENCRYPT on this server"}
@@ -595,7 +595,7 @@ class Server:
         poller = transport.Poller()
         poller.add(self.service.sock)
         poller.add(scheduler.sock)
-        links = self.links
+        links = self._links
         if links is not None:
             links.poller = poller
             poller.add(links.listener)
