@@ -110,6 +110,17 @@ def _pump(links: UnixLinks, poller: transport.Poller, until, deadline: float = 5
         links.tick()  # as the server's loop does every turn
 
 
+def _bound_link(links: UnixLinks, poller: transport.Poller, identity: bytes | None) -> UnixLink:
+    """A worker's link to ``links``, its first message read, bound to ``identity`` (None: unbound)."""
+    link = UnixLink(links.name, 0, 0, 5.0, lambda: False)
+    link.send([b"hi"])
+    _pump(links, poller, lambda: links.pending)
+    pseudo = links.recv(None)[0]
+    if identity is not None:
+        assert links.bind(pseudo, links.offer(identity)["token"])
+    return link
+
+
 def test_a_link_is_bound_by_its_token_and_carries_replies_both_ways():
     """A connection's messages come under its own name until the offered token binds it; then under the
     worker's zmq identity, and that identity's replies go over the link, not zmq."""
@@ -167,10 +178,8 @@ def test_a_reply_the_socket_cannot_take_is_queued_then_sent_and_a_full_queue_dro
     poller = transport.Poller()
     links = _server(poller)
     poller.add(links.listener)
-    link = UnixLink(links.name, 0, 0, 5.0, lambda: False)
-    link.send([b"hi"])
-    _pump(links, poller, lambda: links.pending)
-    pseudo, _ = links.recv(None)
+    link = _bound_link(links, poller, None)
+    pseudo = next(iter(links._conns))
     big = bytes(4 << 20)  # far more than a socket buffer
     assert links.send(pseudo, [big]) and links.send(pseudo, [b"a"]) and links.send(pseudo, [b"b"])
     assert not links.send(pseudo, [b"dropped"]) and links.dropped == 1
@@ -240,10 +249,7 @@ def test_a_send_that_may_not_wait_leaves_the_rest_pending_in_order():
     poller = transport.Poller()
     links = _server(poller, 8 << 20)
     poller.add(links.listener)
-    link = UnixLink(links.name, 0, 0, 5.0, lambda: False)
-    link.send([b"hi"])
-    _pump(links, poller, lambda: links.pending)
-    assert links.bind(links.recv(None)[0], links.offer(b"W")["token"])
+    link = _bound_link(links, poller, b"W")
     big = bytearray(3 << 20)
     started = time.monotonic()
     link.send([big], wait=False)
@@ -267,10 +273,7 @@ def test_a_link_is_not_read_while_its_messages_wait_to_be_handled():
     poller = transport.Poller()
     links = UnixLinks(FakeRouter(), 1 << 20, poller, inbound=4)
     poller.add(links.listener)
-    link = UnixLink(links.name, 0, 0, 5.0, lambda: False)
-    link.send([b"hi"])
-    _pump(links, poller, lambda: links.pending)
-    assert links.bind(links.recv(None)[0], links.offer(b"W")["token"])
+    link = _bound_link(links, poller, b"W")
     sender = threading.Thread(target=lambda: [link.send([b"m%d" % i]) for i in range(2000)], daemon=True)
     sender.start()  # it waits while the server does not read
     _pump(links, poller, lambda: len(links._pending) >= 4)
