@@ -51,6 +51,7 @@ from kvstore.client.compress import WorkerCompression
 from kvstore.client.joining import after_round
 from kvstore.client.meter import WorkerMeter
 from kvstore.client.mux import Mux, Request
+from kvstore.client.shmlanes import Lent
 from kvstore.client.window import PushWindow
 from kvstore.config import Config
 from kvstore.core import xp
@@ -255,23 +256,27 @@ class DataPath:
             raise from_cluster(error)
 
     # -- sending pushes ------------------------------------------------------------------------------
-    def send(self, op: Op, groups: list[Pushed], priority: int = 0,
-             borrow: bool = False) -> tuple[list[Key], list[Send], list[Request]]:
+    def send(self, op: Op, groups: list[Pushed], priority: int = 0, borrow: bool = False,
+             lend: bool = False) -> tuple[list[Key], list[Send], list[Request]]:
         """Sum every group (all before anything is sent), then queue the call's PUSH or PUSHPULL
         messages at ``priority`` as one run: another thread's messages cannot come between them in
         call order, so a key's chunks reach its server in order.  Chunks beyond the first
         ``Mux.pace_bytes`` of the call are paced (:func:`_paced`).  Waits for room in the push window
         first; raises the failure of an earlier push of these keys (nothing sent).  ``borrow``: the
         caller waits for the replies before it returns (a blocking pushpull), so a lone CPU value is
-        sent as it is, not copied (a big key's push costs no second copy of it).  Returns the keys,
-        the messages and their requests."""
+        sent as it is, not copied (a big key's push costs no second copy of it).  ``lend``: with
+        same-host shared memory and no compression, a lone CPU value goes to the lanes as it is
+        (``shmlanes.Lent``), which copy it into the segment, or aside when it goes inline, before this
+        returns: one copy where a sum and the segment's took two, and the caller may change the value
+        at once, as after any push.  Returns the keys, the messages and their requests."""
         todo = {k: (meta, vs) for k, meta, vs in groups}
         deadline = time.monotonic() + self._cfg.request_timeout
         self.window.wait_room(todo, deadline, self.mux.wait)  # KVSTORE_PUSH_WINDOW
         self._raise_failure(todo)  # a refused earlier push of these keys: nothing is sent
         sends, packed = self.plan(todo)
-        flats = {k: self._flat(k, meta, vs, k in packed, borrow) for k, (meta, vs) in todo.items()}
         encode = self._compression.encode if self._compression.spec is not None else None
+        lend = lend and not borrow and encode is None and self.mux.lanes is not None
+        flats = {k: self._flat(k, meta, vs, k in packed, borrow, lend) for k, (meta, vs) in todo.items()}
         while True:  # another thread may have filled a window meanwhile
             with self._send_lock:
                 if self.window.has_room(todo):
@@ -289,27 +294,29 @@ class DataPath:
                     self.window.add(carriers, failures=op is Op.PUSH)
                     break
             self.window.wait_room(todo, deadline, self.mux.wait)
-        with self._lock:  # a key sent as views may reuse its buffer later (never a borrowed value)
+        with self._lock:  # a key sent as views may reuse its buffer later (never a borrowed or lent value)
             for key, held in carriers.items():
-                if key not in packed and not (borrow and _lone(todo[key][1])):
+                mine = type(flats[key]) is not Lent and not (borrow and _lone(todo[key][1]))
+                if key not in packed and mine:
                     self._buffers[key] = (flats[key], held)
         return list(todo), sends, requests
 
     def _flat(self, key: Key, meta: Meta, values: list[Any], packed: bool,
-              borrow: bool = False) -> np.ndarray:
+              borrow: bool = False, lend: bool = False) -> np.ndarray:
         """One key's pushed sum as a flat numpy array that its messages may send.
 
         A key whose messages are all batches is copied when the batch is packed, so a single numpy
         value is used as it is; so is a lone CPU value the caller lends (``borrow``: it waits for the
-        replies); any other sum goes into a buffer of ours: the key's buffer of its
+        replies), or lent to the lanes (``lend``: a :class:`Lent` view, for a key not packed); any
+        other sum goes into a buffer of ours: the key's buffer of its
         previous push once every message of that push has been acknowledged (the server has it, so
         zmq is done with it), which saves a fresh allocation's page faults, else a new one."""
         if packed and len(values) == 1 and type(values[0]) is np.ndarray:
             return values[0].reshape(-1)
-        if borrow and _lone(values):
+        if (borrow or (lend and not packed)) and _lone(values):
             view = values[0] if type(values[0]) is np.ndarray else xp.numpy_view(values[0])
             if view.flags.c_contiguous and view.dtype == meta.dtype:
-                return view.reshape(-1)
+                return view.reshape(-1).view(Lent) if lend else view.reshape(-1)
         buffer = None
         with self._lock:
             held = self._buffers.pop(key, None)

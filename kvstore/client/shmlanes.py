@@ -12,6 +12,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from kvstore.client.mux import Mux
 from kvstore.config import Config
 from kvstore.core.partition import Key
@@ -21,6 +23,20 @@ from kvstore.net import shm
 from kvstore.net.protocol import Message, Op
 
 log = logging.getLogger("kvstore.dist")
+
+
+class Lent(np.ndarray):
+    """A view of a caller's memory pushed as it is (``DataPath.send``'s ``lend``): :meth:`Lanes.place`
+    never lets it leave by reference, so the caller may change that memory as soon as the call returns.
+    Placed, its message keeps a view of the segment's copy instead; not placed, a copy of it."""
+
+
+def _own(msg: Message) -> None:
+    """Replace each :class:`Lent` array of ``msg`` (one that still refers to the caller's memory) with a
+    plain copy: it goes inline."""
+    for i in range(len(msg.arrays)):
+        if type(msg.arrays[i]) is Lent:
+            msg.arrays[i] = np.array(msg.arrays[i], copy=True, order="C")
 
 
 class Lanes:
@@ -51,9 +67,11 @@ class Lanes:
         """Copy ``msg``'s big arrays into ``target``'s segment and reserve ``reply_bytes`` there for the
         reply; return the callback that frees those ranges once the request is answered (None: nothing
         placed).  An array that does not fit goes inline (logged once per server), and so does every
-        chunk of a piece that did not fit whole (``chunk``, :meth:`_fits`).  Raises nothing."""
+        chunk of a piece that did not fit whole (``chunk``, :meth:`_fits`); a :class:`Lent` one is
+        copied either way.  Raises nothing."""
         segment = self.segments.get(target)
         if segment is None or not self._fits(target, segment, chunk):
+            _own(msg)
             return None
         taken: list[int] = []
         for i, array in enumerate(msg.arrays):
@@ -64,11 +82,14 @@ class Lanes:
                 self._log_full(target, array.nbytes)
                 continue
             segment.write(off, array)
+            if type(array) is Lent:  # a resend (kvstore.client.realign) reads the copy, not the caller's
+                msg.arrays[i] = segment.view(off, array.nbytes).view(array.dtype).reshape(array.shape)
             if msg.shm is None:
                 msg.shm = [None] * len(msg.arrays)
             msg.shm[i] = off
             taken.append(off)
             self.sent += array.nbytes
+        _own(msg)  # the small ones and those that did not fit
         if reply_bytes >= shm.MIN_BYTES:
             off = segment.take(reply_bytes, reply=True)
             if off is not None:

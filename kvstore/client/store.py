@@ -641,7 +641,7 @@ class DistKVStore(KVStore):
         self._pushed = True
         started = self._meter.begin("pushpull")
         try:
-            sent = self._path.send(Op.PUSHPULL, groups, priority)
+            sent = self._path.send(Op.PUSHPULL, groups, priority, lend=True)  # copied once, into shm
         finally:
             self._meter.end("pushpull", started)
 

@@ -40,6 +40,7 @@ from kvstore.core.optimizer_base import Optimizer, flag_param, positive_or_none,
 class SGD(Optimizer):
     """SGD with optional momentum (MXNet's ``sgd_update`` / ``sgd_mom_update`` kernels)."""
 
+    ELEMENTWISE = True  # Optimizer._pieces
     name = "sgd"
     OWN_PARAMS = ("momentum", "lazy_update")
 
@@ -72,6 +73,7 @@ class SGD(Optimizer):
 class NAG(SGD):
     """Nesterov momentum (MXNet's ``nag_mom_update`` kernel; plain ``sgd_update`` without momentum)."""
 
+    ELEMENTWISE = True  # Optimizer._pieces
     name = "nag"
 
     def _step(self, w, g, state, lr, wd, t):
@@ -91,6 +93,7 @@ class NAG(SGD):
 class Adam(Optimizer):
     """Adam with the bias correction folded into the learning rate (MXNet's ``adam_update``)."""
 
+    ELEMENTWISE = True  # Optimizer._pieces
     name = "adam"
     DEFAULT_LR = 0.001
     OWN_PARAMS = ("beta1", "beta2", "epsilon", "lazy_update")
@@ -133,6 +136,7 @@ class Adam(Optimizer):
 class AdaGrad(Optimizer):
     """AdaGrad (MXNet 1.x's dense Python path); ``eps`` keeps the root away from 0."""
 
+    ELEMENTWISE = True  # Optimizer._pieces
     name = "adagrad"
     OWN_PARAMS = ("eps",)
 
@@ -159,6 +163,7 @@ class RMSProp(Optimizer):
     """RMSProp: Tieleman & Hinton, or Graves's centered version (``rmsprop_update`` /
     ``rmspropalex_update``); ``clip_weights`` clips the updated weights."""
 
+    ELEMENTWISE = True  # Optimizer._pieces
     name = "rmsprop"
     DEFAULT_LR = 0.001
     OWN_PARAMS = ("gamma1", "gamma2", "epsilon", "centered", "clip_weights")
@@ -210,6 +215,7 @@ class AdamW(Adam):
     moments are updated; ``epsilon`` is added after the root of the bias-corrected ``var``.
     """
 
+    ELEMENTWISE = True  # Optimizer._pieces
     name = "adamw"
 
     def __init__(self, learning_rate: float | None = None, beta1: float = 0.9, beta2: float = 0.999,

@@ -160,6 +160,13 @@ class Segment:
         flat = array.reshape(-1).view(np.uint8)
         np.copyto(np.frombuffer(self._view[off:off + flat.nbytes], np.uint8), flat)
 
+    def view(self, off: int, nbytes: int) -> np.ndarray:
+        """A read-only uint8 view of the ``nbytes`` at ``off``, written by :meth:`write` (its reader keeps
+        the range taken while it reads: the view does not)."""
+        view = np.frombuffer(self._view[off:off + nbytes], np.uint8)
+        view.flags.writeable = False
+        return view
+
     def lend(self, off: int, nbytes: int) -> np.ndarray:
         """The reply bytes at ``off``, which the server filled, as a uint8 array; the range is freed
         when that array and the last array viewing it are gone (numpy's views keep their base array

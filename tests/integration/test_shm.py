@@ -77,6 +77,26 @@ def test_too_small_or_off_falls_back_to_tcp(make_cluster, caplog) -> None:
     _exact_rounds(kv, steps=1)
 
 
+@pytest.mark.timeout(60)
+def test_a_begun_pushpull_copies_its_value_before_it_returns(make_cluster) -> None:
+    """The Trainer's overlap lends a lone value to the lanes (one copy, into the segment): a value
+    changed as soon as ``_pushpull_begin`` returns still pushes what it held, through the segment and,
+    with shared memory off, over TCP."""
+    for env in ({}, {"KVSTORE_SHM": "0"}):
+        cluster: Cluster = make_cluster("dist_sync", 1, 1, **env)
+        kv = cluster.workers[0]
+        key, value, out = unique_key("lent"), np.arange(N, dtype=np.float32), np.empty(N, np.float32)
+        kv.init(key, np.zeros(N, np.float32))
+        sent = 0 if kv._io.lanes is None else kv._io.lanes.sent
+        finish = kv._pushpull_begin([key], [value], [out])
+        value[:] = -1  # the caller's memory changes at once
+        finish()
+        np.testing.assert_array_equal(out, np.arange(N, dtype=np.float32))
+        if not env:
+            assert kv._io.lanes.sent >= sent + N * 4  # through the segment
+        cluster.close()
+
+
 def _chunked_round(kv, n: int) -> tuple[int, int]:
     """Init, push and pull one ``n``-float value, checked exactly; the bytes the lanes sent and received."""
     key, out = unique_key("chunked"), np.empty(n, np.float32)

@@ -71,3 +71,32 @@ def test_a_segment_that_cannot_be_made_leaves_no_descriptor_of_the_others(monkey
             if (found.st_dev, found.st_ino) == inodes[0]:
                 still.append(fd)
     assert still == []  # no descriptor of that segment's memfd is left open
+
+
+@pytest.mark.timeout(10)
+def test_a_lent_array_never_leaves_by_reference() -> None:
+    """A Lent view of a caller's array: placed, its message holds a read-only view of the segment's
+    copy; too small, not fitting, or with no segment for the server, a copy of it; either way the
+    caller's later writes do not reach the message."""
+    from kvstore.client.shmlanes import Lent
+
+    segment = shm.Segment(1 << 20)
+    try:
+        lanes = Lanes({0: segment})
+        big, small, huge = (np.arange(n, dtype=np.float32) for n in (shm.MIN_BYTES, 16, 1 << 20))
+        msg = Message(Op.PUSH, {}, [big.view(Lent), small.view(Lent)])
+        release = lanes.place(0, msg)
+        unplaced = [Message(Op.PUSH, {}, [huge.view(Lent)]), Message(Op.PUSH, {}, [big.view(Lent)])]
+        assert lanes.place(0, unplaced[0]) is None and lanes.place(1, unplaced[1]) is None  # full; none
+        for source in (big, small, huge):
+            source += 1  # the caller's memory changes once place returns
+        assert msg.shm is not None and msg.shm[0] is not None and msg.shm[1] is None
+        sent = [*msg.arrays, *(m.arrays[0] for m in unplaced)]
+        assert all(type(a) is np.ndarray for a in sent)
+        assert not msg.arrays[0].flags.writeable  # the segment's copy, read-only
+        for array, n in zip(sent, (shm.MIN_BYTES, 16, 1 << 20, shm.MIN_BYTES)):
+            np.testing.assert_array_equal(array, np.arange(n, dtype=np.float32))
+        assert release is not None
+        release(None)
+    finally:
+        segment.close_fd()

@@ -789,3 +789,58 @@ def test_float16_without_multi_precision_warns_as_mxnet_does():
         for _ in range(3):
             opt.update(0, mixed, grad)
     assert np.isfinite(mixed).all() and (mixed < 1).all()
+
+
+PIECE_CASES = [("sgd", {}), ("sgd", {"momentum": 0.9, "wd": 1e-3, "clip_gradient": 0.8}),
+               ("nag", {"momentum": 0.9, "wd": 1e-3}), ("adam", {"wd": 1e-3, "clip_gradient": 0.8}),
+               ("adagrad", {"wd": 1e-3}), ("rmsprop", {"centered": True, "clip_weights": 0.7}),
+               ("rmsprop", {}), ("adamw", {})]
+
+
+@pytest.mark.parametrize(("name", "params"), PIECE_CASES)
+@pytest.mark.parametrize(("dtype", "mixed"), [(np.float32, False), (np.float16, True)])
+def test_a_big_key_stepped_in_pieces_matches_the_whole_step_bit_for_bit(monkeypatch, name, params,
+                                                                         dtype, mixed) -> None:
+    """Every built-in rule steps a big numpy key in pieces of STEP_PIECE elements (in cache), with the
+    weights and every state array equal, bit for bit, to one step over the whole key."""
+    from kvstore.core import optimizer_base
+
+    monkeypatch.setattr(optimizer_base, "STEP_PIECE", 1000)
+    n = 4 * 1000 + 123  # pieces of 1000, and a short last one
+    rng = np.random.default_rng(5)
+    w0, steps = rng.standard_normal(n).astype(dtype), [rng.standard_normal(n).astype(dtype) for _ in range(3)]
+    pieced, whole = w0.copy(), w0.copy()
+    a = kvopt.create(name, learning_rate=0.01, rescale_grad=0.37, multi_precision=mixed, **params)
+    b = kvopt.create(name, learning_rate=0.01, rescale_grad=0.37, multi_precision=mixed, **params)
+    for g in steps:
+        a.update("k", pieced, g)
+        assert a._pieces(pieced, g, a.states["k"]) is not None
+        monkeypatch.setattr(optimizer_base, "STEP_PIECE", 10 ** 9)  # whole: too small for pieces
+        b.update("k", whole, g)
+        assert b._pieces(whole, g, b.states["k"]) is None
+        monkeypatch.setattr(optimizer_base, "STEP_PIECE", 1000)
+    assert np.array_equal(pieced, whole)
+    assert a.states["k"].keys() == b.states["k"].keys()
+    for state in a.states["k"]:
+        assert np.array_equal(a.states["k"][state], b.states["k"][state])
+
+
+def test_a_rule_subclass_that_does_not_declare_itself_elementwise_steps_whole(monkeypatch) -> None:
+    """A subclass of a built-in rule (its _step may be anything) steps every key whole unless its own
+    class body says ELEMENTWISE = True; a non-contiguous weight steps whole too."""
+    from kvstore.core import optimizer_base
+
+    monkeypatch.setattr(optimizer_base, "STEP_PIECE", 10)
+
+    class Mine(kvopt.SGD):
+        name = "mine-pieces-test"
+
+    class Declared(kvopt.SGD):
+        name = "declared-pieces-test"
+        ELEMENTWISE = True
+
+    w, g = np.ones(100, np.float32), np.ones(100, np.float32)
+    assert Mine(learning_rate=0.1)._pieces(w, g, {}) is None
+    assert Declared(learning_rate=0.1)._pieces(w, g, {}) is not None
+    strided = np.ones(200, np.float32)[::2]
+    assert Declared(learning_rate=0.1)._pieces(strided, g, {}) is None
