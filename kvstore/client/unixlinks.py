@@ -49,7 +49,8 @@ def attach(cfg: Config, wire: Mux, servers: int, timeout: float) -> list[int]:
             missed[i] = str(body.get("why", "no link offered"))[:200]
             continue
         try:
-            link = UnixLink(address, i, cfg.max_message_bytes, cfg.request_timeout, wire.cancelled)
+            # replies have no size limit, as on a DEALER (zmq's MAXMSGSIZE bounds what servers read)
+            link = UnixLink(address, i, 0, cfg.request_timeout, wire.cancelled)
         except OSError as exc:  # another host or network namespace
             missed[i] = f"not reachable from here ({exc.strerror or exc})"
             continue

@@ -57,6 +57,8 @@ def bounded_tables(tables: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+_CONNECTING = frozenset({"shm_attach", "link"})  # a worker's requests as it connects, not its job's
+
 class ServerMeter:
     """The counters of one server, and what each worker last did here."""
 
@@ -82,9 +84,9 @@ class ServerMeter:
 
     def request(self, worker: int | None, op: str, nbytes: int) -> None:
         """Count one request of ``worker`` carrying ``nbytes`` of arrays; a worker's last op is a request
-        of the job's (its same-host shared-memory offer at connection is not)."""
+        of the job's (its same-host link and shared-memory offer at connection are not)."""
         self.counters.add("bytes_in", nbytes)
-        if worker is not None and op != "shm_attach":
+        if worker is not None and op not in _CONNECTING:
             with self._lock:
                 self.last_by_worker[worker] = (op, time.time())
 
