@@ -191,8 +191,10 @@ class DistKVStore(KVStore):
             self._io.heartbeat_thread = self._heartbeat.ident  # it never waits on a server's link
             # after the first beat's thread is up: an offer to a server that died meanwhile waits for
             # the heartbeat to name its restart (the offer is sent again to it) or its loss
-            unixlinks.attach(cfg, self._io, cluster.num_servers, cfg.connect_timeout)
-            self._io.set_lanes(shmlanes.attach(cfg, self._io, cluster.num_servers, cfg.connect_timeout))
+            linked = unixlinks.attach(cfg, self._io, cluster.num_servers, cfg.connect_timeout)
+            lanes = shmlanes.attach(cfg, self._io, cluster.num_servers, cfg.connect_timeout)
+            self._io.set_lanes(lanes)
+            unixlinks.keep_with_segments(self._io, linked, lanes.segments if lanes is not None else ())
         if owner is not None:
             owner.close, owner.device_on = self._close, self._device_on
         log.info("joined %s cluster as worker %d of %d", self._mode, cluster.rank, cluster.num_workers)

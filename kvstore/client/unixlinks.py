@@ -2,17 +2,20 @@
 
 :func:`attach` asks each server for a link (``Op.LINK`` over zmq), connects to the abstract socket a
 server names, and binds the link with the server's token over it; each server so reached gets every
-later request of this worker over its link (:meth:`kvstore.client.mux.Mux.use_link`).  A server on
-another host (or network namespace), one that offers none (``KVSTORE_UNIX_LINKS=0``, encryption on),
-or one that does not answer stays on zmq: one log line says which and why.
+later request of this worker over its link (:meth:`kvstore.client.mux.Mux.use_link`), as long as it
+also maps the worker's shared-memory segment (:func:`keep_with_segments`).  A server on another host
+(or network namespace), one that offers none (``KVSTORE_UNIX_LINKS=0``, encryption on), one without
+shared memory, or one that does not answer stays on zmq: one log line says which and why.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 from kvstore.client.mux import Mux
 from kvstore.config import Config
+from kvstore.net import shm
 from kvstore.net.protocol import Message, Op
 from kvstore.net.unixlink import UnixLink
 
@@ -20,12 +23,26 @@ log = logging.getLogger("kvstore.dist")
 
 
 def unusable(cfg: Config) -> str | None:
-    """Why this worker keeps every server on zmq, or None."""
+    """Why this worker keeps every server on zmq, or None.  A link carries headers and small arrays
+    while big ones ride in shared memory: without shared memory, big values would cross it inline,
+    where zmq's I/O threads move them faster (0.6x the throughput over a link, docs/benchmarks.md)."""
     if not cfg.unix_links:
         return "KVSTORE_UNIX_LINKS=0"
     if cfg.encrypt:
         return f"KVSTORE_ENCRYPT={cfg.encrypt} keeps every byte on the encrypted sockets"
+    why = shm.unusable(cfg)
+    if why is not None:
+        return f"no same-host shared memory ({why})"
     return None
+
+
+def keep_with_segments(wire: Mux, linked: list[int], segments: Collection[int]) -> list[int]:
+    """Put back on zmq each linked server that did not map this worker's segment (``segments``: the
+    servers that did); return those still linked.  Call it with nothing in flight to them."""
+    for i in linked:
+        if i not in segments:
+            wire.use_link(i, None)
+    return [i for i in linked if i in segments]
 
 
 def attach(cfg: Config, wire: Mux, servers: int, timeout: float) -> list[int]:

@@ -34,7 +34,7 @@ def test_a_server_stalled_past_the_request_deadline_serves_the_worker_again(make
     pushes 32 MB fails that push at its deadline; once the server runs again (well within the heartbeat
     timeout, so it is never lost nor restarted) the worker's next pull of another key is answered, as
     it is over zmq."""
-    cluster = make_cluster("dist_sync", 1, 1, KVSTORE_SHM="0", KVSTORE_UNIX_LINKS=links,
+    cluster = make_cluster("dist_sync", 1, 1, KVSTORE_SHM_BYTES=str(1 << 20), KVSTORE_UNIX_LINKS=links,
                            KVSTORE_REQUEST_TIMEOUT="2", KVSTORE_HEARTBEAT_TIMEOUT="20")
     kv = cluster.workers[0]
     assert (type(kv._io.sockets[0]) is UnixLink) == (links == "1")

@@ -29,9 +29,9 @@ def _rounds(kv, key: str, n: int, steps: int = 3) -> None:
 @pytest.mark.timeout(90)
 def test_same_host_servers_are_linked_and_values_stay_exact(make_cluster) -> None:
     """By default each worker's requests to a same-host server go over a link, not zmq; small keys and
-    16 MB values sent inline (shared memory off: records far bigger than a socket buffer, both ways)
-    come back exact, from two workers summed over two servers."""
-    cluster: Cluster = make_cluster("dist_sync", 2, 2, KVSTORE_SHM="0")
+    16 MB values sent inline (a 1 MiB segment cannot hold them: records far bigger than a socket
+    buffer, both ways) come back exact, from two workers summed over two servers."""
+    cluster: Cluster = make_cluster("dist_sync", 2, 2, KVSTORE_SHM_BYTES=str(1 << 20))  # 16 MB: inline
     for kv in cluster.workers:
         assert all(type(kv._io.sockets[i]) is UnixLink for i in (0, 1))
     small, big = unique_key("link"), unique_key("link")
@@ -49,11 +49,23 @@ def test_same_host_servers_are_linked_and_values_stay_exact(make_cluster) -> Non
 
 
 @pytest.mark.timeout(60)
-def test_links_off_keeps_zmq(make_cluster) -> None:
-    """KVSTORE_UNIX_LINKS=0 on the servers: no link is offered, the worker stays on zmq, values exact."""
-    cluster: Cluster = make_cluster("dist_sync", 1, 1, KVSTORE_UNIX_LINKS="0")
+@pytest.mark.parametrize("setting", [{"KVSTORE_UNIX_LINKS": "0"}, {"KVSTORE_SHM": "0"}])
+def test_links_off_keeps_zmq(make_cluster, setting) -> None:
+    """KVSTORE_UNIX_LINKS=0, or no shared memory (big values would cross a link inline, where zmq moves
+    them faster): the worker stays on zmq, values exact."""
+    cluster: Cluster = make_cluster("dist_sync", 1, 1, **setting)
     kv = cluster.workers[0]
     assert type(kv._io.sockets[0]) is not UnixLink
+    _rounds(kv, unique_key("nolink"), 1024)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_without_the_workers_segment_is_not_linked(make_cluster) -> None:
+    """Shared memory off on the server alone: it offers a link but maps no segment, so the worker puts
+    it back on zmq before its first request; values exact."""
+    cluster: Cluster = make_cluster("dist_sync", 1, 1, connect=False, KVSTORE_SHM="0")
+    (kv,) = cluster.connect(shm=True)
+    assert kv._io.lanes is None and type(kv._io.sockets[0]) is not UnixLink
     _rounds(kv, unique_key("nolink"), 1024)
 
 
