@@ -321,7 +321,7 @@ class _Conn:
 
 class UnixLinks:
     """A server's listening socket and its links; wraps its zmq ROUTER as the service's endpoint
-    (:class:`kvstore.net.router.RouterSocket`): messages read from links come first."""
+    (:class:`kvstore.net.router.RouterSocket`): messages read from links and from zmq, in turn."""
 
     def __init__(self, router: RouterSocket, max_bytes: int, poller: transport.Poller | None = None,
                  inbound: int = 8) -> None:
@@ -513,7 +513,7 @@ class UnixLinks:
             self.poller.set_write(conn, False)
 
     def recv(self, timeout: float | None) -> list[Any] | None:
-        """A message read from a link first, else the zmq side's (see RouterSocket)."""
+        """A message read from a link or from the zmq side, in turn (see RouterSocket)."""
         self._links_first = not self._links_first
         if not self._links_first or not self._pending:
             frames = self.router.recv(None if self._pending else timeout)
