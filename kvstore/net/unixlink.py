@@ -474,7 +474,8 @@ class UnixLinks:
 
     # -- RouterSocket ---------------------------------------------------------------------------------
     def send(self, identity: bytes, frames: Sequence[Any]) -> bool:
-        """A reply: over the identity's link when it has one (never waiting), else over zmq."""
+        """A reply: over the identity's link when it has one (never waiting), else over zmq; over zmq
+        too when the worker has closed that link meanwhile (it put its zmq socket back)."""
         conn = self._bound.get(identity) or self._conns.get(identity)
         if conn is None:
             return self.router.send(identity, frames)
@@ -486,8 +487,10 @@ class UnixLinks:
         if not conn.out:
             try:
                 sent = _sendmsg(conn.sock, buffers)
-            except OSError as exc:  # the worker is gone: counted by the router as a peer gone
+            except OSError as exc:  # the worker closed its link (it went back to zmq, or it is gone)
                 self._close(conn, None)
+                if conn.identity is not None:  # a worker keeps reading its zmq socket: the reply goes there
+                    return self.router.send(identity, frames)
                 raise NodeLostError(f"peer {identity!r}'s link is closed: {exc}") from None
             if sent == total:
                 return True

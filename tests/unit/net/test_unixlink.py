@@ -293,3 +293,18 @@ def test_a_link_is_not_read_while_its_messages_wait_to_be_handled():
     assert got == [b"m%d" % i for i in range(2000)]
     sender.join(5)
     links.close()
+
+
+def test_a_reply_to_a_worker_that_closed_its_link_goes_over_zmq():
+    """A worker that put its zmq socket back (closed its link) before the server saw the link's end
+    still gets the replies to what it sends over zmq: a reply the closed link refuses goes to the zmq
+    side (CI once lost the INIT reply of a worker that had just unlinked a server without its segment)."""
+    poller = transport.Poller()
+    links = _server(poller)
+    poller.add(links.listener)
+    link = _bound_link(links, poller, b"W")
+    link.close()  # the server has not read the link's end yet
+    assert links.send(b"W", [b"init reply"])
+    assert links.router.sent == [(b"W", [b"init reply"])]
+    assert links.send(b"W", [b"next"]) and links.router.sent[-1] == (b"W", [b"next"])
+    links.close()
